@@ -1,0 +1,200 @@
+// pdlink._core: registration of the native engine for the Python layer (python/pdlink).
+// The module mirrors the C++ engine and makes no policy decisions; argument validation that
+// llm_datadist performs in Python stays in Python. Every call that may block releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "backends/backend.h"
+#include "bindings/status_bridge.h"
+#include "engine/engine.h"
+#include "transport/wire.h"
+
+namespace py = pybind11;
+using namespace pdlink;
+using bindings::throwIfError;
+using bindings::valueOrThrow;
+
+namespace {
+
+using StatusList = std::vector<std::pair<uint32_t, std::string>>;
+
+StatusList toList(const std::vector<Status>& in) {
+  StatusList out;
+  for (const Status& s : in) out.emplace_back(static_cast<uint32_t>(s.code()), s.message());
+  return out;
+}
+
+CacheLayout makeLayout(uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement) {
+  CacheLayout l;
+  l.num_tensors = num_tensors;
+  l.tensor_size = tensor_size;
+  l.num_slots = num_slots;
+  l.is_blocks = is_blocks;
+  l.placement = placement == 0 ? Placement::kHost : Placement::kDevice;
+  return l;
+}
+
+std::vector<RequestKey> makeKeys(const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys) {
+  std::vector<RequestKey> out;
+  for (auto& [req, prefix, model] : keys) out.push_back(RequestKey{req, prefix, model});
+  return out;
+}
+
+std::pair<int64_t, std::vector<uint64_t>> handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
+
+TransferSpec makeSpec(uint64_t peer, int target_kind, uint64_t model_id, uint64_t req_id, uint64_t prefix_id,
+                      int64_t cache_id, uint64_t batch_index, int64_t local_cache_id, int mode, uint64_t local_slot,
+                      int64_t size, std::vector<int64_t> local_blocks, std::vector<int64_t> remote_blocks,
+                      std::vector<uint32_t> local_tensors, std::vector<uint32_t> remote_tensors) {
+  TransferSpec s;
+  s.peer_cluster_id = peer;
+  s.target.kind = static_cast<wire::TargetKind>(target_kind);
+  s.target.model_id = model_id;
+  s.target.req_id = req_id;
+  s.target.prefix_id = prefix_id;
+  s.target.cache_id = cache_id;
+  s.target.batch_index = batch_index;
+  s.local_cache_id = local_cache_id;
+  s.mode = static_cast<TransferSpec::Mode>(mode);
+  s.local_slot = local_slot;
+  s.size = size;
+  s.local_blocks = std::move(local_blocks);
+  s.remote_blocks = std::move(remote_blocks);
+  s.local_tensors = std::move(local_tensors);
+  s.remote_tensors = std::move(remote_tensors);
+  return s;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "pdlink native engine (C++ core, CPU backend, TCP transport)";
+  bindings::registerStatusTranslator();
+  m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const std::string& backend) {
+             if (backend != "cpu") throw py::value_error("unknown backend '" + backend + "' (available: cpu)");
+             return std::make_unique<Engine>(makeCpuBackend());
+           }),
+           py::arg("backend") = "cpu")
+      .def(
+          "initialize",
+          [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
+             int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
+             uint32_t host_page_shift, int64_t handshake_timeout_ms) {
+            EngineConfig c;
+            c.cluster_id = cluster_id;
+            c.role = static_cast<Role>(role);
+            c.listen_ip = listen_ip;
+            c.listen_port = listen_port;
+            c.sync_timeout_ms = sync_timeout_ms;
+            c.device_pool = {device_pool_bytes, device_page_shift};
+            c.host_pool = {host_pool_bytes, host_page_shift};
+            c.handshake_timeout_ms = handshake_timeout_ms;
+            throwIfError(e.initialize(c), "init");
+          },
+          py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
+          py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
+          py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("initialized", &Engine::initialized)
+      .def_property_readonly("cluster_id", &Engine::clusterId)
+      .def_property_readonly("role", [](const Engine& e) { return static_cast<int>(e.role()); })
+      .def_property_readonly("listen_port", &Engine::listenPort)
+      .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
+      .def_property_readonly("cache_count", &Engine::cacheCount)
+      .def(
+          "switch_role",
+          [](Engine& e, int role, const std::string& ip, uint16_t port) {
+            throwIfError(e.switchRole(static_cast<Role>(role), ip, port), "switch_role");
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "link",
+          [](Engine& e, const std::vector<std::tuple<uint64_t, std::string, uint16_t>>& peers, int64_t timeout_ms) {
+            std::vector<PeerAddress> addrs;
+            for (auto& [id, ip, port] : peers) addrs.push_back(PeerAddress{id, ip, port});
+            return toList(e.link(addrs, timeout_ms));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "unlink",
+          [](Engine& e, const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
+            return toList(e.unlink(ids, timeout_ms, force));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("links",
+           [](const Engine& e) {
+             py::list out;
+             for (const LinkInfo& l : e.links()) {
+               py::dict d;
+               d["peer_cluster_id"] = l.peer_cluster_id;
+               d["peer_address"] = l.peer_address;
+               d["initiator"] = l.initiator;
+               d["broken"] = l.broken;
+               d["broken_reason"] = l.broken_reason;
+               d["transport"] = l.transport;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "register_cache",
+          [](Engine& e, uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement,
+             const std::vector<uint64_t>& addrs, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys,
+             std::optional<uint64_t> blocks_model, bool remote_accessible, const std::string& op) {
+            auto r = e.registerCache(makeLayout(num_tensors, tensor_size, num_slots, is_blocks, placement), addrs,
+                                     makeKeys(keys), blocks_model, remote_accessible);
+            return handle(valueOrThrow(std::move(r), op.c_str()));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "allocate_cache",
+          [](Engine& e, uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement,
+             const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys, std::optional<uint64_t> blocks_model,
+             const std::string& op) {
+            auto r = e.allocateCache(makeLayout(num_tensors, tensor_size, num_slots, is_blocks, placement),
+                                     makeKeys(keys), blocks_model);
+            return handle(valueOrThrow(std::move(r), op.c_str()));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "deallocate_cache",
+          [](Engine& e, int64_t id, bool blocks, const std::string& op) {
+            throwIfError(e.deallocateCache(id, blocks), op.c_str());
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "unregister_cache", [](Engine& e, int64_t id) { throwIfError(e.unregisterCache(id), "unregister_cache"); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "remove_cache_key",
+          [](Engine& e, uint64_t req, uint64_t prefix, uint64_t model) { e.removeCacheKey(RequestKey{req, prefix, model}); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "transfer",
+          [](Engine& e, bool is_push, const std::string& op, uint64_t peer, int target_kind, uint64_t model_id,
+             uint64_t req_id, uint64_t prefix_id, int64_t cache_id, uint64_t batch_index, int64_t local_cache_id,
+             int mode, uint64_t local_slot, int64_t size, std::vector<int64_t> local_blocks,
+             std::vector<int64_t> remote_blocks, std::vector<uint32_t> local_tensors,
+             std::vector<uint32_t> remote_tensors) {
+            TransferSpec s = makeSpec(peer, target_kind, model_id, req_id, prefix_id, cache_id, batch_index,
+                                      local_cache_id, mode, local_slot, size, std::move(local_blocks),
+                                      std::move(remote_blocks), std::move(local_tensors), std::move(remote_tensors));
+            throwIfError(is_push ? e.push(s) : e.pull(s), op.c_str());
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "copy_local",
+          [](Engine& e, const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
+             const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& runs, const std::string& op) {
+            std::vector<Engine::CopyRun> rs;
+            for (auto& [d, s, n] : runs) rs.push_back({d, s, n});
+            throwIfError(e.copyLocal(dst, src, rs), op.c_str());
+          },
+          py::call_guard<py::gil_scoped_release>());
+}

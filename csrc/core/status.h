@@ -1,0 +1,102 @@
+// Status: the one error type of the pdlink core.
+//
+// Every fallible call in the core returns a Status (or a Result<T>). The numeric codes are the
+// LLM-DataDist `LLMStatusCode` values, so a code crosses into Python (and onto the wire) unchanged
+// and the binding converts it into an exception in exactly one place (bindings/status_bridge.h).
+//
+// Retry guidance, by code family (what the caller should do):
+//   kParamInvalid, kFeatureNotEnabled      fix the call; retrying the same call will fail again.
+//   kNotYetLink, kExistLink, kAlreadyLink   fix the link state first (link, unlink), then retry.
+//   kKvCacheNotExist                        the remote key is absent; retry after checking it.
+//   kTimeout, kLinkFailed                   the link is unusable: unlink_clusters and link again.
+//   kOutOfMemory                            free caches in the pool, then retry.
+// Threading: Status is a value type; copies are independent and safe to pass between threads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace pdlink {
+
+// Numeric values are fixed by the LLM-DataDist API (0x5010B000 + n for the LLM codes).
+enum class Code : uint32_t {
+  kSuccess = 0x0,
+  kFailed = 0xFFFFFFFFu,
+  kWaitProcessTimeout = 0x5010B001,
+  kKvCacheNotExist = 0x5010B002,
+  kRepeatRequest = 0x5010B003,
+  kRequestAlreadyCompleted = 0x5010B004,
+  kParamInvalid = 0x5010B005,
+  kEngineFinalized = 0x5010B006,
+  kNotYetLink = 0x5010B007,
+  kAlreadyLink = 0x5010B008,
+  kLinkFailed = 0x5010B009,
+  kUnlinkFailed = 0x5010B00A,
+  kNotifyPromptUnlinkFailed = 0x5010B00B,
+  kClusterNumExceedLimit = 0x5010B00C,
+  kProcessingLink = 0x5010B00D,
+  kDeviceOutOfMemory = 0x5010B00E,
+  kPrefixAlreadyExist = 0x5010B00F,
+  kPrefixNotExist = 0x5010B010,
+  kSeqLenOverLimit = 0x5010B011,
+  kNoFreeBlock = 0x5010B012,
+  kBlocksOutOfMemory = 0x5010B013,
+  kExistLink = 0x5010B018,
+  kFeatureNotEnabled = 0x5010B019,
+  kTimeout = 0x5010B01A,
+  kLinkBusy = 0x5010B01B,
+  kOutOfMemory = 0x5010B01C,
+};
+
+// The LLMStatusCode member name for a code ("LLM_TIMEOUT"); "LLM_FAILED" for unknown values.
+const char* codeName(Code code);
+// True when `value` is one of the codes above (used to validate codes read off the wire).
+bool isKnownCode(uint32_t value);
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;  // success
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status OK() { return Status(); }
+
+  bool ok() const { return code_ == Code::kSuccess; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+  // "LLM_TIMEOUT: pull from cluster 2 timed out after 1000 ms"
+  std::string toString() const;
+
+ private:
+  Code code_ = Code::kSuccess;
+  std::string message_;
+};
+
+// A value or the Status explaining why there is none (absl::StatusOr, arrow::Result).
+template <class T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : v_(std::move(value)) {}           // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {}    // NOLINT: must not be OK
+  bool ok() const { return std::holds_alternative<T>(v_); }
+  const Status& status() const {
+    static const Status kOk;
+    return ok() ? kOk : std::get<Status>(v_);
+  }
+  T& value() & { return std::get<T>(v_); }
+  T&& value() && { return std::get<T>(std::move(v_)); }
+  T* operator->() { return &std::get<T>(v_); }
+
+ private:
+  std::variant<T, Status> v_;
+};
+
+}  // namespace pdlink
+
+// Propagate a non-OK Status to the caller.
+#define PDLINK_RETURN_IF_ERROR(expr)          \
+  do {                                        \
+    ::pdlink::Status _st = (expr);            \
+    if (!_st.ok()) return _st;                \
+  } while (0)

@@ -1,0 +1,850 @@
+#include "engine/engine.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <future>
+#include <random>
+
+#include "core/log.h"
+#include "transport/wire.h"
+
+namespace pdlink {
+namespace {
+
+constexpr size_t kMaxPeersPerCall = 16;
+constexpr size_t kMaxHandshakes = 64;  // connections mid-handshake; more are dropped (flood guard)
+constexpr size_t kIovBatch = 1024;
+
+uint64_t makeNonce() {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t seed = [] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd();
+  }();
+  return seed ^ (++counter * 0x9E3779B97F4A7C15ull);
+}
+
+std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
+
+bool usesKeyCommit(wire::TargetKind kind) {
+  return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex;
+}
+
+// Sends a response header plus its message text.
+Status sendResponse(Socket& s, const Status& st, Deadline deadline) {
+  std::string msg = st.message().substr(0, wire::kMaxMessageBytes);
+  wire::ResponseHeader h{static_cast<uint32_t>(st.code()), static_cast<uint32_t>(msg.size()), 0};
+  std::string frame = wire::encode(h) + msg;
+  return s.sendAll(frame.data(), frame.size(), deadline);
+}
+
+// Reads a response header, and its message text when the status is an error.
+Status readResponse(Socket& s, Deadline deadline, wire::ResponseHeader* h, Status* remote) {
+  uint8_t buf[wire::kResponseHeaderBytes];
+  PDLINK_RETURN_IF_ERROR(s.recvAll(buf, sizeof(buf), deadline));
+  PDLINK_RETURN_IF_ERROR(wire::decode(buf, sizeof(buf), h));
+  std::string msg(h->message_len, '\0');
+  if (h->message_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
+  *remote = h->status == 0 ? Status::OK() : Status(static_cast<Code>(h->status), msg);
+  return Status::OK();
+}
+
+// Moves the payload of one transfer between a socket and memory, tensor-major, batching iovecs
+// so that thousands of small blocks cost a few syscalls, not one each.
+Status movePayload(Socket& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
+                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> iov = {}) {
+  for (uint32_t t : tensors) {
+    for (const wire::Run& r : runs) {
+      iov.push_back({reinterpret_cast<void*>(addrs[t] + base + r.offset), static_cast<size_t>(r.length)});
+      if (iov.size() >= kIovBatch) {
+        PDLINK_RETURN_IF_ERROR(sending ? s.sendv(iov, deadline) : s.recvv(iov, deadline));
+        iov.clear();
+      }
+    }
+  }
+  if (!iov.empty()) PDLINK_RETURN_IF_ERROR(sending ? s.sendv(iov, deadline) : s.recvv(iov, deadline));
+  return Status::OK();
+}
+
+Status linkError(const PeerAddress& peer, const Status& st) {
+  Code code = st.code() == Code::kParamInvalid ? Code::kParamInvalid : Code::kLinkFailed;
+  return Status(code, "cannot link to " + clusterName(peer.cluster_id) + " at " + peer.ip + ":" +
+                          std::to_string(peer.port) + ": " + st.message());
+}
+
+// Client half of a channel handshake: hello out, ack in, checks the peer's identity.
+Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t expected_peer, Deadline deadline) {
+  std::string frame = wire::encode(hello);
+  PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
+  uint8_t buf[wire::kHelloAckFixedBytes];
+  PDLINK_RETURN_IF_ERROR(s.recvAll(buf, sizeof(buf), deadline));
+  wire::HelloAck ack;
+  uint32_t msg_len = 0;
+  PDLINK_RETURN_IF_ERROR(wire::decodeFixed(buf, sizeof(buf), &ack, &msg_len));
+  std::string msg(msg_len, '\0');
+  if (msg_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
+  if (ack.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
+  if (ack.cluster_id != expected_peer) {
+    return Status(Code::kLinkFailed, "the endpoint is " + clusterName(ack.cluster_id) + ", not " +
+                                         clusterName(expected_peer));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+struct Engine::Plan {
+  std::shared_ptr<CacheEntry> local;
+  std::vector<uint32_t> local_tensors;
+  std::vector<wire::Run> local_runs;
+  wire::TransferBody remote;  // target, block size, remote tensors and runs
+  uint64_t payload = 0;
+};
+
+Engine::Engine(std::shared_ptr<Backend> backend) : backend_(std::move(backend)) {}
+
+Engine::~Engine() { finalize(); }
+
+bool Engine::initialized() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return initialized_;
+}
+
+Role Engine::role() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return role_;
+}
+
+uint16_t Engine::listenPort() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return listener_ ? listener_->port() : 0;
+}
+
+Status Engine::initialize(const EngineConfig& config) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (initialized_) return Status::OK();
+  if (config.sync_timeout_ms <= 0) return Status(Code::kParamInvalid, "sync timeout must be > 0 ms");
+  config_ = config;
+  if (config.device_pool.bytes > 0) {
+    auto pool = MemPool::create(backend_, Placement::kDevice, config.device_pool.bytes, config.device_pool.page_shift);
+    if (!pool.ok()) return pool.status();
+    device_pool_ = pool.value();
+  }
+  if (config.host_pool.bytes > 0) {
+    auto pool = MemPool::create(backend_, Placement::kHost, config.host_pool.bytes, config.host_pool.page_shift);
+    if (!pool.ok()) {
+      device_pool_.reset();
+      return pool.status();
+    }
+    host_pool_ = pool.value();
+  }
+  if (!config.listen_ip.empty()) {
+    Status st = startListenerLocked(config.listen_ip, config.listen_port);
+    if (!st.ok()) {
+      device_pool_.reset();
+      host_pool_.reset();
+      return st;
+    }
+  }
+  role_ = config.role;
+  stopping_ = false;
+  initialized_ = true;
+  PDLINK_LOG(kInfo, "engine " << config.cluster_id << " initialised on backend " << backend_->name()
+                              << (listener_ ? ", listening on port " + std::to_string(listener_->port()) : ""));
+  return Status::OK();
+}
+
+void Engine::finalize() {
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_) return;
+    stopping_ = true;
+    for (auto& [id, link] : links_) links.push_back(link);
+    links_.clear();
+  }
+  stopListener();
+  for (auto& link : links) {
+    if (!link->broken()) {
+      std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
+      if (out.owns_lock()) {  // tell the peer, best effort, without waiting on a busy link
+        wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
+        std::string frame = wire::encode(h);
+        (void)link->out().sendAll(frame.data(), frame.size(), Deadline::afterMs(200));
+      }
+    }
+    link->breakLink("engine finalized");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Socket* s : handshaking_) s->shutdown();
+  }
+  pending_cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(threads_mu_);
+    for (auto& w : workers_) w.thread.join();
+    workers_.clear();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.clear();
+  registry_.clear();
+  device_pool_.reset();
+  host_pool_.reset();
+  initialized_ = false;
+  stopping_ = false;
+}
+
+// ---------------------------------------------------------------- threads
+
+void Engine::spawn(std::function<void()> fn) {
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::lock_guard<std::mutex> lock(threads_mu_);
+  workers_.push_back(Worker{std::thread([fn = std::move(fn), done] {
+                              fn();
+                              done->store(true);
+                            }),
+                            done});
+}
+
+void Engine::reapThreads() {
+  std::lock_guard<std::mutex> lock(threads_mu_);
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- listener and roles
+
+Status Engine::startListenerLocked(const std::string& ip, uint16_t port) {
+  auto ls = ListenSocket::bind(ip, port);
+  if (!ls.ok()) return Status(Code::kFailed, ls.status().message());
+  if (wake_fd_ < 0) wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  listener_ = std::make_unique<ListenSocket>(std::move(ls.value()));
+  ListenSocket* raw = listener_.get();
+  listen_thread_ = std::thread([this, raw] {
+    // Runs until stopListener() signals wake_fd_.
+    for (;;) {
+      pollfd fds[2] = {{raw->fd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      if (::poll(fds, 2, -1) < 0) continue;
+      if (fds[1].revents) return;
+      for (Socket s = raw->acceptOne(); s.valid(); s = raw->acceptOne()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (stopping_) return;
+          if (handshaking_.size() >= kMaxHandshakes) {
+            PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress");
+            continue;
+          }
+        }
+        auto holder = std::make_shared<Socket>(std::move(s));
+        spawn([this, holder] { handleIncoming(std::move(*holder)); });
+      }
+    }
+  });
+  PDLINK_LOG(kInfo, "listening on " << ip << ":" << listener_->port());
+  return Status::OK();
+}
+
+void Engine::stopListener() {
+  if (!listen_thread_.joinable()) return;
+  uint64_t one = 1;
+  ssize_t ignored = ::write(wake_fd_, &one, sizeof(one));
+  (void)ignored;
+  listen_thread_.join();
+  uint64_t drain = 0;
+  ignored = ::read(wake_fd_, &drain, sizeof(drain));
+  std::lock_guard<std::mutex> lock(mu_);
+  listener_.reset();
+}
+
+Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
+  std::unique_ptr<ListenSocket> fresh;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
+    if (!links_.empty() || !linking_.empty()) {
+      std::string ids;
+      for (auto& [id, l] : links_) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+      return Status(Code::kExistLink, "cannot switch role while links exist (peer clusters: " + ids +
+                                          "); call unlink_clusters first");
+    }
+  }
+  uint16_t current = listenPort();
+  bool keep = !listen_ip.empty() && current != 0 && listen_ip == config_.listen_ip &&
+              (listen_port == current || listen_port == 0);
+  if (!keep) {
+    stopListener();
+    if (!listen_ip.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Status st = startListenerLocked(listen_ip, listen_port);
+      if (!st.ok()) return st;
+    }
+    config_.listen_ip = listen_ip;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  role_ = role;
+  PDLINK_LOG(kInfo, "engine " << config_.cluster_id << " switched to role " << static_cast<int>(role)
+                              << (listener_ ? ", listening on port " + std::to_string(listener_->port())
+                                            : ", not listening"));
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- links
+
+std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms) {
+  reapThreads();
+  if (peers.size() > kMaxPeersPerCall) {
+    return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(peers.size()))};
+  }
+  if (!initialized()) return {Status(Code::kFailed, "engine is not initialized")};
+  // Peers are linked in parallel: one slow or dead peer costs its own timeout, not everyone's.
+  std::vector<std::future<Status>> futures;
+  for (const PeerAddress& p : peers) {
+    futures.push_back(std::async(std::launch::async, [this, p, timeout_ms] { return linkOne(p, timeout_ms); }));
+  }
+  std::vector<Status> out;
+  for (auto& f : futures) out.push_back(f.get());
+  return out;
+}
+
+Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer.cluster_id == config_.cluster_id) {
+      return Status(Code::kParamInvalid, "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
+    }
+    if (links_.count(peer.cluster_id)) {
+      return Status(Code::kAlreadyLink, clusterName(peer.cluster_id) + " is already linked");
+    }
+    if (!linking_.insert(peer.cluster_id).second) {
+      return Status(Code::kProcessingLink, "a link to " + clusterName(peer.cluster_id) + " is in progress");
+    }
+  }
+  struct Unmark {
+    Engine* e;
+    uint64_t id;
+    ~Unmark() {
+      std::lock_guard<std::mutex> lock(e->mu_);
+      e->linking_.erase(id);
+    }
+  } unmark{this, peer.cluster_id};
+
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  wire::Hello hello;
+  hello.cluster_id = config_.cluster_id;
+  hello.expected_peer = peer.cluster_id;
+  hello.nonce = makeNonce();
+  auto fwd = Socket::connect(peer.ip, peer.port, deadline);
+  if (!fwd.ok()) return linkError(peer, fwd.status());
+  Status st = helloExchange(fwd.value(), hello, peer.cluster_id, deadline);
+  if (!st.ok()) return linkError(peer, st);
+  auto rev = Socket::connect(peer.ip, peer.port, deadline);
+  if (!rev.ok()) return linkError(peer, rev.status());
+  hello.channel = wire::Channel::kReverse;
+  st = helloExchange(rev.value(), hello, peer.cluster_id, deadline);
+  if (!st.ok()) return linkError(peer, st);
+
+  auto link = std::make_shared<Link>(peer.cluster_id, std::move(fwd.value()), std::move(rev.value()), true);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
+    installLink(link);
+  }
+  spawn([this, link] { serve(link); });
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer.cluster_id) << " at " << peer.ip << ":" << peer.port);
+  return Status::OK();
+}
+
+void Engine::installLink(const std::shared_ptr<Link>& link) {
+  auto it = links_.find(link->peer());
+  if (it != links_.end()) {
+    // The peer re-linked without unlinking (it restarted, or force-unlinked its end): the old
+    // entity is stale, as in llm_datadist's force re-link.
+    PDLINK_LOG(kInfo, "replacing stale link to " << clusterName(link->peer()));
+    it->second->breakLink("replaced by a new link from the peer");
+  }
+  links_[link->peer()] = link;
+}
+
+void Engine::handleIncoming(Socket sock) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    handshaking_.insert(&sock);
+  }
+  Socket* tracked = &sock;
+  auto untrack = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    handshaking_.erase(tracked);
+  };
+  Deadline deadline = Deadline::afterMs(config_.handshake_timeout_ms);
+  const std::string from = sock.peer();
+  auto refuse = [&](const std::string& why) {
+    PDLINK_LOG(kWarn, "refused link from " << from << ": " << why);
+    wire::HelloAck ack;
+    ack.status = static_cast<uint32_t>(Code::kLinkFailed);
+    ack.cluster_id = config_.cluster_id;
+    ack.message = why;
+    std::string frame = wire::encode(ack);
+    (void)tracked->sendAll(frame.data(), frame.size(), Deadline::afterMs(200));
+    untrack();
+  };
+
+  uint8_t buf[wire::kHelloBytes];
+  wire::Hello hello;
+  Status st = sock.recvAll(buf, sizeof(buf), deadline);
+  if (st.ok()) st = wire::decode(buf, sizeof(buf), &hello);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
+    untrack();
+    return;
+  }
+  if (hello.version != wire::kProtocolVersion) {
+    return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
+                  std::to_string(wire::kProtocolVersion));
+  }
+  if (hello.expected_peer != config_.cluster_id) {
+    return refuse("this endpoint is " + clusterName(config_.cluster_id) + ", not " + clusterName(hello.expected_peer));
+  }
+  if (hello.cluster_id == config_.cluster_id) {
+    return refuse("peer uses this engine's own cluster id " + std::to_string(hello.cluster_id));
+  }
+
+  wire::HelloAck ok;
+  ok.cluster_id = config_.cluster_id;
+  const std::string ok_frame = wire::encode(ok);
+
+  if (hello.channel == wire::Channel::kForward) {
+    auto pending = std::make_shared<PendingLink>();
+    pending->peer = hello.cluster_id;
+    std::shared_ptr<Link> link;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stopping_ || pending_.count(hello.nonce)) {
+        lock.unlock();
+        return refuse("duplicate or late link attempt");
+      }
+      pending_[hello.nonce] = pending;
+    }
+    st = sock.sendAll(ok_frame.data(), ok_frame.size(), deadline);
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // The REVERSE handler takes `sock` out of this frame under mu_, so wait for it here.
+      pending->forward = std::make_unique<Socket>(std::move(sock));
+      handshaking_.erase(tracked);
+      tracked = pending->forward.get();
+      handshaking_.insert(tracked);
+      if (st.ok()) {
+        pending_cv_.notify_all();
+        pending_cv_.wait_until(lock, std::chrono::steady_clock::now() +
+                                         std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll())),
+                               [&] { return pending->done || stopping_; });
+      }
+      pending_.erase(hello.nonce);
+      if (pending->done) link = pending->link;
+      if (!link) handshaking_.erase(tracked);
+    }
+    if (!link) {
+      PDLINK_LOG(kWarn, "incomplete link attempt from " << from << " (cluster " << hello.cluster_id << ")");
+      return;
+    }
+    PDLINK_LOG(kInfo, "accepted link from " << clusterName(hello.cluster_id) << " at " << from);
+    serve(link);
+    return;
+  }
+
+  // REVERSE channel: completes the link whose FORWARD channel is waiting under the same nonce.
+  std::shared_ptr<Link> link;
+  std::unique_lock<std::mutex> out_lock;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto deadline_tp = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll()));
+    // The FORWARD thread may still be parking its socket.
+    pending_cv_.wait_until(lock, deadline_tp, [&] {
+      auto it = pending_.find(hello.nonce);
+      return stopping_ || (it != pending_.end() && it->second->forward);
+    });
+    auto it = pending_.find(hello.nonce);
+    if (stopping_ || it == pending_.end() || !it->second->forward || it->second->peer != hello.cluster_id) {
+      lock.unlock();
+      return refuse("no matching forward channel for this link attempt");
+    }
+    auto pending = it->second;
+    handshaking_.erase(pending->forward.get());
+    handshaking_.erase(tracked);
+    link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
+    // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
+    // mutex under mu_ cannot deadlock.
+    out_lock = std::unique_lock<std::mutex>(link->outMutex());
+    installLink(link);
+    pending->link = link;
+    pending->done = true;
+  }
+  pending_cv_.notify_all();
+  if (!link->out().sendAll(ok_frame.data(), ok_frame.size(), deadline).ok()) {
+    link->breakLink("peer went away during the handshake");
+  }
+}
+
+std::vector<Status> Engine::unlink(const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
+  reapThreads();
+  if (ids.size() > kMaxPeersPerCall) {
+    return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(ids.size()))};
+  }
+  std::vector<Status> out;
+  for (uint64_t id : ids) out.push_back(unlinkOne(id, timeout_ms, force));
+  return out;
+}
+
+Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(cluster_id);
+    if (it == links_.end()) return Status(Code::kNotYetLink, "no link to " + clusterName(cluster_id));
+    link = it->second;
+    links_.erase(it);
+  }
+  Status result;
+  if (!force && !link->broken()) {
+    // Tell the peer so it drops its end too; a dead peer cannot be told.
+    std::lock_guard<std::mutex> out(link->outMutex());
+    Deadline deadline = Deadline::afterMs(timeout_ms);
+    wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
+    std::string frame = wire::encode(h);
+    Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+    wire::ResponseHeader rh;
+    Status remote;
+    if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+    if (!st.ok()) {
+      result = Status(Code::kNotifyPromptUnlinkFailed,
+                      "unlinked locally, but " + clusterName(cluster_id) + " could not be told (" + st.message() +
+                          "); call unlink_clusters on that side too");
+    }
+  }
+  link->breakLink("unlinked by this side");
+  PDLINK_LOG(kInfo, "unlinked " << clusterName(cluster_id) << (force ? " (force)" : ""));
+  return result;
+}
+
+std::vector<LinkInfo> Engine::links() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<LinkInfo> out;
+  for (auto& [id, l] : links_) {
+    out.push_back(LinkInfo{id, l->peerAddress(), l->initiator(), l->broken(), l->brokenReason(), "tcp"});
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- serving
+
+void Engine::serve(const std::shared_ptr<Link>& link) {
+  bool unlinked = false;
+  Status st;
+  while (st.ok() && !unlinked) st = serveOne(link, &unlinked);
+  if (!unlinked) {
+    std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
+                                                                                : st.message();
+    if (!link->broken()) PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: " << why);
+    link->breakLink(why);
+  }
+}
+
+Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
+  Socket& s = link->in();
+  PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
+  // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
+  Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * config_.sync_timeout_ms, 5000));
+  uint8_t hbuf[wire::kRequestHeaderBytes];
+  PDLINK_RETURN_IF_ERROR(s.recvAll(hbuf, sizeof(hbuf), deadline));
+  wire::RequestHeader h;
+  Status st = wire::decode(hbuf, sizeof(hbuf), &h);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
+    return st;
+  }
+  std::vector<uint8_t> body(h.body_len);
+  if (h.body_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(body.data(), body.size(), deadline));
+
+  if (h.op == wire::Op::kUnlink) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = links_.find(link->peer());
+      if (it != links_.end() && it->second == link) links_.erase(it);
+    }
+    (void)sendResponse(s, Status::OK(), deadline);
+    link->breakLink("unlinked by the peer");
+    *unlinked = true;
+    PDLINK_LOG(kInfo, clusterName(link->peer()) << " unlinked");
+    return Status::OK();
+  }
+
+  wire::TransferBody tb;
+  st = wire::decode(body.data(), body.size(), &tb);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
+    return st;
+  }
+  if (h.op == wire::Op::kCommit) {
+    registry_.commitRead(tb.target, tb.tensors);
+    return Status::OK();
+  }
+  auto payload = tb.payloadBytes();
+  bool is_write = h.op == wire::Op::kWrite;
+  if (!payload.ok() || h.payload_len != (is_write ? payload.value() : 0)) {
+    // The stream cannot be resynchronised without a trustworthy length.
+    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
+    return Status(Code::kLinkFailed, "inconsistent payload length");
+  }
+  auto resolved = registry_.resolve(tb, is_write);
+  if (!resolved.ok()) {
+    PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer())
+                                   << ": " << resolved.status().message());
+    if (is_write) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    return sendResponse(s, resolved.status(), deadline);
+  }
+  const Resolved& r = resolved.value();
+  if (is_write) {
+    PDLINK_RETURN_IF_ERROR(movePayload(s, false, r.entry->addrs, tb.tensors, r.base, tb.runs, deadline));
+    return sendResponse(s, Status::OK(), deadline);
+  }
+  wire::ResponseHeader rh{0, 0, payload.value()};
+  std::string head = wire::encode(rh);
+  std::vector<iovec> iov{{head.data(), head.size()}};
+  return movePayload(s, true, r.entry->addrs, tb.tensors, r.base, tb.runs, deadline, std::move(iov));
+}
+
+// ---------------------------------------------------------------- transfers
+
+Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
+  auto it = links_.find(peer);
+  if (it == links_.end()) {
+    return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
+  }
+  if (it->second->broken()) {
+    return Status(Code::kLinkFailed, "the link to " + clusterName(peer) + " is down (" + it->second->brokenReason() +
+                                         "); call unlink_clusters, then link_clusters again");
+  }
+  return it->second;
+}
+
+Status Engine::failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what) {
+  link->breakLink(st.message());
+  Code code = st.code() == Code::kTimeout ? Code::kTimeout : Code::kLinkFailed;
+  return Status(code, std::string(what) + " " + clusterName(link->peer()) + " failed: " + st.message() +
+                          "; the link is now unusable: call unlink_clusters, then link_clusters again");
+}
+
+Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
+  auto local = registry_.get(spec.local_cache_id);
+  if (!local.ok()) return local.status();
+  Plan p;
+  p.local = local.value();
+  const CacheLayout& L = p.local->layout;
+  const uint64_t stride = L.stride();
+  if (stride == 0) return Status(Code::kParamInvalid, "local cache has zero-sized slots");
+  // Tensor mapping.
+  if (spec.local_tensors.empty()) {
+    for (uint32_t t = 0; t < L.num_tensors; ++t) p.local_tensors.push_back(t);
+    p.remote.tensors = p.local_tensors;
+  } else {
+    if (spec.local_tensors.size() != spec.remote_tensors.size()) {
+      return Status(Code::kParamInvalid, "source and destination layer ranges cover different tensor counts");
+    }
+    for (uint32_t t : spec.local_tensors) {
+      if (t >= L.num_tensors) {
+        return Status(Code::kParamInvalid, "tensor index " + std::to_string(t) + " out of range: local cache has " +
+                                               std::to_string(L.num_tensors) + " tensors");
+      }
+    }
+    p.local_tensors = spec.local_tensors;
+    p.remote.tensors = spec.remote_tensors;
+  }
+  p.remote.target = spec.target;
+  using Mode = TransferSpec::Mode;
+  if (spec.mode == Mode::kSlotToSlot) {
+    if (L.is_blocks) return Status(Code::kParamInvalid, "this transfer needs a non-blocks local cache");
+    if (spec.local_slot >= L.num_slots) {
+      return Status(Code::kParamInvalid, "batch_index " + std::to_string(spec.local_slot) +
+                                             " out of range: local batch size is " + std::to_string(L.num_slots));
+    }
+    uint64_t len = spec.size > 0 ? static_cast<uint64_t>(spec.size) : stride;
+    if (len > stride) {
+      return Status(Code::kParamInvalid, "size " + std::to_string(len) + " exceeds the local slot size " +
+                                             std::to_string(stride));
+    }
+    p.local_runs.push_back({spec.local_slot * stride, len});
+    p.remote.runs.push_back({0, len});
+  } else {
+    if (!L.is_blocks) return Status(Code::kParamInvalid, "this transfer needs a blocks cache on the local side");
+    const bool pairs = spec.mode == Mode::kBlocksToBlocks;
+    if (spec.local_blocks.empty()) return Status(Code::kParamInvalid, "the block list is empty");
+    if (pairs && spec.local_blocks.size() != spec.remote_blocks.size()) {
+      return Status(Code::kParamInvalid, "src_blocks and dst_blocks differ in length (" +
+                                             std::to_string(spec.remote_blocks.size()) + " vs " +
+                                             std::to_string(spec.local_blocks.size()) + ")");
+    }
+    if (is_push && !pairs) return Status(Code::kParamInvalid, "pushing a blocks cache into a slot is not supported");
+    p.remote.block_size = pairs ? stride : 0;
+    const uint64_t max_remote = UINT64_MAX / stride;
+    for (size_t i = 0; i < spec.local_blocks.size(); ++i) {
+      int64_t lb = spec.local_blocks[i];
+      int64_t rb = pairs ? spec.remote_blocks[i] : static_cast<int64_t>(i);
+      if (lb < 0 || static_cast<uint64_t>(lb) >= L.num_slots) {
+        return Status(Code::kParamInvalid, "block index " + std::to_string(lb) + " out of range: local cache has " +
+                                               std::to_string(L.num_slots) + " blocks");
+      }
+      if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
+        return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
+      }
+      uint64_t loff = static_cast<uint64_t>(lb) * stride, roff = static_cast<uint64_t>(rb) * stride;
+      // Coalesce runs that are consecutive on both sides into one range.
+      if (!p.local_runs.empty() && p.local_runs.back().offset + p.local_runs.back().length == loff &&
+          p.remote.runs.back().offset + p.remote.runs.back().length == roff) {
+        p.local_runs.back().length += stride;
+        p.remote.runs.back().length += stride;
+      } else {
+        p.local_runs.push_back({loff, stride});
+        p.remote.runs.push_back({roff, stride});
+      }
+    }
+  }
+  auto payload = p.remote.payloadBytes();
+  if (!payload.ok()) return payload.status();
+  p.payload = payload.value();
+  return p;
+}
+
+Status Engine::pull(const TransferSpec& spec) { return transfer(spec, false); }
+Status Engine::push(const TransferSpec& spec) { return transfer(spec, true); }
+
+Status Engine::transfer(const TransferSpec& spec, bool is_push) {
+  auto link_r = usableLink(spec.peer_cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  auto p_r = plan(spec, is_push);
+  if (!p_r.ok()) return p_r.status();
+  std::shared_ptr<Link> link = link_r.value();
+  Plan& p = p_r.value();
+  const char* what = is_push ? "push to" : "pull from";
+
+  std::lock_guard<std::mutex> out(link->outMutex());
+  if (link->broken()) return usableLink(spec.peer_cluster_id).status();
+  Socket& s = link->out();
+  Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
+  std::string body = wire::encode(p.remote);
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()),
+                        is_push ? p.payload : 0};
+  if (body.size() > wire::kMaxBodyBytes) {
+    return Status(Code::kParamInvalid, "too many block runs in one transfer (" + std::to_string(p.remote.runs.size()) + ")");
+  }
+  std::string head = wire::encode(h);
+  std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+  Status st;
+  if (is_push) {
+    st = movePayload(s, true, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline, std::move(iov));
+  } else {
+    st = s.sendv(iov, deadline);
+  }
+  if (!st.ok()) return failTransfer(link, st, what);
+  wire::ResponseHeader rh;
+  Status remote;
+  st = readResponse(s, deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (!remote.ok()) {
+    return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  }
+  if (is_push) return Status::OK();
+  if (rh.payload_len != p.payload) {
+    return failTransfer(link, Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) +
+                                                            " bytes, expected " + std::to_string(p.payload)),
+                        what);
+  }
+  st = movePayload(s, false, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (usesKeyCommit(p.remote.target.kind)) {
+    // Every byte arrived: now the peer may release the request key (never before, so a failed
+    // pull leaves the source intact and retryable).
+    wire::RequestHeader ch{wire::Op::kCommit, static_cast<uint32_t>(body.size()), 0};
+    std::string chead = wire::encode(ch);
+    std::vector<iovec> civ{{chead.data(), chead.size()}, {body.data(), body.size()}};
+    if (!s.sendv(civ, deadline).ok()) link->breakLink("could not confirm a completed pull to the peer");
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- registry
+
+Result<std::shared_ptr<CacheEntry>> Engine::registerCache(const CacheLayout& layout, const std::vector<uint64_t>& addrs,
+                                                          const std::vector<RequestKey>& keys,
+                                                          std::optional<uint64_t> blocks_model, bool remote_accessible) {
+  if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
+  if (addrs.size() != layout.num_tensors || addrs.empty()) {
+    return Status(Code::kParamInvalid, "expected " + std::to_string(layout.num_tensors) + " tensor addresses, got " +
+                                           std::to_string(addrs.size()));
+  }
+  for (uint64_t a : addrs) {
+    if (a == 0) return Status(Code::kParamInvalid, "tensor address 0 is invalid");
+  }
+  if (layout.num_slots == 0) return Status(Code::kParamInvalid, "shape[0] must be > 0");
+  CacheEntry e;
+  e.layout = layout;
+  e.addrs = addrs;
+  e.owned = false;
+  e.remote_accessible = remote_accessible;
+  e.blocks_model = blocks_model;
+  return registry_.add(std::move(e), keys);
+}
+
+Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& layout, const std::vector<RequestKey>& keys,
+                                                          std::optional<uint64_t> blocks_model) {
+  if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
+  std::shared_ptr<MemPool> pool = layout.placement == Placement::kDevice ? device_pool_ : host_pool_;
+  if (!pool) {
+    return Status(Code::kFeatureNotEnabled, std::string("no ") +
+                                                (layout.placement == Placement::kDevice ? "device" : "host") +
+                                                " memory pool is configured");
+  }
+  if (layout.num_tensors == 0 || layout.num_slots == 0) {
+    return Status(Code::kParamInvalid, "num_tensors and shape[0] must be > 0");
+  }
+  CacheEntry e;
+  e.layout = layout;
+  e.owned = true;
+  e.pool = pool;
+  e.blocks_model = blocks_model;
+  for (uint32_t t = 0; t < layout.num_tensors; ++t) {
+    auto a = pool->allocate(layout.tensor_size);
+    if (!a.ok()) return a.status();  // ~CacheEntry returns what was taken so far
+    e.addrs.push_back(a.value());
+  }
+  return registry_.add(std::move(e), keys);
+}
+
+Status Engine::deallocateCache(int64_t id, bool expect_blocks) { return registry_.deallocate(id, expect_blocks); }
+Status Engine::unregisterCache(int64_t id) { return registry_.unregister(id); }
+void Engine::removeCacheKey(const RequestKey& key) { registry_.removeKey(key); }
+
+Status Engine::copyLocal(const std::vector<uint64_t>& dst_addrs, const std::vector<uint64_t>& src_addrs,
+                         const std::vector<CopyRun>& runs) {
+  if (dst_addrs.size() != src_addrs.size()) return Status(Code::kParamInvalid, "tensor counts differ");
+  for (size_t t = 0; t < dst_addrs.size(); ++t) {
+    for (const CopyRun& r : runs) {
+      PDLINK_RETURN_IF_ERROR(backend_->copy(reinterpret_cast<void*>(dst_addrs[t] + r.dst_offset),
+                                            reinterpret_cast<const void*>(src_addrs[t] + r.src_offset), r.length));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace pdlink

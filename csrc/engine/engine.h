@@ -1,0 +1,205 @@
+// Engine: one LLM-DataDist instance. It owns the role, the optional listener, the links to peer
+// clusters, the cache registry and the memory pools, and moves cache bytes over its links.
+//
+// Contract (mirrors llm_datadist CacheManager mode, spec sections 6, 8 and 10):
+//  * Links are symmetric once established and keyed by the peer's real cluster id.
+//  * Transfers are one-sided from the caller's view: the peer's serving thread answers them from
+//    its registry; no code of the peer's application runs.
+//  * Every transfer is bounded by the sync timeout and every link attempt by its timeout; a dead,
+//    refusing or silent peer gives kTimeout, kLinkFailed or kNotYetLink, never a hang.
+//  * A failed pull changes nothing on either side: the source key is released only after the
+//    puller has received every byte (a separate commit frame).
+//
+// Threading: every public method is thread-safe. Transfers on one link are serialised; transfers on
+// different links run in parallel. Background threads: one listener thread (while listening), one
+// handshake thread per connection being accepted, one serving thread per link. initialize() and
+// finalize() must not race with other calls (as in llm_datadist).
+// Lock order: mu_ before a Link's out mutex; the registry's own mutex is never held while calling
+// out of the registry.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/backend.h"
+#include "core/status.h"
+#include "engine/link.h"
+#include "engine/mem_pool.h"
+#include "engine/registry.h"
+#include "transport/socket.h"
+
+namespace pdlink {
+
+// Values match llm_datadist.LLMRole.
+enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
+
+struct PoolConfig {
+  uint64_t bytes = 0;  // 0 = no pool
+  uint32_t page_shift = 16;
+};
+
+struct EngineConfig {
+  uint64_t cluster_id = 0;
+  Role role = Role::kMix;
+  std::string listen_ip;  // empty = do not listen (pure client)
+  uint16_t listen_port = 0;  // 0 = pick a free port
+  int64_t sync_timeout_ms = 1000;       // bounds each pull and push
+  int64_t handshake_timeout_ms = 5000;  // bounds an incoming connection's hello
+  PoolConfig device_pool;
+  PoolConfig host_pool;
+};
+
+struct PeerAddress {
+  uint64_t cluster_id = 0;
+  std::string ip;
+  uint16_t port = 0;
+};
+
+struct LinkInfo {
+  uint64_t peer_cluster_id = 0;
+  std::string peer_address;
+  bool initiator = false;  // this side dialled
+  bool broken = false;
+  std::string broken_reason;
+  std::string transport;
+};
+
+// A pull or push, described from the caller's side. The engine turns it into byte runs (coalescing
+// consecutive blocks) and validates local indices; the peer validates its own side.
+struct TransferSpec {
+  enum class Mode : uint8_t {
+    kSlotToSlot,      // one batch slot of a contiguous cache <-> a remote slot
+    kBlocksToBlocks,  // local_blocks[i] <-> remote_blocks[i]
+    kSlotToBlocks,    // remote slot as consecutive blocks -> local_blocks[i] (pull only)
+  };
+  uint64_t peer_cluster_id = 0;
+  wire::Target target;  // the remote cache (resolved by the peer)
+  int64_t local_cache_id = 0;
+  Mode mode = Mode::kSlotToSlot;
+  uint64_t local_slot = 0;  // kSlotToSlot
+  int64_t size = -1;        // kSlotToSlot: bytes per tensor, -1 = the local slot size
+  std::vector<int64_t> local_blocks;
+  std::vector<int64_t> remote_blocks;
+  // Tensor mapping: local_tensors[i] <-> remote_tensors[i]. Empty = every local tensor i <-> i.
+  std::vector<uint32_t> local_tensors;
+  std::vector<uint32_t> remote_tensors;
+};
+
+class Engine {
+ public:
+  explicit Engine(std::shared_ptr<Backend> backend);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Creates the pools and starts the listener. kParamInvalid for a bad config, kFailed when the
+  // listen address cannot be bound.
+  Status initialize(const EngineConfig& config);
+  // Unlinks every peer (notifying it when reachable), stops all threads, frees pools. Idempotent.
+  void finalize();
+  bool initialized() const;
+
+  uint64_t clusterId() const { return config_.cluster_id; }
+  Role role() const;
+  // The bound listen port, 0 when not listening.
+  uint16_t listenPort() const;
+  const char* backendName() const { return backend_->name(); }
+
+  // kExistLink while any link exists. With a listen address: start listening there, or move the
+  // listener if it differs from the current one; with an empty ip: stop listening.
+  Status switchRole(Role role, const std::string& listen_ip, uint16_t listen_port);
+
+  // One status per peer, in order. At most 16 peers per call (kClusterNumExceedLimit).
+  std::vector<Status> link(const std::vector<PeerAddress>& peers, int64_t timeout_ms);
+  std::vector<Status> unlink(const std::vector<uint64_t>& cluster_ids, int64_t timeout_ms, bool force);
+  std::vector<LinkInfo> links() const;
+
+  // Registers user memory (addrs: one address per tensor). kParamInvalid on bad layout or keys.
+  Result<std::shared_ptr<CacheEntry>> registerCache(const CacheLayout& layout, const std::vector<uint64_t>& addrs,
+                                                    const std::vector<RequestKey>& keys,
+                                                    std::optional<uint64_t> blocks_model, bool remote_accessible);
+  // Allocates from the pool of the layout's placement. kFeatureNotEnabled without a pool,
+  // kOutOfMemory when it is full (nothing stays allocated then).
+  Result<std::shared_ptr<CacheEntry>> allocateCache(const CacheLayout& layout, const std::vector<RequestKey>& keys,
+                                                    std::optional<uint64_t> blocks_model);
+  Status deallocateCache(int64_t cache_id, bool expect_blocks);
+  Status unregisterCache(int64_t cache_id);
+  void removeCacheKey(const RequestKey& key);
+  size_t cacheCount() const { return registry_.size(); }
+
+  Status pull(const TransferSpec& spec);
+  Status push(const TransferSpec& spec);
+
+  // Local copy: for each tensor pair (dst_addrs[t], src_addrs[t]) and each (dst_off, src_off, len).
+  struct CopyRun {
+    uint64_t dst_offset, src_offset, length;
+  };
+  Status copyLocal(const std::vector<uint64_t>& dst_addrs, const std::vector<uint64_t>& src_addrs,
+                   const std::vector<CopyRun>& runs);
+
+ private:
+  struct Plan;  // byte runs for both sides of one transfer (engine.cc)
+  Result<Plan> plan(const TransferSpec& spec, bool is_push);
+  Status transfer(const TransferSpec& spec, bool is_push);
+  Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
+  Status failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what);
+
+  Status startListenerLocked(const std::string& ip, uint16_t port);
+  void stopListener();
+  void listenLoop();
+  void handleIncoming(Socket sock);
+  Status linkOne(const PeerAddress& peer, int64_t timeout_ms);
+  Status unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force);
+  void installLink(const std::shared_ptr<Link>& link);
+  void serve(const std::shared_ptr<Link>& link);
+  // Serving one request; a non-OK result means the channel is unusable.
+  Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked);
+  void spawn(std::function<void()> fn);
+  void reapThreads();
+
+  std::shared_ptr<Backend> backend_;
+  EngineConfig config_;
+  Registry registry_;
+  std::shared_ptr<MemPool> device_pool_;
+  std::shared_ptr<MemPool> host_pool_;
+
+  mutable std::mutex mu_;
+  bool initialized_ = false;                         // guarded by mu_
+  bool stopping_ = false;                            // guarded by mu_
+  Role role_ = Role::kMix;                           // guarded by mu_
+  std::map<uint64_t, std::shared_ptr<Link>> links_;  // guarded by mu_
+  std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
+
+  // Listener: the socket is replaced only by switchRole/finalize, with the thread stopped first.
+  std::unique_ptr<ListenSocket> listener_;  // guarded by mu_
+  std::thread listen_thread_;
+  int wake_fd_ = -1;  // eventfd that wakes the listener thread
+
+  // Incoming links waiting for their REVERSE channel, keyed by the initiator's nonce.
+  struct PendingLink {
+    uint64_t peer = 0;
+    std::unique_ptr<Socket> forward;  // the channel this side will serve
+    std::shared_ptr<Link> link;       // set by the REVERSE handler when the link is installed
+    bool done = false;
+  };
+  std::map<uint64_t, std::shared_ptr<PendingLink>> pending_;  // guarded by mu_
+  std::condition_variable pending_cv_;
+  std::set<Socket*> handshaking_;  // sockets in a handshake; shut down by finalize, guarded by mu_
+
+  std::mutex threads_mu_;
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Worker> workers_;  // guarded by threads_mu_
+};
+
+}  // namespace pdlink

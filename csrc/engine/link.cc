@@ -1,0 +1,26 @@
+#include "engine/link.h"
+
+namespace pdlink {
+
+bool Link::broken() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return broken_;
+}
+
+std::string Link::brokenReason() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return broken_reason_;
+}
+
+void Link::breakLink(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (broken_) return;
+    broken_ = true;
+    broken_reason_ = reason;
+  }
+  out_.shutdown();
+  in_.shutdown();
+}
+
+}  // namespace pdlink

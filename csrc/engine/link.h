@@ -1,0 +1,53 @@
+// Link: the engine's connection to one peer cluster (llm_datadist's "link entity").
+//
+// A link is symmetric once established: either side may pull from or push to the other. It holds
+// two channels (transport/wire.h): `out`, on which this side sends requests and reads responses
+// (callers serialise on out_mu), and `in`, which one serving thread owned by the engine reads.
+//
+// A link breaks when a transfer on it times out or fails mid-stream (the byte stream can no longer
+// be trusted) or when the peer closes its end. A broken link stays in the engine's table, so that
+// switch_role still reports LLM_EXIST_LINK, until it is unlinked or the peer re-links.
+// Threading: state_ and error_ are guarded by state_mu_; the sockets are shut down (never closed)
+// by breakLink(), so a thread blocked on them wakes with an error and no fd is reused under it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "core/status.h"
+#include "transport/socket.h"
+
+namespace pdlink {
+
+class Link {
+ public:
+  Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)
+      : peer_(peer_cluster_id), initiator_(initiator), out_(std::move(out)), in_(std::move(in)) {}
+
+  uint64_t peer() const { return peer_; }
+  bool initiator() const { return initiator_; }
+  const std::string& peerAddress() const { return out_.peer(); }
+
+  Socket& out() { return out_; }
+  Socket& in() { return in_; }
+  std::mutex& outMutex() { return out_mu_; }
+
+  bool broken() const;
+  std::string brokenReason() const;
+  // Marks the link unusable and wakes both channels. Idempotent; the first reason is kept.
+  void breakLink(const std::string& reason);
+
+ private:
+  const uint64_t peer_;
+  const bool initiator_;
+  Socket out_;
+  Socket in_;
+  std::mutex out_mu_;  // held for a whole request/response exchange on out_
+  mutable std::mutex state_mu_;
+  bool broken_ = false;       // guarded by state_mu_
+  std::string broken_reason_;  // guarded by state_mu_
+};
+
+}  // namespace pdlink

@@ -1,0 +1,244 @@
+#include "engine/registry.h"
+
+namespace pdlink {
+
+CacheEntry::~CacheEntry() {
+  if (owned && pool) {
+    for (uint64_t a : addrs) pool->release(a);
+  }
+}
+
+Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::vector<RequestKey>& keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (keys.size() > entry.layout.num_slots) {
+    return Status(Code::kParamInvalid, "cache_keys has " + std::to_string(keys.size()) +
+                                           " keys but the cache has only " +
+                                           std::to_string(entry.layout.num_slots) + " batch slots");
+  }
+  // Check every key before binding any, so a rejected call changes nothing.
+  std::set<std::pair<uint64_t, uint64_t>> seen_req, seen_prefix;
+  for (const RequestKey& k : keys) {
+    if (k.hasReq()) {
+      auto ix = std::make_pair(k.req_id, k.model_id);
+      if (req_index_.count(ix) || !seen_req.insert(ix).second) {
+        return Status(Code::kParamInvalid, "request key (req_id=" + std::to_string(k.req_id) + ", model_id=" +
+                                               std::to_string(k.model_id) + ") is already bound to a cache");
+      }
+    }
+    if (k.hasPrefix()) {
+      auto ix = std::make_pair(k.prefix_id, k.model_id);
+      if (prefix_index_.count(ix) || !seen_prefix.insert(ix).second) {
+        return Status(Code::kParamInvalid, "prefix key (prefix_id=" + std::to_string(k.prefix_id) +
+                                               ", model_id=" + std::to_string(k.model_id) +
+                                               ") is already bound to a cache");
+      }
+    }
+  }
+  if (entry.blocks_model && blocks_index_.count(*entry.blocks_model)) {
+    return Status(Code::kParamInvalid, "a blocks cache is already registered under model_id " +
+                                           std::to_string(*entry.blocks_model));
+  }
+  entry.id = next_id_++;
+  auto sp = std::make_shared<CacheEntry>(std::move(entry));
+  caches_[sp->id] = sp;
+  if (sp->owned) id_refs_.insert(sp->id);
+  if (sp->blocks_model) blocks_index_[*sp->blocks_model] = sp->id;
+  for (uint64_t slot = 0; slot < keys.size(); ++slot) {
+    const RequestKey& k = keys[slot];
+    if (!k.hasReq() && !k.hasPrefix()) continue;  // padding key: consumes the slot only
+    bindings_[sp->id][slot] = Binding{k, {}};
+    if (k.hasReq()) req_index_[{k.req_id, k.model_id}] = {sp->id, slot};
+    if (k.hasPrefix()) prefix_index_[{k.prefix_id, k.model_id}] = {sp->id, slot};
+  }
+  return sp;
+}
+
+Result<std::shared_ptr<CacheEntry>> Registry::get(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = caches_.find(id);
+  if (it == caches_.end()) {
+    return Status(Code::kParamInvalid, "no cache with id " + std::to_string(id) + " is registered here");
+  }
+  return it->second;
+}
+
+Status Registry::deallocate(int64_t id, bool expect_blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = caches_.find(id);
+  if (it == caches_.end() || !it->second->owned || !id_refs_.count(id)) return Status::OK();
+  if (it->second->layout.is_blocks != expect_blocks) {
+    return Status(Code::kParamInvalid, std::string("cache ") + std::to_string(id) + " is " +
+                                           (expect_blocks ? "not a blocks cache; use deallocate_cache"
+                                                          : "a blocks cache; use deallocate_blocks_cache"));
+  }
+  id_refs_.erase(id);
+  if (it->second->blocks_model) blocks_index_.erase(*it->second->blocks_model);
+  maybeFreeLocked(id);
+  return Status::OK();
+}
+
+Status Registry::unregister(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = caches_.find(id);
+  if (it == caches_.end()) {
+    return Status(Code::kParamInvalid, "no registered cache with id " + std::to_string(id));
+  }
+  if (it->second->owned) {
+    return Status(Code::kParamInvalid, "cache " + std::to_string(id) +
+                                           " was allocated from a memory pool; use deallocate_cache");
+  }
+  if (it->second->blocks_model) blocks_index_.erase(*it->second->blocks_model);
+  auto b = bindings_.find(id);
+  if (b != bindings_.end()) {
+    std::vector<uint64_t> slots;
+    for (auto& [slot, binding] : b->second) slots.push_back(slot);
+    for (uint64_t slot : slots) unbindLocked(id, slot);
+  }
+  caches_.erase(it);
+  return Status::OK();
+}
+
+void Registry::removeKey(const RequestKey& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::pair<int64_t, uint64_t> where{0, 0};
+  auto r = key.hasReq() ? req_index_.find({key.req_id, key.model_id}) : req_index_.end();
+  if (r != req_index_.end()) {
+    where = r->second;
+  } else {
+    auto p = key.hasPrefix() ? prefix_index_.find({key.prefix_id, key.model_id}) : prefix_index_.end();
+    if (p == prefix_index_.end()) return;
+    where = p->second;
+  }
+  unbindLocked(where.first, where.second);
+  maybeFreeLocked(where.first);
+}
+
+void Registry::unbindLocked(int64_t id, uint64_t slot) {
+  auto b = bindings_.find(id);
+  if (b == bindings_.end()) return;
+  auto s = b->second.find(slot);
+  if (s == b->second.end()) return;
+  const RequestKey& k = s->second.key;
+  if (k.hasReq()) req_index_.erase({k.req_id, k.model_id});
+  if (k.hasPrefix()) prefix_index_.erase({k.prefix_id, k.model_id});
+  b->second.erase(s);
+  if (b->second.empty()) bindings_.erase(b);
+}
+
+void Registry::maybeFreeLocked(int64_t id) {
+  auto it = caches_.find(id);
+  if (it == caches_.end() || !it->second->owned) return;
+  if (id_refs_.count(id) || bindings_.count(id)) return;
+  // The memory returns to the pool when the last in-flight transfer drops its reference.
+  caches_.erase(it);
+}
+
+Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_write) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const wire::Target& t = body.target;
+  std::shared_ptr<CacheEntry> entry;
+  uint64_t slot = 0;
+  bool slotted = true;
+  auto notFound = [&]() {
+    return Status(Code::kKvCacheNotExist, "no cache is published here under " + t.describe());
+  };
+  switch (t.kind) {
+    case wire::TargetKind::kRequestKey:
+    case wire::TargetKind::kPrefixKey: {
+      const KeyIndex& ix = t.kind == wire::TargetKind::kRequestKey ? req_index_ : prefix_index_;
+      uint64_t id_field = t.kind == wire::TargetKind::kRequestKey ? t.req_id : t.prefix_id;
+      auto it = ix.find({id_field, t.model_id});
+      if (it == ix.end()) return notFound();
+      entry = caches_.at(it->second.first);
+      slot = it->second.second;
+      break;
+    }
+    case wire::TargetKind::kIdIndex: {
+      auto it = caches_.find(t.cache_id);
+      if (it == caches_.end() || t.batch_index >= it->second->layout.num_slots) return notFound();
+      entry = it->second;
+      slot = t.batch_index;
+      break;
+    }
+    case wire::TargetKind::kBlocks: {
+      auto it = blocks_index_.find(t.model_id);
+      if (it == blocks_index_.end()) return notFound();
+      entry = caches_.at(it->second);
+      slotted = false;
+      break;
+    }
+  }
+  const CacheLayout& L = entry->layout;
+  if (for_write && !entry->remote_accessible) {
+    return Status(Code::kParamInvalid, "cache " + std::to_string(entry->id) +
+                                           " is not remote accessible; register it with remote_accessible=True");
+  }
+  if (body.block_size != 0 && body.block_size != L.stride()) {
+    return Status(Code::kParamInvalid, "block size mismatch: requester uses " + std::to_string(body.block_size) +
+                                           " bytes per block, " + t.describe() + " has " +
+                                           std::to_string(L.stride()));
+  }
+  Resolved r;
+  r.entry = entry;
+  r.base = slotted ? slot * L.stride() : 0;
+  r.limit = slotted ? L.stride() : L.tensor_size;
+  for (uint32_t tensor : body.tensors) {
+    if (tensor >= L.num_tensors) {
+      return Status(Code::kParamInvalid, "tensor index " + std::to_string(tensor) + " out of range: " +
+                                             t.describe() + " has " + std::to_string(L.num_tensors) + " tensors");
+    }
+  }
+  for (const wire::Run& run : body.runs) {
+    uint64_t end = 0;
+    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) || end > r.limit) {
+      return Status(Code::kParamInvalid, "access [" + std::to_string(run.offset) + ", +" +
+                                             std::to_string(run.length) + ") is outside " + t.describe() +
+                                             " (" + std::to_string(r.limit) + " bytes)");
+    }
+  }
+  return r;
+}
+
+void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::pair<int64_t, uint64_t> where;
+  if (t.kind == wire::TargetKind::kRequestKey) {
+    auto it = req_index_.find({t.req_id, t.model_id});
+    if (it == req_index_.end()) return;
+    where = it->second;
+  } else if (t.kind == wire::TargetKind::kIdIndex) {
+    where = {t.cache_id, t.batch_index};
+  } else {
+    return;  // prefix keys and blocks caches are never consumed by reads
+  }
+  auto c = caches_.find(where.first);
+  if (c == caches_.end() || !c->second->owned) return;
+  auto b = bindings_.find(where.first);
+  if (b == bindings_.end()) return;
+  auto s = b->second.find(where.second);
+  if (s == b->second.end() || !s->second.key.hasReq()) return;
+  for (uint32_t tensor : tensors) {
+    if (tensor < c->second->layout.num_tensors) s->second.read_tensors.insert(tensor);
+  }
+  if (s->second.read_tensors.size() >= c->second->layout.num_tensors) {
+    unbindLocked(where.first, where.second);
+    maybeFreeLocked(where.first);
+  }
+}
+
+size_t Registry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return caches_.size();
+}
+
+void Registry::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  caches_.clear();
+  id_refs_.clear();
+  bindings_.clear();
+  req_index_.clear();
+  prefix_index_.clear();
+  blocks_index_.clear();
+}
+
+}  // namespace pdlink

@@ -1,0 +1,248 @@
+#include "transport/socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace pdlink {
+namespace {
+
+constexpr size_t kMaxIov = 1024;  // IOV_MAX on Linux
+
+void setNoDelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Drops `n` consumed bytes from the front of an iovec array.
+void advance(std::vector<iovec>& iov, size_t& first, size_t n) {
+  while (n > 0 && first < iov.size()) {
+    if (n >= iov[first].iov_len) {
+      n -= iov[first].iov_len;
+      iov[first].iov_len = 0;
+      ++first;
+    } else {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + n;
+      iov[first].iov_len -= n;
+      n = 0;
+    }
+  }
+  while (first < iov.size() && iov[first].iov_len == 0) ++first;
+}
+
+Result<sockaddr_in> resolve(const std::string& ip, uint16_t port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (::inet_pton(AF_INET, ip.c_str(), &addr.sin_addr) == 1) return addr;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(ip.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
+    return Status(Code::kParamInvalid, "cannot resolve address '" + ip + "'");
+  }
+  addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  ::freeaddrinfo(res);
+  return addr;
+}
+
+}  // namespace
+
+Socket::Socket(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
+
+Socket::~Socket() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Socket::Socket(Socket&& other) noexcept : fd_(other.fd_), peer_(std::move(other.peer_)) {
+  other.fd_ = -1;
+}
+
+Socket& Socket::operator=(Socket&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    peer_ = std::move(other.peer_);
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+Result<Socket> Socket::connect(const std::string& ip, uint16_t port, Deadline deadline) {
+  auto addr = resolve(ip, port);
+  if (!addr.ok()) return addr.status();
+  std::string peer = ip + ":" + std::to_string(port);
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return Status(Code::kLinkFailed, "socket() failed: " + std::string(strerror(errno)));
+  Socket sock(fd, peer);
+  setNoDelay(fd);
+  int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr.value()), sizeof(sockaddr_in));
+  if (rc != 0 && errno != EINPROGRESS) {
+    return Status(Code::kLinkFailed, "connect to " + peer + " failed: " + strerror(errno));
+  }
+  if (rc != 0) {
+    PDLINK_RETURN_IF_ERROR(sock.waitFor(POLLOUT, deadline, "connect"));
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) {
+      return Status(Code::kLinkFailed, "connect to " + peer + " failed: " + strerror(err));
+    }
+  }
+  return sock;
+}
+
+Status Socket::ioError(const char* what, int err) const {
+  if (err == 0) return Status(Code::kLinkFailed, std::string(what) + ": connection to " + peer_ + " closed by peer");
+  return Status(Code::kLinkFailed, std::string(what) + " with " + peer_ + " failed: " + strerror(err));
+}
+
+Status Socket::waitFor(short events, Deadline deadline, const char* what) {
+  if (fd_ < 0) return Status(Code::kLinkFailed, std::string(what) + ": socket is closed");
+  for (;;) {
+    pollfd p{fd_, events, 0};
+    int timeout = deadline.remainingMsForPoll();
+    int rc = ::poll(&p, 1, timeout);
+    if (rc > 0) {
+      if (p.revents & POLLNVAL) return Status(Code::kLinkFailed, std::string(what) + ": socket is closed");
+      return Status::OK();  // readiness, hang-up or error: the next syscall reports which
+    }
+    if (rc == 0) {
+      return Status(Code::kTimeout, std::string(what) + " with " + peer_ + " timed out");
+    }
+    if (errno != EINTR) return ioError(what, errno);
+  }
+}
+
+Status Socket::waitReadable(Deadline deadline) { return waitFor(POLLIN, deadline, "receive"); }
+
+Status Socket::sendAll(const void* data, size_t len, Deadline deadline) {
+  std::vector<iovec> iov{{const_cast<void*>(data), len}};
+  return sendv(iov, deadline);
+}
+
+Status Socket::recvAll(void* data, size_t len, Deadline deadline) {
+  std::vector<iovec> iov{{data, len}};
+  return recvv(iov, deadline);
+}
+
+Status Socket::sendv(std::vector<iovec>& iov, Deadline deadline) {
+  size_t first = 0;
+  advance(iov, first, 0);
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = &iov[first];
+    msg.msg_iovlen = std::min(kMaxIov, iov.size() - first);
+    ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      advance(iov, first, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      PDLINK_RETURN_IF_ERROR(waitFor(POLLOUT, deadline, "send"));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return ioError("send", n < 0 ? errno : 0);
+  }
+  return Status::OK();
+}
+
+Status Socket::recvv(std::vector<iovec>& iov, Deadline deadline) {
+  size_t first = 0;
+  advance(iov, first, 0);
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = &iov[first];
+    msg.msg_iovlen = std::min(kMaxIov, iov.size() - first);
+    ssize_t n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+    if (n > 0) {
+      advance(iov, first, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      PDLINK_RETURN_IF_ERROR(waitFor(POLLIN, deadline, "receive"));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return ioError("receive", n < 0 ? errno : 0);
+  }
+  return Status::OK();
+}
+
+Status Socket::discard(uint64_t len, Deadline deadline) {
+  char buf[64 * 1024];
+  while (len > 0) {
+    size_t chunk = static_cast<size_t>(std::min<uint64_t>(len, sizeof(buf)));
+    PDLINK_RETURN_IF_ERROR(recvAll(buf, chunk, deadline));
+    len -= chunk;
+  }
+  return Status::OK();
+}
+
+void Socket::shutdown() {
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+Result<ListenSocket> ListenSocket::bind(const std::string& ip, uint16_t port) {
+  auto addr = resolve(ip, port);
+  if (!addr.ok()) return addr.status();
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return Status(Code::kFailed, "socket() failed: " + std::string(strerror(errno)));
+  ListenSocket ls;
+  ls.fd_ = fd;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  std::string where = ip + ":" + std::to_string(port);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr.value()), sizeof(sockaddr_in)) != 0) {
+    return Status(Code::kParamInvalid, "cannot listen on " + where + ": " + strerror(errno));
+  }
+  if (::listen(fd, 128) != 0) {
+    return Status(Code::kFailed, "listen on " + where + " failed: " + strerror(errno));
+  }
+  sockaddr_in bound{};
+  socklen_t len = sizeof(bound);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  ls.port_ = ntohs(bound.sin_port);
+  return ls;
+}
+
+ListenSocket::~ListenSocket() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ListenSocket::ListenSocket(ListenSocket&& other) noexcept : fd_(other.fd_), port_(other.port_) {
+  other.fd_ = -1;
+}
+
+ListenSocket& ListenSocket::operator=(ListenSocket&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    port_ = other.port_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+Socket ListenSocket::acceptOne() {
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  int fd = ::accept4(fd_, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) return Socket();
+  setNoDelay(fd);
+  char buf[INET_ADDRSTRLEN] = {0};
+  ::inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof(buf));
+  return Socket(fd, std::string(buf) + ":" + std::to_string(ntohs(addr.sin_port)));
+}
+
+}  // namespace pdlink

@@ -1,0 +1,216 @@
+#include "transport/wire.h"
+
+#include <cstring>
+
+namespace pdlink::wire {
+namespace {
+
+class Writer {
+ public:
+  template <class T>
+  void put(T v) {
+    char buf[sizeof(T)];
+    std::memcpy(buf, &v, sizeof(T));  // hosts are little-endian (x86-64, aarch64)
+    out_.append(buf, sizeof(T));
+  }
+  void bytes(const std::string& s) { out_.append(s); }
+  std::string take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+// Bounds-checked reader: every get() fails cleanly past the end instead of reading beyond it.
+class Reader {
+ public:
+  Reader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  template <class T>
+  bool get(T* v) {
+    if (n_ - pos_ < sizeof(T)) return false;
+    std::memcpy(v, p_ + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  size_t left() const { return n_ - pos_; }
+
+ private:
+  const uint8_t* p_;
+  size_t n_;
+  size_t pos_ = 0;
+};
+
+Status malformed(const char* what) {
+  return Status(Code::kLinkFailed, std::string("malformed ") + what + " frame from peer");
+}
+
+}  // namespace
+
+std::string encode(const Hello& h) {
+  Writer w;
+  w.put(kHelloMagic);
+  w.put(h.version);
+  w.put(static_cast<uint8_t>(h.channel));
+  w.put(h.flags);
+  w.put(h.cluster_id);
+  w.put(h.expected_peer);
+  w.put(h.nonce);
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, Hello* out) {
+  Reader r(p, n);
+  uint32_t magic = 0;
+  uint8_t channel = 0;
+  if (!r.get(&magic) || magic != kHelloMagic) {
+    return Status(Code::kLinkFailed, "peer is not a pdlink endpoint (bad hello magic)");
+  }
+  if (!r.get(&out->version) || !r.get(&channel) || !r.get(&out->flags) || !r.get(&out->cluster_id) ||
+      !r.get(&out->expected_peer) || !r.get(&out->nonce)) {
+    return malformed("hello");
+  }
+  if (channel > 1) return malformed("hello");
+  out->channel = static_cast<Channel>(channel);
+  return Status::OK();
+}
+
+std::string encode(const HelloAck& a) {
+  Writer w;
+  w.put(kAckMagic);
+  w.put(a.version);
+  w.put(a.status);
+  w.put(a.cluster_id);
+  w.put(static_cast<uint32_t>(a.message.size()));
+  w.bytes(a.message);
+  return w.take();
+}
+
+Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_len) {
+  Reader r(p, n);
+  uint32_t magic = 0;
+  if (!r.get(&magic) || magic != kAckMagic) {
+    return Status(Code::kLinkFailed, "peer is not a pdlink endpoint (bad hello-ack magic)");
+  }
+  if (!r.get(&out->version) || !r.get(&out->status) || !r.get(&out->cluster_id) || !r.get(message_len)) {
+    return malformed("hello-ack");
+  }
+  if (*message_len > kMaxMessageBytes) return malformed("hello-ack");
+  return Status::OK();
+}
+
+std::string encode(const RequestHeader& h) {
+  Writer w;
+  w.put(kRequestMagic);
+  w.put(static_cast<uint8_t>(h.op));
+  w.put(uint8_t{0});
+  w.put(uint16_t{0});
+  w.put(h.body_len);
+  w.put(h.payload_len);
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
+  Reader r(p, n);
+  uint32_t magic = 0;
+  uint8_t op = 0, pad8 = 0;
+  uint16_t pad16 = 0;
+  if (!r.get(&magic) || magic != kRequestMagic) return malformed("request");
+  if (!r.get(&op) || !r.get(&pad8) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
+    return malformed("request");
+  }
+  if (op < 1 || op > 4 || out->body_len > kMaxBodyBytes) return malformed("request");
+  out->op = static_cast<Op>(op);
+  return Status::OK();
+}
+
+std::string encode(const ResponseHeader& h) {
+  Writer w;
+  w.put(kResponseMagic);
+  w.put(h.status);
+  w.put(h.message_len);
+  w.put(h.payload_len);
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, ResponseHeader* out) {
+  Reader r(p, n);
+  uint32_t magic = 0;
+  if (!r.get(&magic) || magic != kResponseMagic) return malformed("response");
+  if (!r.get(&out->status) || !r.get(&out->message_len) || !r.get(&out->payload_len)) {
+    return malformed("response");
+  }
+  if (out->message_len > kMaxMessageBytes || !isKnownCode(out->status)) return malformed("response");
+  return Status::OK();
+}
+
+std::string Target::describe() const {
+  switch (kind) {
+    case TargetKind::kRequestKey:
+      return "request key (req_id=" + std::to_string(req_id) + ", model_id=" + std::to_string(model_id) + ")";
+    case TargetKind::kPrefixKey:
+      return "prefix key (prefix_id=" + std::to_string(prefix_id) + ", model_id=" + std::to_string(model_id) + ")";
+    case TargetKind::kIdIndex:
+      return "cache (cache_id=" + std::to_string(cache_id) + ", batch_index=" + std::to_string(batch_index) + ")";
+    case TargetKind::kBlocks:
+      return "blocks cache (model_id=" + std::to_string(model_id) + ")";
+  }
+  return "unknown target";
+}
+
+Result<uint64_t> TransferBody::payloadBytes() const {
+  uint64_t per_tensor = 0;
+  for (const Run& r : runs) {
+    if (__builtin_add_overflow(per_tensor, r.length, &per_tensor)) {
+      return Status(Code::kParamInvalid, "transfer size overflows");
+    }
+  }
+  uint64_t total = 0;
+  if (__builtin_mul_overflow(per_tensor, static_cast<uint64_t>(tensors.size()), &total)) {
+    return Status(Code::kParamInvalid, "transfer size overflows");
+  }
+  return total;
+}
+
+std::string encode(const TransferBody& b) {
+  Writer w;
+  w.put(static_cast<uint8_t>(b.target.kind));
+  w.put(b.target.model_id);
+  w.put(b.target.req_id);
+  w.put(b.target.prefix_id);
+  w.put(b.target.cache_id);
+  w.put(b.target.batch_index);
+  w.put(b.block_size);
+  w.put(static_cast<uint32_t>(b.tensors.size()));
+  for (uint32_t t : b.tensors) w.put(t);
+  w.put(static_cast<uint32_t>(b.runs.size()));
+  for (const Run& r : b.runs) {
+    w.put(r.offset);
+    w.put(r.length);
+  }
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, TransferBody* out) {
+  Reader r(p, n);
+  uint8_t kind = 0;
+  uint32_t count = 0;
+  Target& t = out->target;
+  if (!r.get(&kind) || !r.get(&t.model_id) || !r.get(&t.req_id) || !r.get(&t.prefix_id) ||
+      !r.get(&t.cache_id) || !r.get(&t.batch_index) || !r.get(&out->block_size)) {
+    return malformed("transfer");
+  }
+  if (kind < 1 || kind > 4) return malformed("transfer");
+  t.kind = static_cast<TargetKind>(kind);
+  if (!r.get(&count) || count > r.left() / sizeof(uint32_t)) return malformed("transfer");
+  out->tensors.resize(count);
+  for (uint32_t i = 0; i < count; ++i) r.get(&out->tensors[i]);
+  if (!r.get(&count) || count > r.left() / (2 * sizeof(uint64_t))) return malformed("transfer");
+  out->runs.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    r.get(&out->runs[i].offset);
+    r.get(&out->runs[i].length);
+  }
+  if (r.left() != 0) return malformed("transfer");
+  return Status::OK();
+}
+
+}  // namespace pdlink::wire

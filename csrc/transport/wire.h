@@ -1,0 +1,122 @@
+// The pdlink wire protocol (version 1), spoken over each TCP channel of a link.
+//
+// A link is two TCP connections opened by the initiator to the acceptor's listener:
+//   FORWARD: the initiator sends requests, the acceptor serves them;
+//   REVERSE: the acceptor sends requests, the initiator serves them.
+// So each side has one channel it requests on and one it serves on, and a transfer is one-sided:
+// the serving side answers from a C++ thread without any Python involvement.
+//
+// Every connection starts with a Hello from the initiator and a HelloAck from the acceptor. After
+// that, frames are a fixed RequestHeader (+ body + payload) answered by a ResponseHeader
+// (+ message + payload). All integers are little-endian. Nothing read off the wire is trusted:
+// decoders bound every length and count before using it, and the serving side checks every
+// access against the caches it has registered (engine/registry.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace pdlink::wire {
+
+constexpr uint32_t kHelloMagic = 0x4B4C4450;     // "PDLK"
+constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
+constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
+constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
+constexpr uint16_t kProtocolVersion = 1;
+
+constexpr uint32_t kMaxBodyBytes = 64u << 20;   // request descriptors (block runs etc.)
+constexpr uint32_t kMaxMessageBytes = 64u << 10;  // error text in responses and acks
+
+enum class Channel : uint8_t { kForward = 0, kReverse = 1 };
+
+struct Hello {
+  uint16_t version = kProtocolVersion;
+  Channel channel = Channel::kForward;
+  uint8_t flags = 0;
+  uint64_t cluster_id = 0;     // the sender's own cluster id
+  uint64_t expected_peer = 0;  // the cluster id the sender believes it is dialling
+  uint64_t nonce = 0;          // pairs the FORWARD and REVERSE channels of one link
+};
+constexpr size_t kHelloBytes = 32;
+std::string encode(const Hello& h);
+// Rejects a wrong magic (garbage) with kLinkFailed; a version mismatch is reported by the caller.
+Status decode(const uint8_t* p, size_t n, Hello* out);
+
+struct HelloAck {
+  uint16_t version = kProtocolVersion;
+  uint32_t status = 0;  // an LLMStatusCode value
+  uint64_t cluster_id = 0;
+  std::string message;
+};
+constexpr size_t kHelloAckFixedBytes = 22;
+std::string encode(const HelloAck& a);
+// Decodes the fixed part; `message_len` tells how many message bytes follow.
+Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_len);
+
+enum class Op : uint8_t {
+  kRead = 1,    // serve bytes of a registered cache       -> Response + payload
+  kWrite = 2,   // payload follows; store into a cache       -> Response
+  kCommit = 3,  // a read by request key completed: release  (no response)
+  kUnlink = 4,  // the peer tears the link down              -> Response
+};
+
+struct RequestHeader {
+  Op op = Op::kRead;
+  uint32_t body_len = 0;
+  uint64_t payload_len = 0;
+};
+constexpr size_t kRequestHeaderBytes = 20;
+std::string encode(const RequestHeader& h);
+Status decode(const uint8_t* p, size_t n, RequestHeader* out);
+
+struct ResponseHeader {
+  uint32_t status = 0;
+  uint32_t message_len = 0;
+  uint64_t payload_len = 0;
+};
+constexpr size_t kResponseHeaderBytes = 20;
+std::string encode(const ResponseHeader& h);
+Status decode(const uint8_t* p, size_t n, ResponseHeader* out);
+
+// How the serving side finds the cache a transfer addresses.
+enum class TargetKind : uint8_t {
+  kRequestKey = 1,  // (req_id, model_id) -> (cache, slot)
+  kPrefixKey = 2,   // (prefix_id, model_id) -> (cache, slot)
+  kIdIndex = 3,     // (cache_id, batch_index) -> (cache, slot)
+  kBlocks = 4,      // model_id -> blocks cache; offsets are from the tensor start
+};
+
+struct Target {
+  TargetKind kind = TargetKind::kBlocks;
+  uint64_t model_id = 0;
+  uint64_t req_id = 0;
+  uint64_t prefix_id = 0;
+  int64_t cache_id = 0;
+  uint64_t batch_index = 0;
+  std::string describe() const;
+};
+
+// One contiguous byte range, relative to the target's base (the slot for key targets, the tensor
+// start for kBlocks).
+struct Run {
+  uint64_t offset;
+  uint64_t length;
+};
+
+// The body of kRead, kWrite and kCommit. The same runs apply to every listed tensor; the payload is
+// tensor-major: for each tensor in `tensors`, for each run, `length` bytes.
+struct TransferBody {
+  Target target;
+  uint64_t block_size = 0;  // kBlocks: the requester's block size, must equal the server's stride
+  std::vector<uint32_t> tensors;
+  std::vector<Run> runs;
+  // Total payload bytes, or an error if the descriptor would overflow 64 bits.
+  Result<uint64_t> payloadBytes() const;
+};
+std::string encode(const TransferBody& b);
+Status decode(const uint8_t* p, size_t n, TransferBody* out);
+
+}  // namespace pdlink::wire

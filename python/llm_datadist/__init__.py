@@ -1,0 +1,44 @@
+"""Drop-in ``llm_datadist`` package backed by pdlink.
+
+Serving code written for Huawei's LLM-DataDist imports this package unchanged:
+
+    from llm_datadist import LLMDataDist, LLMRole, LLMConfig, CacheDesc, BlocksCacheKey
+
+Everything here is re-exported from ``pdlink``; see pdlink's docs for what differs.
+"""
+
+import os as _os
+
+# llm_datadist sets this on import when it is unset (spec 1.1).
+_os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
+
+from pdlink.configs import LLMClusterInfo, LlmConfig, LLMConfig, LLMRole  # noqa: E402
+from pdlink.data_type import DataType  # noqa: E402
+from pdlink.llm_datadist import LLMDataDist  # noqa: E402
+from pdlink.llm_types import (  # noqa: E402
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    KvCache,
+    LayerSynchronizer,
+    MemInfo,
+    Memtype,
+    Placement,
+    RegisterMemStatus,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from pdlink.status import LLMException, LLMStatusCode, Status  # noqa: E402
+
+__all__ = [
+    "LLMClusterInfo", "LLMStatusCode", "LLMException", "Status", "LLMRole", "LlmConfig", "LLMConfig",
+    "DataType", "Placement", "RegisterMemStatus", "Memtype", "MemInfo", "CacheDesc", "CacheKey",
+    "CacheKeyByIdAndIndex", "BlocksCacheKey", "Cache", "KvCache", "LayerSynchronizer", "TransferConfig",
+    "TransferWithCacheKeyConfig", "LLMDataDist",
+]
+
+
+def __getattr__(name):
+    raise AttributeError(f"module 'llm_datadist' has no attribute {name!r}")

@@ -1,0 +1,58 @@
+"""pdlink: move KV caches between prefill and decode instances.
+
+An open implementation of the ``llm_datadist`` Python API (Huawei Ascend LLM-DataDist) on a
+portable C++ core. ``import pdlink`` is light: the native module and the heavier submodules
+load on first use of a name that needs them.
+
+    from pdlink import LLMDataDist, LLMRole, LLMConfig, CacheDesc, BlocksCacheKey
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, List
+
+__version__ = "0.1.0"
+
+# Public name -> submodule that defines it. Mirrors llm_datadist's eager export list (spec 1.1).
+_EXPORTS = {
+    "LLMStatusCode": "status",
+    "LLMException": "status",
+    "Status": "status",
+    "code_2_status": "status",
+    "LLMRole": "configs",
+    "LLMClusterInfo": "configs",
+    "LlmConfig": "configs",
+    "LLMConfig": "configs",
+    "DataType": "data_type",
+    "Placement": "llm_types",
+    "RegisterMemStatus": "llm_types",
+    "Memtype": "llm_types",
+    "MemInfo": "llm_types",
+    "CacheDesc": "llm_types",
+    "CacheKey": "llm_types",
+    "CacheKeyByIdAndIndex": "llm_types",
+    "BlocksCacheKey": "llm_types",
+    "Cache": "llm_types",
+    "KvCache": "llm_types",
+    "LayerSynchronizer": "llm_types",
+    "TransferConfig": "llm_types",
+    "TransferWithCacheKeyConfig": "llm_types",
+    "CacheManager": "cache_manager",
+    "LLMDataDist": "llm_datadist",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdlink' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

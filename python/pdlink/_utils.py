@@ -1,0 +1,259 @@
+"""Argument validation helpers shared by the pure-Python layer (spec 3.2).
+
+Error conventions:
+
+* wrong Python type (or wrong element type in a list/dict) -> ``TypeError``
+  ``"<name> only support ['int'], but got <class 'str'>."``;
+* an int outside its C range -> ``ValueError``
+  ``"<name>'s value is out of range,<v> is not a uint64 value."``;
+* semantic problems -> ``LLMException(status_code=LLM_PARAM_INVALID)`` through
+  ``raise_if_false`` / ``raise_if_true`` (defined in ``pdlink.status``, re-exported here).
+
+``bool`` is a subclass of ``int`` in Python, but ``True``/``False`` are never accepted
+where an ``int`` is required: a bool only matches when ``bool`` itself is among the
+accepted types.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence, Tuple, Union
+
+from .status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
+
+__all__ = [
+    "UINT8_MAX",
+    "UINT16_MAX",
+    "INT32_MIN",
+    "INT32_MAX",
+    "UINT32_MAX",
+    "INT64_MIN",
+    "INT64_MAX",
+    "UINT64_MAX",
+    "INVALID_ID",
+    "check_isinstance",
+    "check_list_of",
+    "check_dict",
+    "check_uint8",
+    "check_uint16",
+    "check_int32",
+    "check_uint32",
+    "check_int64",
+    "check_uint64",
+    "check_list_int32",
+    "check_list_uint32",
+    "check_list_int64",
+    "check_list_uint64",
+    "check_layer_range",
+    "is_valid_id",
+    "raise_if_false",
+    "raise_if_true",
+    "LLMException",
+    "LLMStatusCode",
+]
+
+logger = logging.getLogger("pdlink")
+
+UINT8_MAX = 2**8 - 1
+UINT16_MAX = 2**16 - 1
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
+# Marker for "no id" (default prefix_id, padding req_id).
+INVALID_ID = UINT64_MAX
+
+TypeSpec = Union[type, Sequence[type]]
+
+
+def _as_type_tuple(types: TypeSpec) -> Tuple[type, ...]:
+    if isinstance(types, type):
+        return (types,)
+    return tuple(types)
+
+
+def _type_names(types: Tuple[type, ...]) -> list:
+    return [getattr(t, "__name__", str(t)) for t in types]
+
+
+def _matches(value: Any, types: Tuple[type, ...]) -> bool:
+    # bool is a subclass of int; True/False must not pass as an int (or as an
+    # IntEnum-compatible int). A bool only matches when bool (or object) is listed.
+    if isinstance(value, bool) and bool not in types and object not in types:
+        return False
+    return isinstance(value, types)
+
+
+def check_isinstance(
+    arg_name: str,
+    arg_value: Any,
+    types: TypeSpec,
+    allow_none: bool = True,
+    *,
+    inner_types: Optional[TypeSpec] = None,
+    extra_fmt: str = "",
+) -> Any:
+    """Check that ``arg_value`` is an instance of one of ``types`` and return it.
+
+    * ``types``: one type or a list/tuple of types.
+    * ``allow_none``: when True (default), ``None`` is accepted without further checks.
+    * ``inner_types``: when given, every element of ``arg_value`` (an iterable) must be an
+      instance of one of these types.
+    * ``extra_fmt``: prefix prepended to the error message.
+
+    Raises ``TypeError(f"{extra_fmt}{arg_name} only support {names}, but got {type(arg_value)}.")``
+    where ``names`` is the list of accepted type names, e.g. ``['int']``. For a bad element the
+    message is ``"{arg_name} inner type only support {names}, but got {type(elem)}."``.
+    A ``bool`` never matches ``int`` unless ``bool`` is listed.
+    """
+    if arg_value is None and allow_none:
+        return arg_value
+    type_tuple = _as_type_tuple(types)
+    if not _matches(arg_value, type_tuple):
+        raise TypeError(
+            f"{extra_fmt}{arg_name} only support {_type_names(type_tuple)}, but got {type(arg_value)}."
+        )
+    if inner_types is not None:
+        inner_tuple = _as_type_tuple(inner_types)
+        for elem in arg_value:
+            if not _matches(elem, inner_tuple):
+                raise TypeError(
+                    f"{extra_fmt}{arg_name} inner type only support {_type_names(inner_tuple)}, "
+                    f"but got {type(elem)}."
+                )
+    return arg_value
+
+
+def check_list_of(
+    arg_name: str,
+    seq: Any,
+    elem_types: TypeSpec,
+    seq_types: TypeSpec = (list, tuple),
+    allow_none: bool = False,
+) -> Any:
+    """Check that ``seq`` is one of ``seq_types`` (default list or tuple) whose elements are all
+    instances of ``elem_types``; return ``seq``. ``TypeError`` on any mismatch. ``None`` is
+    rejected unless ``allow_none``."""
+    return check_isinstance(arg_name, seq, seq_types, allow_none, inner_types=elem_types)
+
+
+def check_dict(
+    arg_name: str,
+    value: Any,
+    key_types: TypeSpec,
+    value_types: TypeSpec,
+    allow_none: bool = False,
+) -> Any:
+    """Check that ``value`` is a dict whose keys are ``key_types`` and values ``value_types``.
+
+    Raises ``TypeError`` with ``"{arg_name} dict key only support ..."`` or
+    ``"{arg_name} dict value only support ..."``. Returns ``value``.
+    """
+    if value is None and allow_none:
+        return value
+    check_isinstance(arg_name, value, dict, allow_none=False)
+    key_tuple = _as_type_tuple(key_types)
+    value_tuple = _as_type_tuple(value_types)
+    for k, v in value.items():
+        if not _matches(k, key_tuple):
+            raise TypeError(
+                f"{arg_name} dict key only support {_type_names(key_tuple)}, but got {type(k)}."
+            )
+        if not _matches(v, value_tuple):
+            raise TypeError(
+                f"{arg_name} dict value only support {_type_names(value_tuple)}, but got {type(v)}."
+            )
+    return value
+
+
+def _check_int_range(arg_name: str, arg_value: Any, low: int, high: int, type_word: str) -> int:
+    check_isinstance(arg_name, arg_value, int, allow_none=False)
+    if arg_value < low or arg_value > high:
+        raise ValueError(f"{arg_name}'s value is out of range,{arg_value} is not a {type_word} value.")
+    return arg_value
+
+
+def check_uint8(arg_name: str, arg_value: Any) -> int:
+    """``int`` in [0, 2**8-1]; ``TypeError`` / ``ValueError`` otherwise. Returns the value."""
+    return _check_int_range(arg_name, arg_value, 0, UINT8_MAX, "uint8")
+
+
+def check_uint16(arg_name: str, arg_value: Any) -> int:
+    """``int`` in [0, 2**16-1]; ``TypeError`` / ``ValueError`` otherwise. Returns the value."""
+    return _check_int_range(arg_name, arg_value, 0, UINT16_MAX, "uint16")
+
+
+def check_int32(arg_name: str, arg_value: Any) -> int:
+    """``int`` in [-2**31, 2**31-1]; ``TypeError`` / ``ValueError`` otherwise. Returns the value."""
+    return _check_int_range(arg_name, arg_value, INT32_MIN, INT32_MAX, "int32")
+
+
+def check_uint32(arg_name: str, arg_value: Any) -> int:
+    """``int`` in [0, 2**32-1]; ``TypeError`` / ``ValueError`` otherwise. Returns the value."""
+    return _check_int_range(arg_name, arg_value, 0, UINT32_MAX, "uint32")
+
+
+def check_int64(arg_name: str, arg_value: Any) -> int:
+    """``int`` in [-2**63, 2**63-1]; ``TypeError`` / ``ValueError`` otherwise. Returns the value."""
+    return _check_int_range(arg_name, arg_value, INT64_MIN, INT64_MAX, "int64")
+
+
+def check_uint64(arg_name: str, arg_value: Any) -> int:
+    """``int`` in [0, 2**64-1]; ``TypeError`` / ``ValueError`` otherwise. Returns the value."""
+    return _check_int_range(arg_name, arg_value, 0, UINT64_MAX, "uint64")
+
+
+def _check_list_range(arg_name: str, seq: Any, checker, allow_none: bool) -> Any:
+    if seq is None and allow_none:
+        return seq
+    check_list_of(arg_name, seq, int)
+    for v in seq:
+        checker(arg_name, v)
+    return seq
+
+
+def check_list_int32(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
+    """list/tuple whose elements are all int32 (``TypeError`` / ``ValueError``). Returns ``seq``."""
+    return _check_list_range(arg_name, seq, check_int32, allow_none)
+
+
+def check_list_uint32(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
+    """list/tuple whose elements are all uint32 (``TypeError`` / ``ValueError``). Returns ``seq``."""
+    return _check_list_range(arg_name, seq, check_uint32, allow_none)
+
+
+def check_list_int64(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
+    """list/tuple whose elements are all int64 (``TypeError`` / ``ValueError``). Returns ``seq``."""
+    return _check_list_range(arg_name, seq, check_int64, allow_none)
+
+
+def check_list_uint64(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
+    """list/tuple whose elements are all uint64 (``TypeError`` / ``ValueError``). Returns ``seq``."""
+    return _check_list_range(arg_name, seq, check_uint64, allow_none)
+
+
+def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) -> Optional[range]:
+    """Validate a layer range (spec 7.8/7.9).
+
+    * ``None`` is accepted when ``allow_none`` (else ``TypeError``); any non-``range`` -> ``TypeError``.
+    * ``step`` must be 1 and ``0 <= start < stop`` -> ``LLMException(LLM_PARAM_INVALID)`` otherwise.
+
+    Returns ``layer_range``.
+    """
+    if layer_range is None and allow_none:
+        return None
+    check_isinstance(arg_name, layer_range, range, allow_none=False)
+    raise_if_false(layer_range.step == 1, f"{arg_name}.step should be 1, but got {layer_range}.")
+    raise_if_false(
+        0 <= layer_range.start < layer_range.stop,
+        f"{arg_name} should satisfy 0 <= start < stop, but got {layer_range}.",
+    )
+    return layer_range
+
+
+def is_valid_id(value: Any) -> bool:
+    """True when ``value`` is an int in ``[0, 2**64-1)`` (i.e. a real req_id/prefix_id, not the
+    ``INVALID_ID`` marker)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INVALID_ID

@@ -1,0 +1,448 @@
+"""``CacheManager``: llm_datadist's v2 ("CacheManager mode") cache API (spec section 8).
+
+This layer validates arguments exactly as llm_datadist does (``TypeError`` / ``ValueError`` /
+``LLMException(LLM_PARAM_INVALID)``, spec 3.2), turns keys and layer ranges into the native
+engine's terms, and calls ``pdlink._core.Engine``. Byte movement, bounds checks, key
+indexes and reference counting live in the C++ core; native failures become ``LLMException``
+in the binding (one place). No per-block Python objects are created: block lists go to the
+core as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from ._utils import (
+    check_dict,
+    check_int64,
+    check_isinstance,
+    check_list_int64,
+    check_list_of,
+    check_list_uint64,
+    check_uint32,
+    is_valid_id,
+    raise_if_false,
+    raise_if_true,
+)
+from .llm_types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    MemInfo,
+    Memtype,
+    Placement,
+)
+from .status import LLMException, LLMStatusCode
+
+__all__ = ["CacheManager"]
+
+logger = logging.getLogger("pdlink")
+
+_NO_ID = 2**64 - 1
+
+# wire::TargetKind and TransferSpec::Mode values of the native core (csrc/transport/wire.h,
+# csrc/engine/engine.h).
+_TARGET_REQUEST_KEY, _TARGET_PREFIX_KEY, _TARGET_ID_INDEX, _TARGET_BLOCKS = 1, 2, 3, 4
+_MODE_SLOT_TO_SLOT, _MODE_BLOCKS_TO_BLOCKS, _MODE_SLOT_TO_BLOCKS = 0, 1, 2
+
+_PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
+
+KeyLike = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
+
+
+def _target(key: KeyLike) -> Tuple[int, int, int, int, int, int]:
+    """(kind, model_id, req_id, prefix_id, cache_id, batch_index) addressing a remote cache."""
+    if isinstance(key, BlocksCacheKey):
+        return (_TARGET_BLOCKS, key.model_id, _NO_ID, _NO_ID, 0, 0)
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return (_TARGET_ID_INDEX, 0, _NO_ID, _NO_ID, key.cache_id, key.batch_index)
+    req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
+    raise_if_false(
+        req_ok != prefix_ok,
+        "exactly one of req_id and prefix_id must be valid in a pull key, got {}",
+        key,
+    )
+    if req_ok:
+        return (_TARGET_REQUEST_KEY, key.model_id, key.req_id, _NO_ID, 0, 0)
+    return (_TARGET_PREFIX_KEY, key.model_id, _NO_ID, key.prefix_id, 0, 0)
+
+
+def _layer_tensors(
+    cache: Cache,
+    src_layer_range: Optional[range],
+    dst_layer_range: Optional[range],
+    tensor_num_per_layer: int,
+) -> Tuple[List[int], List[int]]:
+    """Tensor indices for (src, dst) from layer ranges; ([], []) means every tensor i -> i."""
+    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+    raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0")
+    for name, r in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+        check_isinstance(name, r, range)
+        if r is not None:
+            raise_if_false(r.step == 1, f"{name}.step should be 1, but got {r}.")
+            raise_if_false(0 <= r.start < r.stop, f"{name} should satisfy 0 <= start < stop, but got {r}.")
+    if src_layer_range is None and dst_layer_range is None:
+        return [], []
+    n = tensor_num_per_layer
+    raise_if_false(
+        cache.cache_desc.num_tensors % n == 0,
+        f"num_tensors {cache.cache_desc.num_tensors} is not a multiple of tensor_num_per_layer {n}",
+    )
+    src = src_layer_range if src_layer_range is not None else dst_layer_range
+    dst = dst_layer_range if dst_layer_range is not None else src_layer_range
+    raise_if_false(len(src) == len(dst), f"src_layer_range {src} and dst_layer_range {dst} differ in length")
+    return list(range(src.start * n, src.stop * n)), list(range(dst.start * n, dst.stop * n))
+
+
+def _check_cache(name: str, cache: Any) -> Cache:
+    check_isinstance(name, cache, Cache, allow_none=False)
+    raise_if_false(cache.cache_id > 0 and cache.tensor_addrs, f"{name} is not a live registered cache: {cache}")
+    return cache
+
+
+def _block_list(name: str, blocks: Any) -> Sequence[int]:
+    check_list_of(name, blocks, int)
+    return blocks
+
+
+class CacheManager:
+    """Registers, allocates and moves KV caches of one ``LLMDataDist`` (spec 8).
+
+    Obtain it from ``LLMDataDist.cache_manager``; do not construct it yourself.
+    Threading: methods may be called from several threads; transfers on one link are
+    serialised by the engine, transfers to different peers run in parallel.
+    """
+
+    def __init__(self, owner: Any, engine: Any, remote_cache_accessible: bool, has_pool: Dict[Placement, bool]):
+        self._owner = owner
+        self._engine = engine
+        self._remote_cache_accessible = remote_cache_accessible
+        self._has_pool = has_pool
+        self._initialized = True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _live_engine(self):
+        if not self._initialized:
+            raise RuntimeError("llm datadist is not initialized")
+        return self._engine
+
+    def _invalidate(self) -> None:
+        self._initialized = False
+
+    def _new_cache(self, desc: CacheDesc, handle: Tuple[int, List[int]], is_blocks: bool) -> Cache:
+        cache_id, addrs = handle
+        return Cache(cache_id, desc, list(addrs), is_blocks_cache=is_blocks)
+
+    @staticmethod
+    def _layout(desc: CacheDesc, is_blocks: bool) -> Tuple[int, int, int, bool, int]:
+        shape = desc.shape
+        raise_if_false(1 <= len(shape) <= 32, f"shape must have 1..32 dims, got {list(shape)}")
+        raise_if_false(shape[0] > 0, f"shape[0] must be > 0, got {list(shape)}")
+        return desc.num_tensors, desc.size, shape[0], is_blocks, int(desc.placement)
+
+    @staticmethod
+    def _keys(cache_keys: Sequence[CacheKey]) -> List[Tuple[int, int, int]]:
+        check_list_of("cache_keys", cache_keys, CacheKey)
+        return [(k.req_id, k.prefix_id, k.model_id) for k in cache_keys]
+
+    def _remote_accessible(self, desc: CacheDesc, remote_accessible: Optional[bool]) -> bool:
+        check_isinstance("remote_accessible", remote_accessible, bool)
+        linked = getattr(self._owner, "_is_call_linked", False)
+        if linked:
+            raise_if_true(remote_accessible is True, "remote_accessible=True is not allowed after link()")
+            return False
+        if remote_accessible is None:
+            return desc.placement == Placement.DEVICE
+        return remote_accessible
+
+    def _check_addrs(self, desc: CacheDesc, addrs: Any, exact: bool) -> List[int]:
+        check_list_uint64("addrs", addrs)
+        raise_if_false(len(addrs) > 0, "addrs must not be empty")
+        raise_if_false(all(a != 0 for a in addrs), "addrs must not contain 0")
+        if exact:
+            raise_if_false(
+                len(addrs) == desc.num_tensors,
+                f"addrs has {len(addrs)} entries but cache_desc.num_tensors is {desc.num_tensors}",
+            )
+        return list(addrs)
+
+    def _check_pool(self, desc: CacheDesc) -> None:
+        raise_if_false(desc.num_tensors > 0, "cache_desc.num_tensors must be > 0")
+        which = "mem_pool_cfg" if desc.placement == Placement.DEVICE else "host_mem_pool_cfg"
+        raise_if_false(
+            self._has_pool.get(desc.placement, False),
+            f"config memory pool firstly: allocating a {desc.placement} cache needs LLMConfig.{which}",
+        )
+
+    def _transfer(self, op: str, is_push: bool, key: KeyLike, cache: Cache, mode: int, *, slot: int = 0,
+                  size: int = -1, local_blocks: Sequence[int] = (), remote_blocks: Sequence[int] = (),
+                  local_tensors: Sequence[int] = (), remote_tensors: Sequence[int] = ()) -> None:
+        kind, model_id, req_id, prefix_id, cache_id, batch_index = _target(key)
+        self._live_engine().transfer(
+            is_push, op, key.cluster_id, kind, model_id, req_id, prefix_id, cache_id, batch_index,
+            cache.cache_id, mode, slot, size, local_blocks, remote_blocks, local_tensors, remote_tensors,
+        )
+
+    @staticmethod
+    def _pull_kwargs(cache: Cache, kwargs: Dict[str, Any]) -> Tuple[List[int], List[int]]:
+        unknown = sorted(set(kwargs) - set(_PULL_KWARGS))
+        raise_if_false(not unknown, f"unsupported keyword arguments: {unknown}")
+        return _layer_tensors(
+            cache,
+            kwargs.get("src_layer_range"),
+            kwargs.get("dst_layer_range"),
+            kwargs.get("tensor_num_per_layer", 2),
+        )
+
+    # ------------------------------------------------------------------ registration
+
+    def register_cache(self, cache_desc: CacheDesc, addrs: List[int], cache_keys: Sequence[CacheKey] = (),
+                       remote_accessible: Optional[bool] = None) -> Cache:
+        """Register user memory as a contiguous cache; ``cache_keys[i]`` names batch slot ``i``."""
+        engine = self._live_engine()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        addrs = self._check_addrs(cache_desc, addrs, exact=True)
+        keys = self._keys(cache_keys)
+        ra = self._remote_accessible(cache_desc, remote_accessible)
+        handle = engine.register_cache(*self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
+        return self._new_cache(cache_desc, handle, False)
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: List[int],
+                              blocks_cache_key: Optional[BlocksCacheKey] = None,
+                              remote_accessible: Optional[bool] = None) -> Cache:
+        """Register user memory as a blocks (paged) cache; a key publishes it under its model_id."""
+        engine = self._live_engine()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        addrs = self._check_addrs(cache_desc, addrs, exact=True)
+        ra = self._remote_accessible(cache_desc, remote_accessible)
+        model = blocks_cache_key.model_id if blocks_cache_key is not None else None
+        handle = engine.register_cache(*self._layout(cache_desc, True), addrs, [], model, ra, "register_blocks_cache")
+        return self._new_cache(cache_desc, handle, True)
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Remove a registered cache (and its keys). Call after unlinking its peers."""
+        engine = self._live_engine()
+        check_int64("cache_id", cache_id)
+        engine.unregister_cache(cache_id)
+
+    # ------------------------------------------------------------------ pool allocation
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
+        """Allocate a contiguous cache from the memory pool of its placement."""
+        engine = self._live_engine()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        keys = self._keys(cache_keys)
+        self._check_pool(cache_desc)
+        handle = engine.allocate_cache(*self._layout(cache_desc, False), keys, None, "allocate_cache")
+        return self._new_cache(cache_desc, handle, False)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: Optional[BlocksCacheKey] = None) -> Cache:
+        """Allocate a blocks cache from the memory pool of its placement."""
+        engine = self._live_engine()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        self._check_pool(cache_desc)
+        model = blocks_cache_key.model_id if blocks_cache_key is not None else None
+        handle = engine.allocate_cache(*self._layout(cache_desc, True), [], model, "allocate_blocks_cache")
+        return self._new_cache(cache_desc, handle, True)
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Drop the id reference of an allocated cache; freed once its keys are gone too."""
+        engine = self._live_engine()
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        raise_if_true(cache.is_blocks_cache, "deallocate_cache does not accept a blocks cache; use deallocate_blocks_cache")
+        engine.deallocate_cache(cache.cache_id, False, "deallocate_cache")
+        cache._invalidate()
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Free an allocated blocks cache."""
+        engine = self._live_engine()
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache; use deallocate_cache")
+        engine.deallocate_cache(cache.cache_id, True, "deallocate_blocks_cache")
+        cache._invalidate()
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unpublish a key; a no-op when it is absent (e.g. already consumed by a pull)."""
+        engine = self._live_engine()
+        check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
+        engine.remove_cache_key(cache_key.req_id, cache_key.prefix_id, cache_key.model_id)
+
+    # ------------------------------------------------------------------ pull
+
+    def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache, batch_index: int = 0,
+                   size: int = -1, **kwargs: Any) -> None:
+        """Copy one remote batch slot into slot ``batch_index`` of the local contiguous ``cache``."""
+        self._live_engine()
+        if self._remote_cache_accessible:
+            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
+        else:
+            check_isinstance("cache_key", cache_key, [CacheKey, CacheKeyByIdAndIndex], allow_none=False)
+        _check_cache("cache", cache)
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        raise_if_true(cache.is_blocks_cache, "pull_cache needs a non-blocks cache; use pull_blocks")
+        src_t, dst_t = self._pull_kwargs(cache, kwargs)
+        self._transfer("pull_cache", False, cache_key, cache, _MODE_SLOT_TO_SLOT, slot=batch_index, size=size,
+                       local_tensors=dst_t, remote_tensors=src_t)
+
+    def pull_blocks(self, src_cache_key: KeyLike, dst_cache: Cache, src_blocks: Sequence[int] = (),
+                    dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
+        """Copy remote blocks ``src_blocks[i]`` into local blocks ``dst_blocks[i]``.
+
+        With a ``CacheKey`` / ``CacheKeyByIdAndIndex`` source, ``src_blocks`` must be empty and
+        the remote slot is split into consecutive blocks (contiguous -> blocks).
+        """
+        self._live_engine()
+        check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
+                         allow_none=False)
+        _check_cache("dst_cache", dst_cache)
+        src_blocks = _block_list("src_blocks", src_blocks)
+        dst_blocks = _block_list("dst_blocks", dst_blocks)
+        raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks dst_cache")
+        raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+        if isinstance(src_cache_key, BlocksCacheKey):
+            raise_if_false(len(src_blocks) > 0, "src_blocks must not be empty when pulling from a BlocksCacheKey")
+            raise_if_false(len(src_blocks) == len(dst_blocks),
+                           f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
+            mode = _MODE_BLOCKS_TO_BLOCKS
+        else:
+            raise_if_false(len(src_blocks) == 0, "src_blocks must be empty when pulling from a contiguous cache key")
+            mode = _MODE_SLOT_TO_BLOCKS
+        src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
+        self._transfer("pull_blocks", False, src_cache_key, dst_cache, mode, local_blocks=dst_blocks,
+                       remote_blocks=src_blocks, local_tensors=dst_t, remote_tensors=src_t)
+
+    # ------------------------------------------------------------------ push
+
+    def _check_push_enabled(self) -> None:
+        raise_if_false(self._remote_cache_accessible,
+                       "push needs LLMConfig.enable_remote_cache_accessible = True at init")
+
+    def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
+                   src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                   size: int = -1, tensor_num_per_layer: int = 2) -> None:
+        """Write local slot ``src_batch_index`` into the remote ``(cache_id, batch_index)`` slot."""
+        self._live_engine()
+        self._check_push_enabled()
+        check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex, allow_none=False)
+        _check_cache("src_cache", src_cache)
+        check_uint32("src_batch_index", src_batch_index)
+        check_int64("size", size)
+        raise_if_false(size == -1, "push_cache only pushes whole slots: size must be -1")
+        raise_if_true(src_cache.is_blocks_cache, "push_cache needs a non-blocks src_cache; use push_blocks")
+        src_t, dst_t = self._push_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._transfer("push_cache", True, dst_cache_key, src_cache, _MODE_SLOT_TO_SLOT, slot=src_batch_index,
+                       local_tensors=src_t, remote_tensors=dst_t)
+
+    def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int] = (),
+                    dst_blocks: Sequence[int] = (), src_layer_range: Optional[range] = None,
+                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+        """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
+        self._live_engine()
+        self._check_push_enabled()
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
+        _check_cache("src_cache", src_cache)
+        src_blocks = _block_list("src_blocks", src_blocks)
+        dst_blocks = _block_list("dst_blocks", dst_blocks)
+        raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks src_cache")
+        raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+        raise_if_false(len(src_blocks) == len(dst_blocks),
+                       f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
+        src_t, dst_t = self._push_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._transfer("push_blocks", True, dst_cache_key, src_cache, _MODE_BLOCKS_TO_BLOCKS,
+                       local_blocks=src_blocks, remote_blocks=dst_blocks, local_tensors=src_t, remote_tensors=dst_t)
+
+    @staticmethod
+    def _push_tensors(cache: Cache, src_layer_range: Optional[range], dst_layer_range: Optional[range],
+                      tensor_num_per_layer: int) -> Tuple[List[int], List[int]]:
+        # Ranges default to all layers (spec 8.4); the engine's "all tensors" default is the same.
+        return _layer_tensors(cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+
+    # ------------------------------------------------------------------ local copies
+
+    def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
+                   offset: int = 0, size: int = -1, req_id: Optional[int] = None) -> None:
+        """Copy one batch slot (from ``offset``, ``size`` bytes or the rest) between two local caches."""
+        engine = self._live_engine()
+        _check_cache("dst", dst)
+        _check_cache("src", src)
+        check_uint32("dst_batch_index", dst_batch_index)
+        check_uint32("src_batch_index", src_batch_index)
+        check_int64("offset", offset)
+        check_int64("size", size)
+        check_isinstance("req_id", req_id, int)
+        raise_if_true(dst.is_blocks_cache or src.is_blocks_cache, "copy_cache needs two non-blocks caches")
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        raise_if_false(offset >= 0, f"offset must be >= 0, got {offset}")
+        dd, sd = dst.cache_desc, src.cache_desc
+        raise_if_false(dd.num_tensors == sd.num_tensors, "dst and src have different num_tensors")
+        d_stride, s_stride = dd.size // dd.shape[0], sd.size // sd.shape[0]
+        raise_if_false(dst_batch_index < dd.shape[0], f"dst_batch_index {dst_batch_index} out of range")
+        raise_if_false(src_batch_index < sd.shape[0], f"src_batch_index {src_batch_index} out of range")
+        length = size if size > 0 else s_stride - offset
+        raise_if_false(length > 0 and offset + length <= min(d_stride, s_stride),
+                       f"offset {offset} + size {length} exceeds the slot size ({min(d_stride, s_stride)} bytes)")
+        runs = [(dst_batch_index * d_stride + offset, src_batch_index * s_stride + offset, length)]
+        engine.copy_local(dst.tensor_addrs, src.tensor_addrs, runs, "copy_cache")
+
+    def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
+        """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``."""
+        engine = self._live_engine()
+        _check_cache("cache", cache)
+        check_dict("copy_block_info", copy_block_info, int, (list, tuple))
+        raise_if_false(cache.is_blocks_cache, "copy_blocks needs a blocks cache")
+        num_blocks = cache.cache_desc.shape[0]
+        stride = cache.cache_desc.size // num_blocks
+        runs = []
+        for src, dsts in copy_block_info.items():
+            check_list_int64("copy_block_info value", dsts)
+            for dst in [src, *dsts]:
+                raise_if_false(0 <= dst < num_blocks, f"block index {dst} out of range [0, {num_blocks})")
+            runs.extend((dst * stride, src * stride, stride) for dst in dsts)
+        engine.copy_local(cache.tensor_addrs, cache.tensor_addrs, runs, "copy_blocks")
+
+    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Dict[int, int]) -> None:
+        """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST); accepts ``create_cpu_cache`` handles."""
+        engine = self._live_engine()
+        # A None cache raises AttributeError here, as llm_datadist does (spec 3.2).
+        src_desc, dst_desc = src_cache.cache_desc, dst_cache.cache_desc
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        check_dict("src_to_dst", src_to_dst, int, int)
+        raise_if_false(src_cache.is_blocks_cache and dst_cache.is_blocks_cache, "swap_blocks needs two blocks caches")
+        raise_if_false(src_desc.num_tensors == dst_desc.num_tensors, "src and dst have different num_tensors")
+        s_block = src_desc.size // src_desc.batch_size
+        d_block = dst_desc.size // dst_desc.batch_size
+        raise_if_false(s_block == d_block, f"block sizes differ: src {s_block} bytes, dst {d_block} bytes")
+        raise_if_false(
+            {src_desc.placement, dst_desc.placement} == {Placement.HOST, Placement.DEVICE},
+            "swap_blocks copies HOST -> DEVICE (swap in) or DEVICE -> HOST (swap out)",
+        )
+        s_n, d_n = src_desc.shape[0], dst_desc.shape[0]
+        runs = []
+        for s, d in src_to_dst.items():
+            raise_if_false(0 <= s < s_n, f"src block {s} out of range [0, {s_n})")
+            raise_if_false(0 <= d < d_n, f"dst block {d} out of range [0, {d_n})")
+            runs.append((d * d_block, s * s_block, s_block))
+        engine.copy_local(dst_cache.tensor_addrs, src_cache.tensor_addrs, runs, "swap_blocks")
+
+    def remap_registered_memory(self, mem_infos: Union[MemInfo, List[MemInfo]]) -> None:
+        """Reserved in llm_datadist (DEVICE memory after a UCE fault); not supported by pdlink."""
+        self._live_engine()
+        infos = mem_infos if isinstance(mem_infos, (list, tuple)) else [mem_infos]
+        check_list_of("mem_infos", infos, MemInfo)
+        for info in infos:
+            raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE, "remap_registered_memory supports DEVICE memory only")
+            raise_if_false(info.addr != 0 and info.size > 0, "mem_info addr must be != 0 and size > 0")
+        raise LLMException(
+            "remap_registered_memory failed, error code is LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "
+            "memory remapping is a reserved llm_datadist feature that pdlink does not provide.",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )

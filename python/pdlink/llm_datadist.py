@@ -1,0 +1,321 @@
+"""``LLMDataDist``: one KV-transfer engine per process (llm_datadist spec section 6).
+
+CacheManager mode (v2) runs on pdlink's native engine: links are real TCP connections to the
+peer's listener (``llm.listenIpInfo``), transfers are served by the peer's C++ threads, and
+the role is a label that ``switch_role`` changes together with the listener.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import json
+import logging
+import socket
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ._utils import (
+    check_dict,
+    check_int32,
+    check_isinstance,
+    check_list_of,
+    check_uint64,
+    raise_if_false,
+)
+from .configs import LLMClusterInfo, LLMRole, role_to_option
+from .llm_types import Placement
+from .status import LLMException, LLMStatusCode, code_2_status
+
+__all__ = ["LLMDataDist"]
+
+logger = logging.getLogger("pdlink")
+
+_MAX_CLUSTERS_PER_CALL = 16
+_DEFAULT_SYNC_TIMEOUT_MS = 1000
+_HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 20 GB
+_FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
+
+
+def _int_ip_to_str(ip: int) -> str:
+    """Inverse of LLMClusterInfo's ``int.from_bytes(inet_aton(ip), "little")``."""
+    return socket.inet_ntoa(int(ip).to_bytes(4, "little"))
+
+
+def _split_listen(value: str) -> Tuple[str, int]:
+    """``"ip:port"`` -> (ip, port); LLMException(PARAM_INVALID) when malformed."""
+    check_isinstance("llm.listenIpInfo", value, str, allow_none=False)
+    ip, sep, port = value.rpartition(":")
+    raise_if_false(sep == ":" and port.isdigit(), f"llm.listenIpInfo must be 'ip:port', got {value!r}")
+    try:
+        ipaddress.IPv4Address(ip)
+    except ValueError:
+        raise LLMException(f"llm.listenIpInfo has an invalid IPv4 address: {value!r}",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+    raise_if_false(0 <= int(port) <= 65535, f"llm.listenIpInfo port out of range: {value!r}")
+    return ip, int(port)
+
+
+def _pool(options: Dict[str, str], key: str) -> Tuple[int, int]:
+    """(bytes, page_shift) from a ``{"memory_size": N, "page_shift": S}`` option; (0, 16) if absent."""
+    raw = options.get(key)
+    if raw is None or raw == "":
+        return 0, 16
+    try:
+        cfg = json.loads(raw)
+    except (TypeError, ValueError):
+        raise LLMException(f"{key} is not valid JSON: {raw!r}", status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+    raise_if_false(isinstance(cfg, dict), f"{key} must be a JSON object, got {raw!r}")
+    size, shift = cfg.get("memory_size"), cfg.get("page_shift", 16)
+    raise_if_false(isinstance(size, int) and not isinstance(size, bool) and size > 0,
+                   f"{key}.memory_size must be a positive integer, got {size!r}")
+    raise_if_false(isinstance(shift, int) and not isinstance(shift, bool) and 10 <= shift < 31,
+                   f"{key}.page_shift must be an integer in [10, 31), got {shift!r}")
+    return size, shift
+
+
+def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
+    """Validate llm_datadist options and derive the native engine's settings (spec 4.2).
+
+    Flags must be exactly "0" or "1"; ``llm.SyncKvCacheWaitTime`` a positive integer (ms).
+    Returns a dict with the engine's keyword arguments plus ``cache_manager`` and
+    ``remote_cache_accessible`` booleans.
+    """
+    for key in _FLAG_KEYS:
+        if key in options:
+            raise_if_false(options[key] in ("0", "1"), f"option {key} must be '0' or '1', got {options[key]!r}")
+    timeout = options.get("llm.SyncKvCacheWaitTime", str(_DEFAULT_SYNC_TIMEOUT_MS))
+    raise_if_false(isinstance(timeout, str) and timeout.isdigit() and 0 < int(timeout) <= 2**31 - 1,
+                   f"llm.SyncKvCacheWaitTime must be a positive integer (ms), got {timeout!r}")
+    listen_ip, listen_port = "", 0
+    if options.get("llm.listenIpInfo"):
+        listen_ip, listen_port = _split_listen(options["llm.listenIpInfo"])
+    dev_bytes, dev_shift = _pool(options, "llm.MemPoolConfig")
+    host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
+    raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
+    return {
+        "cache_manager": options.get("llm.EnableCacheManager") == "1",
+        "remote_cache_accessible": options.get("llm.EnableRemoteCacheAccessible") == "1",
+        "listen_ip": listen_ip,
+        "listen_port": listen_port,
+        "sync_timeout_ms": int(timeout),
+        "device_pool_bytes": dev_bytes,
+        "device_page_shift": dev_shift,
+        "host_pool_bytes": host_bytes,
+        "host_page_shift": host_shift,
+    }
+
+
+class LLMDataDist:
+    """One llm_datadist engine. At most one may be initialised per process (spec 6).
+
+    ``role`` is a label in CacheManager mode: any role may listen, link, pull and push.
+    Threading: methods are safe to call from several threads, except ``init``/``finalize``,
+    which must not run concurrently with anything else (as in llm_datadist).
+    """
+
+    llm_engine_instance: Optional["LLMDataDist"] = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_uint64("cluster_id", cluster_id)
+        self._role = role
+        self._cluster_id = cluster_id
+        self._engine: Any = None
+        self._cache_manager: Any = None
+        self._is_initialized = False
+        self._is_call_linked = False
+        self._options: Dict[str, str] = {}
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def cluster_id(self) -> int:
+        """This instance's cluster id."""
+        return self._cluster_id
+
+    @property
+    def role(self) -> LLMRole:
+        """Current role (pdlink extension; llm_datadist keeps it private)."""
+        return self._role
+
+    @property
+    def listen_port(self) -> int:
+        """Port the listener is bound to (0 when not listening). pdlink extension: with
+        ``listen_ip_info="127.0.0.1:0"`` the OS picks a free port, which this reports."""
+        return self._live_engine().listen_port
+
+    def links(self) -> List[Dict[str, Any]]:
+        """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
+        broken, broken_reason, transport)."""
+        return self._live_engine().links()
+
+    @property
+    def cache_manager(self):
+        """The ``CacheManager`` (CacheManager mode only)."""
+        self._live_engine()
+        return self._cache_manager
+
+    @property
+    def kv_cache_manager(self):
+        """The v1 ``KvCacheManager``; not available in CacheManager mode."""
+        self._live_engine()
+        raise LLMException("kv_cache_manager is not available in CacheManager mode; use cache_manager",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+    def _live_engine(self):
+        if not self._is_initialized:
+            raise RuntimeError("llm datadist is not initialized")
+        return self._engine
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init(self, options: Dict[str, str]) -> None:
+        """Start the engine with ``LLMConfig.generate_options()`` output (spec 6.1)."""
+        if self._is_initialized:
+            return
+        check_dict("options", options, str, str)
+        options = dict(options)
+        mem = options.get("ge.flowGraphMemMaxSize")
+        if mem is not None:
+            raise_if_false(mem.isdigit(), f"ge.flowGraphMemMaxSize must be one digit string, got {mem!r}")
+        options["llm.Role"] = role_to_option(self._role)
+        if "llm.LocalCommRes" in options:
+            options.setdefault("llm.EnableCacheManager", "1")
+            options.setdefault("llm.EnableRemoteCacheAccessible", "1")
+            raise_if_false(options["llm.EnableCacheManager"] == "1", "llm.LocalCommRes requires CacheManager mode")
+        if "llm.TransferBackend" in options:
+            options.setdefault("llm.EnableRemoteCacheAccessible", "1")
+            raise_if_false(options.get("llm.EnableCacheManager") == "1", "llm.TransferBackend requires CacheManager mode")
+            raise_if_false(options["llm.EnableRemoteCacheAccessible"] == "1",
+                           "llm.TransferBackend requires llm.EnableRemoteCacheAccessible = 1")
+            raise_if_false(bool(options.get("llm.listenIpInfo")), "llm.TransferBackend requires llm.listenIpInfo")
+        cfg = parse_engine_options(options)
+        if not cfg.pop("cache_manager"):
+            raise LLMException(
+                "init failed: KvCacheManager (v1) mode is not supported by this pdlink version; "
+                "set LLMConfig.enable_cache_manager = True (CacheManager mode)",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        remote_accessible = cfg.pop("remote_cache_accessible")
+        with LLMDataDist._instance_lock:
+            live = LLMDataDist.llm_engine_instance
+            if live is not None and live is not self:
+                raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
+            from . import _core  # the native module loads on first use, keeping `import pdlink` light
+            from .cache_manager import CacheManager
+
+            engine = _core.Engine("cpu")
+            engine.initialize(self._cluster_id, int(self._role), handshake_timeout_ms=5000, **cfg)
+            self._engine = engine
+            self._options = options
+            self._cache_manager = CacheManager(
+                self, engine, remote_accessible,
+                {Placement.DEVICE: cfg["device_pool_bytes"] > 0, Placement.HOST: cfg["host_pool_bytes"] > 0},
+            )
+            self._is_initialized = True
+            LLMDataDist.llm_engine_instance = self
+        logger.info("LLMDataDist cluster %d initialised as %s (listen port %d)", self._cluster_id, self._role,
+                    engine.listen_port)
+
+    def finalize(self) -> None:
+        """Unlink every peer, free pools and stop the engine. A no-op when not initialised."""
+        if not self._is_initialized:
+            return
+        self._engine.finalize()
+        self._cache_manager._invalidate()
+        self._is_initialized = False
+        self._is_call_linked = False
+        with LLMDataDist._instance_lock:
+            if LLMDataDist.llm_engine_instance is self:
+                LLMDataDist.llm_engine_instance = None
+
+    # ------------------------------------------------------------------ links
+
+    def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int, need_remote_ip: bool) -> None:
+        check_list_of("clusters", clusters, LLMClusterInfo)
+        check_int32("timeout", timeout)
+        raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
+        local_comm_res = self._options.get("llm.LocalCommRes", "")
+        for c in clusters:
+            check_uint64("remote_cluster_id", c.remote_cluster_id)
+            if need_remote_ip:
+                raise_if_false(len(c.remote_ip_info_list) == 1,
+                               f"cluster {c.remote_cluster_id} needs exactly one remote_ip_info, "
+                               f"got {len(c.remote_ip_info_list)}")
+            if not local_comm_res and need_remote_ip:
+                raise_if_false(len(c.local_ip_info_list) >= 1,
+                               f"cluster {c.remote_cluster_id} needs a local_ip_info (append_local_ip_info)")
+
+    @staticmethod
+    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: List[Tuple[int, str]]
+                 ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        codes = []
+        overall = LLMStatusCode.LLM_SUCCESS
+        for cluster, (code, message) in zip(clusters, results):
+            status = code_2_status(code)
+            codes.append(status)
+            if status != LLMStatusCode.LLM_SUCCESS:
+                overall = status
+                logger.warning("%s: cluster %s: %s: %s", op, cluster.remote_cluster_id, status, message)
+        if len(results) > len(codes):  # a call-level failure before any per-cluster work
+            overall = code_2_status(results[0][0])
+            logger.warning("%s: %s: %s", op, overall, results[0][1])
+        return overall, codes
+
+    def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
+                      ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        """Connect to each cluster's listener; returns ``(overall, [per-cluster status])``.
+
+        Links are symmetric once made: either side may then pull or push. Peers are linked in
+        parallel and each attempt is bounded by ``timeout`` ms.
+        """
+        engine = self._live_engine()
+        self._check_clusters(clusters, timeout, need_remote_ip=True)
+        if len(clusters) > _MAX_CLUSTERS_PER_CALL:
+            return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
+        peers = []
+        for c in clusters:
+            ip, port = c.remote_ip_info_list[0]
+            peers.append((c.remote_cluster_id, _int_ip_to_str(ip), port))
+        return self._results("link_clusters", clusters, engine.link(peers, timeout))
+
+    def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
+                        ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        """Tear links down. ``force=True`` drops only the local end (both sides must call it)."""
+        engine = self._live_engine()
+        check_isinstance("force", force, bool, allow_none=False)
+        self._check_clusters(clusters, timeout, need_remote_ip=not force)
+        if len(clusters) > _MAX_CLUSTERS_PER_CALL:
+            return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
+        ids = [c.remote_cluster_id for c in clusters]
+        return self._results("unlink_clusters", clusters, engine.unlink(ids, timeout, force))
+
+    # ------------------------------------------------------------------ roles
+
+    def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
+        """Change role; ``llm.listenIpInfo`` in ``switch_options`` starts or moves the listener,
+        its absence stops it. Raises ``LLMException(LLM_EXIST_LINK)`` while links exist."""
+        engine = self._live_engine()
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_dict("switch_options", switch_options, str, str, allow_none=True)
+        ip, port = "", 0
+        if switch_options and switch_options.get("llm.listenIpInfo"):
+            ip, port = _split_listen(switch_options["llm.listenIpInfo"])
+        engine.switch_role(int(role), ip, port)
+        logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
+        self._role = role
+
+
+def _finalize_at_exit() -> None:
+    inst = LLMDataDist.llm_engine_instance
+    if inst is None:
+        return
+    try:
+        inst.finalize()
+    except LLMException as e:  # logged and swallowed, as llm_datadist does
+        logger.error("finalize at exit failed: %s", e)
+
+
+atexit.register(_finalize_at_exit)

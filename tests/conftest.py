@@ -1,0 +1,63 @@
+"""Shared fixtures: real prefill/decode peer processes linked over loopback."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from peer import Peer  # noqa: E402
+
+from pdlink.status import LLMStatusCode  # noqa: E402
+
+PROMPT_ID, DECODER_ID = 1, 2
+
+
+@pytest.fixture
+def peers():
+    """Factory for peer processes; every peer is closed (or killed) at teardown."""
+    made = []
+
+    def make(name: str = "peer", **kw) -> Peer:
+        p = Peer(name, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+class PD:
+    """A listening PROMPT engine (cluster 1) and a DECODER engine (cluster 2), not linked yet.
+
+    Each side's namespace has `dd` (the LLMDataDist) and `cm` (its cache manager); `port` is the
+    prompt's listen port.
+    """
+
+    def __init__(self, peers, remote=True, timeout=None):
+        self.prefill = p = peers("prefill")
+        self.decode = d = peers("decode")
+        extra = f", remote={remote}, timeout={timeout}"
+        p.exec(f"dd = LLMDataDist(LLMRole.PROMPT, {PROMPT_ID}); "
+               f"dd.init(options(listen='127.0.0.1:0', pool=1 << 22{extra})); cm = dd.cache_manager")
+        d.exec(f"dd = LLMDataDist(LLMRole.DECODER, {DECODER_ID}); dd.init(options(pool=1 << 22{extra})); "
+               "cm = dd.cache_manager")
+        self.port = p.eval("dd.listen_port")
+
+    def link(self):
+        ret = self.decode.eval(f"dd.link_clusters([cluster({PROMPT_ID}, {self.port})], 5000)")
+        assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
+
+
+@pytest.fixture
+def make_pd(peers):
+    return lambda **kw: PD(peers, **kw)
+
+
+@pytest.fixture
+def pd(make_pd):
+    return make_pd()
