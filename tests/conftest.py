@@ -38,13 +38,13 @@ class PD:
     prompt's listen port.
     """
 
-    def __init__(self, peers, remote=True, timeout=None):
+    def __init__(self, peers, remote=True, timeout=None, pool=1 << 22):
         self.prefill = p = peers("prefill")
         self.decode = d = peers("decode")
-        extra = f", remote={remote}, timeout={timeout}"
+        extra = f", remote={remote}, timeout={timeout}, pool={pool}"
         p.exec(f"dd = LLMDataDist(LLMRole.PROMPT, {PROMPT_ID}); "
-               f"dd.init(options(listen='127.0.0.1:0', pool=1 << 22{extra})); cm = dd.cache_manager")
-        d.exec(f"dd = LLMDataDist(LLMRole.DECODER, {DECODER_ID}); dd.init(options(pool=1 << 22{extra})); "
+               f"dd.init(options(listen='127.0.0.1:0'{extra})); cm = dd.cache_manager")
+        d.exec(f"dd = LLMDataDist(LLMRole.DECODER, {DECODER_ID}); dd.init(options({extra[2:]})); "
                "cm = dd.cache_manager")
         self.port = p.eval("dd.listen_port")
 

@@ -139,6 +139,8 @@ Status Socket::sendv(std::vector<iovec>& iov, Deadline deadline) {
   size_t first = 0;
   advance(iov, first, 0);
   while (first < iov.size()) {
+    // Checked on every step, not only when blocked: a slow but steady transfer must also end.
+    if (deadline.expired()) return Status(Code::kTimeout, "send to " + peer_ + " timed out");
     msghdr msg{};
     msg.msg_iov = &iov[first];
     msg.msg_iovlen = std::min(kMaxIov, iov.size() - first);
@@ -161,6 +163,7 @@ Status Socket::recvv(std::vector<iovec>& iov, Deadline deadline) {
   size_t first = 0;
   advance(iov, first, 0);
   while (first < iov.size()) {
+    if (deadline.expired()) return Status(Code::kTimeout, "receive from " + peer_ + " timed out");
     msghdr msg{};
     msg.msg_iov = &iov[first];
     msg.msg_iovlen = std::min(kMaxIov, iov.size() - first);

@@ -1,0 +1,216 @@
+"""Dead, frozen, refusing and hostile peers: clear errors within the timeouts, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import time
+
+import pytest
+
+from pdlink.status import LLMException, LLMStatusCode
+
+SETUP = """
+kv = tensors(2, (16, 4096), seed={seed})
+cache = cm.register_blocks_cache(CacheDesc(2, [16, 4096], DataType.DT_FLOAT16), addrs(kv), {key})
+"""
+
+
+def linked(make_pd, timeout=1000, remote=True):
+    pd = make_pd(timeout=timeout, remote=remote)
+    pd.prefill.exec(SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))
+    pd.decode.exec(SETUP.format(seed=2, key="None"))
+    pd.link()
+    return pd
+
+
+def timed_pull(pd, blocks="[0, 1]"):
+    t0 = time.monotonic()
+    with pytest.raises(LLMException) as e:
+        pd.decode.exec(f"cm.pull_blocks(BlocksCacheKey(1, 0), cache, {blocks}, {blocks})", timeout=30)
+    return e.value, time.monotonic() - t0
+
+
+def test_peer_killed_after_link_gives_link_failed(make_pd):
+    pd = linked(make_pd)
+    pd.prefill.kill()
+    err, took = timed_pull(pd)
+    assert err.status_code in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT)
+    assert took < 5
+    # the dead link is still an entity: switch_role refuses, unlink cleans up, then it is gone
+    with pytest.raises(LLMException) as e:
+        pd.decode.exec("dd.switch_role(LLMRole.PROMPT, {'llm.listenIpInfo': '127.0.0.1:0'})")
+    assert e.value.status_code == LLMStatusCode.LLM_EXIST_LINK
+    assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})])[0]") == LLMStatusCode.LLM_SUCCESS
+    assert pd.decode.eval("dd.links()") == []
+    pd.decode.exec("dd.switch_role(LLMRole.PROMPT, {'llm.listenIpInfo': '127.0.0.1:0'})")
+
+
+def test_frozen_peer_times_out_then_relink_works(make_pd):
+    pd = linked(make_pd, timeout=500)
+    pd.prefill.signal(signal.SIGSTOP)
+    try:
+        err, took = timed_pull(pd)
+    finally:
+        pd.prefill.signal(signal.SIGCONT)
+    assert err.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert 0.4 < took < 3.0, took
+    # the timed-out link is poisoned: further transfers fail fast until it is rebuilt
+    err, took = timed_pull(pd)
+    assert err.status_code == LLMStatusCode.LLM_LINK_FAILED and took < 1
+    assert "unlink_clusters" in str(err)
+    pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], force=True)")
+    pd.link()
+    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [3], [3])")
+    assert pd.decode.eval("[a[3].tobytes() for a in kv]") == pd.prefill.eval("[a[3].tobytes() for a in kv]")
+
+
+def test_link_to_silent_listener_times_out(peers):
+    # a socket that accepts but never answers the hello
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    port = silent.getsockname()[1]
+    d = peers("decode")
+    d.exec("dd = LLMDataDist(LLMRole.DECODER, 2); dd.init(options())")
+    t0 = time.monotonic()
+    ret = d.eval(f"dd.link_clusters([cluster(1, {port})], 300)")
+    took = time.monotonic() - t0
+    silent.close()
+    assert ret == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert took < 2.5, took
+    assert d.eval("dd.links()") == []
+
+
+def test_failed_pull_leaves_the_source_key_for_a_retry(make_pd):
+    pd = make_pd(timeout=300, remote=False)
+    pd.prefill.exec("c_src = cm.allocate_cache(CacheDesc(2, [1, 4096], DataType.DT_INT8), [CacheKey(1, 5)])\n"
+                    "write_cache(c_src, 6)\nexpected = [a.tobytes() for a in read_cache(c_src)]\n"
+                    "cm.deallocate_cache(c_src)")  # only the request key holds it now
+    pd.decode.exec("c_dst = cm.allocate_cache(CacheDesc(2, [1, 4096], DataType.DT_INT8))")
+    pd.link()
+    pd.prefill.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(LLMException) as e:
+            pd.decode.exec("cm.pull_cache(CacheKey(1, 5), c_dst)")
+    finally:
+        pd.prefill.signal(signal.SIGCONT)
+    assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert pd.prefill.eval("dd._engine.cache_count") == 1  # the key still holds the cache
+    assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})])[0]") == LLMStatusCode.LLM_SUCCESS
+    pd.link()
+    pd.decode.exec("cm.pull_cache(CacheKey(1, 5), c_dst)")
+    assert pd.decode.eval("[a.tobytes() for a in read_cache(c_dst)]") == pd.prefill.eval("expected")
+    assert pd.prefill.eval("dd._engine.cache_count") == 0  # consumed by the successful pull: freed
+
+
+def _hello(version=1, channel=0, cluster=9, expected=1, nonce=1234):
+    return struct.pack("<IHBBQQQ", 0x4B4C4450, version, channel, 0, cluster, expected, nonce)
+
+
+def _read_ack(s):
+    s.settimeout(5)
+    head = b""
+    while len(head) < 22:
+        chunk = s.recv(22 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    magic, version, status, cluster, mlen = struct.unpack("<IHIQI", head)
+    msg = b""
+    while len(msg) < mlen:
+        msg += s.recv(mlen - len(msg))
+    return status, cluster, msg.decode()
+
+
+def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pd):
+    pd.prefill.exec(SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))
+    pd.decode.exec(SETUP.format(seed=2, key="None"))
+    # 1. random bytes: the connection is dropped
+    with socket.create_connection(("127.0.0.1", pd.port)) as s:
+        s.sendall(os.urandom(4096))
+        s.settimeout(5)
+        try:
+            assert s.recv(100) == b""
+        except ConnectionResetError:
+            pass
+    # 2. a truncated hello followed by silence: dropped after the handshake timeout, the
+    #    listener meanwhile keeps accepting (checked by the real link below)
+    stalled = socket.create_connection(("127.0.0.1", pd.port))
+    stalled.sendall(_hello()[:10])
+    # 3. a wrong protocol version and 4. a wrong expected cluster id: refused with a reason
+    for hello, words in [(_hello(version=99), "version"), (_hello(expected=77), "not cluster 77")]:
+        with socket.create_connection(("127.0.0.1", pd.port)) as s:
+            s.sendall(hello)
+            status, cluster, msg = _read_ack(s)
+            assert status == LLMStatusCode.LLM_LINK_FAILED and cluster == 1 and words in msg, msg
+    # 5. a reverse channel without a forward one
+    with socket.create_connection(("127.0.0.1", pd.port)) as s:
+        s.sendall(_hello(channel=1))
+        assert _read_ack(s)[0] == LLMStatusCode.LLM_LINK_FAILED
+    pd.link()
+    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [5], [5])")
+    assert pd.decode.eval("[a[5].tobytes() for a in kv]") == pd.prefill.eval("[a[5].tobytes() for a in kv]")
+    assert [l["peer_cluster_id"] for l in pd.prefill.eval("dd.links()")] == [2]
+    stalled.close()
+
+
+def test_hostile_frames_on_an_established_link_only_drop_that_link(pd):
+    """A peer that passes the handshake and then sends out-of-range or malformed requests."""
+    pd.prefill.exec(SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))
+    fwd = socket.create_connection(("127.0.0.1", pd.port))
+    fwd.sendall(_hello(cluster=9, nonce=77))
+    assert _read_ack(fwd)[0] == 0
+    rev = socket.create_connection(("127.0.0.1", pd.port))
+    rev.sendall(_hello(cluster=9, channel=1, nonce=77))
+    assert _read_ack(rev)[0] == 0
+
+    def request(op, body, payload_len=0):
+        return struct.pack("<IBBHIQ", 0x514C4450, op, 0, 0, len(body), payload_len) + body
+
+    def body(kind=4, model=0, tensors=(0,), runs=((0, 64),), block_size=0):
+        b = struct.pack("<BQQQqQQ", kind, model, 2**64 - 1, 2**64 - 1, 0, 0, block_size)
+        b += struct.pack("<I", len(tensors)) + b"".join(struct.pack("<I", t) for t in tensors)
+        b += struct.pack("<I", len(runs)) + b"".join(struct.pack("<QQ", o, n) for o, n in runs)
+        return b
+
+    def response():
+        head = b""
+        while len(head) < 20:
+            head += fwd.recv(20 - len(head))
+        magic, status, mlen, plen = struct.unpack("<IIIQ", head)
+        msg = b""
+        while len(msg) < mlen:
+            msg += fwd.recv(mlen - len(msg))
+        data = b""
+        while len(data) < plen:
+            data += fwd.recv(plen - len(data))
+        return status, msg.decode(), data
+
+    fwd.settimeout(5)
+    tensor_bytes = 16 * 4096 * 2
+    # reads outside the registered region, of a missing tensor, of an unregistered model: refused
+    for b, code in [(body(runs=((tensor_bytes - 8, 64),)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (body(runs=((2**64 - 8, 64),)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (body(tensors=(2,)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (body(model=5), LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+                    (body(runs=((0, 0),)), LLMStatusCode.LLM_PARAM_INVALID)]:
+        fwd.sendall(request(1, b))
+        status, msg, data = response()
+        assert status == code and data == b"", msg
+    # a legal read works and returns exactly the registered bytes
+    fwd.sendall(request(1, body(runs=((128, 64),))))
+    status, _, data = response()
+    assert status == 0 and data == pd.prefill.eval("kv[0].tobytes()[128:192]")
+    # a write whose declared payload disagrees with its descriptor: the link is dropped
+    fwd.sendall(request(2, body(), payload_len=10**12))
+    assert fwd.recv(10) == b""
+    # and the engine still serves a real decoder
+    pd.decode.exec(SETUP.format(seed=2, key="None"))
+    pd.link()
+    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [1], [1])")
+    assert pd.decode.eval("kv[0][1].tobytes()") == pd.prefill.eval("kv[0][1].tobytes()")
+    fwd.close()
+    rev.close()
