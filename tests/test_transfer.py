@@ -163,3 +163,42 @@ def test_many_blocks_are_coalesced_and_exact(pd):
     for s, d in zip(src, dst):
         assert np.array_equal(d[100:3100], s[src_blocks])
         assert not d[:100].any() and not d[3100:].any()
+
+
+def test_switch_roles_then_push_the_other_way(pd):
+    """Official switch_role sample: after unlinking, P becomes DECODER, D becomes PROMPT and listens,
+    they link the other way and the new prompt pushes."""
+    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
+    assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], force=True)")[0] == LLMStatusCode.LLM_SUCCESS
+    assert pd.prefill.eval("dd.unlink_clusters([cluster(2, 0)], force=True)")[0] == LLMStatusCode.LLM_SUCCESS
+    pd.prefill.exec("dd.switch_role(LLMRole.DECODER)")
+    assert pd.prefill.eval("(dd.role, dd.listen_port)") == (2, 0)
+    pd.decode.exec("opts = LLMConfig(); opts.listen_ip_info = '127.0.0.1:0'\n"
+                   "dd.switch_role(LLMRole.PROMPT, opts.generate_options())")
+    new_port = pd.decode.eval("dd.listen_port")
+    assert new_port > 0
+    assert pd.prefill.eval(f"dd.link_clusters([cluster(2, {new_port})])")[0] == LLMStatusCode.LLM_SUCCESS
+    pd.decode.exec("cm.push_blocks(BlocksCacheKey(1, 0), cache, [0, 1], [6, 7])")
+    src, dst = pd.decode.eval("kv"), pd.prefill.eval("kv")
+    assert all(d[6].tobytes() == s[0].tobytes() and d[7].tobytes() == s[1].tobytes() for s, d in zip(src, dst))
+    pd.prefill.exec("cm.pull_blocks(BlocksCacheKey(2, 0), cache, [2], [2])")
+    assert pd.prefill.eval("[a[2].tobytes() for a in kv]") == pd.decode.eval("[a[2].tobytes() for a in kv]")
+
+
+def test_concurrent_pulls_from_several_threads(pd):
+    setup_blocks(pd)
+    pd.decode.exec("""
+import threading
+errors = []
+def worker(i):
+    try:
+        for _ in range(20):
+            cm.pull_blocks(BlocksCacheKey(1, 0), cache, [i], [i])
+    except Exception as e:
+        errors.append(e)
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+""")
+    assert pd.decode.eval("errors") == []
+    assert pd.decode.eval("[a.tobytes() for a in kv]") == pd.prefill.eval("[a.tobytes() for a in kv]")

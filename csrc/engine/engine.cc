@@ -30,6 +30,11 @@ uint64_t makeNonce() {
 
 std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
 
+Status linkDown(const Link& link) {
+  return Status(Code::kLinkFailed, "the link to " + clusterName(link.peer()) + " is down (" + link.brokenReason() +
+                                       "); call unlink_clusters, then link_clusters again");
+}
+
 bool usesKeyCommit(wire::TargetKind kind) {
   return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex;
 }
@@ -227,8 +232,14 @@ void Engine::reapThreads() {
 Status Engine::startListenerLocked(const std::string& ip, uint16_t port) {
   auto ls = ListenSocket::bind(ip, port);
   if (!ls.ok()) return Status(Code::kFailed, ls.status().message());
+  startListenThreadLocked(std::make_unique<ListenSocket>(std::move(ls.value())));
+  PDLINK_LOG(kInfo, "listening on " << ip << ":" << listener_->port());
+  return Status::OK();
+}
+
+void Engine::startListenThreadLocked(std::unique_ptr<ListenSocket> socket) {
   if (wake_fd_ < 0) wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  listener_ = std::make_unique<ListenSocket>(std::move(ls.value()));
+  listener_ = std::move(socket);
   ListenSocket* raw = listener_.get();
   listen_thread_ = std::thread([this, raw] {
     // Runs until stopListener() signals wake_fd_.
@@ -250,8 +261,6 @@ Status Engine::startListenerLocked(const std::string& ip, uint16_t port) {
       }
     }
   });
-  PDLINK_LOG(kInfo, "listening on " << ip << ":" << listener_->port());
-  return Status::OK();
 }
 
 void Engine::stopListener() {
@@ -267,7 +276,6 @@ void Engine::stopListener() {
 }
 
 Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
-  std::unique_ptr<ListenSocket> fresh;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
@@ -282,12 +290,24 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
   bool keep = !listen_ip.empty() && current != 0 && listen_ip == config_.listen_ip &&
               (listen_port == current || listen_port == 0);
   if (!keep) {
-    stopListener();
+    // Bind the new address before giving up the old one, so a failed switch changes nothing.
+    std::unique_ptr<ListenSocket> fresh;
     if (!listen_ip.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      Status st = startListenerLocked(listen_ip, listen_port);
-      if (!st.ok()) return st;
+      auto ls = ListenSocket::bind(listen_ip, listen_port);
+      if (!ls.ok() && listen_port == current) {  // same port, other address: free it first
+        stopListener();
+        ls = ListenSocket::bind(listen_ip, listen_port);
+        if (!ls.ok()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          (void)startListenerLocked(config_.listen_ip, current);  // best effort: restore
+        }
+      }
+      if (!ls.ok()) return Status(Code::kFailed, ls.status().message());
+      fresh = std::make_unique<ListenSocket>(std::move(ls.value()));
     }
+    stopListener();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fresh) startListenThreadLocked(std::move(fresh));
     config_.listen_ip = listen_ip;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -468,10 +488,11 @@ void Engine::handleIncoming(Socket sock) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     auto deadline_tp = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll()));
-    // The FORWARD thread may still be parking its socket.
+    // The FORWARD thread registers the nonce before it acks, so an unknown nonce is refused at
+    // once; a known one may still be parking its socket, which takes microseconds.
     pending_cv_.wait_until(lock, deadline_tp, [&] {
       auto it = pending_.find(hello.nonce);
-      return stopping_ || (it != pending_.end() && it->second->forward);
+      return stopping_ || it == pending_.end() || it->second->forward;
     });
     auto it = pending_.find(hello.nonce);
     if (stopping_ || it == pending_.end() || !it->second->forward || it->second->peer != hello.cluster_id) {
@@ -633,8 +654,7 @@ Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
     return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
   }
   if (it->second->broken()) {
-    return Status(Code::kLinkFailed, "the link to " + clusterName(peer) + " is down (" + it->second->brokenReason() +
-                                         "); call unlink_clusters, then link_clusters again");
+    return linkDown(*it->second);
   }
   return it->second;
 }
@@ -739,7 +759,9 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
-  if (link->broken()) return usableLink(spec.peer_cluster_id).status();
+  if (link->broken()) {  // broke while we waited for the channel
+    return linkDown(*link);
+  }
   Socket& s = link->out();
   Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
   std::string body = wire::encode(p.remote);

@@ -153,6 +153,7 @@ class Engine {
   Status failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what);
 
   Status startListenerLocked(const std::string& ip, uint16_t port);
+  void startListenThreadLocked(std::unique_ptr<ListenSocket> socket);
   void stopListener();
   void listenLoop();
   void handleIncoming(Socket sock);

@@ -1,0 +1,96 @@
+"""Type stubs for the native module ``pdlink._core`` (csrc/bindings/module.cc).
+
+The module mirrors the C++ engine and makes no policy decisions; use ``pdlink.LLMDataDist``.
+Failures raise ``pdlink.status.LLMException`` with ``status_code`` set; every method that may
+block releases the GIL.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+PROTOCOL_VERSION: int
+
+_Key = Tuple[int, int, int]  # (req_id, prefix_id, model_id)
+_Handle = Tuple[int, List[int]]  # (cache_id, tensor addresses)
+
+class Engine:
+    def __init__(self, backend: str = "cpu") -> None: ...
+    def initialize(
+        self,
+        cluster_id: int,
+        role: int,
+        listen_ip: str,
+        listen_port: int,
+        sync_timeout_ms: int,
+        device_pool_bytes: int,
+        device_page_shift: int,
+        host_pool_bytes: int,
+        host_page_shift: int,
+        handshake_timeout_ms: int,
+    ) -> None: ...
+    def finalize(self) -> None: ...
+    @property
+    def initialized(self) -> bool: ...
+    @property
+    def cluster_id(self) -> int: ...
+    @property
+    def role(self) -> int: ...
+    @property
+    def listen_port(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def cache_count(self) -> int: ...
+    def switch_role(self, role: int, listen_ip: str, listen_port: int) -> None: ...
+    def link(self, peers: Sequence[Tuple[int, str, int]], timeout_ms: int) -> List[Tuple[int, str]]: ...
+    def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> List[Tuple[int, str]]: ...
+    def links(self) -> List[Dict[str, Union[int, str, bool]]]: ...
+    def register_cache(
+        self,
+        num_tensors: int,
+        tensor_size: int,
+        num_slots: int,
+        is_blocks: bool,
+        placement: int,
+        addrs: Sequence[int],
+        keys: Sequence[_Key],
+        blocks_model: Optional[int],
+        remote_accessible: bool,
+        op: str,
+    ) -> _Handle: ...
+    def allocate_cache(
+        self,
+        num_tensors: int,
+        tensor_size: int,
+        num_slots: int,
+        is_blocks: bool,
+        placement: int,
+        keys: Sequence[_Key],
+        blocks_model: Optional[int],
+        op: str,
+    ) -> _Handle: ...
+    def deallocate_cache(self, cache_id: int, blocks: bool, op: str) -> None: ...
+    def unregister_cache(self, cache_id: int) -> None: ...
+    def remove_cache_key(self, req_id: int, prefix_id: int, model_id: int) -> None: ...
+    def transfer(
+        self,
+        is_push: bool,
+        op: str,
+        peer: int,
+        target_kind: int,
+        model_id: int,
+        req_id: int,
+        prefix_id: int,
+        cache_id: int,
+        batch_index: int,
+        local_cache_id: int,
+        mode: int,
+        local_slot: int,
+        size: int,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        local_tensors: Sequence[int],
+        remote_tensors: Sequence[int],
+    ) -> None: ...
+    def copy_local(
+        self, dst: Sequence[int], src: Sequence[int], runs: Sequence[Tuple[int, int, int]], op: str
+    ) -> None: ...

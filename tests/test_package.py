@@ -1,0 +1,73 @@
+"""The installed surface: drop-in imports, lazy loading, the CLI, the stubs."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+NAMES = ["LLMDataDist", "LLMRole", "LLMConfig", "LlmConfig", "LLMClusterInfo", "LLMStatusCode", "LLMException",
+         "Status", "DataType", "Placement", "RegisterMemStatus", "Memtype", "MemInfo", "CacheDesc", "CacheKey",
+         "CacheKeyByIdAndIndex", "BlocksCacheKey", "Cache", "KvCache", "LayerSynchronizer", "TransferConfig",
+         "TransferWithCacheKeyConfig"]
+
+
+def test_llm_datadist_drop_in_names_are_pdlinks():
+    import llm_datadist
+    import pdlink
+
+    for name in NAMES:
+        assert getattr(llm_datadist, name) is getattr(pdlink, name), name
+    assert llm_datadist.LLMConfig is llm_datadist.LlmConfig
+    with pytest.raises(AttributeError):
+        llm_datadist.NoSuchThing  # noqa: B018
+    from llm_datadist.configs import LLMRole
+    from llm_datadist.status import LLMException, code_2_status
+
+    assert LLMRole is pdlink.LLMRole and LLMException is pdlink.LLMException
+    assert code_2_status(0x5010B01A) is pdlink.LLMStatusCode.LLM_TIMEOUT
+    assert issubclass(pdlink.LLMException, RuntimeError)
+
+
+def test_import_is_light_and_sets_uc_memory_default():
+    code = ("import sys, os; os.environ.pop('AUTO_USE_UC_MEMORY', None); import llm_datadist, pdlink; "
+            "print(os.environ['AUTO_USE_UC_MEMORY'], 'numpy' in sys.modules, 'pdlink._core' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "False", "False"]
+
+
+def test_stub_matches_native_module():
+    from pdlink import _core
+
+    stub = os.path.join(os.path.dirname(_core.__file__), "_core.pyi")
+    text = open(stub).read()
+    public = [n for n in dir(_core.Engine) if not n.startswith("_")]
+    for name in public:
+        assert f"def {name}(" in text, f"_core.pyi lacks Engine.{name}"
+    assert os.path.exists(os.path.join(os.path.dirname(stub), "py.typed"))
+
+
+def test_cli_version_and_demo():
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-m", "pdlink", "version"], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    assert out.startswith("pdlink ")
+    r = subprocess.run([sys.executable, "-m", "pdlink", "demo", "--size-mib", "2", "--block-kib", "16",
+                        "--repeat", "1"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verified byte for byte" in r.stdout and "switched role to LLMRole.PROMPT" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "pdlink", "demo", "--repeat", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--repeat must be > 0" in bad.stderr
+
+
+def test_public_methods_have_docstrings():
+    from pdlink.cache_manager import CacheManager
+    from pdlink.llm_datadist import LLMDataDist
+
+    for cls in (CacheManager, LLMDataDist):
+        for name, fn in inspect.getmembers(cls, inspect.isfunction):
+            if not name.startswith("_"):
+                assert fn.__doc__, f"{cls.__name__}.{name} has no docstring"
