@@ -17,6 +17,7 @@ from ._utils import (
     check_dict,
     check_int64,
     check_isinstance,
+    check_layer_range,
     check_list_int64,
     check_list_of,
     check_list_uint64,
@@ -79,11 +80,8 @@ def _layer_tensors(
     """Tensor indices for (src, dst) from layer ranges; ([], []) means every tensor i -> i."""
     check_uint32("tensor_num_per_layer", tensor_num_per_layer)
     raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0")
-    for name, r in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
-        check_isinstance(name, r, range)
-        if r is not None:
-            raise_if_false(r.step == 1, f"{name}.step should be 1, but got {r}.")
-            raise_if_false(0 <= r.start < r.stop, f"{name} should satisfy 0 <= start < stop, but got {r}.")
+    check_layer_range("src_layer_range", src_layer_range)
+    check_layer_range("dst_layer_range", dst_layer_range)
     if src_layer_range is None and dst_layer_range is None:
         return [], []
     n = tensor_num_per_layer
@@ -106,6 +104,13 @@ def _check_cache(name: str, cache: Any) -> Cache:
 def _block_list(name: str, blocks: Any) -> Sequence[int]:
     check_list_of(name, blocks, int)
     return blocks
+
+
+def _check_block_pairs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
+    """Blocks-to-blocks transfers pair src_blocks[i] with dst_blocks[i]."""
+    raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+    raise_if_false(len(src_blocks) == len(dst_blocks),
+                   f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
 
 
 class CacheManager:
@@ -306,13 +311,11 @@ class CacheManager:
         src_blocks = _block_list("src_blocks", src_blocks)
         dst_blocks = _block_list("dst_blocks", dst_blocks)
         raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks dst_cache")
-        raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
         if isinstance(src_cache_key, BlocksCacheKey):
-            raise_if_false(len(src_blocks) > 0, "src_blocks must not be empty when pulling from a BlocksCacheKey")
-            raise_if_false(len(src_blocks) == len(dst_blocks),
-                           f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
+            _check_block_pairs(src_blocks, dst_blocks)
             mode = _MODE_BLOCKS_TO_BLOCKS
         else:
+            raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
             raise_if_false(len(src_blocks) == 0, "src_blocks must be empty when pulling from a contiguous cache key")
             mode = _MODE_SLOT_TO_BLOCKS
         src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
@@ -337,7 +340,7 @@ class CacheManager:
         check_int64("size", size)
         raise_if_false(size == -1, "push_cache only pushes whole slots: size must be -1")
         raise_if_true(src_cache.is_blocks_cache, "push_cache needs a non-blocks src_cache; use push_blocks")
-        src_t, dst_t = self._push_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._transfer("push_cache", True, dst_cache_key, src_cache, _MODE_SLOT_TO_SLOT, slot=src_batch_index,
                        local_tensors=src_t, remote_tensors=dst_t)
 
@@ -352,18 +355,10 @@ class CacheManager:
         src_blocks = _block_list("src_blocks", src_blocks)
         dst_blocks = _block_list("dst_blocks", dst_blocks)
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks src_cache")
-        raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
-        raise_if_false(len(src_blocks) == len(dst_blocks),
-                       f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
-        src_t, dst_t = self._push_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        _check_block_pairs(src_blocks, dst_blocks)
+        src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._transfer("push_blocks", True, dst_cache_key, src_cache, _MODE_BLOCKS_TO_BLOCKS,
                        local_blocks=src_blocks, remote_blocks=dst_blocks, local_tensors=src_t, remote_tensors=dst_t)
-
-    @staticmethod
-    def _push_tensors(cache: Cache, src_layer_range: Optional[range], dst_layer_range: Optional[range],
-                      tensor_num_per_layer: int) -> Tuple[List[int], List[int]]:
-        # Ranges default to all layers (spec 8.4); the engine's "all tensors" default is the same.
-        return _layer_tensors(cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
 
     # ------------------------------------------------------------------ local copies
 

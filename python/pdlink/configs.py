@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import socket
-from enum import IntEnum
 from typing import Dict, List, Optional, Tuple, Union
 
+from ._enum import NamedIntEnum
 from ._utils import (
     UINT32_MAX,
     check_dict,
@@ -37,22 +37,12 @@ __all__ = [
 logger = logging.getLogger("pdlink")
 
 
-class LLMRole(IntEnum):
+class LLMRole(NamedIntEnum):
     """Role of an LLMDataDist instance. ``str(LLMRole.PROMPT) == "LLMRole.PROMPT"``."""
 
     PROMPT = 1
     DECODER = 2
     MIX = 3
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}.{self.name}"
-
-    def __format__(self, format_spec: str) -> str:
-        # [INF] Plain f"{role}" renders like str() on all Python versions; a non-empty
-        # spec formats the integer value.
-        if not format_spec:
-            return str(self)
-        return int.__format__(int(self), format_spec)
 
 
 _ROLE_OPTION_VALUES = {

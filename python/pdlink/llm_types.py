@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from enum import Enum, IntEnum
+from enum import Enum
+
+from ._enum import NamedIntEnum
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._utils import (
@@ -55,20 +57,11 @@ logger = logging.getLogger("pdlink")
 # ---------------------------------------------------------------------------- enums
 
 
-class Placement(IntEnum):
+class Placement(NamedIntEnum):
     """Where a cache lives. ``str(Placement.HOST) == "Placement.HOST"``."""
 
     HOST = 0
     DEVICE = 1
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}.{self.name}"
-
-    def __format__(self, format_spec: str) -> str:
-        # [INF] plain f"{placement}" renders like str() on all Python versions.
-        if not format_spec:
-            return str(self)
-        return int.__format__(int(self), format_spec)
 
 
 class RegisterMemStatus(Enum):

@@ -11,8 +11,9 @@ Public names:
 from __future__ import annotations
 
 import logging
-from enum import IntEnum
 from typing import Any, Dict, Optional, Union
+
+from ._enum import NamedIntEnum
 
 __all__ = [
     "LLMStatusCode",
@@ -31,7 +32,7 @@ logger = logging.getLogger("pdlink")
 _LLM_CODE_BASE = 0x5010B000
 
 
-class LLMStatusCode(IntEnum):
+class LLMStatusCode(NamedIntEnum):
     """Status codes of the engine. Values are the C++ ``ge::Status`` integers (spec 2.2).
 
     ``str(code)`` is ``"LLMStatusCode.NAME"`` on every supported Python version.
@@ -67,19 +68,6 @@ class LLMStatusCode(IntEnum):
     LLM_DEVICE_MEM_ERROR = 507053  # ACL_ERROR_RT_DEVICE_MEM_ERROR
     LLM_SUSPECT_REMOTE_ERROR = 507057  # ACL_ERROR_RT_SUSPECT_REMOTE_ERROR
     LLM_UNKNOWN_ERROR = -1  # Python only
-
-    # Python 3.11 changed IntEnum.__str__/__format__ to the int forms, so both are
-    # defined explicitly here.
-    def __str__(self) -> str:
-        return f"{type(self).__name__}.{self.name}"
-
-    def __format__(self, format_spec: str) -> str:
-        # [INF] An empty format spec (plain f"{code}") renders like str() on every
-        # Python version (this is what Python 3.10 did for an IntEnum with __str__
-        # overridden); a non-empty spec such as "d" or "#x" formats the integer.
-        if not format_spec:
-            return str(self)
-        return int.__format__(int(self), format_spec)
 
 
 # Every native code that has a Python member. LLM_UNKNOWN_ERROR (-1) is Python-only
