@@ -47,7 +47,9 @@ std::pair<int64_t, std::vector<uint64_t>> handle(const std::shared_ptr<CacheEntr
 TransferSpec makeSpec(uint64_t peer, int target_kind, uint64_t model_id, uint64_t req_id, uint64_t prefix_id,
                       int64_t cache_id, uint64_t batch_index, int64_t local_cache_id, int mode, uint64_t local_slot,
                       int64_t size, std::vector<int64_t> local_blocks, std::vector<int64_t> remote_blocks,
-                      std::vector<uint32_t> local_tensors, std::vector<uint32_t> remote_tensors) {
+                      std::vector<uint32_t> local_tensors, std::vector<uint32_t> remote_tensors,
+                      const std::vector<std::pair<uint64_t, uint64_t>>& local_runs,
+                      const std::vector<std::pair<uint64_t, uint64_t>>& remote_runs) {
   TransferSpec s;
   s.peer_cluster_id = peer;
   s.target.kind = static_cast<wire::TargetKind>(target_kind);
@@ -64,6 +66,8 @@ TransferSpec makeSpec(uint64_t peer, int target_kind, uint64_t model_id, uint64_
   s.remote_blocks = std::move(remote_blocks);
   s.local_tensors = std::move(local_tensors);
   s.remote_tensors = std::move(remote_tensors);
+  for (auto& [o, n] : local_runs) s.local_runs.push_back({o, n});
+  for (auto& [o, n] : remote_runs) s.remote_runs.push_back({o, n});
   return s;
 }
 
@@ -73,6 +77,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "pdlink native engine (C++ core, CPU backend, TCP transport)";
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
+  m.attr("ANY_CLUSTER") = wire::kAnyCluster;
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& backend) {
@@ -115,10 +120,30 @@ PYBIND11_MODULE(_core, m) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "link",
-          [](Engine& e, const std::vector<std::tuple<uint64_t, std::string, uint16_t>>& peers, int64_t timeout_ms) {
+          [](Engine& e, const std::vector<std::tuple<std::optional<uint64_t>, std::string, uint16_t>>& peers,
+             int64_t timeout_ms) {
             std::vector<PeerAddress> addrs;
-            for (auto& [id, ip, port] : peers) addrs.push_back(PeerAddress{id, ip, port});
-            return toList(e.link(addrs, timeout_ms));
+            for (auto& [id, ip, port] : peers) addrs.push_back(PeerAddress{id.value_or(wire::kAnyCluster), ip, port});
+            std::vector<uint64_t> ids;
+            std::vector<Status> st = e.link(addrs, timeout_ms, &ids);
+            std::vector<std::tuple<uint32_t, std::string, uint64_t>> out;
+            for (size_t i = 0; i < st.size(); ++i) {
+              out.emplace_back(static_cast<uint32_t>(st[i].code()), st[i].message(),
+                               i < ids.size() ? ids[i] : wire::kAnyCluster);
+            }
+            return out;
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "ping",
+          [](Engine& e, uint64_t cluster_id, int64_t timeout_ms, const std::string& op) {
+            throwIfError(e.ping(cluster_id, timeout_ms), op.c_str());
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "start_comm_listener",
+          [](Engine& e, const std::string& ip, uint16_t port) {
+            return valueOrThrow(e.startCommListener(ip, port), "link");
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
@@ -181,10 +206,12 @@ PYBIND11_MODULE(_core, m) {
              uint64_t req_id, uint64_t prefix_id, int64_t cache_id, uint64_t batch_index, int64_t local_cache_id,
              int mode, uint64_t local_slot, int64_t size, std::vector<int64_t> local_blocks,
              std::vector<int64_t> remote_blocks, std::vector<uint32_t> local_tensors,
-             std::vector<uint32_t> remote_tensors) {
+             std::vector<uint32_t> remote_tensors, const std::vector<std::pair<uint64_t, uint64_t>>& local_runs,
+             const std::vector<std::pair<uint64_t, uint64_t>>& remote_runs) {
             TransferSpec s = makeSpec(peer, target_kind, model_id, req_id, prefix_id, cache_id, batch_index,
                                       local_cache_id, mode, local_slot, size, std::move(local_blocks),
-                                      std::move(remote_blocks), std::move(local_tensors), std::move(remote_tensors));
+                                      std::move(remote_blocks), std::move(local_tensors), std::move(remote_tensors),
+                                      local_runs, remote_runs);
             throwIfError(is_push ? e.push(s) : e.pull(s), op.c_str());
           },
           py::call_guard<py::gil_scoped_release>())

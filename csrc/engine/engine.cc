@@ -1,9 +1,5 @@
 #include "engine/engine.h"
 
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <future>
@@ -81,8 +77,9 @@ Status linkError(const PeerAddress& peer, const Status& st) {
                           std::to_string(peer.port) + ": " + st.message());
 }
 
-// Client half of a channel handshake: hello out, ack in, checks the peer's identity.
-Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t expected_peer, Deadline deadline) {
+// Client half of a channel handshake: hello out, ack in. Checks the peer's identity against
+// *peer_id, or learns it when *peer_id is kAnyCluster.
+Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t* peer_id, Deadline deadline) {
   std::string frame = wire::encode(hello);
   PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
   uint8_t buf[wire::kHelloAckFixedBytes];
@@ -93,9 +90,11 @@ Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t expected_peer
   std::string msg(msg_len, '\0');
   if (msg_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
   if (ack.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
-  if (ack.cluster_id != expected_peer) {
+  if (*peer_id == wire::kAnyCluster) {
+    *peer_id = ack.cluster_id;
+  } else if (ack.cluster_id != *peer_id) {
     return Status(Code::kLinkFailed, "the endpoint is " + clusterName(ack.cluster_id) + ", not " +
-                                         clusterName(expected_peer));
+                                         clusterName(*peer_id));
   }
   return Status::OK();
 }
@@ -148,12 +147,13 @@ Status Engine::initialize(const EngineConfig& config) {
     host_pool_ = pool.value();
   }
   if (!config.listen_ip.empty()) {
-    Status st = startListenerLocked(config.listen_ip, config.listen_port);
-    if (!st.ok()) {
+    auto l = startListener(config.listen_ip, config.listen_port);
+    if (!l.ok()) {
       device_pool_.reset();
       host_pool_.reset();
-      return st;
+      return l.status();
     }
+    listener_ = std::move(l.value());
   }
   role_ = config.role;
   stopping_ = false;
@@ -172,7 +172,7 @@ void Engine::finalize() {
     for (auto& [id, link] : links_) links.push_back(link);
     links_.clear();
   }
-  stopListener();
+  stopListeners();
   for (auto& link : links) {
     if (!link->broken()) {
       std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
@@ -229,53 +229,34 @@ void Engine::reapThreads() {
 
 // ---------------------------------------------------------------- listener and roles
 
-Status Engine::startListenerLocked(const std::string& ip, uint16_t port) {
-  auto ls = ListenSocket::bind(ip, port);
-  if (!ls.ok()) return Status(Code::kFailed, ls.status().message());
-  startListenThreadLocked(std::make_unique<ListenSocket>(std::move(ls.value())));
-  PDLINK_LOG(kInfo, "listening on " << ip << ":" << listener_->port());
-  return Status::OK();
-}
-
-void Engine::startListenThreadLocked(std::unique_ptr<ListenSocket> socket) {
-  if (wake_fd_ < 0) wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  listener_ = std::move(socket);
-  ListenSocket* raw = listener_.get();
-  listen_thread_ = std::thread([this, raw] {
-    // Runs until stopListener() signals wake_fd_.
-    for (;;) {
-      pollfd fds[2] = {{raw->fd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-      if (::poll(fds, 2, -1) < 0) continue;
-      if (fds[1].revents) return;
-      for (Socket s = raw->acceptOne(); s.valid(); s = raw->acceptOne()) {
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (stopping_) return;
-          if (handshaking_.size() >= kMaxHandshakes) {
-            PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress");
-            continue;
-          }
-        }
-        auto holder = std::make_shared<Socket>(std::move(s));
-        spawn([this, holder] { handleIncoming(std::move(*holder)); });
+Result<std::unique_ptr<Listener>> Engine::startListener(const std::string& ip, uint16_t port) {
+  return Listener::start(ip, port, [this](Socket s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      if (handshaking_.size() >= kMaxHandshakes) {
+        PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress");
+        return;
       }
     }
+    auto holder = std::make_shared<Socket>(std::move(s));
+    spawn([this, holder] { handleIncoming(std::move(*holder)); });
   });
 }
 
-void Engine::stopListener() {
-  if (!listen_thread_.joinable()) return;
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_fd_, &one, sizeof(one));
-  (void)ignored;
-  listen_thread_.join();
-  uint64_t drain = 0;
-  ignored = ::read(wake_fd_, &drain, sizeof(drain));
-  std::lock_guard<std::mutex> lock(mu_);
-  listener_.reset();
+void Engine::stopListeners() {
+  std::unique_ptr<Listener> a, b;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    a = std::move(listener_);
+    b = std::move(comm_listener_);
+  }
+  // Destroyed outside mu_: the accept callback takes it.
 }
 
 Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
+  std::unique_ptr<Listener> old, fresh;
+  bool keep = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
@@ -285,102 +266,113 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
       return Status(Code::kExistLink, "cannot switch role while links exist (peer clusters: " + ids +
                                           "); call unlink_clusters first");
     }
+    keep = !listen_ip.empty() && listener_ && listen_ip == listener_->ip() &&
+           (listen_port == listener_->port() || listen_port == 0);
+    // The new address is bound before the old one is given up, so a failed switch changes
+    // nothing; only a move to the same port on another address must release the old one first.
+    if (!keep && !listen_ip.empty() && listener_ && listen_port == listener_->port()) old = std::move(listener_);
   }
-  uint16_t current = listenPort();
-  bool keep = !listen_ip.empty() && current != 0 && listen_ip == config_.listen_ip &&
-              (listen_port == current || listen_port == 0);
-  if (!keep) {
-    // Bind the new address before giving up the old one, so a failed switch changes nothing.
-    std::unique_ptr<ListenSocket> fresh;
-    if (!listen_ip.empty()) {
-      auto ls = ListenSocket::bind(listen_ip, listen_port);
-      if (!ls.ok() && listen_port == current) {  // same port, other address: free it first
-        stopListener();
-        ls = ListenSocket::bind(listen_ip, listen_port);
-        if (!ls.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
-          (void)startListenerLocked(config_.listen_ip, current);  // best effort: restore
-        }
-      }
-      if (!ls.ok()) return Status(Code::kFailed, ls.status().message());
-      fresh = std::make_unique<ListenSocket>(std::move(ls.value()));
-    }
-    stopListener();
+  old.reset();  // joins the accept thread, outside mu_
+  if (!keep && !listen_ip.empty()) {
+    auto l = startListener(listen_ip, listen_port);
+    if (!l.ok()) return l.status();
+    fresh = std::move(l.value());
+  }
+  {
     std::lock_guard<std::mutex> lock(mu_);
-    if (fresh) startListenThreadLocked(std::move(fresh));
-    config_.listen_ip = listen_ip;
+    if (!keep) {
+      old = std::move(listener_);
+      listener_ = std::move(fresh);
+    }
+    role_ = role;
+    PDLINK_LOG(kInfo, "engine " << config_.cluster_id << " switched to role " << static_cast<int>(role)
+                                << (listener_ ? ", listening on port " + std::to_string(listener_->port())
+                                              : ", not listening"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  role_ = role;
-  PDLINK_LOG(kInfo, "engine " << config_.cluster_id << " switched to role " << static_cast<int>(role)
-                              << (listener_ ? ", listening on port " + std::to_string(listener_->port())
-                                            : ", not listening"));
   return Status::OK();
 }
 
 // ---------------------------------------------------------------- links
 
-std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms) {
+std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
+                                 std::vector<uint64_t>* peer_ids) {
   reapThreads();
   if (peers.size() > kMaxPeersPerCall) {
     return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(peers.size()))};
   }
   if (!initialized()) return {Status(Code::kFailed, "engine is not initialized")};
   // Peers are linked in parallel: one slow or dead peer costs its own timeout, not everyone's.
+  std::vector<uint64_t> ids(peers.size(), wire::kAnyCluster);
   std::vector<std::future<Status>> futures;
-  for (const PeerAddress& p : peers) {
-    futures.push_back(std::async(std::launch::async, [this, p, timeout_ms] { return linkOne(p, timeout_ms); }));
+  for (size_t i = 0; i < peers.size(); ++i) {
+    futures.push_back(std::async(std::launch::async, [this, &peers, &ids, i, timeout_ms] {
+      return linkOne(peers[i], timeout_ms, &ids[i]);
+    }));
   }
   std::vector<Status> out;
   for (auto& f : futures) out.push_back(f.get());
+  if (peer_ids) *peer_ids = std::move(ids);
   return out;
 }
 
-Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms) {
+Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id) {
+  const bool known = peer.cluster_id != wire::kAnyCluster;
+  const std::string where = peer.ip + ":" + std::to_string(peer.port);
+  // Guards against a second link attempt to the same peer, by id when known, else by address.
+  const uint64_t guard_key = known ? peer.cluster_id : std::hash<std::string>{}(where) | (uint64_t{1} << 63);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (peer.cluster_id == config_.cluster_id) {
+    if (known && peer.cluster_id == config_.cluster_id) {
       return Status(Code::kParamInvalid, "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
     }
-    if (links_.count(peer.cluster_id)) {
-      return Status(Code::kAlreadyLink, clusterName(peer.cluster_id) + " is already linked");
+    for (auto& [id, l] : links_) {
+      if ((known && id == peer.cluster_id) || (!known && l->peerAddress() == where)) {
+        if (linked_id) *linked_id = id;
+        return Status(Code::kAlreadyLink, clusterName(id) + " is already linked");
+      }
     }
-    if (!linking_.insert(peer.cluster_id).second) {
-      return Status(Code::kProcessingLink, "a link to " + clusterName(peer.cluster_id) + " is in progress");
+    if (!linking_.insert(guard_key).second) {
+      return Status(Code::kProcessingLink, "a link to " + (known ? clusterName(peer.cluster_id) : where) +
+                                               " is in progress");
     }
   }
   struct Unmark {
     Engine* e;
-    uint64_t id;
+    uint64_t key;
     ~Unmark() {
       std::lock_guard<std::mutex> lock(e->mu_);
-      e->linking_.erase(id);
+      e->linking_.erase(key);
     }
-  } unmark{this, peer.cluster_id};
+  } unmark{this, guard_key};
 
   Deadline deadline = Deadline::afterMs(timeout_ms);
   wire::Hello hello;
   hello.cluster_id = config_.cluster_id;
   hello.expected_peer = peer.cluster_id;
   hello.nonce = makeNonce();
+  uint64_t peer_id = peer.cluster_id;
   auto fwd = Socket::connect(peer.ip, peer.port, deadline);
   if (!fwd.ok()) return linkError(peer, fwd.status());
-  Status st = helloExchange(fwd.value(), hello, peer.cluster_id, deadline);
+  Status st = helloExchange(fwd.value(), hello, &peer_id, deadline);
   if (!st.ok()) return linkError(peer, st);
+  if (peer_id == config_.cluster_id) {
+    return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
+  }
   auto rev = Socket::connect(peer.ip, peer.port, deadline);
   if (!rev.ok()) return linkError(peer, rev.status());
   hello.channel = wire::Channel::kReverse;
-  st = helloExchange(rev.value(), hello, peer.cluster_id, deadline);
+  st = helloExchange(rev.value(), hello, &peer_id, deadline);
   if (!st.ok()) return linkError(peer, st);
 
-  auto link = std::make_shared<Link>(peer.cluster_id, std::move(fwd.value()), std::move(rev.value()), true);
+  auto link = std::make_shared<Link>(peer_id, std::move(fwd.value()), std::move(rev.value()), true);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
     installLink(link);
   }
   spawn([this, link] { serve(link); });
-  PDLINK_LOG(kInfo, "linked to " << clusterName(peer.cluster_id) << " at " << peer.ip << ":" << peer.port);
+  if (linked_id) *linked_id = peer_id;
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where);
   return Status::OK();
 }
 
@@ -432,7 +424,7 @@ void Engine::handleIncoming(Socket sock) {
     return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
                   std::to_string(wire::kProtocolVersion));
   }
-  if (hello.expected_peer != config_.cluster_id) {
+  if (hello.expected_peer != config_.cluster_id && hello.expected_peer != wire::kAnyCluster) {
     return refuse("this endpoint is " + clusterName(config_.cluster_id) + ", not " + clusterName(hello.expected_peer));
   }
   if (hello.cluster_id == config_.cluster_id) {
@@ -557,6 +549,44 @@ Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
   return result;
 }
 
+Status Engine::ping(uint64_t cluster_id, int64_t timeout_ms) {
+  auto link_r = usableLink(cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  std::shared_ptr<Link> link = link_r.value();
+  std::lock_guard<std::mutex> out(link->outMutex());
+  if (link->broken()) return linkDown(*link);
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
+  Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+  wire::ResponseHeader rh;
+  Status remote;
+  if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, "link check with");
+  return remote;
+}
+
+Result<uint16_t> Engine::startCommListener(const std::string& ip, uint16_t port) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
+    if (comm_listener_) {
+      if (comm_listener_->ip() == ip && (port == 0 || comm_listener_->port() == port)) return comm_listener_->port();
+      return Status(Code::kParamInvalid, "link() endpoint already bound to " + comm_listener_->ip() + ":" +
+                                             std::to_string(comm_listener_->port()));
+    }
+  }
+  auto l = startListener(ip, port);
+  if (!l.ok()) return l.status();
+  std::unique_ptr<Listener> extra;  // destroyed on return, outside mu_ (its callback takes mu_)
+  std::lock_guard<std::mutex> lock(mu_);
+  if (comm_listener_) {
+    extra = std::move(l.value());  // lost a race with a concurrent call: keep the first
+  } else {
+    comm_listener_ = std::move(l.value());
+  }
+  return comm_listener_->port();
+}
+
 std::vector<LinkInfo> Engine::links() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<LinkInfo> out;
@@ -596,6 +626,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
   std::vector<uint8_t> body(h.body_len);
   if (h.body_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(body.data(), body.size(), deadline));
 
+  if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
   if (h.op == wire::Op::kUnlink) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -635,13 +666,13 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
   }
   const Resolved& r = resolved.value();
   if (is_write) {
-    PDLINK_RETURN_IF_ERROR(movePayload(s, false, r.entry->addrs, tb.tensors, r.base, tb.runs, deadline));
+    PDLINK_RETURN_IF_ERROR(movePayload(s, false, r.addrs, r.tensors, r.base, r.runs, deadline));
     return sendResponse(s, Status::OK(), deadline);
   }
   wire::ResponseHeader rh{0, 0, payload.value()};
   std::string head = wire::encode(rh);
   std::vector<iovec> iov{{head.data(), head.size()}};
-  return movePayload(s, true, r.entry->addrs, tb.tensors, r.base, tb.runs, deadline, std::move(iov));
+  return movePayload(s, true, r.addrs, r.tensors, r.base, r.runs, deadline, std::move(iov));
 }
 
 // ---------------------------------------------------------------- transfers
@@ -693,7 +724,23 @@ Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
   }
   p.remote.target = spec.target;
   using Mode = TransferSpec::Mode;
-  if (spec.mode == Mode::kSlotToSlot) {
+  if (spec.mode == Mode::kExplicit) {
+    if (spec.local_runs.size() != spec.remote_runs.size() || spec.local_runs.empty()) {
+      return Status(Code::kParamInvalid, "local and remote run lists must be non-empty and of equal length");
+    }
+    for (size_t i = 0; i < spec.local_runs.size(); ++i) {
+      const wire::Run& l = spec.local_runs[i];
+      uint64_t end = 0;
+      if (l.length == 0 || l.length != spec.remote_runs[i].length ||
+          __builtin_add_overflow(l.offset, l.length, &end) || end > L.tensor_size) {
+        return Status(Code::kParamInvalid, "local range [" + std::to_string(l.offset) + ", +" +
+                                               std::to_string(l.length) + ") is outside the local tensors (" +
+                                               std::to_string(L.tensor_size) + " bytes) or mismatches the remote one");
+      }
+    }
+    p.local_runs = spec.local_runs;
+    p.remote.runs = spec.remote_runs;
+  } else if (spec.mode == Mode::kSlotToSlot) {
     if (L.is_blocks) return Status(Code::kParamInvalid, "this transfer needs a non-blocks local cache");
     if (spec.local_slot >= L.num_slots) {
       return Status(Code::kParamInvalid, "batch_index " + std::to_string(spec.local_slot) +

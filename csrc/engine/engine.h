@@ -34,6 +34,7 @@
 #include "engine/link.h"
 #include "engine/mem_pool.h"
 #include "engine/registry.h"
+#include "transport/listener.h"
 #include "transport/socket.h"
 
 namespace pdlink {
@@ -58,7 +59,7 @@ struct EngineConfig {
 };
 
 struct PeerAddress {
-  uint64_t cluster_id = 0;
+  uint64_t cluster_id = wire::kAnyCluster;  // kAnyCluster: learn it from the peer's handshake
   std::string ip;
   uint16_t port = 0;
 };
@@ -79,6 +80,8 @@ struct TransferSpec {
     kSlotToSlot,      // one batch slot of a contiguous cache <-> a remote slot
     kBlocksToBlocks,  // local_blocks[i] <-> remote_blocks[i]
     kSlotToBlocks,    // remote slot as consecutive blocks -> local_blocks[i] (pull only)
+    kExplicit,        // local_runs[i] <-> remote_runs[i], offsets from each tensor's start (remote:
+                      // from the target's base, or absolute addresses for a kRaw target)
   };
   uint64_t peer_cluster_id = 0;
   wire::Target target;  // the remote cache (resolved by the peer)
@@ -91,6 +94,8 @@ struct TransferSpec {
   // Tensor mapping: local_tensors[i] <-> remote_tensors[i]. Empty = every local tensor i <-> i.
   std::vector<uint32_t> local_tensors;
   std::vector<uint32_t> remote_tensors;
+  std::vector<wire::Run> local_runs;   // kExplicit
+  std::vector<wire::Run> remote_runs;  // kExplicit
 };
 
 class Engine {
@@ -117,10 +122,17 @@ class Engine {
   // listener if it differs from the current one; with an empty ip: stop listening.
   Status switchRole(Role role, const std::string& listen_ip, uint16_t listen_port);
 
-  // One status per peer, in order. At most 16 peers per call (kClusterNumExceedLimit).
-  std::vector<Status> link(const std::vector<PeerAddress>& peers, int64_t timeout_ms);
+  // One status per peer, in order. At most 16 peers per call (kClusterNumExceedLimit). When
+  // `peer_ids` is given it receives each linked peer's cluster id (learned when not given).
+  std::vector<Status> link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
+                           std::vector<uint64_t>* peer_ids = nullptr);
   std::vector<Status> unlink(const std::vector<uint64_t>& cluster_ids, int64_t timeout_ms, bool force);
   std::vector<LinkInfo> links() const;
+  // One round trip on the link (check_link_status). kNotYetLink / kLinkFailed / kTimeout.
+  Status ping(uint64_t cluster_id, int64_t timeout_ms);
+  // A second listener, the rendezvous endpoint of two-sided link() calls; idempotent for the same
+  // address. Returns the bound port.
+  Result<uint16_t> startCommListener(const std::string& ip, uint16_t port);
 
   // Registers user memory (addrs: one address per tensor). kParamInvalid on bad layout or keys.
   Result<std::shared_ptr<CacheEntry>> registerCache(const CacheLayout& layout, const std::vector<uint64_t>& addrs,
@@ -152,12 +164,10 @@ class Engine {
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
   Status failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what);
 
-  Status startListenerLocked(const std::string& ip, uint16_t port);
-  void startListenThreadLocked(std::unique_ptr<ListenSocket> socket);
-  void stopListener();
-  void listenLoop();
+  Result<std::unique_ptr<Listener>> startListener(const std::string& ip, uint16_t port);
+  void stopListeners();
   void handleIncoming(Socket sock);
-  Status linkOne(const PeerAddress& peer, int64_t timeout_ms);
+  Status linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id);
   Status unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force);
   void installLink(const std::shared_ptr<Link>& link);
   void serve(const std::shared_ptr<Link>& link);
@@ -179,10 +189,9 @@ class Engine {
   std::map<uint64_t, std::shared_ptr<Link>> links_;  // guarded by mu_
   std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
 
-  // Listener: the socket is replaced only by switchRole/finalize, with the thread stopped first.
-  std::unique_ptr<ListenSocket> listener_;  // guarded by mu_
-  std::thread listen_thread_;
-  int wake_fd_ = -1;  // eventfd that wakes the listener thread
+  // Listeners are destroyed (which joins their thread) only outside mu_.
+  std::unique_ptr<Listener> listener_;       // from listen_ip_info / switch_role, guarded by mu_
+  std::unique_ptr<Listener> comm_listener_;  // rendezvous endpoint of link(), guarded by mu_
 
   // Incoming links waiting for their REVERSE channel, keyed by the initiator's nonce.
   struct PendingLink {

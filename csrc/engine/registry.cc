@@ -136,6 +136,7 @@ void Registry::maybeFreeLocked(int64_t id) {
 Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_write) const {
   std::lock_guard<std::mutex> lock(mu_);
   const wire::Target& t = body.target;
+  if (t.kind == wire::TargetKind::kRaw) return resolveRawLocked(body, for_write);
   std::shared_ptr<CacheEntry> entry;
   uint64_t slot = 0;
   bool slotted = true;
@@ -167,6 +168,8 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
       slotted = false;
       break;
     }
+    case wire::TargetKind::kRaw:
+      break;  // handled above
   }
   const CacheLayout& L = entry->layout;
   if (for_write && !entry->remote_accessible) {
@@ -178,10 +181,7 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
                                            " bytes per block, " + t.describe() + " has " +
                                            std::to_string(L.stride()));
   }
-  Resolved r;
-  r.entry = entry;
-  r.base = slotted ? slot * L.stride() : 0;
-  r.limit = slotted ? L.stride() : L.tensor_size;
+  const uint64_t limit = slotted ? L.stride() : L.tensor_size;
   for (uint32_t tensor : body.tensors) {
     if (tensor >= L.num_tensors) {
       return Status(Code::kParamInvalid, "tensor index " + std::to_string(tensor) + " out of range: " +
@@ -190,11 +190,49 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   }
   for (const wire::Run& run : body.runs) {
     uint64_t end = 0;
-    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) || end > r.limit) {
+    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) || end > limit) {
       return Status(Code::kParamInvalid, "access [" + std::to_string(run.offset) + ", +" +
                                              std::to_string(run.length) + ") is outside " + t.describe() +
-                                             " (" + std::to_string(r.limit) + " bytes)");
+                                             " (" + std::to_string(limit) + " bytes)");
     }
+  }
+  Resolved r;
+  r.keep.push_back(entry);
+  r.addrs = entry->addrs;
+  r.tensors = body.tensors;
+  r.runs = body.runs;
+  r.base = slotted ? slot * L.stride() : 0;
+  return r;
+}
+
+Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool for_write) const {
+  if (body.tensors.size() != 1) return Status(Code::kParamInvalid, "a raw-address transfer moves one tensor");
+  Resolved r;
+  r.addrs = {0};
+  r.tensors = {0};
+  r.runs = body.runs;
+  for (const wire::Run& run : body.runs) {
+    uint64_t end = 0;
+    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
+      return Status(Code::kParamInvalid, "invalid address range");
+    }
+    // The range must lie inside one registered tensor. O(registered tensors) per run: llm_datadist
+    // registers at most a few hundred addresses.
+    std::shared_ptr<CacheEntry> found;
+    for (const auto& [id, e] : caches_) {
+      for (uint64_t a : e->addrs) {
+        if (run.offset >= a && end <= a + e->layout.tensor_size) found = e;
+      }
+      if (found) break;
+    }
+    if (!found) {
+      return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
+                                             std::to_string(run.length) + ") is not inside any registered cache");
+    }
+    if (for_write && !found->remote_accessible) {
+      return Status(Code::kParamInvalid, "cache " + std::to_string(found->id) + " is not remote accessible");
+    }
+    r.keep.push_back(found);
   }
   return r;
 }

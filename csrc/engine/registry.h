@@ -69,11 +69,14 @@ struct CacheEntry {
   ~CacheEntry();
 };
 
-// A cache resolved for serving a peer's request: bytes [base, base + limit) of every tensor.
+// What a peer's request addresses, checked: for each tensor t in `tensors` and run r in `runs`,
+// the bytes [addrs[t] + base + r.offset, + r.length). `keep` holds the caches alive meanwhile.
 struct Resolved {
-  std::shared_ptr<CacheEntry> entry;
+  std::vector<std::shared_ptr<CacheEntry>> keep;
+  std::vector<uint64_t> addrs;
+  std::vector<uint32_t> tensors;
+  std::vector<wire::Run> runs;
   uint64_t base = 0;
-  uint64_t limit = 0;
 };
 
 class Registry {
@@ -107,6 +110,7 @@ class Registry {
   };
   using KeyIndex = std::map<std::pair<uint64_t, uint64_t>, std::pair<int64_t, uint64_t>>;
 
+  Result<Resolved> resolveRawLocked(const wire::TransferBody& body, bool for_write) const;
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);
 

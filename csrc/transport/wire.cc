@@ -117,7 +117,7 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   if (!r.get(&op) || !r.get(&pad8) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
     return malformed("request");
   }
-  if (op < 1 || op > 4 || out->body_len > kMaxBodyBytes) return malformed("request");
+  if (op < 1 || op > 5 || out->body_len > kMaxBodyBytes) return malformed("request");
   out->op = static_cast<Op>(op);
   return Status::OK();
 }
@@ -152,6 +152,8 @@ std::string Target::describe() const {
       return "cache (cache_id=" + std::to_string(cache_id) + ", batch_index=" + std::to_string(batch_index) + ")";
     case TargetKind::kBlocks:
       return "blocks cache (model_id=" + std::to_string(model_id) + ")";
+    case TargetKind::kRaw:
+      return "registered memory";
   }
   return "unknown target";
 }
@@ -198,7 +200,7 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
       !r.get(&t.cache_id) || !r.get(&t.batch_index) || !r.get(&out->block_size)) {
     return malformed("transfer");
   }
-  if (kind < 1 || kind > 4) return malformed("transfer");
+  if (kind < 1 || kind > 5) return malformed("transfer");
   t.kind = static_cast<TargetKind>(kind);
   if (!r.get(&count) || count > r.left() / sizeof(uint32_t)) return malformed("transfer");
   out->tensors.resize(count);

@@ -26,6 +26,7 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint16_t kProtocolVersion = 1;
+constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = 64u << 20;   // request descriptors (block runs etc.)
 constexpr uint32_t kMaxMessageBytes = 64u << 10;  // error text in responses and acks
@@ -61,6 +62,7 @@ enum class Op : uint8_t {
   kWrite = 2,   // payload follows; store into a cache       -> Response
   kCommit = 3,  // a read by request key completed: release  (no response)
   kUnlink = 4,  // the peer tears the link down              -> Response
+  kPing = 5,    // liveness check (check_link_status)          -> Response
 };
 
 struct RequestHeader {
@@ -87,6 +89,7 @@ enum class TargetKind : uint8_t {
   kPrefixKey = 2,   // (prefix_id, model_id) -> (cache, slot)
   kIdIndex = 3,     // (cache_id, batch_index) -> (cache, slot)
   kBlocks = 4,      // model_id -> blocks cache; offsets are from the tensor start
+  kRaw = 5,         // run offsets are absolute addresses inside any registered tensor (one tensor)
 };
 
 struct Target {

@@ -8,6 +8,7 @@ block releases the GIL.
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 PROTOCOL_VERSION: int
+ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
 
 _Key = Tuple[int, int, int]  # (req_id, prefix_id, model_id)
 _Handle = Tuple[int, List[int]]  # (cache_id, tensor addresses)
@@ -41,7 +42,11 @@ class Engine:
     @property
     def cache_count(self) -> int: ...
     def switch_role(self, role: int, listen_ip: str, listen_port: int) -> None: ...
-    def link(self, peers: Sequence[Tuple[int, str, int]], timeout_ms: int) -> List[Tuple[int, str]]: ...
+    def link(
+        self, peers: Sequence[Tuple[Optional[int], str, int]], timeout_ms: int
+    ) -> List[Tuple[int, str, int]]: ...  # (status code, message, peer cluster id) per peer
+    def ping(self, cluster_id: int, timeout_ms: int, op: str) -> None: ...
+    def start_comm_listener(self, ip: str, port: int) -> int: ...
     def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> List[Tuple[int, str]]: ...
     def links(self) -> List[Dict[str, Union[int, str, bool]]]: ...
     def register_cache(
@@ -90,6 +95,8 @@ class Engine:
         remote_blocks: Sequence[int],
         local_tensors: Sequence[int],
         remote_tensors: Sequence[int],
+        local_runs: Sequence[Tuple[int, int]],
+        remote_runs: Sequence[Tuple[int, int]],
     ) -> None: ...
     def copy_local(
         self, dst: Sequence[int], src: Sequence[int], runs: Sequence[Tuple[int, int, int]], op: str

@@ -46,8 +46,8 @@ _NO_ID = 2**64 - 1
 
 # wire::TargetKind and TransferSpec::Mode values of the native core (csrc/transport/wire.h,
 # csrc/engine/engine.h).
-_TARGET_REQUEST_KEY, _TARGET_PREFIX_KEY, _TARGET_ID_INDEX, _TARGET_BLOCKS = 1, 2, 3, 4
-_MODE_SLOT_TO_SLOT, _MODE_BLOCKS_TO_BLOCKS, _MODE_SLOT_TO_BLOCKS = 0, 1, 2
+_TARGET_REQUEST_KEY, _TARGET_PREFIX_KEY, _TARGET_ID_INDEX, _TARGET_BLOCKS, _TARGET_RAW = 1, 2, 3, 4, 5
+_MODE_SLOT_TO_SLOT, _MODE_BLOCKS_TO_BLOCKS, _MODE_SLOT_TO_BLOCKS, _MODE_EXPLICIT = 0, 1, 2, 3
 
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
@@ -183,13 +183,22 @@ class CacheManager:
             f"config memory pool firstly: allocating a {desc.placement} cache needs LLMConfig.{which}",
         )
 
-    def _transfer(self, op: str, is_push: bool, key: KeyLike, cache: Cache, mode: int, *, slot: int = 0,
+    def _transfer(self, op: str, is_push: bool, key: Optional[KeyLike], cache: Cache, mode: int, *, slot: int = 0,
                   size: int = -1, local_blocks: Sequence[int] = (), remote_blocks: Sequence[int] = (),
-                  local_tensors: Sequence[int] = (), remote_tensors: Sequence[int] = ()) -> None:
-        kind, model_id, req_id, prefix_id, cache_id, batch_index = _target(key)
+                  local_tensors: Sequence[int] = (), remote_tensors: Sequence[int] = (),
+                  local_runs: Sequence[Tuple[int, int]] = (), remote_runs: Sequence[Tuple[int, int]] = (),
+                  peer: Optional[int] = None) -> None:
+        """One native transfer. ``key=None`` addresses raw remote memory (``peer`` then names the
+        cluster and ``remote_runs`` hold absolute addresses)."""
+        if key is None:
+            kind, model_id, req_id, prefix_id, cache_id, batch_index = (_TARGET_RAW, 0, _NO_ID, _NO_ID, 0, 0)
+        else:
+            kind, model_id, req_id, prefix_id, cache_id, batch_index = _target(key)
+            peer = key.cluster_id
         self._live_engine().transfer(
-            is_push, op, key.cluster_id, kind, model_id, req_id, prefix_id, cache_id, batch_index,
+            is_push, op, peer, kind, model_id, req_id, prefix_id, cache_id, batch_index,
             cache.cache_id, mode, slot, size, local_blocks, remote_blocks, local_tensors, remote_tensors,
+            local_runs, remote_runs,
         )
 
     @staticmethod

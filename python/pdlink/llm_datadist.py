@@ -249,11 +249,11 @@ class LLMDataDist:
                                f"cluster {c.remote_cluster_id} needs a local_ip_info (append_local_ip_info)")
 
     @staticmethod
-    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: List[Tuple[int, str]]
+    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: List[Tuple[Any, ...]]
                  ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
         codes = []
         overall = LLMStatusCode.LLM_SUCCESS
-        for cluster, (code, message) in zip(clusters, results):
+        for cluster, (code, message, *_) in zip(clusters, results):
             status = code_2_status(code)
             codes.append(status)
             if status != LLMStatusCode.LLM_SUCCESS:
