@@ -11,6 +11,7 @@ import atexit
 import ipaddress
 import json
 import logging
+import os
 import socket
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +25,7 @@ from ._utils import (
     raise_if_false,
 )
 from .configs import LLMClusterInfo, LLMRole, role_to_option
-from .llm_types import Placement
+from .llm_types import Placement, RegisterMemStatus
 from .status import LLMException, LLMStatusCode, code_2_status
 
 __all__ = ["LLMDataDist"]
@@ -35,6 +36,12 @@ _MAX_CLUSTERS_PER_CALL = 16
 _DEFAULT_SYNC_TIMEOUT_MS = 1000
 _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 20 GB
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
+
+
+def _core_any_cluster() -> int:
+    from . import _core
+
+    return _core.ANY_CLUSTER
 
 
 def _int_ip_to_str(ip: int) -> str:
@@ -126,6 +133,7 @@ class LLMDataDist:
         self._cache_manager: Any = None
         self._is_initialized = False
         self._is_call_linked = False
+        self._comm_manager: Any = None
         self._options: Dict[str, str] = {}
 
     # ------------------------------------------------------------------ properties
@@ -223,6 +231,9 @@ class LLMDataDist:
         """Unlink every peer, free pools and stop the engine. A no-op when not initialised."""
         if not self._is_initialized:
             return
+        if self._comm_manager is not None:
+            self._comm_manager.close()
+            self._comm_manager = None
         self._engine.finalize()
         self._cache_manager._invalidate()
         self._is_initialized = False
@@ -239,7 +250,11 @@ class LLMDataDist:
         raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
         local_comm_res = self._options.get("llm.LocalCommRes", "")
         for c in clusters:
-            check_uint64("remote_cluster_id", c.remote_cluster_id)
+            # [INF] remote_cluster_id=None is accepted when the remote ip names the peer: the id is
+            # then learned in the handshake. Current llm_datadist raises TypeError, but the SGLang
+            # fork's connector (spec 11.3) was written for a release that accepted it.
+            if c.remote_cluster_id is not None or len(c.remote_ip_info_list) != 1:
+                check_uint64("remote_cluster_id", c.remote_cluster_id)
             if need_remote_ip:
                 raise_if_false(len(c.remote_ip_info_list) == 1,
                                f"cluster {c.remote_cluster_id} needs exactly one remote_ip_info, "
@@ -289,8 +304,49 @@ class LLMDataDist:
         self._check_clusters(clusters, timeout, need_remote_ip=not force)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
-        ids = [c.remote_cluster_id for c in clusters]
+        by_address = {l["peer_address"]: l["peer_cluster_id"] for l in engine.links()}
+        ids = []
+        for c in clusters:
+            if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
+                ip, port = c.remote_ip_info_list[0]
+                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", _core_any_cluster()))
+            else:
+                ids.append(c.remote_cluster_id)
         return self._results("unlink_clusters", clusters, engine.unlink(ids, timeout, force))
+
+    def _comms(self):
+        engine = self._live_engine()
+        raise_if_false(self._cache_manager is not None and self._mode_is_cache_manager(),
+                       "link/unlink/query_register_mem_status need CacheManager mode")
+        if self._comm_manager is None:
+            from .comm import CommManager
+
+            total = int(self._options.get("llm.LinkTotalTime", "0") or 0)
+            if total <= 0:
+                env = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
+                total = int(env) if env.isdigit() and int(env) > 0 else 120
+            self._comm_manager = CommManager(engine, self._cluster_id, float(total))
+        return self._comm_manager
+
+    def _mode_is_cache_manager(self) -> bool:
+        return self._options.get("llm.EnableCacheManager") == "1"
+
+    def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+        """Two-sided link of every member of ``cluster_rank_info`` (each member calls it with the
+        same arguments). Returns a comm id at once; poll ``query_register_mem_status`` until OK.
+        See pdlink.comm for how the rank table's addresses are used."""
+        comm_id = self._comms().link(comm_name, cluster_rank_info, rank_table)
+        self._is_call_linked = True
+        return comm_id
+
+    def unlink(self, comm_id: int) -> None:
+        """Tear down the links of ``link(...)``'s communicator ``comm_id``."""
+        self._comms().unlink(comm_id)
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """PREPARING until every link of the communicator is up, then OK; FAILED after the link
+        time (``llm.LinkTotalTime``) passes without it."""
+        return self._comms().query(comm_id)
 
     # ------------------------------------------------------------------ roles
 
