@@ -176,3 +176,18 @@ class Peer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def wait_for(fn, timeout: float = 5.0):
+    """Poll ``fn`` until it returns a truthy value or ``timeout`` passes; returns the last value.
+
+    For effects that are asynchronous by design, e.g. the peer releases a pulled request key when
+    the puller's completion frame arrives, just after the pull has returned."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)

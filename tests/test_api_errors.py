@@ -175,8 +175,18 @@ def test_bad_init_options(peers):
         with llm_error(S.LLM_PARAM_INVALID):
             p.exec(f"dd.init(opts(**{bad!r}))")
         assert p.eval("LLMDataDist.llm_engine_instance is None"), bad
-    with llm_error(S.LLM_FEATURE_NOT_ENABLED):  # v1 (KvCacheManager) mode is not provided
-        p.exec("dd.init(opts(**{'llm.EnableCacheManager': '0'}))")
+    # KvCacheManager (v1) mode: a PROMPT needs llm.listenIpInfo, one per device, and a device id
+    v1_invalid = [
+        {"llm.EnableCacheManager": "0"},
+        {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0;127.0.0.1:0"},
+        {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0", "ge.exec.deviceId": "x"},
+        {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0", "ge.exec.deviceId": ""},
+        {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0", "ge.flowGraphMemMaxSize": "0"},
+    ]
+    for bad in v1_invalid:
+        with llm_error(S.LLM_PARAM_INVALID):
+            p.exec(f"dd.init(opts(**{bad!r}))")
+        assert p.eval("LLMDataDist.llm_engine_instance is None"), bad
     with pytest.raises(TypeError):
         p.exec("dd.init([('llm.EnableCacheManager', '1')])")
     with pytest.raises(TypeError):

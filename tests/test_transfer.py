@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pdlink.status import LLMException, LLMStatusCode
+from peer import wait_for
 
 BLOCKS_SETUP = """
 kv = tensors(4, (8, 64), seed={seed})
@@ -99,7 +100,7 @@ def test_pull_cache_by_request_key_releases_allocated_key(make_pd):
     assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     # the other key still works, and consuming it frees the cache
     pd.decode.exec("cm.pull_cache(CacheKey(1, 43, 0), c_dst, 1)")
-    assert pd.prefill.eval("dd._engine.cache_count") == 0
+    assert wait_for(lambda: pd.prefill.eval("dd._engine.cache_count") == 0)
     dst = pd.decode.eval("read_cache(c_dst)")
     for i, t in enumerate(dst):  # both slots hold what write_cache(c_src, 3) wrote
         full = ((np.arange(t.size, dtype=np.int64) * 13 + i * 5 + 3 * 101) % 251).astype(np.uint8)

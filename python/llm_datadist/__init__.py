@@ -31,14 +31,34 @@ from pdlink.llm_types import (  # noqa: E402
     TransferWithCacheKeyConfig,
 )
 from pdlink.status import LLMException, LLMStatusCode, Status  # noqa: E402
+from pdlink.transfer import CacheTask  # noqa: E402
 
 __all__ = [
     "LLMClusterInfo", "LLMStatusCode", "LLMException", "Status", "LLMRole", "LlmConfig", "LLMConfig",
     "DataType", "Placement", "RegisterMemStatus", "Memtype", "MemInfo", "CacheDesc", "CacheKey",
     "CacheKeyByIdAndIndex", "BlocksCacheKey", "Cache", "KvCache", "LayerSynchronizer", "TransferConfig",
-    "TransferWithCacheKeyConfig", "LLMDataDist",
+    "TransferWithCacheKeyConfig", "CacheTask", "LLMDataDist",
 ]
 
 
+# The v2 ("CacheManager mode") names, as upstream lists them for its tests.
+v2_list = [
+    "LLMDataDist", "CacheManager", "Cache", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey",
+    "RegisterMemStatus", "Memtype", "MemInfo", "Placement", "LayerSynchronizer", "TransferConfig",
+    "TransferWithCacheKeyConfig", "CacheTask",
+]
+
+# Deprecated v1 names upstream imports lazily from llm_datadist_v1 (spec 1.1).
+_LAZY = {"TensorDesc": "pdlink.tensor", "Tensor": "pdlink.tensor", "KvCacheManager": "pdlink.kv_cache_manager",
+         "CacheTask": "pdlink.transfer", "CacheManager": "pdlink.cache_manager"}
+
+
 def __getattr__(name):
-    raise AttributeError(f"module 'llm_datadist' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llm_datadist' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -38,7 +38,11 @@ _EXPORTS = {
     "LayerSynchronizer": "llm_types",
     "TransferConfig": "llm_types",
     "TransferWithCacheKeyConfig": "llm_types",
+    "CacheTask": "transfer",
     "CacheManager": "cache_manager",
+    "KvCacheManager": "kv_cache_manager",
+    "TensorDesc": "tensor",
+    "Tensor": "tensor",
     "LLMDataDist": "llm_datadist",
 }
 

@@ -11,7 +11,7 @@ core as they are.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._utils import (
     check_dict,
@@ -37,6 +37,10 @@ from .llm_types import (
     Placement,
 )
 from .status import LLMException, LLMStatusCode
+
+if TYPE_CHECKING:
+    from .llm_types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
+    from .transfer import CacheTask
 
 __all__ = ["CacheManager"]
 
@@ -368,6 +372,27 @@ class CacheManager:
         src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._transfer("push_blocks", True, dst_cache_key, src_cache, _MODE_BLOCKS_TO_BLOCKS,
                        local_blocks=src_blocks, remote_blocks=dst_blocks, local_tensors=src_t, remote_tensors=dst_t)
+
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: "LayerSynchronizer",
+                             transfer_configs: Sequence[Union["TransferConfig", "TransferWithCacheKeyConfig"]],
+                             src_block_indices: Optional[Sequence[int]] = None,
+                             dst_block_indices: Optional[Sequence[int]] = None,
+                             dst_block_memory_size: Optional[int] = None) -> "CacheTask":
+        """Push ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer (spec 8.5, 10.5).
+
+        Configs are ``TransferWithCacheKeyConfig`` with ``enable_remote_cache_accessible`` and
+        ``TransferConfig`` (raw remote addresses) without. Returns a ``CacheTask`` at once; see
+        ``pdlink.transfer`` for the algorithm.
+        """
+        from .transfer import transfer_cache_async
+
+        self._live_engine()
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        raise_if_true(src_cache.cache_desc.placement == Placement.HOST, "src cache not support placement HOST")
+        return transfer_cache_async(self._transfer, src_cache, src_cache.is_blocks_cache, layer_synchronizer,
+                                    transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
+                                    remote_cache_accessible=self._remote_cache_accessible,
+                                    timeout_code=LLMStatusCode.LLM_TIMEOUT)
 
     # ------------------------------------------------------------------ local copies
 

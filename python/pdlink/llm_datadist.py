@@ -3,6 +3,12 @@
 CacheManager mode (v2) runs on pdlink's native engine: links are real TCP connections to the
 peer's listener (``llm.listenIpInfo``), transfers are served by the peer's C++ threads, and
 the role is a label that ``switch_role`` changes together with the listener.
+
+KvCacheManager mode (v1, legacy; selected when ``llm.EnableCacheManager`` is not ``"1"`` and
+there is no ``llm.LocalCommRes``) runs on the same engine with the v1 rules: a PROMPT listens
+and publishes keys, a DECODER links and pulls (``pdlink.kv_cache_manager``). With several
+device ids (single-process multi-device mode) there is one engine per device, all with this
+instance's cluster id; every operation fans out to all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from ._utils import (
     check_list_of,
     check_uint64,
     raise_if_false,
+    raise_if_true,
 )
 from .configs import LLMClusterInfo, LLMRole, role_to_option
 from .llm_types import Placement, RegisterMemStatus
@@ -36,6 +43,10 @@ _MAX_CLUSTERS_PER_CALL = 16
 _DEFAULT_SYNC_TIMEOUT_MS = 1000
 _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 20 GB
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
+# v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
+# backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
+_V1_DEFAULT_POOL_BYTES = 1 << 30
+_V1_DEFAULT_PAGE_SHIFT = 16
 
 
 def _core_any_cluster() -> int:
@@ -113,6 +124,71 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
     }
 
 
+def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
+    """Validate the options of KvCacheManager (v1) mode and derive one engine setting per device.
+
+    * ``ge.exec.deviceId``: required; ``"0"`` or ``";"``-separated ids (multi-device mode);
+    * ``llm.listenIpInfo``: PROMPT only and required there, one ``ip:port`` per device
+      (``";"``-separated); a DECODER never listens in v1, so it is ignored for one;
+    * device pool: ``ge.flowGraphMemMaxSize`` bytes when given, else ``llm.MemPoolConfig``,
+      else 1 GiB; there is no host pool in v1.
+
+    Every violation is ``LLMException(LLM_PARAM_INVALID)``. ``llm.ClusterInfo`` and the numa stub
+    file that llm_datadist derives here are internal to its engine and are not produced.
+    """
+    rest = {k: v for k, v in options.items() if k != "llm.listenIpInfo"}
+    cfg = parse_engine_options(rest)
+    raw_devices = options.get("ge.exec.deviceId")
+    raise_if_false(bool(raw_devices),
+                   "KvCacheManager mode requires ge.exec.deviceId (set LLMConfig.device_id)")
+    parts = raw_devices.split(";")
+    raise_if_false(all(p.isdigit() for p in parts),
+                   f"ge.exec.deviceId must be a device id or ';'-separated ids, got {raw_devices!r}")
+    devices = [int(p) for p in parts]
+    raise_if_false(len(set(devices)) == len(devices), f"ge.exec.deviceId repeats a device: {raw_devices!r}")
+    listens: List[Tuple[str, int]] = [("", 0)] * len(devices)
+    if role == LLMRole.PROMPT:
+        listen = options.get("llm.listenIpInfo", "")
+        raise_if_false(bool(listen), "a PROMPT in KvCacheManager mode requires llm.listenIpInfo "
+                                     "(LLMConfig.listen_ip_info), one 'ip:port' per device")
+        entries = listen.split(";")
+        raise_if_false(len(entries) == len(devices),
+                       f"llm.listenIpInfo needs one 'ip:port' per device ({len(devices)}), got {listen!r}")
+        listens = [_split_listen(e) for e in entries]
+    mem = options.get("ge.flowGraphMemMaxSize")
+    if mem is not None:
+        raise_if_false(mem.isdigit() and int(mem) > 0, f"ge.flowGraphMemMaxSize must be > 0 bytes, got {mem!r}")
+        pool, shift = int(mem), _V1_DEFAULT_PAGE_SHIFT
+    elif cfg["device_pool_bytes"] > 0:
+        pool, shift = cfg["device_pool_bytes"], cfg["device_page_shift"]
+    else:
+        pool, shift = _V1_DEFAULT_POOL_BYTES, _V1_DEFAULT_PAGE_SHIFT
+    return {
+        "devices": devices,
+        "listens": listens,
+        "sync_timeout_ms": cfg["sync_timeout_ms"],
+        "device_pool_bytes": pool,
+        "device_page_shift": shift,
+        "switch_role": options.get("llm.EnableSwitchRole") == "1",
+    }
+
+
+def _combine_device_results(count: int, per_device: List[List[Tuple[Any, ...]]]) -> List[Tuple[Any, ...]]:
+    """One (code, message) per cluster from each device's results: the first failure wins."""
+    out = []
+    for j in range(count):
+        picked: Tuple[Any, ...] = (int(LLMStatusCode.LLM_SUCCESS), "")
+        for i, results in enumerate(per_device):
+            res = results[j] if j < len(results) else (results[0] if results else (int(LLMStatusCode.LLM_FAILED),
+                                                                                  "no result"))
+            if code_2_status(res[0]) != LLMStatusCode.LLM_SUCCESS:
+                msg = f"device {i}: {res[1]}" if len(per_device) > 1 else res[1]
+                picked = (res[0], msg)
+                break
+        out.append(picked)
+    return out
+
+
 class LLMDataDist:
     """One llm_datadist engine. At most one may be initialised per process (spec 6).
 
@@ -129,8 +205,13 @@ class LLMDataDist:
         check_uint64("cluster_id", cluster_id)
         self._role = role
         self._cluster_id = cluster_id
-        self._engine: Any = None
-        self._cache_manager: Any = None
+        self._engine: Any = None  # the (first) native engine
+        self._engines: List[Any] = []  # one per device; several only in v1 multi-device mode
+        self._cache_manager: Any = None  # CacheManager mode (v2)
+        self._kv_cache_manager: Any = None  # KvCacheManager mode (v1)
+        self._v1 = False
+        self._switch_role_enabled = False
+        self._sync_timeout_ms = _DEFAULT_SYNC_TIMEOUT_MS
         self._is_initialized = False
         self._is_call_linked = False
         self._comm_manager: Any = None
@@ -151,26 +232,41 @@ class LLMDataDist:
     @property
     def listen_port(self) -> int:
         """Port the listener is bound to (0 when not listening). pdlink extension: with
-        ``listen_ip_info="127.0.0.1:0"`` the OS picks a free port, which this reports."""
+        ``listen_ip_info="127.0.0.1:0"`` the OS picks a free port, which this reports.
+        In v1 multi-device mode: the first device's port (see ``listen_ports``)."""
         return self._live_engine().listen_port
+
+    @property
+    def listen_ports(self) -> List[int]:
+        """pdlink extension: the bound listen port of every device's engine (0: not listening)."""
+        self._live_engine()
+        return [e.listen_port for e in self._engines]
 
     def links(self) -> List[Dict[str, Any]]:
         """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
-        broken, broken_reason, transport)."""
-        return self._live_engine().links()
+        broken, broken_reason, transport); in v1 multi-device mode each also has
+        ``device_index``."""
+        engine = self._live_engine()
+        if len(self._engines) == 1:
+            return engine.links()
+        return [dict(link, device_index=i) for i, e in enumerate(self._engines) for link in e.links()]
 
     @property
     def cache_manager(self):
         """The ``CacheManager`` (CacheManager mode only)."""
         self._live_engine()
+        raise_if_true(self._v1, "cache_manager is not available in KvCacheManager mode; use kv_cache_manager "
+                                "(or init with LLMConfig.enable_cache_manager = True)")
         return self._cache_manager
 
     @property
     def kv_cache_manager(self):
         """The v1 ``KvCacheManager``; not available in CacheManager mode."""
         self._live_engine()
-        raise LLMException("kv_cache_manager is not available in CacheManager mode; use cache_manager",
-                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if not self._v1:
+            raise LLMException("kv_cache_manager is not available in CacheManager mode; use cache_manager",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        return self._kv_cache_manager
 
     def _live_engine(self):
         if not self._is_initialized:
@@ -199,14 +295,13 @@ class LLMDataDist:
             raise_if_false(options["llm.EnableRemoteCacheAccessible"] == "1",
                            "llm.TransferBackend requires llm.EnableRemoteCacheAccessible = 1")
             raise_if_false(bool(options.get("llm.listenIpInfo")), "llm.TransferBackend requires llm.listenIpInfo")
-        cfg = parse_engine_options(options)
-        if not cfg.pop("cache_manager"):
-            raise LLMException(
-                "init failed: KvCacheManager (v1) mode is not supported by this pdlink version; "
-                "set LLMConfig.enable_cache_manager = True (CacheManager mode)",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
-        remote_accessible = cfg.pop("remote_cache_accessible")
+        v1 = options.get("llm.EnableCacheManager") != "1"
+        if v1:
+            cfg = parse_v1_options(options, self._role)
+        else:
+            cfg = parse_engine_options(options)
+            cfg.pop("cache_manager")
+            remote_accessible = cfg.pop("remote_cache_accessible")
         with LLMDataDist._instance_lock:
             live = LLMDataDist.llm_engine_instance
             if live is not None and live is not self:
@@ -214,18 +309,54 @@ class LLMDataDist:
             from . import _core  # the native module loads on first use, keeping `import pdlink` light
             from .cache_manager import CacheManager
 
-            engine = _core.Engine("cpu")
-            engine.initialize(self._cluster_id, int(self._role), handshake_timeout_ms=5000, **cfg)
-            self._engine = engine
+            if v1:
+                self._init_v1(_core, cfg)
+            else:
+                engine = _core.Engine("cpu")
+                engine.initialize(self._cluster_id, int(self._role), handshake_timeout_ms=5000, **cfg)
+                self._engine = engine
+                self._engines = [engine]
+                self._v1 = False
+                self._sync_timeout_ms = cfg["sync_timeout_ms"]
+                self._kv_cache_manager = None
+                self._cache_manager = CacheManager(
+                    self, engine, remote_accessible,
+                    {Placement.DEVICE: cfg["device_pool_bytes"] > 0, Placement.HOST: cfg["host_pool_bytes"] > 0},
+                )
             self._options = options
-            self._cache_manager = CacheManager(
-                self, engine, remote_accessible,
-                {Placement.DEVICE: cfg["device_pool_bytes"] > 0, Placement.HOST: cfg["host_pool_bytes"] > 0},
-            )
             self._is_initialized = True
             LLMDataDist.llm_engine_instance = self
-        logger.info("LLMDataDist cluster %d initialised as %s (listen port %d)", self._cluster_id, self._role,
-                    engine.listen_port)
+        logger.info("LLMDataDist cluster %d initialised as %s in %s mode (listen ports %s)", self._cluster_id,
+                    self._role, "KvCacheManager" if v1 else "CacheManager", [e.listen_port for e in self._engines])
+
+    def _init_v1(self, core: Any, cfg: Dict[str, Any]) -> None:
+        """KvCacheManager mode: one engine per device, all with this cluster id; a PROMPT's engine
+        ``i`` listens on the ``i``-th ``llm.listenIpInfo`` entry. Called under the instance lock."""
+        from .cache_manager import CacheManager
+        from .kv_cache_manager import KvCacheManager
+
+        engines: List[Any] = []
+        try:
+            for ip, port in cfg["listens"]:
+                engine = core.Engine("cpu")
+                engine.initialize(self._cluster_id, int(self._role), listen_ip=ip, listen_port=port,
+                                  sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
+                                  device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
+                                  host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000)
+                engines.append(engine)
+        except BaseException:
+            for engine in engines:
+                engine.finalize()
+            raise
+        # v1 has a device pool only, and pulls address caches by request key or by id.
+        managers = [CacheManager(self, e, False, {Placement.DEVICE: True, Placement.HOST: False}) for e in engines]
+        self._engine = engines[0]
+        self._engines = engines
+        self._v1 = True
+        self._switch_role_enabled = cfg["switch_role"]
+        self._cache_manager = None
+        self._sync_timeout_ms = cfg["sync_timeout_ms"]
+        self._kv_cache_manager = KvCacheManager(self, managers, self._role)
 
     def finalize(self) -> None:
         """Unlink every peer, free pools and stop the engine. A no-op when not initialised."""
@@ -234,8 +365,12 @@ class LLMDataDist:
         if self._comm_manager is not None:
             self._comm_manager.close()
             self._comm_manager = None
-        self._engine.finalize()
-        self._cache_manager._invalidate()
+        for engine in self._engines:
+            engine.finalize()
+        if self._cache_manager is not None:
+            self._cache_manager._invalidate()
+        if self._kv_cache_manager is not None:
+            self._kv_cache_manager._invalidate()
         self._is_initialized = False
         self._is_call_linked = False
         with LLMDataDist._instance_lock:
@@ -285,8 +420,14 @@ class LLMDataDist:
 
         Links are symmetric once made: either side may then pull or push. Peers are linked in
         parallel and each attempt is bounded by ``timeout`` ms.
+
+        KvCacheManager mode: only a DECODER links (otherwise every slot is ``LLM_PARAM_INVALID``);
+        in multi-device mode each cluster carries one ``remote_ip_info`` per device and device
+        ``i`` links to the ``i``-th (a cluster is linked on all devices or on none).
         """
         engine = self._live_engine()
+        if self._v1:
+            return self._link_clusters_v1(clusters, timeout)
         self._check_clusters(clusters, timeout, need_remote_ip=True)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
@@ -298,8 +439,13 @@ class LLMDataDist:
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
                         ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
-        """Tear links down. ``force=True`` drops only the local end (both sides must call it)."""
+        """Tear links down. ``force=True`` drops only the local end (both sides must call it).
+
+        KvCacheManager mode: either role may call it (a PROMPT cleans up after a dead DECODER);
+        only the cluster ids are used, on every device."""
         engine = self._live_engine()
+        if self._v1:
+            return self._unlink_clusters_v1(clusters, timeout, force)
         check_isinstance("force", force, bool, allow_none=False)
         self._check_clusters(clusters, timeout, need_remote_ip=not force)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
@@ -348,18 +494,115 @@ class LLMDataDist:
         time (``llm.LinkTotalTime``) passes without it."""
         return self._comms().query(comm_id)
 
+    # ------------------------------------------------------------------ links, v1
+
+    def _check_clusters_v1(self, clusters: Sequence[LLMClusterInfo], timeout: int, need_remote_ip: bool) -> None:
+        check_list_of("clusters", clusters, LLMClusterInfo)
+        check_int32("timeout", timeout)
+        raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
+        n = len(self._engines)
+        for c in clusters:
+            check_uint64("remote_cluster_id", c.remote_cluster_id)
+            if need_remote_ip:
+                raise_if_false(len(c.remote_ip_info_list) == n,
+                               f"cluster {c.remote_cluster_id} needs one remote_ip_info per device ({n}), "
+                               f"got {len(c.remote_ip_info_list)}")
+
+    def _link_clusters_v1(self, clusters: Sequence[LLMClusterInfo], timeout: int
+                          ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        from .kv_cache_manager import fan_out
+
+        self._check_clusters_v1(clusters, timeout, need_remote_ip=True)
+        if self._role != LLMRole.DECODER:
+            logger.error("link_clusters is not supported by %s in KvCacheManager mode: it requires LLMRole.DECODER",
+                         self._role)
+            return LLMStatusCode.LLM_PARAM_INVALID, [LLMStatusCode.LLM_PARAM_INVALID] * len(clusters)
+        if len(clusters) > _MAX_CLUSTERS_PER_CALL:
+            return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
+
+        def link(i: int) -> List[Tuple[Any, ...]]:
+            peers = [(c.remote_cluster_id, _int_ip_to_str(c.remote_ip_info_list[i][0]), c.remote_ip_info_list[i][1])
+                     for c in clusters]
+            return self._engines[i].link(peers, timeout)
+
+        per_device = fan_out(len(self._engines), link)
+        combined = _combine_device_results(len(clusters), per_device)
+        if len(self._engines) > 1:  # a cluster is linked on every device or on none
+            for j, c in enumerate(clusters):
+                if code_2_status(combined[j][0]) == LLMStatusCode.LLM_SUCCESS:
+                    continue
+                for i, results in enumerate(per_device):
+                    if j < len(results) and code_2_status(results[j][0]) == LLMStatusCode.LLM_SUCCESS:
+                        self._engines[i].unlink([c.remote_cluster_id], timeout, False)
+        return self._results("link_clusters", clusters, combined)
+
+    def _unlink_clusters_v1(self, clusters: Sequence[LLMClusterInfo], timeout: int, force: bool
+                            ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        from .kv_cache_manager import fan_out
+
+        check_isinstance("force", force, bool, allow_none=False)
+        self._check_clusters_v1(clusters, timeout, need_remote_ip=False)
+        if len(clusters) > _MAX_CLUSTERS_PER_CALL:
+            return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
+        ids = [c.remote_cluster_id for c in clusters]
+        per_device = fan_out(len(self._engines), lambda i: self._engines[i].unlink(ids, timeout, force))
+        return self._results("unlink_clusters", clusters, _combine_device_results(len(clusters), per_device))
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """KvCacheManager mode, DECODER only: one round trip to ``remote_cluster_id`` on every
+        device, bounded by ``llm.SyncKvCacheWaitTime``. Raises ``LLMException`` on failure
+        (``LLM_NOT_YET_LINK`` when not linked; ``LLM_LINK_FAILED`` / ``LLM_TIMEOUT`` for a dead
+        or silent peer)."""
+        from .kv_cache_manager import fan_out
+
+        self._live_engine()
+        raise_if_false(self._v1, "check_link_status is not supported in CacheManager mode")
+        check_uint64("remote_cluster_id", remote_cluster_id)
+        raise_if_false(self._role == LLMRole.DECODER,
+                       f"check_link_status is not supported by {self._role}: it requires LLMRole.DECODER")
+        fan_out(len(self._engines),
+                lambda i: self._engines[i].ping(remote_cluster_id, self._sync_timeout_ms, "check_link_status"))
+
     # ------------------------------------------------------------------ roles
 
     def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
         """Change role; ``llm.listenIpInfo`` in ``switch_options`` starts or moves the listener,
-        its absence stops it. Raises ``LLMException(LLM_EXIST_LINK)`` while links exist."""
+        its absence stops it. Raises ``LLMException(LLM_EXIST_LINK)`` while links exist.
+
+        KvCacheManager mode: the new role must differ (``LLM_PARAM_INVALID``); switching to
+        PROMPT needs ``llm.listenIpInfo`` (``LLM_PARAM_INVALID``) and starts listening there,
+        other roles stop listening; ``LLM_FEATURE_NOT_ENABLED`` unless ``llm.EnableSwitchRole``
+        was ``"1"`` at init, and in multi-device mode. Caches stay valid."""
         engine = self._live_engine()
+        if self._v1:
+            self._switch_role_v1(role, switch_options)
+            return
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_dict("switch_options", switch_options, str, str, allow_none=True)
         ip, port = "", 0
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
         engine.switch_role(int(role), ip, port)
+        logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
+        self._role = role
+
+
+    def _switch_role_v1(self, role: LLMRole, switch_options: Optional[Dict[str, str]]) -> None:
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_dict("switch_options", switch_options, str, str, allow_none=True)
+        raise_if_true(role == self._role, f"switch_role: the role is already {role}")
+        ip, port = "", 0
+        if role == LLMRole.PROMPT:
+            raise_if_false(switch_options is not None and "llm.listenIpInfo" in switch_options,
+                           "switch_role to LLMRole.PROMPT requires llm.listenIpInfo in switch_options")
+            ip, port = _split_listen(switch_options["llm.listenIpInfo"])
+        raise_if_false(self._switch_role_enabled,
+                       "switch_role needs LLMConfig.enable_switch_role = True at init (KvCacheManager mode)",
+                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
+                      status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        self._engine.switch_role(int(role), ip, port)  # LLM_EXIST_LINK while any link remains
+        self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 

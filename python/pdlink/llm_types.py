@@ -533,12 +533,18 @@ class Cache:
 class KvCache:
     """Handle of a v1 (KvCacheManager) cache (spec 7.6).
 
+    ``KvCache(cache_id, cache_desc, per_device_tensor_addrs, kv_cache_manager=None)``; created by
+    ``KvCacheManager.allocate_cache`` / ``allocate_blocks_cache`` (users should not construct it,
+    except through ``create_cpu_cache``).
+
     ``per_device_tensor_addrs`` holds one list of tensor addresses per device (``[0]`` for a
-    single device). Hook for automatic deallocation: ``_manager`` (None here) is meant to be
-    set by the manager that owns the cache; no ``__del__`` is defined yet.
+    single device). When the handle is garbage collected while it is still valid and its
+    manager is initialised, ``__del__`` deallocates it (llm_datadist does the same); explicit
+    ``deallocate_cache`` is recommended. ``__del__`` never raises, also at interpreter exit.
     """
 
-    def __init__(self, cache_id: int, cache_desc: CacheDesc, per_device_tensor_addrs: List[List[int]]) -> None:
+    def __init__(self, cache_id: int, cache_desc: CacheDesc, per_device_tensor_addrs: List[List[int]],
+                 kv_cache_manager: Any = None) -> None:
         check_int64("cache_id", cache_id)
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_list_of("per_device_tensor_addrs", per_device_tensor_addrs, (list, tuple))
@@ -548,8 +554,21 @@ class KvCache:
         self._cache_desc = cache_desc
         self._per_device_tensor_addrs = per_device_tensor_addrs
         self._valid = True
-        # Owning manager, for a future auto-deallocation in __del__; None = not managed.
-        self._manager: Any = None
+        # The owning KvCacheManager (None: not managed, e.g. create_cpu_cache). The manager
+        # also sets _token, which identifies this handle in its table of live caches.
+        self._manager: Any = kv_cache_manager
+        self._token: Any = None
+
+    def __del__(self) -> None:
+        # Safety net, as in llm_datadist: free a cache the user forgot to deallocate. Must never
+        # raise (it may run on any thread, during garbage collection or at interpreter exit).
+        try:
+            manager = getattr(self, "_manager", None)
+            if manager is None or not getattr(self, "_valid", False):
+                return
+            manager._deallocate_on_del(self)
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
 
     @property
     def cache_id(self) -> int:
