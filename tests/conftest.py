@@ -16,6 +16,43 @@ from pdlink.status import LLMStatusCode  # noqa: E402
 PROMPT_ID, DECODER_ID = 1, 2
 
 
+def _cma_available() -> bool:
+    """Whether this machine lets a process read a sibling's memory (process_vm_readv)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    word = ctypes.c_uint64(0x5EED)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: wait until the parent has probed
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+
+    class Iov(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    out = ctypes.c_uint64(0)
+    local, remote = Iov(ctypes.addressof(out), 8), Iov(ctypes.addressof(word), 8)
+    ok = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 8 and out.value == 0x5EED
+    os.close(w)
+    os.waitpid(pid, 0)
+    return ok
+
+
+CMA_AVAILABLE = _cma_available()
+
+
+@pytest.fixture(params=["cma", "tcp"])
+def transport(request):
+    """Each data-movement test runs over both link transports: direct memory access between the
+    two processes (cma) and loopback TCP."""
+    if request.param == "cma" and not CMA_AVAILABLE:
+        pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
+    return request.param
+
+
 @pytest.fixture
 def peers():
     """Factory for peer processes; every peer is closed (or killed) at teardown."""
@@ -38,9 +75,11 @@ class PD:
     prompt's listen port.
     """
 
-    def __init__(self, peers, remote=True, timeout=None, pool=1 << 22):
-        self.prefill = p = peers("prefill")
-        self.decode = d = peers("decode")
+    def __init__(self, peers, transport, remote=True, timeout=None, pool=1 << 22):
+        self.transport = transport
+        env = {"PDLINK_TRANSPORT": transport}
+        self.prefill = p = peers("prefill", env=env)
+        self.decode = d = peers("decode", env=env)
         extra = f", remote={remote}, timeout={timeout}, pool={pool}"
         p.exec(f"dd = LLMDataDist(LLMRole.PROMPT, {PROMPT_ID}); "
                f"dd.init(options(listen='127.0.0.1:0'{extra})); cm = dd.cache_manager")
@@ -51,11 +90,13 @@ class PD:
     def link(self):
         ret = self.decode.eval(f"dd.link_clusters([cluster({PROMPT_ID}, {self.port})], 5000)")
         assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
+        for side in (self.prefill, self.decode):
+            assert {link["transport"] for link in side.eval("dd.links()")} == {self.transport}
 
 
 @pytest.fixture
-def make_pd(peers):
-    return lambda **kw: PD(peers, **kw)
+def make_pd(peers, transport):
+    return lambda **kw: PD(peers, transport, **kw)
 
 
 @pytest.fixture

@@ -203,3 +203,35 @@ for t in threads: t.join()
 """)
     assert pd.decode.eval("errors") == []
     assert pd.decode.eval("[a.tobytes() for a in kv]") == pd.prefill.eval("[a.tobytes() for a in kv]")
+
+
+def test_reregistered_cache_is_seen_by_later_pulls(pd):
+    """A puller may cache the peer's blocks-cache layout (direct memory access); when the peer
+    replaces the cache under the same model_id, later pulls must read the new memory."""
+    setup_blocks(pd)
+    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])")
+    pd.prefill.exec("cm.unregister_cache(cache.cache_id)\n"
+                    "kv2 = tensors(4, (8, 64), seed=9)\n"
+                    "cache2 = cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv2), "
+                    "BlocksCacheKey(1, 0))\n"
+                    "for a in kv: a[:] = 0")  # the old memory no longer holds the data
+    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0, 1], [0, 1])")
+    src, dst = pd.prefill.eval("kv2"), pd.decode.eval("kv")
+    assert all(d[:2].tobytes() == s[:2].tobytes() for s, d in zip(src, dst))
+    pd.prefill.exec("cm.unregister_cache(cache2.cache_id)")
+    with pytest.raises(LLMException) as e:
+        pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])")
+    assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pd):
+    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
+    pd.decode.exec("host = zeros(1, (4, 16))\n"
+                   "hc = cm.register_blocks_cache(CacheDesc(1, [4, 16], DataType.DT_FLOAT16, Placement.HOST), "
+                   "addrs(host), BlocksCacheKey(2, 1))")  # HOST: not remote accessible by default
+    pd.prefill.exec("src1 = tensors(1, (4, 16), seed=3)\n"
+                    "s1 = cm.register_blocks_cache(CacheDesc(1, [4, 16], DataType.DT_FLOAT16), addrs(src1))")
+    with pytest.raises(LLMException) as e:
+        pd.prefill.exec("cm.push_blocks(BlocksCacheKey(2, 1), s1, [0], [0], tensor_num_per_layer=1)")
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert not pd.decode.eval("host[0].any()")

@@ -89,7 +89,7 @@ PYBIND11_MODULE(_core, m) {
           "initialize",
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
-             uint32_t host_page_shift, int64_t handshake_timeout_ms) {
+             uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport) {
             EngineConfig c;
             c.cluster_id = cluster_id;
             c.role = static_cast<Role>(role);
@@ -99,11 +99,14 @@ PYBIND11_MODULE(_core, m) {
             c.device_pool = {device_pool_bytes, device_page_shift};
             c.host_pool = {host_pool_bytes, host_page_shift};
             c.handshake_timeout_ms = handshake_timeout_ms;
+            if (transport < 0 || transport > 2) throw py::value_error("transport must be 0 (auto), 1 (tcp) or 2 (cma)");
+            c.transport = static_cast<Transport>(transport);
             throwIfError(e.initialize(c), "init");
           },
           py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
           py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
+          py::arg("transport") = 0,
           py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)

@@ -5,7 +5,13 @@
 #include <future>
 #include <random>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+
 #include "core/log.h"
+#include "transport/cma.h"
 #include "transport/wire.h"
 
 namespace pdlink {
@@ -25,6 +31,29 @@ uint64_t makeNonce() {
 }
 
 std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
+
+wire::HostIdentity localIdentity() {
+  wire::HostIdentity id;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char text[64] = {0};
+    if (std::fgets(text, sizeof(text), f)) {
+      // "xxxxxxxx-xxxx-..." -> 16 bytes
+      int k = 0;
+      for (int i = 0; text[i] && k < 32; ++i) {
+        char c = text[i];
+        int v = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+        if (v < 0) continue;
+        id.boot_id[k / 2] = static_cast<uint8_t>(id.boot_id[k / 2] | (k % 2 == 0 ? v << 4 : v));
+        ++k;
+      }
+    }
+    std::fclose(f);
+  }
+  struct stat st{};
+  if (::stat("/proc/self/ns/pid", &st) == 0) id.pid_ns = static_cast<uint64_t>(st.st_ino);
+  id.pid = static_cast<uint32_t>(::getpid());
+  return id;
+}
 
 Status linkDown(const Link& link) {
   return Status(Code::kLinkFailed, "the link to " + clusterName(link.peer()) + " is down (" + link.brokenReason() +
@@ -79,7 +108,8 @@ Status linkError(const PeerAddress& peer, const Status& st) {
 
 // Client half of a channel handshake: hello out, ack in. Checks the peer's identity against
 // *peer_id, or learns it when *peer_id is kAnyCluster.
-Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t* peer_id, Deadline deadline) {
+Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t* peer_id, wire::HostIdentity* peer_identity,
+                     Deadline deadline) {
   std::string frame = wire::encode(hello);
   PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
   uint8_t buf[wire::kHelloAckFixedBytes];
@@ -90,6 +120,7 @@ Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t* peer_id, Dea
   std::string msg(msg_len, '\0');
   if (msg_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
   if (ack.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
+  *peer_identity = ack.identity;
   if (*peer_id == wire::kAnyCluster) {
     *peer_id = ack.cluster_id;
   } else if (ack.cluster_id != *peer_id) {
@@ -155,6 +186,12 @@ Status Engine::initialize(const EngineConfig& config) {
     }
     listener_ = std::move(l.value());
   }
+  identity_ = localIdentity();
+  if (config.transport != Transport::kTcp) {
+    identity_.transports |= wire::kTransportCma;
+    cma::allowPeers();
+  }
+  identity_.gen_addr = reinterpret_cast<uint64_t>(registry_.generation());
   role_ = config.role;
   stopping_ = false;
   initialized_ = true;
@@ -350,10 +387,12 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   hello.cluster_id = config_.cluster_id;
   hello.expected_peer = peer.cluster_id;
   hello.nonce = makeNonce();
+  hello.identity = identity_;
   uint64_t peer_id = peer.cluster_id;
+  wire::HostIdentity peer_identity;
   auto fwd = Socket::connect(peer.ip, peer.port, deadline);
   if (!fwd.ok()) return linkError(peer, fwd.status());
-  Status st = helloExchange(fwd.value(), hello, &peer_id, deadline);
+  Status st = helloExchange(fwd.value(), hello, &peer_id, &peer_identity, deadline);
   if (!st.ok()) return linkError(peer, st);
   if (peer_id == config_.cluster_id) {
     return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
@@ -361,10 +400,14 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   auto rev = Socket::connect(peer.ip, peer.port, deadline);
   if (!rev.ok()) return linkError(peer, rev.status());
   hello.channel = wire::Channel::kReverse;
-  st = helloExchange(rev.value(), hello, &peer_id, deadline);
+  st = helloExchange(rev.value(), hello, &peer_id, &peer_identity, deadline);
   if (!st.ok()) return linkError(peer, st);
 
+  bool direct = false;
+  st = chooseTransport(peer_identity, &direct);
+  if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
   auto link = std::make_shared<Link>(peer_id, std::move(fwd.value()), std::move(rev.value()), true);
+  if (direct) link->enableDirect(static_cast<pid_t>(peer_identity.pid), peer_identity.gen_addr);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
@@ -372,7 +415,28 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   }
   spawn([this, link] { serve(link); });
   if (linked_id) *linked_id = peer_id;
-  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where);
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where << " over " << link->transport());
+  return Status::OK();
+}
+
+Status Engine::chooseTransport(const wire::HostIdentity& peer, bool* direct) const {
+  *direct = false;
+  if (config_.transport == Transport::kTcp) return Status::OK();
+  const bool possible = identity_.sameHost(peer) && (peer.transports & wire::kTransportCma) &&
+                        (identity_.transports & wire::kTransportCma);
+  if (possible) {
+    auto word = cma::readWord(static_cast<pid_t>(peer.pid), peer.gen_addr);
+    if (word.ok()) {
+      *direct = true;
+      return Status::OK();
+    }
+    if (config_.transport == Transport::kCma) return word.status();
+    PDLINK_LOG(kInfo, "same-host peer pid " << peer.pid << ": " << word.status().message() << "; using tcp");
+    return Status::OK();
+  }
+  if (config_.transport == Transport::kCma) {
+    return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
+  }
   return Status::OK();
 }
 
@@ -413,8 +477,8 @@ void Engine::handleIncoming(Socket sock) {
 
   uint8_t buf[wire::kHelloBytes];
   wire::Hello hello;
-  Status st = sock.recvAll(buf, sizeof(buf), deadline);
-  if (st.ok()) st = wire::decode(buf, sizeof(buf), &hello);
+  Status st = sock.recvAll(buf, wire::kHelloPrefixBytes, deadline);
+  if (st.ok()) st = wire::decodePrefix(buf, wire::kHelloPrefixBytes, &hello);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
     untrack();
@@ -423,6 +487,13 @@ void Engine::handleIncoming(Socket sock) {
   if (hello.version != wire::kProtocolVersion) {
     return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
                   std::to_string(wire::kProtocolVersion));
+  }
+  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kIdentityBytes, deadline);
+  if (st.ok()) st = wire::decodeIdentity(buf + wire::kHelloPrefixBytes, wire::kIdentityBytes, &hello.identity);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
+    untrack();
+    return;
   }
   if (hello.expected_peer != config_.cluster_id && hello.expected_peer != wire::kAnyCluster) {
     return refuse("this endpoint is " + clusterName(config_.cluster_id) + ", not " + clusterName(hello.expected_peer));
@@ -433,6 +504,7 @@ void Engine::handleIncoming(Socket sock) {
 
   wire::HelloAck ok;
   ok.cluster_id = config_.cluster_id;
+  ok.identity = identity_;
   const std::string ok_frame = wire::encode(ok);
 
   if (hello.channel == wire::Channel::kForward) {
@@ -494,7 +566,15 @@ void Engine::handleIncoming(Socket sock) {
     auto pending = it->second;
     handshaking_.erase(pending->forward.get());
     handshaking_.erase(tracked);
+    // A forced transport that cannot be had here is refused now, before the link is installed.
+    bool direct = false;
+    Status chosen = chooseTransport(hello.identity, &direct);
+    if (!chosen.ok()) {
+      lock.unlock();
+      return refuse(chosen.message());
+    }
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
+    if (direct) link->enableDirect(static_cast<pid_t>(hello.identity.pid), hello.identity.gen_addr);
     // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
     // mutex under mu_ cannot deadlock.
     out_lock = std::unique_lock<std::mutex>(link->outMutex());
@@ -591,7 +671,7 @@ std::vector<LinkInfo> Engine::links() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<LinkInfo> out;
   for (auto& [id, l] : links_) {
-    out.push_back(LinkInfo{id, l->peerAddress(), l->initiator(), l->broken(), l->brokenReason(), "tcp"});
+    out.push_back(LinkInfo{id, l->peerAddress(), l->initiator(), l->broken(), l->brokenReason(), l->transport()});
   }
   return out;
 }
@@ -601,7 +681,8 @@ std::vector<LinkInfo> Engine::links() const {
 void Engine::serve(const std::shared_ptr<Link>& link) {
   bool unlinked = false;
   Status st;
-  while (st.ok() && !unlinked) st = serveOne(link, &unlinked);
+  std::vector<std::shared_ptr<CacheEntry>> pinned;  // caches a peer is copying directly
+  while (st.ok() && !unlinked) st = serveOne(link, &unlinked, &pinned);
   if (!unlinked) {
     std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
                                                                                 : st.message();
@@ -610,7 +691,8 @@ void Engine::serve(const std::shared_ptr<Link>& link) {
   }
 }
 
-Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
+Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
+                        std::vector<std::shared_ptr<CacheEntry>>* pinned) {
   Socket& s = link->in();
   PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
@@ -625,6 +707,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
   }
   std::vector<uint8_t> body(h.body_len);
   if (h.body_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(body.data(), body.size(), deadline));
+  // The requester sends its next frame only after its direct copy finished: unpin.
+  pinned->clear();
 
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
   if (h.op == wire::Op::kUnlink) {
@@ -650,9 +734,20 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
     registry_.commitRead(tb.target, tb.tensors);
     return Status::OK();
   }
+  if (h.op == wire::Op::kRelease) return Status::OK();
+  if (h.op == wire::Op::kDescribe) {
+    auto d = tb.target.kind == wire::TargetKind::kBlocks
+                 ? registry_.describe(tb.target.model_id)
+                 : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
+    if (!d.ok()) return sendResponse(s, d.status(), deadline);
+    std::string payload = wire::encode(d.value());
+    std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
+    return s.sendAll(head.data(), head.size(), deadline);
+  }
   auto payload = tb.payloadBytes();
   bool is_write = h.op == wire::Op::kWrite;
-  if (!payload.ok() || h.payload_len != (is_write ? payload.value() : 0)) {
+  const bool direct = h.flags & wire::kFlagDirect;
+  if (!payload.ok() || h.payload_len != (is_write && !direct ? payload.value() : 0)) {
     // The stream cannot be resynchronised without a trustworthy length.
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
     return Status(Code::kLinkFailed, "inconsistent payload length");
@@ -661,10 +756,25 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked) {
   if (!resolved.ok()) {
     PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer())
                                    << ": " << resolved.status().message());
-    if (is_write) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    if (is_write && !direct) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
     return sendResponse(s, resolved.status(), deadline);
   }
   const Resolved& r = resolved.value();
+  if (direct) {
+    // Checked like any access; answer where the bytes are and keep them alive until the next frame.
+    std::string list;
+    list.reserve(r.tensors.size() * r.runs.size() * 16);
+    for (uint32_t t : r.tensors) {
+      for (const wire::Run& run : r.runs) {
+        uint64_t addr = r.addrs[t] + r.base + run.offset;
+        list.append(reinterpret_cast<const char*>(&addr), 8);
+        list.append(reinterpret_cast<const char*>(&run.length), 8);
+      }
+    }
+    *pinned = r.keep;
+    std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
+    return s.sendAll(head.data(), head.size(), deadline);
+  }
   if (is_write) {
     PDLINK_RETURN_IF_ERROR(movePayload(s, false, r.addrs, r.tensors, r.base, r.runs, deadline));
     return sendResponse(s, Status::OK(), deadline);
@@ -809,8 +919,9 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   if (link->broken()) {  // broke while we waited for the channel
     return linkDown(*link);
   }
-  Socket& s = link->out();
   Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
+  if (link->direct()) return directTransfer(link, p, is_push, deadline, what);
+  Socket& s = link->out();
   std::string body = wire::encode(p.remote);
   wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()),
                         is_push ? p.payload : 0};
@@ -848,6 +959,107 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
     std::string chead = wire::encode(ch);
     std::vector<iovec> civ{{chead.data(), chead.size()}, {body.data(), body.size()}};
     if (!s.sendv(civ, deadline).ok()) link->breakLink("could not confirm a completed pull to the peer");
+  }
+  return Status::OK();
+}
+
+Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
+                              const char* what) {
+  Link::Direct& d = link->directState();
+  Socket& s = link->out();
+  std::vector<iovec> local;
+  for (uint32_t t : p.local_tensors) {
+    for (const wire::Run& r : p.local_runs) {
+      local.push_back({reinterpret_cast<void*>(p.local->addrs[t] + r.offset), static_cast<size_t>(r.length)});
+    }
+  }
+  const wire::Target& target = p.remote.target;
+  std::string body = wire::encode(p.remote);
+
+  // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
+  // round trip. The peer's registry generation is read before and after the data (in the same
+  // ordered copy), so a layout that changed meanwhile is detected and the read redone the checked way.
+  if (!is_push && target.kind == wire::TargetKind::kBlocks) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto it = d.descriptors.find(target.model_id);
+      if (it == d.descriptors.end()) {
+        std::string head = wire::encode(wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(body.size()), 0});
+        std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+        Status st = s.sendv(iov, deadline);
+        wire::ResponseHeader rh;
+        Status remote;
+        if (st.ok()) st = readResponse(s, deadline, &rh, &remote);
+        if (!st.ok()) return failTransfer(link, st, what);
+        if (!remote.ok()) return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+        if (rh.payload_len > wire::kMaxBodyBytes) return failTransfer(link, Status(Code::kLinkFailed, "oversized descriptor"), what);
+        std::string payload(rh.payload_len, '\0');
+        st = s.recvAll(payload.data(), payload.size(), deadline);
+        wire::CacheDescriptor desc;
+        if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
+        if (!st.ok()) return failTransfer(link, st, what);
+        it = d.descriptors.emplace(target.model_id, std::move(desc)).first;
+      }
+      const wire::CacheDescriptor& c = it->second;
+      bool fits = p.remote.block_size == 0 || p.remote.block_size == c.stride;
+      for (uint32_t t : p.remote.tensors) fits = fits && t < c.addrs.size();
+      for (const wire::Run& r : p.remote.runs) {
+        uint64_t end = 0;
+        fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
+      }
+      if (!fits) break;  // the checked way reports the peer's own error
+      uint64_t g1 = 0, g2 = 0;
+      std::vector<iovec> lv{{&g1, 8}}, rv{{reinterpret_cast<void*>(d.gen_addr), 8}};
+      size_t k = 0;
+      for (uint32_t t : p.remote.tensors) {
+        for (const wire::Run& r : p.remote.runs) {
+          lv.push_back(local[k++]);
+          rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
+        }
+      }
+      lv.push_back({&g2, 8});
+      rv.push_back({reinterpret_cast<void*>(d.gen_addr), 8});
+      Status st = cma::copy(d.pid, false, lv, rv);
+      if (st.ok() && g1 == c.generation && g2 == c.generation) return Status::OK();
+      if (!st.ok() && st.code() == Code::kLinkFailed) return failTransfer(link, st, what);
+      d.descriptors.erase(it);  // stale or unmapped: the peer's caches changed
+    }
+  }
+
+  // Checked round trip: the peer validates and pins the target and answers with its addresses.
+  std::string head = wire::encode(wire::RequestHeader{is_push ? wire::Op::kWrite : wire::Op::kRead,
+                                                      static_cast<uint32_t>(body.size()), 0, wire::kFlagDirect});
+  std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+  Status st = s.sendv(iov, deadline);
+  wire::ResponseHeader rh;
+  Status remote;
+  if (st.ok()) st = readResponse(s, deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (!remote.ok()) return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  if (rh.payload_len != local.size() * 16) {
+    return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 16) +
+                                                            " ranges, expected " + std::to_string(local.size())),
+                        what);
+  }
+  std::vector<uint64_t> list(local.size() * 2);
+  st = s.recvAll(list.data(), rh.payload_len, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  std::vector<iovec> remote_iov(local.size());
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (list[2 * i + 1] != local[i].iov_len) {
+      return failTransfer(link, Status(Code::kLinkFailed, "peer answered a range of the wrong length"), what);
+    }
+    remote_iov[i] = {reinterpret_cast<void*>(list[2 * i]), local[i].iov_len};
+  }
+  Status copied = cma::copy(d.pid, is_push, local, remote_iov);
+  // Unpin on the peer; for a completed read by request key this is also the release of the key.
+  bool commit = copied.ok() && !is_push && usesKeyCommit(target.kind);
+  std::string done = wire::encode(wire::RequestHeader{commit ? wire::Op::kCommit : wire::Op::kRelease,
+                                                      static_cast<uint32_t>(body.size()), 0});
+  std::vector<iovec> div{{done.data(), done.size()}, {body.data(), body.size()}};
+  if (!s.sendv(div, deadline).ok()) link->breakLink("could not confirm a direct copy to the peer");
+  if (!copied.ok()) {
+    if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
+    return Status(copied.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + copied.message());
   }
   return Status::OK();
 }

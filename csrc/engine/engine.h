@@ -42,6 +42,11 @@ namespace pdlink {
 // Values match llm_datadist.LLMRole.
 enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
 
+// How a link moves bytes. kAuto: direct memory access (cross-memory attach) when both ends are on
+// one host and the kernel permits it, else TCP. kTcp / kCma force one (kCma fails the link when
+// it is not possible).
+enum class Transport : uint8_t { kAuto = 0, kTcp = 1, kCma = 2 };
+
 struct PoolConfig {
   uint64_t bytes = 0;  // 0 = no pool
   uint32_t page_shift = 16;
@@ -56,6 +61,7 @@ struct EngineConfig {
   int64_t handshake_timeout_ms = 5000;  // bounds an incoming connection's hello
   PoolConfig device_pool;
   PoolConfig host_pool;
+  Transport transport = Transport::kAuto;
 };
 
 struct PeerAddress {
@@ -170,14 +176,17 @@ class Engine {
   Status linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id);
   Status unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force);
   void installLink(const std::shared_ptr<Link>& link);
+  Status chooseTransport(const wire::HostIdentity& peer, bool* direct) const;
   void serve(const std::shared_ptr<Link>& link);
   // Serving one request; a non-OK result means the channel is unusable.
-  Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked);
+  Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked, std::vector<std::shared_ptr<CacheEntry>>* pinned);
+  Status directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   void spawn(std::function<void()> fn);
   void reapThreads();
 
   std::shared_ptr<Backend> backend_;
   EngineConfig config_;
+  wire::HostIdentity identity_;  // set by initialize()
   Registry registry_;
   std::shared_ptr<MemPool> device_pool_;
   std::shared_ptr<MemPool> host_pool_;

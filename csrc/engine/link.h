@@ -11,13 +11,17 @@
 // by breakLink(), so a thread blocked on them wakes with an error and no fd is reused under it.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 
 #include "core/status.h"
 #include "transport/socket.h"
+#include "transport/wire.h"
 
 namespace pdlink {
 
@@ -25,6 +29,21 @@ class Link {
  public:
   Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)
       : peer_(peer_cluster_id), initiator_(initiator), out_(std::move(out)), in_(std::move(in)) {}
+
+  // Same-host fast path for this side's requests: copy the peer's memory directly (transport/cma.h).
+  struct Direct {
+    pid_t pid = 0;
+    uint64_t gen_addr = 0;
+    std::map<uint64_t, wire::CacheDescriptor> descriptors;  // model_id -> layout; guarded by out mutex
+  };
+  void enableDirect(pid_t pid, uint64_t gen_addr) {
+    direct_ = true;
+    direct_state_.pid = pid;
+    direct_state_.gen_addr = gen_addr;
+  }
+  bool direct() const { return direct_; }
+  Direct& directState() { return direct_state_; }  // requires outMutex()
+  const char* transport() const { return direct_ ? "cma" : "tcp"; }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -45,6 +64,8 @@ class Link {
   Socket out_;
   Socket in_;
   std::mutex out_mu_;  // held for a whole request/response exchange on out_
+  bool direct_ = false;  // set before the link is shared, then constant
+  Direct direct_state_;
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_
   std::string broken_reason_;  // guarded by state_mu_

@@ -71,6 +71,7 @@ Status Registry::deallocate(int64_t id, bool expect_blocks) {
                                            (expect_blocks ? "not a blocks cache; use deallocate_cache"
                                                           : "a blocks cache; use deallocate_blocks_cache"));
   }
+  bumpLocked();
   id_refs_.erase(id);
   if (it->second->blocks_model) blocks_index_.erase(*it->second->blocks_model);
   maybeFreeLocked(id);
@@ -87,6 +88,7 @@ Status Registry::unregister(int64_t id) {
     return Status(Code::kParamInvalid, "cache " + std::to_string(id) +
                                            " was allocated from a memory pool; use deallocate_cache");
   }
+  bumpLocked();
   if (it->second->blocks_model) blocks_index_.erase(*it->second->blocks_model);
   auto b = bindings_.find(id);
   if (b != bindings_.end()) {
@@ -114,6 +116,7 @@ void Registry::removeKey(const RequestKey& key) {
 }
 
 void Registry::unbindLocked(int64_t id, uint64_t slot) {
+  bumpLocked();
   auto b = bindings_.find(id);
   if (b == bindings_.end()) return;
   auto s = b->second.find(slot);
@@ -130,6 +133,7 @@ void Registry::maybeFreeLocked(int64_t id) {
   if (it == caches_.end() || !it->second->owned) return;
   if (id_refs_.count(id) || bindings_.count(id)) return;
   // The memory returns to the pool when the last in-flight transfer drops its reference.
+  bumpLocked();
   caches_.erase(it);
 }
 
@@ -269,8 +273,24 @@ size_t Registry::size() const {
   return caches_.size();
 }
 
+Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blocks_index_.find(model_id);
+  if (it == blocks_index_.end()) {
+    return Status(Code::kKvCacheNotExist, "no blocks cache is published here under model_id " + std::to_string(model_id));
+  }
+  const CacheEntry& e = *caches_.at(it->second);
+  wire::CacheDescriptor d;
+  d.generation = generation_.load(std::memory_order_acquire);
+  d.tensor_size = e.layout.tensor_size;
+  d.stride = e.layout.stride();
+  d.addrs = e.addrs;
+  return d;
+}
+
 void Registry::clear() {
   std::lock_guard<std::mutex> lock(mu_);
+  bumpLocked();
   caches_.clear();
   id_refs_.clear();
   bindings_.clear();

@@ -16,6 +16,7 @@
 // the cache's memory alive while a transfer uses it, even if it is deallocated meanwhile.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -100,6 +101,14 @@ class Registry {
   // pool-allocated cache once every tensor has been read.
   void commitRead(const wire::Target& target, const std::vector<uint32_t>& tensors);
 
+  // Serving side of direct (same-host) reads: the layout of the blocks cache published under
+  // model_id. kKvCacheNotExist when there is none.
+  Result<wire::CacheDescriptor> describe(uint64_t model_id) const;
+  // Bumped before any cache memory is released or any index changes, so a peer that read this
+  // word before and after a direct copy knows its cached descriptor was still valid. Its address
+  // is published in the handshake and stays fixed for the Registry's lifetime.
+  const std::atomic<uint64_t>* generation() const { return &generation_; }
+
   size_t size() const;
   void clear();
 
@@ -114,7 +123,10 @@ class Registry {
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);
 
+  void bumpLocked() { generation_.fetch_add(1, std::memory_order_release); }
+
   mutable std::mutex mu_;
+  std::atomic<uint64_t> generation_{1};
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> caches_;
   std::set<int64_t> id_refs_;                               // allocated caches not yet deallocated

@@ -45,6 +45,31 @@ Status malformed(const char* what) {
 
 }  // namespace
 
+bool HostIdentity::sameHost(const HostIdentity& o) const {
+  static const uint8_t zero[16] = {0};
+  return std::memcmp(boot_id, zero, 16) != 0 && std::memcmp(boot_id, o.boot_id, 16) == 0 && pid_ns == o.pid_ns &&
+         pid_ns != 0;
+}
+
+static void putIdentity(Writer& w, const HostIdentity& id) {
+  w.bytes(std::string(reinterpret_cast<const char*>(id.boot_id), 16));
+  w.put(id.pid_ns);
+  w.put(id.pid);
+  w.put(id.transports);
+  w.put(id.gen_addr);
+}
+
+Status decodeIdentity(const uint8_t* p, size_t n, HostIdentity* out) {
+  if (n < kIdentityBytes) return malformed("identity");
+  std::memcpy(out->boot_id, p, 16);
+  Reader r(p + 16, n - 16);
+  r.get(&out->pid_ns);
+  r.get(&out->pid);
+  r.get(&out->transports);
+  r.get(&out->gen_addr);
+  return Status::OK();
+}
+
 std::string encode(const Hello& h) {
   Writer w;
   w.put(kHelloMagic);
@@ -54,10 +79,11 @@ std::string encode(const Hello& h) {
   w.put(h.cluster_id);
   w.put(h.expected_peer);
   w.put(h.nonce);
+  putIdentity(w, h.identity);
   return w.take();
 }
 
-Status decode(const uint8_t* p, size_t n, Hello* out) {
+Status decodePrefix(const uint8_t* p, size_t n, Hello* out) {
   Reader r(p, n);
   uint32_t magic = 0;
   uint8_t channel = 0;
@@ -80,6 +106,7 @@ std::string encode(const HelloAck& a) {
   w.put(a.status);
   w.put(a.cluster_id);
   w.put(static_cast<uint32_t>(a.message.size()));
+  putIdentity(w, a.identity);
   w.bytes(a.message);
   return w.take();
 }
@@ -94,14 +121,14 @@ Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_
     return malformed("hello-ack");
   }
   if (*message_len > kMaxMessageBytes) return malformed("hello-ack");
-  return Status::OK();
+  return decodeIdentity(p + 22, n - 22, &out->identity);
 }
 
 std::string encode(const RequestHeader& h) {
   Writer w;
   w.put(kRequestMagic);
   w.put(static_cast<uint8_t>(h.op));
-  w.put(uint8_t{0});
+  w.put(h.flags);
   w.put(uint16_t{0});
   w.put(h.body_len);
   w.put(h.payload_len);
@@ -111,13 +138,13 @@ std::string encode(const RequestHeader& h) {
 Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   Reader r(p, n);
   uint32_t magic = 0;
-  uint8_t op = 0, pad8 = 0;
+  uint8_t op = 0;
   uint16_t pad16 = 0;
   if (!r.get(&magic) || magic != kRequestMagic) return malformed("request");
-  if (!r.get(&op) || !r.get(&pad8) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
+  if (!r.get(&op) || !r.get(&out->flags) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
     return malformed("request");
   }
-  if (op < 1 || op > 5 || out->body_len > kMaxBodyBytes) return malformed("request");
+  if (op < 1 || op > 7 || out->flags > kFlagDirect || out->body_len > kMaxBodyBytes) return malformed("request");
   out->op = static_cast<Op>(op);
   return Status::OK();
 }
@@ -212,6 +239,28 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
     r.get(&out->runs[i].length);
   }
   if (r.left() != 0) return malformed("transfer");
+  return Status::OK();
+}
+
+std::string encode(const CacheDescriptor& d) {
+  Writer w;
+  w.put(d.generation);
+  w.put(d.tensor_size);
+  w.put(d.stride);
+  w.put(static_cast<uint32_t>(d.addrs.size()));
+  for (uint64_t a : d.addrs) w.put(a);
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, CacheDescriptor* out) {
+  Reader r(p, n);
+  uint32_t count = 0;
+  if (!r.get(&out->generation) || !r.get(&out->tensor_size) || !r.get(&out->stride) || !r.get(&count) ||
+      count != r.left() / sizeof(uint64_t) || r.left() % sizeof(uint64_t) != 0) {
+    return malformed("descriptor");
+  }
+  out->addrs.resize(count);
+  for (uint32_t i = 0; i < count; ++i) r.get(&out->addrs[i]);
   return Status::OK();
 }
 

@@ -25,13 +25,26 @@ constexpr uint32_t kHelloMagic = 0x4B4C4450;     // "PDLK"
 constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
-constexpr uint16_t kProtocolVersion = 1;
+constexpr uint16_t kProtocolVersion = 2;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = 64u << 20;   // request descriptors (block runs etc.)
 constexpr uint32_t kMaxMessageBytes = 64u << 10;  // error text in responses and acks
 
 enum class Channel : uint8_t { kForward = 0, kReverse = 1 };
+
+// Who an endpoint is on its host: lets two ends of a link find out that they share one and can
+// copy memory directly (cross-memory attach) instead of streaming it through a socket.
+struct HostIdentity {
+  uint8_t boot_id[16] = {0};  // /proc/sys/kernel/random/boot_id
+  uint64_t pid_ns = 0;        // inode of /proc/self/ns/pid
+  uint32_t pid = 0;
+  uint32_t transports = 0;    // kTransportCma: this end accepts direct memory access
+  uint64_t gen_addr = 0;      // address of the registry generation counter (see engine/registry.h)
+  bool sameHost(const HostIdentity& o) const;
+};
+constexpr uint32_t kTransportCma = 1;
+constexpr size_t kIdentityBytes = 40;
 
 struct Hello {
   uint16_t version = kProtocolVersion;
@@ -40,19 +53,26 @@ struct Hello {
   uint64_t cluster_id = 0;     // the sender's own cluster id
   uint64_t expected_peer = 0;  // the cluster id the sender believes it is dialling
   uint64_t nonce = 0;          // pairs the FORWARD and REVERSE channels of one link
+  HostIdentity identity;
 };
-constexpr size_t kHelloBytes = 32;
+// The first 32 bytes keep one layout in every version (magic, version, ...), so a peer of another
+// version is recognised and told so; version 2 appends the identity.
+constexpr size_t kHelloPrefixBytes = 32;
+constexpr size_t kHelloBytes = kHelloPrefixBytes + kIdentityBytes;
 std::string encode(const Hello& h);
-// Rejects a wrong magic (garbage) with kLinkFailed; a version mismatch is reported by the caller.
-Status decode(const uint8_t* p, size_t n, Hello* out);
+// Decodes the 32-byte prefix. Rejects a wrong magic (garbage) with kLinkFailed; a version mismatch
+// is reported by the caller.
+Status decodePrefix(const uint8_t* p, size_t n, Hello* out);
+Status decodeIdentity(const uint8_t* p, size_t n, HostIdentity* out);
 
 struct HelloAck {
   uint16_t version = kProtocolVersion;
   uint32_t status = 0;  // an LLMStatusCode value
   uint64_t cluster_id = 0;
+  HostIdentity identity;
   std::string message;
 };
-constexpr size_t kHelloAckFixedBytes = 22;
+constexpr size_t kHelloAckFixedBytes = 22 + kIdentityBytes;
 std::string encode(const HelloAck& a);
 // Decodes the fixed part; `message_len` tells how many message bytes follow.
 Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_len);
@@ -63,12 +83,20 @@ enum class Op : uint8_t {
   kCommit = 3,  // a read by request key completed: release  (no response)
   kUnlink = 4,  // the peer tears the link down              -> Response
   kPing = 5,    // liveness check (check_link_status)          -> Response
+  kDescribe = 6,  // a kBlocks target's layout for direct reads  -> Response + CacheDescriptor
+  kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
 };
+
+// kRead/kWrite with kFlagDirect: the server checks the access as usual but answers with the
+// absolute addresses (AddressList) instead of moving bytes; the requester then copies them itself
+// with process_vm_readv/writev, and the server keeps the caches alive until the next frame.
+constexpr uint8_t kFlagDirect = 1;
 
 struct RequestHeader {
   Op op = Op::kRead;
   uint32_t body_len = 0;
   uint64_t payload_len = 0;
+  uint8_t flags = 0;  // kFlagDirect
 };
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);
@@ -121,5 +149,16 @@ struct TransferBody {
 };
 std::string encode(const TransferBody& b);
 Status decode(const uint8_t* p, size_t n, TransferBody* out);
+
+// kDescribe answer: everything a requester needs to read a blocks cache directly, valid while the
+// server's registry generation stays `generation`.
+struct CacheDescriptor {
+  uint64_t generation = 0;
+  uint64_t tensor_size = 0;
+  uint64_t stride = 0;
+  std::vector<uint64_t> addrs;
+};
+std::string encode(const CacheDescriptor& d);
+Status decode(const uint8_t* p, size_t n, CacheDescriptor* out);
 
 }  // namespace pdlink::wire

@@ -27,6 +27,7 @@ class Engine:
         host_pool_bytes: int,
         host_page_shift: int,
         handshake_timeout_ms: int,
+        transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
     ) -> None: ...
     def finalize(self) -> None: ...
     @property

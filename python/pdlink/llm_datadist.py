@@ -42,6 +42,10 @@ logger = logging.getLogger("pdlink")
 _MAX_CLUSTERS_PER_CALL = 16
 _DEFAULT_SYNC_TIMEOUT_MS = 1000
 _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 20 GB
+# pdlink option: how links move bytes. "auto": direct memory access between processes of one host
+# (cross-memory attach) when permitted, else TCP; "tcp" / "cma" force one.
+TRANSPORT_OPTION = "pdlink.Transport"
+_TRANSPORTS = {"auto": 0, "tcp": 1, "cma": 2}
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
@@ -110,6 +114,9 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
         listen_ip, listen_port = _split_listen(options["llm.listenIpInfo"])
     dev_bytes, dev_shift = _pool(options, "llm.MemPoolConfig")
     host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
+    transport = options.get(TRANSPORT_OPTION) or os.environ.get("PDLINK_TRANSPORT") or "auto"
+    raise_if_false(transport in _TRANSPORTS,
+                   f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
     raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
     return {
         "cache_manager": options.get("llm.EnableCacheManager") == "1",
@@ -121,6 +128,7 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
         "device_page_shift": dev_shift,
         "host_pool_bytes": host_bytes,
         "host_page_shift": host_shift,
+        "transport": _TRANSPORTS[transport],
     }
 
 
@@ -170,6 +178,7 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
         "device_pool_bytes": pool,
         "device_page_shift": shift,
         "switch_role": options.get("llm.EnableSwitchRole") == "1",
+        "transport": cfg["transport"],
     }
 
 
@@ -342,7 +351,8 @@ class LLMDataDist:
                 engine.initialize(self._cluster_id, int(self._role), listen_ip=ip, listen_port=port,
                                   sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
-                                  host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000)
+                                  host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000,
+                                  transport=cfg["transport"])
                 engines.append(engine)
         except BaseException:
             for engine in engines:

@@ -1,0 +1,49 @@
+#include "transport/cma.h"
+
+#include <sys/prctl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+namespace pdlink::cma {
+namespace {
+constexpr size_t kMaxIov = 1024;  // IOV_MAX
+}
+
+Status copy(pid_t pid, bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote) {
+  if (local.size() != remote.size()) return Status(Code::kParamInvalid, "direct copy: range lists differ");
+  for (size_t i = 0; i < local.size(); i += kMaxIov) {
+    size_t n = std::min(kMaxIov, local.size() - i);
+    size_t want = 0;
+    for (size_t k = 0; k < n; ++k) want += local[i + k].iov_len;
+    ssize_t got = write ? ::process_vm_writev(pid, &local[i], n, &remote[i], n, 0)
+                        : ::process_vm_readv(pid, &local[i], n, &remote[i], n, 0);
+    if (got == static_cast<ssize_t>(want)) continue;
+    int err = got < 0 ? errno : EFAULT;  // a short copy stops at an unmapped range
+    Code code = (err == ESRCH || err == EPERM) ? Code::kLinkFailed : Code::kParamInvalid;
+    return Status(code, std::string("direct memory ") + (write ? "write to" : "read from") + " pid " +
+                            std::to_string(pid) + " failed: " + std::strerror(err));
+  }
+  return Status::OK();
+}
+
+Result<uint64_t> readWord(pid_t pid, uint64_t addr) {
+  uint64_t value = 0;
+  iovec l{&value, sizeof(value)}, r{reinterpret_cast<void*>(addr), sizeof(value)};
+  ssize_t got = ::process_vm_readv(pid, &l, 1, &r, 1, 0);
+  if (got != static_cast<ssize_t>(sizeof(value))) {
+    return Status(Code::kLinkFailed, std::string("direct memory access to pid ") + std::to_string(pid) +
+                                         " is not permitted: " + std::strerror(got < 0 ? errno : EFAULT));
+  }
+  return value;
+}
+
+void allowPeers() {
+#ifdef PR_SET_PTRACER
+  (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+#endif
+}
+
+}  // namespace pdlink::cma
