@@ -974,7 +974,11 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     }
   }
   const wire::Target& target = p.remote.target;
-  std::string body = wire::encode(p.remote);
+  std::string body;  // encoded only when a frame carries it; the cached-read path sends none
+  auto encoded = [&]() -> const std::string& {
+    if (body.empty()) body = wire::encode(p.remote);
+    return body;
+  };
 
   // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
   // round trip. The peer's registry generation is read before and after the data (in the same
@@ -983,8 +987,9 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     for (int attempt = 0; attempt < 2; ++attempt) {
       auto it = d.descriptors.find(target.model_id);
       if (it == d.descriptors.end()) {
-        std::string head = wire::encode(wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(body.size()), 0});
-        std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+        const std::string& b = encoded();
+        std::string head = wire::encode(wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0});
+        std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(b.data()), b.size()}};
         Status st = s.sendv(iov, deadline);
         wire::ResponseHeader rh;
         Status remote;
@@ -1026,6 +1031,7 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
   }
 
   // Checked round trip: the peer validates and pins the target and answers with its addresses.
+  encoded();
   std::string head = wire::encode(wire::RequestHeader{is_push ? wire::Op::kWrite : wire::Op::kRead,
                                                       static_cast<uint32_t>(body.size()), 0, wire::kFlagDirect});
   std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};

@@ -28,7 +28,13 @@ namespace pdlink {
 class Link {
  public:
   Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)
-      : peer_(peer_cluster_id), initiator_(initiator), out_(std::move(out)), in_(std::move(in)) {}
+      : peer_(peer_cluster_id), initiator_(initiator), out_(std::move(out)), in_(std::move(in)) {
+    out_.setReceiveSpin(kSpinUs);
+    in_.setReceiveSpin(kSpinUs);
+  }
+  // Both ends wait for the next frame spinning this long before they sleep (transport/socket.h):
+  // a requester for its reply, the serving thread for the next request of a busy peer.
+  static constexpr int kSpinUs = 50;
 
   // Same-host fast path for this side's requests: copy the peer's memory directly (transport/cma.h).
   struct Direct {

@@ -63,7 +63,7 @@ Socket::~Socket() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Socket::Socket(Socket&& other) noexcept : fd_(other.fd_), peer_(std::move(other.peer_)) {
+Socket::Socket(Socket&& other) noexcept : fd_(other.fd_), spin_us_(other.spin_us_), peer_(std::move(other.peer_)) {
   other.fd_ = -1;
 }
 
@@ -71,6 +71,7 @@ Socket& Socket::operator=(Socket&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) ::close(fd_);
     fd_ = other.fd_;
+    spin_us_ = other.spin_us_;
     peer_ = std::move(other.peer_);
     other.fd_ = -1;
   }
@@ -123,7 +124,16 @@ Status Socket::waitFor(short events, Deadline deadline, const char* what) {
   }
 }
 
-Status Socket::waitReadable(Deadline deadline) { return waitFor(POLLIN, deadline, "receive"); }
+Status Socket::waitReadable(Deadline deadline) {
+  if (spin_us_ > 0) {  // see setReceiveSpin(): a busy peer's next frame usually follows at once
+    auto until = Deadline::Clock::now() + std::chrono::microseconds(spin_us_);
+    do {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 0) > 0) return Status::OK();
+    } while (Deadline::Clock::now() < until);
+  }
+  return waitFor(POLLIN, deadline, "receive");
+}
 
 Status Socket::sendAll(const void* data, size_t len, Deadline deadline) {
   std::vector<iovec> iov{{const_cast<void*>(data), len}};
@@ -161,6 +171,7 @@ Status Socket::sendv(std::vector<iovec>& iov, Deadline deadline) {
 
 Status Socket::recvv(std::vector<iovec>& iov, Deadline deadline) {
   size_t first = 0;
+  Deadline::Clock::time_point spin_start{};  // when the current run of empty receives began
   advance(iov, first, 0);
   while (first < iov.size()) {
     if (deadline.expired()) return Status(Code::kTimeout, "receive from " + peer_ + " timed out");
@@ -170,10 +181,15 @@ Status Socket::recvv(std::vector<iovec>& iov, Deadline deadline) {
     ssize_t n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
     if (n > 0) {
       advance(iov, first, static_cast<size_t>(n));
+      spin_start = Deadline::Clock::time_point{};
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      auto now = Deadline::Clock::now();
+      if (spin_us_ > 0 && spin_start == Deadline::Clock::time_point{}) spin_start = now;
+      if (spin_us_ > 0 && now - spin_start < std::chrono::microseconds(spin_us_)) continue;
       PDLINK_RETURN_IF_ERROR(waitFor(POLLIN, deadline, "receive"));
+      spin_start = Deadline::Clock::time_point{};
       continue;
     }
     if (n < 0 && errno == EINTR) continue;

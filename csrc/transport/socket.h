@@ -45,8 +45,14 @@ class Socket {
   Status recvv(std::vector<iovec>& iov, Deadline deadline);
   // Reads and discards exactly `len` bytes (to resynchronise after rejecting a payload).
   Status discard(uint64_t len, Deadline deadline);
-  // Blocks until data (or EOF) is readable. kLinkFailed after shutdown().
+  // Blocks until data (or EOF) is readable (spinning first, see setReceiveSpin). kLinkFailed after
+  // shutdown().
   Status waitReadable(Deadline deadline);
+
+  // Before blocking in poll(2) for incoming data, retry the receive for up to `us` microseconds.
+  // A requester waiting for a short reply then avoids a sleep/wake-up cycle, which on loopback
+  // costs more than the round trip itself (about 50 vs 20 us on a 2-core VM). 0 (default): never.
+  void setReceiveSpin(int us) { spin_us_ = us; }
 
   // Wakes any blocked I/O and makes further I/O fail. Idempotent; the fd stays open until
   // destruction so that no other thread can be handed the same fd number meanwhile.
@@ -57,6 +63,7 @@ class Socket {
   Status ioError(const char* what, int err) const;
 
   int fd_ = -1;
+  int spin_us_ = 0;
   std::string peer_;
 };
 

@@ -110,6 +110,8 @@ def check_isinstance(
     """
     if arg_value is None and allow_none:
         return arg_value
+    if type(arg_value) is types and inner_types is None and types is not int:  # hot path: exact type
+        return arg_value
     type_tuple = _as_type_tuple(types)
     if not _matches(arg_value, type_tuple):
         raise TypeError(
@@ -136,6 +138,10 @@ def check_list_of(
     """Check that ``seq`` is one of ``seq_types`` (default list or tuple) whose elements are all
     instances of ``elem_types``; return ``seq``. ``TypeError`` on any mismatch. ``None`` is
     rejected unless ``allow_none``."""
+    if elem_types is int and type(seq) in (list, tuple) and seq_types == (list, tuple):
+        # Hot path (block lists of up to 100k entries): a C-level scan, no Python call per element.
+        if all(type(x) is int for x in seq):
+            return seq
     return check_isinstance(arg_name, seq, seq_types, allow_none, inner_types=elem_types)
 
 

@@ -101,7 +101,8 @@ def _layer_tensors(
 
 def _check_cache(name: str, cache: Any) -> Cache:
     check_isinstance(name, cache, Cache, allow_none=False)
-    raise_if_false(cache.cache_id > 0 and cache.tensor_addrs, f"{name} is not a live registered cache: {cache}")
+    if not (cache.cache_id > 0 and cache.tensor_addrs):
+        raise_if_false(False, f"{name} is not a live registered cache: {cache}")
     return cache
 
 
@@ -207,6 +208,8 @@ class CacheManager:
 
     @staticmethod
     def _pull_kwargs(cache: Cache, kwargs: Dict[str, Any]) -> Tuple[List[int], List[int]]:
+        if not kwargs:  # the common call: every tensor, no layer ranges
+            return [], []
         unknown = sorted(set(kwargs) - set(_PULL_KWARGS))
         raise_if_false(not unknown, f"unsupported keyword arguments: {unknown}")
         return _layer_tensors(
