@@ -1,0 +1,22 @@
+"""The benchmark keeps working: a tiny run of bench/bench_transfer.py (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_smoke_runs_and_verifies(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_transfer.py"), "--smoke",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["pdlink"]) == {"cma", "tcp"} or set(results["pdlink"]) == {"tcp"}
+    for run in results["pdlink"].values():  # every kind of measurement produced a number
+        for key in ("pull_bulk", "push_bulk", "pull_small", "lat_4k_us", "link_ms", "switch_role_ms", "sweep"):
+            assert key in run, key
+    assert "pdlink benchmark" in (tmp_path / "results.txt").read_text()
