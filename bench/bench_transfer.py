@@ -5,7 +5,7 @@ and moves them), for each pdlink transport (direct memory access "cma" and loopb
 
   * pull_blocks / push_blocks of 64 MiB in 256 KiB blocks;
   * the same bytes in 4 KiB blocks (per-block overhead, us/block);
-  * one 4 KiB block pull: p50 / p99 latency;
+  * one 4 KiB block pull (a one-tensor cache): p50 / p99 latency;
   * link_clusters, unlink_clusters and switch_role latency;
   * GB/s against block size (4 KiB .. 4 MiB) for the plot;
   * scale: registering a cache is O(tensors); pulls of 1k / 10k / 100k block pairs.
@@ -69,6 +69,7 @@ def cache_plan(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         {"name": "bulk", "model": 0, "tensors": 2, "block": cfg["block"], "purpose": "pull/push"},
         {"name": "small", "model": 1, "tensors": 2, "block": 4 * KIB, "purpose": "4 KiB blocks"},
         {"name": "push", "model": 2, "tensors": 2, "block": cfg["block"], "purpose": "push target"},
+        {"name": "one", "model": 4, "tensors": 1, "block": 4 * KIB, "purpose": "latency", "total": 64 * KIB},
     ]
     for i, bs in enumerate(cfg["sweep"]):
         plan.append({"name": f"sweep{bs}", "model": 10 + i, "tensors": 2, "block": bs, "purpose": "sweep",
@@ -223,8 +224,8 @@ def run_initiator(transport: str, cfg: Dict[str, Any], info: Dict[str, Any]) -> 
     for a, b in zip(check[1], caches["bulk"][1]):
         if not np.array_equal(a, b):
             raise AssertionError(f"{transport}: pushed bytes differ")
-    # one 4 KiB block: latency
-    one = pull("small", [3], [3])
+    # one 4 KiB block (one tensor): latency
+    one = pull("one", [3], [3])
     one()
     lat = []
     for _ in range(cfg["lat_n"]):
