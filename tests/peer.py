@@ -153,6 +153,27 @@ class Peer:
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            # A group stop is not synchronous: threads keep running until each reaches a stop
+            # point, and a frozen-peer test must not race with that. Wait until it has stopped.
+            import time
+
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if all(state in ("T", "t") for state in self._thread_states()):
+                    return
+                time.sleep(0.001)
+            raise PeerTimeout(f"{self.name} did not stop within 5 s of SIGSTOP")
+
+    def _thread_states(self):
+        states = []
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # the thread exited meanwhile
+                pass
+        return states
 
     def kill(self) -> None:
         if self.proc.is_alive():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import struct
 import time
 
 import pytest
 
 from pdlink.status import LLMException, LLMStatusCode
 from peer import wait_for
+
+import rawwire
 
 SETUP = """
 kv = tensors(2, (16, 4096), seed={seed})
@@ -107,26 +108,6 @@ def test_failed_pull_leaves_the_source_key_for_a_retry(make_pd):
     assert wait_for(lambda: pd.prefill.eval("dd._engine.cache_count") == 0)  # consumed by the pull: freed
 
 
-def _hello(version=2, channel=0, cluster=9, expected=1, nonce=1234):
-    # 32-byte prefix, then the 40-byte host identity (zeros: "not on your host")
-    return struct.pack("<IHBBQQQ", 0x4B4C4450, version, channel, 0, cluster, expected, nonce) + bytes(40)
-
-
-def _read_ack(s):
-    s.settimeout(5)
-    head = b""
-    while len(head) < 62:  # 22 fixed bytes + 40 identity bytes
-        chunk = s.recv(62 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    magic, version, status, cluster, mlen = struct.unpack("<IHIQI", head[:22])
-    msg = b""
-    while len(msg) < mlen:
-        msg += s.recv(mlen - len(msg))
-    return status, cluster, msg.decode()
-
-
 def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pd):
     pd.prefill.exec(SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))
     pd.decode.exec(SETUP.format(seed=2, key="None"))
@@ -141,78 +122,53 @@ def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pd)
     # 2. a truncated hello followed by silence: dropped after the handshake timeout, the
     #    listener meanwhile keeps accepting (checked by the real link below)
     stalled = socket.create_connection(("127.0.0.1", pd.port))
-    stalled.sendall(_hello()[:10])
+    stalled.sendall(rawwire.hello()[:10])
     # 3. a wrong protocol version and 4. a wrong expected cluster id: refused with a reason
-    for hello, words in [(_hello(version=99), "version"), (_hello(expected=77), "not cluster 77")]:
+    for hello, words in [(rawwire.hello(version=99), "version"), (rawwire.hello(expected=77), "not cluster 77")]:
         with socket.create_connection(("127.0.0.1", pd.port)) as s:
             s.sendall(hello)
-            status, cluster, msg = _read_ack(s)
+            status, cluster, msg, _, _ = rawwire.read_ack(s)
             assert status == LLMStatusCode.LLM_LINK_FAILED and cluster == 1 and words in msg, msg
     # 5. a reverse channel without a forward one
-    with socket.create_connection(("127.0.0.1", pd.port)) as s:
-        s.sendall(_hello(channel=1))
-        assert _read_ack(s)[0] == LLMStatusCode.LLM_LINK_FAILED
+    s, stage, status, msg = rawwire.handshake(pd.port, channel=1)
+    s.close()
+    assert (stage, status) == ("auth", LLMStatusCode.LLM_LINK_FAILED), msg
     pd.link()
     pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [5], [5])")
     assert pd.decode.eval("[a[5].tobytes() for a in kv]") == pd.prefill.eval("[a[5].tobytes() for a in kv]")
-    assert [l["peer_cluster_id"] for l in pd.prefill.eval("dd.links()")] == [2]
+    assert [link["peer_cluster_id"] for link in pd.prefill.eval("dd.links()")] == [2]
     stalled.close()
 
 
 def test_hostile_frames_on_an_established_link_only_drop_that_link(pd):
     """A peer that passes the handshake and then sends out-of-range or malformed requests."""
     pd.prefill.exec(SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))
-    fwd = socket.create_connection(("127.0.0.1", pd.port))
-    fwd.sendall(_hello(cluster=9, nonce=77))
-    assert _read_ack(fwd)[0] == 0
-    rev = socket.create_connection(("127.0.0.1", pd.port))
-    rev.sendall(_hello(cluster=9, channel=1, nonce=77))
-    status, _, msg = _read_ack(rev)
+    fwd, stage, status, msg = rawwire.handshake(pd.port, cluster=9, nonce=77)
+    assert status == 0, msg
+    rev, stage, status, msg = rawwire.handshake(pd.port, channel=1, cluster=9, nonce=77)
     if pd.transport == "cma":
         # an engine forced to direct memory access refuses a peer that is not on its host
         assert status == LLMStatusCode.LLM_LINK_FAILED and "cma" in msg, msg
         return
-    assert status == 0
-
-    def request(op, body, payload_len=0):
-        return struct.pack("<IBBHIQ", 0x514C4450, op, 0, 0, len(body), payload_len) + body
-
-    def body(kind=4, model=0, tensors=(0,), runs=((0, 64),), block_size=0):
-        b = struct.pack("<BQQQqQQ", kind, model, 2**64 - 1, 2**64 - 1, 0, 0, block_size)
-        b += struct.pack("<I", len(tensors)) + b"".join(struct.pack("<I", t) for t in tensors)
-        b += struct.pack("<I", len(runs)) + b"".join(struct.pack("<QQ", o, n) for o, n in runs)
-        return b
-
-    def response():
-        head = b""
-        while len(head) < 20:
-            head += fwd.recv(20 - len(head))
-        magic, status, mlen, plen = struct.unpack("<IIIQ", head)
-        msg = b""
-        while len(msg) < mlen:
-            msg += fwd.recv(mlen - len(msg))
-        data = b""
-        while len(data) < plen:
-            data += fwd.recv(plen - len(data))
-        return status, msg.decode(), data
-
+    assert status == 0, msg
     fwd.settimeout(5)
     tensor_bytes = 16 * 4096 * 2
     # reads outside the registered region, of a missing tensor, of an unregistered model: refused
-    for b, code in [(body(runs=((tensor_bytes - 8, 64),)), LLMStatusCode.LLM_PARAM_INVALID),
-                    (body(runs=((2**64 - 8, 64),)), LLMStatusCode.LLM_PARAM_INVALID),
-                    (body(tensors=(2,)), LLMStatusCode.LLM_PARAM_INVALID),
-                    (body(model=5), LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
-                    (body(runs=((0, 0),)), LLMStatusCode.LLM_PARAM_INVALID)]:
-        fwd.sendall(request(1, b))
-        status, msg, data = response()
+    for b, code in [(rawwire.blocks_body(runs=((tensor_bytes - 8, 64),)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (rawwire.blocks_body(runs=((2**64 - 8, 64),)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (rawwire.blocks_body(tensors=(2,)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (rawwire.blocks_body(model=5), LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+                    (rawwire.blocks_body(runs=((0, 0),)), LLMStatusCode.LLM_PARAM_INVALID),
+                    (rawwire.blocks_body(kind=5, runs=((4096, 64),)), LLMStatusCode.LLM_PARAM_INVALID)]:
+        fwd.sendall(rawwire.request(1, b))
+        status, msg, data = rawwire.read_response(fwd)
         assert status == code and data == b"", msg
     # a legal read works and returns exactly the registered bytes
-    fwd.sendall(request(1, body(runs=((128, 64),))))
-    status, _, data = response()
+    fwd.sendall(rawwire.request(1, rawwire.blocks_body(runs=((128, 64),))))
+    status, _, data = rawwire.read_response(fwd)
     assert status == 0 and data == pd.prefill.eval("kv[0].tobytes()[128:192]")
     # a write whose declared payload disagrees with its descriptor: the link is dropped
-    fwd.sendall(request(2, body(), payload_len=10**12))
+    fwd.sendall(rawwire.request(2, rawwire.blocks_body(), payload_len=10**12))
     assert fwd.recv(10) == b""
     # and the engine still serves a real decoder
     pd.decode.exec(SETUP.format(seed=2, key="None"))

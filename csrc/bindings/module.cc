@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "backends/backend.h"
+#include "core/sha256.h"
 #include "bindings/status_bridge.h"
 #include "engine/engine.h"
 #include "transport/wire.h"
@@ -78,6 +79,12 @@ PYBIND11_MODULE(_core, m) {
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
   m.attr("ANY_CLUSTER") = wire::kAnyCluster;
+  // The handshake's MAC, exposed so tests can check it against Python's hmac module.
+  m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
+    std::string k = key, m = msg;
+    Digest d = hmacSha256(k, m.data(), m.size());
+    return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& backend) {
@@ -89,7 +96,7 @@ PYBIND11_MODULE(_core, m) {
           "initialize",
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
-             uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport) {
+             uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret) {
             EngineConfig c;
             c.cluster_id = cluster_id;
             c.role = static_cast<Role>(role);
@@ -101,12 +108,13 @@ PYBIND11_MODULE(_core, m) {
             c.handshake_timeout_ms = handshake_timeout_ms;
             if (transport < 0 || transport > 2) throw py::value_error("transport must be 0 (auto), 1 (tcp) or 2 (cma)");
             c.transport = static_cast<Transport>(transport);
+            c.link_secret = link_secret;
             throwIfError(e.initialize(c), "init");
           },
           py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
           py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
-          py::arg("transport") = 0,
+          py::arg("transport") = 0, py::arg("link_secret") = "",
           py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)

@@ -5,12 +5,15 @@
 #include <future>
 #include <random>
 
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 
 #include "core/log.h"
+#include "core/sha256.h"
 #include "transport/cma.h"
 #include "transport/wire.h"
 
@@ -31,6 +34,34 @@ uint64_t makeNonce() {
 }
 
 std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
+
+void randomBytes(uint8_t* out, size_t n) {
+  while (n > 0) {
+    ssize_t got = ::getrandom(out, n, 0);
+    if (got <= 0) continue;  // EINTR; getrandom does not fail otherwise once the pool is ready
+    out += got;
+    n -= static_cast<size_t>(got);
+  }
+}
+
+// The proof of one side of a channel: HMAC-SHA256(secret, label || role || both challenges ||
+// both cluster ids || nonce || channel). Binding the ids, nonce and channel stops a proof from
+// being replayed on another link or channel. Without a secret it is all zeros.
+Digest linkProof(const std::string& secret, char role, const uint8_t* client_challenge,
+                 const uint8_t* server_challenge, uint64_t client_id, uint64_t server_id, uint64_t nonce,
+                 uint8_t channel) {
+  Digest out{};
+  if (secret.empty()) return out;
+  std::string m = "pdlink-link-v2";
+  m.push_back(role);
+  m.append(reinterpret_cast<const char*>(client_challenge), wire::kChallengeBytes);
+  m.append(reinterpret_cast<const char*>(server_challenge), wire::kChallengeBytes);
+  m.append(reinterpret_cast<const char*>(&client_id), 8);
+  m.append(reinterpret_cast<const char*>(&server_id), 8);
+  m.append(reinterpret_cast<const char*>(&nonce), 8);
+  m.push_back(static_cast<char>(channel));
+  return hmacSha256(secret, m.data(), m.size());
+}
 
 wire::HostIdentity localIdentity() {
   wire::HostIdentity id;
@@ -106,10 +137,11 @@ Status linkError(const PeerAddress& peer, const Status& st) {
                           std::to_string(peer.port) + ": " + st.message());
 }
 
-// Client half of a channel handshake: hello out, ack in. Checks the peer's identity against
-// *peer_id, or learns it when *peer_id is kAnyCluster.
-Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t* peer_id, wire::HostIdentity* peer_identity,
-                     Deadline deadline) {
+// Client half of a channel handshake: hello out, ack in (checking the peer's identity against
+// *peer_id, or learning it when that is kAnyCluster), then the challenge-response.
+Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, uint64_t* peer_id,
+                     wire::HostIdentity* peer_identity, Deadline deadline) {
+  randomBytes(hello.challenge, sizeof(hello.challenge));
   std::string frame = wire::encode(hello);
   PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
   uint8_t buf[wire::kHelloAckFixedBytes];
@@ -127,6 +159,24 @@ Status helloExchange(Socket& s, const wire::Hello& hello, uint64_t* peer_id, wir
     return Status(Code::kLinkFailed, "the endpoint is " + clusterName(ack.cluster_id) + ", not " +
                                          clusterName(*peer_id));
   }
+  const uint8_t channel = static_cast<uint8_t>(hello.channel);
+  Digest expected = linkProof(secret, 'S', hello.challenge, ack.challenge, hello.cluster_id, ack.cluster_id,
+                              hello.nonce, channel);
+  if (!constantTimeEqual(ack.proof, expected.data(), expected.size())) {
+    return Status(Code::kLinkFailed,
+                  secret.empty() ? "the peer requires a link secret (set pdlink.LinkSecret or PDLINK_LINK_SECRET)"
+                                 : "the peer could not prove it knows the link secret");
+  }
+  Digest mine = linkProof(secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, ack.cluster_id,
+                          hello.nonce, channel);
+  PDLINK_RETURN_IF_ERROR(s.sendAll(mine.data(), mine.size(), deadline));
+  uint8_t rbuf[wire::kAuthResultFixedBytes];
+  PDLINK_RETURN_IF_ERROR(s.recvAll(rbuf, sizeof(rbuf), deadline));
+  wire::AuthResult result;
+  PDLINK_RETURN_IF_ERROR(wire::decodeFixed(rbuf, sizeof(rbuf), &result, &msg_len));
+  msg.assign(msg_len, '\0');
+  if (msg_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
+  if (result.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
   return Status::OK();
 }
 
@@ -392,7 +442,7 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   wire::HostIdentity peer_identity;
   auto fwd = Socket::connect(peer.ip, peer.port, deadline);
   if (!fwd.ok()) return linkError(peer, fwd.status());
-  Status st = helloExchange(fwd.value(), hello, &peer_id, &peer_identity, deadline);
+  Status st = helloExchange(fwd.value(), hello, config_.link_secret, &peer_id, &peer_identity, deadline);
   if (!st.ok()) return linkError(peer, st);
   if (peer_id == config_.cluster_id) {
     return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
@@ -400,7 +450,7 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   auto rev = Socket::connect(peer.ip, peer.port, deadline);
   if (!rev.ok()) return linkError(peer, rev.status());
   hello.channel = wire::Channel::kReverse;
-  st = helloExchange(rev.value(), hello, &peer_id, &peer_identity, deadline);
+  st = helloExchange(rev.value(), hello, config_.link_secret, &peer_id, &peer_identity, deadline);
   if (!st.ok()) return linkError(peer, st);
 
   bool direct = false;
@@ -464,13 +514,19 @@ void Engine::handleIncoming(Socket sock) {
   };
   Deadline deadline = Deadline::afterMs(config_.handshake_timeout_ms);
   const std::string from = sock.peer();
+  bool acked = false;  // once our HelloAck is out, a refusal is sent as an AuthResult
   auto refuse = [&](const std::string& why) {
     PDLINK_LOG(kWarn, "refused link from " << from << ": " << why);
-    wire::HelloAck ack;
-    ack.status = static_cast<uint32_t>(Code::kLinkFailed);
-    ack.cluster_id = config_.cluster_id;
-    ack.message = why;
-    std::string frame = wire::encode(ack);
+    std::string frame;
+    if (acked) {
+      frame = wire::encode(wire::AuthResult{static_cast<uint32_t>(Code::kLinkFailed), why});
+    } else {
+      wire::HelloAck ack;
+      ack.status = static_cast<uint32_t>(Code::kLinkFailed);
+      ack.cluster_id = config_.cluster_id;
+      ack.message = why;
+      frame = wire::encode(ack);
+    }
     (void)tracked->sendAll(frame.data(), frame.size(), Deadline::afterMs(200));
     untrack();
   };
@@ -488,8 +544,8 @@ void Engine::handleIncoming(Socket sock) {
     return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
                   std::to_string(wire::kProtocolVersion));
   }
-  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kIdentityBytes, deadline);
-  if (st.ok()) st = wire::decodeIdentity(buf + wire::kHelloPrefixBytes, wire::kIdentityBytes, &hello.identity);
+  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kHelloRestBytes, deadline);
+  if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, wire::kHelloRestBytes, &hello);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
     untrack();
@@ -502,10 +558,34 @@ void Engine::handleIncoming(Socket sock) {
     return refuse("peer uses this engine's own cluster id " + std::to_string(hello.cluster_id));
   }
 
-  wire::HelloAck ok;
-  ok.cluster_id = config_.cluster_id;
-  ok.identity = identity_;
-  const std::string ok_frame = wire::encode(ok);
+  // Challenge-response: prove we know the link secret, then check the dialler's proof. Nothing
+  // about this engine's memory is reachable before the dialler's proof has been checked.
+  wire::HelloAck ack;
+  ack.cluster_id = config_.cluster_id;
+  ack.identity = identity_;
+  randomBytes(ack.challenge, sizeof(ack.challenge));
+  const uint8_t channel = static_cast<uint8_t>(hello.channel);
+  Digest server_proof = linkProof(config_.link_secret, 'S', hello.challenge, ack.challenge, hello.cluster_id, config_.cluster_id,
+                                  hello.nonce, channel);
+  std::memcpy(ack.proof, server_proof.data(), sizeof(ack.proof));
+  std::string ack_frame = wire::encode(ack);
+  st = sock.sendAll(ack_frame.data(), ack_frame.size(), deadline);
+  acked = true;
+  uint8_t client_proof[wire::kProofBytes];
+  if (st.ok()) st = sock.recvAll(client_proof, sizeof(client_proof), deadline);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << from << " during authentication: " << st.message());
+    untrack();
+    return;
+  }
+  Digest expected = linkProof(config_.link_secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, config_.cluster_id,
+                              hello.nonce, channel);
+  if (!constantTimeEqual(client_proof, expected.data(), expected.size())) {
+    return refuse(std::string("authentication failed for ") + clusterName(hello.cluster_id) +
+                  (config_.link_secret.empty() ? ": this engine has no link secret but the peer sent a proof"
+                                               : ": the peer does not know this engine's link secret"));
+  }
+  const std::string ok_frame = wire::encode(wire::AuthResult{0, ""});
 
   if (hello.channel == wire::Channel::kForward) {
     auto pending = std::make_shared<PendingLink>();

@@ -62,6 +62,9 @@ struct EngineConfig {
   PoolConfig device_pool;
   PoolConfig host_pool;
   Transport transport = Transport::kAuto;
+  // When non-empty, both ends of every link must prove they know it (challenge-response in the
+  // handshake, transport/wire.h); a peer that cannot is refused before it can reach any memory.
+  std::string link_secret;
 };
 
 struct PeerAddress {

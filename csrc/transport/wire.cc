@@ -80,7 +80,15 @@ std::string encode(const Hello& h) {
   w.put(h.expected_peer);
   w.put(h.nonce);
   putIdentity(w, h.identity);
+  w.bytes(std::string(reinterpret_cast<const char*>(h.challenge), kChallengeBytes));
   return w.take();
+}
+
+Status decodeRest(const uint8_t* p, size_t n, Hello* out) {
+  if (n < kHelloRestBytes) return malformed("hello");
+  PDLINK_RETURN_IF_ERROR(decodeIdentity(p, kIdentityBytes, &out->identity));
+  std::memcpy(out->challenge, p + kIdentityBytes, kChallengeBytes);
+  return Status::OK();
 }
 
 Status decodePrefix(const uint8_t* p, size_t n, Hello* out) {
@@ -107,6 +115,8 @@ std::string encode(const HelloAck& a) {
   w.put(a.cluster_id);
   w.put(static_cast<uint32_t>(a.message.size()));
   putIdentity(w, a.identity);
+  w.bytes(std::string(reinterpret_cast<const char*>(a.challenge), kChallengeBytes));
+  w.bytes(std::string(reinterpret_cast<const char*>(a.proof), kProofBytes));
   w.bytes(a.message);
   return w.take();
 }
@@ -120,8 +130,11 @@ Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_
   if (!r.get(&out->version) || !r.get(&out->status) || !r.get(&out->cluster_id) || !r.get(message_len)) {
     return malformed("hello-ack");
   }
-  if (*message_len > kMaxMessageBytes) return malformed("hello-ack");
-  return decodeIdentity(p + 22, n - 22, &out->identity);
+  if (*message_len > kMaxMessageBytes || n < kHelloAckFixedBytes) return malformed("hello-ack");
+  PDLINK_RETURN_IF_ERROR(decodeIdentity(p + 22, kIdentityBytes, &out->identity));
+  std::memcpy(out->challenge, p + 22 + kIdentityBytes, kChallengeBytes);
+  std::memcpy(out->proof, p + 22 + kIdentityBytes + kChallengeBytes, kProofBytes);
+  return Status::OK();
 }
 
 std::string encode(const RequestHeader& h) {
@@ -239,6 +252,25 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
     r.get(&out->runs[i].length);
   }
   if (r.left() != 0) return malformed("transfer");
+  return Status::OK();
+}
+
+std::string encode(const AuthResult& r) {
+  Writer w;
+  w.put(kAuthMagic);
+  w.put(r.status);
+  w.put(static_cast<uint32_t>(r.message.size()));
+  w.bytes(r.message);
+  return w.take();
+}
+
+Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len) {
+  Reader r(p, n);
+  uint32_t magic = 0;
+  if (!r.get(&magic) || magic != kAuthMagic || !r.get(&out->status) || !r.get(message_len) ||
+      *message_len > kMaxMessageBytes || !isKnownCode(out->status)) {
+    return malformed("auth-result");
+  }
   return Status::OK();
 }
 

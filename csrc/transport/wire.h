@@ -46,6 +46,13 @@ struct HostIdentity {
 constexpr uint32_t kTransportCma = 1;
 constexpr size_t kIdentityBytes = 40;
 
+// Link authentication (challenge-response). Each side sends a fresh random challenge; each proves
+// it knows the shared link secret with HMAC-SHA256 over both challenges and the link's identity
+// (engine.cc linkProof). No secret ever crosses the wire. Without a secret a proof is all zeros,
+// which a side that has a secret rejects.
+constexpr size_t kChallengeBytes = 16;
+constexpr size_t kProofBytes = 32;
+
 struct Hello {
   uint16_t version = kProtocolVersion;
   Channel channel = Channel::kForward;
@@ -54,28 +61,45 @@ struct Hello {
   uint64_t expected_peer = 0;  // the cluster id the sender believes it is dialling
   uint64_t nonce = 0;          // pairs the FORWARD and REVERSE channels of one link
   HostIdentity identity;
+  uint8_t challenge[kChallengeBytes] = {0};
 };
 // The first 32 bytes keep one layout in every version (magic, version, ...), so a peer of another
-// version is recognised and told so; version 2 appends the identity.
+// version is recognised and told so; version 2 appends the identity and the challenge.
 constexpr size_t kHelloPrefixBytes = 32;
-constexpr size_t kHelloBytes = kHelloPrefixBytes + kIdentityBytes;
+constexpr size_t kHelloRestBytes = kIdentityBytes + kChallengeBytes;
+constexpr size_t kHelloBytes = kHelloPrefixBytes + kHelloRestBytes;
 std::string encode(const Hello& h);
 // Decodes the 32-byte prefix. Rejects a wrong magic (garbage) with kLinkFailed; a version mismatch
 // is reported by the caller.
 Status decodePrefix(const uint8_t* p, size_t n, Hello* out);
 Status decodeIdentity(const uint8_t* p, size_t n, HostIdentity* out);
+// Decodes the part after the prefix (identity and challenge).
+Status decodeRest(const uint8_t* p, size_t n, Hello* out);
 
 struct HelloAck {
   uint16_t version = kProtocolVersion;
   uint32_t status = 0;  // an LLMStatusCode value
   uint64_t cluster_id = 0;
   HostIdentity identity;
+  uint8_t challenge[kChallengeBytes] = {0};
+  uint8_t proof[kProofBytes] = {0};  // the acceptor's proof (see above)
   std::string message;
 };
-constexpr size_t kHelloAckFixedBytes = 22 + kIdentityBytes;
+constexpr size_t kHelloAckFixedBytes = 22 + kIdentityBytes + kChallengeBytes + kProofBytes;
 std::string encode(const HelloAck& a);
 // Decodes the fixed part; `message_len` tells how many message bytes follow.
 Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_len);
+
+// After the HelloAck the dialler sends its proof (kProofBytes raw) and the acceptor answers with
+// an AuthResult; only then is the channel part of a link.
+constexpr uint32_t kAuthMagic = 0x524C4450;  // "PDLR"
+constexpr size_t kAuthResultFixedBytes = 12;
+struct AuthResult {
+  uint32_t status = 0;
+  std::string message;
+};
+std::string encode(const AuthResult& r);
+Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len);
 
 enum class Op : uint8_t {
   kRead = 1,    // serve bytes of a registered cache       -> Response + payload

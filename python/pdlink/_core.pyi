@@ -10,6 +10,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
 
+def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the handshake's MAC (tests)
+
 _Key = Tuple[int, int, int]  # (req_id, prefix_id, model_id)
 _Handle = Tuple[int, List[int]]  # (cache_id, tensor addresses)
 
@@ -28,6 +30,7 @@ class Engine:
         host_page_shift: int,
         handshake_timeout_ms: int,
         transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
+        link_secret: str = "",  # non-empty: links must authenticate (challenge-response)
     ) -> None: ...
     def finalize(self) -> None: ...
     @property

@@ -46,6 +46,9 @@ _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 
 # (cross-memory attach) when permitted, else TCP; "tcp" / "cma" force one.
 TRANSPORT_OPTION = "pdlink.Transport"
 _TRANSPORTS = {"auto": 0, "tcp": 1, "cma": 2}
+# pdlink option: a shared secret every linked engine must prove it knows (challenge-response; the
+# secret never crosses the wire). The environment variable PDLINK_LINK_SECRET works the same.
+SECRET_OPTION = "pdlink.LinkSecret"
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
@@ -114,6 +117,7 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
         listen_ip, listen_port = _split_listen(options["llm.listenIpInfo"])
     dev_bytes, dev_shift = _pool(options, "llm.MemPoolConfig")
     host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
+    secret = options.get(SECRET_OPTION) or os.environ.get("PDLINK_LINK_SECRET") or ""
     transport = options.get(TRANSPORT_OPTION) or os.environ.get("PDLINK_TRANSPORT") or "auto"
     raise_if_false(transport in _TRANSPORTS,
                    f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
@@ -129,6 +133,7 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
         "host_pool_bytes": host_bytes,
         "host_page_shift": host_shift,
         "transport": _TRANSPORTS[transport],
+        "link_secret": secret,
     }
 
 
@@ -179,6 +184,7 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
         "device_page_shift": shift,
         "switch_role": options.get("llm.EnableSwitchRole") == "1",
         "transport": cfg["transport"],
+        "link_secret": cfg["link_secret"],
     }
 
 
@@ -352,7 +358,7 @@ class LLMDataDist:
                                   sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
                                   host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000,
-                                  transport=cfg["transport"])
+                                  transport=cfg["transport"], link_secret=cfg["link_secret"])
                 engines.append(engine)
         except BaseException:
             for engine in engines:
