@@ -177,3 +177,91 @@ def test_hostile_frames_on_an_established_link_only_drop_that_link(pd):
     assert pd.decode.eval("kv[0][1].tobytes()") == pd.prefill.eval("kv[0][1].tobytes()")
     fwd.close()
     rev.close()
+
+
+BIG = """
+big = tensors(2, (64, 256 * 1024), seed={seed}, dtype=np.uint8)  # 2 x 16 MiB
+bigc = cm.register_blocks_cache(CacheDesc(2, [64, 256 * 1024], DataType.DT_UINT8), addrs(big), {key})
+"""
+
+
+def start_prefill(peers, transport, cluster_id=1):
+    p = peers("prefill", env={"PDLINK_TRANSPORT": transport})
+    p.exec(f"dd = LLMDataDist(LLMRole.PROMPT, {cluster_id}); dd.init(options(listen='127.0.0.1:0')); "
+           "cm = dd.cache_manager\n" + SETUP.format(seed=1, key="BlocksCacheKey(1, 0)")
+           + BIG.format(seed=7, key="BlocksCacheKey(1, 1)"))
+    return p, p.eval("dd.listen_port")
+
+
+def test_peer_killed_before_link(make_pd):
+    pd = make_pd()
+    pd.prefill.kill()
+    t0 = time.monotonic()
+    ret = pd.decode.eval(f"dd.link_clusters([cluster(1, {pd.port})], 3000)")
+    assert ret == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert time.monotonic() - t0 < 3.5
+    assert pd.decode.eval("dd.links()") == []
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_peer_killed_during_a_large_transfer_then_restarted(peers, transport, op):
+    """Kill the prefill mid-transfer: the decoder gets an error (or, with direct memory access, may
+    finish a copy already under way), never a hang; its resources are released; a restarted
+    prefill with the same cluster id links again and serves correct bytes."""
+    p, port = start_prefill(peers, transport)
+    d = peers("decode", env={"PDLINK_TRANSPORT": transport})
+    d.exec("dd = LLMDataDist(LLMRole.DECODER, 2); dd.init(options(timeout=10000)); cm = dd.cache_manager\n"
+           + SETUP.format(seed=2, key="None") + BIG.format(seed=8, key="None"))
+    assert d.eval(f"dd.link_clusters([cluster(1, {port})])")[0] == LLMStatusCode.LLM_SUCCESS
+    baseline = d.eval("resources()")
+    call = ("cm.pull_blocks(BlocksCacheKey(1, 1), bigc, list(range(64)), list(range(63, -1, -1)))" if op == "pull"
+            else "cm.push_blocks(BlocksCacheKey(1, 1), bigc, list(range(64)), list(range(63, -1, -1)))")
+    d.exec(f"""
+import threading
+outcome = []
+def run():
+    try:
+        for _ in range(50):
+            {call}
+        outcome.append("ok")
+    except LLMException as e:
+        outcome.append(e.status_code)
+worker = threading.Thread(target=run)
+worker.start()
+""")
+    time.sleep(0.05)
+    p.kill()
+    t0 = time.monotonic()
+    d.exec("worker.join(15)")
+    assert time.monotonic() - t0 < 12
+    outcome = d.eval("outcome")
+    assert len(outcome) == 1
+    if transport == "tcp":
+        assert outcome == [LLMStatusCode.LLM_LINK_FAILED], outcome
+    else:  # a direct copy already under way may complete; the next request finds the peer gone
+        assert outcome[0] in ("ok", LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT), outcome
+    # unlinking the dead peer succeeds (non-force: there is nobody left to tell), and the serving
+    # thread and sockets of that link are gone
+    assert d.eval(f"dd.unlink_clusters([cluster(1, {port})])[0]") == LLMStatusCode.LLM_SUCCESS
+    assert wait_for(lambda: all(now <= before for now, before in zip(d.eval("resources()"), baseline))), (
+        d.eval("resources()"), baseline)
+    # a restarted prefill (same cluster id, new process and port) serves correct bytes
+    p2, port2 = start_prefill(peers, transport)
+    assert d.eval(f"dd.link_clusters([cluster(1, {port2})])")[0] == LLMStatusCode.LLM_SUCCESS
+    d.exec("cm.pull_blocks(BlocksCacheKey(1, 1), bigc, [0, 5], [0, 5])")
+    assert d.eval("[a[[0, 5]].tobytes() for a in big]") == p2.eval("[a[[0, 5]].tobytes() for a in big]")
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_unlink_toward_a_dead_peer(make_pd, force):
+    pd = linked(make_pd)
+    pd.prefill.kill()
+    t0 = time.monotonic()
+    ret = pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000, force={force})")
+    assert time.monotonic() - t0 < 3
+    # the peer is gone: nothing to notify; the local end is released either way
+    assert ret[0] in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED), ret
+    assert pd.decode.eval("dd.links()") == []
+    with pytest.raises(LLMException) as e:
+        pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])")
+    assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
