@@ -1,0 +1,408 @@
+// The data path: serving a peer's requests, and pulls and pushes over TCP or direct memory access.
+#include "engine/engine.h"
+
+#include <algorithm>
+
+#include "core/log.h"
+#include "engine/engine_internal.h"
+#include "transport/cma.h"
+
+namespace pdlink {
+
+using namespace detail;  // NOLINT: this file is part of the engine
+
+// ---------------------------------------------------------------- serving
+
+void Engine::serve(const std::shared_ptr<Link>& link) {
+  bool unlinked = false;
+  Status st;
+  std::vector<std::shared_ptr<CacheEntry>> pinned;  // caches a peer is copying directly
+  while (st.ok() && !unlinked) st = serveOne(link, &unlinked, &pinned);
+  if (!unlinked) {
+    std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
+                                                                                : st.message();
+    if (!link->broken()) PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: " << why);
+    link->breakLink(why);
+  }
+}
+
+Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
+                        std::vector<std::shared_ptr<CacheEntry>>* pinned) {
+  Socket& s = link->in();
+  PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
+  // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
+  Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * config_.sync_timeout_ms, 5000));
+  uint8_t hbuf[wire::kRequestHeaderBytes];
+  PDLINK_RETURN_IF_ERROR(s.recvAll(hbuf, sizeof(hbuf), deadline));
+  wire::RequestHeader h;
+  Status st = wire::decode(hbuf, sizeof(hbuf), &h);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
+    return st;
+  }
+  std::vector<uint8_t> body(h.body_len);
+  if (h.body_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(body.data(), body.size(), deadline));
+  // The requester sends its next frame only after its direct copy finished: unpin.
+  pinned->clear();
+
+  if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
+  if (h.op == wire::Op::kUnlink) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = links_.find(link->peer());
+      if (it != links_.end() && it->second == link) links_.erase(it);
+    }
+    (void)sendResponse(s, Status::OK(), deadline);
+    link->breakLink("unlinked by the peer");
+    *unlinked = true;
+    PDLINK_LOG(kInfo, clusterName(link->peer()) << " unlinked");
+    return Status::OK();
+  }
+
+  wire::TransferBody tb;
+  st = wire::decode(body.data(), body.size(), &tb);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
+    return st;
+  }
+  if (h.op == wire::Op::kCommit) {
+    registry_.commitRead(tb.target, tb.tensors);
+    return Status::OK();
+  }
+  if (h.op == wire::Op::kRelease) return Status::OK();
+  if (h.op == wire::Op::kDescribe) {
+    auto d = tb.target.kind == wire::TargetKind::kBlocks
+                 ? registry_.describe(tb.target.model_id)
+                 : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
+    if (!d.ok()) return sendResponse(s, d.status(), deadline);
+    std::string payload = wire::encode(d.value());
+    std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
+    return s.sendAll(head.data(), head.size(), deadline);
+  }
+  auto payload = tb.payloadBytes();
+  bool is_write = h.op == wire::Op::kWrite;
+  const bool direct = h.flags & wire::kFlagDirect;
+  if (!payload.ok() || h.payload_len != (is_write && !direct ? payload.value() : 0)) {
+    // The stream cannot be resynchronised without a trustworthy length.
+    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
+    return Status(Code::kLinkFailed, "inconsistent payload length");
+  }
+  auto resolved = registry_.resolve(tb, is_write);
+  if (!resolved.ok()) {
+    PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer())
+                                   << ": " << resolved.status().message());
+    if (is_write && !direct) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    return sendResponse(s, resolved.status(), deadline);
+  }
+  const Resolved& r = resolved.value();
+  if (direct) {
+    // Checked like any access; answer where the bytes are and keep them alive until the next frame.
+    std::string list;
+    list.reserve(r.tensors.size() * r.runs.size() * 16);
+    for (uint32_t t : r.tensors) {
+      for (const wire::Run& run : r.runs) {
+        uint64_t addr = r.addrs[t] + r.base + run.offset;
+        list.append(reinterpret_cast<const char*>(&addr), 8);
+        list.append(reinterpret_cast<const char*>(&run.length), 8);
+      }
+    }
+    *pinned = r.keep;
+    std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
+    return s.sendAll(head.data(), head.size(), deadline);
+  }
+  if (is_write) {
+    PDLINK_RETURN_IF_ERROR(movePayload(s, false, r.addrs, r.tensors, r.base, r.runs, deadline));
+    return sendResponse(s, Status::OK(), deadline);
+  }
+  wire::ResponseHeader rh{0, 0, payload.value()};
+  std::string head = wire::encode(rh);
+  std::vector<iovec> iov{{head.data(), head.size()}};
+  return movePayload(s, true, r.addrs, r.tensors, r.base, r.runs, deadline, std::move(iov));
+}
+
+// ---------------------------------------------------------------- transfers
+
+Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
+  auto it = links_.find(peer);
+  if (it == links_.end()) {
+    return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
+  }
+  if (it->second->broken()) {
+    return linkDown(*it->second);
+  }
+  return it->second;
+}
+
+Status Engine::failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what) {
+  link->breakLink(st.message());
+  Code code = st.code() == Code::kTimeout ? Code::kTimeout : Code::kLinkFailed;
+  return Status(code, std::string(what) + " " + clusterName(link->peer()) + " failed: " + st.message() +
+                          "; the link is now unusable: call unlink_clusters, then link_clusters again");
+}
+
+Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
+  auto local = registry_.get(spec.local_cache_id);
+  if (!local.ok()) return local.status();
+  Plan p;
+  p.local = local.value();
+  const CacheLayout& L = p.local->layout;
+  const uint64_t stride = L.stride();
+  if (stride == 0) return Status(Code::kParamInvalid, "local cache has zero-sized slots");
+  // Tensor mapping.
+  if (spec.local_tensors.empty()) {
+    for (uint32_t t = 0; t < L.num_tensors; ++t) p.local_tensors.push_back(t);
+    p.remote.tensors = p.local_tensors;
+  } else {
+    if (spec.local_tensors.size() != spec.remote_tensors.size()) {
+      return Status(Code::kParamInvalid, "source and destination layer ranges cover different tensor counts");
+    }
+    for (uint32_t t : spec.local_tensors) {
+      if (t >= L.num_tensors) {
+        return Status(Code::kParamInvalid, "tensor index " + std::to_string(t) + " out of range: local cache has " +
+                                               std::to_string(L.num_tensors) + " tensors");
+      }
+    }
+    p.local_tensors = spec.local_tensors;
+    p.remote.tensors = spec.remote_tensors;
+  }
+  p.remote.target = spec.target;
+  using Mode = TransferSpec::Mode;
+  if (spec.mode == Mode::kExplicit) {
+    if (spec.local_runs.size() != spec.remote_runs.size() || spec.local_runs.empty()) {
+      return Status(Code::kParamInvalid, "local and remote run lists must be non-empty and of equal length");
+    }
+    for (size_t i = 0; i < spec.local_runs.size(); ++i) {
+      const wire::Run& l = spec.local_runs[i];
+      uint64_t end = 0;
+      if (l.length == 0 || l.length != spec.remote_runs[i].length ||
+          __builtin_add_overflow(l.offset, l.length, &end) || end > L.tensor_size) {
+        return Status(Code::kParamInvalid, "local range [" + std::to_string(l.offset) + ", +" +
+                                               std::to_string(l.length) + ") is outside the local tensors (" +
+                                               std::to_string(L.tensor_size) + " bytes) or mismatches the remote one");
+      }
+    }
+    p.local_runs = spec.local_runs;
+    p.remote.runs = spec.remote_runs;
+  } else if (spec.mode == Mode::kSlotToSlot) {
+    if (L.is_blocks) return Status(Code::kParamInvalid, "this transfer needs a non-blocks local cache");
+    if (spec.local_slot >= L.num_slots) {
+      return Status(Code::kParamInvalid, "batch_index " + std::to_string(spec.local_slot) +
+                                             " out of range: local batch size is " + std::to_string(L.num_slots));
+    }
+    uint64_t len = spec.size > 0 ? static_cast<uint64_t>(spec.size) : stride;
+    if (len > stride) {
+      return Status(Code::kParamInvalid, "size " + std::to_string(len) + " exceeds the local slot size " +
+                                             std::to_string(stride));
+    }
+    p.local_runs.push_back({spec.local_slot * stride, len});
+    p.remote.runs.push_back({0, len});
+  } else {
+    if (!L.is_blocks) return Status(Code::kParamInvalid, "this transfer needs a blocks cache on the local side");
+    const bool pairs = spec.mode == Mode::kBlocksToBlocks;
+    if (spec.local_blocks.empty()) return Status(Code::kParamInvalid, "the block list is empty");
+    if (pairs && spec.local_blocks.size() != spec.remote_blocks.size()) {
+      return Status(Code::kParamInvalid, "src_blocks and dst_blocks differ in length (" +
+                                             std::to_string(spec.remote_blocks.size()) + " vs " +
+                                             std::to_string(spec.local_blocks.size()) + ")");
+    }
+    if (is_push && !pairs) return Status(Code::kParamInvalid, "pushing a blocks cache into a slot is not supported");
+    p.remote.block_size = pairs ? stride : 0;
+    const uint64_t max_remote = UINT64_MAX / stride;
+    for (size_t i = 0; i < spec.local_blocks.size(); ++i) {
+      int64_t lb = spec.local_blocks[i];
+      int64_t rb = pairs ? spec.remote_blocks[i] : static_cast<int64_t>(i);
+      if (lb < 0 || static_cast<uint64_t>(lb) >= L.num_slots) {
+        return Status(Code::kParamInvalid, "block index " + std::to_string(lb) + " out of range: local cache has " +
+                                               std::to_string(L.num_slots) + " blocks");
+      }
+      if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
+        return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
+      }
+      uint64_t loff = static_cast<uint64_t>(lb) * stride, roff = static_cast<uint64_t>(rb) * stride;
+      // Coalesce runs that are consecutive on both sides into one range.
+      if (!p.local_runs.empty() && p.local_runs.back().offset + p.local_runs.back().length == loff &&
+          p.remote.runs.back().offset + p.remote.runs.back().length == roff) {
+        p.local_runs.back().length += stride;
+        p.remote.runs.back().length += stride;
+      } else {
+        p.local_runs.push_back({loff, stride});
+        p.remote.runs.push_back({roff, stride});
+      }
+    }
+  }
+  auto payload = p.remote.payloadBytes();
+  if (!payload.ok()) return payload.status();
+  p.payload = payload.value();
+  return p;
+}
+
+Status Engine::pull(const TransferSpec& spec) { return transfer(spec, false); }
+Status Engine::push(const TransferSpec& spec) { return transfer(spec, true); }
+
+Status Engine::transfer(const TransferSpec& spec, bool is_push) {
+  auto link_r = usableLink(spec.peer_cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  auto p_r = plan(spec, is_push);
+  if (!p_r.ok()) return p_r.status();
+  std::shared_ptr<Link> link = link_r.value();
+  Plan& p = p_r.value();
+  const char* what = is_push ? "push to" : "pull from";
+
+  std::lock_guard<std::mutex> out(link->outMutex());
+  if (link->broken()) {  // broke while we waited for the channel
+    return linkDown(*link);
+  }
+  Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
+  if (link->direct()) return directTransfer(link, p, is_push, deadline, what);
+  Socket& s = link->out();
+  std::string body = wire::encode(p.remote);
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()),
+                        is_push ? p.payload : 0};
+  if (body.size() > wire::kMaxBodyBytes) {
+    return Status(Code::kParamInvalid, "too many block runs in one transfer (" + std::to_string(p.remote.runs.size()) + ")");
+  }
+  std::string head = wire::encode(h);
+  std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+  Status st;
+  if (is_push) {
+    st = movePayload(s, true, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline, std::move(iov));
+  } else {
+    st = s.sendv(iov, deadline);
+  }
+  if (!st.ok()) return failTransfer(link, st, what);
+  wire::ResponseHeader rh;
+  Status remote;
+  st = readResponse(s, deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (!remote.ok()) {
+    return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  }
+  if (is_push) return Status::OK();
+  if (rh.payload_len != p.payload) {
+    return failTransfer(link, Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) +
+                                                            " bytes, expected " + std::to_string(p.payload)),
+                        what);
+  }
+  st = movePayload(s, false, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (usesKeyCommit(p.remote.target.kind)) {
+    // Every byte arrived: now the peer may release the request key (never before, so a failed
+    // pull leaves the source intact and retryable).
+    wire::RequestHeader ch{wire::Op::kCommit, static_cast<uint32_t>(body.size()), 0};
+    std::string chead = wire::encode(ch);
+    std::vector<iovec> civ{{chead.data(), chead.size()}, {body.data(), body.size()}};
+    if (!s.sendv(civ, deadline).ok()) link->breakLink("could not confirm a completed pull to the peer");
+  }
+  return Status::OK();
+}
+
+Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
+                              const char* what) {
+  Link::Direct& d = link->directState();
+  Socket& s = link->out();
+  std::vector<iovec> local;
+  for (uint32_t t : p.local_tensors) {
+    for (const wire::Run& r : p.local_runs) {
+      local.push_back({reinterpret_cast<void*>(p.local->addrs[t] + r.offset), static_cast<size_t>(r.length)});
+    }
+  }
+  const wire::Target& target = p.remote.target;
+  std::string body;  // encoded only when a frame carries it; the cached-read path sends none
+  auto encoded = [&]() -> const std::string& {
+    if (body.empty()) body = wire::encode(p.remote);
+    return body;
+  };
+
+  // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
+  // round trip. The peer's registry generation is read before and after the data (in the same
+  // ordered copy), so a layout that changed meanwhile is detected and the read redone the checked way.
+  if (!is_push && target.kind == wire::TargetKind::kBlocks) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto it = d.descriptors.find(target.model_id);
+      if (it == d.descriptors.end()) {
+        const std::string& b = encoded();
+        std::string head = wire::encode(wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0});
+        std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(b.data()), b.size()}};
+        Status st = s.sendv(iov, deadline);
+        wire::ResponseHeader rh;
+        Status remote;
+        if (st.ok()) st = readResponse(s, deadline, &rh, &remote);
+        if (!st.ok()) return failTransfer(link, st, what);
+        if (!remote.ok()) return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+        if (rh.payload_len > wire::kMaxBodyBytes) return failTransfer(link, Status(Code::kLinkFailed, "oversized descriptor"), what);
+        std::string payload(rh.payload_len, '\0');
+        st = s.recvAll(payload.data(), payload.size(), deadline);
+        wire::CacheDescriptor desc;
+        if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
+        if (!st.ok()) return failTransfer(link, st, what);
+        it = d.descriptors.emplace(target.model_id, std::move(desc)).first;
+      }
+      const wire::CacheDescriptor& c = it->second;
+      bool fits = p.remote.block_size == 0 || p.remote.block_size == c.stride;
+      for (uint32_t t : p.remote.tensors) fits = fits && t < c.addrs.size();
+      for (const wire::Run& r : p.remote.runs) {
+        uint64_t end = 0;
+        fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
+      }
+      if (!fits) break;  // the checked way reports the peer's own error
+      uint64_t g1 = 0, g2 = 0;
+      std::vector<iovec> lv{{&g1, 8}}, rv{{reinterpret_cast<void*>(d.gen_addr), 8}};
+      size_t k = 0;
+      for (uint32_t t : p.remote.tensors) {
+        for (const wire::Run& r : p.remote.runs) {
+          lv.push_back(local[k++]);
+          rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
+        }
+      }
+      lv.push_back({&g2, 8});
+      rv.push_back({reinterpret_cast<void*>(d.gen_addr), 8});
+      Status st = cma::copy(d.pid, false, lv, rv);
+      if (st.ok() && g1 == c.generation && g2 == c.generation) return Status::OK();
+      if (!st.ok() && st.code() == Code::kLinkFailed) return failTransfer(link, st, what);
+      d.descriptors.erase(it);  // stale or unmapped: the peer's caches changed
+    }
+  }
+
+  // Checked round trip: the peer validates and pins the target and answers with its addresses.
+  encoded();
+  std::string head = wire::encode(wire::RequestHeader{is_push ? wire::Op::kWrite : wire::Op::kRead,
+                                                      static_cast<uint32_t>(body.size()), 0, wire::kFlagDirect});
+  std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+  Status st = s.sendv(iov, deadline);
+  wire::ResponseHeader rh;
+  Status remote;
+  if (st.ok()) st = readResponse(s, deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (!remote.ok()) return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  if (rh.payload_len != local.size() * 16) {
+    return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 16) +
+                                                            " ranges, expected " + std::to_string(local.size())),
+                        what);
+  }
+  std::vector<uint64_t> list(local.size() * 2);
+  st = s.recvAll(list.data(), rh.payload_len, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  std::vector<iovec> remote_iov(local.size());
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (list[2 * i + 1] != local[i].iov_len) {
+      return failTransfer(link, Status(Code::kLinkFailed, "peer answered a range of the wrong length"), what);
+    }
+    remote_iov[i] = {reinterpret_cast<void*>(list[2 * i]), local[i].iov_len};
+  }
+  Status copied = cma::copy(d.pid, is_push, local, remote_iov);
+  // Unpin on the peer; for a completed read by request key this is also the release of the key.
+  bool commit = copied.ok() && !is_push && usesKeyCommit(target.kind);
+  std::string done = wire::encode(wire::RequestHeader{commit ? wire::Op::kCommit : wire::Op::kRelease,
+                                                      static_cast<uint32_t>(body.size()), 0});
+  std::vector<iovec> div{{done.data(), done.size()}, {body.data(), body.size()}};
+  if (!s.sendv(div, deadline).ok()) link->breakLink("could not confirm a direct copy to the peer");
+  if (!copied.ok()) {
+    if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
+    return Status(copied.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + copied.message());
+  }
+  return Status::OK();
+}
+
+}  // namespace pdlink

@@ -1,0 +1,393 @@
+// Links: dialling, accepting (the handshake with authentication and transport choice), unlinking.
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+
+#include "core/log.h"
+#include "engine/engine_internal.h"
+#include "transport/cma.h"
+
+namespace pdlink {
+
+using namespace detail;  // NOLINT: this file is part of the engine
+
+// ---------------------------------------------------------------- links
+
+std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
+                                 std::vector<uint64_t>* peer_ids) {
+  reapThreads();
+  if (peers.size() > kMaxPeersPerCall) {
+    return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(peers.size()))};
+  }
+  if (!initialized()) return {Status(Code::kFailed, "engine is not initialized")};
+  // Peers are linked in parallel: one slow or dead peer costs its own timeout, not everyone's.
+  std::vector<uint64_t> ids(peers.size(), wire::kAnyCluster);
+  std::vector<std::future<Status>> futures;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    futures.push_back(std::async(std::launch::async, [this, &peers, &ids, i, timeout_ms] {
+      return linkOne(peers[i], timeout_ms, &ids[i]);
+    }));
+  }
+  std::vector<Status> out;
+  for (auto& f : futures) out.push_back(f.get());
+  if (peer_ids) *peer_ids = std::move(ids);
+  return out;
+}
+
+Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id) {
+  const bool known = peer.cluster_id != wire::kAnyCluster;
+  const std::string where = peer.ip + ":" + std::to_string(peer.port);
+  // Guards against a second link attempt to the same peer, by id when known, else by address.
+  const uint64_t guard_key = known ? peer.cluster_id : std::hash<std::string>{}(where) | (uint64_t{1} << 63);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (known && peer.cluster_id == config_.cluster_id) {
+      return Status(Code::kParamInvalid, "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
+    }
+    for (auto& [id, l] : links_) {
+      if ((known && id == peer.cluster_id) || (!known && l->peerAddress() == where)) {
+        if (linked_id) *linked_id = id;
+        return Status(Code::kAlreadyLink, clusterName(id) + " is already linked");
+      }
+    }
+    if (!linking_.insert(guard_key).second) {
+      return Status(Code::kProcessingLink, "a link to " + (known ? clusterName(peer.cluster_id) : where) +
+                                               " is in progress");
+    }
+  }
+  struct Unmark {
+    Engine* e;
+    uint64_t key;
+    ~Unmark() {
+      std::lock_guard<std::mutex> lock(e->mu_);
+      e->linking_.erase(key);
+    }
+  } unmark{this, guard_key};
+
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  wire::Hello hello;
+  hello.cluster_id = config_.cluster_id;
+  hello.expected_peer = peer.cluster_id;
+  hello.nonce = makeNonce();
+  hello.identity = identity_;
+  uint64_t peer_id = peer.cluster_id;
+  wire::HostIdentity peer_identity;
+  auto fwd = Socket::connect(peer.ip, peer.port, deadline);
+  if (!fwd.ok()) return linkError(peer, fwd.status());
+  Status st = helloExchange(fwd.value(), hello, config_.link_secret, &peer_id, &peer_identity, deadline);
+  if (!st.ok()) return linkError(peer, st);
+  if (peer_id == config_.cluster_id) {
+    return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
+  }
+  auto rev = Socket::connect(peer.ip, peer.port, deadline);
+  if (!rev.ok()) return linkError(peer, rev.status());
+  hello.channel = wire::Channel::kReverse;
+  st = helloExchange(rev.value(), hello, config_.link_secret, &peer_id, &peer_identity, deadline);
+  if (!st.ok()) return linkError(peer, st);
+
+  bool direct = false;
+  st = chooseTransport(peer_identity, &direct);
+  if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
+  auto link = std::make_shared<Link>(peer_id, std::move(fwd.value()), std::move(rev.value()), true);
+  if (direct) link->enableDirect(static_cast<pid_t>(peer_identity.pid), peer_identity.gen_addr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
+    installLink(link);
+  }
+  spawn([this, link] { serve(link); });
+  if (linked_id) *linked_id = peer_id;
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where << " over " << link->transport());
+  return Status::OK();
+}
+
+Status Engine::chooseTransport(const wire::HostIdentity& peer, bool* direct) const {
+  *direct = false;
+  if (config_.transport == Transport::kTcp) return Status::OK();
+  const bool possible = identity_.sameHost(peer) && (peer.transports & wire::kTransportCma) &&
+                        (identity_.transports & wire::kTransportCma);
+  if (possible) {
+    auto word = cma::readWord(static_cast<pid_t>(peer.pid), peer.gen_addr);
+    if (word.ok()) {
+      *direct = true;
+      return Status::OK();
+    }
+    if (config_.transport == Transport::kCma) return word.status();
+    PDLINK_LOG(kInfo, "same-host peer pid " << peer.pid << ": " << word.status().message() << "; using tcp");
+    return Status::OK();
+  }
+  if (config_.transport == Transport::kCma) {
+    return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
+  }
+  return Status::OK();
+}
+
+void Engine::installLink(const std::shared_ptr<Link>& link) {
+  auto it = links_.find(link->peer());
+  if (it != links_.end()) {
+    // The peer re-linked without unlinking (it restarted, or force-unlinked its end): the old
+    // entity is stale, as in llm_datadist's force re-link.
+    PDLINK_LOG(kInfo, "replacing stale link to " << clusterName(link->peer()));
+    it->second->breakLink("replaced by a new link from the peer");
+  }
+  links_[link->peer()] = link;
+}
+
+void Engine::handleIncoming(Socket sock) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    handshaking_.insert(&sock);
+  }
+  Socket* tracked = &sock;
+  auto untrack = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    handshaking_.erase(tracked);
+  };
+  Deadline deadline = Deadline::afterMs(config_.handshake_timeout_ms);
+  const std::string from = sock.peer();
+  bool acked = false;  // once our HelloAck is out, a refusal is sent as an AuthResult
+  auto refuse = [&](const std::string& why) {
+    PDLINK_LOG(kWarn, "refused link from " << from << ": " << why);
+    std::string frame;
+    if (acked) {
+      frame = wire::encode(wire::AuthResult{static_cast<uint32_t>(Code::kLinkFailed), why});
+    } else {
+      wire::HelloAck ack;
+      ack.status = static_cast<uint32_t>(Code::kLinkFailed);
+      ack.cluster_id = config_.cluster_id;
+      ack.message = why;
+      frame = wire::encode(ack);
+    }
+    (void)tracked->sendAll(frame.data(), frame.size(), Deadline::afterMs(200));
+    untrack();
+  };
+
+  uint8_t buf[wire::kHelloBytes];
+  wire::Hello hello;
+  Status st = sock.recvAll(buf, wire::kHelloPrefixBytes, deadline);
+  if (st.ok()) st = wire::decodePrefix(buf, wire::kHelloPrefixBytes, &hello);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
+    untrack();
+    return;
+  }
+  if (hello.version != wire::kProtocolVersion) {
+    return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
+                  std::to_string(wire::kProtocolVersion));
+  }
+  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kHelloRestBytes, deadline);
+  if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, wire::kHelloRestBytes, &hello);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
+    untrack();
+    return;
+  }
+  if (hello.expected_peer != config_.cluster_id && hello.expected_peer != wire::kAnyCluster) {
+    return refuse("this endpoint is " + clusterName(config_.cluster_id) + ", not " + clusterName(hello.expected_peer));
+  }
+  if (hello.cluster_id == config_.cluster_id) {
+    return refuse("peer uses this engine's own cluster id " + std::to_string(hello.cluster_id));
+  }
+
+  // Challenge-response: prove we know the link secret, then check the dialler's proof. Nothing
+  // about this engine's memory is reachable before the dialler's proof has been checked.
+  wire::HelloAck ack;
+  ack.cluster_id = config_.cluster_id;
+  ack.identity = identity_;
+  randomBytes(ack.challenge, sizeof(ack.challenge));
+  const uint8_t channel = static_cast<uint8_t>(hello.channel);
+  Digest server_proof = linkProof(config_.link_secret, 'S', hello.challenge, ack.challenge, hello.cluster_id, config_.cluster_id,
+                                  hello.nonce, channel);
+  std::memcpy(ack.proof, server_proof.data(), sizeof(ack.proof));
+  std::string ack_frame = wire::encode(ack);
+  st = sock.sendAll(ack_frame.data(), ack_frame.size(), deadline);
+  acked = true;
+  uint8_t client_proof[wire::kProofBytes];
+  if (st.ok()) st = sock.recvAll(client_proof, sizeof(client_proof), deadline);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << from << " during authentication: " << st.message());
+    untrack();
+    return;
+  }
+  Digest expected = linkProof(config_.link_secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, config_.cluster_id,
+                              hello.nonce, channel);
+  if (!constantTimeEqual(client_proof, expected.data(), expected.size())) {
+    return refuse(std::string("authentication failed for ") + clusterName(hello.cluster_id) +
+                  (config_.link_secret.empty() ? ": this engine has no link secret but the peer sent a proof"
+                                               : ": the peer does not know this engine's link secret"));
+  }
+  const std::string ok_frame = wire::encode(wire::AuthResult{0, ""});
+
+  if (hello.channel == wire::Channel::kForward) {
+    auto pending = std::make_shared<PendingLink>();
+    pending->peer = hello.cluster_id;
+    std::shared_ptr<Link> link;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stopping_ || pending_.count(hello.nonce)) {
+        lock.unlock();
+        return refuse("duplicate or late link attempt");
+      }
+      pending_[hello.nonce] = pending;
+    }
+    st = sock.sendAll(ok_frame.data(), ok_frame.size(), deadline);
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // The REVERSE handler takes `sock` out of this frame under mu_, so wait for it here.
+      pending->forward = std::make_unique<Socket>(std::move(sock));
+      handshaking_.erase(tracked);
+      tracked = pending->forward.get();
+      handshaking_.insert(tracked);
+      if (st.ok()) {
+        pending_cv_.notify_all();
+        pending_cv_.wait_until(lock, std::chrono::steady_clock::now() +
+                                         std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll())),
+                               [&] { return pending->done || stopping_; });
+      }
+      pending_.erase(hello.nonce);
+      if (pending->done) link = pending->link;
+      if (!link) handshaking_.erase(tracked);
+    }
+    if (!link) {
+      PDLINK_LOG(kWarn, "incomplete link attempt from " << from << " (cluster " << hello.cluster_id << ")");
+      return;
+    }
+    PDLINK_LOG(kInfo, "accepted link from " << clusterName(hello.cluster_id) << " at " << from);
+    serve(link);
+    return;
+  }
+
+  // REVERSE channel: completes the link whose FORWARD channel is waiting under the same nonce.
+  std::shared_ptr<Link> link;
+  std::unique_lock<std::mutex> out_lock;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto deadline_tp = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll()));
+    // The FORWARD thread registers the nonce before it acks, so an unknown nonce is refused at
+    // once; a known one may still be parking its socket, which takes microseconds.
+    pending_cv_.wait_until(lock, deadline_tp, [&] {
+      auto it = pending_.find(hello.nonce);
+      return stopping_ || it == pending_.end() || it->second->forward;
+    });
+    auto it = pending_.find(hello.nonce);
+    if (stopping_ || it == pending_.end() || !it->second->forward || it->second->peer != hello.cluster_id) {
+      lock.unlock();
+      return refuse("no matching forward channel for this link attempt");
+    }
+    auto pending = it->second;
+    handshaking_.erase(pending->forward.get());
+    handshaking_.erase(tracked);
+    // A forced transport that cannot be had here is refused now, before the link is installed.
+    bool direct = false;
+    Status chosen = chooseTransport(hello.identity, &direct);
+    if (!chosen.ok()) {
+      lock.unlock();
+      return refuse(chosen.message());
+    }
+    link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
+    if (direct) link->enableDirect(static_cast<pid_t>(hello.identity.pid), hello.identity.gen_addr);
+    // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
+    // mutex under mu_ cannot deadlock.
+    out_lock = std::unique_lock<std::mutex>(link->outMutex());
+    installLink(link);
+    pending->link = link;
+    pending->done = true;
+  }
+  pending_cv_.notify_all();
+  if (!link->out().sendAll(ok_frame.data(), ok_frame.size(), deadline).ok()) {
+    link->breakLink("peer went away during the handshake");
+  }
+}
+
+std::vector<Status> Engine::unlink(const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
+  reapThreads();
+  if (ids.size() > kMaxPeersPerCall) {
+    return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(ids.size()))};
+  }
+  std::vector<Status> out;
+  for (uint64_t id : ids) out.push_back(unlinkOne(id, timeout_ms, force));
+  return out;
+}
+
+Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(cluster_id);
+    if (it == links_.end()) return Status(Code::kNotYetLink, "no link to " + clusterName(cluster_id));
+    link = it->second;
+    links_.erase(it);
+  }
+  Status result;
+  if (!force && !link->broken()) {
+    // Tell the peer so it drops its end too; a dead peer cannot be told.
+    std::lock_guard<std::mutex> out(link->outMutex());
+    Deadline deadline = Deadline::afterMs(timeout_ms);
+    wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
+    std::string frame = wire::encode(h);
+    Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+    wire::ResponseHeader rh;
+    Status remote;
+    if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+    if (!st.ok()) {
+      result = Status(Code::kNotifyPromptUnlinkFailed,
+                      "unlinked locally, but " + clusterName(cluster_id) + " could not be told (" + st.message() +
+                          "); call unlink_clusters on that side too");
+    }
+  }
+  link->breakLink("unlinked by this side");
+  PDLINK_LOG(kInfo, "unlinked " << clusterName(cluster_id) << (force ? " (force)" : ""));
+  return result;
+}
+
+Status Engine::ping(uint64_t cluster_id, int64_t timeout_ms) {
+  auto link_r = usableLink(cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  std::shared_ptr<Link> link = link_r.value();
+  std::lock_guard<std::mutex> out(link->outMutex());
+  if (link->broken()) return linkDown(*link);
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
+  Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+  wire::ResponseHeader rh;
+  Status remote;
+  if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, "link check with");
+  return remote;
+}
+
+Result<uint16_t> Engine::startCommListener(const std::string& ip, uint16_t port) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
+    if (comm_listener_) {
+      if (comm_listener_->ip() == ip && (port == 0 || comm_listener_->port() == port)) return comm_listener_->port();
+      return Status(Code::kParamInvalid, "link() endpoint already bound to " + comm_listener_->ip() + ":" +
+                                             std::to_string(comm_listener_->port()));
+    }
+  }
+  auto l = startListener(ip, port);
+  if (!l.ok()) return l.status();
+  std::unique_ptr<Listener> extra;  // destroyed on return, outside mu_ (its callback takes mu_)
+  std::lock_guard<std::mutex> lock(mu_);
+  if (comm_listener_) {
+    extra = std::move(l.value());  // lost a race with a concurrent call: keep the first
+  } else {
+    comm_listener_ = std::move(l.value());
+  }
+  return comm_listener_->port();
+}
+
+std::vector<LinkInfo> Engine::links() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<LinkInfo> out;
+  for (auto& [id, l] : links_) {
+    out.push_back(LinkInfo{id, l->peerAddress(), l->initiator(), l->broken(), l->brokenReason(), l->transport()});
+  }
+  return out;
+}
+
+}  // namespace pdlink
