@@ -1,11 +1,114 @@
-"""The ``pdlink`` command: ``pdlink demo`` and ``pdlink version``."""
+"""The ``pdlink`` command: ``demo``, ``version``, ``serve``, ``role`` and ``status``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import List, Optional
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default="127.0.0.1:1026",
+                   help="management plane HOST:PORT (default 127.0.0.1:1026, the embedded default's); "
+                        "an IPv6 host goes in brackets")
+    p.add_argument("--http", action="store_true", help="plain HTTP (a server with httpsEnabled: false)")
+    p.add_argument("--ca", help="CA file to verify the server with (default: the system store)")
+    p.add_argument("--cert", help="client certificate (mutual TLS)")
+    p.add_argument("--key", help="client private key")
+    p.add_argument("--check-hostname", action="store_true",
+                   help="also check the server's host name (MindIE's controller does not)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per request attempt (default 5)")
+    p.add_argument("--retries", type=int, default=3, help="retries on transport failures (default 3)")
+
+
+def _client(args: argparse.Namespace):
+    from .client import ManagementClient
+
+    host, sep, port = args.server.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"pdlink: --server must be HOST:PORT, got {args.server!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return ManagementClient(host, int(port), https=not args.http, ca=args.ca, cert=args.cert, key=args.key,
+                            check_hostname=args.check_hostname, timeout=args.timeout, retries=args.retries)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import config
+
+    if args.print_default_config:
+        from .server.defaults import DEFAULT_CONFIG_JSON
+
+        print(DEFAULT_CONFIG_JSON, end="")
+        return 0
+    try:
+        settings = config.load(args.config)
+        for w in settings.warnings:
+            logging.getLogger("pdlink.server").warning("%s", w)
+        if args.check_config:
+            if settings.https_enabled:  # build the TLS contexts too: the files must load
+                from .server.tls import server_context
+
+                for p in settings.planes:
+                    server_context(p.tls, p.name)
+            print(json.dumps(settings.summary(), indent=2))
+            return 0
+        from .server.main import serve
+
+        return serve(settings)
+    except config.ConfigError as e:
+        print(f"pdlink serve: configuration error: {e}", file=sys.stderr)
+        return 2
+
+
+def _role(args: argparse.Namespace) -> int:
+    from .client import ClientError, NodeSpec, role_body
+
+    if args.body:
+        try:
+            with (sys.stdin if args.body == "-" else open(args.body, encoding="utf-8")) as f:
+                body = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"pdlink role: cannot read --body {args.body}: {e}", file=sys.stderr)
+            return 2
+    else:
+        if not args.local:
+            print("pdlink role: give --local ID@IP[:DEV,...] (and --peer ...), or --body FILE", file=sys.stderr)
+            return 2
+        try:
+            body = role_body(NodeSpec.parse(args.local), [NodeSpec.parse(p) for p in args.peer or []],
+                             args.p_percentage)
+        except ValueError as e:
+            print(f"pdlink role: {e}", file=sys.stderr)
+            return 2
+    client = _client(args)
+    try:
+        client.post_role(args.role, body, result_retries=args.result_retries, result_wait=args.interval)
+        print(f"{args.role}: accepted")
+        if args.no_wait:
+            return 0
+        status = client.wait_ready(args.role, timeout=args.wait_timeout, interval=args.interval)
+    except ClientError as e:
+        print(f"pdlink role: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .client import ClientError
+
+    client = _client(args)
+    try:
+        out = {"status": client.status()}
+        if args.config:
+            out["config"] = client.config()
+    except ClientError as e:
+        print(f"pdlink status: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(out if args.config else out["status"], indent=2))
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -18,6 +121,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--tensors", type=int, default=8, help="tensors in the cache, K and V of each layer (default 8)")
     demo.add_argument("--repeat", type=int, default=5, help="pulls per direction; the median is reported (default 5)")
     sub.add_parser("version", help="print versions")
+
+    serve = sub.add_parser("serve", help="run the MindIE-compatible management server (needs pdlink[server])",
+                           description="Host one pdlink engine per local device behind MindIE's management API. "
+                                       "Config: --config, else $MIES_CONFIG_JSON_PATH, else "
+                                       "$MINDIE_LLM_HOME_PATH or $MIES_INSTALL_PATH /conf/config.json, else the "
+                                       "embedded default (plain HTTP on 127.0.0.1:1026). See docs/server.md.")
+    serve.add_argument("--config", help="configuration file (MindIE config.json shape)")
+    serve.add_argument("--check-config", action="store_true",
+                       help="load and check the configuration, print the effective settings, exit")
+    serve.add_argument("--print-default-config", action="store_true", help="print the embedded default and exit")
+
+    role = sub.add_parser("role", help="assign a role to a server, as MindIE's controller does, and wait until ready")
+    role.add_argument("role", choices=["prefill", "decode", "flex"])
+    role.add_argument("--local", help="this instance: ID@IP[:DEV,...] (device ids; default device 0)")
+    role.add_argument("--peer", action="append", help="a peer instance, ID@IP[:DEV,...]; repeat for several")
+    role.add_argument("--p-percentage", type=int, help="flex only: prefill share in percent")
+    role.add_argument("--body", help="send this JSON file as the body instead ('-': stdin)")
+    role.add_argument("--no-wait", action="store_true", help="do not wait for RoleReady")
+    role.add_argument("--wait-timeout", type=float, default=60.0, help="seconds to wait for RoleReady (default 60)")
+    role.add_argument("--interval", type=float, default=1.0,
+                      help="seconds between status polls and between re-posts (default 1)")
+    role.add_argument("--result-retries", type=int, default=3,
+                      help="re-posts when the answer is 200 without result 'ok' (default 3)")
+    _add_client_args(role)
+
+    status = sub.add_parser("status", help="print a server's GET /v1/status")
+    status.add_argument("--config", action="store_true", help="also print GET /v1/config")
+    _add_client_args(status)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.command == "version":
@@ -25,6 +157,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(f"pdlink {__version__} (wire protocol {_core.PROTOCOL_VERSION}, backends: cpu)")
         return 0
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "role":
+        return _role(args)
+    if args.command == "status":
+        return _status(args)
     for name in ("size_mib", "block_kib", "tensors", "repeat"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")

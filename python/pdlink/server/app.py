@@ -1,0 +1,221 @@
+"""The HTTP routes of ``pdlink serve`` (Starlette; needs ``pdlink[server]``).
+
+Management plane:
+
+| route | answer |
+| --- | --- |
+| ``POST /v1/role/{prefill,decode,flex}`` | 200 ``{"result":"ok"}``; 400 not JSON / wrong content type; 404 unknown role; 413 body over ``maxRequestLength``; 422 body breaks the rules (``validation``); 503 cannot be applied (``node.Unavailable``) |
+| ``GET /v1/status`` | 200 MindIE's status document, plus a ``pdlink`` object |
+| ``GET /v1/config`` | 200 model statics (``BackendConfig``) |
+| ``GET /health`` | 200 empty; 500 error JSON when unhealthy |
+| ``GET /v2/health/live``, ``GET /v2/health/ready`` | 200 empty; 500 ``{"message": ...}`` when unhealthy |
+| ``POST /v1/pdlink/test/kv/pull`` | only with ``KvTransferConfig.testKv.enabled`` (test/demo surface) |
+
+Metrics plane (or the management plane when ``metricsPort == managementPort``): ``GET /metrics``.
+
+Every error body is ``{"error": ..., "error_type": ...}``; every response carries
+``Connection: close`` and a ``RequestUUID`` header, as MindIE's server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, Dict, List, Optional
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..status import LLMException
+from .config import Settings
+from .node import Node, Unavailable
+from .validation import ROLES, BodyError, parse_role_request
+
+__all__ = ["build_apps"]
+
+logger = logging.getLogger("pdlink.server")
+
+_RESET = "Reset to previous node status."
+
+
+def error(status: int, message: str, error_type: str) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
+
+
+class _Headers:
+    """ASGI middleware: ``Connection: close`` and ``RequestUUID`` on every response."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
+                headers += [(b"connection", b"close"), (b"requestuuid", uuid.uuid4().hex.encode())]
+                message = dict(message, headers=headers)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+async def _read_limited(request: Request, limit: int) -> Optional[bytes]:
+    """The body, or None when it exceeds ``limit`` bytes (reading stops there)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _handlers(settings: Settings, node: Node, metrics: Any) -> Dict[str, Any]:
+    role_lock = asyncio.Lock()
+    limit = settings.max_request_bytes
+
+    async def role(request: Request) -> Response:
+        response = await _role(request)
+        metrics.role_request(response.status_code)
+        return response
+
+    async def _role(request: Request) -> Response:
+        name = request.path_params["role"]
+        if name not in ROLES:
+            return error(404, f"unknown role {name!r}: the roles are prefill, decode and flex", "NotFoundError")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return error(400, f"Content-Type must be application/json, got {ctype or 'none'!r}", "Bad Request")
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return error(400, "invalid Content-Length", "Bad Request")
+            if int(length) > limit:
+                return error(413, f"request body of {length} bytes exceeds maxRequestLength ({limit} bytes)",
+                             "Payload Too Large")
+        try:
+            body = await _read_limited(request, limit)
+        except ClientDisconnect:  # nobody to answer
+            return error(400, "the client disconnected before sending the whole body", "Bad Request")
+        if body is None:
+            return error(413, f"request body exceeds maxRequestLength ({limit} bytes)", "Payload Too Large")
+        try:
+            data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            return error(400, f"request body is not valid JSON: {str(e)[:200]}. {_RESET}", "Bad Request")
+        try:
+            req = parse_role_request(name, data)
+        except BodyError as e:
+            return error(422, f"{e}. {_RESET}", "Input validation error")
+        async with role_lock:  # role posts are serialised
+            try:
+                generation = node.accept(req)
+            except Unavailable as e:
+                return error(503, f"{e}. {_RESET}", "Service Unavailable")
+        return JSONResponse({"result": "ok"}, headers={"X-Pdlink-Generation": str(generation)})
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(node.status))
+
+    async def config(request: Request) -> Response:
+        m = settings.model
+        return JSONResponse({"modelName": m.model_name, "maxSeqLen": m.max_seq_len, "npuMemSize": m.npu_mem_size,
+                             "cpuMemSize": m.cpu_mem_size, "worldSize": m.world_size,
+                             "maxOutputLen": m.max_output_len, "cacheBlockSize": m.cache_block_size})
+
+    async def health(request: Request) -> Response:
+        if await run_in_threadpool(node.healthy):
+            return Response(status_code=200)
+        return error(500, "a KV link was lost and no peer is linked", "Service Unhealthy")
+
+    async def probe(request: Request) -> Response:
+        if await run_in_threadpool(node.healthy):
+            return Response(status_code=200)
+        return JSONResponse({"message": "Service is abnormal: a KV link was lost and no peer is linked"},
+                            status_code=500)
+
+    async def test_kv_pull(request: Request) -> Response:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            return error(400, "Content-Type must be application/json", "Bad Request")
+        body = await _read_limited(request, 4096)
+        if body is None:
+            return error(413, "request body too large", "Payload Too Large")
+        try:
+            data = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return error(400, "request body is not valid JSON", "Bad Request")
+        target = data.get("target") if isinstance(data, dict) else None
+        if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < 2**64 - 1:
+            return error(422, "target must be a peer instance id (unsigned integer)", "Input validation error")
+        try:
+            return JSONResponse(await run_in_threadpool(node.test_pull, target))
+        except Unavailable as e:
+            return error(503, str(e), "Service Unavailable")
+        except LLMException as e:
+            return error(503, str(e), e.status_code.name)
+        except ValueError as e:
+            return error(500, f"KV verification failed: {e}", "Verification Failed")
+
+    async def metrics_route(request: Request) -> Response:
+        from .metrics import CONTENT_TYPE_LATEST
+
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    return {"role": role, "status": status, "config": config, "health": health, "probe": probe,
+            "test_kv_pull": test_kv_pull, "metrics": metrics_route}
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error(404, f"no route for {request.method} {request.url.path}", "NotFoundError")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return await _not_found(request, exc)
+    if exc.status_code == 405:
+        return error(405, f"method {request.method} is not allowed on {request.url.path}", "Method Not Allowed")
+    return error(exc.status_code, str(exc.detail), "Bad Request" if exc.status_code == 400 else "Error")
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error(500, "Server internal error", "Internal Server Error")
+
+
+def build_apps(settings: Settings, node: Node, metrics: Any) -> List[Any]:
+    """One ASGI app per plane of ``settings.planes``, in that order."""
+    h = _handlers(settings, node, metrics)
+    apps = []
+    for plane in settings.planes:
+        routes: List[Route] = []
+        if "management" in plane.routes:
+            routes += [
+                Route("/v1/role/{role}", h["role"], methods=["POST"]),
+                Route("/v1/status", h["status"], methods=["GET"]),
+                Route("/v1/config", h["config"], methods=["GET"]),
+                Route("/health", h["health"], methods=["GET"]),
+                Route("/v2/health/live", h["probe"], methods=["GET"]),
+                Route("/v2/health/ready", h["probe"], methods=["GET"]),
+            ]
+            if settings.kv.test_kv.enabled:
+                routes.append(Route("/v1/pdlink/test/kv/pull", h["test_kv_pull"], methods=["POST"]))
+        if "metrics" in plane.routes:
+            routes.append(Route("/metrics", h["metrics"], methods=["GET"]))
+        app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, 404: _not_found,
+                                                           Exception: _internal})
+        apps.append(_Headers(app))
+    return apps

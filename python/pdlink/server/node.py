@@ -1,0 +1,646 @@
+"""The instance a ``pdlink serve`` process manages: one native engine per local device, the
+role-assignment worker, per-peer link jobs, and the status MindIE's controller polls.
+
+Flow of a role assignment (``POST /v1/role/{role}``):
+
+1. ``Node.accept`` (in the request, serialised by the caller): checks what only this instance can
+   judge (``Unavailable``, answered 503, leaves the state untouched), records the request as the
+   desired state, sets ``RoleSwitching`` and wakes the worker. The reply (200) follows at once.
+2. The worker thread (one, so assignments are applied in order; when several posts queue up only
+   the latest is applied, which is equivalent because every application diffs against the live
+   engines) applies it:
+
+   * first assignment: create the engines (cluster id from ``local``, see
+     ``validation.cluster_id``), register the test KV caches when enabled;
+   * unlink the peers that are no longer listed, or whose addresses changed;
+   * when the role or the local listen addresses change: stop every link job, unlink every
+     peer (``switch_role`` refuses while links exist), then ``switch_role`` each engine; a
+     ``prefill`` or ``flex`` engine listens at ``<listen ip>:<listenPortBase + device id>``, a
+     ``decode`` engine does not listen;
+   * start a link job for every listed peer that is not linked on every device.
+
+3. A link job links device ``i`` to the peer's device ``i``. Exactly one side dials: a node that
+   does not listen (decode) dials; a listening node dials only peers with a lower cluster id and
+   otherwise waits for the peer to link in. ``LLM_ALREADY_LINK`` (the peer linked in) counts as
+   linked. Attempts repeat every ``linkRetryIntervalMs`` until every device is linked or
+   ``linkTotalTimeMs`` passes; then the peer is reported ``failed : <reason>`` (not fatal).
+
+Status: a peer is ``ok`` while every device holds a live (not broken) link to it, computed from
+the engines at each read. ``RoleReady`` is reached when the latest assignment is applied, no job
+is running and there is no peer or at least one ``ok`` peer; it then stays until the next post
+(as MindIE). If applying fails (e.g. a listen port is taken) the role status is ``RoleUnknown``
+and ``pdlink.lastError`` says why, so a controller posts again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..status import LLMException, LLMStatusCode, code_2_status
+from .config import Settings
+from .validation import ROLES, NodeInfo, RoleRequest
+
+__all__ = ["Node", "Unavailable", "ObservedEngine", "kv_pattern"]
+
+logger = logging.getLogger("pdlink.server")
+
+ROLE_NAMES = {v: k for k, v in ROLES.items()}
+_LISTENING_ROLES = ("prefill", "flex")
+_OK = (int(LLMStatusCode.LLM_SUCCESS), int(LLMStatusCode.LLM_ALREADY_LINK))
+_SWITCH_ATTEMPTS = 5
+
+
+class Unavailable(Exception):
+    """The assignment cannot be applied by this instance (HTTP 503); nothing was changed."""
+
+
+def kv_pattern(np: Any, cluster: int, device: int, num_tensors: int, num_blocks: int, block_bytes: int) -> List[Any]:
+    """The known content of the test KV cache of ``cluster``'s device ``device``: one
+    ``(num_blocks, block_bytes)`` uint8 array per tensor."""
+    base = np.arange(num_blocks * block_bytes, dtype=np.uint64).reshape(num_blocks, block_bytes)
+    salt = (cluster % 1_000_003) * 7919 + device * 104729
+    return [(((base * 2654435761 + t * 97 + salt) >> 7) & 0xFF).astype(np.uint8) for t in range(num_tensors)]
+
+
+class ObservedEngine:
+    """A native engine that reports transfers to the server's metrics: bytes moved, latency and
+    failures by status code. Everything else is forwarded. It wraps only the engines of this
+    server, so no other user of ``pdlink`` pays for it."""
+
+    def __init__(self, engine: Any, metrics: Any):
+        self._engine = engine
+        self._metrics = metrics
+        self._geometry: Dict[int, Tuple[int, int]] = {}  # cache id -> (num_tensors, bytes per slot/block)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def register_cache(self, num_tensors: int, tensor_size: int, num_slots: int, *args: Any) -> Any:
+        handle = self._engine.register_cache(num_tensors, tensor_size, num_slots, *args)
+        self._geometry[handle[0]] = (num_tensors, tensor_size // max(num_slots, 1))
+        return handle
+
+    def unregister_cache(self, cache_id: int) -> None:
+        self._engine.unregister_cache(cache_id)
+        self._geometry.pop(cache_id, None)
+
+    def transfer(self, is_push: bool, op: str, peer: int, target_kind: int, model_id: int, req_id: int,
+                 prefix_id: int, cache_id: int, batch_index: int, local_cache_id: int, mode: int, local_slot: int,
+                 size: int, local_blocks: Sequence[int], remote_blocks: Sequence[int], local_tensors: Sequence[int],
+                 remote_tensors: Sequence[int], local_runs: Sequence[Tuple[int, int]],
+                 remote_runs: Sequence[Tuple[int, int]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._engine.transfer(is_push, op, peer, target_kind, model_id, req_id, prefix_id, cache_id, batch_index,
+                                  local_cache_id, mode, local_slot, size, local_blocks, remote_blocks, local_tensors,
+                                  remote_tensors, local_runs, remote_runs)
+        except LLMException as e:
+            self._metrics.transfer_failed(op, e.status_code.name)
+            raise
+        seconds = time.perf_counter() - t0
+        tensors, unit = self._geometry.get(local_cache_id, (0, 0))
+        if local_tensors:
+            tensors = len(local_tensors)
+        if local_runs:
+            per_tensor = sum(length for _, length in local_runs)
+        elif local_blocks:
+            per_tensor = len(local_blocks) * unit
+        else:
+            per_tensor = size if size > 0 else unit
+        self._metrics.transfer_done(op, "push" if is_push else "pull", tensors * per_tensor, seconds)
+
+
+class _NullMetrics:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+@dataclass(frozen=True)
+class _PeerPlan:
+    cluster_id: int
+    server_ip: str
+    addresses: Tuple[Tuple[str, int], ...]  # the peer's listen address per device
+
+
+@dataclass(frozen=True)
+class _Plan:
+    role: str
+    cluster_id: int
+    listen: Tuple[Tuple[str, int], ...]  # this node's listen address per device (used when the role listens)
+    device_ids: Tuple[str, ...]
+    peers: Dict[int, _PeerPlan]
+    p_percentage: Optional[int]
+
+
+class _LinkJob:
+    """Links one peer on every device (see the module docstring); runs on its own thread."""
+
+    def __init__(self, node: "Node", peer: _PeerPlan, dial: bool):
+        self.node, self.peer, self.dial = node, peer, dial
+        self.cancel = threading.Event()
+        self.state = "linking"  # -> "ok" | "failed" | "cancelled"
+        self.reason = ""
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"pdlink-link-{peer.cluster_id}")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._link()
+        except Exception as e:  # noqa: BLE001 - e.g. the engines were finalised under us
+            self.reason = f"{type(e).__name__}: {e}"
+            self.state = "failed"
+            logger.warning("peer %d: link job failed: %s", self.peer.cluster_id, self.reason)
+        try:
+            self.node._evaluate()
+        except Exception:  # noqa: BLE001 - shutting down
+            pass
+
+    def _link(self) -> None:
+        node, cid = self.node, self.peer.cluster_id
+        kv = node.settings.kv
+        engines = node._engines
+        deadline = time.monotonic() + kv.link_total_time_ms / 1000.0
+        linked = [False] * len(engines)
+        last = [""] * len(engines)
+        last_code = "LLM_LINK_FAILED"
+        while not self.cancel.is_set():
+            for i, engine in enumerate(engines):
+                if linked[i] or self.cancel.is_set():
+                    continue
+                live, broken = _link_state(engine, cid)
+                if live:
+                    linked[i] = True
+                    continue
+                if broken:  # a dead entity from earlier: drop it locally before linking again
+                    engine.unlink([cid], kv.link_timeout_ms, True)
+                if not self.dial:
+                    last[i] = "the peer did not link in (a listening node waits for peers that dial it)"
+                    continue
+                ip, port = self.peer.addresses[i]
+                try:
+                    code, msg, _ = engine.link([(cid, ip, port)], kv.link_timeout_ms)[0]
+                except LLMException as e:
+                    code, msg = int(e.status_code), str(e)
+                if code in _OK:
+                    linked[i] = True
+                elif code != int(LLMStatusCode.LLM_PROCESSING_LINK):
+                    last_code = code_2_status(code).name
+                    last[i] = f"{last_code}: {msg}"
+            if all(linked):
+                self.state = "ok"
+                with node._lock:
+                    node._ever_ok.add(cid)
+                break
+            if time.monotonic() >= deadline:
+                self.reason = "; ".join(
+                    (f"device {i}: {r}" if len(engines) > 1 else r) for i, r in enumerate(last) if not linked[i])
+                self.state = "failed"
+                node._metrics.link_failed(last_code if self.dial else "LLM_NOT_YET_LINK")
+                logger.warning("peer %d: link failed: %s", cid, self.reason)
+                break
+            self.cancel.wait(kv.link_retry_interval_ms / 1000.0)
+        else:
+            self.state = "cancelled"
+        if self.state == "ok":
+            logger.info("peer %d linked on %d device(s)", cid, len(engines))
+
+
+def _link_state(engine: Any, cid: int) -> Tuple[bool, bool]:
+    """(a live link to ``cid`` exists, a broken one exists)."""
+    live = broken = False
+    for link in engine.links():
+        if link["peer_cluster_id"] == cid:
+            if link["broken"]:
+                broken = True
+            else:
+                live = True
+    return live, broken
+
+
+class Node:
+    """State of one managed instance; thread-safe. ``metrics`` (optional) receives events."""
+
+    def __init__(self, settings: Settings, metrics: Any = None, backend_module: Any = None):
+        self.settings = settings
+        self._metrics = metrics if metrics is not None else _NullMetrics()
+        self._core = backend_module
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._engines: List[Any] = []
+        self._managers: List[Any] = []
+        self._cluster_id: Optional[int] = None  # of the engines, once created
+        self._identity: Optional[int] = None  # cluster id of the accepted posts
+        self._role: Optional[str] = None  # the latest accepted role
+        self._p_percentage: Optional[int] = None
+        self._role_status = "RoleUnknown" if settings.infer_mode == "dmi" else "RoleReady"
+        self._generation = 0
+        self._applied = 0
+        self._desired: Optional[_Plan] = None
+        self._engine_role: Optional[str] = None  # applied on the engines
+        self._listening: Tuple[Tuple[str, int], ...] = ()  # applied listen addresses (empty: not listening)
+        self._device_ids: Tuple[str, ...] = ()
+        self._peers: Dict[int, _PeerPlan] = {}  # the applied peer list
+        self._jobs: Dict[int, _LinkJob] = {}
+        self._ever_ok: set = set()
+        self._last_error: Optional[str] = None
+        self._stopping = False
+        self._kv_lock = threading.Lock()
+        self._test_kv: List[Dict[str, Any]] = []
+        self._worker = threading.Thread(target=self._run, daemon=True, name="pdlink-role-worker")
+        self._worker.start()
+
+    # ------------------------------------------------------------------ accepting a post
+
+    def _listen_ip(self, node: NodeInfo, device_index: int, who: str) -> str:
+        source = self.settings.kv.listen_ip_source
+        if source == "server_ip":
+            ip = node.server_ip
+        elif source == "device_ip":
+            ip = node.devices[device_index].device_ip
+        else:
+            if node.host_ip is None:
+                raise Unavailable(f"KvTransferConfig.listenIpSource is host_ip but {who}.host_ip is missing")
+            ip = node.host_ip
+        if ipaddress.ip_address(ip).version != 4:
+            raise Unavailable(f"{who}: pdlink's KV transport needs an IPv4 listen address, got {ip} "
+                              f"(KvTransferConfig.listenIpSource = {source})")
+        return ip
+
+    def _addresses(self, node: NodeInfo, who: str) -> Tuple[Tuple[str, int], ...]:
+        base = self.settings.kv.listen_port_base
+        out = []
+        for i, dev in enumerate(node.devices):
+            port = base + dev.port_id
+            if port > 65535:
+                raise Unavailable(f"{who}.device[{i}]: listen port {base} + {dev.port_id} exceeds 65535 "
+                                  "(KvTransferConfig.listenPortBase)")
+            out.append((self._listen_ip(node, i, who), port))
+        return tuple(out)
+
+    def _plan(self, req: RoleRequest) -> _Plan:
+        peers = {}
+        for i, p in enumerate(req.peers):
+            peers[p.cluster_id] = _PeerPlan(p.cluster_id, p.server_ip, self._addresses(p, f"peers[{i}]"))
+        return _Plan(req.role, req.local.cluster_id, self._addresses(req.local, "local"),
+                     tuple(d.device_id if d.device_id is not None else d.device_logical_id for d in req.local.devices),
+                     peers, req.p_percentage)
+
+    def accept(self, req: RoleRequest) -> int:
+        """Check and record an assignment; returns its generation (1, 2, ...). Raises
+        ``Unavailable`` without changing anything when this instance cannot apply it."""
+        kv = self.settings.kv
+        with self._lock:
+            if self._stopping:
+                raise Unavailable("the server is shutting down")
+            if self.settings.infer_mode != "dmi":
+                raise Unavailable("ServerConfig.inferMode is 'standard' (PD mixed): role assignment needs 'dmi'")
+            if len(req.local.devices) != kv.device_count:
+                raise Unavailable(f"local lists {len(req.local.devices)} device(s) but this server hosts "
+                                  f"{kv.device_count} (KvTransferConfig.deviceCount)")
+            cid = req.local.cluster_id
+            identity = self._cluster_id if self._cluster_id is not None else self._identity
+            if identity is not None and cid != identity:
+                raise Unavailable(f"local identifies instance {cid}, but this server runs as instance {identity}; "
+                                  "restart the server to change its identity")
+            if self._role is None and not req.peers and not (
+                    req.role == "flex" and req.p_percentage is not None and 0 < req.p_percentage < 100):
+                raise Unavailable("the first role assignment must list peers (only flex with 0 < p_percentage < 100 "
+                                  "may start without)")
+            plan = self._plan(req)
+            self._identity = cid
+            self._generation += 1
+            self._desired = plan
+            self._role = req.role
+            self._p_percentage = req.p_percentage
+            self._role_status = "RoleSwitching"
+            self._wake.notify_all()
+            logger.info("role %s accepted (generation %d, %d peer(s))", req.role, self._generation, len(plan.peers))
+            return self._generation
+
+    # ------------------------------------------------------------------ applying (worker thread)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and self._applied >= self._generation:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                plan, gen = self._desired, self._generation
+            error = None
+            try:
+                self._apply(plan)
+            except Exception as e:  # noqa: BLE001 - reported in the status
+                error = str(e) or type(e).__name__
+                logger.error("applying role %s (generation %d) failed: %s", plan.role, gen, error)
+            with self._lock:
+                self._applied = gen
+                self._last_error = error
+                if error is not None and gen == self._generation:
+                    self._role_status = "RoleUnknown"
+                    if self._cluster_id is None:
+                        self._identity = None  # no engine was made: a later post may name another instance
+            self._evaluate()
+
+    def _listen_for(self, plan: _Plan) -> Tuple[Tuple[str, int], ...]:
+        return plan.listen if plan.role in _LISTENING_ROLES else ()
+
+    def _create_engines(self, plan: _Plan) -> None:
+        if self._core is None:
+            from .. import _core
+
+            self._core = _core
+        from ..cache_manager import CacheManager
+        from ..llm_datadist import _TRANSPORTS
+
+        kv = self.settings.kv
+        listen = self._listen_for(plan)
+        engines: List[Any] = []
+        try:
+            for i in range(kv.device_count):
+                ip, port = listen[i] if listen else ("", 0)
+                engine = self._core.Engine(kv.backend)
+                auth = {"link_secret": kv.link_secret} if kv.link_secret else {}
+                engine.initialize(plan.cluster_id, ROLES[plan.role], listen_ip=ip, listen_port=port,
+                                  sync_timeout_ms=kv.sync_kv_timeout_ms, device_pool_bytes=0, device_page_shift=16,
+                                  host_pool_bytes=0, host_page_shift=16, handshake_timeout_ms=5000,
+                                  transport=_TRANSPORTS[kv.transport], **auth)
+                engines.append(engine)
+        except BaseException:
+            for engine in engines:
+                engine.finalize()
+            raise
+        observed = [ObservedEngine(e, self._metrics) for e in engines]
+        managers = [CacheManager(None, e, True, {}) for e in observed]
+        with self._lock:
+            self._engines, self._managers = observed, managers
+            self._cluster_id = plan.cluster_id
+            self._engine_role, self._listening, self._device_ids = plan.role, listen, plan.device_ids
+        self._metrics.role_switch(plan.role)
+        if kv.test_kv.enabled:
+            self._register_test_kv(plan.cluster_id)
+        logger.info("instance %d: %d engine(s) as %s, listening on %s", plan.cluster_id, len(engines), plan.role,
+                    [f"{ip}:{p}" for ip, p in listen] or "nothing")
+
+    def _unlink(self, cids: Sequence[int], engines: Optional[Sequence[Any]] = None) -> None:
+        """Non-force unlink (the peer drops its end too) on ``engines`` (default: all)."""
+        if not cids:
+            return
+        timeout = self.settings.kv.link_timeout_ms
+        for engine in self._engines if engines is None else engines:
+            engine.unlink(list(cids), timeout, False)
+
+    def _stop_jobs(self, cids: Sequence[int]) -> None:
+        with self._lock:
+            jobs = [self._jobs.pop(c) for c in cids if c in self._jobs]
+        for job in jobs:
+            job.cancel.set()
+        for job in jobs:
+            job.thread.join()
+
+    def _switch(self, plan: _Plan) -> None:
+        """Unlink everything, then switch every engine's role and listener."""
+        listen = self._listen_for(plan)
+        self._stop_jobs(list(self._jobs))
+        switched: List[int] = []
+        try:
+            for i, engine in enumerate(self._engines):
+                ip, port = listen[i] if listen else ("", 0)
+                for attempt in range(_SWITCH_ATTEMPTS):
+                    self._unlink([link["peer_cluster_id"] for link in engine.links()], [engine])
+                    try:
+                        engine.switch_role(ROLES[plan.role], ip, port)
+                        break
+                    except LLMException as e:  # a peer linked in between: unlink again
+                        if e.status_code != LLMStatusCode.LLM_EXIST_LINK or attempt == _SWITCH_ATTEMPTS - 1:
+                            raise
+                switched.append(i)
+        except BaseException:
+            old = self._listening
+            for i in switched:  # best effort: put the switched engines back
+                ip, port = old[i] if old else ("", 0)
+                try:
+                    self._unlink([link["peer_cluster_id"] for link in self._engines[i].links()], [self._engines[i]])
+                    self._engines[i].switch_role(ROLES[self._engine_role], ip, port)
+                except LLMException as e:
+                    logger.error("device %d: could not restore role %s: %s", i, self._engine_role, e)
+            with self._lock:
+                self._peers = {}
+            raise
+        changed = plan.role != self._engine_role
+        with self._lock:
+            self._engine_role, self._listening, self._device_ids = plan.role, listen, plan.device_ids
+            self._peers = {}
+        if changed:
+            self._metrics.role_switch(plan.role)
+        logger.info("switched to %s, listening on %s", plan.role, [f"{ip}:{p}" for ip, p in listen] or "nothing")
+
+    def _apply(self, plan: _Plan) -> None:
+        if not self._engines:
+            self._create_engines(plan)
+        else:
+            gone = [cid for cid, old in self._peers.items()
+                    if cid not in plan.peers or plan.peers[cid].addresses != old.addresses]
+            self._stop_jobs(gone)
+            self._unlink(gone)
+            with self._lock:
+                for cid in gone:
+                    self._peers.pop(cid, None)
+                    self._ever_ok.discard(cid)
+            if plan.role != self._engine_role or self._listen_for(plan) != self._listening:
+                self._switch(plan)
+        listening = bool(self._listening)
+        with self._lock:
+            self._peers = dict(plan.peers)
+            self._ever_ok &= set(plan.peers)
+            self._device_ids = plan.device_ids
+        for cid, peer in plan.peers.items():
+            if self._stopping:
+                return
+            job = self._jobs.get(cid)
+            if job is not None and (job.state == "linking" or (job.state == "ok" and self._peer_live(cid))):
+                continue
+            job = _LinkJob(self, peer, dial=not listening or cid < plan.cluster_id)
+            with self._lock:
+                self._jobs[cid] = job
+            job.start()
+
+    # ------------------------------------------------------------------ status
+
+    def _peer_live(self, cid: int) -> bool:
+        return bool(self._engines) and all(_link_state(e, cid)[0] for e in self._engines)
+
+    def _peer_views(self) -> List[Dict[str, Any]]:
+        with self._lock:
+            peers = list(self._peers.values())
+            jobs = dict(self._jobs)
+            engines = list(self._engines)
+        links = [e.links() for e in engines]
+        views = []
+        for peer in peers:
+            cid = peer.cluster_id
+            per_device = []
+            for dev_links in links:
+                mine = [l for l in dev_links if l["peer_cluster_id"] == cid]
+                per_device.append(next((l for l in mine if not l["broken"]), mine[0] if mine else None))
+            live = bool(links) and all(l is not None and not l["broken"] for l in per_device)
+            job = jobs.get(cid)
+            if live:
+                state, reason = "ok", ""
+                with self._lock:
+                    self._ever_ok.add(cid)
+            elif job is not None and job.state == "linking":
+                state, reason = "linking", ""
+            elif job is not None and job.state == "failed":
+                state, reason = "failed", job.reason
+            else:
+                broken = [l["broken_reason"] for l in per_device if l is not None and l["broken"]]
+                state = "failed"
+                reason = f"link lost: {broken[0]}" if broken else "link lost: the peer unlinked or is gone"
+            views.append({"target": cid, "state": state, "reason": reason, "server_ip": peer.server_ip,
+                          "addresses": [f"{ip}:{port}" for ip, port in peer.addresses],
+                          "dials": bool(job.dial) if job is not None else None})
+        return views
+
+    def _evaluate(self, views: Optional[List[Dict[str, Any]]] = None) -> None:
+        """Reach RoleReady when the latest assignment is applied and linking is over."""
+        with self._lock:
+            if self._role_status != "RoleSwitching" or self._applied < self._generation:
+                return
+            gen = self._generation
+        views = self._peer_views() if views is None else views
+        if any(v["state"] == "linking" for v in views):
+            return
+        if views and not any(v["state"] == "ok" for v in views):
+            return
+        with self._lock:
+            if self._generation == gen and self._applied >= gen and self._role_status == "RoleSwitching":
+                self._role_status = "RoleReady"
+                logger.info("role %s ready (generation %d)", self._role, gen)
+
+    def healthy(self) -> bool:
+        """False when a link that was up is lost and no peer is linked (MindIE's DMI health rule)."""
+        views = self._peer_views()
+        with self._lock:
+            ever = set(self._ever_ok)
+        lost = any(v["state"] != "ok" and v["target"] in ever for v in views)
+        return not (lost and not any(v["state"] == "ok" for v in views))
+
+    def status(self) -> Dict[str, Any]:
+        """The body of ``GET /v1/status``."""
+        views = self._peer_views()
+        self._evaluate(views)
+        kv, model = self.settings.kv, self.settings.model
+        with self._lock:
+            service: Dict[str, Any] = {"roleStatus": self._role_status, "currentRole": self._role or "none"}
+            if self._role == "flex" and self._p_percentage is not None:
+                service["p_percentage"] = self._p_percentage
+            blocks = kv.test_kv.num_blocks * len(self._test_kv)
+            engines = list(self._engines)
+            ext = {
+                "clusterId": self._cluster_id, "generation": self._generation, "appliedGeneration": self._applied,
+                "lastError": self._last_error, "engineRole": self._engine_role, "peers": views,
+                "devices": [{"index": i, "deviceId": self._device_ids[i] if i < len(self._device_ids) else None,
+                             "listen": f"{self._listening[i][0]}:{self._listening[i][1]}" if self._listening
+                             else None} for i in range(len(engines))],
+                "testKv": kv.test_kv.enabled,
+            }
+        for i, engine in enumerate(engines):
+            ext["devices"][i]["links"] = [
+                {"target": l["peer_cluster_id"], "address": l["peer_address"], "initiator": l["initiator"],
+                 "broken": l["broken"], "transport": l["transport"]} for l in engine.links()]
+        resource = {
+            "availSlotsNum": model.max_batch_size, "availBlockNum": blocks, "waitingRequestNum": 0,
+            "runningRequestNum": 0, "swappedRequestNum": 0, "freeNpuBlockNums": blocks, "freeCpuBlockNums": 0,
+            "totalNpuBlockNums": blocks, "totalCpuBlockNums": 0,
+        }
+        link_peers = [{"target": v["target"], "link": "ok" if v["state"] == "ok" else f"failed : {v['reason']}"}
+                      for v in views if v["state"] != "linking"]
+        return {"service": service, "resource": resource, "linkStatus": {"peers": link_peers}, "pdlink": ext}
+
+    def snapshot(self) -> Dict[str, Any]:
+        """Cheap numbers for the metrics collector."""
+        with self._lock:
+            engines = list(self._engines)
+            return_value = {"role": self._role, "role_status": self._role_status, "generation": self._generation,
+                            "peers": len(self._peers)}
+        return_value["links"] = [len(e.links()) for e in engines]
+        return return_value
+
+    # ------------------------------------------------------------------ test KV surface
+
+    def _register_test_kv(self, cid: int) -> None:
+        import numpy as np
+
+        from ..data_type import DataType
+        from ..llm_types import BlocksCacheKey, CacheDesc
+
+        t = self.settings.kv.test_kv
+        entries = []
+        for i, cm in enumerate(self._managers):
+            src = kv_pattern(np, cid, i, t.num_tensors, t.num_blocks, t.block_bytes)
+            dst = [np.zeros((t.num_blocks, t.block_bytes), dtype=np.uint8) for _ in range(t.num_tensors)]
+            desc = CacheDesc(t.num_tensors, [t.num_blocks, t.block_bytes], DataType.DT_UINT8)
+            src_cache = cm.register_blocks_cache(desc, [a.ctypes.data for a in src], BlocksCacheKey(cid, 0))
+            dst_cache = cm.register_blocks_cache(desc, [a.ctypes.data for a in dst])
+            entries.append({"src": src, "dst": dst, "src_cache": src_cache, "dst_cache": dst_cache})
+        self._test_kv = entries
+
+    def test_pull(self, target: int) -> Dict[str, Any]:
+        """Pull every block of ``target``'s test KV cache on every device (in reverse block order)
+        and compare each byte with the pattern ``target`` fills it with. Raises ``LLMException``
+        when a pull fails, ``Unavailable`` when there is nothing to pull with, ``ValueError`` (with
+        the first mismatch) when the bytes differ."""
+        import numpy as np
+
+        from ..llm_types import BlocksCacheKey
+
+        t = self.settings.kv.test_kv
+        if not t.enabled:
+            raise Unavailable("KvTransferConfig.testKv is not enabled")
+        with self._kv_lock:
+            with self._lock:
+                entries, managers = list(self._test_kv), list(self._managers)
+            if not entries:
+                raise Unavailable("no engine yet: assign a role first")
+            src_blocks = list(range(t.num_blocks - 1, -1, -1))
+            dst_blocks = list(range(t.num_blocks))
+            t0 = time.perf_counter()
+            for i, (cm, entry) in enumerate(zip(managers, entries)):
+                for a in entry["dst"]:
+                    a[:] = 0
+                cm.pull_blocks(BlocksCacheKey(target, 0), entry["dst_cache"], src_blocks, dst_blocks)
+            seconds = time.perf_counter() - t0
+            for i, entry in enumerate(entries):
+                expected = kv_pattern(np, target, i, t.num_tensors, t.num_blocks, t.block_bytes)
+                for k, (got, want) in enumerate(zip(entry["dst"], expected)):
+                    if not np.array_equal(got, want[src_blocks]):
+                        raise ValueError(f"device {i} tensor {k}: pulled bytes differ from instance {target}'s "
+                                         "test pattern")
+        moved = len(entries) * t.num_tensors * t.num_blocks * t.block_bytes
+        return {"result": "ok", "target": target, "devices": len(entries), "bytes": moved, "seconds": seconds,
+                "verified": True}
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop the worker and every link job, unlink every peer and finalise the engines."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._wake.notify_all()
+        self._worker.join(30)
+        self._stop_jobs(list(self._jobs))
+        for engine in self._engines:
+            try:
+                engine.finalize()
+            except LLMException as e:
+                logger.error("finalize: %s", e)
