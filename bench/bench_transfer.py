@@ -437,31 +437,6 @@ def plot(results: Dict[str, Any], cfg: Dict[str, Any], path: str) -> Optional[st
 # ---------------------------------------------------------------- main
 
 
-def cma_permitted() -> bool:
-    """Whether a process may read a sibling's memory here (what the cma transport needs)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    word = ctypes.c_uint64(7)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    os.close(r)
-
-    class Iov(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-    out = ctypes.c_uint64(0)
-    ok = libc.process_vm_readv(pid, ctypes.byref(Iov(ctypes.addressof(out), 8)), 1,
-                               ctypes.byref(Iov(ctypes.addressof(word), 8)), 1, 0) == 8
-    os.close(w)
-    os.waitpid(pid, 0)
-    return ok and out.value == 7
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and counts: checks that everything runs")
@@ -470,12 +445,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--transports", default="cma,tcp")
     args = ap.parse_args(argv)
+    from pdlink._sysinfo import direct_access_permitted
+
     cfg = {
         "total": 64 * MIB, "block": 256 * KIB, "reps": args.reps, "lat_n": 2000, "link_n": 20,
         "sweep": [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB], "sweep_total": 16 * MIB,
         "scale_blocks": [1000, 10000, 100000], "transports": args.transports.split(","),
     }
-    if "cma" in cfg["transports"] and not cma_permitted():
+    if "cma" in cfg["transports"] and not direct_access_permitted():
         print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
         cfg["transports"] = [t for t in cfg["transports"] if t != "cma"] or ["tcp"]
     if args.smoke:

@@ -11,37 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from peer import Peer  # noqa: E402
 
+from pdlink._sysinfo import direct_access_permitted  # noqa: E402
 from pdlink.status import LLMStatusCode  # noqa: E402
 
 PROMPT_ID, DECODER_ID = 1, 2
 
 
-def _cma_available() -> bool:
-    """Whether this machine lets a process read a sibling's memory (process_vm_readv)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    word = ctypes.c_uint64(0x5EED)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: wait until the parent has probed
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    os.close(r)
-
-    class Iov(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-    out = ctypes.c_uint64(0)
-    local, remote = Iov(ctypes.addressof(out), 8), Iov(ctypes.addressof(word), 8)
-    ok = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 8 and out.value == 0x5EED
-    os.close(w)
-    os.waitpid(pid, 0)
-    return ok
-
-
-CMA_AVAILABLE = _cma_available()
+CMA_AVAILABLE = direct_access_permitted()
 
 
 @pytest.fixture(params=["cma", "tcp"])

@@ -142,6 +142,26 @@ Status Engine::failTransfer(const std::shared_ptr<Link>& link, const Status& st,
                           "; the link is now unusable: call unlink_clusters, then link_clusters again");
 }
 
+Status Engine::awaitResponse(const std::shared_ptr<Link>& link, Deadline deadline, const char* what,
+                             wire::ResponseHeader* rh) {
+  Status remote;
+  Status st = readResponse(link->out(), deadline, rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (!remote.ok()) {  // the peer refused this request; the link itself is fine
+    return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  }
+  return Status::OK();
+}
+
+Status Engine::request(const std::shared_ptr<Link>& link, const wire::RequestHeader& header, const std::string& body,
+                       Deadline deadline, const char* what, wire::ResponseHeader* rh) {
+  std::string head = wire::encode(header);
+  std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
+  Status st = link->out().sendv(iov, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  return awaitResponse(link, deadline, what, rh);
+}
+
 Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
   auto local = registry_.get(spec.local_cache_id);
   if (!local.ok()) return local.status();
@@ -235,6 +255,12 @@ Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
   p.payload = payload.value();
+  // The request must fit one frame (wire::kMaxBodyBytes): about 4 million block runs.
+  const uint64_t body_bytes = 64 + 4 * uint64_t{p.remote.tensors.size()} + 16 * uint64_t{p.remote.runs.size()};
+  if (body_bytes > wire::kMaxBodyBytes) {
+    return Status(Code::kParamInvalid, "too many block runs in one transfer (" + std::to_string(p.remote.runs.size()) +
+                                           "); split it into several calls");
+  }
   return p;
 }
 
@@ -258,28 +284,19 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   if (link->direct()) return directTransfer(link, p, is_push, deadline, what);
   Socket& s = link->out();
   std::string body = wire::encode(p.remote);
-  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()),
-                        is_push ? p.payload : 0};
-  if (body.size() > wire::kMaxBodyBytes) {
-    return Status(Code::kParamInvalid, "too many block runs in one transfer (" + std::to_string(p.remote.runs.size()) + ")");
-  }
-  std::string head = wire::encode(h);
-  std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
-  Status st;
-  if (is_push) {
-    st = movePayload(s, true, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline, std::move(iov));
-  } else {
-    st = s.sendv(iov, deadline);
-  }
-  if (!st.ok()) return failTransfer(link, st, what);
   wire::ResponseHeader rh;
-  Status remote;
-  st = readResponse(s, deadline, &rh, &remote);
-  if (!st.ok()) return failTransfer(link, st, what);
-  if (!remote.ok()) {
-    return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  Status st;
+  if (is_push) {  // the payload follows the request in the same stream
+    wire::RequestHeader h{wire::Op::kWrite, static_cast<uint32_t>(body.size()), p.payload};
+    std::string head = wire::encode(h);
+    std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+    st = movePayload(s, true, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline, std::move(iov));
+    if (!st.ok()) return failTransfer(link, st, what);
+    return awaitResponse(link, deadline, what, &rh);
   }
-  if (is_push) return Status::OK();
+  st = request(link, wire::RequestHeader{wire::Op::kRead, static_cast<uint32_t>(body.size()), 0}, body, deadline,
+               what, &rh);
+  if (!st.ok()) return st;
   if (rh.payload_len != p.payload) {
     return failTransfer(link, Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) +
                                                             " bytes, expected " + std::to_string(p.payload)),
@@ -323,14 +340,10 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
       auto it = d.descriptors.find(target.model_id);
       if (it == d.descriptors.end()) {
         const std::string& b = encoded();
-        std::string head = wire::encode(wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0});
-        std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(b.data()), b.size()}};
-        Status st = s.sendv(iov, deadline);
         wire::ResponseHeader rh;
-        Status remote;
-        if (st.ok()) st = readResponse(s, deadline, &rh, &remote);
-        if (!st.ok()) return failTransfer(link, st, what);
-        if (!remote.ok()) return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+        Status st = request(link, wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0}, b,
+                            deadline, what, &rh);
+        if (!st.ok()) return st;
         if (rh.payload_len > wire::kMaxBodyBytes) return failTransfer(link, Status(Code::kLinkFailed, "oversized descriptor"), what);
         std::string payload(rh.payload_len, '\0');
         st = s.recvAll(payload.data(), payload.size(), deadline);
@@ -367,15 +380,11 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
 
   // Checked round trip: the peer validates and pins the target and answers with its addresses.
   encoded();
-  std::string head = wire::encode(wire::RequestHeader{is_push ? wire::Op::kWrite : wire::Op::kRead,
-                                                      static_cast<uint32_t>(body.size()), 0, wire::kFlagDirect});
-  std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
-  Status st = s.sendv(iov, deadline);
   wire::ResponseHeader rh;
-  Status remote;
-  if (st.ok()) st = readResponse(s, deadline, &rh, &remote);
-  if (!st.ok()) return failTransfer(link, st, what);
-  if (!remote.ok()) return Status(remote.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + remote.message());
+  Status st = request(link, wire::RequestHeader{is_push ? wire::Op::kWrite : wire::Op::kRead,
+                                                static_cast<uint32_t>(body.size()), 0, wire::kFlagDirect},
+                      body, deadline, what, &rh);
+  if (!st.ok()) return st;
   if (rh.payload_len != local.size() * 16) {
     return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 16) +
                                                             " ranges, expected " + std::to_string(local.size())),

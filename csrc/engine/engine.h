@@ -172,6 +172,12 @@ class Engine {
   Status transfer(const TransferSpec& spec, bool is_push);
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
   Status failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what);
+  // Reads the response to a request on `link`'s out channel: a transport failure poisons the link
+  // (failTransfer); a refusal by the peer comes back as the peer's status, the link intact.
+  Status awaitResponse(const std::shared_ptr<Link>& link, Deadline deadline, const char* what, wire::ResponseHeader* rh);
+  // Sends header + body on the out channel, then awaitResponse.
+  Status request(const std::shared_ptr<Link>& link, const wire::RequestHeader& header, const std::string& body,
+                 Deadline deadline, const char* what, wire::ResponseHeader* rh);
 
   Result<std::unique_ptr<Listener>> startListener(const std::string& ip, uint16_t port);
   void stopListeners();
