@@ -217,5 +217,8 @@ def build_apps(settings: Settings, node: Node, metrics: Any) -> List[Any]:
             routes.append(Route("/metrics", h["metrics"], methods=["GET"]))
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, 404: _not_found,
                                                            Exception: _internal})
+        # an unknown path is a 404, also with a trailing slash: no 307 to a Location built from the
+        # client's Host header
+        app.router.redirect_slashes = False
         apps.append(_Headers(app))
     return apps

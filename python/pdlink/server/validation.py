@@ -11,7 +11,8 @@ Rules (each violation is a ``BodyError``, answered 422):
 * the body is a JSON object; ``local`` is an object; ``peers``, when present and not null, is an
   array of at most ``MAX_PEERS`` objects;
 * every node (``local`` and each peer) has ``server_ip``, a valid IP other than ``0.0.0.0`` / ``::``,
-  and a non-empty ``device`` array of at most ``MAX_DEVICES`` objects;
+  and a non-empty ``device`` array of at most ``MAX_DEVICES`` objects; an IP is printable ASCII
+  (an IPv6 zone id included);
 * every device has ``device_logical_id`` (a numeric string) and ``device_ip`` (an IP); ``device_id``,
   ``rank_id`` and ``super_device_id``, when present, are numeric strings; within one node neither
   ``device_logical_id`` nor ``device_id`` repeats;
@@ -97,6 +98,10 @@ def cluster_id(node: NodeInfo) -> int:
 def _ip(value: Any, where: str, allow_unspecified: bool = False) -> str:
     if not isinstance(value, str):
         raise BodyError(f"{where} must be an IP address string, got {value!r}")
+    if not (value.isascii() and value.isprintable()):
+        # ipaddress takes any text as an IPv6 zone id ("fe80::1%<anything>"), a lone surrogate too,
+        # which no answer could carry back (UTF-8 cannot encode it)
+        raise BodyError(f"{where} is not a valid IP address: {value!r}")
     try:
         ip = ipaddress.ip_address(value)
     except ValueError:
