@@ -84,7 +84,7 @@ def code_2_status(status: int) -> LLMStatusCode:
     """Map a native status integer to ``LLMStatusCode``; any unknown code gives ``LLM_FAILED``."""
     try:
         return _CODE_TO_STATUS.get(int(status), LLMStatusCode.LLM_FAILED)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
         return LLMStatusCode.LLM_FAILED
 
 

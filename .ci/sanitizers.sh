@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Sanitizer runs; exits non-zero on any finding (a sanitizer report from any process, or a failing
+# test). About 10 minutes on 2 cores. Uses GCC's sanitizer runtimes (they come with g++); builds
+# go under build/ci/.
+#  1. ASan + UBSan: the core and the Python module built with PDLINK_SANITIZE=address,undefined by
+#     pip (scikit-build-core) into their own virtualenv, and the whole test suite run under it
+#     (libasan preloaded into Python; leak detection off there, since Python itself leaks at exit).
+#  2. TSan: the same with PDLINK_SANITIZE=thread, running the concurrency-heavy test files; and
+#     csrc/tests/concurrency_test (engines in one process, threads pulling, pushing, linking,
+#     unlinking and re-registering at once) over TCP and over direct memory access.
+#  3. ASan + LeakSanitizer: concurrency_test's link/pull/unlink/finalize loop (no leak; descriptors
+#     and threads back where they started) and its stress run, both transports.
+# STRESS_SECONDS (default 15) sets the length of each stress run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=common.sh
+. .ci/common.sh
+
+STRESS_SECONDS=${STRESS_SECONDS:-15}
+logs="$PWD/$CI_OUT/sanitizer-logs"
+rm -rf "$logs"
+mkdir -p "$logs"
+export CC=gcc CXX=g++
+# A process that is not built with a sanitizer (Python) needs its runtime preloaded, and libstdc++
+# with it: otherwise the runtime cannot find the real __cxa_throw and aborts on the first C++
+# exception.
+asan_lib=$(g++ -print-file-name=libasan.so)
+tsan_lib=$(g++ -print-file-name=libtsan.so)
+stdcxx_lib=$(g++ -print-file-name=libstdc++.so.6)
+for lib in "$asan_lib" "$tsan_lib" "$stdcxx_lib"; do
+  [ -f "$lib" ] || { echo "$lib not found (g++ -print-file-name)"; exit 1; }
+done
+# A sanitizer report in a log, whatever process wrote it.
+report_pattern='ERROR: AddressSanitizer|ERROR: LeakSanitizer|WARNING: ThreadSanitizer|ThreadSanitizer: reported|: runtime error: |UndefinedBehaviorSanitizer'
+# Resident memory means nothing under a sanitizer (ASan holds freed memory in quarantine, TSan
+# keeps shadow memory): the test that bounds its growth skips itself when PDLINK_SANITIZER is set.
+findings=0
+
+# check LOG NAME: counts a finding when LOG, or a sanitizer log file, holds a report.
+check() {
+  local log=$1 name=$2 files
+  files=$(find "$logs" -maxdepth 1 \( -name 'asan.*' -o -name 'tsan.*' \) | sort)
+  if grep -qE "$report_pattern" "$log" || [ -n "$files" ]; then
+    echo "SANITIZER FINDING in $name:"
+    grep -nE -A 30 "$report_pattern" "$log" | head -n 120 || true
+    for f in $files; do
+      echo "--- $f"
+      head -n 80 "$f"
+    done
+    findings=$((findings + 1))
+    mkdir -p "$logs/findings"
+    # shellcheck disable=SC2086
+    mv $files "$logs/findings/" 2>/dev/null || true
+  fi
+}
+
+# run NAME CMD...: runs CMD with its output in a log; a failure is a finding too.
+run() {
+  local name=$1 log="$logs/$1.log" rc=0 start=$SECONDS
+  shift
+  "$@" >"$log" 2>&1 || rc=$?
+  echo "$name: exit $rc, $((SECONDS - start)) s"
+  grep -E '^(stress|cycles): |^[0-9]+ (passed|failed)' "$log" | tail -n 3 || true
+  if [ "$rc" -ne 0 ]; then
+    echo "FAILED: $name (exit $rc). Log tail:"
+    tail -n 40 "$log"
+    findings=$((findings + 1))
+  fi
+  check "$log" "$name"
+}
+
+# pip_build NAME SANITIZE: a virtualenv $CI_OUT/NAME-venv with pdlink[test] built by pip with
+# PDLINK_SANITIZE=SANITIZE (its own scikit-build-core build directory).
+pip_build() {
+  local venv="$CI_OUT/$1-venv"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >"$logs/pip-$1.log" 2>&1
+  PDLINK_SANITIZE=$2 "$venv/bin/python" -m pip install -q --disable-pip-version-check ".[test]" \
+    -C build-dir="$PWD/$CI_OUT/$1-skb" -C cmake.build-type=RelWithDebInfo >>"$logs/pip-$1.log" 2>&1 ||
+    { tail -n 60 "$logs/pip-$1.log"; exit 1; }
+  local runtime=libasan
+  [ "$2" = thread ] && runtime=libtsan
+  ldd "$venv"/lib/python3*/site-packages/pdlink/libpdlink_core.so | grep -q "$runtime" ||
+    { echo "the core in $venv is not built with -fsanitize=$2"; exit 1; }
+}
+
+# build DIR TARGET: builds quietly; shows the log when it fails.
+build() {
+  cmake --build "$1" --target "$2" >"$logs/build-$(basename "$1").log" 2>&1 ||
+    { tail -n 60 "$logs/build-$(basename "$1").log"; exit 1; }
+}
+
+step "sanitizers: tools"
+tools_venv
+
+# ------------------------------------------------------------------------------------ 1. ASan+UBSan
+step "ASan+UBSan: the module built with PDLINK_SANITIZE=address,undefined; the test suite"
+pip_build asan address,undefined
+# -s: peer processes write to this log directly, so their reports are seen too.
+run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,undefined \
+  ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+  "$CI_OUT/asan-venv/bin/python" -m pytest tests -q -s -p no:cacheprovider
+
+# ------------------------------------------------------------------------------------ 2. TSan
+step "TSan: the module built with PDLINK_SANITIZE=thread; the concurrency-heavy tests"
+pip_build tsan thread
+# .ci/tsan.supp: payload copies (ordered through the peer process, which TSan cannot see).
+run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread \
+  TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$PWD/.ci/tsan.supp" \
+  "$CI_OUT/tsan-venv/bin/python" -m pytest tests/test_transfer.py tests/test_transfer_async.py \
+  tests/test_faults.py tests/test_load.py tests/test_comm_link.py -q -s -p no:cacheprovider
+
+step "TSan: concurrency_test"
+configure "$CI_OUT/tsan" -DPDLINK_SANITIZE=thread -DPDLINK_BUILD_TESTS=ON
+build "$CI_OUT/tsan" concurrency_test
+for transport in tcp cma; do
+  run "tsan-stress-$transport" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
+    "$CI_OUT/tsan/concurrency_test" stress --transport "$transport" --seconds "$STRESS_SECONDS"
+done
+
+# ------------------------------------------------------------------------------------ 3. ASan+LSan
+step "ASan+LSan: concurrency_test"
+configure "$CI_OUT/asan" -DPDLINK_SANITIZE=address,undefined -DPDLINK_BUILD_TESTS=ON
+build "$CI_OUT/asan" concurrency_test
+for transport in tcp cma; do
+  run "lsan-cycles-$transport" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
+    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+    "$CI_OUT/asan/concurrency_test" cycles --transport "$transport" --cycles 2000
+  run "asan-stress-$transport" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
+    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+    "$CI_OUT/asan/concurrency_test" stress --transport "$transport" --seconds "$STRESS_SECONDS"
+done
+
+step "sanitizers: $findings finding(s), $SECONDS s"
+[ "$findings" -eq 0 ]

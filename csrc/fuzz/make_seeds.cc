@@ -1,0 +1,146 @@
+// Writes the seed corpus of wire_fuzz: valid frames made by the real encoders, each prefixed with
+// its selector byte (fuzz_fixture.h), several addressing the fixture's caches so that the fuzzer
+// starts from accesses the registry accepts. Generated at build time, so the seeds follow the
+// protocol when it changes.
+//
+// Usage: make_seeds DIR
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "fuzz/fuzz_fixture.h"
+
+using namespace pdlink;
+using namespace pdlink::fuzz;
+
+namespace {
+
+std::string dir;
+int written = 0;
+
+void seed(const std::string& name, uint8_t mode, const std::string& bytes) {
+  std::string path = dir + "/" + name;
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) {
+    std::perror(path.c_str());
+    std::exit(1);
+  }
+  std::fputc(mode, f);
+  std::fwrite(bytes.data(), 1, bytes.size(), f);
+  std::fclose(f);
+  ++written;
+}
+
+wire::TransferBody body(wire::TargetKind kind, std::vector<uint32_t> tensors, std::vector<wire::Run> runs) {
+  wire::TransferBody b;
+  b.target.kind = kind;
+  b.tensors = std::move(tensors);
+  b.runs = std::move(runs);
+  return b;
+}
+
+std::string frame(wire::Op op, const wire::TransferBody& b, uint8_t flags = 0) {
+  std::string encoded = wire::encode(b);
+  wire::RequestHeader h;
+  h.op = op;
+  h.flags = flags;
+  h.body_len = static_cast<uint32_t>(encoded.size());
+  if (op == wire::Op::kWrite && !flags) h.payload_len = b.payloadBytes().value();
+  return std::string(1, static_cast<char>(kStepFrame)) + wire::encode(h) + encoded;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s DIR\n", argv[0]);
+    return 2;
+  }
+  dir = argv[1];
+
+  wire::Hello hello;
+  hello.cluster_id = 1;
+  hello.expected_peer = wire::kAnyCluster;
+  hello.nonce = 0x1234567890ABCDEFull;
+  hello.identity.pid = 42;
+  hello.identity.pid_ns = 4026531836ull;
+  hello.identity.transports = wire::kTransportCma;
+  for (int i = 0; i < 16; ++i) hello.identity.boot_id[i] = static_cast<uint8_t>(i * 17);
+  seed("hello", kModeHello, wire::encode(hello));
+  hello.channel = wire::Channel::kReverse;
+  seed("hello-reverse", kModeHello, wire::encode(hello));
+  seed("identity", kModeIdentity, wire::encode(hello).substr(wire::kHelloPrefixBytes, wire::kIdentityBytes));
+
+  wire::HelloAck ack;
+  ack.cluster_id = 2;
+  ack.identity = hello.identity;
+  seed("hello-ack", kModeHelloAck, wire::encode(ack));
+  ack.status = static_cast<uint32_t>(Code::kLinkFailed);
+  ack.message = "refused: wrong cluster id";
+  seed("hello-ack-refused", kModeHelloAck, wire::encode(ack));
+
+  wire::AuthResult auth;
+  seed("auth-ok", kModeAuthResult, wire::encode(auth));
+  auth.status = static_cast<uint32_t>(Code::kLinkFailed);
+  auth.message = "authentication failed";
+  seed("auth-refused", kModeAuthResult, wire::encode(auth));
+
+  wire::RequestHeader req;
+  req.op = wire::Op::kWrite;
+  req.body_len = 69;
+  req.payload_len = 4096;
+  seed("request-write", kModeRequest, wire::encode(req));
+  wire::ResponseHeader resp;
+  resp.status = static_cast<uint32_t>(Code::kParamInvalid);
+  resp.message_len = 12;
+  seed("response", kModeResponse, wire::encode(resp));
+
+  wire::CacheDescriptor desc;
+  desc.generation = 7;
+  desc.tensor_size = 256;
+  desc.stride = 32;
+  desc.addrs = {0x7f0000001000ull, 0x7f0000002000ull, 0x7f0000003000ull};
+  seed("descriptor", kModeDescriptor, wire::encode(desc));
+
+  // Transfer bodies that the fixture accepts, one per target kind.
+  using K = wire::TargetKind;
+  wire::TransferBody blocks = body(K::kBlocks, {0, 2}, {{32, 64}, {160, 32}});
+  blocks.block_size = 32;
+  seed("body-blocks", kModeBody, wire::encode(blocks));
+  wire::TransferBody blocks7 = body(K::kBlocks, {0}, {{0, 256}});
+  blocks7.target.model_id = 7;
+  seed("body-blocks-pool", kModeBody, wire::encode(blocks7));
+  wire::TransferBody reqkey = body(K::kRequestKey, {0, 1}, {{0, 64}});
+  reqkey.target.req_id = 1;
+  seed("body-request-key", kModeBody, wire::encode(reqkey));
+  wire::TransferBody poolkey = body(K::kRequestKey, {0, 1}, {{0, 100}});
+  poolkey.target.req_id = 5;
+  seed("body-request-key-pool", kModeBody, wire::encode(poolkey));
+  wire::TransferBody prefix = body(K::kPrefixKey, {1}, {{8, 56}});
+  prefix.target.prefix_id = 4;
+  prefix.target.model_id = 1;
+  seed("body-prefix-key", kModeBody, wire::encode(prefix));
+  wire::TransferBody byid = body(K::kIdIndex, {0}, {{0, 33}});
+  byid.target.cache_id = 5;
+  byid.target.batch_index = 2;
+  seed("body-id-index", kModeBody, wire::encode(byid));
+  seed("body-raw", kModeBody, wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}})));
+
+  // A session: read and commit by key (which frees the pooled slot's key), a direct read, a
+  // describe, a write, local removals, and reads after them.
+  std::string s;
+  s += frame(wire::Op::kRead, poolkey);
+  s += frame(wire::Op::kCommit, poolkey);
+  s += frame(wire::Op::kRead, blocks, wire::kFlagDirect);
+  s += frame(wire::Op::kDescribe, blocks7);
+  s += frame(wire::Op::kWrite, reqkey);
+  s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
+  s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};
+  s += std::string{static_cast<char>(kStepUnregister), 1};
+  s += frame(wire::Op::kRead, reqkey);
+  s += frame(wire::Op::kRead, byid);
+  seed("stream", kModeStream, s);
+
+  std::printf("wrote %d seeds to %s\n", written, dir.c_str());
+  return 0;
+}
