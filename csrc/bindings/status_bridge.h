@@ -46,10 +46,8 @@ inline void registerStatusTranslator() {
     } catch (const StatusError& e) {
       namespace py = pybind11;
       py::module_ status = py::module_::import("pdlink.status");
-      py::object code = status.attr("code_2_status")(static_cast<uint32_t>(e.status().code()));
-      std::string msg = e.op() + " failed, error code is " + py::str(code).cast<std::string>() + ", " +
-                        e.status().message() + ".";
-      py::object exc = status.attr("LLMException")(msg, py::arg("status_code") = code);
+      py::object exc = status.attr("llm_exception")(static_cast<uint32_t>(e.status().code()), e.op(),
+                                                    e.status().message());
       PyErr_SetObject(status.attr("LLMException").ptr(), exc.ptr());
     }
   });

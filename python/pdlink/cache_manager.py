@@ -36,7 +36,7 @@ from .llm_types import (
     Memtype,
     Placement,
 )
-from .status import LLMException, LLMStatusCode
+from .status import LLMStatusCode, handle_llm_status
 
 if TYPE_CHECKING:
     from .llm_types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
@@ -473,8 +473,5 @@ class CacheManager:
         for info in infos:
             raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE, "remap_registered_memory supports DEVICE memory only")
             raise_if_false(info.addr != 0 and info.size > 0, "mem_info addr must be != 0 and size > 0")
-        raise LLMException(
-            "remap_registered_memory failed, error code is LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "
-            "memory remapping is a reserved llm_datadist feature that pdlink does not provide.",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
+        handle_llm_status(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remap_registered_memory",
+                          "memory remapping is a reserved llm_datadist feature that pdlink does not provide")

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
 from .llm_types import RegisterMemStatus
-from .status import LLMException, LLMStatusCode
+from .status import LLMException, LLMStatusCode, handle_llm_status
 
 logger = logging.getLogger("pdlink")
 
@@ -209,7 +209,7 @@ class CommManager:
         for code, msg, *_ in self._engine.unlink(list(comm.peers), timeout_ms, False):
             if code not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_NOT_YET_LINK,
                             LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED):
-                raise LLMException(f"unlink failed, error code is {LLMStatusCode(code)}, {msg}.", status_code=code)
+                handle_llm_status(code, "unlink", msg)
 
     def close(self) -> None:
         with self._lock:

@@ -145,8 +145,16 @@ def handle_llm_status(ret: int, func_name: str, info: Any) -> None:
     ``status_code`` is ``code_2_status(ret)``.
     """
     if int(ret) != int(LLMStatusCode.LLM_SUCCESS):
-        code = code_2_status(ret)
-        raise LLMException(f"{func_name} failed, error code is {code!s}, {info}.", status_code=code)
+        raise llm_exception(ret, func_name, info)
+
+
+def llm_exception(ret: int, func_name: str, info: Any) -> "LLMException":
+    """The ``LLMException`` for native return code ``ret``, with llm_datadist's message format.
+
+    The one formatter of such messages: the native binding's translator calls it too.
+    """
+    code = code_2_status(ret)
+    return LLMException(f"{func_name} failed, error code is {code!s}, {info}.", status_code=code)
 
 
 def _format_message(fmt: Any, args: tuple, kwargs: dict) -> str:

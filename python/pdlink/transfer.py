@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, raise_if_false
 from .cache_manager import _MODE_BLOCKS_TO_BLOCKS, _MODE_EXPLICIT, _MODE_SLOT_TO_SLOT
 from .llm_types import BlocksCacheKey, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
-from .status import LLMException, LLMStatusCode, code_2_status
+from .status import LLMException, LLMStatusCode, code_2_status, handle_llm_status
 
 __all__ = ["CacheTask", "transfer_cache_async"]
 
@@ -218,8 +218,7 @@ class _Target:
     def push_layer(self, transfer_fn: Callable[..., None], src_cache: Any, layer: int) -> None:
         """Push source layer ``layer``; raises ``LLMException`` on failure."""
         if self.error is not None:
-            raise LLMException(f"{_OP} failed, error code is {LLMStatusCode.LLM_PARAM_INVALID}, {self.error}.",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            handle_llm_status(LLMStatusCode.LLM_PARAM_INVALID, _OP, self.error)
         first = _TENSORS_PER_LAYER * layer
         if self.raw:
             # One tensor per native call: the peer resolves each absolute address range on its own.
