@@ -75,13 +75,25 @@ pip_build() {
   local venv="$CI_OUT/$1-venv"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >"$logs/pip-$1.log" 2>&1
+  # The sanitizer goes in as a CMake define through pip's config settings (not only the
+  # environment), so nothing between pip and CMake can drop it.
   PDLINK_SANITIZE=$2 "$venv/bin/python" -m pip install -q --disable-pip-version-check ".[test]" \
-    -C build-dir="$PWD/$CI_OUT/$1-skb" -C cmake.build-type=RelWithDebInfo >>"$logs/pip-$1.log" 2>&1 ||
+    -C build-dir="$PWD/$CI_OUT/$1-skb" -C cmake.build-type=RelWithDebInfo \
+    -C cmake.define.PDLINK_SANITIZE="$2" >>"$logs/pip-$1.log" 2>&1 ||
     { tail -n 60 "$logs/pip-$1.log"; exit 1; }
-  local runtime=libasan
+  local runtime=libasan deps core
   [ "$2" = thread ] && runtime=libtsan
-  ldd "$venv"/lib/python3*/site-packages/pdlink/libpdlink_core.so | grep -q "$runtime" ||
-    { echo "the core in $venv is not built with -fsanitize=$2"; exit 1; }
+  core=$(echo "$venv"/lib/python3*/site-packages/pdlink/libpdlink_core.so)
+  # ldd's output is captured first: `ldd | grep -q` under pipefail fails at random when grep exits
+  # before ldd has written everything (SIGPIPE).
+  deps=$(ldd "$core") || { echo "ldd $core failed"; exit 1; }
+  if ! grep -q "$runtime" <<<"$deps"; then
+    echo "the core in $venv is not built with -fsanitize=$2; ldd says:"
+    echo "$deps"
+    grep -n PDLINK_SANITIZE "$CI_OUT/$1-skb/CMakeCache.txt" || true
+    tail -n 30 "$logs/pip-$1.log"
+    exit 1
+  fi
 }
 
 # build DIR TARGET: builds quietly; shows the log when it fails.
