@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "backends/ascend/ascend_api.h"
 #include "backends/backend.h"
 #include "core/sha256.h"
 #include "bindings/status_bridge.h"
@@ -27,13 +28,26 @@ StatusList toList(const std::vector<Status>& in) {
   return out;
 }
 
+Placement toPlacement(int p) { return p == 0 ? Placement::kHost : Placement::kDevice; }
+
+py::dict capabilitiesDict(const Capabilities& c) {
+  py::dict d;
+  d["device_memory"] = c.device_memory;
+  d["host_memory"] = c.host_memory;
+  d["device_transport"] = c.device_transport;
+  py::dict f;
+  for (auto& [name, on] : c.features) f[py::str(name)] = on;
+  d["features"] = f;
+  return d;
+}
+
 CacheLayout makeLayout(uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement) {
   CacheLayout l;
   l.num_tensors = num_tensors;
   l.tensor_size = tensor_size;
   l.num_slots = num_slots;
   l.is_blocks = is_blocks;
-  l.placement = placement == 0 ? Placement::kHost : Placement::kDevice;
+  l.placement = toPlacement(placement);
   return l;
 }
 
@@ -75,7 +89,7 @@ TransferSpec makeSpec(uint64_t peer, int target_kind, uint64_t model_id, uint64_
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "pdlink native engine (C++ core, CPU backend, TCP transport)";
+  m.doc() = "pdlink native engine (C++ core; CPU and Ascend backends; TCP, same-host and HCCL transports)";
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
   m.attr("ANY_CLUSTER") = wire::kAnyCluster;
@@ -86,10 +100,64 @@ PYBIND11_MODULE(_core, m) {
     return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
   });
 
+  // What the Ascend loader found, without failing: for pdlink.backend_info() and diagnostics.
+  m.def("ascend_info", [] {
+    Result<const ascend::AscendApi*> api = Status(Code::kFailed, "not loaded");
+    {
+      py::gil_scoped_release unlocked;  // dlopen may take a while on a real CANN install
+      api = ascend::AscendApi::load();
+    }
+    py::dict d;
+    d["loaded"] = api.ok();
+    d["error"] = api.ok() ? std::string() : api.status().message();
+    if (api.ok()) {
+      d["library_dir"] = api.value()->library_dir;
+      py::dict f;
+      for (auto& [name, on] : api.value()->features) f[py::str(name)] = on;
+      d["features"] = f;
+      d["missing_optional"] = api.value()->missing_optional;
+    }
+    return d;
+  });
+  m.def("_map_vendor_code", [](const std::string& lib, int rc) {
+    return static_cast<uint32_t>(lib == "acl" ? ascend::mapAclCode(rc) : ascend::mapHcclCode(rc));
+  });
+
+  // A process-wide backend (backends/backend.h): memory and local copies, used by pdlink.device.
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("name", [](const Backend& b) { return std::string(b.name()); })
+      .def_property_readonly("device_id", &Backend::deviceId)
+      .def("capabilities", [](const Backend& b) { return capabilitiesDict(b.capabilities()); })
+      .def(
+          "allocate",
+          [](Backend& b, int placement, size_t bytes) {
+            return reinterpret_cast<uint64_t>(valueOrThrow(b.allocate(toPlacement(placement), bytes), "allocate"));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "release",
+          [](Backend& b, int placement, uint64_t addr, size_t bytes) {
+            b.release(toPlacement(placement), reinterpret_cast<void*>(addr), bytes);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "copy",
+          [](Backend& b, uint64_t dst, int dst_placement, uint64_t src, int src_placement, size_t n) {
+            throwIfError(b.copy(reinterpret_cast<void*>(dst), toPlacement(dst_placement),
+                                reinterpret_cast<const void*>(src), toPlacement(src_placement), n),
+                         "copy");
+          },
+          py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "open_backend",
+      [](const std::string& name, int32_t device_id) { return valueOrThrow(openBackend(name, device_id), "init"); },
+      py::arg("name"), py::arg("device_id") = 0, py::call_guard<py::gil_scoped_release>());
+
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](const std::string& backend) {
-             if (backend != "cpu") throw py::value_error("unknown backend '" + backend + "' (available: cpu)");
-             return std::make_unique<Engine>(makeCpuBackend());
+      .def(py::init([](std::shared_ptr<Backend> backend) { return std::make_unique<Engine>(std::move(backend)); }),
+           py::arg("backend"))
+      .def(py::init([](const std::string& name) {
+             return std::make_unique<Engine>(valueOrThrow(openBackend(name, 0), "init"));
            }),
            py::arg("backend") = "cpu")
       .def(
@@ -228,11 +296,13 @@ PYBIND11_MODULE(_core, m) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "copy_local",
-          [](Engine& e, const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
-             const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& runs, const std::string& op) {
+          [](Engine& e, const std::vector<uint64_t>& dst, int dst_placement, const std::vector<uint64_t>& src,
+             int src_placement, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& runs,
+             const std::string& op) {
             std::vector<Engine::CopyRun> rs;
             for (auto& [d, s, n] : runs) rs.push_back({d, s, n});
-            throwIfError(e.copyLocal(dst, src, rs), op.c_str());
+            throwIfError(e.copyLocal(dst, toPlacement(dst_placement), src, toPlacement(src_placement), rs),
+                         op.c_str());
           },
           py::call_guard<py::gil_scoped_release>());
 }

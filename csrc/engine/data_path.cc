@@ -46,6 +46,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   pinned->clear();
 
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
+  if (h.op == wire::Op::kDeviceChannel) return serveDeviceChannel(link, body, deadline);
   if (h.op == wire::Op::kUnlink) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -71,7 +72,9 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   }
   if (h.op == wire::Op::kRelease) return Status::OK();
   if (h.op == wire::Op::kDescribe) {
-    auto d = tb.target.kind == wire::TargetKind::kBlocks
+    // With device memory in play the checked round trip decides (it knows each cache's placement).
+    auto d = device_transport_ ? Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "no direct reads here"))
+             : tb.target.kind == wire::TargetKind::kBlocks
                  ? registry_.describe(tb.target.model_id)
                  : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
     if (!d.ok()) return sendResponse(s, d.status(), deadline);
@@ -82,7 +85,9 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   auto payload = tb.payloadBytes();
   bool is_write = h.op == wire::Op::kWrite;
   const bool direct = h.flags & wire::kFlagDirect;
-  if (!payload.ok() || h.payload_len != (is_write && !direct ? payload.value() : 0)) {
+  const bool device = h.flags & wire::kFlagDevice;
+  const bool in_stream = is_write && !direct && !device;  // the payload follows in this stream
+  if (!payload.ok() || h.payload_len != (in_stream ? payload.value() : 0)) {
     // The stream cannot be resynchronised without a trustworthy length.
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
     return Status(Code::kLinkFailed, "inconsistent payload length");
@@ -91,10 +96,40 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   if (!resolved.ok()) {
     PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer())
                                    << ": " << resolved.status().message());
-    if (is_write && !direct) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    if (in_stream) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
     return sendResponse(s, resolved.status(), deadline);
   }
   const Resolved& r = resolved.value();
+  // Device memory is reachable only through the device channel; host memory only without it.
+  const bool on_device = device_transport_ && std::any_of(r.keep.begin(), r.keep.end(), [](const auto& e) {
+                           return e->layout.placement == Placement::kDevice;
+                         });
+  if (device != on_device) {
+    if (in_stream) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    return sendResponse(s,
+                        Status(Code::kParamInvalid,
+                               on_device ? "the addressed cache is in device memory; the other side's cache must be "
+                                           "in device memory too (placement DEVICE, same backend)"
+                                         : "the addressed cache is in host memory; a device cache cannot be moved to "
+                                           "or from it over this link (use placement DEVICE on both sides)"),
+                        deadline);
+  }
+  if (device) {
+    DeviceChannel* channel = link->inDevice();
+    if (!channel) return sendResponse(s, Status(Code::kFailed, "no device channel on this link"), deadline);
+    std::vector<Segment> segments;
+    segments.reserve(r.tensors.size() * r.runs.size());
+    for (uint32_t t : r.tensors) {
+      for (const wire::Run& run : r.runs) segments.push_back({r.addrs[t] + r.base + run.offset, run.length});
+    }
+    PDLINK_RETURN_IF_ERROR(sendResponse(s, Status::OK(), deadline));
+    Status moved = is_write ? channel->recv(segments, deadline) : channel->send(segments, deadline);
+    if (!moved.ok()) {  // the channel (and so the link) can no longer be trusted
+      link->setInDevice(nullptr);
+      return moved;
+    }
+    return is_write ? sendResponse(s, Status::OK(), deadline) : Status::OK();
+  }
   if (direct) {
     // Checked like any access; answer where the bytes are and keep them alive until the next frame.
     std::string list;
@@ -121,6 +156,19 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
 }
 
 // ---------------------------------------------------------------- transfers
+
+namespace {
+
+// After a pull received every byte: lets the peer release the request key it read (never before,
+// so a failed pull leaves the source intact and retryable). `body` is the pull's request body.
+void commitPull(Link& link, wire::TargetKind kind, const std::string& body, Deadline deadline) {
+  if (!usesKeyCommit(kind)) return;
+  std::string head = wire::encode(wire::RequestHeader{wire::Op::kCommit, static_cast<uint32_t>(body.size()), 0});
+  std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
+  if (!link.out().sendv(iov, deadline).ok()) link.breakLink("could not confirm a completed pull to the peer");
+}
+
+}  // namespace
 
 Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -281,6 +329,9 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
     return linkDown(*link);
   }
   Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
+  if (device_transport_ && p.local->layout.placement == Placement::kDevice) {
+    return deviceTransfer(link, p, is_push, deadline, what);
+  }
   if (link->direct()) return directTransfer(link, p, is_push, deadline, what);
   Socket& s = link->out();
   std::string body = wire::encode(p.remote);
@@ -304,14 +355,7 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   }
   st = movePayload(s, false, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
-  if (usesKeyCommit(p.remote.target.kind)) {
-    // Every byte arrived: now the peer may release the request key (never before, so a failed
-    // pull leaves the source intact and retryable).
-    wire::RequestHeader ch{wire::Op::kCommit, static_cast<uint32_t>(body.size()), 0};
-    std::string chead = wire::encode(ch);
-    std::vector<iovec> civ{{chead.data(), chead.size()}, {body.data(), body.size()}};
-    if (!s.sendv(civ, deadline).ok()) link->breakLink("could not confirm a completed pull to the peer");
-  }
+  commitPull(*link, p.remote.target.kind, body, deadline);
   return Status::OK();
 }
 
@@ -343,7 +387,8 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
         wire::ResponseHeader rh;
         Status st = request(link, wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0}, b,
                             deadline, what, &rh);
-        if (!st.ok()) return st;
+        if (!st.ok() && link->broken()) return st;
+        if (!st.ok()) break;  // refused: the checked round trip below gives the peer's own answer
         if (rh.payload_len > wire::kMaxBodyBytes) return failTransfer(link, Status(Code::kLinkFailed, "oversized descriptor"), what);
         std::string payload(rh.payload_len, '\0');
         st = s.recvAll(payload.data(), payload.size(), deadline);
@@ -411,6 +456,70 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
     return Status(copied.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + copied.message());
   }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- device channels
+
+Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, const std::vector<uint8_t>& rendezvous,
+                                  Deadline deadline) {
+  Socket& s = link->in();
+  if (!device_transport_) {
+    return sendResponse(s, Status(Code::kFeatureNotEnabled, std::string("the peer's backend (") + backend_->name() +
+                                                                ") has no device channels"),
+                        deadline);
+  }
+  // Accept first, then join: the requester joins only after this answer, so a refusal never
+  // leaves it waiting in the vendor's communicator setup.
+  PDLINK_RETURN_IF_ERROR(sendResponse(s, Status::OK(), deadline));
+  auto channel = backend_->joinChannel(std::string(rendezvous.begin(), rendezvous.end()), false);
+  if (!channel.ok()) {
+    PDLINK_LOG(kWarn, "device channel from " << clusterName(link->peer()) << ": " << channel.status().message());
+    return channel.status();
+  }
+  link->setInDevice(std::move(channel.value()));
+  PDLINK_LOG(kDebug, "device channel from " << clusterName(link->peer()) << " ready");
+  return Status::OK();
+}
+
+Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what) {
+  if (link->outDevice()) return Status::OK();
+  auto rendezvous = backend_->newRendezvous();
+  if (!rendezvous.ok()) return rendezvous.status();
+  const std::string& rv = rendezvous.value();
+  wire::ResponseHeader rh;
+  Status st = request(link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(rv.size()), 0}, rv,
+                      deadline, what, &rh);
+  if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
+  auto channel = backend_->joinChannel(rv, true);
+  if (!channel.ok()) return failTransfer(link, channel.status(), what);  // the peer's half is in an unknown state
+  link->setOutDevice(std::move(channel.value()));
+  return Status::OK();
+}
+
+Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
+                              const char* what) {
+  PDLINK_RETURN_IF_ERROR(ensureDeviceChannel(link, deadline, what));
+  std::vector<Segment> segments;
+  segments.reserve(p.local_tensors.size() * p.local_runs.size());
+  for (uint32_t t : p.local_tensors) {
+    for (const wire::Run& r : p.local_runs) segments.push_back({p.local->addrs[t] + r.offset, r.length});
+  }
+  std::string body = wire::encode(p.remote);
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
+                        wire::kFlagDevice};
+  wire::ResponseHeader rh;
+  Status st = request(link, h, body, deadline, what, &rh);  // the peer checked the access, or refused it
+  if (!st.ok()) return st;
+  if (rh.payload_len != 0) return failTransfer(link, Status(Code::kLinkFailed, "unexpected payload"), what);
+  DeviceChannel* channel = link->outDevice();
+  st = is_push ? channel->send(segments, deadline) : channel->recv(segments, deadline);
+  if (!st.ok()) {
+    link->setOutDevice(nullptr);
+    return failTransfer(link, st, what);
+  }
+  if (is_push) return awaitResponse(link, deadline, what, &rh);  // stored on the peer
+  commitPull(*link, p.remote.target.kind, body, deadline);
   return Status::OK();
 }
 

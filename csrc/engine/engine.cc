@@ -11,7 +11,8 @@ namespace pdlink {
 
 using namespace detail;  // NOLINT: this file is part of the engine
 
-Engine::Engine(std::shared_ptr<Backend> backend) : backend_(std::move(backend)) {}
+Engine::Engine(std::shared_ptr<Backend> backend)
+    : backend_(std::move(backend)), device_transport_(backend_->capabilities().device_transport) {}
 
 Engine::~Engine() { finalize(); }
 
@@ -256,13 +257,15 @@ Status Engine::deallocateCache(int64_t id, bool expect_blocks) { return registry
 Status Engine::unregisterCache(int64_t id) { return registry_.unregister(id); }
 void Engine::removeCacheKey(const RequestKey& key) { registry_.removeKey(key); }
 
-Status Engine::copyLocal(const std::vector<uint64_t>& dst_addrs, const std::vector<uint64_t>& src_addrs,
+Status Engine::copyLocal(const std::vector<uint64_t>& dst_addrs, Placement dst_placement,
+                         const std::vector<uint64_t>& src_addrs, Placement src_placement,
                          const std::vector<CopyRun>& runs) {
   if (dst_addrs.size() != src_addrs.size()) return Status(Code::kParamInvalid, "tensor counts differ");
   for (size_t t = 0; t < dst_addrs.size(); ++t) {
     for (const CopyRun& r : runs) {
-      PDLINK_RETURN_IF_ERROR(backend_->copy(reinterpret_cast<void*>(dst_addrs[t] + r.dst_offset),
-                                            reinterpret_cast<const void*>(src_addrs[t] + r.src_offset), r.length));
+      PDLINK_RETURN_IF_ERROR(backend_->copy(reinterpret_cast<void*>(dst_addrs[t] + r.dst_offset), dst_placement,
+                                            reinterpret_cast<const void*>(src_addrs[t] + r.src_offset), src_placement,
+                                            r.length));
     }
   }
   return Status::OK();

@@ -163,8 +163,9 @@ class Engine {
   struct CopyRun {
     uint64_t dst_offset, src_offset, length;
   };
-  Status copyLocal(const std::vector<uint64_t>& dst_addrs, const std::vector<uint64_t>& src_addrs,
-                   const std::vector<CopyRun>& runs);
+  // Each side's memory is of the given placement (the backend picks the copy kind from them).
+  Status copyLocal(const std::vector<uint64_t>& dst_addrs, Placement dst_placement,
+                   const std::vector<uint64_t>& src_addrs, Placement src_placement, const std::vector<CopyRun>& runs);
 
  private:
   struct Plan;  // byte runs for both sides of one transfer (engine.cc)
@@ -190,10 +191,16 @@ class Engine {
   // Serving one request; a non-OK result means the channel is unusable.
   Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked, std::vector<std::shared_ptr<CacheEntry>>* pinned);
   Status directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
+  // DEVICE caches of a backend with device transport: the request on the socket, the bytes over
+  // the link's device channel (created on first use by ensureDeviceChannel; requires the out mutex).
+  Status deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
+  Status ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what);
+  Status serveDeviceChannel(const std::shared_ptr<Link>& link, const std::vector<uint8_t>& rendezvous, Deadline deadline);
   void spawn(std::function<void()> fn);
   void reapThreads();
 
   std::shared_ptr<Backend> backend_;
+  const bool device_transport_;  // backend_->capabilities().device_transport
   EngineConfig config_;
   wire::HostIdentity identity_;  // set by initialize()
   Registry registry_;

@@ -16,9 +16,11 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 
+#include "backends/backend.h"
 #include "core/status.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
@@ -51,6 +53,14 @@ class Link {
   Direct& directState() { return direct_state_; }  // requires outMutex()
   const char* transport() const { return direct_ ? "cma" : "tcp"; }
 
+  // Device channels (Backend::DeviceChannel), one per direction like the sockets: `out` carries
+  // the bytes of this side's requests (this side created it, rank 0), `in` those of the peer's
+  // requests (set and used only by the serving thread). Created on first use, dropped on failure.
+  DeviceChannel* outDevice() { return out_device_.get(); }  // requires outMutex()
+  void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
+  DeviceChannel* inDevice() { return in_device_.get(); }
+  void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
+
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
   const std::string& peerAddress() const { return out_.peer(); }
@@ -72,6 +82,8 @@ class Link {
   std::mutex out_mu_;  // held for a whole request/response exchange on out_
   bool direct_ = false;  // set before the link is shared, then constant
   Direct direct_state_;
+  std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
+  std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_
   std::string broken_reason_;  // guarded by state_mu_

@@ -98,8 +98,21 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     installLink(link);
   }
   spawn([this, link] { serve(link); });
+  if (device_transport_) {
+    // Set up this direction's device channel now rather than on the first pull: HCCL's
+    // communicator setup takes seconds on real hardware. A peer without device channels (a CPU
+    // backend) still links; its device transfers are refused then.
+    std::lock_guard<std::mutex> out(link->outMutex());
+    st = ensureDeviceChannel(link, deadline, "link to");
+    if (!st.ok() && st.code() != Code::kFeatureNotEnabled) {
+      (void)unlinkOne(peer_id, 1000, true);
+      return linkError(peer, st);
+    }
+    if (!st.ok()) PDLINK_LOG(kInfo, st.message());
+  }
   if (linked_id) *linked_id = peer_id;
-  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where << " over " << link->transport());
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where << " over " << link->transport()
+                                 << (link->outDevice() ? " and a device channel" : ""));
   return Status::OK();
 }
 

@@ -90,7 +90,8 @@ void fuzzRequest(const uint8_t* p, size_t n) {
   if (!wire::decode(p, n, &h).ok()) return;
   const uint8_t op = static_cast<uint8_t>(h.op);
   FUZZ_CHECK(n >= wire::kRequestHeaderBytes);
-  FUZZ_CHECK(op >= 1 && op <= 7 && h.flags <= wire::kFlagDirect && h.body_len <= wire::kMaxBodyBytes);
+  FUZZ_CHECK(op >= 1 && op <= wire::kMaxOp && !(h.flags & ~wire::kKnownFlags) && h.flags != wire::kKnownFlags &&
+             h.body_len <= wire::kMaxBodyBytes);
   uint8_t canonical[wire::kRequestHeaderBytes];
   std::memcpy(canonical, p, sizeof(canonical));
   canonical[6] = canonical[7] = 0;  // padding: ignored on decode, zero on encode
@@ -261,7 +262,7 @@ void fuzzStream(const uint8_t* p, size_t n) {
     const uint8_t* body = p + i;
     i += h.body_len;
     pinned.clear();
-    if (h.op == wire::Op::kPing || h.op == wire::Op::kUnlink) continue;
+    if (h.op == wire::Op::kPing || h.op == wire::Op::kUnlink || h.op == wire::Op::kDeviceChannel) continue;
     wire::TransferBody b;
     if (!wire::decode(body, h.body_len, &b).ok()) return;
     if (h.op == wire::Op::kCommit) {
@@ -274,16 +275,16 @@ void fuzzStream(const uint8_t* p, size_t n) {
       continue;
     }
     const bool is_write = h.op == wire::Op::kWrite;
-    const bool direct = h.flags & wire::kFlagDirect;
+    const bool in_stream = is_write && h.flags == 0;  // kFlagDirect/kFlagDevice: bytes move elsewhere
     auto payload = b.payloadBytes();
-    if (!payload.ok() || h.payload_len != (is_write && !direct ? payload.value() : 0)) return;
+    if (!payload.ok() || h.payload_len != (in_stream ? payload.value() : 0)) return;
     auto r = fx.registry.resolve(b, is_write);
     if (!r.ok()) {
       checkRejected(r.status());
       continue;
     }
     checkResolved(fx, b, r.value(), is_write);
-    if (direct) pinned = r.value().keep;
+    if (h.flags & wire::kFlagDirect) pinned = r.value().keep;
   }
 }
 

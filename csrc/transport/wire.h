@@ -109,18 +109,25 @@ enum class Op : uint8_t {
   kPing = 5,    // liveness check (check_link_status)          -> Response
   kDescribe = 6,  // a kBlocks target's layout for direct reads  -> Response + CacheDescriptor
   kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
+  kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
 };
+constexpr uint8_t kMaxOp = 8;
 
 // kRead/kWrite with kFlagDirect: the server checks the access as usual but answers with the
 // absolute addresses (AddressList) instead of moving bytes; the requester then copies them itself
 // with process_vm_readv/writev, and the server keeps the caches alive until the next frame.
 constexpr uint8_t kFlagDirect = 1;
-
+// kRead/kWrite with kFlagDevice: checked as usual; the bytes then move over the link's device
+// channel for this direction (Backend::DeviceChannel) instead of this stream. kRead: Response, then
+// the server sends. kWrite: Response (accepted), the requester sends, then a second Response
+// (stored). Set only for DEVICE-placement caches of a backend with device transport.
+constexpr uint8_t kFlagDevice = 2;
+constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice;
 struct RequestHeader {
   Op op = Op::kRead;
   uint32_t body_len = 0;
   uint64_t payload_len = 0;
-  uint8_t flags = 0;  // kFlagDirect
+  uint8_t flags = 0;  // kFlagDirect or kFlagDevice
 };
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);

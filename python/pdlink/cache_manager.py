@@ -422,7 +422,7 @@ class CacheManager:
         raise_if_false(length > 0 and offset + length <= min(d_stride, s_stride),
                        f"offset {offset} + size {length} exceeds the slot size ({min(d_stride, s_stride)} bytes)")
         runs = [(dst_batch_index * d_stride + offset, src_batch_index * s_stride + offset, length)]
-        engine.copy_local(dst.tensor_addrs, src.tensor_addrs, runs, "copy_cache")
+        engine.copy_local(dst.tensor_addrs, int(dd.placement), src.tensor_addrs, int(sd.placement), runs, "copy_cache")
 
     def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
         """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``."""
@@ -438,7 +438,8 @@ class CacheManager:
             for dst in [src, *dsts]:
                 raise_if_false(0 <= dst < num_blocks, f"block index {dst} out of range [0, {num_blocks})")
             runs.extend((dst * stride, src * stride, stride) for dst in dsts)
-        engine.copy_local(cache.tensor_addrs, cache.tensor_addrs, runs, "copy_blocks")
+        placement = int(cache.cache_desc.placement)
+        engine.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs, "copy_blocks")
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Dict[int, int]) -> None:
         """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST); accepts ``create_cpu_cache`` handles."""
@@ -463,7 +464,8 @@ class CacheManager:
             raise_if_false(0 <= s < s_n, f"src block {s} out of range [0, {s_n})")
             raise_if_false(0 <= d < d_n, f"dst block {d} out of range [0, {d_n})")
             runs.append((d * d_block, s * s_block, s_block))
-        engine.copy_local(dst_cache.tensor_addrs, src_cache.tensor_addrs, runs, "swap_blocks")
+        engine.copy_local(dst_cache.tensor_addrs, int(dst_desc.placement), src_cache.tensor_addrs,
+                          int(src_desc.placement), runs, "swap_blocks")
 
     def remap_registered_memory(self, mem_infos: Union[MemInfo, List[MemInfo]]) -> None:
         """Reserved in llm_datadist (DEVICE memory after a UCE fault); not supported by pdlink."""

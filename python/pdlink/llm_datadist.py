@@ -49,6 +49,12 @@ _TRANSPORTS = {"auto": 0, "tcp": 1, "cma": 2}
 # pdlink option: a shared secret every linked engine must prove it knows (challenge-response; the
 # secret never crosses the wire). The environment variable PDLINK_LINK_SECRET works the same.
 SECRET_OPTION = "pdlink.LinkSecret"
+# pdlink option: where cache memory lives and how DEVICE bytes move. "cpu": host memory, links move
+# it; "ascend": NPU memory through ACL, moved over HCCL (the libraries are loaded at run time, see
+# docs/ascend.md); "auto": Ascend when its libraries load and report a device, else CPU. The
+# environment variable PDLINK_BACKEND works the same.
+BACKEND_OPTION = "pdlink.Backend"
+_BACKENDS = ("auto", "cpu", "ascend")
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
@@ -122,7 +128,13 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
     raise_if_false(transport in _TRANSPORTS,
                    f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
     raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
+    backend = options.get(BACKEND_OPTION) or os.environ.get("PDLINK_BACKEND") or "auto"
+    raise_if_false(backend in _BACKENDS,
+                   f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(_BACKENDS)}, got {backend!r}")
+    device = options.get("ge.exec.deviceId", "0").split(";")[0]
     return {
+        "backend": backend,
+        "device_id": int(device) if device.isdigit() else 0,
         "cache_manager": options.get("llm.EnableCacheManager") == "1",
         "remote_cache_accessible": options.get("llm.EnableRemoteCacheAccessible") == "1",
         "listen_ip": listen_ip,
@@ -185,6 +197,7 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
         "switch_role": options.get("llm.EnableSwitchRole") == "1",
         "transport": cfg["transport"],
         "link_secret": cfg["link_secret"],
+        "backend": cfg["backend"],
     }
 
 
@@ -327,7 +340,7 @@ class LLMDataDist:
             if v1:
                 self._init_v1(_core, cfg)
             else:
-                engine = _core.Engine("cpu")
+                engine = _core.Engine(_core.open_backend(cfg.pop("backend"), cfg.pop("device_id")))
                 engine.initialize(self._cluster_id, int(self._role), handshake_timeout_ms=5000, **cfg)
                 self._engine = engine
                 self._engines = [engine]
@@ -352,8 +365,8 @@ class LLMDataDist:
 
         engines: List[Any] = []
         try:
-            for ip, port in cfg["listens"]:
-                engine = core.Engine("cpu")
+            for device, (ip, port) in zip(cfg["devices"], cfg["listens"]):
+                engine = core.Engine(core.open_backend(cfg["backend"], device))
                 engine.initialize(self._cluster_id, int(self._role), listen_ip=ip, listen_port=port,
                                   sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,

@@ -12,7 +12,7 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   const char* name() const override { return "cpu"; }
-  Capabilities capabilities() const override { return Capabilities{false, true}; }
+  Capabilities capabilities() const override { return Capabilities{}; }
 
   Result<void*> allocate(Placement, size_t bytes) override {
     // mmap rather than malloc: pools are large, page-aligned, and returned to the OS on release.
@@ -26,7 +26,7 @@ class CpuBackend final : public Backend {
 
   void release(Placement, void* ptr, size_t bytes) override { ::munmap(ptr, bytes); }
 
-  Status copy(void* dst, const void* src, size_t n) override {
+  Status copy(void* dst, Placement, const void* src, Placement, size_t n) override {
     std::memmove(dst, src, n);
     return Status::OK();
   }
