@@ -184,7 +184,7 @@ def test_server_config_fields(tmp_path, server, match):
 
 
 @pytest.mark.parametrize("kv,match", [
-    ({"backend": "npu"}, r"backend must be one of \['cpu'\]"),
+    ({"backend": "npu"}, r"backend must be one of \['cpu', 'ascend', 'auto'\]"),
     ({"transport": "rdma"}, "transport"),
     ({"deviceCount": 0}, "deviceCount"),
     ({"listenIpSource": "pod_ip"}, "listenIpSource"),

@@ -15,8 +15,25 @@ def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the handshake's MAC (t
 _Key = Tuple[int, int, int]  # (req_id, prefix_id, model_id)
 _Handle = Tuple[int, List[int]]  # (cache_id, tensor addresses)
 
+def ascend_info() -> Dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
+def _map_vendor_code(lib: str, rc: int) -> int: ...  # "acl" or "hccl" return code -> LLMStatusCode value
+
+class Backend:
+    """A process-wide backend: memory of a placement (0 HOST, 1 DEVICE) and copies between them."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def device_id(self) -> int: ...
+    def capabilities(self) -> Dict[str, object]: ...  # device_memory, host_memory, device_transport, features
+    def allocate(self, placement: int, nbytes: int) -> int: ...
+    def release(self, placement: int, addr: int, nbytes: int) -> None: ...
+    def copy(self, dst: int, dst_placement: int, src: int, src_placement: int, nbytes: int) -> None: ...
+
+def open_backend(name: str, device_id: int = 0) -> Backend: ...  # "auto", "cpu" or "ascend"
+
 class Engine:
-    def __init__(self, backend: str = "cpu") -> None: ...
+    def __init__(self, backend: Union[Backend, str] = "cpu") -> None: ...
     def initialize(
         self,
         cluster_id: int,
@@ -103,5 +120,11 @@ class Engine:
         remote_runs: Sequence[Tuple[int, int]],
     ) -> None: ...
     def copy_local(
-        self, dst: Sequence[int], src: Sequence[int], runs: Sequence[Tuple[int, int, int]], op: str
+        self,
+        dst: Sequence[int],
+        dst_placement: int,
+        src: Sequence[int],
+        src_placement: int,
+        runs: Sequence[Tuple[int, int, int]],
+        op: str,
     ) -> None: ...

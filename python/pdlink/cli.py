@@ -155,7 +155,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "version":
         from . import __version__, _core
 
-        print(f"pdlink {__version__} (wire protocol {_core.PROTOCOL_VERSION}, backends: cpu)")
+        ascend = _core.ascend_info()
+        where = ascend.get("library_dir") or "the loader path"
+        state = f"loaded from {where}" if ascend["loaded"] else "unavailable: " + ascend["error"]
+        print(f"pdlink {__version__} (wire protocol {_core.PROTOCOL_VERSION}, backends: cpu, ascend)")
+        print(f"ascend runtime: {state}")
         return 0
     if args.command == "serve":
         return _serve(args)

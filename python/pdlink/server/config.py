@@ -432,7 +432,7 @@ def _kv_section(root: _Section, home: Optional[str], env: Mapping[str, str]) -> 
     if test_kv.num_tensors * test_kv.num_blocks * test_kv.block_bytes > (256 << 20):
         raise ConfigError("KvTransferConfig.testKv: numTensors * numBlocks * blockBytes must be at most 256 MiB")
     out = KvTransfer(
-        backend=kv.str("backend", "cpu", ("cpu",)),
+        backend=kv.str("backend", "cpu", ("cpu", "ascend", "auto")),
         transport=kv.str("transport", "auto", ("auto", "tcp", "cma")),
         device_count=kv.int("deviceCount", 1, 1, 16),
         listen_ip_source=kv.str("listenIpSource", "server_ip", ("server_ip", "device_ip", "host_ip")),
