@@ -120,24 +120,25 @@ Result<const AscendApi*> loadOnce() {
                                                 " lack required symbols: " + join(missing) +
                                                 " (CANN too old, or not CANN's libraries)");
   }
-  std::vector<std::string>& opt = api->missing_optional;
+  // Optional symbols come in groups; a group's feature is on only when all of its symbols exist.
+  auto endGroup = [&](const char* feature) {
+    if (feature) api->features[feature] = missing.empty();
+    api->missing_optional.insert(api->missing_optional.end(), missing.begin(), missing.end());
+    missing.clear();
+  };
   PDLINK_BIND(acl, aclGetRecentErrMsg);
+  endGroup("error_text");
   PDLINK_BIND(acl, aclrtGetPhyDevIdByLogicDevId);
   PDLINK_BIND(hccl, HcclGetErrorString);
   PDLINK_BIND(hccl, HcclGetCommAsyncError);
-  opt = std::move(missing);
-  missing.clear();
+  endGroup(nullptr);
   PDLINK_BIND(acl, aclrtSynchronizeStreamWithTimeout);
-  api->features["sync_timeout"] = missing.empty();
-  opt.insert(opt.end(), missing.begin(), missing.end());
-  missing.clear();
+  endGroup("sync_timeout");
   PDLINK_BIND(acl, aclrtIpcMemGetExportKey);
   PDLINK_BIND(acl, aclrtIpcMemSetImportPid);
   PDLINK_BIND(acl, aclrtIpcMemImportByKey);
   PDLINK_BIND(acl, aclrtIpcMemClose);
-  api->features["ipc"] = missing.empty();
-  opt.insert(opt.end(), missing.begin(), missing.end());
-  missing.clear();
+  endGroup("ipc");
   void* one_sided = hcomm ? hcomm : hccl;
   PDLINK_BIND(one_sided, HcclRegisterGlobalMem);
   PDLINK_BIND(one_sided, HcclDeregisterGlobalMem);
@@ -146,11 +147,11 @@ Result<const AscendApi*> loadOnce() {
   PDLINK_BIND(one_sided, HcclCommPrepare);
   PDLINK_BIND(one_sided, HcclBatchPut);
   PDLINK_BIND(one_sided, HcclBatchGet);
-  api->features["one_sided"] = missing.empty();
-  opt.insert(opt.end(), missing.begin(), missing.end());
+  endGroup("one_sided");
 #undef PDLINK_BIND
-  api->features["error_text"] = api->aclGetRecentErrMsg != nullptr;
-  if (!opt.empty()) PDLINK_LOG(kInfo, "Ascend runtime lacks optional symbols (features off): " << join(opt));
+  if (!api->missing_optional.empty()) {
+    PDLINK_LOG(kInfo, "Ascend runtime lacks optional symbols (features off): " << join(api->missing_optional));
+  }
   return static_cast<const AscendApi*>(api);
 }
 
