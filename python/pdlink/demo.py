@@ -1,6 +1,7 @@
 """``pdlink demo``: a prefill and a decode process move a KV cache, switch roles, move it back.
 
-What it shows, end to end, on one machine over loopback TCP:
+What it shows, end to end, on one machine over loopback (on the CPU backend the KV is host memory
+moved over TCP or same-host copies; with PDLINK_BACKEND=ascend it is NPU memory moved over HCCL):
   1. the prefill process (PROMPT, cluster 1) registers a paged KV cache filled with a known
      pattern and listens; the decode process (DECODER, cluster 2) links to it;
   2. decode pulls every block (in a shuffled block order), verifies every byte, and reports GB/s;
@@ -34,6 +35,7 @@ def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results
 
     from llm_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole,
                               LLMStatusCode)
+    from pdlink.device import DeviceMemory
 
     num_tensors, num_blocks, block_bytes = args["num_tensors"], args["num_blocks"], args["block_bytes"]
     shape = (num_blocks, block_bytes)
@@ -51,10 +53,14 @@ def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results
     dd = LLMDataDist(LLMRole.PROMPT if prompt_first else LLMRole.DECODER, me)
     dd.init(cfg.generate_options())
     cm = dd.cache_manager
-    kv = [np.zeros(shape, dtype=np.uint8) for _ in range(num_tensors)]
+    # The KV memory comes from the engine's backend: host memory on CPU, NPU memory on Ascend
+    # (PDLINK_BACKEND), so the same demo runs on either; fill and check go through backend copies.
+    backend = dd._engine.backend
+    results.put(("backend", backend))
+    kv = [DeviceMemory(num_blocks * block_bytes, backend=backend) for _ in range(num_tensors)]
+    zeros = np.zeros(num_blocks * block_bytes, dtype=np.uint8)
     desc = CacheDesc(num_tensors, list(shape), DataType.DT_UINT8)
-    cache = cm.register_blocks_cache(desc, [a.ctypes.data for a in kv], BlocksCacheKey(me, 0))
-    log: List[str] = []
+    cache = cm.register_blocks_cache(desc, [m.addr for m in kv], BlocksCacheKey(me, 0))
 
     def pull_and_verify(seed: int, peer_port: int) -> Dict[str, Any]:
         info = LLMClusterInfo()
@@ -71,14 +77,14 @@ def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results
         dst_blocks = list(range(num_blocks))
         times = []
         for _ in range(args["repeat"]):
-            for a in kv:
-                a[:] = 0
+            for m in kv:
+                m.write(zeros)
             t0 = time.perf_counter()
             cm.pull_blocks(BlocksCacheKey(other, 0), cache, src_blocks, dst_blocks)
             times.append(time.perf_counter() - t0)
-        for t, a in enumerate(kv):  # every byte, in the shuffled order
+        for t, m in enumerate(kv):  # every byte, in the shuffled order
             expected = _pattern(np, shape, t, seed)[src_blocks]
-            if not np.array_equal(a, expected):
+            if not np.array_equal(m.read().reshape(shape), expected):
                 raise RuntimeError(f"{name}: verification failed for tensor {t}")
         t0 = time.perf_counter()
         ret, per = dd.unlink_clusters([info], 5000)
@@ -97,8 +103,8 @@ def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results
         return value
 
     def fill(seed: int) -> None:
-        for t, a in enumerate(kv):
-            a[:] = _pattern(np, shape, t, seed)
+        for t, m in enumerate(kv):
+            m.write(_pattern(np, shape, t, seed))
 
     try:
         # Phase 1: prompt serves, decoder pulls.
@@ -127,6 +133,8 @@ def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results
             recv()
         cm.unregister_cache(cache.cache_id)
         dd.finalize()
+        for m in kv:
+            m.free()
         results.put(("ok", name))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         results.put(("error", f"{name}: {type(e).__name__}: {e}"))
@@ -145,7 +153,7 @@ def run(size_mib: int = 64, block_kib: int = 256, num_tensors: int = 8, repeat: 
     results = ctx.Queue()
     print(f"pdlink demo: {num_tensors} tensors x {num_blocks} blocks x {block_kib} KiB = "
           f"{num_tensors * num_blocks * block_bytes / 2**20:.0f} MiB per pull, {repeat} repetitions, "
-          "loopback TCP", file=out)
+          "loopback", file=out)
     procs = [ctx.Process(target=_worker, args=("prefill", 1, a, args, results), name="pdlink-prefill"),
              ctx.Process(target=_worker, args=("decode", 2, b, args, results), name="pdlink-decode")]
     for p in procs:
@@ -163,11 +171,15 @@ def run(size_mib: int = 64, block_kib: int = 256, num_tensors: int = 8, repeat: 
         if p.is_alive():
             p.kill()
     errors = [v for k, v in got if k == "error"]
+    shown = set()
     for kind, v in got:
         if kind == "pull":
             print(f"  {v['who']:>8} pulled {v['bytes'] / 2**20:.0f} MiB: median {v['gbps']:.2f} GB/s "
                   f"({v['median_s'] * 1e3:.1f} ms; min {v['min_s'] * 1e3:.1f}, max {v['max_s'] * 1e3:.1f}), "
                   f"verified byte for byte; link {v['link_ms']:.1f} ms, unlink {v['unlink_ms']:.1f} ms", file=out)
+        elif kind == "backend" and v != "cpu" and v not in shown:  # both processes report it
+            shown.add(v)
+            print(f"  backend {v}: KV in device memory, moved over HCCL", file=out)
         elif kind == "switch":
             print(f"  {v['who']:>8} switched role to {v['role']} in {v['ms']:.2f} ms", file=out)
     oks = [v for k, v in got if k == "ok"]
