@@ -7,7 +7,9 @@ evaluate; results and exceptions come back pickled (``LLMException`` keeps its
 instead of hanging it.
 
 The namespace starts with the ``llm_datadist`` names, numpy as ``np``, and the helpers
-below (``tensors``, ``addrs``, ``options``).
+below (``tensors``, ``addrs``, ``options``). On a device backend (``PDLINK_BACKEND=ascend``)
+``tensors``/``zeros`` return ``DeviceArray``s (tests/device_array.py) over device memory, and
+``read_cache``/``write_cache`` copy through the backend; on the CPU backend they are numpy arrays.
 """
 
 from __future__ import annotations
@@ -21,24 +23,38 @@ from typing import Any, Optional
 _CTX = mp.get_context("spawn")
 
 PRELUDE = """
+import os
 import numpy as np
 from llm_datadist import *
 from llm_datadist import LLMDataDist, LLMRole, LLMConfig, LLMClusterInfo, CacheDesc, CacheKey, \\
     CacheKeyByIdAndIndex, BlocksCacheKey, Cache, DataType, Placement, LLMException, LLMStatusCode
 
-def tensors(n, shape, seed, dtype=np.float16):
-    # n tensors with a deterministic, seed-dependent pattern
+# On the Ascend backend DEVICE caches must be device memory, which the host cannot touch: test data
+# then lives in DeviceArrays (tests/device_array.py), read and written through backend copies.
+# PDLINK_TEST_DEVICE_ARRAYS=1 uses them on the CPU backend too (a check of the helpers themselves).
+DEVICE_DATA = os.environ.get("PDLINK_BACKEND") == "ascend" or os.environ.get("PDLINK_TEST_DEVICE_ARRAYS") == "1"
+if DEVICE_DATA:
+    from device_array import DeviceArray
+
+def _on_device(a, host):
+    return DeviceArray.from_host(a) if DEVICE_DATA and not host else a
+
+def tensors(n, shape, seed, dtype=np.float16, host=False):
+    # n tensors with a deterministic, seed-dependent pattern; device memory on a device backend
+    # unless host=True (for HOST-placement caches)
     out = []
     for i in range(n):
         a = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
-        out.append(((a * 31 + i * 7 + seed * 1009) % 2039).astype(dtype))
+        out.append(_on_device(((a * 31 + i * 7 + seed * 1009) % 2039).astype(dtype), host))
     return out
 
-def zeros(n, shape, dtype=np.float16):
+def zeros(n, shape, dtype=np.float16, host=False):
+    if DEVICE_DATA and not host:
+        return [DeviceArray.zeros(shape, dtype) for _ in range(n)]
     return [np.zeros(shape, dtype=dtype) for _ in range(n)]
 
 def addrs(arrays):
-    return [a.ctypes.data for a in arrays]
+    return [a.addr if DEVICE_DATA and isinstance(a, DeviceArray) else a.ctypes.data for a in arrays]
 
 def options(listen=None, timeout=None, remote=True, pool=None, host_pool=None):
     cfg = LLMConfig()
@@ -63,10 +79,22 @@ def cluster(remote_id, port, ip="127.0.0.1"):
     c.append_remote_ip_info(ip, port)
     return c
 
+def _through_backend(cache):
+    # DEVICE memory of a device backend is reached through backend copies, never a host pointer
+    return DEVICE_DATA and int(cache.cache_desc.placement) == int(Placement.DEVICE)
+
 def read_cache(cache):
     # a copy of every tensor of a pdlink cache, as numpy uint8 arrays
     import ctypes
     size = cache.cache_desc.size
+    if _through_backend(cache):
+        from pdlink.device import open_backend
+        backend, out = open_backend(), []
+        for a in cache.tensor_addrs:
+            buf = np.empty(size, dtype=np.uint8)
+            backend.copy(buf.ctypes.data, int(Placement.HOST), a, int(Placement.DEVICE), size)
+            out.append(buf)
+        return out
     return [np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8).copy() for a in cache.tensor_addrs]
 
 def resources():
@@ -78,8 +106,12 @@ def write_cache(cache, seed):
     import ctypes
     size = cache.cache_desc.size
     for i, a in enumerate(cache.tensor_addrs):
-        buf = np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8)
-        buf[:] = ((np.arange(size, dtype=np.int64) * 13 + i * 5 + seed * 101) % 251).astype(np.uint8)
+        data = ((np.arange(size, dtype=np.int64) * 13 + i * 5 + seed * 101) % 251).astype(np.uint8)
+        if _through_backend(cache):
+            from pdlink.device import open_backend
+            open_backend().copy(a, int(Placement.DEVICE), data.ctypes.data, int(Placement.HOST), size)
+        else:
+            np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8)[:] = data
 """
 
 

@@ -650,7 +650,7 @@ def test_dead_peer_breaks_the_link_until_unlinked(pd, peers):
     # the survivor unlinks (the peer is gone, the local end is freed anyway), then a new decoder links
     assert p.eval("dd.unlink_clusters([cluster(2, 1)], 1000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
     assert p.eval("dd.links()") == []
-    q = peers("decode2")
+    q = peers("decode2", env=pd.env)
     q.exec("dd = LLMDataDist(LLMRole.DECODER, 2); dd.init(options(pool=1 << 20)); cm = dd.cache_manager\n"
            "kv = zeros(4, (8, 64))\n"
            "blk = cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv))")

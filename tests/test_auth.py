@@ -11,6 +11,7 @@ import socket
 import pytest
 
 import rawwire
+from backend_env import peer_env
 from pdlink import _core
 from pdlink.status import LLMStatusCode
 
@@ -28,8 +29,8 @@ def test_hmac_matches_python(key_len, msg_len):
 
 
 def pair(peers, transport, p_secret, d_secret):
-    env_p = {"PDLINK_TRANSPORT": transport, **({"PDLINK_LINK_SECRET": p_secret} if p_secret else {})}
-    env_d = {"PDLINK_TRANSPORT": transport, **({"PDLINK_LINK_SECRET": d_secret} if d_secret else {})}
+    env_p = peer_env(transport, **({"PDLINK_LINK_SECRET": p_secret} if p_secret else {}))
+    env_d = peer_env(transport, **({"PDLINK_LINK_SECRET": d_secret} if d_secret else {}))
     p, d = peers("prefill", env=env_p), peers("decode", env=env_d)
     p.exec("dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(options(listen='127.0.0.1:0')); cm = dd.cache_manager\n"
            + SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))

@@ -1,4 +1,7 @@
-"""Two-sided link() / unlink() / query_register_mem_status with HCCL rank tables (spec 6.7)."""
+"""Two-sided link() / unlink() / query_register_mem_status with HCCL rank tables (spec 6.7).
+
+The connector flows (``backend`` fixture) run on the CPU backend and on the Ascend backend over
+the fake libraries."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import time
 
 import pytest
 
+from backend_env import peer_env
 from pdlink.comm import parse_rank_table
 from pdlink.llm_types import RegisterMemStatus
 from pdlink.status import LLMException, LLMStatusCode
@@ -30,8 +34,8 @@ def rank_table(version="1.2", super_pod=True, ips=("127.0.0.1", "127.0.0.2")):
     return json.dumps(table)
 
 
-def start(peers, role, cid, base, remote=True):
-    p = peers(f"cluster{cid}", env={"PDLINK_LINK_PORT_BASE": str(base)})
+def start(peers, role, cid, base, remote=True, backend="cpu"):
+    p = peers(f"cluster{cid}", env=peer_env(backend, PDLINK_LINK_PORT_BASE=str(base)))
     p.exec(f"dd = LLMDataDist(LLMRole.{role}, {cid}); dd.init(options(remote={remote})); cm = dd.cache_manager")
     return p
 
@@ -47,12 +51,12 @@ def wait_ok(p, comm_id, limit=10.0):
     raise AssertionError("link did not complete")
 
 
-def test_vllm_cmgr_flow_link_poll_pull_unlink(peers):
+def test_vllm_cmgr_flow_link_poll_pull_unlink(peers, backend):
     """vllm-ascend LLMDataDistCMgrConnector: MLA caches under two model_ids, link by rank table,
     poll query_register_mem_status, pull_blocks with the remote list trimmed, unlink."""
     base = free_port_base()
-    p = start(peers, "PROMPT", 10, base)
-    d = start(peers, "DECODER", 11, base)
+    p = start(peers, "PROMPT", 10, base, backend=backend)
+    d = start(peers, "DECODER", 11, base, backend=backend)
     for peer, seed, key in ((p, 1, "BlocksCacheKey(cluster_id={cid}, model_id={m})"), (d, 2, None)):
         peer.exec(f"""
 k_normed = tensors(4, (16, 64), seed={seed})
@@ -95,11 +99,11 @@ c1 = cm.register_blocks_cache(CacheDesc(4, [16, 8], DataType.DT_FLOAT16), addrs(
     assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
-def test_pull_blocks_sample_with_swap_to_host(peers):
+def test_pull_blocks_sample_with_swap_to_host(peers, backend):
     """Official pull_blocks_sample: link("link", {1: 0, 2: 1}), pull, then swap_blocks to a CPU cache."""
     base = free_port_base()
-    p = start(peers, "PROMPT", 1, base)
-    d = start(peers, "DECODER", 2, base)
+    p = start(peers, "PROMPT", 1, base, backend=backend)
+    d = start(peers, "DECODER", 2, base, backend=backend)
     p.exec("kv = tensors(2, (4, 32), seed=3)\n"
            "cache = cm.register_blocks_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16), addrs(kv), BlocksCacheKey(1, 0))")
     d.exec("kv = zeros(2, (4, 32))\n"
@@ -110,7 +114,7 @@ def test_pull_blocks_sample_with_swap_to_host(peers):
         comm[peer] = peer.eval(f"dd.link('link', {{1: 0, 2: 1}}, {table!r})")
     wait_ok(d, comm[d])
     d.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 1])\n"
-           "host = zeros(2, (4, 32))\n"
+           "host = zeros(2, (4, 32), host=True)\n"
            "cpu = Cache.create_cpu_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16, Placement.HOST), addrs(host))\n"
            "cm.swap_blocks(cache, cpu, {0: 2, 1: 3})")
     src, host = p.eval("kv"), d.eval("host")

@@ -13,6 +13,7 @@ import signal
 
 import pytest
 
+from backend_env import peer_env
 from pdlink.status import LLMException, LLMStatusCode
 
 SGLANG_SETUP = """
@@ -42,8 +43,8 @@ caches.append(cm.register_blocks_cache(CacheDesc(1, [8, 16], DataType.DT_FLOAT16
 """
 
 
-def test_sglang_prefill_pushes_after_decode_links_without_cluster_id(peers):
-    p, d = peers("sglang-prefill"), peers("sglang-decode")
+def test_sglang_prefill_pushes_after_decode_links_without_cluster_id(peers, backend):
+    p, d = peers("sglang-prefill", env=peer_env(backend)), peers("sglang-decode", env=peer_env(backend))
     p.exec(SGLANG_SETUP.format(role="PROMPT", seed=1))
     d.exec(SGLANG_SETUP.format(role="DECODER", seed=2))
     port = p.eval("dd.listen_port")

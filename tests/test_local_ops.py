@@ -1,6 +1,8 @@
 """Memory pools, cache ids and local copies (spec 8.2, 8.6, 10.1), byte for byte.
 
-Each test runs its own engine in a peer process (one LLMDataDist per process).
+Each test runs its own engine in a peer process (one LLMDataDist per process), on the CPU backend
+and on the Ascend backend over the fake libraries (``backend`` fixture): there DEVICE memory
+(pools, registered tensors) is NPU memory and every copy is an aclrtMemcpy of the right kind.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from backend_env import peer_env
 from pdlink.status import LLMException, LLMStatusCode
 
 S = LLMStatusCode
@@ -25,8 +28,8 @@ def llm_error(code, op=None):
         assert str(info.value).startswith(f"{op} failed, error code is {code}"), str(info.value)
 
 
-def engine(peers, name="local", **opts):
-    p = peers(name)
+def engine(peers, backend, name="local", **opts):
+    p = peers(name, env=peer_env(backend))
     args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
     p.exec(f"dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(options({args})); cm = dd.cache_manager\n"
            "def desc(n, shape, placement=Placement.DEVICE):\n"
@@ -42,8 +45,8 @@ def pattern(shape, seed):
 # ---------------------------------------------------------------------------- pools
 
 
-def test_allocation_needs_a_pool_of_its_placement(peers):
-    p = engine(peers, "nopool")
+def test_allocation_needs_a_pool_of_its_placement(peers, backend):
+    p = engine(peers, backend, "nopool")
     for code in ["cm.allocate_cache(desc(1, [2, 64]))",
                  "cm.allocate_blocks_cache(desc(1, [2, 64]))",
                  "cm.allocate_cache(desc(1, [2, 64], Placement.HOST))"]:
@@ -80,8 +83,8 @@ def test_allocation_needs_a_pool_of_its_placement(peers):
 
 
 @pytest.mark.parametrize("placement,pool_kw", [("DEVICE", "pool"), ("HOST", "host_pool")])
-def test_pool_exhaustion_and_reuse(peers, placement, pool_kw):
-    p = engine(peers, "pool", **{pool_kw: 4 * MiB})
+def test_pool_exhaustion_and_reuse(peers, backend, placement, pool_kw):
+    p = engine(peers, backend, "pool", **{pool_kw: 4 * MiB})
     pl = f"Placement.{placement}"
     full = f"desc(1, [1024, 4096], {pl})"  # exactly the 4 MiB pool
     # the whole pool, twice in a row with a deallocation in between
@@ -116,8 +119,8 @@ def test_pool_exhaustion_and_reuse(peers, placement, pool_kw):
     p.exec(f"a = cm.allocate_cache({full})")
 
 
-def test_pool_frees_coalesce_and_allocations_do_not_overlap(peers):
-    p = engine(peers, "coalesce", pool=4 * MiB, host_pool=MiB)
+def test_pool_frees_coalesce_and_allocations_do_not_overlap(peers, backend):
+    p = engine(peers, backend, "coalesce", pool=4 * MiB, host_pool=MiB)
     # four 1 MiB caches fill the pool; free them out of order, then the whole pool fits again
     p.exec("cs = [cm.allocate_cache(desc(1, [256, 4096])) for _ in range(4)]")
     with llm_error(S.LLM_OUT_OF_MEMORY):
@@ -138,8 +141,8 @@ def test_pool_frees_coalesce_and_allocations_do_not_overlap(peers):
     p.exec("for c in small: cm.deallocate_cache(c)\nbig = cm.allocate_cache(desc(1, [1024, 4096]))")
 
 
-def test_cache_ids_count_from_one_in_call_order(peers):
-    p = engine(peers, "ids", pool=MiB, host_pool=MiB)
+def test_cache_ids_count_from_one_in_call_order(peers, backend):
+    p = engine(peers, backend, "ids", pool=MiB, host_pool=MiB)
     p.exec("buf = zeros(2, (4, 64), np.int8)")
     ids = p.eval("[cm.register_cache(desc(2, [4, 64]), addrs(buf)).cache_id,"
                  " cm.allocate_cache(desc(1, [2, 64])).cache_id,"
@@ -158,9 +161,9 @@ def test_cache_ids_count_from_one_in_call_order(peers):
 # ---------------------------------------------------------------------------- local copies
 
 
-def test_copy_cache(peers):
-    p = engine(peers, "copy", pool=MiB)
-    p.exec("src = [np.ascontiguousarray(a) for a in tensors(2, (2, 64), seed=3, dtype=np.int8)]\n"
+def test_copy_cache(peers, backend):
+    p = engine(peers, backend, "copy", pool=MiB)
+    p.exec("src = tensors(2, (2, 64), seed=3, dtype=np.int8)\n"
            "dst = zeros(2, (3, 64), np.int8)\n"
            "cs = cm.register_cache(desc(2, [2, 64]), addrs(src))\n"
            "cd = cm.register_cache(desc(2, [3, 64]), addrs(dst))\n"
@@ -203,9 +206,9 @@ def test_copy_cache(peers):
     assert [a.tobytes() for a in p.eval("dst")] == [a.tobytes() for a in before]
 
 
-def test_copy_blocks(peers):
-    p = engine(peers, "copyblk", pool=MiB)
-    p.exec("kv = [np.ascontiguousarray(a) for a in tensors(3, (8, 32), seed=4, dtype=np.int8)]\n"
+def test_copy_blocks(peers, backend):
+    p = engine(peers, backend, "copyblk", pool=MiB)
+    p.exec("kv = tensors(3, (8, 32), seed=4, dtype=np.int8)\n"
            "blk = cm.register_blocks_cache(desc(3, [8, 32]), addrs(kv))\n"
            "orig = [a.copy() for a in kv]\n"
            "cm.copy_blocks(blk, {0: [3, 5], 2: [7], 6: []})")
@@ -228,11 +231,11 @@ def test_copy_blocks(peers):
     assert [a.tobytes() for a in p.eval("kv")] == [a.tobytes() for a in kv]  # rejected calls wrote nothing
 
 
-def test_swap_blocks_between_device_and_cpu_cache(peers):
-    p = engine(peers, "swap", pool=MiB, host_pool=MiB)
-    p.exec("dev_mem = [np.ascontiguousarray(a) for a in tensors(2, (6, 48), seed=7, dtype=np.int8)]\n"
+def test_swap_blocks_between_device_and_cpu_cache(peers, backend):
+    p = engine(peers, backend, "swap", pool=MiB, host_pool=MiB)
+    p.exec("dev_mem = tensors(2, (6, 48), seed=7, dtype=np.int8)\n"
            "dev = cm.register_blocks_cache(desc(2, [6, 48]), addrs(dev_mem))\n"
-           "host_mem = zeros(2, (4, 48), np.int8)\n"
+           "host_mem = zeros(2, (4, 48), np.int8, host=True)\n"
            "host = Cache.create_cpu_cache(desc(2, [4, 48], Placement.HOST), addrs(host_mem))\n"
            "cm.swap_blocks(dev, host, {1: 0, 5: 2})")  # swap out
     dev, host = p.eval("dev_mem"), p.eval("host_mem")
@@ -282,8 +285,8 @@ def test_swap_blocks_between_device_and_cpu_cache(peers):
 # ---------------------------------------------------------------------------- no-ops and misuse
 
 
-def test_noops_and_unregister_misuse(peers):
-    p = engine(peers, "noop", pool=MiB)
+def test_noops_and_unregister_misuse(peers, backend):
+    p = engine(peers, backend, "noop", pool=MiB)
     p.exec("a = cm.allocate_cache(desc(1, [2, 64]), [CacheKey(1, 3)])\n"
            "buf = zeros(1, (2, 64), np.int8); r = cm.register_cache(desc(1, [2, 64]), addrs(buf), [CacheKey(1, 4)])\n"
            "b = cm.allocate_blocks_cache(desc(1, [2, 64]))")

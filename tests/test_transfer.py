@@ -226,7 +226,7 @@ def test_reregistered_cache_is_seen_by_later_pulls(pd):
 
 def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pd):
     setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
-    pd.decode.exec("host = zeros(1, (4, 16))\n"
+    pd.decode.exec("host = zeros(1, (4, 16), host=True)\n"
                    "hc = cm.register_blocks_cache(CacheDesc(1, [4, 16], DataType.DT_FLOAT16, Placement.HOST), "
                    "addrs(host), BlocksCacheKey(2, 1))")  # HOST: not remote accessible by default
     pd.prefill.exec("src1 = tensors(1, (4, 16), seed=3)\n"
@@ -234,4 +234,5 @@ def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pd):
     with pytest.raises(LLMException) as e:
         pd.prefill.exec("cm.push_blocks(BlocksCacheKey(2, 1), s1, [0], [0], tensor_num_per_layer=1)")
     assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert "not remote accessible" in str(e.value)  # (on ascend: before the DEVICE/HOST placement check)
     assert not pd.decode.eval("host[0].any()")

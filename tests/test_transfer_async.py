@@ -259,7 +259,7 @@ def test_raw_addresses_outside_registered_memory(make_pd):
 
 
 VALIDATION_SETUP = SYNC + blocks("kv", 4, seed=1) + contig("ct", 4, 2, seed=2) + contig("odd", 3, 2, seed=3) + """
-kh = tensors(2, (2, 64), seed=4)
+kh = tensors(2, (2, 64), seed=4, host=True)
 host = cm.register_cache(CacheDesc(2, [2, 64], DataType.DT_FLOAT16, Placement.HOST), addrs(kh))
 s = Sync()
 K = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(0, 1))

@@ -1,5 +1,9 @@
 """KvCacheManager (v1, legacy) mode across real processes: roles, pulls, switch_role, handles,
-single-process multi-device mode (spec 4.2, 6.1, 6.5, 6.6, 7.6, 7.12, 9, 10.4, 10.7, 11.2)."""
+single-process multi-device mode (spec 4.2, 6.1, 6.5, 6.6, 7.6, 7.12, 9, 10.4, 10.7, 11.2).
+
+Tests taking the ``backend`` fixture (directly or through ``v1``) run on the CPU backend and on
+the Ascend backend over the fake libraries, where caches are device memory read and written
+through backend copies (``kv_write``/``kv_read``/``kv_zero``)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from backend_env import peer_env
 from pdlink.status import LLMException, LLMStatusCode as S
 from peer import wait_for  # the peer releases pulled keys asynchronously
 
@@ -47,21 +52,41 @@ def v1_cluster(remote_id, ports):
 def pattern(size, i, seed):
     return ((np.arange(size, dtype=np.int64) * 7 + i * 13 + seed * 101) % 251).astype(np.uint8)
 
+# Caches are allocated from the device pool. On a device backend (DEVICE_DATA, see peer.py) that is
+# device memory of device `dev` (devices 0..n-1 in these tests), reached only by backend copies.
+def _to(a, host, size, dev):
+    from pdlink.device import open_backend
+    open_backend(None, dev).copy(a, int(Placement.DEVICE), host.ctypes.data, int(Placement.HOST), size)
+
+def _from(a, size, dev):
+    from pdlink.device import open_backend
+    out = np.empty(size, dtype=np.uint8)
+    open_backend(None, dev).copy(out.ctypes.data, int(Placement.HOST), a, int(Placement.DEVICE), size)
+    return out
+
 def kv_write(kv, seed, dev=0):
     size = kv.cache_desc.size
     for i, a in enumerate(kv.per_device_tensor_addrs[dev]):
-        np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8)[:] = pattern(size, i, seed)
+        if DEVICE_DATA:
+            _to(a, pattern(size, i, seed), size, dev)
+        else:
+            np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8)[:] = pattern(size, i, seed)
 
 def kv_read(kv, dev=0):
     size = kv.cache_desc.size
+    if DEVICE_DATA:
+        return [_from(a, size, dev) for a in kv.per_device_tensor_addrs[dev]]
     return [np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8).copy()
             for a in kv.per_device_tensor_addrs[dev]]
 
 def kv_zero(kv):
     size = kv.cache_desc.size
-    for addrs in kv.per_device_tensor_addrs:
+    for dev, addrs in enumerate(kv.per_device_tensor_addrs):
         for a in addrs:
-            ctypes.memset(a, 0, size)
+            if DEVICE_DATA:
+                _to(a, np.zeros(size, dtype=np.uint8), size, dev)
+            else:
+                ctypes.memset(a, 0, size)
 """
 
 
@@ -94,9 +119,10 @@ class V1:
     prompt's listen ports (one per device).
     """
 
-    def __init__(self, peers, devices=0, switch=False, timeout=None, prompt_switch=None):
-        self.prefill = p = peers("v1-prefill")
-        self.decode = d = peers("v1-decode")
+    def __init__(self, peers, backend="cpu", devices=0, switch=False, timeout=None, prompt_switch=None):
+        self.backend = backend
+        self.prefill = p = peers("v1-prefill", env=peer_env(backend))
+        self.decode = d = peers("v1-decode", env=peer_env(backend))
         n = len(devices) if isinstance(devices, list) else 1
         listen = ";".join(["127.0.0.1:0"] * n)
         p_switch = switch if prompt_switch is None else prompt_switch
@@ -123,16 +149,16 @@ class V1:
 
 
 @pytest.fixture
-def v1(peers):
-    return V1(peers)
+def v1(peers, backend):
+    return V1(peers, backend)
 
 
 # ---------------------------------------------------------------------------- serving flows
 
 
-def test_vllm_v0_connector_flow(peers):
+def test_vllm_v0_connector_flow(peers, backend):
     """Spec 11.2: P allocates four keyed caches (ids 1..4), D pulls them by id, unlinks at close."""
-    pd = V1(peers)
+    pd = V1(peers, backend)
     pd.link()
     num_layers, t, heads, dim = 3, 8, 2, 4
     pd.prefill.exec(f"""
@@ -343,8 +369,8 @@ def test_role_rules(v1):
     assert p.eval("LLMException.__module__") == "pdlink.status"
 
 
-def test_check_link_status(peers):
-    v1 = V1(peers, timeout=300)
+def test_check_link_status(peers, backend):
+    v1 = V1(peers, backend, timeout=300)
     d = v1.decode
     with llm_error(S.LLM_NOT_YET_LINK):
         d.exec(f"dd.check_link_status({PROMPT_ID})")
@@ -378,8 +404,8 @@ def test_check_link_status(peers):
 # ---------------------------------------------------------------------------- switch_role
 
 
-def test_switch_role_error_codes(peers):
-    pd = V1(peers, switch=True)
+def test_switch_role_error_codes(peers, backend):
+    pd = V1(peers, backend, switch=True)
     p, d = pd.prefill, pd.decode
     listen = "{'llm.listenIpInfo': '127.0.0.1:0'}"
     for call in ["dd.switch_role(2)", "dd.switch_role('PROMPT')", "dd.switch_role(LLMRole.PROMPT, 'x')",
@@ -412,8 +438,8 @@ def test_switch_role_error_codes(peers):
     assert d.eval("(dd.role, dd.listen_port)") == (2, 0)
 
 
-def test_switch_role_swaps_and_pulls_the_other_way(peers):
-    pd = V1(peers, switch=True)
+def test_switch_role_swaps_and_pulls_the_other_way(peers, backend):
+    pd = V1(peers, backend, switch=True)
     p, d = pd.prefill, pd.decode
     p.exec(f"pblk = km.allocate_blocks_cache(CacheDesc(2, [4, 32], DataType.DT_INT8), "
            f"BlocksCacheKey({PROMPT_ID}, 0))\nkv_write(pblk, 1)")
@@ -507,7 +533,7 @@ def test_get_cache_tensors_view_semantics(peers):
             p.exec(call)
 
 
-def test_kv_cache_del_deallocates(v1):
+def test_kv_cache_del_deallocates(v1, backend):
     p, d = v1.prefill, v1.decode
     p.exec("""
 caught = []
@@ -545,7 +571,8 @@ c = km.allocate_cache(CacheDesc(1, [1, 64], DataType.DT_INT8))
             "cyc = km.allocate_cache(CacheDesc(1, [1, 64], DataType.DT_INT8)); cyc.me = cyc\n")
     import pdlink
 
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(pdlink.__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(pdlink.__file__))),
+               **peer_env(backend))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     # same with a two-device manager that is still initialised when the interpreter exits
@@ -609,8 +636,8 @@ def test_wrong_manager_access(peers):
         p.exec("dd3.check_link_status(1)")
 
 
-def test_local_copies_and_swaps(peers):
-    p = peers("v1-local")
+def test_local_copies_and_swaps(peers, backend):
+    p = peers("v1-local", env=peer_env(backend))
     p.exec(V1_PRELUDE)
     p.exec(f"dd = LLMDataDist(LLMRole.DECODER, {DECODER_ID}); dd.init(v1_options()); km = dd.kv_cache_manager\n"
            "a = km.allocate_cache(CacheDesc(2, [2, 32], DataType.DT_INT8)); kv_write(a, 1)\n"
@@ -670,8 +697,8 @@ def test_pool_sizing(peers):
 # ---------------------------------------------------------------------------- multi-device
 
 
-def test_multi_device_allocation_and_pull(peers):
-    pd = V1(peers, devices=[0, 1], switch=True)
+def test_multi_device_allocation_and_pull(peers, backend):
+    pd = V1(peers, backend, devices=[0, 1], switch=True)
     p, d = pd.prefill, pd.decode
     assert len(set(pd.ports)) == 2
     assert p.eval("(dd.listen_port, km.num_devices)") == (pd.ports[0], 2)
@@ -712,8 +739,10 @@ for dev in (0, 1):
     # the key was consumed on both devices
     with llm_error(S.LLM_KV_CACHE_NOT_EXIST):
         d.exec(f"km.pull_cache(CacheKey({PROMPT_ID}, 7), dst, 0)")
-    assert d.eval("[t.numpy().tobytes() for t in km.get_cache_tensors(dst, 1)]") == [
-        pattern(128, 1, 10 + dev)[64:].tobytes() for dev in (0, 1)]
+    # get_cache_tensors gives one tensor per device, each over its own device's memory
+    # (on Ascend numpy() reads the device memory through the backend, as a copy)
+    got = d.eval("[t.numpy().tobytes() for t in km.get_cache_tensors(dst, 1)]")
+    assert got == [pattern(128, 1, 10 + dev)[64:].tobytes() for dev in (0, 1)]
     # switch_role is not available in multi-device mode, even with enable_switch_role
     pd.unlink()
     with llm_error(S.LLM_FEATURE_NOT_ENABLED, match="multi-device"):

@@ -190,6 +190,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("role", [](const Engine& e) { return static_cast<int>(e.role()); })
       .def_property_readonly("listen_port", &Engine::listenPort)
       .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
+      .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
       .def_property_readonly("cache_count", &Engine::cacheCount)
       .def(
           "switch_role",

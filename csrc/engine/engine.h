@@ -126,6 +126,7 @@ class Engine {
   // The bound listen port, 0 when not listening.
   uint16_t listenPort() const;
   const char* backendName() const { return backend_->name(); }
+  const std::shared_ptr<Backend>& backend() const { return backend_; }
 
   // kExistLink while any link exists. With a listen address: start listening there, or move the
   // listener if it differs from the current one; with an empty ip: stop listening.

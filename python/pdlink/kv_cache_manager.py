@@ -458,7 +458,8 @@ class KvCacheManager:
         """Deprecated: one ``Tensor`` per device viewing tensor ``tensor_index`` of ``cache``.
 
         The tensors view the cache memory (no copy) and keep the handle alive; they are valid
-        until the cache is deallocated.
+        until the cache is deallocated. On a backend whose device memory the host cannot address
+        (Ascend), ``numpy()`` returns a copy read through the backend instead of a view.
         """
         from .tensor import Tensor, TensorDesc
 
@@ -470,7 +471,11 @@ class KvCacheManager:
                        f"[0, {cache.cache_desc.num_tensors})")
         caches = self._entry("[get_cache_tensors]", "cache", cache)
         out = []
-        for c in caches:
+        for cm, c in zip(self._cms, caches):
             desc = c.cache_desc
-            out.append(Tensor._view(c.tensor_addrs[tensor_index], TensorDesc(desc.data_type, list(desc.shape)), cache))
+            # Device memory the host cannot address (Ascend) is read through the backend, as a copy.
+            backend = cm._engine.backend_handle
+            device = backend if backend.capabilities()["device_memory"] else None
+            out.append(Tensor._view(c.tensor_addrs[tensor_index], TensorDesc(desc.data_type, list(desc.shape)), cache,
+                                    device))
         return out

@@ -87,6 +87,7 @@ class Tensor:
         self._array = None
         self._addr = 0
         self._owner: Any = None
+        self._device_backend: Any = None
         if isinstance(data, Tensor):
             self._tensor_desc = TensorDesc(data._tensor_desc.dtype, data._tensor_desc.shape)
             self._array = data._raw().copy()
@@ -123,14 +124,16 @@ class Tensor:
         self._array = data
 
     @classmethod
-    def _view(cls, addr: int, desc: TensorDesc, owner: Any) -> "Tensor":
+    def _view(cls, addr: int, desc: TensorDesc, owner: Any, device_backend: Any = None) -> "Tensor":
         """Internal: a tensor over ``prod(shape) * itemsize`` bytes at ``addr``, valid while
-        ``owner`` (a KvCache) is."""
+        ``owner`` (a KvCache) is. ``device_backend``: the native backend when ``addr`` is device
+        memory the host cannot address (Ascend); the data is then read through it, as a copy."""
         t = cls.__new__(cls)
         t._array = None
         t._addr = addr
         t._owner = owner
         t._tensor_desc = desc
+        t._device_backend = device_backend
         return t
 
     @property
@@ -139,7 +142,7 @@ class Tensor:
         return self._tensor_desc
 
     def _raw(self) -> Any:
-        """The elements in their storage dtype (a view, never a copy)."""
+        """The elements in their storage dtype (a view, never a copy; a copy for device memory)."""
         import ctypes
 
         import numpy as np
@@ -157,6 +160,10 @@ class Tensor:
         for dim in desc.shape:
             count *= dim
         nbytes = count * itemsize(desc.dtype)
+        if self._device_backend is not None:
+            host = np.empty(nbytes, dtype=np.uint8)
+            self._device_backend.copy(host.ctypes.data, 0, self._addr, 1, nbytes)  # device -> host
+            return host.view(storage).reshape(desc.shape)
         buf = (ctypes.c_uint8 * nbytes).from_address(self._addr)
         return np.frombuffer(buf, dtype=storage).reshape(desc.shape)
 
