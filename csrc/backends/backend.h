@@ -56,6 +56,13 @@ class DeviceChannel {
   virtual Status recv(const std::vector<Segment>& segments, Deadline deadline) = 0;
 };
 
+// One DEVICE-to-DEVICE copy inside this process (copyDevice).
+struct DeviceCopy {
+  uint64_t dst = 0;
+  uint64_t src = 0;
+  uint64_t length = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -79,6 +86,28 @@ class Backend {
     (void)rendezvous;
     (void)creator;
     return Status(Code::kFeatureNotEnabled, std::string(name()) + " backend has no device channels");
+  }
+
+  // Same-host sharing of DEVICE memory between processes (feature "ipc"). exportMemory gives a
+  // key (at most 64 bytes) through which another process of this host can map [addr, +length)
+  // until closeExport; importMemory maps a peer's key and returns this process's address of the
+  // region's first byte, valid until closeImport. copyDevice runs DEVICE-to-DEVICE copies (imported
+  // memory included) and returns when all have landed, or kTimeout at the deadline.
+  virtual Result<std::string> exportMemory(uint64_t addr, uint64_t length) {
+    (void)addr;
+    (void)length;
+    return Status(Code::kFeatureNotEnabled, std::string(name()) + " backend cannot share device memory");
+  }
+  virtual void closeExport(const std::string& key) { (void)key; }
+  virtual Result<uint64_t> importMemory(const std::string& key) {
+    (void)key;
+    return Status(Code::kFeatureNotEnabled, std::string(name()) + " backend cannot share device memory");
+  }
+  virtual void closeImport(const std::string& key) { (void)key; }
+  virtual Status copyDevice(const std::vector<DeviceCopy>& copies, Deadline deadline) {
+    (void)copies;
+    (void)deadline;
+    return Status(Code::kFeatureNotEnabled, std::string(name()) + " backend has no device copies");
   }
 };
 

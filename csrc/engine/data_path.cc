@@ -2,6 +2,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/log.h"
 #include "engine/engine_internal.h"
@@ -17,7 +18,9 @@ void Engine::serve(const std::shared_ptr<Link>& link) {
   bool unlinked = false;
   Status st;
   std::vector<std::shared_ptr<CacheEntry>> pinned;  // caches a peer is copying directly
-  while (st.ok() && !unlinked) st = serveOne(link, &unlinked, &pinned);
+  std::vector<std::string> exported;                 // IPC keys a peer is copying through
+  while (st.ok() && !unlinked) st = serveOne(link, &unlinked, &pinned, &exported);
+  for (const std::string& key : exported) backend_->closeExport(key);
   if (!unlinked) {
     std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
                                                                                 : st.message();
@@ -27,7 +30,7 @@ void Engine::serve(const std::shared_ptr<Link>& link) {
 }
 
 Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
-                        std::vector<std::shared_ptr<CacheEntry>>* pinned) {
+                        std::vector<std::shared_ptr<CacheEntry>>* pinned, std::vector<std::string>* exported) {
   Socket& s = link->in();
   PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
@@ -42,7 +45,9 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   }
   std::vector<uint8_t> body(h.body_len);
   if (h.body_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(body.data(), body.size(), deadline));
-  // The requester sends its next frame only after its direct copy finished: unpin.
+  // The requester sends its next frame only after its direct or IPC copy finished: unpin.
+  for (const std::string& key : *exported) backend_->closeExport(key);
+  exported->clear();
   pinned->clear();
 
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
@@ -114,6 +119,10 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
                                            "or from it over this link (use placement DEVICE on both sides)"),
                         deadline);
   }
+  if (device && direct) {  // same-host IPC: export the checked regions, keep them until the next frame
+    *pinned = r.keep;
+    return serveIpc(s, r, deadline, exported);
+  }
   if (device) {
     DeviceChannel* channel = link->inDevice();
     if (!channel) return sendResponse(s, Status(Code::kFailed, "no device channel on this link"), deadline);
@@ -159,14 +168,22 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
 
 namespace {
 
-// After a pull received every byte: lets the peer release the request key it read (never before,
-// so a failed pull leaves the source intact and retryable). `body` is the pull's request body.
-void commitPull(Link& link, wire::TargetKind kind, const std::string& body, Deadline deadline) {
-  if (!usesKeyCommit(kind)) return;
-  std::string head = wire::encode(wire::RequestHeader{wire::Op::kCommit, static_cast<uint32_t>(body.size()), 0});
+// Tells the peer an access through `body` (the request's body) is over: kCommit after a pull that
+// received every byte (the peer may then release the request key it read: never before, so a
+// failed pull leaves the source intact and retryable), kRelease to unpin after a direct or IPC
+// access. Not answered; a failure to send it breaks the link.
+void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline deadline) {
+  std::string head = wire::encode(wire::RequestHeader{op, static_cast<uint32_t>(body.size()), 0});
   std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
-  if (!link.out().sendv(iov, deadline).ok()) link.breakLink("could not confirm a completed pull to the peer");
+  if (!link.out().sendv(iov, deadline).ok()) link.breakLink("could not confirm a completed transfer to the peer");
 }
+
+void commitPull(Link& link, wire::TargetKind kind, const std::string& body, Deadline deadline) {
+  if (usesKeyCommit(kind)) finishAccess(link, wire::Op::kCommit, body, deadline);
+}
+
+// An IPC key on the wire: NUL-padded to a fixed size (ACL's keys are 65-byte C strings).
+constexpr size_t kIpcKeyBytes = 64;
 
 }  // namespace
 
@@ -448,10 +465,7 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
   Status copied = cma::copy(d.pid, is_push, local, remote_iov);
   // Unpin on the peer; for a completed read by request key this is also the release of the key.
   bool commit = copied.ok() && !is_push && usesKeyCommit(target.kind);
-  std::string done = wire::encode(wire::RequestHeader{commit ? wire::Op::kCommit : wire::Op::kRelease,
-                                                      static_cast<uint32_t>(body.size()), 0});
-  std::vector<iovec> div{{done.data(), done.size()}, {body.data(), body.size()}};
-  if (!s.sendv(div, deadline).ok()) link->breakLink("could not confirm a direct copy to the peer");
+  finishAccess(*link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
   if (!copied.ok()) {
     if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
     return Status(copied.code(), std::string(what) + " " + clusterName(link->peer()) + ": " + copied.message());
@@ -499,6 +513,12 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
 
 Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
                               const char* what) {
+  if (ipc_ && link->ipcPossible()) {
+    Status st = ipcTransfer(link, p, is_push, deadline, what);
+    if (st.code() != Code::kFeatureNotEnabled || link->broken()) return st;
+    PDLINK_LOG(kInfo, "IPC with " << clusterName(link->peer()) << " unavailable (" << st.message() << "); using HCCL");
+    link->refuseIpc();
+  }
   PDLINK_RETURN_IF_ERROR(ensureDeviceChannel(link, deadline, what));
   std::vector<Segment> segments;
   segments.reserve(p.local_tensors.size() * p.local_runs.size());
@@ -520,6 +540,93 @@ Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
   }
   if (is_push) return awaitResponse(link, deadline, what, &rh);  // stored on the peer
   commitPull(*link, p.remote.target.kind, body, deadline);
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- same-host IPC
+
+Status Engine::serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported) {
+  if (!ipc_) {
+    return sendResponse(s, Status(Code::kFeatureNotEnabled, "the peer's runtime cannot share device memory (IPC)"),
+                        deadline);
+  }
+  // One export per tensor, spanning its runs; the requester gets each run's offset in it.
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (const wire::Run& run : r.runs) {
+    lo = std::min(lo, run.offset);
+    hi = std::max(hi, run.offset + run.length);
+  }
+  std::string payload;
+  payload.reserve(r.tensors.size() * (kIpcKeyBytes + 8 * r.runs.size()));
+  for (uint32_t t : r.tensors) {
+    auto key = backend_->exportMemory(r.addrs[t] + r.base + lo, hi - lo);
+    if (key.ok() && key.value().size() > kIpcKeyBytes) key = Status(Code::kFailed, "IPC key longer than 64 bytes");
+    if (!key.ok()) return sendResponse(s, key.status(), deadline);  // exported so far: closed at the next frame
+    exported->push_back(key.value());
+    std::string padded = key.value();
+    padded.resize(kIpcKeyBytes, '\0');
+    payload += padded;
+  }
+  for (size_t i = 0; i < r.tensors.size(); ++i) {
+    for (const wire::Run& run : r.runs) {
+      uint64_t off = run.offset - lo;
+      payload.append(reinterpret_cast<const char*>(&off), 8);
+    }
+  }
+  std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
+  return s.sendAll(head.data(), head.size(), deadline);
+}
+
+Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
+                           const char* what) {
+  std::string body = wire::encode(p.remote);
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
+                        static_cast<uint8_t>(wire::kFlagDevice | wire::kFlagDirect)};
+  wire::ResponseHeader rh;
+  Status st = request(link, h, body, deadline, what, &rh);
+  if (!st.ok()) return st;  // refused (kFeatureNotEnabled: no IPC there), or the link failed
+  const size_t nt = p.remote.tensors.size(), nr = p.remote.runs.size();
+  if (rh.payload_len != nt * (kIpcKeyBytes + 8 * nr)) {
+    return failTransfer(link, Status(Code::kLinkFailed, "peer answered an IPC description of the wrong size"), what);
+  }
+  std::string payload(rh.payload_len, '\0');
+  st = link->out().recvAll(payload.data(), payload.size(), deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+
+  std::vector<std::string> imported;
+  std::vector<DeviceCopy> copies;
+  copies.reserve(nt * nr);
+  Status copied;
+  for (size_t i = 0; i < nt && copied.ok(); ++i) {
+    std::string key(payload.data() + i * kIpcKeyBytes, kIpcKeyBytes);
+    key.resize(key.find('\0') == std::string::npos ? kIpcKeyBytes : key.find('\0'));
+    auto base = backend_->importMemory(key);
+    if (!base.ok()) {
+      copied = base.status();
+      break;
+    }
+    imported.push_back(key);
+    const char* offs = payload.data() + nt * kIpcKeyBytes + i * nr * 8;
+    const uint64_t local_base = p.local->addrs[p.local_tensors[i]];
+    for (size_t j = 0; j < nr; ++j) {
+      uint64_t off;
+      std::memcpy(&off, offs + j * 8, 8);
+      uint64_t local = local_base + p.local_runs[j].offset, remote = base.value() + off;
+      copies.push_back(is_push ? DeviceCopy{remote, local, p.local_runs[j].length}
+                               : DeviceCopy{local, remote, p.local_runs[j].length});
+    }
+  }
+  if (copied.ok()) copied = backend_->copyDevice(copies, deadline);
+  for (const std::string& key : imported) backend_->closeImport(key);
+  // Unpin on the peer (and close its exports); for a completed read by request key this is also
+  // the release of the key.
+  const bool commit = copied.ok() && !is_push && usesKeyCommit(p.remote.target.kind);
+  finishAccess(*link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
+  if (!copied.ok()) {
+    if (copied.code() == Code::kTimeout) return failTransfer(link, copied, what);
+    return Status(copied.code() == Code::kFeatureNotEnabled ? Code::kFailed : copied.code(),
+                  std::string(what) + " " + clusterName(link->peer()) + " over IPC: " + copied.message());
+  }
   return Status::OK();
 }
 

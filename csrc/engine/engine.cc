@@ -12,7 +12,10 @@ namespace pdlink {
 using namespace detail;  // NOLINT: this file is part of the engine
 
 Engine::Engine(std::shared_ptr<Backend> backend)
-    : backend_(std::move(backend)), device_transport_(backend_->capabilities().device_transport) {}
+    : backend_(std::move(backend)),
+      device_transport_(backend_->capabilities().device_transport),
+      ipc_(device_transport_ && backend_->capabilities().features.count("ipc") &&
+           backend_->capabilities().features.at("ipc")) {}
 
 Engine::~Engine() { finalize(); }
 

@@ -44,7 +44,8 @@ enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
 
 // How a link moves bytes. kAuto: direct memory access (cross-memory attach) when both ends are on
 // one host and the kernel permits it, else TCP. kTcp / kCma force one (kCma fails the link when
-// it is not possible).
+// it is not possible). DEVICE memory of a backend with device transport moves by IPC between
+// processes of one host (unless kTcp), else over the link's device channel (HCCL).
 enum class Transport : uint8_t { kAuto = 0, kTcp = 1, kCma = 2 };
 
 struct PoolConfig {
@@ -190,18 +191,25 @@ class Engine {
   Status chooseTransport(const wire::HostIdentity& peer, bool* direct) const;
   void serve(const std::shared_ptr<Link>& link);
   // Serving one request; a non-OK result means the channel is unusable.
-  Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked, std::vector<std::shared_ptr<CacheEntry>>* pinned);
+  // `pinned` and `exported` hold what a direct or IPC access of the peer uses until its next frame.
+  Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked, std::vector<std::shared_ptr<CacheEntry>>* pinned,
+                  std::vector<std::string>* exported);
   Status directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   // DEVICE caches of a backend with device transport: the request on the socket, the bytes over
   // the link's device channel (created on first use by ensureDeviceChannel; requires the out mutex).
   Status deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   Status ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what);
+  // Same-host DEVICE transfer through IPC: the peer exports the checked regions, this side maps
+  // them and copies device to device. kFeatureNotEnabled when the peer cannot (then HCCL is used).
+  Status ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
+  Status serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported);
   Status serveDeviceChannel(const std::shared_ptr<Link>& link, const std::vector<uint8_t>& rendezvous, Deadline deadline);
   void spawn(std::function<void()> fn);
   void reapThreads();
 
   std::shared_ptr<Backend> backend_;
   const bool device_transport_;  // backend_->capabilities().device_transport
+  const bool ipc_;               // ... and features["ipc"]: same-host DEVICE transfers by IPC
   EngineConfig config_;
   wire::HostIdentity identity_;  // set by initialize()
   Registry registry_;

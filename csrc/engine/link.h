@@ -60,6 +60,11 @@ class Link {
   void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
   DeviceChannel* inDevice() { return in_device_.get(); }
   void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
+  // Same-host IPC for DEVICE memory (Backend::importMemory): possible when both ends are on this
+  // host; switched off for the link once the peer refuses it (its runtime has no IPC).
+  void setSameHost(bool same) { same_host_ = same; }  // before the link is shared
+  bool ipcPossible() const { return same_host_ && !ipc_refused_; }  // requires outMutex()
+  void refuseIpc() { ipc_refused_ = true; }                          // requires outMutex()
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -84,6 +89,8 @@ class Link {
   Direct direct_state_;
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
+  bool same_host_ = false;
+  bool ipc_refused_ = false;  // guarded by out_mu_
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_
   std::string broken_reason_;  // guarded by state_mu_

@@ -92,15 +92,18 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
   auto link = std::make_shared<Link>(peer_id, std::move(fwd.value()), std::move(rev.value()), true);
   if (direct) link->enableDirect(static_cast<pid_t>(peer_identity.pid), peer_identity.gen_addr);
+  // Forcing tcp turns every same-host shortcut off: cma for host memory, IPC for device memory.
+  link->setSameHost(config_.transport != Transport::kTcp && identity_.sameHost(peer_identity));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
     installLink(link);
   }
   spawn([this, link] { serve(link); });
-  if (device_transport_) {
+  if (device_transport_ && !(link->ipcPossible() && ipc_)) {
     // Set up this direction's device channel now rather than on the first pull: HCCL's
-    // communicator setup takes seconds on real hardware. A peer without device channels (a CPU
+    // communicator setup takes seconds on real hardware. (A same-host link uses IPC, and sets a
+    // channel up only if the peer turns IPC down.) A peer without device channels (a CPU
     // backend) still links; its device transfers are refused then.
     std::lock_guard<std::mutex> out(link->outMutex());
     st = ensureDeviceChannel(link, deadline, "link to");
@@ -302,6 +305,7 @@ void Engine::handleIncoming(Socket sock) {
     }
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
     if (direct) link->enableDirect(static_cast<pid_t>(hello.identity.pid), hello.identity.gen_addr);
+    link->setSameHost(config_.transport != Transport::kTcp && identity_.sameHost(hello.identity));
     // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
     // mutex under mu_ cannot deadlock.
     out_lock = std::unique_lock<std::mutex>(link->outMutex());

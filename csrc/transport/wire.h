@@ -122,6 +122,10 @@ constexpr uint8_t kFlagDirect = 1;
 // the server sends. kWrite: Response (accepted), the requester sends, then a second Response
 // (stored). Set only for DEVICE-placement caches of a backend with device transport.
 constexpr uint8_t kFlagDevice = 2;
+// Both flags: same-host IPC. The server checks the access, exports each addressed tensor's span
+// (Backend::exportMemory) and answers with one 64-byte key per tensor, then one u64 offset into
+// that span per (tensor, run); the requester maps the keys and copies device to device itself,
+// then sends kCommit/kRelease, at which the server closes the exports and unpins.
 constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice;
 struct RequestHeader {
   Op op = Op::kRead;

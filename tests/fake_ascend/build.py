@@ -53,11 +53,15 @@ def _run(cmd: list[str]) -> None:
 
 
 def build(variant: str = "full") -> pathlib.Path:
-    """Returns the directory holding libascendcl.so and libhccl.so of `variant`, building if needed."""
+    """Returns the directory holding libascendcl.so and libhccl.so of `variant`, building if needed.
+
+    ``$FAKE_ASCEND_CXXFLAGS`` adds compiler flags: the sanitizer runs (.ci/sanitizers.sh) build the
+    fakes with the same sanitizer as pdlink, so that it sees the fakes' threads and locks too.
+    """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
     cxx = _compiler()
-    flags = FLAGS + VARIANTS[variant]
+    flags = FLAGS + VARIANTS[variant] + os.environ.get("FAKE_ASCEND_CXXFLAGS", "").split()
     h = hashlib.sha256()
     for part in [variant, cxx, *flags, VERSION_SCRIPT]:
         h.update(part.encode() + b"\0")

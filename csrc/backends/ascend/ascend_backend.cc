@@ -44,6 +44,21 @@ aclrtMemcpyKind copyKind(Placement dst, Placement src) {
   return src == Placement::kDevice ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_HOST;
 }
 
+// Waits for everything queued on `stream`, bounded by `deadline` when the runtime can bound it.
+Status synchronizeStream(const AscendApi* api, aclrtStream stream, Deadline deadline) {
+  int rc;
+  const char* call;
+  if (api->aclrtSynchronizeStreamWithTimeout) {
+    int ms = deadline.remainingMsForPoll();  // -1: forever, as ACL's convention
+    call = "aclrtSynchronizeStreamWithTimeout";
+    rc = api->aclrtSynchronizeStreamWithTimeout(stream, ms == 0 ? 1 : ms);
+  } else {
+    call = "aclrtSynchronizeStream";
+    rc = api->aclrtSynchronizeStream(stream);
+  }
+  return rc == ACL_SUCCESS ? Status::OK() : api->aclError(call, rc);
+}
+
 // HcclBatchSendRecv items per call: bounds the item array; both sides cut at the same places
 // because their segment lists have the same lengths.
 constexpr size_t kItemsPerBatch = 4096;
@@ -89,18 +104,8 @@ class HcclChannel final : public DeviceChannel {
   }
 
   Status synchronize(Deadline deadline) {
-    int rc;
-    const char* call;
-    if (api_->aclrtSynchronizeStreamWithTimeout) {
-      int ms = deadline.remainingMsForPoll();  // -1: forever, as ACL's convention
-      call = "aclrtSynchronizeStreamWithTimeout";
-      rc = api_->aclrtSynchronizeStreamWithTimeout(stream_, ms == 0 ? 1 : ms);
-    } else {
-      call = "aclrtSynchronizeStream";
-      rc = api_->aclrtSynchronizeStream(stream_);
-    }
-    if (rc == ACL_SUCCESS) return Status::OK();
-    Status st = api_->aclError(call, rc);
+    Status st = synchronizeStream(api_, stream_, deadline);
+    if (st.ok()) return st;
     // The communicator knows why a transfer failed (remote error, peer gone, count mismatch).
     HcclResult async = HCCL_SUCCESS;
     if (st.code() != Code::kTimeout && api_->HcclGetCommAsyncError &&
@@ -216,6 +221,78 @@ Result<std::unique_ptr<DeviceChannel>> AscendBackend::joinChannel(const std::str
     return api_->aclError("aclrtCreateStream", rc);
   }
   return std::unique_ptr<DeviceChannel>(new HcclChannel(api_, ctx_, comm, stream, 1 - rank));
+}
+
+// ---------------------------------------------------------------- IPC
+
+Result<std::string> AscendBackend::exportMemory(uint64_t addr, uint64_t length) {
+  if (!api_->aclrtIpcMemGetExportKey) {
+    return Status(Code::kFeatureNotEnabled, "this Ascend runtime has no IPC memory sharing (aclrtIpcMem*)");
+  }
+  ContextGuard g(api_, ctx_);
+  PDLINK_RETURN_IF_ERROR(g.status());
+  char key[kAclIpcKeyBytes] = {};
+  int rc = api_->aclrtIpcMemGetExportKey(reinterpret_cast<void*>(addr), length, key, sizeof(key),
+                                         ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION);
+  if (rc != ACL_SUCCESS) return api_->aclError("aclrtIpcMemGetExportKey", rc);
+  key[sizeof(key) - 1] = '\0';
+  return std::string(key);
+}
+
+void AscendBackend::closeExport(const std::string& key) { closeImport(key); }  // one call closes either side
+
+Result<uint64_t> AscendBackend::importMemory(const std::string& key) {
+  if (!api_->aclrtIpcMemImportByKey) {
+    return Status(Code::kFeatureNotEnabled, "this Ascend runtime has no IPC memory sharing (aclrtIpcMem*)");
+  }
+  ContextGuard g(api_, ctx_);
+  PDLINK_RETURN_IF_ERROR(g.status());
+  void* p = nullptr;
+  int rc = api_->aclrtIpcMemImportByKey(&p, key.c_str(), ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS);
+  if (rc != ACL_SUCCESS) return api_->aclError("aclrtIpcMemImportByKey", rc);
+  return reinterpret_cast<uint64_t>(p);
+}
+
+void AscendBackend::closeImport(const std::string& key) {
+  if (!api_->aclrtIpcMemClose) return;
+  ContextGuard g(api_, ctx_);
+  if (int rc = api_->aclrtIpcMemClose(key.c_str()); rc != ACL_SUCCESS) {
+    PDLINK_LOG(kWarn, api_->aclError("aclrtIpcMemClose", rc).message());
+  }
+}
+
+Status AscendBackend::copyDevice(const std::vector<DeviceCopy>& copies, Deadline deadline) {
+  ContextGuard g(api_, ctx_);
+  PDLINK_RETURN_IF_ERROR(g.status());
+  aclrtStream stream = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    if (!idle_streams_.empty()) {
+      stream = idle_streams_.back();
+      idle_streams_.pop_back();
+    }
+  }
+  if (!stream) {
+    if (int rc = api_->aclrtCreateStream(&stream); rc != ACL_SUCCESS) return api_->aclError("aclrtCreateStream", rc);
+  }
+  Status st;
+  for (const DeviceCopy& c : copies) {
+    int rc = api_->aclrtMemcpyAsync(reinterpret_cast<void*>(c.dst), c.length, reinterpret_cast<const void*>(c.src),
+                                    c.length, ACL_MEMCPY_DEVICE_TO_DEVICE, stream);
+    if (rc != ACL_SUCCESS) {
+      st = api_->aclError("aclrtMemcpyAsync", rc);
+      break;
+    }
+  }
+  // Whatever was queued must finish before the memory may be unmapped, even after a failed enqueue.
+  Status synced = synchronizeStream(api_, stream, st.ok() ? deadline : Deadline::never());
+  if (synced.ok()) {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    idle_streams_.push_back(stream);
+  } else {
+    api_->aclrtDestroyStream(stream);  // waits for what is still queued; never reused
+  }
+  return st.ok() ? synced : st;
 }
 
 }  // namespace pdlink::ascend
