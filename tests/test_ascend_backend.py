@@ -196,10 +196,30 @@ def test_device_memory_is_device_memory_and_freed(fakes):
         mem = DeviceMemory(3 << 20, backend="ascend")
         during = acl.fake_acl_bytes_in_use(0)
         mem.free()
-        print(json.dumps({{"before": before, "during": during, "after": acl.fake_acl_bytes_in_use(0)}}))
+        after = acl.fake_acl_bytes_in_use(0)
+        DeviceMemory(1 << 20, backend="ascend")  # dropped at once: garbage collection frees it
+        print(json.dumps({{"before": before, "during": during, "after": after,
+                          "after_gc": acl.fake_acl_bytes_in_use(0)}}))
     """, PDLINK_ASCEND_LIB_DIR=fakes)
     assert out["during"] - out["before"] >= 3 << 20
-    assert out["after"] == out["before"]
+    assert out["after"] == out["before"] == out["after_gc"]
+
+
+def test_device_memory_api_on_the_cpu_backend():
+    from pdlink.device import DeviceMemory
+
+    with DeviceMemory(64, backend="cpu") as m:
+        m.write(bytes(range(16)), offset=48)
+        assert m.read(16, offset=48).tolist() == list(range(16)) and m.backend == "cpu"
+        with pytest.raises(ValueError, match="outside the 64-byte allocation"):
+            m.read(8, offset=60)
+        with pytest.raises(ValueError, match="outside"):
+            m.write(b"x" * 65)
+    with pytest.raises(ValueError, match="was freed"):
+        m.read()
+    m.free()  # idempotent
+    with pytest.raises(ValueError, match="positive int"):
+        DeviceMemory(0, backend="cpu")
 
 
 def test_malloc_failure_is_device_out_of_memory(fakes):

@@ -65,7 +65,8 @@ def backend_info(backend: Optional[str] = None, device_id: int = 0) -> Dict[str,
 
 
 class DeviceMemory:
-    """``nbytes`` of backend memory (DEVICE placement by default), freed by ``free()`` or ``with``.
+    """``nbytes`` of backend memory (DEVICE placement by default), freed by ``free()``, ``with`` or
+    garbage collection.
 
     ``addr`` is what the cache APIs take. ``write``/``read`` copy between it and host memory
     through the backend (blocking copies).
@@ -109,6 +110,12 @@ class DeviceMemory:
         if self.addr:
             self._backend.release(self._placement, self.addr, self.nbytes)
             self.addr = 0
+
+    def __del__(self) -> None:  # like a numpy array: dropped memory goes back to the backend
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; the process releases it anyway
+            pass
 
     def __enter__(self) -> "DeviceMemory":
         return self
