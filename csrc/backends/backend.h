@@ -44,6 +44,14 @@ struct Segment {
   uint64_t length = 0;
 };
 
+// One DEVICE copy: inside this process (copyDevice), or between this process and the peer of a
+// DeviceChannel (get: dst local, src the peer's; put: dst the peer's, src local).
+struct DeviceCopy {
+  uint64_t dst = 0;
+  uint64_t src = 0;
+  uint64_t length = 0;
+};
+
 // A point-to-point channel to one peer process for DEVICE memory (an HCCL communicator of two
 // ranks). One side sends what the other receives: both pass segment lists of the same lengths, in
 // the same order. Calls on one channel must not overlap (the engine serialises them per link
@@ -54,13 +62,32 @@ class DeviceChannel {
   // Returns once every byte has left (send) or arrived (recv), or with kTimeout at the deadline.
   virtual Status send(const std::vector<Segment>& segments, Deadline deadline) = 0;
   virtual Status recv(const std::vector<Segment>& segments, Deadline deadline) = 0;
-};
 
-// One DEVICE-to-DEVICE copy inside this process (copyDevice).
-struct DeviceCopy {
-  uint64_t dst = 0;
-  uint64_t src = 0;
-  uint64_t length = 0;
+  // One-sided access (feature "one_sided"). Both sides call prepare() at the same time with the
+  // DEVICE regions they let the peer reach (blocking, like a collective); afterwards get()/put()
+  // read or write the peer's prepared memory without the peer taking part, and prepared() tells
+  // whether a range of this side's memory is reachable that way.
+  virtual bool canPrepare() const { return false; }
+  virtual Status prepare(const std::vector<Segment>& regions, int32_t timeout_s) {
+    (void)regions;
+    (void)timeout_s;
+    return Status(Code::kFeatureNotEnabled, "no one-sided access on this channel");
+  }
+  virtual bool prepared(uint64_t addr, uint64_t length) const {
+    (void)addr;
+    (void)length;
+    return false;
+  }
+  virtual Status get(const std::vector<DeviceCopy>& copies, Deadline deadline) {
+    (void)copies;
+    (void)deadline;
+    return Status(Code::kFeatureNotEnabled, "no one-sided access on this channel");
+  }
+  virtual Status put(const std::vector<DeviceCopy>& copies, Deadline deadline) {
+    (void)copies;
+    (void)deadline;
+    return Status(Code::kFeatureNotEnabled, "no one-sided access on this channel");
+  }
 };
 
 class Backend {

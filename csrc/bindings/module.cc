@@ -164,7 +164,8 @@ PYBIND11_MODULE(_core, m) {
           "initialize",
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
-             uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret) {
+             uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret,
+             bool hccl_one_sided) {
             EngineConfig c;
             c.cluster_id = cluster_id;
             c.role = static_cast<Role>(role);
@@ -177,12 +178,13 @@ PYBIND11_MODULE(_core, m) {
             if (transport < 0 || transport > 2) throw py::value_error("transport must be 0 (auto), 1 (tcp) or 2 (cma)");
             c.transport = static_cast<Transport>(transport);
             c.link_secret = link_secret;
+            c.one_sided = hccl_one_sided;
             throwIfError(e.initialize(c), "init");
           },
           py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
           py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
-          py::arg("transport") = 0, py::arg("link_secret") = "",
+          py::arg("transport") = 0, py::arg("link_secret") = "", py::arg("hccl_one_sided") = false,
           py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)

@@ -123,6 +123,24 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
     *pinned = r.keep;
     return serveIpc(s, r, deadline, exported);
   }
+  if (device && (h.flags & wire::kFlagOneSided)) {  // addresses in prepared memory, kept until the next frame
+    DeviceChannel* channel = link->inDevice();
+    std::string list;
+    list.reserve(r.tensors.size() * r.runs.size() * 8);
+    for (uint32_t t : r.tensors) {
+      for (const wire::Run& run : r.runs) {
+        uint64_t addr = r.addrs[t] + r.base + run.offset;
+        if (!channel || !channel->prepared(addr, run.length)) {
+          return sendResponse(s, Status(Code::kFeatureNotEnabled, "not in the memory prepared for one-sided access"),
+                              deadline);
+        }
+        list.append(reinterpret_cast<const char*>(&addr), 8);
+      }
+    }
+    *pinned = r.keep;
+    std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
+    return s.sendAll(head.data(), head.size(), deadline);
+  }
   if (device) {
     DeviceChannel* channel = link->inDevice();
     if (!channel) return sendResponse(s, Status(Code::kFailed, "no device channel on this link"), deadline);
@@ -483,10 +501,19 @@ Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, const std::
                                                                 ") has no device channels"),
                         deadline);
   }
+  if (rendezvous.empty()) return sendResponse(s, Status(Code::kParamInvalid, "empty device channel request"), deadline);
+  const uint8_t wanted = rendezvous.back();  // channel options (wire::kChannelOneSided)
   // Accept first, then join: the requester joins only after this answer, so a refusal never
-  // leaves it waiting in the vendor's communicator setup.
-  PDLINK_RETURN_IF_ERROR(sendResponse(s, Status::OK(), deadline));
-  auto channel = backend_->joinChannel(std::string(rendezvous.begin(), rendezvous.end()), false);
+  // leaves it waiting in the vendor's communicator setup. The answer says which options apply.
+  const uint8_t agreed = wanted & (config_.one_sided ? wire::kChannelOneSided : 0);
+  std::string head = wire::encode(wire::ResponseHeader{0, 0, 1});
+  head.push_back(static_cast<char>(agreed));
+  PDLINK_RETURN_IF_ERROR(s.sendAll(head.data(), head.size(), deadline));
+  auto channel = backend_->joinChannel(std::string(rendezvous.begin(), rendezvous.end() - 1), false);
+  if (channel.ok() && (agreed & wire::kChannelOneSided)) {
+    Status st = channel.value()->prepare(preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
+    if (!st.ok()) channel = st;
+  }
   if (!channel.ok()) {
     PDLINK_LOG(kWarn, "device channel from " << clusterName(link->peer()) << ": " << channel.status().message());
     return channel.status();
@@ -501,11 +528,24 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
   auto rendezvous = backend_->newRendezvous();
   if (!rendezvous.ok()) return rendezvous.status();
   const std::string& rv = rendezvous.value();
+  // One-sided access is offered when this runtime has it; the peer agrees when its runtime has it
+  // too (and its configuration allows it).
+  const bool offer = config_.one_sided && backend_->capabilities().features.count("one_sided") &&
+                     backend_->capabilities().features.at("one_sided");
+  std::string body = rv + static_cast<char>(offer ? wire::kChannelOneSided : 0);
   wire::ResponseHeader rh;
-  Status st = request(link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(rv.size()), 0}, rv,
-                      deadline, what, &rh);
+  Status st = request(link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0},
+                      body, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
+  uint8_t agreed = 0;
+  if (rh.payload_len != 1 || !link->out().recvAll(&agreed, 1, deadline).ok()) {
+    return failTransfer(link, Status(Code::kLinkFailed, "malformed device channel answer"), what);
+  }
   auto channel = backend_->joinChannel(rv, true);
+  if (channel.ok() && (agreed & wire::kChannelOneSided)) {
+    st = channel.value()->prepare(preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
+    if (!st.ok()) channel = st;
+  }
   if (!channel.ok()) return failTransfer(link, channel.status(), what);  // the peer's half is in an unknown state
   link->setOutDevice(std::move(channel.value()));
   return Status::OK();
@@ -524,6 +564,11 @@ Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
   segments.reserve(p.local_tensors.size() * p.local_runs.size());
   for (uint32_t t : p.local_tensors) {
     for (const wire::Run& r : p.local_runs) segments.push_back({p.local->addrs[t] + r.offset, r.length});
+  }
+  if (link->outDevice()->canPrepare()) {
+    Status st = oneSidedTransfer(link, p, segments, is_push, deadline, what);
+    if (st.code() != Code::kFeatureNotEnabled || link->broken()) return st;
+    // Memory registered after the link (not prepared on one side or the other): two-sided.
   }
   std::string body = wire::encode(p.remote);
   wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
@@ -627,6 +672,53 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_p
     return Status(copied.code() == Code::kFeatureNotEnabled ? Code::kFailed : copied.code(),
                   std::string(what) + " " + clusterName(link->peer()) + " over IPC: " + copied.message());
   }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- one-sided HCCL
+
+std::vector<Segment> Engine::preparedRegions() const {
+  std::vector<Segment> out;
+  if (device_pool_) out.push_back({device_pool_->base(), device_pool_->capacity()});
+  for (auto& [addr, bytes] : registry_.registeredDeviceTensors()) out.push_back({addr, bytes});
+  return out;
+}
+
+Status Engine::oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::vector<Segment>& local,
+                                bool is_push, Deadline deadline, const char* what) {
+  DeviceChannel* channel = link->outDevice();
+  for (const Segment& seg : local) {
+    if (!channel->prepared(seg.addr, seg.length)) {
+      return Status(Code::kFeatureNotEnabled, "local memory not prepared for one-sided access");
+    }
+  }
+  std::string body = wire::encode(p.remote);
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
+                        static_cast<uint8_t>(wire::kFlagDevice | wire::kFlagOneSided)};
+  wire::ResponseHeader rh;
+  Status st = request(link, h, body, deadline, what, &rh);
+  if (!st.ok()) return st;  // refused (kFeatureNotEnabled: not prepared there), or the link failed
+  if (rh.payload_len != local.size() * 8) {
+    return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 8) +
+                                                            " addresses, expected " + std::to_string(local.size())),
+                        what);
+  }
+  std::vector<uint64_t> remote(local.size());
+  st = link->out().recvAll(remote.data(), rh.payload_len, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  std::vector<DeviceCopy> copies(local.size());
+  for (size_t i = 0; i < local.size(); ++i) {
+    copies[i] = is_push ? DeviceCopy{remote[i], local[i].addr, local[i].length}
+                        : DeviceCopy{local[i].addr, remote[i], local[i].length};
+  }
+  Status moved = is_push ? channel->put(copies, deadline) : channel->get(copies, deadline);
+  if (!moved.ok()) {
+    link->setOutDevice(nullptr);
+    return failTransfer(link, moved, what);  // unpins on the peer too: its serving thread sees the link go
+  }
+  // Unpin on the peer; for a completed read by request key this is also the release of the key.
+  const bool commit = !is_push && usesKeyCommit(p.remote.target.kind);
+  finishAccess(*link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
   return Status::OK();
 }
 

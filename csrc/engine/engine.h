@@ -66,6 +66,11 @@ struct EngineConfig {
   // When non-empty, both ends of every link must prove they know it (challenge-response in the
   // handshake, transport/wire.h); a peer that cannot is refused before it can reach any memory.
   std::string link_secret;
+  // DEVICE transfers over HCCL use its one-sided access (HcclBatchGet/Put) when both ends enable
+  // it, both runtimes have it and the memory was registered before the link; otherwise two-sided
+  // (HcclBatchSendRecv). Off by default: the one-sided API is not public HCCL and its struct
+  // layouts changed between CANN releases (docs/ascend.md).
+  bool one_sided = false;
 };
 
 struct PeerAddress {
@@ -203,6 +208,13 @@ class Engine {
   // them and copies device to device. kFeatureNotEnabled when the peer cannot (then HCCL is used).
   Status ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   Status serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported);
+  // One-sided HCCL: the peer answers with the addresses of memory its channel prepared.
+  // kFeatureNotEnabled when that is not possible (then the two-sided transfer is used).
+  Status oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::vector<Segment>& local, bool is_push,
+                          Deadline deadline, const char* what);
+  // The DEVICE memory a device channel prepares for one-sided access: the device pool and every
+  // registered DEVICE cache's tensors.
+  std::vector<Segment> preparedRegions() const;
   Status serveDeviceChannel(const std::shared_ptr<Link>& link, const std::vector<uint8_t>& rendezvous, Deadline deadline);
   void spawn(std::function<void()> fn);
   void reapThreads();

@@ -29,6 +29,7 @@ class MemPool {
   void release(uint64_t addr);
 
   uint64_t capacity() const { return size_; }
+  uint64_t base() const { return base_; }
   uint64_t used() const;
 
  private:

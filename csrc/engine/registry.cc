@@ -268,6 +268,16 @@ void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& te
   }
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> Registry::registeredDeviceTensors() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const auto& [id, e] : caches_) {
+    if (e->owned || e->layout.placement != Placement::kDevice) continue;
+    for (uint64_t a : e->addrs) out.emplace_back(a, e->layout.tensor_size);
+  }
+  return out;
+}
+
 size_t Registry::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return caches_.size();

@@ -109,6 +109,10 @@ class Registry {
   // is published in the handshake and stays fixed for the Registry's lifetime.
   const std::atomic<uint64_t>* generation() const { return &generation_; }
 
+  // Every tensor of a registered (not pool-allocated) DEVICE cache, as (address, bytes): the
+  // memory a device channel prepares for one-sided access besides the device pool.
+  std::vector<std::pair<uint64_t, uint64_t>> registeredDeviceTensors() const;
+
   size_t size() const;
   void clear();
 

@@ -91,6 +91,7 @@ void fuzzRequest(const uint8_t* p, size_t n) {
   const uint8_t op = static_cast<uint8_t>(h.op);
   FUZZ_CHECK(n >= wire::kRequestHeaderBytes);
   FUZZ_CHECK(op >= 1 && op <= wire::kMaxOp && !(h.flags & ~wire::kKnownFlags) &&
+             (!(h.flags & wire::kFlagOneSided) || h.flags == (wire::kFlagDevice | wire::kFlagOneSided)) &&
              h.body_len <= wire::kMaxBodyBytes);
   uint8_t canonical[wire::kRequestHeaderBytes];
   std::memcpy(canonical, p, sizeof(canonical));

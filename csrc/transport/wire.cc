@@ -157,7 +157,8 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   if (!r.get(&op) || !r.get(&out->flags) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
     return malformed("request");
   }
-  if (op < 1 || op > kMaxOp || (out->flags & ~kKnownFlags) || out->body_len > kMaxBodyBytes) return malformed("request");
+  if (op < 1 || op > kMaxOp || (out->flags & ~kKnownFlags) ||
+      ((out->flags & kFlagOneSided) && out->flags != (kFlagDevice | kFlagOneSided)) || out->body_len > kMaxBodyBytes) return malformed("request");
   out->op = static_cast<Op>(op);
   return Status::OK();
 }

@@ -126,7 +126,16 @@ constexpr uint8_t kFlagDevice = 2;
 // (Backend::exportMemory) and answers with one 64-byte key per tensor, then one u64 offset into
 // that span per (tensor, run); the requester maps the keys and copies device to device itself,
 // then sends kCommit/kRelease, at which the server closes the exports and unpins.
-constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice;
+// kFlagDevice | kFlagOneSided: HCCL one-sided access. The server checks the access as usual and,
+// when every addressed range lies in memory it prepared on the link's device channel, answers with
+// one u64 absolute address per (tensor, run) and keeps the caches alive until the next frame; the
+// requester reads or writes them with HcclBatchGet/Put, then sends kCommit/kRelease. Otherwise it
+// refuses with kFeatureNotEnabled and the requester uses the two-sided transfer.
+constexpr uint8_t kFlagOneSided = 4;
+constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided;
+// kDeviceChannel body: the rendezvous, then one byte of channel options; the response carries one
+// byte, the options the server agreed to. Both then join; with kChannelOneSided agreed both prepare.
+constexpr uint8_t kChannelOneSided = 1;
 struct RequestHeader {
   Op op = Op::kRead;
   uint32_t body_len = 0;

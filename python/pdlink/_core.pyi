@@ -48,6 +48,7 @@ class Engine:
         handshake_timeout_ms: int,
         transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
         link_secret: str = "",  # non-empty: links must authenticate (challenge-response)
+        hccl_one_sided: bool = False,  # Ascend: HcclBatchGet/Put when both ends enable it
     ) -> None: ...
     def finalize(self) -> None: ...
     @property

@@ -55,6 +55,10 @@ SECRET_OPTION = "pdlink.LinkSecret"
 # environment variable PDLINK_BACKEND works the same.
 BACKEND_OPTION = "pdlink.Backend"
 _BACKENDS = ("auto", "cpu", "ascend")
+# pdlink option, Ascend backend: "1" moves DEVICE bytes over HCCL with one-sided access
+# (HcclBatchGet/Put) when both ends enable it and their runtimes have it; "0" (default):
+# two-sided HcclBatchSendRecv. The environment variable PDLINK_HCCL_ONE_SIDED works the same.
+ONE_SIDED_OPTION = "pdlink.HcclOneSided"
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
@@ -132,7 +136,11 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
     raise_if_false(backend in _BACKENDS,
                    f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(_BACKENDS)}, got {backend!r}")
     device = options.get("ge.exec.deviceId", "0").split(";")[0]
+    one_sided = options.get(ONE_SIDED_OPTION) or os.environ.get("PDLINK_HCCL_ONE_SIDED") or "0"
+    raise_if_false(one_sided in ("0", "1"),
+                   f"{ONE_SIDED_OPTION} (or PDLINK_HCCL_ONE_SIDED) must be '0' or '1', got {one_sided!r}")
     return {
+        "hccl_one_sided": one_sided == "1",
         "backend": backend,
         "device_id": int(device) if device.isdigit() else 0,
         "cache_manager": options.get("llm.EnableCacheManager") == "1",
@@ -198,6 +206,7 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
         "transport": cfg["transport"],
         "link_secret": cfg["link_secret"],
         "backend": cfg["backend"],
+        "hccl_one_sided": cfg["hccl_one_sided"],
     }
 
 
@@ -371,7 +380,8 @@ class LLMDataDist:
                                   sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
                                   host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000,
-                                  transport=cfg["transport"], link_secret=cfg["link_secret"])
+                                  transport=cfg["transport"], link_secret=cfg["link_secret"],
+                                  hccl_one_sided=cfg["hccl_one_sided"])
                 engines.append(engine)
         except BaseException:
             for engine in engines:

@@ -69,6 +69,7 @@ class HcclChannel final : public DeviceChannel {
       : api_(api), ctx_(ctx), comm_(comm), stream_(stream), peer_rank_(peer_rank) {}
   ~HcclChannel() override {
     ContextGuard g(api_, ctx_);
+    releaseMemory();
     // Destroying the communicator first ends any transfer still queued on the stream (a timed-out
     // one), so destroying the stream cannot wait on it.
     if (int rc = api_->HcclCommDestroy(comm_); rc != HCCL_SUCCESS) {
@@ -85,7 +86,93 @@ class HcclChannel final : public DeviceChannel {
     return run(segments, HCCL_RECV, deadline);
   }
 
+  bool canPrepare() const override { return api_->features.at("one_sided"); }
+
+  // HcclRegisterGlobalMem + HcclCommBindMem per region, then HcclCommPrepare (both ranks).
+  Status prepare(const std::vector<Segment>& regions, int32_t timeout_s) override {
+    if (!canPrepare()) return DeviceChannel::prepare(regions, timeout_s);
+    ContextGuard g(api_, ctx_);
+    PDLINK_RETURN_IF_ERROR(g.status());
+    Status st;
+    for (const Segment& r : regions) {
+      CommMem mem{COMM_MEM_TYPE_DEVICE, reinterpret_cast<void*>(r.addr), r.length};
+      void* handle = nullptr;
+      int rc = api_->HcclRegisterGlobalMem(&mem, &handle);
+      if (rc != HCCL_SUCCESS) {
+        st = api_->hcclError("HcclRegisterGlobalMem", rc);
+        break;
+      }
+      registered_.push_back(handle);
+      if ((rc = api_->HcclCommBindMem(comm_, handle)) != HCCL_SUCCESS) {
+        st = api_->hcclError("HcclCommBindMem", rc);
+        break;
+      }
+      bound_.push_back(handle);
+    }
+    if (st.ok()) {
+      HcclPrepareConfig config{};  // topoType 0: full mesh
+      int rc = api_->HcclCommPrepare(comm_, &config, timeout_s);
+      if (rc != HCCL_SUCCESS) st = api_->hcclError("HcclCommPrepare", rc);
+    }
+    if (!st.ok()) {
+      releaseMemory();
+      return st;
+    }
+    regions_ = regions;
+    return Status::OK();
+  }
+
+  bool prepared(uint64_t addr, uint64_t length) const override {
+    for (const Segment& r : regions_) {
+      if (addr >= r.addr && length <= r.length && addr - r.addr <= r.length - length) return true;
+    }
+    return false;
+  }
+
+  Status get(const std::vector<DeviceCopy>& copies, Deadline deadline) override {
+    return oneSided(copies, false, deadline);
+  }
+  Status put(const std::vector<DeviceCopy>& copies, Deadline deadline) override {
+    return oneSided(copies, true, deadline);
+  }
+
  private:
+  // LLM-DataDist issues at most 64 descriptors per HcclBatchGet/Put call (kMaxBatchPutNum).
+  static constexpr size_t kDescsPerCall = 64;
+
+  Status oneSided(const std::vector<DeviceCopy>& copies, bool put, Deadline deadline) {
+    if (regions_.empty()) return Status(Code::kFeatureNotEnabled, "the channel was not prepared for one-sided access");
+    ContextGuard g(api_, ctx_);
+    PDLINK_RETURN_IF_ERROR(g.status());
+    std::vector<HcclOneSideOpDesc> descs;
+    for (size_t i = 0; i < copies.size(); i += kDescsPerCall) {
+      descs.clear();
+      for (size_t j = i; j < std::min(copies.size(), i + kDescsPerCall); ++j) {
+        const DeviceCopy& c = copies[j];
+        // get: local = dst, remote = src; put: local = src, remote = dst.
+        void* local = reinterpret_cast<void*>(put ? c.src : c.dst);
+        void* remote = reinterpret_cast<void*>(put ? c.dst : c.src);
+        descs.push_back(HcclOneSideOpDesc{local, remote, c.length, HCCL_DATA_TYPE_UINT8});
+      }
+      int rc = put ? api_->HcclBatchPut(comm_, peer_rank_, descs.data(), static_cast<uint32_t>(descs.size()), stream_)
+                   : api_->HcclBatchGet(comm_, peer_rank_, descs.data(), static_cast<uint32_t>(descs.size()), stream_);
+      if (rc != HCCL_SUCCESS) {
+        // What was queued before must land (or fail) before the caller's memory may be reused.
+        (void)synchronize(Deadline::never());
+        return api_->hcclError(put ? "HcclBatchPut" : "HcclBatchGet", rc);
+      }
+    }
+    return synchronize(deadline);
+  }
+
+  void releaseMemory() {
+    for (void* h : bound_) (void)api_->HcclCommUnbindMem(comm_, h);
+    for (void* h : registered_) (void)api_->HcclDeregisterGlobalMem(h);
+    bound_.clear();
+    registered_.clear();
+    regions_.clear();
+  }
+
   Status run(const std::vector<Segment>& segments, HcclSendRecvType type, Deadline deadline) {
     ContextGuard g(api_, ctx_);
     PDLINK_RETURN_IF_ERROR(g.status());
@@ -121,6 +208,9 @@ class HcclChannel final : public DeviceChannel {
   HcclComm comm_;
   aclrtStream stream_;
   uint32_t peer_rank_;
+  std::vector<void*> registered_;  // HcclRegisterGlobalMem handles (one-sided)
+  std::vector<void*> bound_;       // ... of those, bound to comm_
+  std::vector<Segment> regions_;   // this side's memory the peer may reach, once prepared
 };
 
 }  // namespace
