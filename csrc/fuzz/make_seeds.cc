@@ -90,6 +90,14 @@ int main(int argc, char** argv) {
   req.body_len = 69;
   req.payload_len = 4096;
   seed("request-write", kModeRequest, wire::encode(req));
+  req.op = wire::Op::kDeviceChannel;
+  req.body_len = 4109;  // an HCCL root info and the options byte
+  req.payload_len = 0;
+  seed("request-device-channel", kModeRequest, wire::encode(req));
+  req.op = wire::Op::kRead;
+  req.body_len = 69;
+  req.flags = wire::kFlagDevice | wire::kFlagOneSided;
+  seed("request-one-sided", kModeRequest, wire::encode(req));
   wire::ResponseHeader resp;
   resp.status = static_cast<uint32_t>(Code::kParamInvalid);
   resp.message_len = 12;
@@ -132,6 +140,9 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, poolkey);
   s += frame(wire::Op::kCommit, poolkey);
   s += frame(wire::Op::kRead, blocks, wire::kFlagDirect);
+  s += frame(wire::Op::kRead, blocks, wire::kFlagDevice);                            // HCCL two-sided
+  s += frame(wire::Op::kWrite, blocks, wire::kFlagDevice | wire::kFlagDirect);       // same-host IPC
+  s += frame(wire::Op::kRead, blocks, wire::kFlagDevice | wire::kFlagOneSided);      // HCCL one-sided
   s += frame(wire::Op::kDescribe, blocks7);
   s += frame(wire::Op::kWrite, reqkey);
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
