@@ -120,7 +120,8 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("_map_vendor_code", [](const std::string& lib, int rc) {
-    return static_cast<uint32_t>(lib == "acl" ? ascend::mapAclCode(rc) : ascend::mapHcclCode(rc));
+    return static_cast<uint32_t>(
+        ascend::mapVendorCode(lib == "acl" ? ascend::Vendor::kAcl : ascend::Vendor::kHccl, rc));
   });
 
   // A process-wide backend (backends/backend.h): memory and local copies, used by pdlink.device.

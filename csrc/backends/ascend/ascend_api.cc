@@ -199,32 +199,31 @@ Result<const AscendApi*> AscendApi::load() {
   return *result;
 }
 
-Code mapAclCode(int rc) {
-  switch (rc) {
-    case ACL_SUCCESS: return Code::kSuccess;
-    case ACL_ERROR_INVALID_PARAM:
-    case ACL_ERROR_RT_PARAM_INVALID:
-    case ACL_ERROR_INVALID_DEVICE:
-    case ACL_ERROR_RT_INVALID_DEVICEID:
-      return Code::kParamInvalid;
-    case ACL_ERROR_BAD_ALLOC:
-    case ACL_ERROR_RT_MEMORY_ALLOCATION:
-    case ACL_ERROR_RT_DEVICE_OOM:
-      return Code::kDeviceOutOfMemory;
-    case ACL_ERROR_RT_WAIT_TIMEOUT:
-    case ACL_ERROR_RT_STREAM_SYNC_TIMEOUT:
-    case ACL_ERROR_RT_EVENT_SYNC_TIMEOUT:
-      return Code::kTimeout;
-    case ACL_ERROR_API_NOT_SUPPORT:
-    case ACL_ERROR_FEATURE_UNSUPPORTED:
-    case ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
-      return Code::kFeatureNotEnabled;
-    default:
-      return Code::kFailed;
+Code mapVendorCode(Vendor vendor, int rc) {
+  if (vendor == Vendor::kAcl) {
+    switch (rc) {
+      case ACL_SUCCESS: return Code::kSuccess;
+      case ACL_ERROR_INVALID_PARAM:
+      case ACL_ERROR_RT_PARAM_INVALID:
+      case ACL_ERROR_INVALID_DEVICE:
+      case ACL_ERROR_RT_INVALID_DEVICEID:
+        return Code::kParamInvalid;
+      case ACL_ERROR_BAD_ALLOC:
+      case ACL_ERROR_RT_MEMORY_ALLOCATION:
+      case ACL_ERROR_RT_DEVICE_OOM:
+        return Code::kDeviceOutOfMemory;
+      case ACL_ERROR_RT_WAIT_TIMEOUT:
+      case ACL_ERROR_RT_STREAM_SYNC_TIMEOUT:
+      case ACL_ERROR_RT_EVENT_SYNC_TIMEOUT:
+        return Code::kTimeout;
+      case ACL_ERROR_API_NOT_SUPPORT:
+      case ACL_ERROR_FEATURE_UNSUPPORTED:
+      case ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
+        return Code::kFeatureNotEnabled;
+      default:
+        return Code::kFailed;
+    }
   }
-}
-
-Code mapHcclCode(int rc) {
   switch (rc) {
     case HCCL_SUCCESS: return Code::kSuccess;
     case HCCL_E_PARA:
@@ -252,13 +251,13 @@ Status AscendApi::aclError(const char* call, int rc) const {
   m << call << " failed: " << aclCodeName(rc) << " (" << rc << ")";
   const char* text = aclGetRecentErrMsg ? aclGetRecentErrMsg() : nullptr;
   if (text && *text) m << ": " << text;
-  return Status(mapAclCode(rc), m.str());
+  return Status(mapVendorCode(Vendor::kAcl, rc), m.str());
 }
 
 Status AscendApi::hcclError(const char* call, int rc) const {
   std::ostringstream m;
   m << call << " failed: " << hcclCodeName(rc) << " (" << rc << ")";
-  return Status(mapHcclCode(rc), m.str());
+  return Status(mapVendorCode(Vendor::kHccl, rc), m.str());
 }
 
 }  // namespace pdlink::ascend

@@ -71,14 +71,14 @@ struct AscendApi {
   // The process-wide table; kFeatureNotEnabled naming what is missing and where it looked.
   static Result<const AscendApi*> load();
 
-  // The Status for a failed vendor call: code mapped to LLMStatusCode (the one place that maps
-  // vendor codes), message naming the call, the numeric code, its name and the runtime's own text.
+  // The Status for a failed vendor call: code mapped by mapVendorCode, message naming the call,
+  // the numeric code, its name and the runtime's own text.
   Status aclError(const char* call, int rc) const;
   Status hcclError(const char* call, int rc) const;
 };
 
-// The LLMStatusCode family of a vendor return code (exposed for tests of the mapping).
-Code mapAclCode(int rc);
-Code mapHcclCode(int rc);
+// The LLMStatusCode of a vendor return code: the one place that maps them (exposed for tests).
+enum class Vendor { kAcl, kHccl };
+Code mapVendorCode(Vendor vendor, int rc);
 
 }  // namespace pdlink::ascend
