@@ -105,8 +105,10 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     // communicator setup takes seconds on real hardware. (A same-host link uses IPC, and sets a
     // channel up only if the peer turns IPC down.) A peer without device channels (a CPU
     // backend) still links; its device transfers are refused then.
-    std::lock_guard<std::mutex> out(link->outMutex());
-    st = ensureDeviceChannel(link, deadline, "link to");
+    {
+      std::lock_guard<std::mutex> out(link->outMutex());
+      st = ensureDeviceChannel(link, deadline, "link to");
+    }
     if (!st.ok() && st.code() != Code::kFeatureNotEnabled) {
       (void)unlinkOne(peer_id, 1000, true);
       return linkError(peer, st);
