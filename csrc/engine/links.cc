@@ -100,6 +100,7 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     installLink(link);
   }
   spawn([this, link] { serve(link); });
+  bool channel = false;
   if (device_transport_ && !(link->ipcPossible() && ipc_)) {
     // Set up this direction's device channel now rather than on the first pull: HCCL's
     // communicator setup takes seconds on real hardware. (A same-host link uses IPC, and sets a
@@ -108,6 +109,7 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     {
       std::lock_guard<std::mutex> out(link->outMutex());
       st = ensureDeviceChannel(link, deadline, "link to");
+      channel = link->outDevice() != nullptr;
     }
     if (!st.ok() && st.code() != Code::kFeatureNotEnabled) {
       (void)unlinkOne(peer_id, 1000, true);
@@ -117,7 +119,7 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   }
   if (linked_id) *linked_id = peer_id;
   PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where << " over " << link->transport()
-                                 << (link->outDevice() ? " and a device channel" : ""));
+                                 << (channel ? " and a device channel" : ""));
   return Status::OK();
 }
 
