@@ -1,5 +1,6 @@
 // The Ascend backend: DEVICE memory from aclrtMalloc, copies through aclrtMemcpy, device channels
-// as two-rank HCCL communicators moving bytes with HcclBatchSendRecv on a stream of their own.
+// as two-rank HCCL communicators moving bytes with HcclBatchSendRecv (or, once prepared, one-sided
+// HcclBatchGet/Put) on a stream of their own, and same-host sharing through aclrtIpcMem* keys.
 //
 // ACL keeps the current device context per thread, and pdlink's calls arrive on many threads (the
 // caller's, with the GIL released, and the engine's serving threads), some of which also belong to
