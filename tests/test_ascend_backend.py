@@ -299,3 +299,35 @@ def test_demo_runs_on_the_ascend_backend(fakes):
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("backend ascend: KV in device memory, moved over HCCL") == 1
     assert res.stdout.count("verified byte for byte") == 2 and "OK: KV moved" in res.stdout
+
+
+@pytest.mark.parametrize("options,env,match", [
+    ({"pdlink.Backend": "npu"}, {}, "pdlink.Backend (or PDLINK_BACKEND) must be one of"),
+    ({}, {"PDLINK_BACKEND": "gpu"}, "got 'gpu'"),
+    ({"ge.exec.deviceId": "x"}, {}, "ge.exec.deviceId must be a device id, got 'x'"),
+    ({"ge.exec.deviceId": ""}, {}, "ge.exec.deviceId must be a device id"),
+    ({"pdlink.HcclOneSided": "yes"}, {}, "must be '0' or '1'"),
+])
+def test_bad_backend_options_are_param_invalid(monkeypatch, options, env, match):
+    from pdlink.llm_datadist import parse_engine_options
+    from pdlink.status import LLMException
+
+    for k in ("PDLINK_BACKEND", "PDLINK_HCCL_ONE_SIDED"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(LLMException) as e:
+        parse_engine_options(options)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and match in str(e.value)
+
+
+def test_backend_options_pick_backend_and_device(monkeypatch):
+    from pdlink.llm_datadist import parse_engine_options
+
+    monkeypatch.delenv("PDLINK_BACKEND", raising=False)
+    assert parse_engine_options({})["backend"] == "auto"
+    cfg = parse_engine_options({"pdlink.Backend": "ascend", "ge.exec.deviceId": "3"})
+    assert (cfg["backend"], cfg["device_id"]) == ("ascend", 3)
+    monkeypatch.setenv("PDLINK_BACKEND", "cpu")
+    assert parse_engine_options({})["backend"] == "cpu"
+    assert parse_engine_options({"pdlink.Backend": "ascend"})["backend"] == "ascend"  # the option wins

@@ -245,6 +245,12 @@ Status Engine::request(const std::shared_ptr<Link>& link, const wire::RequestHea
   return awaitResponse(link, deadline, what, rh);
 }
 
+Status Engine::requestAccess(const std::shared_ptr<Link>& link, const std::string& body, bool is_push, uint8_t flags,
+                             Deadline deadline, const char* what, wire::ResponseHeader* rh) {
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0, flags};
+  return request(link, h, body, deadline, what, rh);
+}
+
 Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
   auto local = registry_.get(spec.local_cache_id);
   if (!local.ok()) return local.status();
@@ -530,8 +536,7 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
   const std::string& rv = rendezvous.value();
   // One-sided access is offered when this runtime has it; the peer agrees when its runtime has it
   // too (and its configuration allows it).
-  const bool offer = config_.one_sided && backend_->capabilities().features.count("one_sided") &&
-                     backend_->capabilities().features.at("one_sided");
+  const bool offer = config_.one_sided && one_sided_;
   std::string body = rv + static_cast<char>(offer ? wire::kChannelOneSided : 0);
   wire::ResponseHeader rh;
   Status st = request(link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0},
@@ -553,8 +558,9 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
 
 Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
                               const char* what) {
+  const std::string body = wire::encode(p.remote);
   if (ipc_ && link->ipcPossible()) {
-    Status st = ipcTransfer(link, p, is_push, deadline, what);
+    Status st = ipcTransfer(link, p, body, is_push, deadline, what);
     if (st.code() != Code::kFeatureNotEnabled || link->broken()) return st;
     PDLINK_LOG(kInfo, "IPC with " << clusterName(link->peer()) << " unavailable (" << st.message() << "); using HCCL");
     link->refuseIpc();
@@ -566,16 +572,13 @@ Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     for (const wire::Run& r : p.local_runs) segments.push_back({p.local->addrs[t] + r.offset, r.length});
   }
   if (link->outDevice()->canPrepare()) {
-    Status st = oneSidedTransfer(link, p, segments, is_push, deadline, what);
+    Status st = oneSidedTransfer(link, p, body, segments, is_push, deadline, what);
     if (st.code() != Code::kFeatureNotEnabled || link->broken()) return st;
     // Memory registered after the link (not prepared on one side or the other): two-sided.
   }
-  std::string body = wire::encode(p.remote);
-  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
-                        wire::kFlagDevice};
   wire::ResponseHeader rh;
-  Status st = request(link, h, body, deadline, what, &rh);  // the peer checked the access, or refused it
-  if (!st.ok()) return st;
+  Status st = requestAccess(link, body, is_push, wire::kFlagDevice, deadline, what, &rh);
+  if (!st.ok()) return st;  // the peer refused the access, or the link failed
   if (rh.payload_len != 0) return failTransfer(link, Status(Code::kLinkFailed, "unexpected payload"), what);
   DeviceChannel* channel = link->outDevice();
   st = is_push ? channel->send(segments, deadline) : channel->recv(segments, deadline);
@@ -622,13 +625,10 @@ Status Engine::serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::ve
   return s.sendAll(head.data(), head.size(), deadline);
 }
 
-Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
-                           const char* what) {
-  std::string body = wire::encode(p.remote);
-  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
-                        static_cast<uint8_t>(wire::kFlagDevice | wire::kFlagDirect)};
+Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body, bool is_push,
+                           Deadline deadline, const char* what) {
   wire::ResponseHeader rh;
-  Status st = request(link, h, body, deadline, what, &rh);
+  Status st = requestAccess(link, body, is_push, wire::kFlagDevice | wire::kFlagDirect, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (kFeatureNotEnabled: no IPC there), or the link failed
   const size_t nt = p.remote.tensors.size(), nr = p.remote.runs.size();
   if (rh.payload_len != nt * (kIpcKeyBytes + 8 * nr)) {
@@ -684,19 +684,16 @@ std::vector<Segment> Engine::preparedRegions() const {
   return out;
 }
 
-Status Engine::oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::vector<Segment>& local,
-                                bool is_push, Deadline deadline, const char* what) {
+Status Engine::oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body,
+                                const std::vector<Segment>& local, bool is_push, Deadline deadline, const char* what) {
   DeviceChannel* channel = link->outDevice();
   for (const Segment& seg : local) {
     if (!channel->prepared(seg.addr, seg.length)) {
       return Status(Code::kFeatureNotEnabled, "local memory not prepared for one-sided access");
     }
   }
-  std::string body = wire::encode(p.remote);
-  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0,
-                        static_cast<uint8_t>(wire::kFlagDevice | wire::kFlagOneSided)};
   wire::ResponseHeader rh;
-  Status st = request(link, h, body, deadline, what, &rh);
+  Status st = requestAccess(link, body, is_push, wire::kFlagDevice | wire::kFlagOneSided, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (kFeatureNotEnabled: not prepared there), or the link failed
   if (rh.payload_len != local.size() * 8) {
     return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 8) +

@@ -11,11 +11,20 @@ namespace pdlink {
 
 using namespace detail;  // NOLINT: this file is part of the engine
 
-Engine::Engine(std::shared_ptr<Backend> backend)
+namespace {
+bool hasFeature(const Capabilities& c, const char* name) {
+  auto it = c.features.find(name);
+  return it != c.features.end() && it->second;
+}
+}  // namespace
+
+Engine::Engine(std::shared_ptr<Backend> backend) : Engine(backend, backend->capabilities()) {}
+
+Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
     : backend_(std::move(backend)),
-      device_transport_(backend_->capabilities().device_transport),
-      ipc_(device_transport_ && backend_->capabilities().features.count("ipc") &&
-           backend_->capabilities().features.at("ipc")) {}
+      device_transport_(caps.device_transport),
+      ipc_(caps.device_transport && hasFeature(caps, "ipc")),
+      one_sided_(caps.device_transport && hasFeature(caps, "one_sided")) {}
 
 Engine::~Engine() { finalize(); }
 

@@ -176,6 +176,7 @@ class Engine {
 
  private:
   struct Plan;  // byte runs for both sides of one transfer (engine.cc)
+  Engine(std::shared_ptr<Backend> backend, const Capabilities& caps);
   Result<Plan> plan(const TransferSpec& spec, bool is_push);
   Status transfer(const TransferSpec& spec, bool is_push);
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
@@ -186,6 +187,9 @@ class Engine {
   // Sends header + body on the out channel, then awaitResponse.
   Status request(const std::shared_ptr<Link>& link, const wire::RequestHeader& header, const std::string& body,
                  Deadline deadline, const char* what, wire::ResponseHeader* rh);
+  // request() of a read (pull) or write (push) of `body` (an encoded TransferBody) with these flags.
+  Status requestAccess(const std::shared_ptr<Link>& link, const std::string& body, bool is_push, uint8_t flags,
+                       Deadline deadline, const char* what, wire::ResponseHeader* rh);
 
   Result<std::unique_ptr<Listener>> startListener(const std::string& ip, uint16_t port);
   void stopListeners();
@@ -206,12 +210,13 @@ class Engine {
   Status ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what);
   // Same-host DEVICE transfer through IPC: the peer exports the checked regions, this side maps
   // them and copies device to device. kFeatureNotEnabled when the peer cannot (then HCCL is used).
-  Status ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
+  Status ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body, bool is_push,
+                     Deadline deadline, const char* what);
   Status serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported);
   // One-sided HCCL: the peer answers with the addresses of memory its channel prepared.
   // kFeatureNotEnabled when that is not possible (then the two-sided transfer is used).
-  Status oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::vector<Segment>& local, bool is_push,
-                          Deadline deadline, const char* what);
+  Status oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body,
+                          const std::vector<Segment>& local, bool is_push, Deadline deadline, const char* what);
   // The DEVICE memory a device channel prepares for one-sided access: the device pool and every
   // registered DEVICE cache's tensors.
   std::vector<Segment> preparedRegions() const;
@@ -220,8 +225,11 @@ class Engine {
   void reapThreads();
 
   std::shared_ptr<Backend> backend_;
-  const bool device_transport_;  // backend_->capabilities().device_transport
-  const bool ipc_;               // ... and features["ipc"]: same-host DEVICE transfers by IPC
+  // From backend_->capabilities(), read once: device channels; same-host DEVICE transfers by IPC;
+  // a runtime with HCCL one-sided access.
+  const bool device_transport_;
+  const bool ipc_;
+  const bool one_sided_;
   EngineConfig config_;
   wire::HostIdentity identity_;  // set by initialize()
   Registry registry_;

@@ -135,14 +135,17 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
     backend = options.get(BACKEND_OPTION) or os.environ.get("PDLINK_BACKEND") or "auto"
     raise_if_false(backend in _BACKENDS,
                    f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(_BACKENDS)}, got {backend!r}")
+    # CacheManager mode runs one engine: on the first listed device (KvCacheManager mode checks the
+    # whole list itself, parse_v1_options).
     device = options.get("ge.exec.deviceId", "0").split(";")[0]
+    raise_if_false(device.isdigit(), f"ge.exec.deviceId must be a device id, got {options.get('ge.exec.deviceId')!r}")
     one_sided = options.get(ONE_SIDED_OPTION) or os.environ.get("PDLINK_HCCL_ONE_SIDED") or "0"
     raise_if_false(one_sided in ("0", "1"),
                    f"{ONE_SIDED_OPTION} (or PDLINK_HCCL_ONE_SIDED) must be '0' or '1', got {one_sided!r}")
     return {
         "hccl_one_sided": one_sided == "1",
         "backend": backend,
-        "device_id": int(device) if device.isdigit() else 0,
+        "device_id": int(device),
         "cache_manager": options.get("llm.EnableCacheManager") == "1",
         "remote_cache_accessible": options.get("llm.EnableRemoteCacheAccessible") == "1",
         "listen_ip": listen_ip,
@@ -169,7 +172,7 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
     Every violation is ``LLMException(LLM_PARAM_INVALID)``. ``llm.ClusterInfo`` and the numa stub
     file that llm_datadist derives here are internal to its engine and are not produced.
     """
-    rest = {k: v for k, v in options.items() if k != "llm.listenIpInfo"}
+    rest = {k: v for k, v in options.items() if k not in ("llm.listenIpInfo", "ge.exec.deviceId")}
     cfg = parse_engine_options(rest)
     raw_devices = options.get("ge.exec.deviceId")
     raise_if_false(bool(raw_devices),
