@@ -114,7 +114,7 @@ pip_build asan address,undefined
 run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,undefined \
   FAKE_ASCEND_CXXFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer" \
   ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-  "$CI_OUT/asan-venv/bin/python" -m pytest tests -q -s -p no:cacheprovider
+  "$CI_OUT/asan-venv/bin/python" -m pytest tests -q -s -p no:cacheprovider -m "heavy or not heavy"
 
 # ------------------------------------------------------------------------------------ 2. TSan
 step "TSan: the module built with PDLINK_SANITIZE=thread; the concurrency-heavy tests"

@@ -1,35 +1,35 @@
-"""What a test's peers run on: the ``transport`` fixture's values and the environment each gives.
+"""The fixture matrix: which backend and data path a test's peers run on, and the environment each
+gives a peer process.
 
-Every data-movement test runs three times:
+Every data-movement test runs once per ``Variant`` (the ``variant`` fixture, conftest.py):
 
-* ``cma``: CPU backend, direct memory access between the two processes (process_vm_readv);
-* ``tcp``: CPU backend, loopback TCP;
-* ``ascend``: the Ascend backend on the fake vendor libraries (tests/fake_ascend), built once per
-  test session. DEVICE bytes move over HCCL (the fake's local sockets); the link's control
+* ``cpu-cma``: CPU backend, direct memory access between the two processes (process_vm_readv);
+* ``cpu-tcp``: CPU backend, loopback TCP;
+* ``ascend-fake``: the Ascend backend on the fake vendor libraries (tests/fake_ascend), built once
+  per test session. DEVICE bytes move over HCCL (the fake's local sockets); the link's control
   connection (and HOST caches) use TCP.
 
-``peer_env(transport)`` is the environment for a peer process of that kind; tests that start
-peers themselves pass it (``peers("prefill", env=peer_env(transport))``). Tests of one engine (or
-of links that do not depend on the CPU transport) use the ``backend`` fixture instead: ``cpu``
-(PDLINK_TRANSPORT left at auto) or ``ascend``; ``peer_env`` takes those names too.
+A new data path is one more ``Variant`` here (and nothing else in the tests). ``peer_env`` is the
+environment for a peer process of a variant (or of a legacy transport name: "cma", "tcp",
+"ascend"; or of a backend: "cpu", "ascend"). Tests of one engine, or of links that do not depend on
+the CPU data path, use the ``backend`` fixture: ``cpu`` (PDLINK_TRANSPORT left at auto) or
+``ascend``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import pathlib
-from typing import Dict
+from typing import Dict, Union
 
-TRANSPORTS = ("cma", "tcp", "ascend")
-BACKENDS = ("cpu", "ascend")
+_HERE = pathlib.Path(__file__).resolve().parent
 
 # The fake HCCL waits 120 s by default, like the real one; tests want failures in seconds.
 # HCCL_CONNECT_TIMEOUT bounds communicator setup (a peer that never joins), HCCL_EXEC_TIMEOUT a
 # transfer the peer never completes (on the side that is not bounded by sync_kv_timeout).
 HCCL_TIMEOUTS = {"HCCL_CONNECT_TIMEOUT": "10", "HCCL_EXEC_TIMEOUT": "5"}
-
-_HERE = pathlib.Path(__file__).resolve().parent
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,31 +37,70 @@ def fake_ascend_dir() -> str:
     """The directory holding the fake libascendcl.so and libhccl.so (built on first use, cached
     under build/fake-ascend/). Raises if the build fails."""
     spec = importlib.util.spec_from_file_location("_fake_ascend_build", _HERE / "fake_ascend" / "build.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return str(module.build("full"))
 
 
-def peer_env(transport: str, **extra: str) -> Dict[str, str]:
-    """Environment variables for a peer process running as `transport` (plus `extra`)."""
-    if transport == "ascend":
-        env = {"PDLINK_BACKEND": "ascend", "PDLINK_ASCEND_LIB_DIR": fake_ascend_dir(), "PDLINK_TRANSPORT": "tcp",
-               **HCCL_TIMEOUTS}
-    elif transport in ("cma", "tcp"):
-        env = {"PDLINK_BACKEND": "cpu", "PDLINK_TRANSPORT": transport}
-    elif transport == "cpu":
-        env = {"PDLINK_BACKEND": "cpu"}
-    else:
-        raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS + BACKENDS}")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One cell of the matrix.
+
+    ``id``: the test id; ``backend``: the engine's backend; ``path``: how DEVICE cache bytes move
+    between two such peers; ``link_transport``: what ``links()`` reports; ``transport``: the legacy
+    name (the ``transport`` fixture of tests not yet converted); ``serving_loop``: every transfer
+    goes through the peer's serving thread, so a frozen peer makes a pull time out (false for cma,
+    where a cached-layout read is a kernel copy that needs nothing from the peer)."""
+
+    id: str
+    backend: str
+    path: str
+    link_transport: str
+    transport: str
+    serving_loop: bool
+
+    def env(self, **extra: str) -> Dict[str, str]:
+        if self.backend == "ascend":
+            env = {"PDLINK_BACKEND": "ascend", "PDLINK_ASCEND_LIB_DIR": fake_ascend_dir(),
+                   "PDLINK_TRANSPORT": self.link_transport, **HCCL_TIMEOUTS}
+        else:
+            env = {"PDLINK_BACKEND": "cpu", "PDLINK_TRANSPORT": self.link_transport}
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    @property
+    def device_memory(self) -> bool:
+        """DEVICE caches are device memory the host cannot touch."""
+        return self.backend == "ascend"
+
+
+VARIANTS = (
+    Variant("cpu-cma", "cpu", "cma", "cma", "cma", serving_loop=False),
+    Variant("cpu-tcp", "cpu", "tcp", "tcp", "tcp", serving_loop=True),
+    Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True),
+)
+BY_TRANSPORT = {v.transport: v for v in VARIANTS}
+TRANSPORTS = tuple(BY_TRANSPORT)
+BACKENDS = ("cpu", "ascend")
+
+
+def peer_env(kind: Union[Variant, str], **extra: str) -> Dict[str, str]:
+    """Environment variables for a peer process of that kind (plus ``extra``)."""
+    if isinstance(kind, Variant):
+        return kind.env(**extra)
+    if kind in BY_TRANSPORT:
+        return BY_TRANSPORT[kind].env(**extra)
+    if kind == "cpu":
+        return {"PDLINK_BACKEND": "cpu", **{k: str(v) for k, v in extra.items()}}
+    raise ValueError(f"unknown kind {kind!r}; one of {TRANSPORTS + BACKENDS}")
 
 
 def link_transport(transport: str) -> str:
-    """The transport ``dd.links()`` reports for a link between two peers of that kind."""
-    return "tcp" if transport == "ascend" else transport
+    """Legacy: the transport ``dd.links()`` reports for a link between two peers of that kind."""
+    return BY_TRANSPORT[transport].link_transport
 
 
 def backend_name(transport: str) -> str:
-    """The backend (``dd._engine.backend``) of a peer of that kind."""
-    return "ascend" if transport == "ascend" else "cpu"
+    """Legacy: the backend of a peer of that kind."""
+    return BY_TRANSPORT[transport].backend

@@ -1,28 +1,36 @@
-"""Shared fixtures: real prefill/decode peer processes linked over loopback."""
+"""Shared fixtures: the backend x data path matrix, peer processes, linked prefill/decode pairs.
+
+How a test is written here: tests/README.md.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from backend_env import BACKENDS, TRANSPORTS, backend_name, fake_ascend_dir, link_transport, peer_env  # noqa: E402
+from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir, link_transport, peer_env  # noqa: E402
+from internals import direct_access_permitted  # noqa: E402
 from peer import Peer  # noqa: E402
+from peers import kv  # noqa: E402
 
-from pdlink._sysinfo import direct_access_permitted  # noqa: E402
-from pdlink.status import LLMStatusCode  # noqa: E402
+from pdlink import BlocksCacheKey, LLMStatusCode  # noqa: E402
 
 PROMPT_ID, DECODER_ID = 1, 2
-
 
 CMA_AVAILABLE = direct_access_permitted()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "heavy: load and soak tests; deselected by default, CI runs `pytest -m heavy`")
+
+
 @pytest.fixture(scope="session")
-def fake_ascend_lib_dir():
+def fake_ascend_lib_dir() -> str:
     """The fake Ascend vendor libraries, built once per session. A failed build fails the ascend
     tests (the C++ compiler is always there): it must never turn into a skip."""
     try:
@@ -32,35 +40,41 @@ def fake_ascend_lib_dir():
     pytest.fail(f"building the fake Ascend libraries (tests/fake_ascend/build.py) failed: {error}", pytrace=False)
 
 
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    """Each data-movement test runs over both link transports of the CPU backend, direct memory
-    access between the two processes (cma) and loopback TCP, and on the Ascend backend over the
-    fake vendor libraries (ascend: device memory moved by HCCL, a TCP control connection).
-    Peers get their environment from backend_env.peer_env(transport)."""
-    if request.param == "cma" and not CMA_AVAILABLE:
+@pytest.fixture(params=VARIANTS, ids=[v.id for v in VARIANTS])
+def variant(request: pytest.FixtureRequest) -> Variant:
+    """Each data-movement test runs on every backend x data path (backend_env.VARIANTS): the CPU
+    backend over direct memory access (cma) and over loopback TCP, and the Ascend backend over the
+    fake vendor libraries. Peers get their environment from ``variant.env()``."""
+    v: Variant = request.param
+    if v.path == "cma" and not CMA_AVAILABLE:
         pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
-    if request.param == "ascend":
+    if v.backend == "ascend":
         request.getfixturevalue("fake_ascend_lib_dir")
-    return request.param
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    """Tests of one engine's memory and local copies, and flows whose links do not depend on the
-    CPU transport, run on the CPU backend and on the Ascend backend over the fakes. Peers get
-    their environment from backend_env.peer_env(backend)."""
-    if request.param == "ascend":
-        request.getfixturevalue("fake_ascend_lib_dir")
-    return request.param
+    return v
 
 
 @pytest.fixture
-def peers():
-    """Factory for peer processes; every peer is closed (or killed) at teardown."""
-    made = []
+def transport(variant: Variant) -> str:
+    """Legacy name of the variant ("cma", "tcp", "ascend") for tests not yet converted."""
+    return variant.transport
 
-    def make(name: str = "peer", **kw) -> Peer:
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Tests of one engine's memory and local copies, and flows whose links do not depend on the
+    CPU data path, run on the CPU backend and on the Ascend backend over the fakes. Peers get
+    their environment from backend_env.peer_env(backend)."""
+    if request.param == "ascend":
+        request.getfixturevalue("fake_ascend_lib_dir")
+    return str(request.param)
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[..., Peer]]:
+    """Factory for peer processes; every peer is killed at teardown."""
+    made: List[Peer] = []
+
+    def make(name: str = "peer", **kw: Any) -> Peer:
         p = Peer(name, **kw)
         made.append(p)
         return p
@@ -70,17 +84,59 @@ def peers():
         p.close()
 
 
-class PD:
-    """A listening PROMPT engine (cluster 1) and a DECODER engine (cluster 2), not linked yet.
+class Pair:
+    """A listening PROMPT engine (cluster 1) and a DECODER engine (cluster 2) in two peer
+    processes, not linked yet; their engines run ``tests/peers/kv.py``.
 
-    Each side's namespace has `dd` (the LLMDataDist) and `cm` (its cache manager); `port` is the
-    prompt's listen port; `env` the environment of both peers (for more peers of the same kind).
-    `prefill_env`/`decode_env` add variables to one side (e.g. fault injection in the fakes);
-    `prefill_timeout` gives the prompt its own sync_kv_timeout (default: `timeout`).
+    ``port``: the prompt's listen port. ``timeout``: both sides' sync_kv_timeout (ms), unless
+    ``prefill_timeout`` gives the prompt its own; ``prefill_env``/``decode_env`` add environment
+    variables to one side (e.g. fault injection in the fakes).
     """
 
-    def __init__(self, peers, transport, remote=True, timeout=None, pool=1 << 22, prefill_env=None, decode_env=None,
-                 prefill_timeout=None):
+    KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
+
+    def __init__(self, peers: Callable[..., Peer], variant: Variant, remote: bool = True,
+                 timeout: Optional[int] = None, pool: Optional[int] = 1 << 22,
+                 prefill_env: Optional[Dict[str, str]] = None, decode_env: Optional[Dict[str, str]] = None,
+                 prefill_timeout: Optional[int] = None):
+        self.variant = variant
+        self.prefill = peers("prefill", env=variant.env(**(prefill_env or {})))
+        self.decode = peers("decode", env=variant.env(**(decode_env or {})))
+        self.timeout = timeout
+        self.port = self.prefill.call(kv.start, "prompt", PROMPT_ID, listen=True, remote=remote, pool=pool,
+                                      timeout_ms=prefill_timeout or timeout)
+        self.decode.call(kv.start, "decoder", DECODER_ID, remote=remote, pool=pool, timeout_ms=timeout)
+
+    def link(self) -> None:
+        """Links decode to prefill; both report the variant's transport and backend."""
+        ret = self.decode.call(kv.link, PROMPT_ID, self.port)
+        assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
+        for side in (self.prefill, self.decode):
+            assert {link["transport"] for link in side.call(kv.links)} == {self.variant.link_transport}
+            assert side.call(kv.backend) == self.variant.backend
+
+    def unlink(self, force: bool = False) -> LLMStatusCode:
+        return self.decode.call(kv.unlink, PROMPT_ID, self.port, force)
+
+
+@pytest.fixture
+def make_pair(peers: Callable[..., Peer], variant: Variant) -> Callable[..., Pair]:
+    return lambda **kw: Pair(peers, variant, **kw)
+
+
+@pytest.fixture
+def pair(make_pair: Callable[..., Pair]) -> Pair:
+    return make_pair()
+
+
+class PD:
+    """Legacy (tests not yet converted): ``Pair`` over source strings. Each side's namespace has
+    `dd` (the LLMDataDist) and `cm` (its cache manager); `port` is the prompt's listen port; `env`
+    the environment of both peers."""
+
+    def __init__(self, peers: Callable[..., Peer], transport: str, remote: bool = True, timeout: Optional[int] = None,
+                 pool: int = 1 << 22, prefill_env: Optional[Dict[str, str]] = None,
+                 decode_env: Optional[Dict[str, str]] = None, prefill_timeout: Optional[int] = None):
         self.transport = transport
         self.env = env = peer_env(transport)
         self.prefill = p = peers("prefill", env={**env, **(prefill_env or {})})
@@ -92,19 +148,19 @@ class PD:
                "cm = dd.cache_manager")
         self.port = p.eval("dd.listen_port")
 
-    def link(self):
+    def link(self) -> None:
         ret = self.decode.eval(f"dd.link_clusters([cluster({PROMPT_ID}, {self.port})], 5000)")
         assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
         for side in (self.prefill, self.decode):
             assert {link["transport"] for link in side.eval("dd.links()")} == {link_transport(self.transport)}
-            assert side.eval("dd._engine.backend") == backend_name(self.transport)
+            assert side.eval("dd._engine.backend") == peer_env(self.transport)["PDLINK_BACKEND"]
 
 
 @pytest.fixture
-def make_pd(peers, transport):
+def make_pd(peers: Callable[..., Peer], transport: str) -> Callable[..., PD]:
     return lambda **kw: PD(peers, transport, **kw)
 
 
 @pytest.fixture
-def pd(make_pd):
+def pd(make_pd: Callable[..., PD]) -> PD:
     return make_pd()

@@ -1,15 +1,24 @@
 """Real peer processes for cross-process tests.
 
-A ``Peer`` is a separate Python process (multiprocessing "spawn", so nothing is inherited
-but sys.path) holding its own namespace. Tests send it code to run and expressions to
-evaluate; results and exceptions come back pickled (``LLMException`` keeps its
-``status_code``). Every call is bounded by a timeout so that a hung peer fails the test
-instead of hanging it.
+A ``Peer`` is a separate Python process (multiprocessing "spawn": nothing is inherited but
+``sys.path`` and the environment). A test calls module-level functions in it::
 
-The namespace starts with the ``llm_datadist`` names, numpy as ``np``, and the helpers
-below (``tensors``, ``addrs``, ``options``). On a device backend (``PDLINK_BACKEND=ascend``)
-``tensors``/``zeros`` return ``DeviceArray``s (tests/device_array.py) over device memory, and
-``read_cache``/``write_cache`` copy through the backend; on the CPU backend they are numpy arrays.
+    from peers import kv
+    port = prefill.call(kv.start, "prompt", 1, listen=True)
+    prefill.call_within(60, kv.pull_blocks, key, "kv", [0], [1])
+
+The function travels by reference (its module and name), so it must live in an importable module:
+peer-side code goes in ``tests/peers/*.py``, where ruff and mypy check it like the rest. Arguments and
+results are pickled. An exception raised in the peer is raised again in the test, with its type
+(``LLMException`` keeps ``status_code``) and the peer's traceback chained as its cause. Every call
+is bounded (30 s by default, ``call_within`` for another bound): a hung peer fails the test, it never
+hangs it; the peer is killed then, since its state is unknown. Teardown kills the peer by pid.
+
+State that must outlive one call (the engine, caches, worker threads) lives in the peer module's
+own globals (``tests/peers/kv.py`` keeps one engine per process).
+
+Legacy: ``exec``/``eval`` run source strings in a namespace prepared by ``PRELUDE``. Tests not yet
+converted to functions use them; new tests must not (tests/README.md).
 """
 
 from __future__ import annotations
@@ -18,9 +27,14 @@ import multiprocessing as mp
 import os
 import signal
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+from poll import wait_until
 
 _CTX = mp.get_context("spawn")
+DEFAULT_CALL_TIMEOUT = 30.0
+
+R = TypeVar("R")
 
 PRELUDE = """
 import os
@@ -88,7 +102,7 @@ def read_cache(cache):
     import ctypes
     size = cache.cache_desc.size
     if _through_backend(cache):
-        from pdlink.device import open_backend
+        from internals import open_backend
         backend, out = open_backend(), []
         for a in cache.tensor_addrs:
             buf = np.empty(size, dtype=np.uint8)
@@ -108,50 +122,79 @@ def write_cache(cache, seed):
     for i, a in enumerate(cache.tensor_addrs):
         data = ((np.arange(size, dtype=np.int64) * 13 + i * 5 + seed * 101) % 251).astype(np.uint8)
         if _through_backend(cache):
-            from pdlink.device import open_backend
+            from internals import open_backend
             open_backend().copy(a, int(Placement.DEVICE), data.ctypes.data, int(Placement.HOST), size)
         else:
             np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8)[:] = data
 """
 
 
-def _main(conn) -> None:
-    ns: dict = {}
-    exec(PRELUDE, ns)
-    while True:
-        try:
-            kind, code = conn.recv()
-        except EOFError:
-            return
-        if kind == "quit":
-            conn.send(("ok", None))
-            return
-        try:
-            if kind == "exec":
-                exec(code, ns)
-                result = None
-            else:
-                result = eval(code, ns)
-            conn.send(("ok", result))
-        except BaseException as e:  # noqa: BLE001 - shipped back to the test
-            try:
-                conn.send(("err", e))
-            except Exception:  # unpicklable exception
-                conn.send(("err", RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a peer (chained as the re-raised exception's cause)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\n--- in the peer process ---\n{self.text}"
+
+
+class RemoteError(Exception):
+    """A peer's exception that could not be pickled: its type name and text."""
 
 
 class PeerTimeout(AssertionError):
-    pass
+    """A peer did not answer within the call's bound, or died while answering."""
+
+
+def _answer_error(conn: Any, e: BaseException) -> None:
+    tb = traceback.format_exc()
+    try:
+        conn.send(("err", e, tb))
+    except Exception:  # noqa: BLE001 - an unpicklable exception: ship its text
+        conn.send(("err", RemoteError(f"{type(e).__name__}: {e}"), tb))
+
+
+def _main(conn: Any) -> None:
+    ns: Dict[str, Any] = {}
+    prelude_done = False
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            return
+        try:
+            if kind == "call":
+                fn, args, kwargs = payload
+                result = fn(*args, **kwargs)
+            else:  # legacy source strings
+                if not prelude_done:
+                    exec(PRELUDE, ns)
+                    prelude_done = True
+                if kind == "exec":
+                    exec(payload, ns)
+                    result = None
+                else:
+                    result = eval(payload, ns)
+        except BaseException as e:  # noqa: BLE001 - shipped back to the test
+            _answer_error(conn, e)
+            continue
+        try:
+            conn.send(("ok", result, ""))
+        except Exception as e:  # noqa: BLE001 - an unpicklable result
+            _answer_error(conn, e)
 
 
 class Peer:
-    """One peer process. Use as a context manager or call ``close()``."""
+    """One peer process; ``close()`` (or the ``peers`` fixture's teardown) kills it."""
 
-    def __init__(self, name: str = "peer", env: Optional[dict] = None):
+    def __init__(self, name: str = "peer", env: Optional[Dict[str, str]] = None):
         self.name = name
         parent, child = _CTX.Pipe()
         self._conn = parent
-        saved = {}
+        self._broken: Optional[str] = None
+        saved: Dict[str, Optional[str]] = {}
         for k, v in (env or {}).items():  # spawn copies os.environ at start
             saved[k] = os.environ.get(k)
             os.environ[k] = v
@@ -159,93 +202,116 @@ class Peer:
             self.proc = _CTX.Process(target=_main, args=(child,), name=name, daemon=True)
             self.proc.start()
         finally:
-            for k, v in saved.items():
-                if v is None:
+            for k, old in saved.items():
+                if old is None:
                     os.environ.pop(k, None)
                 else:
-                    os.environ[k] = v
+                    os.environ[k] = old
         child.close()
 
-    def _call(self, kind: str, code: str, timeout: float) -> Any:
-        self._conn.send((kind, code))
+    @property
+    def pid(self) -> int:
+        pid = self.proc.pid
+        assert pid is not None
+        return pid
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)`` in the peer, bounded by 30 s; its result, or its exception."""
+        return self.call_within(DEFAULT_CALL_TIMEOUT, fn, *args, **kwargs)
+
+    def call_within(self, seconds: float, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """``call`` bounded by ``seconds`` instead (a hang guard: make it a generous multiple of the
+        timeout the call itself is configured with, and assert on what the call returns)."""
+        what = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        return self._request(("call", (fn, args, kwargs)), seconds, what)  # type: ignore[no-any-return]
+
+    def _request(self, message: Any, timeout: float, what: str) -> Any:
+        if self._broken:
+            raise PeerTimeout(f"{self.name}: unusable since {self._broken}")
+        self._conn.send(message)
         if not self._conn.poll(timeout):
-            raise PeerTimeout(f"{self.name}: no answer within {timeout}s to: {code.strip()[:200]}")
+            self._broken = f"no answer within {timeout} s to {what}"
+            self.kill()
+            raise PeerTimeout(f"{self.name}: {self._broken} (the peer was killed)")
         try:
-            status, value = self._conn.recv()
+            status, value, tb = self._conn.recv()
         except (EOFError, OSError):
             self.proc.join(5)
-            raise PeerTimeout(f"{self.name}: process died (exit code {self.proc.exitcode}) while running: "
-                              f"{code.strip()[:200]}") from None
+            self._broken = f"it died (exit code {self.proc.exitcode}) while running {what}"
+            raise PeerTimeout(f"{self.name}: {self._broken}") from None
         if status == "err":
-            raise value
+            raise value from RemoteTraceback(tb)
         return value
 
-    def exec(self, code: str, timeout: float = 30.0) -> None:
-        """Run statements in the peer's namespace."""
-        self._call("exec", code, timeout)
+    # legacy source-string interface (tests/README.md: not for new tests)
 
-    def eval(self, expr: str, timeout: float = 30.0) -> Any:
-        """Evaluate an expression in the peer's namespace and return its (pickled) value."""
-        return self._call("eval", expr, timeout)
+    def exec(self, code: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+        """Run statements in the peer's legacy namespace."""
+        self._request(("exec", code), timeout, code.strip()[:200])
+
+    def eval(self, expr: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
+        """Evaluate an expression in the peer's legacy namespace and return its (pickled) value."""
+        return self._request(("eval", expr), timeout, expr.strip()[:200])
+
+    # ------------------------------------------------------------------ process control
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once every thread of the peer has stopped (a group stop is not
+        synchronous: threads run on until each reaches a stop point)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        wait_until(lambda: all(state in ("T", "t") for state in self._thread_states()), 5.0,
+                   f"every thread of {self.name} stopped")
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
 
     def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
+        """Legacy spelling: ``freeze()`` for SIGSTOP, else the signal as is."""
         if sig == signal.SIGSTOP:
-            # A group stop is not synchronous: threads keep running until each reaches a stop
-            # point, and a frozen-peer test must not race with that. Wait until it has stopped.
-            import time
+            self.freeze()
+        else:
+            os.kill(self.pid, sig)
 
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                if all(state in ("T", "t") for state in self._thread_states()):
-                    return
-                time.sleep(0.001)
-            raise PeerTimeout(f"{self.name} did not stop within 5 s of SIGSTOP")
-
-    def _thread_states(self):
+    def _thread_states(self) -> List[str]:
         states = []
-        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+        try:
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except FileNotFoundError:
+            return ["X"]  # gone
+        for tid in tids:
             try:
-                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
                     states.append(f.read().rsplit(")", 1)[1].split()[0])
             except FileNotFoundError:  # the thread exited meanwhile
                 pass
         return states
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
+        """SIGKILL by pid and reap it."""
+        if self.proc.pid is not None and self.proc.exitcode is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.join(10)
 
     def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)  # in case a test froze it
-                self._call("quit", "", 20.0)
-            except Exception:  # noqa: BLE001
-                pass
-        self.proc.join(20)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        self.kill()
+        self._conn.close()
 
-    def __enter__(self) -> "Peer":
+    def __enter__(self) -> Peer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def wait_for(fn, timeout: float = 5.0):
-    """Poll ``fn`` until it returns a truthy value or ``timeout`` passes; returns the last value.
-
-    For effects that are asynchronous by design, e.g. the peer releases a pulled request key when
-    the puller's completion frame arrives, just after the pull has returned."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
+def wait_for(fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+    """Legacy: poll ``fn`` until it returns a truthy value or ``timeout`` passes; returns the last
+    value (new tests use ``poll.wait_until``, which fails with a message)."""
+    try:
+        return wait_until(fn, timeout, "condition")
+    except AssertionError:
+        return fn()

@@ -52,7 +52,8 @@ ACL_TABLE = {
     "aclrtGetPhyDevIdByLogicDevId", "aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey",
     "aclrtIpcMemClose", "aclrtDeviceGetBareTgid",
 }
-CONTROL = {"fake_ascend_inject", "fake_ascend_calls", "fake_acl_bytes_in_use", "fake_ascend_hooks"}
+CONTROL = {"fake_ascend_inject", "fake_ascend_calls", "fake_acl_bytes_in_use", "fake_acl_peek", "fake_acl_poke",
+           "fake_ascend_hooks"}
 HCCL_TABLE = {
     "HcclGetRootInfo", "HcclCommInitRootInfo", "HcclCommDestroy", "HcclSend", "HcclRecv", "HcclBatchSendRecv",
     "HcclGetErrorString", "HcclGetCommAsyncError",

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # CI runs these with `pytest -m heavy`; the default run leaves them out
+
 # Many native engines in one process (llm_datadist allows one LLMDataDist per process; the engine
 # itself has no such limit), each wrapped in pdlink's CacheManager for the llm_datadist calls.
 ENGINES = """

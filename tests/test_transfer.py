@@ -1,238 +1,243 @@
-"""Cross-process KV movement: every transfer kind of spec 10.2/10.3, verified byte for byte."""
+"""Cross-process KV movement: every transfer kind of llm_datadist's CacheManager, on every backend and
+data path, with the whole destination checked (moved bytes equal the source, every other byte and
+the guards unchanged) and the source unchanged."""
 
 from __future__ import annotations
 
+from typing import Callable, Sequence, Tuple
+
 import numpy as np
 import pytest
+from conftest import DECODER_ID, PROMPT_ID, Pair
+from peer import Peer
+from peers import kv, workers
+from poll import wait_until
+from verify import Copy, Snapshot, assert_same, check_transfer, nothing, pattern, rows
 
-from pdlink.status import LLMException, LLMStatusCode
-from peer import wait_for
+from pdlink import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 
-BLOCKS_SETUP = """
-kv = tensors(4, (8, 64), seed={seed})
-cache = cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv), {key})
-"""
-
-
-def setup_blocks(pd, prompt_key="BlocksCacheKey(1, 0)", decoder_key="None"):
-    pd.prefill.exec(BLOCKS_SETUP.format(seed=1, key=prompt_key))
-    pd.decode.exec(BLOCKS_SETUP.format(seed=2, key=decoder_key))
-    pd.link()
+KEY = Pair.KEY  # BlocksCacheKey(1, 0): the prompt's blocks cache
+SHAPE = (8, 64)  # 8 blocks of 64 float16 per tensor
 
 
-def test_pull_blocks_moves_exact_bytes(pd):
-    setup_blocks(pd)
-    before = pd.decode.eval("[a.copy() for a in kv]")
-    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0, 1, 2, 5], [3, 4, 5, 0])")
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for s, t, b in zip(src, dst, before):
-        for sb, db in [(0, 3), (1, 4), (2, 5), (5, 0)]:
-            assert t[db].tobytes() == s[sb].tobytes()
-        for untouched in (1, 2, 6, 7):
-            assert t[untouched].tobytes() == b[untouched].tobytes()
+def setup_blocks(pair: Pair, decoder_key: BlocksCacheKey | None = None) -> None:
+    pair.prefill.call(kv.register_blocks, "kv", 4, SHAPE, seed=1, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 4, SHAPE, seed=2, key=decoder_key)
+    pair.link()
 
 
-def test_push_blocks_moves_exact_bytes(pd):
-    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
-    pd.prefill.exec("cm.push_blocks(BlocksCacheKey(2, 0), cache, [7, 6], [0, 1])")
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for s, t in zip(src, dst):
-        assert t[0].tobytes() == s[7].tobytes() and t[1].tobytes() == s[6].tobytes()
+def reader(peer: Peer, name: str) -> Callable[[], Snapshot]:
+    return lambda: peer.call(kv.snapshot, name)
 
 
-def test_link_is_symmetric_decoder_pushes_and_prompt_pulls(pd):
-    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 3)")
-    pd.prefill.exec("cm.pull_blocks(BlocksCacheKey(2, 3), cache, [4], [4])")
-    assert pd.prefill.eval("[a[4].tobytes() for a in kv]") == pd.decode.eval("[a[4].tobytes() for a in kv]")
+def moved(src: Tuple[Peer, str], dst: Tuple[Peer, str], action: Callable[[], object],
+          expect: Callable[[Snapshot, Snapshot], Snapshot]) -> None:
+    """``action`` moves bytes from cache ``src`` = (peer, name) to ``dst``: the whole destination is
+    what ``expect`` says, the source unchanged (verify.check_transfer)."""
+    check_transfer(reader(*src), reader(*dst), action, expect)
 
 
-def test_pull_blocks_with_layer_ranges(pd):
-    setup_blocks(pd)
-    before = pd.decode.eval("[a.copy() for a in kv]")
+def pulls(pair: Pair, src_blocks: Sequence[int], dst_blocks: Sequence[int], **kw: object) -> Callable[[], None]:
+    return lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", src_blocks, dst_blocks, **kw)
+
+
+def test_pull_blocks_moves_exact_bytes(pair: Pair) -> None:
+    setup_blocks(pair)
+    moves = [(0, 3), (1, 4), (2, 5), (5, 0)]
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [s for s, _ in moves], [d for _, d in moves]), rows(moves))
+
+
+def test_push_blocks_moves_exact_bytes(pair: Pair) -> None:
+    setup_blocks(pair, decoder_key=BlocksCacheKey(DECODER_ID, 0))
+    moved((pair.prefill, "kv"), (pair.decode, "kv"),
+                 lambda: pair.prefill.call(kv.push_blocks, BlocksCacheKey(DECODER_ID, 0), "kv", [7, 6], [0, 1]),
+                 rows([(7, 0), (6, 1)]))
+
+
+def test_link_is_symmetric_decoder_pushes_and_prompt_pulls(pair: Pair) -> None:
+    setup_blocks(pair, decoder_key=BlocksCacheKey(DECODER_ID, 3))
+    # the prompt pulls from the decoder: source and destination swap sides
+    moved((pair.decode, "kv"), (pair.prefill, "kv"),
+                   lambda: pair.prefill.call(kv.pull_blocks, BlocksCacheKey(DECODER_ID, 3), "kv", [4], [4]),
+                   rows([(4, 4)]))
+
+
+def test_pull_blocks_with_layer_ranges(pair: Pair) -> None:
+    setup_blocks(pair)
     # 4 tensors = 2 layers of (K, V); pull layer 1 of the source into layer 0 of the destination
-    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [1], [2], src_layer_range=range(1, 2), "
-                   "dst_layer_range=range(0, 1))")
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    assert dst[0][2].tobytes() == src[2][1].tobytes()
-    assert dst[1][2].tobytes() == src[3][1].tobytes()
-    assert dst[2].tobytes() == before[2].tobytes() and dst[3].tobytes() == before[3].tobytes()
+    moved((pair.prefill, "kv"), (pair.decode, "kv"),
+                 pulls(pair, [1], [2], src_layer_range=range(1, 2), dst_layer_range=range(0, 1)),
+                 rows([(1, 2)], tensors=[(2, 0), (3, 1)]))
 
 
-def test_tensor_num_per_layer_one(pd):
-    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
+def test_tensor_num_per_layer_one(pair: Pair) -> None:
+    setup_blocks(pair, decoder_key=BlocksCacheKey(DECODER_ID, 0))
     # SGLang's push: tensor_num_per_layer=1, layer i = tensor i
-    pd.prefill.exec("cm.push_blocks(BlocksCacheKey(2, 0), cache, [3], [3], range(2, 4), range(2, 4), 1)")
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    assert dst[2][3].tobytes() == src[2][3].tobytes() and dst[3][3].tobytes() == src[3][3].tobytes()
-    assert dst[0][3].tobytes() != src[0][3].tobytes()
+    moved((pair.prefill, "kv"), (pair.decode, "kv"),
+                 lambda: pair.prefill.call(kv.push_blocks, BlocksCacheKey(DECODER_ID, 0), "kv", [3], [3],
+                                           src_layer_range=range(2, 4), dst_layer_range=range(2, 4),
+                                           tensor_num_per_layer=1),
+                 rows([(3, 3)], tensors=[(2, 2), (3, 3)]))
 
 
-
-
-def test_pull_cache_by_request_key_and_by_id(pd):
-    pd.prefill.exec("src = tensors(2, (4, 32), seed=5)\n"
-                    "c_src = cm.register_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16), addrs(src), "
-                    "[CacheKey(1, 10), CacheKey(1, 11)])")
-    pd.decode.exec("dst = zeros(2, (3, 32))\n"
-                   "c_dst = cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), addrs(dst))")
-    pd.link()
-    pd.decode.exec("cm.pull_cache(CacheKeyByIdAndIndex(1, 1, 1), c_dst, 2)")
-    src, dst = pd.prefill.eval("src"), pd.decode.eval("dst")
-    assert all(d[2].tobytes() == s[1].tobytes() for s, d in zip(src, dst))
+def test_pull_cache_by_request_key_and_by_id(pair: Pair) -> None:
+    src_id = pair.prefill.call(kv.register, "src", 2, (4, 32), seed=5, keys=[CacheKey(1, 10), CacheKey(1, 11)])
+    pair.decode.call(kv.register, "dst", 2, (3, 32), seed=None)
+    pair.link()
+    moved((pair.prefill, "src"), (pair.decode, "dst"),
+                 lambda: pair.decode.call(kv.pull_cache, CacheKeyByIdAndIndex(PROMPT_ID, src_id, 1), "dst", 2),
+                 rows([(1, 2)]))
     # size: only the first 16 bytes of slot 0
-    pd.decode.exec("cm.pull_cache(CacheKeyByIdAndIndex(1, 1, 0), c_dst, 0, size=16)")
-    dst = pd.decode.eval("dst")
-    assert all(d[0][:8].tobytes() == s[0][:8].tobytes() and not d[0][8:].any() for s, d in zip(src, dst))
+    moved((pair.prefill, "src"), (pair.decode, "dst"),
+                 lambda: pair.decode.call(kv.pull_cache, CacheKeyByIdAndIndex(PROMPT_ID, src_id, 0), "dst", 0,
+                                          size=16),
+                 rows([(0, 0)], nbytes=16))
 
 
-def test_pull_cache_by_request_key_releases_allocated_key(make_pd):
-    pd = make_pd(remote=False)  # request-key pulls are the non-remote-accessible mode
-    pd.prefill.exec("c_src = cm.allocate_cache(CacheDesc(2, [2, 32], DataType.DT_FLOAT16), "
-                    "[CacheKey(1, 42, 0), CacheKey(1, 43, 0)])\n"
-                    "write_cache(c_src, 3)\n"
-                    "cm.deallocate_cache(c_src)")  # only the keys keep it alive now
-    pd.decode.exec("c_dst = cm.allocate_cache(CacheDesc(2, [2, 32], DataType.DT_FLOAT16))")
-    pd.link()
-    pd.decode.exec("cm.pull_cache(CacheKey(1, 42, 0), c_dst, 0)")
+def test_pull_cache_by_request_key_releases_allocated_key(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)  # request-key pulls are the non-remote-accessible mode
+    pair.prefill.call(kv.allocate, "src", 2, (2, 32), seed=3, keys=[CacheKey(1, 42, 0), CacheKey(1, 43, 0)])
+    src = pair.prefill.call(kv.snapshot, "src")
+    pair.prefill.call(kv.deallocate, "src")  # only the keys keep it alive now
+    pair.decode.call(kv.allocate, "dst", 2, (2, 32))
+    pair.link()
+    dst0 = pair.decode.call(kv.snapshot, "dst")
+    pair.decode.call(kv.pull_cache, CacheKey(1, 42, 0), "dst", 0)
     # the key was consumed by the successful pull: a second pull finds nothing
     with pytest.raises(LLMException) as e:
-        pd.decode.exec("cm.pull_cache(CacheKey(1, 42, 0), c_dst, 1)")
+        pair.decode.call(kv.pull_cache, CacheKey(1, 42, 0), "dst", 1)
     assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     # the other key still works, and consuming it frees the cache
-    pd.decode.exec("cm.pull_cache(CacheKey(1, 43, 0), c_dst, 1)")
-    assert wait_for(lambda: pd.prefill.eval("dd._engine.cache_count") == 0)
-    dst = pd.decode.eval("read_cache(c_dst)")
-    for i, t in enumerate(dst):  # both slots hold what write_cache(c_src, 3) wrote
-        full = ((np.arange(t.size, dtype=np.int64) * 13 + i * 5 + 3 * 101) % 251).astype(np.uint8)
-        assert t.tobytes() == full.tobytes()
+    pair.decode.call(kv.pull_cache, CacheKey(1, 43, 0), "dst", 1)
+    wait_until(lambda: pair.prefill.call(kv.cache_count) == 0, 10, "the prompt freed the consumed cache")
+    # key i names slot i: both slots hold the source's, and nothing else in the decoder's pool changed
+    assert_same(pair.decode.call(kv.snapshot, "dst"), dst0.with_rows(src, [(0, 0), (1, 1)]), "destination pool")
 
 
-def test_pull_blocks_from_contiguous_cache(make_pd):
-    pd = make_pd(remote=False)
+def test_pull_blocks_from_contiguous_cache(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)
     # official sample pull_from_cache_to_blocks: P allocates with a key, D pulls into blocks
-    pd.prefill.exec("c_src = cm.allocate_cache(CacheDesc(2, [1, 4, 16], DataType.DT_FLOAT16), "
-                    "[CacheKey(prompt_cluster_id=1, req_id=0, model_id=0)])\nwrite_cache(c_src, 9)")
-    pd.decode.exec("blk = zeros(2, (8, 16))\n"
-                   "c_dst = cm.register_blocks_cache(CacheDesc(2, [8, 16], DataType.DT_FLOAT16), addrs(blk))")
-    pd.link()
+    pair.prefill.call(kv.allocate, "src", 2, (1, 4, 16), seed=9, keys=[CacheKey(prompt_cluster_id=1, req_id=0,
+                                                                                  model_id=0)])
+    pair.decode.call(kv.register_blocks, "blk", 2, (8, 16), seed=None)
+    pair.link()
     # the source slot is 4*16 elements = 4 blocks of 16 elements; pull them into blocks 6, 7, 0, 1
-    pd.decode.exec("cm.pull_blocks(CacheKey(1, 0, 0), c_dst, [], [6, 7, 0, 1])")
-    src = pd.prefill.eval("read_cache(c_src)")
-    dst = pd.decode.eval("blk")
-    for s, d in zip(src, dst):
-        s = s.view(np.float16).reshape(4, 16)
-        assert d[6].tobytes() == s[0].tobytes() and d[7].tobytes() == s[1].tobytes()
-        assert d[0].tobytes() == s[2].tobytes() and d[1].tobytes() == s[3].tobytes()
-    pd.prefill.exec("cm.remove_cache_key(CacheKey(1, 0, 0)); cm.deallocate_cache(c_src)")  # no-op key removal
+    block = 16 * 2
+    moved((pair.prefill, "src"), (pair.decode, "blk"),
+                 lambda: pair.decode.call(kv.pull_blocks, CacheKey(1, 0, 0), "blk", [], [6, 7, 0, 1]),
+                 lambda dst0, src0: dst0.with_bytes(src0, [Copy(t, i * block, t, d * block, block)
+                                                           for t in range(2) for i, d in enumerate([6, 7, 0, 1])]))
+    pair.prefill.call(kv.remove_cache_key, CacheKey(1, 0, 0))  # a no-op key removal
+    pair.prefill.call(kv.deallocate, "src")
 
 
-def test_push_cache_into_remote_slot(pd):
-    pd.prefill.exec("src = tensors(2, (2, 32), seed=4)\n"
-                    "c_src = cm.register_cache(CacheDesc(2, [2, 32], DataType.DT_FLOAT16), addrs(src))")
-    pd.decode.exec("dst = zeros(2, (3, 32))\n"
-                   "c_dst = cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), addrs(dst))")
-    pd.link()
-    pd.prefill.exec("cm.push_cache(CacheKeyByIdAndIndex(2, 1, 2), c_src, 1)")
-    src, dst = pd.prefill.eval("src"), pd.decode.eval("dst")
-    assert all(d[2].tobytes() == s[1].tobytes() and not d[0].any() for s, d in zip(src, dst))
+def test_push_cache_into_remote_slot(pair: Pair) -> None:
+    pair.prefill.call(kv.register, "src", 2, (2, 32), seed=4)
+    dst_id = pair.decode.call(kv.register, "dst", 2, (3, 32), seed=None)
+    pair.link()
+    moved((pair.prefill, "src"), (pair.decode, "dst"),
+                 lambda: pair.prefill.call(kv.push_cache, CacheKeyByIdAndIndex(DECODER_ID, dst_id, 2), "src", 1),
+                 rows([(1, 2)]))
 
 
-def test_prefix_key_is_not_consumed(make_pd):
-    pd = make_pd(remote=False)
-    pd.prefill.exec("c_src = cm.allocate_cache(CacheDesc(1, [1, 64], DataType.DT_INT8), "
-                    "[CacheKey(1, 2**64 - 1, 0, 77)])\nwrite_cache(c_src, 1)")
-    pd.decode.exec("c_dst = cm.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_INT8))")
-    pd.link()
+def test_prefix_key_is_not_consumed(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)
+    prefix = CacheKey(1, 2**64 - 1, 0, 77)
+    pair.prefill.call(kv.allocate, "src", 1, (1, 64), DataType.DT_INT8, seed=1, keys=[prefix])
+    pair.decode.call(kv.allocate, "dst", 1, (2, 64), DataType.DT_INT8)
+    pair.link()
     for slot in (0, 1):  # pulled twice: prefix keys survive pulls
-        pd.decode.exec(f"cm.pull_cache(CacheKey(cluster_id=1, req_id=2**64 - 1, prefix_id=77), c_dst, {slot})")
-    src, dst = pd.prefill.eval("read_cache(c_src)"), pd.decode.eval("read_cache(c_dst)")
-    assert dst[0][:64].tobytes() == src[0].tobytes() == dst[0][64:].tobytes()
+        moved((pair.prefill, "src"), (pair.decode, "dst"),
+                     lambda slot=slot: pair.decode.call(kv.pull_cache, CacheKey(cluster_id=1, req_id=2**64 - 1,
+                                                                                prefix_id=77), "dst", slot),
+                     rows([(0, slot)]))
 
 
-def test_many_blocks_are_coalesced_and_exact(pd):
-    pd.prefill.exec("kv = tensors(2, (4096, 8), seed=3)\n"
-                    "cache = cm.register_blocks_cache(CacheDesc(2, [4096, 8], DataType.DT_FLOAT16), addrs(kv), "
-                    "BlocksCacheKey(1, 0))")
-    pd.decode.exec("kv = zeros(2, (4096, 8))\n"
-                   "cache = cm.register_blocks_cache(CacheDesc(2, [4096, 8], DataType.DT_FLOAT16), addrs(kv))")
-    pd.link()
+def test_many_blocks_are_coalesced_and_exact(pair: Pair) -> None:
+    pair.prefill.call(kv.register_blocks, "kv", 2, (4096, 8), seed=3, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 2, (4096, 8), seed=None)
+    pair.link()
     rng = np.random.default_rng(0)
     src_blocks = rng.permutation(4096)[:3000].tolist()
     dst_blocks = list(range(100, 3100))  # consecutive on one side only: runs split where src jumps
-    pd.decode.exec(f"cm.pull_blocks(BlocksCacheKey(1, 0), cache, {src_blocks}, {dst_blocks})")
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for s, d in zip(src, dst):
-        assert np.array_equal(d[100:3100], s[src_blocks])
-        assert not d[:100].any() and not d[3100:].any()
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, src_blocks, dst_blocks), rows(list(zip(src_blocks, dst_blocks))))
 
 
-def test_switch_roles_then_push_the_other_way(pd):
+def test_switch_roles_then_push_the_other_way(pair: Pair) -> None:
     """Official switch_role sample: after unlinking, P becomes DECODER, D becomes PROMPT and listens,
     they link the other way and the new prompt pushes."""
-    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
-    assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], force=True)")[0] == LLMStatusCode.LLM_SUCCESS
-    assert pd.prefill.eval("dd.unlink_clusters([cluster(2, 0)], force=True)")[0] == LLMStatusCode.LLM_SUCCESS
-    pd.prefill.exec("dd.switch_role(LLMRole.DECODER)")
-    assert pd.prefill.eval("(dd.role, dd.listen_port)") == (2, 0)
-    pd.decode.exec("opts = LLMConfig(); opts.listen_ip_info = '127.0.0.1:0'\n"
-                   "dd.switch_role(LLMRole.PROMPT, opts.generate_options())")
-    new_port = pd.decode.eval("dd.listen_port")
-    assert new_port > 0
-    assert pd.prefill.eval(f"dd.link_clusters([cluster(2, {new_port})])")[0] == LLMStatusCode.LLM_SUCCESS
-    pd.decode.exec("cm.push_blocks(BlocksCacheKey(1, 0), cache, [0, 1], [6, 7])")
-    src, dst = pd.decode.eval("kv"), pd.prefill.eval("kv")
-    assert all(d[6].tobytes() == s[0].tobytes() and d[7].tobytes() == s[1].tobytes() for s, d in zip(src, dst))
-    pd.prefill.exec("cm.pull_blocks(BlocksCacheKey(2, 0), cache, [2], [2])")
-    assert pd.prefill.eval("[a[2].tobytes() for a in kv]") == pd.decode.eval("[a[2].tobytes() for a in kv]")
+    setup_blocks(pair, decoder_key=BlocksCacheKey(DECODER_ID, 0))
+    assert pair.unlink(force=True) == LLMStatusCode.LLM_SUCCESS
+    assert pair.prefill.call(kv.unlink, DECODER_ID, 0, True) == LLMStatusCode.LLM_SUCCESS
+    assert pair.prefill.call(kv.switch_role, "decoder") == (LLMRole.DECODER, 0)
+    role, new_port = pair.decode.call(kv.switch_role, "prompt", "127.0.0.1:0")
+    assert role == LLMRole.PROMPT and new_port > 0
+    assert pair.prefill.call(kv.link, DECODER_ID, new_port)[0] == LLMStatusCode.LLM_SUCCESS
+    # the new prompt (the old decoder) pushes into the new decoder's cache, which now has key (1, 0)
+    moved((pair.decode, "kv"), (pair.prefill, "kv"),
+                   lambda: pair.decode.call(kv.push_blocks, KEY, "kv", [0, 1], [6, 7]),
+                   rows([(0, 6), (1, 7)]))
+    moved((pair.decode, "kv"), (pair.prefill, "kv"),
+                   lambda: pair.prefill.call(kv.pull_blocks, BlocksCacheKey(DECODER_ID, 0), "kv", [2], [2]),
+                   rows([(2, 2)]))
 
 
-def test_concurrent_pulls_from_several_threads(pd):
-    setup_blocks(pd)
-    pd.decode.exec("""
-import threading
-errors = []
-def worker(i):
-    try:
-        for _ in range(20):
-            cm.pull_blocks(BlocksCacheKey(1, 0), cache, [i], [i])
-    except Exception as e:
-        errors.append(e)
-threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-for t in threads: t.start()
-for t in threads: t.join()
-""")
-    assert pd.decode.eval("errors") == []
-    assert pd.decode.eval("[a.tobytes() for a in kv]") == pd.prefill.eval("[a.tobytes() for a in kv]")
+def test_concurrent_pulls_from_several_threads(pair: Pair) -> None:
+    setup_blocks(pair)
+
+    def pull_in_threads() -> None:
+        assert pair.decode.call(workers.concurrent_pulls, KEY, "kv", threads=8, iterations=20) == []
+
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pull_in_threads, rows([(i, i) for i in range(8)]))
 
 
-def test_reregistered_cache_is_seen_by_later_pulls(pd):
+def test_reregistered_cache_is_seen_by_later_pulls(pair: Pair) -> None:
     """A puller may cache the peer's blocks-cache layout (direct memory access); when the peer
     replaces the cache under the same model_id, later pulls must read the new memory."""
-    setup_blocks(pd)
-    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])")
-    pd.prefill.exec("cm.unregister_cache(cache.cache_id)\n"
-                    "kv2 = tensors(4, (8, 64), seed=9)\n"
-                    "cache2 = cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv2), "
-                    "BlocksCacheKey(1, 0))\n"
-                    "for a in kv: a[:] = 0")  # the old memory no longer holds the data
-    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0, 1], [0, 1])")
-    src, dst = pd.prefill.eval("kv2"), pd.decode.eval("kv")
-    assert all(d[:2].tobytes() == s[:2].tobytes() for s, d in zip(src, dst))
-    pd.prefill.exec("cm.unregister_cache(cache2.cache_id)")
+    setup_blocks(pair)
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [0], [0]), rows([(0, 0)]))
+    pair.prefill.call(kv.unregister, "kv")
+    pair.prefill.call(kv.register_blocks, "kv2", 4, SHAPE, seed=9, key=KEY)
+    pair.prefill.call(kv.overwrite, "kv", None)  # the old memory no longer holds the data
+    moved((pair.prefill, "kv2"), (pair.decode, "kv"), pulls(pair, [0, 1], [0, 1]), rows([(0, 0), (1, 1)]))
+    pair.prefill.call(kv.unregister, "kv2")
+    dst = pair.decode.call(kv.snapshot, "kv")
     with pytest.raises(LLMException) as e:
-        pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])")
+        pulls(pair, [0], [0])()
     assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert_same(pair.decode.call(kv.snapshot, "kv"), dst, "destination of the refused pull")
 
 
-def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pd):
-    setup_blocks(pd, decoder_key="BlocksCacheKey(2, 0)")
-    pd.decode.exec("host = zeros(1, (4, 16), host=True)\n"
-                   "hc = cm.register_blocks_cache(CacheDesc(1, [4, 16], DataType.DT_FLOAT16, Placement.HOST), "
-                   "addrs(host), BlocksCacheKey(2, 1))")  # HOST: not remote accessible by default
-    pd.prefill.exec("src1 = tensors(1, (4, 16), seed=3)\n"
-                    "s1 = cm.register_blocks_cache(CacheDesc(1, [4, 16], DataType.DT_FLOAT16), addrs(src1))")
-    with pytest.raises(LLMException) as e:
-        pd.prefill.exec("cm.push_blocks(BlocksCacheKey(2, 1), s1, [0], [0], tensor_num_per_layer=1)")
-    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-    assert "not remote accessible" in str(e.value)  # (on ascend: before the DEVICE/HOST placement check)
-    assert not pd.decode.eval("host[0].any()")
+def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pair: Pair) -> None:
+    setup_blocks(pair, decoder_key=BlocksCacheKey(DECODER_ID, 0))
+    # HOST caches are not remote accessible by default
+    pair.decode.call(kv.register_blocks, "host", 1, (4, 16), seed=None, key=BlocksCacheKey(DECODER_ID, 1),
+                     placement=Placement.HOST)
+    pair.prefill.call(kv.register_blocks, "s1", 1, (4, 16), seed=3)
+
+    def refused() -> None:
+        with pytest.raises(LLMException) as e:
+            pair.prefill.call(kv.push_blocks, BlocksCacheKey(DECODER_ID, 1), "s1", [0], [0], tensor_num_per_layer=1)
+        assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert "not remote accessible" in str(e.value)  # (on ascend: before the DEVICE/HOST placement check)
+
+    moved((pair.prefill, "s1"), (pair.decode, "host"), refused, nothing)
+
+
+def test_test_data_is_what_the_pattern_says(pair: Pair) -> None:
+    """The verification helper itself: registered data is ``verify.pattern``, zeros when unseeded,
+    read back directly (on the Ascend backend from the fake's memory, not through pdlink)."""
+    pair.prefill.call(kv.register_blocks, "kv", 2, (4, 16), seed=7)
+    pair.decode.call(kv.register_blocks, "kv", 2, (4, 16), seed=None)
+    snap = pair.prefill.call(kv.snapshot, "kv")
+    for t in range(2):
+        assert snap.tensor(t).tobytes() == pattern(4 * 16 * 2, t, 7).tobytes()
+    assert not pair.decode.call(kv.snapshot, "kv").tensor(1).any()
+    # a difference anywhere is named: inside a tensor, and in a guard
+    changed = snap.with_tensor_bytes(1, 70, np.array([0], np.uint8))
+    with pytest.raises(AssertionError, match="tensor 1, row 2, byte 6"):
+        assert_same(changed, snap, "check")
+    guard = snap.copy()
+    guard.regions[0][3] ^= 0xFF
+    with pytest.raises(AssertionError, match="the guard before tensor 0"):
+        assert_same(guard, snap, "check")

@@ -195,6 +195,19 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
       .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
       .def_property_readonly("cache_count", &Engine::cacheCount)
+      .def("pools",
+           [](const Engine& e) {
+             py::list out;
+             for (const Engine::PoolInfo& p : e.pools()) {
+               py::dict d;
+               d["placement"] = static_cast<int>(p.placement);
+               d["base"] = p.base;
+               d["capacity"] = p.capacity;
+               d["used"] = p.used;
+               out.append(d);
+             }
+             return out;
+           })
       .def(
           "switch_role",
           [](Engine& e, int role, const std::string& ip, uint16_t port) {

@@ -240,6 +240,15 @@ Result<std::shared_ptr<CacheEntry>> Engine::registerCache(const CacheLayout& lay
   return registry_.add(std::move(e), keys);
 }
 
+std::vector<Engine::PoolInfo> Engine::pools() const {
+  std::vector<PoolInfo> out;
+  for (const auto& pool : {device_pool_, host_pool_}) {
+    if (pool) out.push_back({pool == device_pool_ ? Placement::kDevice : Placement::kHost, pool->base(),
+                             pool->capacity(), pool->used()});
+  }
+  return out;
+}
+
 Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& layout, const std::vector<RequestKey>& keys,
                                                           std::optional<uint64_t> blocks_model) {
   if (!initialized()) return Status(Code::kFailed, "engine is not initialized");

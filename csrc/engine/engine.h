@@ -162,6 +162,14 @@ class Engine {
   Status unregisterCache(int64_t cache_id);
   void removeCacheKey(const RequestKey& key);
   size_t cacheCount() const { return registry_.size(); }
+  // The memory pools created by initialize() (none before it or after finalize()): where each lies
+  // and how much of it is allocated. For tests that check a whole pool around a transfer; like
+  // allocateCache, not to be called concurrently with initialize/finalize.
+  struct PoolInfo {
+    Placement placement;
+    uint64_t base, capacity, used;
+  };
+  std::vector<PoolInfo> pools() const;
 
   Status pull(const TransferSpec& spec);
   Status push(const TransferSpec& spec);

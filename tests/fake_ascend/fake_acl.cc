@@ -944,6 +944,20 @@ unsigned long long fake_acl_bytes_in_use(int device) {
   return d->in_use;
 }
 
+int fake_acl_peek(const void* device_addr, void* host_dst, size_t n) {
+  fake::DevRange r{};
+  if (!host_dst || locate(device_addr, n, &r) != Where::kDevice) return -1;
+  memcpy(host_dst, r.shadow, n);
+  return 0;
+}
+
+int fake_acl_poke(void* device_addr, const void* host_src, size_t n) {
+  fake::DevRange r{};
+  if (!host_src || locate(device_addr, n, &r) != Where::kDevice) return -1;
+  memcpy(r.shadow, host_src, n);
+  return 0;
+}
+
 }  // extern "C"
 
 // ------------------------------------------------------------------- hooks for the fake HCCL

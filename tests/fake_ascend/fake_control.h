@@ -3,6 +3,8 @@
 // them up. Tests reach them through ctypes (or dlsym) to inject faults and to check for leaks.
 #pragma once
 
+#include <cstddef>
+
 extern "C" {
 
 // From now on, calls of `fn` (its exact exported name, or a pseudo-name below) fail with `rc` after
@@ -25,5 +27,13 @@ long fake_ascend_calls(const char* fn);
 
 // Bytes currently allocated with aclrtMalloc on `device` (0 for a device never used).
 unsigned long long fake_acl_bytes_in_use(int device);
+
+// Test-only direct access to device memory, bypassing aclrtMemcpy (and so pdlink's backend): copy
+// `n` bytes between [device_addr, +n) and host memory. The range must lie inside one live
+// allocation (or IPC import) of this process. Returns 0, or -1 (nothing copied) when it does not.
+// Tests read expected bytes this way so that an offset bug in the backend's copies cannot cancel
+// out between writing the test data and checking it.
+int fake_acl_peek(const void* device_addr, void* host_dst, size_t n);
+int fake_acl_poke(void* device_addr, const void* host_src, size_t n);
 
 }  // extern "C"

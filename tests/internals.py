@@ -1,0 +1,58 @@
+"""The one place tests reach below pdlink's public names.
+
+Tests import public names from ``pdlink`` and ``llm_datadist`` (and ``llm_datadist``'s own
+submodules, which are part of the API it mirrors). Everything else they need, submodules and
+private attributes alike, comes from here, so moving a file inside ``python/pdlink`` means editing
+this module, not the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from pdlink import _core
+from pdlink._sysinfo import direct_access_permitted
+from pdlink.cache_manager import CacheManager
+from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, RoleRejected, role_body
+from pdlink.comm import parse_rank_table
+from pdlink.configs import ip_to_int, role_to_option
+from pdlink.data_type import itemsize
+from pdlink.device import DeviceMemory, backend_info, open_backend
+from pdlink.kv_cache_manager import KvCacheManager
+from pdlink.llm_datadist import parse_engine_options
+from pdlink.llm_types import PushType
+from pdlink.server import config as server_config
+from pdlink.server.defaults import DEFAULT_CONFIG_JSON
+from pdlink.server.tls import client_context, server_context
+from pdlink.server.validation import ROLES, BodyError, cluster_id, parse_role_request
+from pdlink.status import handle_llm_status, raise_if_false, raise_if_true
+from pdlink.transfer import transfer_cache_async
+
+__all__ = [
+    "DEFAULT_CONFIG_JSON", "ROLES", "BodyError", "CacheManager", "ClientError", "DeviceMemory", "KvCacheManager", "ManagementClient", "NodeSpec", "NotReady",
+    "PushType", "RoleRejected", "backend_info", "backend_name", "cache_count", "client_context", "cluster_id", "core", "direct_access_permitted",
+    "engine", "handle_llm_status", "ip_to_int", "itemsize", "open_backend", "parse_engine_options",
+    "parse_rank_table", "parse_role_request", "pools", "raise_if_false", "raise_if_true", "role_body", "role_to_option",
+    "server_config", "server_context", "transfer_cache_async",
+]
+
+core = _core  # the native module
+
+
+def engine(dd: Any) -> Any:
+    """The native engine under an ``LLMDataDist``."""
+    return dd._engine
+
+
+def cache_count(dd: Any) -> int:
+    """Caches the engine holds (registered, allocated, or kept alive by request keys)."""
+    return int(dd._engine.cache_count)
+
+
+def backend_name(dd: Any) -> str:
+    return str(dd._engine.backend)
+
+
+def pools(dd: Any) -> List[Dict[str, int]]:
+    """The engine's memory pools: placement, base, capacity, used."""
+    return list(dd._engine.pools())

@@ -1,0 +1,266 @@
+"""Peer-side functions for KV tests: one ``LLMDataDist`` per peer process, its caches by name.
+
+A test calls these through ``Peer.call`` (tests/peer.py)::
+
+    port = prefill.call(kv.start, "prompt", 1, listen=True)
+    prefill.call(kv.register_blocks, "kv", 4, (8, 64), seed=1, key=BlocksCacheKey(1, 0))
+    decode.call(kv.start, "decoder", 2)
+    decode.call(kv.register_blocks, "kv", 4, (8, 64), seed=None)
+    decode.call(kv.link, 1, port)
+    decode.call(kv.pull_blocks, BlocksCacheKey(1, 0), "kv", [0, 1], [2, 3])
+    snapshot = decode.call(kv.snapshot, "kv")      # tests/verify.py
+
+Registered caches live in guarded memory (tests/peers/memory.py); allocated caches in the
+engine's pool, whose whole extent their snapshot covers. DEVICE caches are device memory on a
+device backend. Everything here runs only in a peer process; the process ends by SIGKILL, so no
+function needs to clean up after the test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import internals
+from llm_datadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from peers.memory import GuardedTensors, device_memory_is_remote, fill_tensors, pool_snapshot
+from verify import Snapshot
+
+Shape = Sequence[int]
+RemoteKey = Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex]
+ROLES = {"prompt": LLMRole.PROMPT, "decoder": LLMRole.DECODER, "mix": LLMRole.MIX}
+
+
+@dataclasses.dataclass
+class _Named:
+    cache: Cache
+    memory: Optional[GuardedTensors]  # None: pool-allocated
+    rows: int
+    addrs: List[int]  # the tensors' addresses (the Cache forgets them when deallocated)
+
+
+@dataclasses.dataclass
+class _State:
+    dd: Optional[LLMDataDist] = None
+    caches: Dict[str, _Named] = dataclasses.field(default_factory=dict)
+
+
+_S = _State()
+
+
+def _dd() -> LLMDataDist:
+    assert _S.dd is not None, "kv.start() has not run in this peer"
+    return _S.dd
+
+
+def _named(name: str) -> _Named:
+    assert name in _S.caches, f"no cache named {name!r} in this peer (have: {sorted(_S.caches)})"
+    return _S.caches[name]
+
+
+def cache(name: str) -> Cache:
+    return _named(name).cache
+
+
+# ---------------------------------------------------------------------------- engine and links
+
+
+def options(listen: Optional[str] = None, timeout_ms: Optional[int] = None, remote: bool = True,
+            pool: Optional[int] = None, host_pool: Optional[int] = None,
+            extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The init options of a CacheManager-mode engine on device 0."""
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.enable_cache_manager = True
+    if remote:
+        cfg.enable_remote_cache_accessible = True
+    if listen:
+        cfg.listen_ip_info = listen
+    if timeout_ms:
+        cfg.sync_kv_timeout = timeout_ms
+    if pool:
+        cfg.mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % pool
+    if host_pool:
+        cfg.host_mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % host_pool
+    return {**cfg.generate_options(), **(extra or {})}
+
+
+def start(role: str, cluster_id: int, *, listen: bool = False, timeout_ms: Optional[int] = None,
+          remote: bool = True, pool: Optional[int] = None, host_pool: Optional[int] = None,
+          extra: Optional[Dict[str, str]] = None) -> int:
+    """Creates and initialises this peer's engine; returns its listen port (0 when not listening)."""
+    assert _S.dd is None, "kv.start() already ran in this peer"
+    dd = LLMDataDist(ROLES[role], cluster_id)
+    dd.init(options("127.0.0.1:0" if listen else None, timeout_ms, remote, pool, host_pool, extra))
+    _S.dd = dd
+    return int(dd.listen_port)
+
+
+def cluster(remote_id: int, port: int, ip: str = "127.0.0.1", local: bool = True) -> LLMClusterInfo:
+    c = LLMClusterInfo()
+    c.remote_cluster_id = remote_id
+    if local:
+        c.append_local_ip_info("127.0.0.1", 0)
+    c.append_remote_ip_info(ip, port)
+    return c
+
+
+def link(remote_id: int, port: int, timeout_ms: int = 5000) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+    status, per_cluster = _dd().link_clusters([cluster(remote_id, port)], timeout_ms)
+    return status, list(per_cluster)
+
+
+def unlink(remote_id: int, port: int, force: bool = False, timeout_ms: Optional[int] = None) -> LLMStatusCode:
+    timeout = 3000 if timeout_ms is None else timeout_ms  # llm_datadist's default
+    return _dd().unlink_clusters([cluster(remote_id, port)], timeout, force=force)[0]
+
+
+def links() -> List[Dict[str, Any]]:
+    return list(_dd().links())
+
+
+def switch_role(role: str, listen: Optional[str] = None) -> Tuple[int, int]:
+    """``switch_role``, with a listen address for a new PROMPT; returns (role, listen port)."""
+    opts = None
+    if listen is not None:
+        cfg = LLMConfig()
+        cfg.listen_ip_info = listen
+        opts = cfg.generate_options()
+    _dd().switch_role(ROLES[role], opts)
+    return role_and_port()
+
+
+def role_and_port() -> Tuple[int, int]:
+    dd = _dd()
+    return int(dd.role), int(dd.listen_port)
+
+
+def listen_port() -> int:
+    return int(_dd().listen_port)
+
+
+def backend() -> str:
+    return internals.backend_name(_dd())
+
+
+def cache_count() -> int:
+    return internals.cache_count(_dd())
+
+
+def resources() -> Tuple[int, int]:
+    """(open file descriptors, threads) of this process, for leak checks."""
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+# ---------------------------------------------------------------------------- caches
+
+
+def _device(placement: Placement) -> bool:
+    return placement == Placement.DEVICE and device_memory_is_remote()
+
+
+def register_blocks(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *,
+                    seed: Optional[int], key: Optional[BlocksCacheKey] = None,
+                    placement: Placement = Placement.DEVICE) -> int:
+    """A blocks cache over guarded memory (``shape[0]`` blocks per tensor), filled with
+    ``verify.pattern(.., seed)`` or zeros; returns its cache id."""
+    desc = CacheDesc(num, list(shape), dtype, placement)
+    mem = GuardedTensors(num, desc.size, shape[0], seed, _device(placement))
+    c = _dd().cache_manager.register_blocks_cache(desc, mem.addrs, key)
+    _S.caches[name] = _Named(c, mem, shape[0], mem.addrs)
+    return int(c.cache_id)
+
+
+def register(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *, seed: Optional[int],
+             keys: Sequence[CacheKey] = (), placement: Placement = Placement.DEVICE) -> int:
+    """A plain cache over guarded memory (``shape[0]`` batch slots per tensor); returns its id."""
+    desc = CacheDesc(num, list(shape), dtype, placement)
+    mem = GuardedTensors(num, desc.size, shape[0], seed, _device(placement))
+    c = _dd().cache_manager.register_cache(desc, mem.addrs, list(keys))
+    _S.caches[name] = _Named(c, mem, shape[0], mem.addrs)
+    return int(c.cache_id)
+
+
+def allocate(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *,
+             seed: Optional[int] = None, keys: Sequence[CacheKey] = (), blocks: bool = False,
+             placement: Placement = Placement.DEVICE) -> int:
+    """A cache from the engine's pool (``allocate_cache``/``allocate_blocks_cache``), written with
+    ``verify.pattern(.., seed)`` when a seed is given; returns its id."""
+    desc = CacheDesc(num, list(shape), dtype, placement)
+    cm = _dd().cache_manager
+    if blocks:
+        c = cm.allocate_blocks_cache(desc, keys[0] if keys else None)
+    else:
+        c = cm.allocate_cache(desc, list(keys))
+    if seed is not None:
+        fill_tensors(list(c.tensor_addrs), desc.size, seed, _device(placement))
+    _S.caches[name] = _Named(c, None, shape[0], list(c.tensor_addrs))
+    return int(c.cache_id)
+
+
+def overwrite(name: str, seed: Optional[int]) -> None:
+    """New test data in cache ``name`` (``verify.pattern(.., seed)``, zeros for None); guards and
+    the rest of a pool unchanged. The memory is written even after the cache was unregistered."""
+    n = _named(name)
+    desc = n.cache.cache_desc
+    fill_tensors(n.addrs, desc.size, seed, _device(desc.placement))
+
+
+def deallocate(name: str) -> None:
+    _dd().cache_manager.deallocate_cache(_named(name).cache)
+
+
+def unregister(name: str) -> None:
+    _dd().cache_manager.unregister_cache(_named(name).cache.cache_id)
+
+
+def remove_cache_key(key: CacheKey) -> None:
+    _dd().cache_manager.remove_cache_key(key)
+
+
+def snapshot(name: str) -> Snapshot:
+    """Every byte around cache ``name``: its tensors and guards, or the whole pool it lives in."""
+    n = _named(name)
+    if n.memory is not None:
+        return n.memory.snapshot(name)
+    desc = n.cache.cache_desc
+    placement = int(desc.placement)
+    pool = [p for p in internals.pools(_dd()) if p["placement"] == placement]
+    assert len(pool) == 1, f"no pool of placement {placement}"
+    return pool_snapshot(name, pool[0]["base"], pool[0]["capacity"], n.addrs, desc.size, n.rows,
+                         _device(desc.placement))
+
+
+# ---------------------------------------------------------------------------- transfers
+
+
+def pull_blocks(key: RemoteKey, name: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                **kwargs: Any) -> None:
+    _dd().cache_manager.pull_blocks(key, cache(name), list(src_blocks), list(dst_blocks), **kwargs)
+
+
+def push_blocks(key: BlocksCacheKey, name: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                **kwargs: Any) -> None:
+    _dd().cache_manager.push_blocks(key, cache(name), list(src_blocks), list(dst_blocks), **kwargs)
+
+
+def pull_cache(key: Union[CacheKey, CacheKeyByIdAndIndex], name: str, batch_index: int = 0, **kwargs: Any) -> None:
+    _dd().cache_manager.pull_cache(key, cache(name), batch_index, **kwargs)
+
+
+def push_cache(key: CacheKeyByIdAndIndex, name: str, batch_index: int = 0, **kwargs: Any) -> None:
+    _dd().cache_manager.push_cache(key, cache(name), batch_index, **kwargs)
