@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 
@@ -46,11 +46,11 @@ KIB, MIB = 1024, 1024 * 1024
 SCALE_BLOCK = 64  # bytes: the scale test measures per-block cost, not bandwidth
 
 
-def summary(xs: List[float]) -> Dict[str, float]:
+def summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def percentile(xs: List[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
@@ -62,7 +62,7 @@ def pattern(shape: tuple, seed: int) -> np.ndarray:
 # ---------------------------------------------------------------- the caches both sides register
 
 
-def cache_plan(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
+def cache_plan(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """(model_id, tensors, blocks, block bytes) of every cache the run uses."""
     total = cfg["total"]
     plan = [
@@ -82,7 +82,7 @@ def cache_plan(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     return plan
 
 
-def register(cm: Any, plan: List[Dict[str, Any]], me: int, fill: bool) -> Dict[str, Any]:
+def register(cm: Any, plan: list[dict[str, Any]], me: int, fill: bool) -> dict[str, Any]:
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType
 
     out = {}
@@ -96,7 +96,7 @@ def register(cm: Any, plan: List[Dict[str, Any]], me: int, fill: bool) -> Dict[s
     return out
 
 
-def options(listen: Optional[str] = None):
+def options(listen: str | None = None):
     from llm_datadist import LLMConfig
 
     cfg = LLMConfig()
@@ -112,7 +112,7 @@ def options(listen: Optional[str] = None):
 # ---------------------------------------------------------------- target process
 
 
-def target_main(conn: Any, cfg: Dict[str, Any]) -> None:
+def target_main(conn: Any, cfg: dict[str, Any]) -> None:
     from llm_datadist import LLMDataDist, LLMRole
 
     os.environ["PDLINK_TRANSPORT"] = "auto"  # accepts whatever the initiator asks for
@@ -145,7 +145,7 @@ def target_main(conn: Any, cfg: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------- initiator process
 
 
-def timed(fn, reps: int) -> List[float]:
+def timed(fn, reps: int) -> list[float]:
     fn()  # warm-up (first-touch faults, descriptor fetch)
     out = []
     for _ in range(reps):
@@ -155,7 +155,7 @@ def timed(fn, reps: int) -> List[float]:
     return out
 
 
-def initiator_main(conn: Any, transport: str, cfg: Dict[str, Any], info: Dict[str, Any]) -> None:
+def initiator_main(conn: Any, transport: str, cfg: dict[str, Any], info: dict[str, Any]) -> None:
     try:
         conn.send(("ok", run_initiator(transport, cfg, info)))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
@@ -164,7 +164,7 @@ def initiator_main(conn: Any, transport: str, cfg: Dict[str, Any], info: Dict[st
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_initiator(transport: str, cfg: Dict[str, Any], info: Dict[str, Any]) -> Dict[str, Any]:
+def run_initiator(transport: str, cfg: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
     os.environ["PDLINK_TRANSPORT"] = transport
     from llm_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
 
@@ -183,20 +183,20 @@ def run_initiator(transport: str, cfg: Dict[str, Any], info: Dict[str, Any]) -> 
     assert ret == LLMStatusCode.LLM_SUCCESS, ret
     got = {link["transport"] for link in dd.links()}
     assert got == {transport}, f"asked for {transport}, linked over {got}"
-    res: Dict[str, Any] = {"transport": transport}
+    res: dict[str, Any] = {"transport": transport}
 
     def reversed_blocks(name: str):
         n = by_name[name]["blocks"]
         return list(range(n)), list(range(n - 1, -1, -1))
 
-    def verify(name: str, src_blocks: List[int], dst_blocks: List[int], seed_base: int) -> None:
+    def verify(name: str, src_blocks: list[int], dst_blocks: list[int], seed_base: int) -> None:
         c = by_name[name]
         for t, arr in enumerate(caches[name][1]):
             expected = pattern((c["blocks"], c["block"]), seed=seed_base + t)[src_blocks]
             if not np.array_equal(arr[dst_blocks], expected):
                 raise AssertionError(f"{transport}: bytes differ in {name} tensor {t}")
 
-    def pull(name: str, src: List[int], dst: List[int]):
+    def pull(name: str, src: list[int], dst: list[int]):
         cache = caches[name][0]
         key = BlocksCacheKey(PROMPT_ID, by_name[name]["model"])
         return lambda: cm.pull_blocks(key, cache, src, dst)
@@ -241,7 +241,8 @@ def run_initiator(transport: str, cfg: Dict[str, Any], info: Dict[str, Any]) -> 
         t = timed(pull(name, src, dst), max(3, reps // 2))
         c = by_name[name]
         res["sweep"][bs] = statistics.median([c["tensors"] * c["blocks"] * bs / x / 1e9 for x in t])
-    verify(f"sweep{cfg['sweep'][0]}", *reversed_blocks(f"sweep{cfg['sweep'][0]}"), by_name[f"sweep{cfg['sweep'][0]}"]["model"] * 100)
+    first = f"sweep{cfg['sweep'][0]}"
+    verify(first, *reversed_blocks(first), by_name[first]["model"] * 100)
     # link / unlink / switch_role latency
     ret, _ = dd.unlink_clusters([peer], 5000)
     assert ret == LLMStatusCode.LLM_SUCCESS, ret
@@ -268,17 +269,18 @@ def run_initiator(transport: str, cfg: Dict[str, Any], info: Dict[str, Any]) -> 
         res["scale"] = scale_test(cm, caches, by_name, cfg)
     # the socket ceiling, from this process (same CPUs, same bytes)
     if transport == cfg["transports"][0]:
-        res["raw_tcp"] = raw_tcp(info, cfg, nbytes=by_name["bulk"]["tensors"] * by_name["bulk"]["blocks"] * cfg["block"])
+        bulk = by_name["bulk"]
+        res["raw_tcp"] = raw_tcp(info, cfg, nbytes=bulk["tensors"] * bulk["blocks"] * cfg["block"])
         res["memcpy"] = memcpy_ceiling(by_name["bulk"]["tensors"] * by_name["bulk"]["blocks"] * cfg["block"], reps)
     dd.finalize()
     return res
 
 
-def scale_test(cm: Any, caches: Dict[str, Any], plan: Dict[str, Dict[str, Any]], cfg: Dict[str, Any]) -> Dict[str, Any]:
+def scale_test(cm: Any, caches: dict[str, Any], plan: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     """Registration costs O(tensors), not O(blocks); a pull stays linear in its block pairs."""
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType
 
-    out: Dict[str, Any] = {"register_ms": {}, "pull_ms": {}, "block_bytes": SCALE_BLOCK}
+    out: dict[str, Any] = {"register_ms": {}, "pull_ms": {}, "block_bytes": SCALE_BLOCK}
     for n in cfg["scale_blocks"]:
         arrays = [np.zeros((n, SCALE_BLOCK), np.uint8) for _ in range(2)]
         t0 = time.perf_counter()
@@ -303,7 +305,7 @@ def scale_test(cm: Any, caches: Dict[str, Any], plan: Dict[str, Dict[str, Any]],
     return out
 
 
-def raw_tcp(info: Dict[str, Any], cfg: Dict[str, Any], nbytes: int) -> Dict[str, float]:
+def raw_tcp(info: dict[str, Any], cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
     s = socket.create_connection(("127.0.0.1", info["raw_port"]))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     reps = cfg["reps"] + 1
@@ -325,7 +327,7 @@ def raw_tcp(info: Dict[str, Any], cfg: Dict[str, Any], nbytes: int) -> Dict[str,
     return summary([nbytes / t / 1e9 for t in times[1:]])
 
 
-def memcpy_ceiling(nbytes: int, reps: int) -> Dict[str, float]:
+def memcpy_ceiling(nbytes: int, reps: int) -> dict[str, float]:
     src = pattern((nbytes,), 1)
     dst = np.empty_like(src)
     t = timed(lambda: np.copyto(dst, src), reps)
@@ -335,8 +337,8 @@ def memcpy_ceiling(nbytes: int, reps: int) -> Dict[str, float]:
 # ---------------------------------------------------------------- peers
 
 
-def run_peer(name: str, script: str, env_var: str, module: str, extra_env: Dict[str, str], cfg: Dict[str, Any]
-             ) -> Optional[Dict[str, Any]]:
+def run_peer(name: str, script: str, env_var: str, module: str, extra_env: dict[str, str], cfg: dict[str, Any]
+             ) -> dict[str, Any] | None:
     python = os.environ.get(env_var) or sys.executable
     probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
     if probe.returncode != 0:
@@ -362,11 +364,11 @@ def run_peer(name: str, script: str, env_var: str, module: str, extra_env: Dict[
 # ---------------------------------------------------------------- report
 
 
-def fmt(s: Dict[str, float], unit: str = "GB/s", digits: int = 2) -> str:
+def fmt(s: dict[str, float], unit: str = "GB/s", digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} {unit} [{s['min']:.{digits}f}..{s['max']:.{digits}f}]"
 
 
-def report(results: Dict[str, Any], cfg: Dict[str, Any]) -> List[str]:
+def report(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = []
     runs = results["pdlink"]
     first = runs[cfg["transports"][0]]
@@ -379,13 +381,16 @@ def report(results: Dict[str, Any], cfg: Dict[str, Any]) -> List[str]:
         ceiling = memcpy if tr == "cma" else rawtcp
         cname = "memcpy" if tr == "cma" else "raw TCP"
         b = r["pull_bulk"]
-        lines.append(f"  pdlink {tr:<4} pull {cfg['block'] // KIB} KiB blocks : {fmt(b)} = {b['median'] / ceiling['median']:.2f}x {cname}")
+        lines.append(f"  pdlink {tr:<4} pull {cfg['block'] // KIB} KiB blocks : {fmt(b)} = "
+                     f"{b['median'] / ceiling['median']:.2f}x {cname}")
         p = r["push_bulk"]
-        lines.append(f"  pdlink {tr:<4} push {cfg['block'] // KIB} KiB blocks : {fmt(p)} = {p['median'] / ceiling['median']:.2f}x {cname}")
+        lines.append(f"  pdlink {tr:<4} push {cfg['block'] // KIB} KiB blocks : {fmt(p)} = "
+                     f"{p['median'] / ceiling['median']:.2f}x {cname}")
         s = r["pull_small"]
         lines.append(f"  pdlink {tr:<4} pull 4 KiB blocks   : {fmt(s)}, {s['us_per_block']:.3f} us/block")
         lat = r["lat_4k_us"]
-        lines.append(f"  pdlink {tr:<4} one 4 KiB pull      : p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us (n={lat['n']})")
+        lines.append(f"  pdlink {tr:<4} one 4 KiB pull      : p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us "
+                     f"(n={lat['n']})")
         lines.append(f"  pdlink {tr:<4} link / unlink       : {fmt(r['link_ms'], 'ms')} / {fmt(r['unlink_ms'], 'ms')}")
         lines.append(f"  pdlink {tr:<4} switch_role         : {fmt(r['switch_role_ms'], 'ms', 3)}")
         sweep = ", ".join(f"{bs // KIB}K {v:.2f}" for bs, v in r["sweep"].items())
@@ -405,7 +410,7 @@ def report(results: Dict[str, Any], cfg: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def plot(results: Dict[str, Any], cfg: Dict[str, Any], path: str) -> Optional[str]:
+def plot(results: dict[str, Any], cfg: dict[str, Any], path: str) -> str | None:
     try:
         import matplotlib
 
@@ -437,7 +442,7 @@ def plot(results: Dict[str, Any], cfg: Dict[str, Any], path: str) -> Optional[st
 # ---------------------------------------------------------------- main
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and counts: checks that everything runs")
     ap.add_argument("--reps", type=int, default=7)
@@ -463,7 +468,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     target = ctx.Process(target=target_main, args=(child, cfg), daemon=True)
     target.start()
     info = tconn.recv()
-    results: Dict[str, Any] = {"config": {k: v for k, v in cfg.items()}, "pdlink": {}, "peers": {},
+    results: dict[str, Any] = {"config": {k: v for k, v in cfg.items()}, "pdlink": {}, "peers": {},
                                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                            "platform": platform.platform()}}
     try:

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import importlib.util
 import pathlib
-from typing import Dict, Union
 
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -32,7 +31,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 HCCL_TIMEOUTS = {"HCCL_CONNECT_TIMEOUT": "10", "HCCL_EXEC_TIMEOUT": "5"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fake_ascend_dir() -> str:
     """The directory holding the fake libascendcl.so and libhccl.so (built on first use, cached
     under build/fake-ascend/). Raises if the build fails."""
@@ -60,7 +59,7 @@ class Variant:
     transport: str
     serving_loop: bool
 
-    def env(self, **extra: str) -> Dict[str, str]:
+    def env(self, **extra: str) -> dict[str, str]:
         if self.backend == "ascend":
             env = {"PDLINK_BACKEND": "ascend", "PDLINK_ASCEND_LIB_DIR": fake_ascend_dir(),
                    "PDLINK_TRANSPORT": self.link_transport, **HCCL_TIMEOUTS}
@@ -85,7 +84,7 @@ TRANSPORTS = tuple(BY_TRANSPORT)
 BACKENDS = ("cpu", "ascend")
 
 
-def peer_env(kind: Union[Variant, str], **extra: str) -> Dict[str, str]:
+def peer_env(kind: Variant | str, **extra: str) -> dict[str, str]:
     """Environment variables for a peer process of that kind (plus ``extra``)."""
     if isinstance(kind, Variant):
         return kind.env(**extra)

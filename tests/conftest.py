@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -15,10 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir, link_transport, peer_env  # noqa: E402
 from internals import direct_access_permitted  # noqa: E402
+from pdlink import BlocksCacheKey, LLMStatusCode  # noqa: E402
 from peer import Peer  # noqa: E402
 from peers import kv  # noqa: E402
-
-from pdlink import BlocksCacheKey, LLMStatusCode  # noqa: E402
 
 PROMPT_ID, DECODER_ID = 1, 2
 
@@ -72,7 +72,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def peers() -> Iterator[Callable[..., Peer]]:
     """Factory for peer processes; every peer is killed at teardown."""
-    made: List[Peer] = []
+    made: list[Peer] = []
 
     def make(name: str = "peer", **kw: Any) -> Peer:
         p = Peer(name, **kw)
@@ -96,9 +96,9 @@ class Pair:
     KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
 
     def __init__(self, peers: Callable[..., Peer], variant: Variant, remote: bool = True,
-                 timeout: Optional[int] = None, pool: Optional[int] = 1 << 22,
-                 prefill_env: Optional[Dict[str, str]] = None, decode_env: Optional[Dict[str, str]] = None,
-                 prefill_timeout: Optional[int] = None):
+                 timeout: int | None = None, pool: int | None = 1 << 22,
+                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
+                 prefill_timeout: int | None = None):
         self.variant = variant
         self.prefill = peers("prefill", env=variant.env(**(prefill_env or {})))
         self.decode = peers("decode", env=variant.env(**(decode_env or {})))
@@ -134,9 +134,9 @@ class PD:
     `dd` (the LLMDataDist) and `cm` (its cache manager); `port` is the prompt's listen port; `env`
     the environment of both peers."""
 
-    def __init__(self, peers: Callable[..., Peer], transport: str, remote: bool = True, timeout: Optional[int] = None,
-                 pool: int = 1 << 22, prefill_env: Optional[Dict[str, str]] = None,
-                 decode_env: Optional[Dict[str, str]] = None, prefill_timeout: Optional[int] = None):
+    def __init__(self, peers: Callable[..., Peer], transport: str, remote: bool = True, timeout: int | None = None,
+                 pool: int = 1 << 22, prefill_env: dict[str, str] | None = None,
+                 decode_env: dict[str, str] | None = None, prefill_timeout: int | None = None):
         self.transport = transport
         self.env = env = peer_env(transport)
         self.prefill = p = peers("prefill", env={**env, **(prefill_env or {})})

@@ -15,11 +15,11 @@ plain numpy arrays. The memory is freed when the array is garbage-collected, lik
 from __future__ import annotations
 
 import types
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
-from pdlink.device import DeviceMemory
+from internals import DeviceMemory
 
 
 class DeviceArray:
@@ -27,23 +27,23 @@ class DeviceArray:
 
     __slots__ = ("_mem", "shape", "dtype", "__weakref__")
 
-    def __init__(self, shape: Tuple[int, ...], dtype: Any = np.float16, device_id: int = 0):
+    def __init__(self, shape: tuple[int, ...], dtype: Any = np.float16, device_id: int = 0):
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self._mem: Optional[DeviceMemory] = DeviceMemory(max(nbytes, 1), device_id=device_id)
+        self._mem: DeviceMemory | None = DeviceMemory(max(nbytes, 1), device_id=device_id)
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_host(cls, host: np.ndarray, device_id: int = 0) -> "DeviceArray":
+    def from_host(cls, host: np.ndarray, device_id: int = 0) -> DeviceArray:
         host = np.ascontiguousarray(host)
         a = cls(host.shape, host.dtype, device_id)
         a._write_all(host)
         return a
 
     @classmethod
-    def zeros(cls, shape: Tuple[int, ...], dtype: Any = np.float16, device_id: int = 0) -> "DeviceArray":
+    def zeros(cls, shape: tuple[int, ...], dtype: Any = np.float16, device_id: int = 0) -> DeviceArray:
         # device memory is not zeroed by the allocator (aclrtMalloc): write the zeros
         return cls.from_host(np.zeros(shape, dtype=dtype), device_id)
 

@@ -8,19 +8,19 @@ this module, not the tests.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 from pdlink import _core
+from pdlink import _utils as validation_utils
+from pdlink import data_type as data_type_module
 from pdlink._sysinfo import direct_access_permitted
-from pdlink.cache_manager import CacheManager
 from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, RoleRejected, role_body
 from pdlink.comm import parse_rank_table
 from pdlink.configs import ip_to_int, role_to_option
 from pdlink.data_type import itemsize
 from pdlink.device import DeviceMemory, backend_info, open_backend
-from pdlink.kv_cache_manager import KvCacheManager
 from pdlink.llm_datadist import parse_engine_options
-from pdlink.llm_types import PushType
+from pdlink.llm_types import PushType, register_mem_status_from_int
 from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
 from pdlink.server.tls import client_context, server_context
@@ -29,11 +29,12 @@ from pdlink.status import handle_llm_status, raise_if_false, raise_if_true
 from pdlink.transfer import transfer_cache_async
 
 __all__ = [
-    "DEFAULT_CONFIG_JSON", "ROLES", "BodyError", "CacheManager", "ClientError", "DeviceMemory", "KvCacheManager", "ManagementClient", "NodeSpec", "NotReady",
-    "PushType", "RoleRejected", "backend_info", "backend_name", "cache_count", "client_context", "cluster_id", "core", "direct_access_permitted",
-    "engine", "handle_llm_status", "ip_to_int", "itemsize", "open_backend", "parse_engine_options",
-    "parse_rank_table", "parse_role_request", "pools", "raise_if_false", "raise_if_true", "role_body", "role_to_option",
-    "server_config", "server_context", "transfer_cache_async",
+    "BodyError", "ClientError", "DEFAULT_CONFIG_JSON", "DeviceMemory", "ManagementClient", "NodeSpec", "NotReady",
+    "PushType", "ROLES", "RoleRejected", "backend_info", "backend_name", "cache_count", "client_context",
+    "cluster_id", "core", "data_type_module", "direct_access_permitted", "engine", "handle_llm_status", "ip_to_int",
+    "itemsize", "open_backend", "parse_engine_options", "parse_rank_table", "parse_role_request", "pools",
+    "raise_if_false", "raise_if_true", "register_mem_status_from_int", "role_body", "role_to_option", "server_config",
+    "server_context", "transfer_cache_async", "validation_utils",
 ]
 
 core = _core  # the native module
@@ -53,6 +54,6 @@ def backend_name(dd: Any) -> str:
     return str(dd._engine.backend)
 
 
-def pools(dd: Any) -> List[Dict[str, int]]:
+def pools(dd: Any) -> list[dict[str, int]]:
     """The engine's memory pools: placement, base, capacity, used."""
     return list(dd._engine.pools())

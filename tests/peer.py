@@ -27,7 +27,8 @@ import multiprocessing as mp
 import os
 import signal
 import traceback
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from poll import wait_until
 
@@ -157,7 +158,7 @@ def _answer_error(conn: Any, e: BaseException) -> None:
 
 
 def _main(conn: Any) -> None:
-    ns: Dict[str, Any] = {}
+    ns: dict[str, Any] = {}
     prelude_done = False
     while True:
         try:
@@ -189,12 +190,12 @@ def _main(conn: Any) -> None:
 class Peer:
     """One peer process; ``close()`` (or the ``peers`` fixture's teardown) kills it."""
 
-    def __init__(self, name: str = "peer", env: Optional[Dict[str, str]] = None):
+    def __init__(self, name: str = "peer", env: dict[str, str] | None = None):
         self.name = name
         parent, child = _CTX.Pipe()
         self._conn = parent
-        self._broken: Optional[str] = None
-        saved: Dict[str, Optional[str]] = {}
+        self._broken: str | None = None
+        saved: dict[str, str | None] = {}
         for k, v in (env or {}).items():  # spawn copies os.environ at start
             saved[k] = os.environ.get(k)
             os.environ[k] = v
@@ -274,7 +275,7 @@ class Peer:
         else:
             os.kill(self.pid, sig)
 
-    def _thread_states(self) -> List[str]:
+    def _thread_states(self) -> list[str]:
         states = []
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")

@@ -9,14 +9,15 @@ bounds a call that might hang by a generous multiple of the timeout the call is 
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
 POLL_INTERVAL = 0.005  # seconds between two looks; short, since most conditions hold within ms
 
 
-def wait_until(condition: Callable[[], Optional[T]], timeout: float, what: str) -> T:
+def wait_until(condition: Callable[[], T | None], timeout: float, what: str) -> T:
     """Call ``condition`` until it returns a truthy value and return that value; ``AssertionError``
     naming ``what`` (and the last value seen) if ``timeout`` seconds pass first. The condition is
     always evaluated at least once, and once more after the deadline, so a slow machine that

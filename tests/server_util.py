@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import pytest
 
@@ -26,12 +26,12 @@ pytest.importorskip("uvicorn", reason="the server tests need the test extra: pip
 pytest.importorskip("starlette", reason="the server tests need the test extra: pip install '.[test]'")
 pytest.importorskip("prometheus_client", reason="the server tests need the test extra: pip install '.[test]'")
 
-from pdlink.client import ManagementClient, NodeSpec, role_body  # noqa: E402
+from internals import ManagementClient, NodeSpec, role_body  # noqa: E402
 
 LOCAL = "127.0.0.1"
 
 
-def free_ports(n: int) -> List[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (held together while chosen)."""
     socks = []
     try:
@@ -130,10 +130,10 @@ class Certs:
         os.chmod(path, mode)
         return path
 
-    def server_config(self, ca: bool = True, crl: bool = False) -> Dict[str, Any]:
+    def server_config(self, ca: bool = True, crl: bool = False) -> dict[str, Any]:
         """ServerConfig TLS fields (absolute paths) using these files on every plane; ``ca=False``:
         no client authentication; ``crl``: check client certificates against ``crl``."""
-        out: Dict[str, Any] = {"httpsEnabled": True, "tlsCaPath": self.root}
+        out: dict[str, Any] = {"httpsEnabled": True, "tlsCaPath": self.root}
         for prefix, ca_key in (("tls", "tlsCaFile"), ("managementTls", "managementTlsCaFile"),
                                ("metricsTls", "metricsTlsCaFile")):
             out[ca_key] = ["ca.pem"] if ca else []
@@ -149,9 +149,9 @@ class Certs:
         return ManagementClient(LOCAL, port, ca=self.ca, cert=self.client_cert, key=self.client_key, **kw)
 
 
-def write_config(path: str, server: Dict[str, Any], kv: Optional[Dict[str, Any]] = None,
-                 extra: Optional[Dict[str, Any]] = None, mode: int = 0o600) -> str:
-    doc: Dict[str, Any] = {"Version": "1.0.0", "ServerConfig": dict(server)}
+def write_config(path: str, server: dict[str, Any], kv: dict[str, Any] | None = None,
+                 extra: dict[str, Any] | None = None, mode: int = 0o600) -> str:
+    doc: dict[str, Any] = {"Version": "1.0.0", "ServerConfig": dict(server)}
     if kv is not None:
         doc["KvTransferConfig"] = kv
     doc.update(extra or {})
@@ -165,7 +165,7 @@ def write_config(path: str, server: Dict[str, Any], kv: Optional[Dict[str, Any]]
 class Serve:
     """One ``pdlink serve`` process; output is collected in ``output``."""
 
-    def __init__(self, config: Optional[str], env: Optional[Dict[str, str]] = None, args: Optional[List[str]] = None):
+    def __init__(self, config: str | None, env: dict[str, str] | None = None, args: list[str] | None = None):
         cmd = [sys.executable, "-m", "pdlink", "-v", "serve"] + (["--config", config] if config else []) + (args or [])
         full_env = dict(os.environ)
         for k in ("MIES_CONFIG_JSON_PATH", "MINDIE_LLM_HOME_PATH", "MIES_INSTALL_PATH", "MIES_CONTAINER_IP",
@@ -174,7 +174,7 @@ class Serve:
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                                      start_new_session=True)
-        self._lines: List[str] = []
+        self._lines: list[str] = []
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -190,7 +190,7 @@ class Serve:
     def output(self) -> str:
         return "".join(self._lines)
 
-    def wait_ready(self, timeout: float = 20.0) -> "Serve":
+    def wait_ready(self, timeout: float = 20.0) -> Serve:
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.05):
             if self.proc.poll() is not None:
@@ -224,7 +224,7 @@ class Serve:
         return self.proc.returncode
 
 
-def decode_body(local_id: int, local_dev: List[int], peers: List[tuple], ip: str = LOCAL) -> Dict[str, Any]:
+def decode_body(local_id: int, local_dev: list[int], peers: list[tuple], ip: str = LOCAL) -> dict[str, Any]:
     """A controller-like body: ``peers`` are ``(id, [device ids])``."""
     return role_body(NodeSpec(local_id, ip, list(local_dev)), [NodeSpec(i, ip, list(d)) for i, d in peers])
 

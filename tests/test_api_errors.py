@@ -12,9 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from pdlink import LLMDataDist
-from pdlink.configs import LLMRole
-from pdlink.status import LLMException, LLMStatusCode
+from pdlink import LLMDataDist, LLMException, LLMRole, LLMStatusCode
 
 S = LLMStatusCode
 

@@ -17,8 +17,8 @@ import textwrap
 import pytest
 
 from fake_ascend.build import build, exported_symbols
-from pdlink import _core
-from pdlink.status import LLMStatusCode
+from internals import core as _core
+from pdlink import LLMStatusCode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -206,7 +206,7 @@ def test_device_memory_is_device_memory_and_freed(fakes):
 
 
 def test_device_memory_api_on_the_cpu_backend():
-    from pdlink.device import DeviceMemory
+    from internals import DeviceMemory
 
     with DeviceMemory(64, backend="cpu") as m:
         m.write(bytes(range(16)), offset=48)
@@ -309,8 +309,8 @@ def test_demo_runs_on_the_ascend_backend(fakes):
     ({"pdlink.HcclOneSided": "yes"}, {}, "must be '0' or '1'"),
 ])
 def test_bad_backend_options_are_param_invalid(monkeypatch, options, env, match):
-    from pdlink.llm_datadist import parse_engine_options
-    from pdlink.status import LLMException
+    from internals import parse_engine_options
+    from pdlink import LLMException
 
     for k in ("PDLINK_BACKEND", "PDLINK_HCCL_ONE_SIDED"):
         monkeypatch.delenv(k, raising=False)
@@ -322,7 +322,7 @@ def test_bad_backend_options_are_param_invalid(monkeypatch, options, env, match)
 
 
 def test_backend_options_pick_backend_and_device(monkeypatch):
-    from pdlink.llm_datadist import parse_engine_options
+    from internals import parse_engine_options
 
     monkeypatch.delenv("PDLINK_BACKEND", raising=False)
     assert parse_engine_options({})["backend"] == "auto"

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from backend_env import peer_env
-from pdlink.status import LLMException, LLMStatusCode as S
+from pdlink import LLMException
+from pdlink import LLMStatusCode as S
 from peer import wait_for
 
 PROMPT_ID, DECODER_ID = 1, 2  # as conftest's PD
@@ -309,7 +310,8 @@ def test_pull_by_request_key_releases_the_key_only_after_success(make_pd, fault)
     error, or a stall that times out) keeps the key and the cache; after relinking the same pull
     succeeds byte-exact, consumes the key and frees the cache."""
     pd = make_pd(remote=False, timeout=500,
-                 prefill_env={"FAKE_ASCEND_INJECT": fault, "HCCL_EXEC_TIMEOUT": "2"}, decode_env={"HCCL_EXEC_TIMEOUT": "2"})
+                 prefill_env={"FAKE_ASCEND_INJECT": fault, "HCCL_EXEC_TIMEOUT": "2"},
+                 decode_env={"HCCL_EXEC_TIMEOUT": "2"})
     pd.prefill.exec(FAKE + "c_src = cm.allocate_cache(CacheDesc(3, [2, 4096], DataType.DT_INT8), [CacheKey(1, 5)])\n"
                     "write_cache(c_src, 6)\nexpected = [a.tobytes() for a in read_cache(c_src)]\n"
                     "cm.deallocate_cache(c_src)")  # only the request key holds it now

@@ -13,7 +13,8 @@ import pytest
 
 from backend_env import peer_env
 from fake_ascend.build import build
-from pdlink.status import LLMException, LLMStatusCode as S
+from pdlink import LLMException
+from pdlink import LLMStatusCode as S
 from peer import wait_for
 
 PROMPT_ID, DECODER_ID = 1, 2

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from backend_env import peer_env
-from pdlink.status import LLMException, LLMStatusCode as S
+from pdlink import LLMException
+from pdlink import LLMStatusCode as S
 from peer import wait_for
 
 PROMPT_ID, DECODER_ID = 1, 2
@@ -148,8 +149,8 @@ def test_pull_by_request_key_one_sided_releases_the_key_after_the_copy(peers):
 
 
 def test_option_is_validated():
-    from pdlink.llm_datadist import parse_engine_options
-    from pdlink.status import LLMException as E
+    from internals import parse_engine_options
+    from pdlink import LLMException as E
 
     assert parse_engine_options({"pdlink.HcclOneSided": "1"})["hccl_one_sided"] is True
     assert parse_engine_options({})["hccl_one_sided"] is False

@@ -12,8 +12,8 @@ import pytest
 
 import rawwire
 from backend_env import peer_env
-from pdlink import _core
-from pdlink.status import LLMStatusCode
+from internals import core as _core
+from pdlink import LLMStatusCode
 from peer import wait_for
 
 SETUP = """

@@ -12,9 +12,8 @@ import time
 import pytest
 
 from backend_env import peer_env
-from pdlink.comm import parse_rank_table
-from pdlink.llm_types import RegisterMemStatus
-from pdlink.status import LLMException, LLMStatusCode
+from internals import parse_rank_table
+from pdlink import LLMException, LLMStatusCode, RegisterMemStatus
 
 
 def free_port_base():
@@ -30,7 +29,8 @@ def rank_table(version="1.2", super_pod=True, ips=("127.0.0.1", "127.0.0.2")):
                for i, ip in enumerate(ips)]
     table = {"version": version, "server_count": str(len(servers)), "server_list": servers, "status": "completed"}
     if super_pod:
-        table["super_pod_list"] = [{"super_pod_id": "0", "server_list": [{"server_id": s["server_id"]} for s in servers]}]
+        table["super_pod_list"] = [{"super_pod_id": "0",
+                                    "server_list": [{"server_id": s["server_id"]} for s in servers]}]
     return json.dumps(table)
 
 
@@ -105,7 +105,8 @@ def test_pull_blocks_sample_with_swap_to_host(peers, backend):
     p = start(peers, "PROMPT", 1, base, backend=backend)
     d = start(peers, "DECODER", 2, base, backend=backend)
     p.exec("kv = tensors(2, (4, 32), seed=3)\n"
-           "cache = cm.register_blocks_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16), addrs(kv), BlocksCacheKey(1, 0))")
+           "cache = cm.register_blocks_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16), addrs(kv), "
+           "BlocksCacheKey(1, 0))")
     d.exec("kv = zeros(2, (4, 32))\n"
            "cache = cm.register_blocks_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16), addrs(kv))")
     table = rank_table(version="1.0", super_pod=False)

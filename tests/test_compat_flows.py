@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from backend_env import peer_env
-from pdlink.status import LLMException, LLMStatusCode
+from pdlink import LLMException, LLMStatusCode
 
 SGLANG_SETUP = """
 import json
@@ -52,7 +52,7 @@ def test_sglang_prefill_pushes_after_decode_links_without_cluster_id(peers, back
     d.exec(f"info = LLMClusterInfo(); info.append_remote_ip_info('127.0.0.1', {port})\n"
            "ret = dd.link_clusters([info], 20000)")
     assert d.eval("ret") == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
-    assert [l["peer_cluster_id"] for l in d.eval("dd.links()")] == [0]
+    assert [link["peer_cluster_id"] for link in d.eval("dd.links()")] == [0]
     # the prefill side pushes each buffer into the decode's blocks, tensor_num_per_layer=1
     src_blocks, dst_blocks = [1, 2, 3], [5, 6, 7]
     p.exec(f"""

@@ -5,8 +5,8 @@ from enum import IntEnum
 
 import pytest
 
-from pdlink.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole, ip_to_int, role_to_option
-from pdlink.status import LLMException, LLMStatusCode
+from internals import ip_to_int, role_to_option
+from pdlink import LLMClusterInfo, LLMConfig, LlmConfig, LLMException, LLMRole, LLMStatusCode
 
 
 def _param_invalid(excinfo):

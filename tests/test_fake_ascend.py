@@ -261,7 +261,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
 
 import pytest  # noqa: E402  (not needed by the peer processes, which start faster without it)
 
-
 # ------------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")

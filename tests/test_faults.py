@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable, Dict
+from collections.abc import Callable
 
 import pytest
+
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair
+from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode
 from peer import Peer
 from peers import kv, workers
 from poll import hang_guard, wait_until
 from verify import assert_same, check_transfer, rows
-
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode
 
 KEY = Pair.KEY
 SHAPE = (16, 4096)  # 16 blocks of 8 KiB per tensor
@@ -219,7 +219,7 @@ def test_peer_killed_before_link(make_pair: Callable[..., Pair]) -> None:
 # HCCL transfer) broken by the death fails the transfer in flight; with direct memory access a copy
 # already under way may complete, and the next request finds the peer gone, unless the loop had
 # finished its remaining copies first.
-KILLED_OUTCOMES: Dict[str, tuple[object, ...]] = {
+KILLED_OUTCOMES: dict[str, tuple[object, ...]] = {
     "tcp": (LLMStatusCode.LLM_LINK_FAILED,),
     "hccl": (LLMStatusCode.LLM_LINK_FAILED,),
     "cma": ("ok", LLMStatusCode.LLM_LINK_FAILED),

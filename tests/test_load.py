@@ -32,7 +32,8 @@ def test_64_links_on_one_engine_with_concurrent_pulls(peers):
     p = peers("prefill", env={"PDLINK_TRANSPORT": "tcp"})
     p.exec("dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(options(listen='127.0.0.1:0')); cm = dd.cache_manager\n"
            "src = tensors(2, (8, 512), seed=5, dtype=np.uint8)\n"
-           "cache = cm.register_blocks_cache(CacheDesc(2, [8, 512], DataType.DT_UINT8), addrs(src), BlocksCacheKey(1, 0))")
+           "cache = cm.register_blocks_cache(CacheDesc(2, [8, 512], DataType.DT_UINT8), addrs(src), "
+           "BlocksCacheKey(1, 0))")
     port = p.eval("dd.listen_port")
     expected = p.eval("[a.tobytes() for a in src]")
     groups = []

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from backend_env import peer_env
-from pdlink.status import LLMException, LLMStatusCode
+from pdlink import LLMException, LLMStatusCode
 
 S = LLMStatusCode
 MiB = 1 << 20

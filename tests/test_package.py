@@ -40,7 +40,7 @@ def test_import_is_light_and_sets_uc_memory_default():
 
 
 def test_stub_matches_native_module():
-    from pdlink import _core
+    from internals import core as _core
 
     stub = os.path.join(os.path.dirname(_core.__file__), "_core.pyi")
     text = open(stub).read()
@@ -64,8 +64,7 @@ def test_cli_version_and_demo():
 
 
 def test_public_methods_have_docstrings():
-    from pdlink.cache_manager import CacheManager
-    from pdlink.llm_datadist import LLMDataDist
+    from pdlink import CacheManager, LLMDataDist
 
     for cls in (CacheManager, LLMDataDist):
         for name, fn in inspect.getmembers(cls, inspect.isfunction):

@@ -14,10 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from internals import ClientError, ManagementClient, NotReady, RoleRejected, client_context
 from server_util import LOCAL, Certs, Serve, decode_body, free_block, free_ports, wait_for, write_config
-
-from pdlink.client import ClientError, ManagementClient, NotReady, RoleRejected
-from pdlink.server.tls import client_context
 
 LOCAL_ID = 10
 LIMIT = 1024 * 1024  # maxRequestLength: 1 (MB)
@@ -74,7 +72,8 @@ def raw(srv, data: bytes, tls=True, cert=True, timeout=5.0) -> bytes:
     try:
         if tls:
             c = srv.certs
-            sock = client_context(c.ca, c.client_cert if cert else None, c.client_key if cert else None).wrap_socket(sock)
+            ctx = client_context(c.ca, c.client_cert if cert else None, c.client_key if cert else None)
+            sock = ctx.wrap_socket(sock)
         if data:
             try:
                 sock.sendall(data)

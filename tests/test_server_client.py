@@ -16,8 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, RoleRejected, role_body
-from pdlink.server.validation import parse_role_request
+from internals import ClientError, ManagementClient, NodeSpec, NotReady, RoleRejected, parse_role_request, role_body
 
 
 class Stub:

@@ -11,11 +11,9 @@ import sys
 
 import pytest
 
+from internals import DEFAULT_CONFIG_JSON, ManagementClient
+from internals import server_config as C
 from server_util import LOCAL, Certs, Serve, write_config
-
-from pdlink.client import ManagementClient
-from pdlink.server import config as C
-from pdlink.server.defaults import DEFAULT_CONFIG_JSON
 
 
 def cfg(tmp_path, server=None, kv=None, extra=None, name="config.json", mode=0o600):
@@ -306,7 +304,7 @@ def test_tls_file_rules(tmp_path, certs):
 def test_tls_contexts_are_tls13_and_mutual(tmp_path, certs):
     import ssl
 
-    from pdlink.server.tls import server_context
+    from internals import server_context
 
     s = load(cfg(tmp_path, {**certs.server_config(crl=True)}))
     ctx = server_context(s.planes[0].tls)
@@ -317,7 +315,7 @@ def test_tls_contexts_are_tls13_and_mutual(tmp_path, certs):
 
 
 def test_a_mismatched_key_is_a_config_error(tmp_path, certs):
-    from pdlink.server.tls import server_context
+    from internals import server_context
 
     s = load(cfg(tmp_path, {**certs.server_config(), "tlsPk": certs.client_key}))
     with pytest.raises(C.ConfigError, match="cannot load certificate"):

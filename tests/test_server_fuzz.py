@@ -50,17 +50,15 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any
 from urllib.parse import quote, unquote
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from internals import ROLES, BodyError, client_context, cluster_id, parse_role_request
 from server_util import LOCAL, Certs, Serve, free_block, free_ports, write_config
-
-from pdlink.server.tls import client_context
-from pdlink.server.validation import ROLES, BodyError, cluster_id, parse_role_request
 
 LOCAL_ID = 0  # instance 0 never dials a peer while it listens (it dials only lower ids)
 LIMIT = 1024 * 1024  # maxRequestLength: 1 (MB)
@@ -111,8 +109,8 @@ def fz(tmp_path_factory):
         server.stop()
 
 
-def node_json(ident: Optional[int], ip: str, *device_ids: str) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"server_ip": ip, "device": [
+def node_json(ident: int | None, ip: str, *device_ids: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"server_ip": ip, "device": [
         {"device_id": d, "device_ip": ip, "device_logical_id": str(i), "rank_id": str(i)}
         for i, d in enumerate(device_ids)]}
     if ident is not None:
@@ -125,11 +123,11 @@ def node_json(ident: Optional[int], ip: str, *device_ids: str) -> Dict[str, Any]
 @dataclass
 class Answer:
     status: int
-    headers: Dict[str, List[str]]
+    headers: dict[str, list[str]]
     body: bytes
     raw: bytes = field(repr=False, default=b"")
 
-    def header(self, name: str) -> Optional[str]:
+    def header(self, name: str) -> str | None:
         values = self.headers.get(name)
         return values[0] if values else None
 
@@ -138,11 +136,11 @@ class Answer:
         return self.status == 400 and self.body == PLAIN_400
 
 
-def exchange(fz: Any, data: bytes, timeout: float = 10.0, head: bool = False) -> Optional[Answer]:
+def exchange(fz: Any, data: bytes, timeout: float = 10.0, head: bool = False) -> Answer | None:
     """Send ``data`` over TLS with the client certificate; the answer, or None when the server
     answered nothing (it closed the connection, or nothing came within ``timeout``)."""
     sock = socket.create_connection((LOCAL, fz.port), 10)
-    chunks: List[bytes] = []
+    chunks: list[bytes] = []
     try:
         tls = fz.ctx.wrap_socket(sock)
         tls.settimeout(timeout)
@@ -153,7 +151,7 @@ def exchange(fz: Any, data: bytes, timeout: float = 10.0, head: bool = False) ->
         while True:
             try:
                 chunk = tls.recv(65536)
-            except (ConnectionResetError, ssl.SSLError, TimeoutError, socket.timeout):
+            except (ConnectionResetError, ssl.SSLError, TimeoutError):
                 break
             if not chunk:
                 break
@@ -163,7 +161,7 @@ def exchange(fz: Any, data: bytes, timeout: float = 10.0, head: bool = False) ->
     return parse_answer(b"".join(chunks), head)
 
 
-def parse_answer(raw: bytes, head: bool) -> Optional[Answer]:
+def parse_answer(raw: bytes, head: bool) -> Answer | None:
     if not raw:
         return None
     top, sep, body = raw.partition(b"\r\n\r\n")
@@ -171,7 +169,7 @@ def parse_answer(raw: bytes, head: bool) -> Optional[Answer]:
     lines = top.split(b"\r\n")
     m = re.fullmatch(rb"HTTP/1\.1 (\d{3})(?: .*)?", lines[0])
     assert m, f"not an HTTP/1.1 status line: {lines[0][:200]!r}"
-    headers: Dict[str, List[str]] = {}
+    headers: dict[str, list[str]] = {}
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         headers.setdefault(name.decode("latin-1").lower(), []).append(value.strip().decode("latin-1"))
@@ -182,7 +180,7 @@ def parse_answer(raw: bytes, head: bool) -> Optional[Answer]:
     return Answer(int(m.group(1)), headers, body, raw)
 
 
-def request_bytes(method: str, target: str, headers: List[Tuple[str, str]], body: bytes = b"") -> bytes:
+def request_bytes(method: str, target: str, headers: list[tuple[str, str]], body: bytes = b"") -> bytes:
     head = f"{method} {target} HTTP/1.1\r\nHost: {LOCAL}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
     return head.encode("utf-8", "surrogatepass") + b"\r\n" + body
 
@@ -217,7 +215,7 @@ def unavailable(req: Any, base: int) -> bool:
     return False
 
 
-def expect_role(fz: Any, role: str, ctype: Optional[str], data: bytes) -> Set[int]:
+def expect_role(fz: Any, role: str, ctype: str | None, data: bytes) -> set[int]:
     """The statuses ``POST /v1/role/<role>`` may answer for this content type and (complete) body."""
     if role not in ROLES:
         return {404}
@@ -253,7 +251,7 @@ def expect_role(fz: Any, role: str, ctype: Optional[str], data: bytes) -> Set[in
     return out | {400} if deep else out
 
 
-def expect_target(fz: Any, method: str, target: str, ctype: Optional[str], data: bytes) -> Set[int]:
+def expect_target(fz: Any, method: str, target: str, ctype: str | None, data: bytes) -> set[int]:
     """The statuses any request may answer (a valid HTTP request, body complete)."""
     path = unquote(target.partition("?")[0])  # as uvicorn builds scope["path"]
     m = re.fullmatch(r"/v1/role/([^/]+)", path)
@@ -266,7 +264,7 @@ def expect_target(fz: Any, method: str, target: str, ctype: Optional[str], data:
 
 # ------------------------------------------------------------------------------------- checks
 
-def check_answer(fz: Any, ans: Optional[Answer], allowed: Set[Any], what: str, head: bool = False) -> None:
+def check_answer(fz: Any, ans: Answer | None, allowed: set[Any], what: str, head: bool = False) -> None:
     """``allowed``: statuses, plus None (no answer) and PLAIN_400 (uvicorn's) where permitted."""
     key = "none" if ans is None else ("plain400" if ans.plain_400 else ans.status)
     fz.seen[key] += 1
@@ -316,7 +314,7 @@ def check_status_doc(doc: Any) -> None:
         ipaddress.ip_address(p["server_ip"])
 
 
-def check_server(fz: Any, accepted: Optional[int]) -> None:
+def check_server(fz: Any, accepted: int | None) -> None:
     """After every example: alive, healthy, a well-formed status, the generation as predicted
     (``accepted``: the generation a 200 to a role post announced, else None)."""
     assert fz.server.alive(), fz.server.output[-3000:]
@@ -332,7 +330,7 @@ def check_server(fz: Any, accepted: Optional[int]) -> None:
     assert doc["pdlink"]["generation"] == fz.generation, (doc["pdlink"], fz.generation)
 
 
-def accepted(ans: Optional[Answer]) -> Optional[int]:
+def accepted(ans: Answer | None) -> int | None:
     """The generation announced by an accepted role post (X-Pdlink-Generation), else None."""
     value = ans.header("x-pdlink-generation") if ans is not None and ans.status == 200 else None
     return None if value is None else int(value)
@@ -363,7 +361,7 @@ class Deep:
 class Pairs:
     """An object written with these (key, value) pairs in order, repeated keys kept."""
 
-    def __init__(self, items: List[Tuple[str, Any]]):
+    def __init__(self, items: list[tuple[str, Any]]):
         self.items = items
 
     def __repr__(self) -> str:
@@ -389,7 +387,7 @@ def encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")  # a lone surrogate makes invalid UTF-8: the server says 400
 
 
-def weighted(*pairs: Tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+def weighted(*pairs: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
     """One of the strategies, chosen in proportion to its weight (``st.one_of`` does not weigh)."""
     index = [i for i, (w, _) in enumerate(pairs) for _ in range(w)]
     return st.sampled_from(index).flatmap(lambda i: pairs[i][1])
@@ -460,11 +458,11 @@ DEVICE_FIELDS = ["device_ip", "device_id", "device_logical_id", "rank_id", "supe
 
 
 @st.composite
-def devices(draw: Any, n: int, ip: str) -> List[Dict[str, Any]]:
+def devices(draw: Any, n: int, ip: str) -> list[dict[str, Any]]:
     ids = draw(st.lists(st.sampled_from(SMALL_IDS[:KV_PORTS]), min_size=n, max_size=n, unique=True))
     out = []
     for i, d in enumerate(ids):
-        dev: Dict[str, Any] = {"device_ip": draw(st.just(ip) | LOOPBACK_V4), "device_logical_id": str(i)}
+        dev: dict[str, Any] = {"device_ip": draw(st.just(ip) | LOOPBACK_V4), "device_logical_id": str(i)}
         if draw(st.booleans()):
             dev["device_id"] = d
         if draw(st.booleans()):
@@ -474,17 +472,17 @@ def devices(draw: Any, n: int, ip: str) -> List[Dict[str, Any]]:
 
 
 @st.composite
-def valid_bodies(draw: Any) -> Dict[str, Any]:
+def valid_bodies(draw: Any) -> dict[str, Any]:
     """A body that breaks no rule: instance 0 on loopback, 0..3 peers with ids 1..60."""
     ip = draw(LOOPBACK_V4)
-    local: Dict[str, Any] = {"server_ip": ip, "id": LOCAL_ID, "host_ip": draw(st.just(ip) | LOOPBACK_V4),
+    local: dict[str, Any] = {"server_ip": ip, "id": LOCAL_ID, "host_ip": draw(st.just(ip) | LOOPBACK_V4),
                              "device": draw(devices(1, ip))}
     for key, strategy in (("p_percentage", st.integers(0, 100)), ("instance_idx_in_pod", st.integers(0, 10)),
                           ("num_instances_per_pod", st.integers(1, 10)), ("is_single_container", st.booleans()),
                           ("super_pod_id", st.sampled_from(["0", "pod-a", 7]))):
         if draw(st.booleans()):
             local[key] = draw(strategy)
-    body: Dict[str, Any] = {"local": local}
+    body: dict[str, Any] = {"local": local}
     ids = draw(st.lists(st.integers(1, 60), unique=True, max_size=3))
     peers = []
     for pid in ids:
@@ -498,7 +496,7 @@ def valid_bodies(draw: Any) -> Dict[str, Any]:
     return body
 
 
-def _containers(v: Any, out: List[Any]) -> List[Any]:
+def _containers(v: Any, out: list[Any]) -> list[Any]:
     if isinstance(v, (dict, list)):
         out.append(v)
         for child in (v.values() if isinstance(v, dict) else v):
@@ -645,16 +643,16 @@ CONTENT_TYPES = weighted(
 )
 
 
-def ctype_headers(ctype: Optional[str]) -> List[Tuple[str, str]]:
+def ctype_headers(ctype: str | None) -> list[tuple[str, str]]:
     return [] if ctype is None else [("Content-Type", ctype)]
 
 
-def delivered(ctype: Optional[str]) -> Optional[str]:
+def delivered(ctype: str | None) -> str | None:
     """The header value as h11 hands it over (surrounding spaces and tabs removed)."""
     return None if ctype is None else ctype.strip(" \t")
 
 
-def chunked(data: bytes, cuts: List[int]) -> bytes:
+def chunked(data: bytes, cuts: list[int]) -> bytes:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
     out = b"".join(f"{b - a:x}\r\n".encode() + data[a:b] + b"\r\n" for a, b in zip(points, points[1:]) if b > a)
     return out + b"0\r\n\r\n"
@@ -678,7 +676,7 @@ def test_role_posts(fz):
         payload = data if chunks is None else chunked(data, chunks)
         target = "/v1/role/" + quote(role, safe="", errors="surrogatepass")
         req = request_bytes("POST", target, ctype_headers(ctype) + framing, payload)
-        allowed: Set[Any] = set(expect_role(fz, role, delivered(ctype), data))
+        allowed: set[Any] = set(expect_role(fz, role, delivered(ctype), data))
         if len(data) > LIMIT:
             allowed.add(None)  # the server answers 413 and closes while we still send: the answer may be lost
         ans = exchange(fz, req)
@@ -706,7 +704,7 @@ URL_CHARS = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
 
 
 @st.composite
-def targets(draw: Any) -> Tuple[str, bool]:
+def targets(draw: Any) -> tuple[str, bool]:
     """A request target and whether h11 can parse it (printable ASCII, within the head limit)."""
     kind = draw(st.sampled_from(["known", "known", "segments", "encoded", "long", "bytes"]))
     if kind == "known":
@@ -747,7 +745,7 @@ def test_methods_and_targets(fz):
         req = request_bytes(method, target, ctype_headers(ctype) + [("Content-Length", str(len(data)))], data)
         head_len = req.index(b"\r\n\r\n") if b"\r\n\r\n" in req else len(req)
         if method_ok and target_ok:
-            allowed: Set[Any] = set(expect_target(fz, method, target, delivered(ctype), data))
+            allowed: set[Any] = set(expect_target(fz, method, target, delivered(ctype), data))
             if head_len > H11_HEAD_LIMIT - 200:  # h11 refuses a long head only when it arrives in pieces
                 allowed.add(PLAIN_400)
         else:

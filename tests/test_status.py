@@ -6,15 +6,8 @@ from enum import IntEnum
 
 import pytest
 
-from pdlink.status import (
-    LLMException,
-    LLMStatusCode,
-    Status,
-    code_2_status,
-    handle_llm_status,
-    raise_if_false,
-    raise_if_true,
-)
+from internals import handle_llm_status, raise_if_false, raise_if_true
+from pdlink import LLMException, LLMStatusCode, Status, code_2_status
 
 EXPECTED_CODES = {
     "LLM_SUCCESS": 0,

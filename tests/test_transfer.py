@@ -4,17 +4,26 @@ the guards unchanged) and the source unchanged."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
+
 from conftest import DECODER_ID, PROMPT_ID, Pair
+from pdlink import (
+    BlocksCacheKey,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
 from peer import Peer
 from peers import kv, workers
 from poll import wait_until
 from verify import Copy, Snapshot, assert_same, check_transfer, nothing, pattern, rows
-
-from pdlink import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 
 KEY = Pair.KEY  # BlocksCacheKey(1, 0): the prompt's blocks cache
 SHAPE = (8, 64)  # 8 blocks of 64 float16 per tensor
@@ -30,7 +39,7 @@ def reader(peer: Peer, name: str) -> Callable[[], Snapshot]:
     return lambda: peer.call(kv.snapshot, name)
 
 
-def moved(src: Tuple[Peer, str], dst: Tuple[Peer, str], action: Callable[[], object],
+def moved(src: tuple[Peer, str], dst: tuple[Peer, str], action: Callable[[], object],
           expect: Callable[[Snapshot, Snapshot], Snapshot]) -> None:
     """``action`` moves bytes from cache ``src`` = (peer, name) to ``dst``: the whole destination is
     what ``expect`` says, the source unchanged (verify.check_transfer)."""
@@ -44,7 +53,8 @@ def pulls(pair: Pair, src_blocks: Sequence[int], dst_blocks: Sequence[int], **kw
 def test_pull_blocks_moves_exact_bytes(pair: Pair) -> None:
     setup_blocks(pair)
     moves = [(0, 3), (1, 4), (2, 5), (5, 0)]
-    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [s for s, _ in moves], [d for _, d in moves]), rows(moves))
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [s for s, _ in moves], [d for _, d in moves]),
+          rows(moves))
 
 
 def test_push_blocks_moves_exact_bytes(pair: Pair) -> None:
@@ -160,7 +170,8 @@ def test_many_blocks_are_coalesced_and_exact(pair: Pair) -> None:
     rng = np.random.default_rng(0)
     src_blocks = rng.permutation(4096)[:3000].tolist()
     dst_blocks = list(range(100, 3100))  # consecutive on one side only: runs split where src jumps
-    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, src_blocks, dst_blocks), rows(list(zip(src_blocks, dst_blocks))))
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, src_blocks, dst_blocks),
+          rows(list(zip(src_blocks, dst_blocks))))
 
 
 def test_switch_roles_then_push_the_other_way(pair: Pair) -> None:

@@ -11,9 +11,8 @@ import threading
 
 import pytest
 
-from pdlink import Cache, CacheDesc, DataType, LayerSynchronizer, TransferConfig
-from pdlink.status import LLMException, LLMStatusCode
-from pdlink.transfer import transfer_cache_async
+from internals import transfer_cache_async
+from pdlink import Cache, CacheDesc, DataType, LayerSynchronizer, LLMException, LLMStatusCode, TransferConfig
 
 S = LLMStatusCode
 
@@ -435,7 +434,7 @@ def test_configs_are_not_mutated():
 def test_cache_task_is_exported():
     import llm_datadist
     import pdlink
-    from pdlink.transfer import CacheTask
+    from pdlink import CacheTask
 
     assert pdlink.CacheTask is CacheTask and llm_datadist.CacheTask is CacheTask
     assert "CacheTask" in llm_datadist.__all__

@@ -4,25 +4,25 @@ from enum import Enum, IntEnum
 
 import pytest
 
-from pdlink.data_type import DataType
-from pdlink.llm_types import (
+from internals import PushType, register_mem_status_from_int
+from pdlink import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
+    DataType,
     KvCache,
     LayerSynchronizer,
+    LLMException,
+    LLMStatusCode,
     MemInfo,
     Memtype,
     Placement,
-    PushType,
     RegisterMemStatus,
     TransferConfig,
     TransferWithCacheKeyConfig,
-    register_mem_status_from_int,
 )
-from pdlink.status import LLMException, LLMStatusCode
 
 U64 = 2**64 - 1
 
@@ -112,12 +112,12 @@ def test_cache_desc_size_for_all_types():
 
 def test_cache_desc_size_not_computable():
     with pytest.raises(LLMException) as ei:
-        CacheDesc(1, [2, 3], DataType.DT_STRING).size
+        _ = CacheDesc(1, [2, 3], DataType.DT_STRING).size
     _assert_param_invalid(ei)
     with pytest.raises(LLMException):
-        CacheDesc(1, [2, -1], DataType.DT_FLOAT).size
+        _ = CacheDesc(1, [2, -1], DataType.DT_FLOAT).size
     with pytest.raises(LLMException):
-        CacheDesc(1, [2**62, 4], DataType.DT_FLOAT).size
+        _ = CacheDesc(1, [2**62, 4], DataType.DT_FLOAT).size
 
 
 def test_cache_desc_update_dim():

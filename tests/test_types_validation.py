@@ -7,9 +7,9 @@ from enum import Enum
 
 import pytest
 
-from pdlink import _utils as u
-from pdlink.data_type import DataType, itemsize
-from pdlink.status import LLMException, LLMStatusCode
+from internals import itemsize
+from internals import validation_utils as u
+from pdlink import DataType, LLMException, LLMStatusCode
 
 _PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 
@@ -236,7 +236,7 @@ def test_itemsize_errors():
 
 def test_numpy_maps():
     np = pytest.importorskip("numpy")
-    from pdlink import data_type
+    from internals import data_type_module as data_type
 
     assert data_type.dtype_to_np_dtype[DataType.DT_BF16] is np.float16
     assert data_type.dtype_to_np_dtype[DataType.DT_FLOAT] is np.float32

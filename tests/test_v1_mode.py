@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from backend_env import peer_env
-from pdlink.status import LLMException, LLMStatusCode as S
+from pdlink import LLMException
+from pdlink import LLMStatusCode as S
 from peer import wait_for  # the peer releases pulled keys asynchronously
 
 PROMPT_ID, DECODER_ID = 1, 2

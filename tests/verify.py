@@ -24,7 +24,7 @@ This module is imported by tests and by peer modules alike: numpy only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -67,8 +67,8 @@ class Snapshot:
 
     label: str
     kind: str
-    regions: List[np.ndarray]
-    tensors: List[Tuple[int, int]]
+    regions: list[np.ndarray]
+    tensors: list[tuple[int, int]]
     tensor_bytes: int
     rows: int
 
@@ -96,8 +96,8 @@ class Snapshot:
                 src.tensor(c.src_tensor)[c.src_offset:c.src_offset + c.nbytes]
         return out
 
-    def with_rows(self, src: Snapshot, rows: Iterable[Tuple[int, int]],
-                  tensors: Optional[Iterable[Tuple[int, int]]] = None, nbytes: Optional[int] = None) -> Snapshot:
+    def with_rows(self, src: Snapshot, rows: Iterable[tuple[int, int]],
+                  tensors: Iterable[tuple[int, int]] | None = None, nbytes: int | None = None) -> Snapshot:
         """A copy with ``src`` rows moved in: for each (src_row, dst_row) and each (src_tensor,
         dst_tensor) of ``tensors`` (default: tensor i to tensor i, all of them), the first
         ``nbytes`` (default: a whole row) of the row."""
@@ -131,7 +131,7 @@ class Snapshot:
         return f"region {region} byte {offset:#x}, outside every tensor of this cache"
 
 
-def differences(actual: Snapshot, expected: Snapshot) -> List[str]:
+def differences(actual: Snapshot, expected: Snapshot) -> list[str]:
     """One line per region that differs: where the first difference is and how many bytes differ."""
     assert len(actual.regions) == len(expected.regions), (len(actual.regions), len(expected.regions))
     assert actual.tensors == expected.tensors, "snapshots of different layouts"
@@ -174,8 +174,8 @@ def check_transfer(read_src: Callable[[], Snapshot], read_dst: Callable[[], Snap
     return result
 
 
-def rows(pairs: Sequence[Tuple[int, int]], tensors: Optional[Sequence[Tuple[int, int]]] = None,
-         nbytes: Optional[int] = None) -> Callable[[Snapshot, Snapshot], Snapshot]:
+def rows(pairs: Sequence[tuple[int, int]], tensors: Sequence[tuple[int, int]] | None = None,
+         nbytes: int | None = None) -> Callable[[Snapshot, Snapshot], Snapshot]:
     """The usual ``expect`` for ``check_transfer``: rows moved from source to destination."""
     return lambda dst0, src0: dst0.with_rows(src0, pairs, tensors, nbytes)
 

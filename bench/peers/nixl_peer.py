@@ -11,7 +11,6 @@ import sys
 import time
 
 import numpy as np
-
 from _common import emit
 
 TOTAL, BLOCK = int(sys.argv[1]) << 20, int(sys.argv[2]) << 10

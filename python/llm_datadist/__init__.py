@@ -12,7 +12,7 @@ import os as _os
 # llm_datadist sets this on import when it is unset (spec 1.1).
 _os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
 
-from pdlink.configs import LLMClusterInfo, LlmConfig, LLMConfig, LLMRole  # noqa: E402
+from pdlink.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: E402
 from pdlink.data_type import DataType  # noqa: E402
 from pdlink.llm_datadist import LLMDataDist  # noqa: E402
 from pdlink.llm_types import (  # noqa: E402

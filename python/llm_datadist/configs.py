@@ -1,2 +1,2 @@
 """``llm_datadist.configs`` (re-exported from pdlink.configs)."""
-from pdlink.configs import LLMClusterInfo, LlmConfig, LLMConfig, LLMRole  # noqa: F401
+from pdlink.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401

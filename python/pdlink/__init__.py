@@ -10,7 +10,7 @@ load on first use of a name that needs them.
 from __future__ import annotations
 
 import importlib
-from typing import Any, List
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -58,5 +58,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def __dir__() -> List[str]:
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))

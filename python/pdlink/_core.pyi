@@ -5,17 +5,17 @@ Failures raise ``pdlink.status.LLMException`` with ``status_code`` set; every me
 block releases the GIL.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
 
 def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the handshake's MAC (tests)
 
-_Key = Tuple[int, int, int]  # (req_id, prefix_id, model_id)
-_Handle = Tuple[int, List[int]]  # (cache_id, tensor addresses)
+_Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)
+_Handle = tuple[int, list[int]]  # (cache_id, tensor addresses)
 
-def ascend_info() -> Dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
+def ascend_info() -> dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
 def _map_vendor_code(lib: str, rc: int) -> int: ...  # "acl" or "hccl" return code -> LLMStatusCode value
 
 class Backend:
@@ -25,7 +25,7 @@ class Backend:
     def name(self) -> str: ...
     @property
     def device_id(self) -> int: ...
-    def capabilities(self) -> Dict[str, object]: ...  # device_memory, host_memory, device_transport, features
+    def capabilities(self) -> dict[str, object]: ...  # device_memory, host_memory, device_transport, features
     def allocate(self, placement: int, nbytes: int) -> int: ...
     def release(self, placement: int, addr: int, nbytes: int) -> None: ...
     def copy(self, dst: int, dst_placement: int, src: int, src_placement: int, nbytes: int) -> None: ...
@@ -33,7 +33,7 @@ class Backend:
 def open_backend(name: str, device_id: int = 0) -> Backend: ...  # "auto", "cpu" or "ascend"
 
 class Engine:
-    def __init__(self, backend: Union[Backend, str] = "cpu") -> None: ...
+    def __init__(self, backend: Backend | str = "cpu") -> None: ...
     def initialize(
         self,
         cluster_id: int,
@@ -65,15 +65,15 @@ class Engine:
     def backend_handle(self) -> Backend: ...
     @property
     def cache_count(self) -> int: ...
-    def pools(self) -> List[Dict[str, int]]: ...  # placement, base, capacity, used per memory pool
+    def pools(self) -> list[dict[str, int]]: ...  # placement, base, capacity, used per memory pool
     def switch_role(self, role: int, listen_ip: str, listen_port: int) -> None: ...
     def link(
-        self, peers: Sequence[Tuple[Optional[int], str, int]], timeout_ms: int
-    ) -> List[Tuple[int, str, int]]: ...  # (status code, message, peer cluster id) per peer
+        self, peers: Sequence[tuple[int | None, str, int]], timeout_ms: int
+    ) -> list[tuple[int, str, int]]: ...  # (status code, message, peer cluster id) per peer
     def ping(self, cluster_id: int, timeout_ms: int, op: str) -> None: ...
     def start_comm_listener(self, ip: str, port: int) -> int: ...
-    def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> List[Tuple[int, str]]: ...
-    def links(self) -> List[Dict[str, Union[int, str, bool]]]: ...
+    def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> list[tuple[int, str]]: ...
+    def links(self) -> list[dict[str, int | str | bool]]: ...
     def register_cache(
         self,
         num_tensors: int,
@@ -83,7 +83,7 @@ class Engine:
         placement: int,
         addrs: Sequence[int],
         keys: Sequence[_Key],
-        blocks_model: Optional[int],
+        blocks_model: int | None,
         remote_accessible: bool,
         op: str,
     ) -> _Handle: ...
@@ -95,7 +95,7 @@ class Engine:
         is_blocks: bool,
         placement: int,
         keys: Sequence[_Key],
-        blocks_model: Optional[int],
+        blocks_model: int | None,
         op: str,
     ) -> _Handle: ...
     def deallocate_cache(self, cache_id: int, blocks: bool, op: str) -> None: ...
@@ -120,8 +120,8 @@ class Engine:
         remote_blocks: Sequence[int],
         local_tensors: Sequence[int],
         remote_tensors: Sequence[int],
-        local_runs: Sequence[Tuple[int, int]],
-        remote_runs: Sequence[Tuple[int, int]],
+        local_runs: Sequence[tuple[int, int]],
+        remote_runs: Sequence[tuple[int, int]],
     ) -> None: ...
     def copy_local(
         self,
@@ -129,6 +129,6 @@ class Engine:
         dst_placement: int,
         src: Sequence[int],
         src_placement: int,
-        runs: Sequence[Tuple[int, int, int]],
+        runs: Sequence[tuple[int, int, int]],
         op: str,
     ) -> None: ...

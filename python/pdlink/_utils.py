@@ -17,7 +17,8 @@ accepted types.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 from .status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 
@@ -65,20 +66,20 @@ UINT64_MAX = 2**64 - 1
 # Marker for "no id" (default prefix_id, padding req_id).
 INVALID_ID = UINT64_MAX
 
-TypeSpec = Union[type, Sequence[type]]
+TypeSpec = type | Sequence[type]
 
 
-def _as_type_tuple(types: TypeSpec) -> Tuple[type, ...]:
+def _as_type_tuple(types: TypeSpec) -> tuple[type, ...]:
     if isinstance(types, type):
         return (types,)
     return tuple(types)
 
 
-def _type_names(types: Tuple[type, ...]) -> list:
+def _type_names(types: tuple[type, ...]) -> list:
     return [getattr(t, "__name__", str(t)) for t in types]
 
 
-def _matches(value: Any, types: Tuple[type, ...]) -> bool:
+def _matches(value: Any, types: tuple[type, ...]) -> bool:
     # bool is a subclass of int; True/False must not pass as an int (or as an
     # IntEnum-compatible int). A bool only matches when bool (or object) is listed.
     if isinstance(value, bool) and bool not in types and object not in types:
@@ -92,7 +93,7 @@ def check_isinstance(
     types: TypeSpec,
     allow_none: bool = True,
     *,
-    inner_types: Optional[TypeSpec] = None,
+    inner_types: TypeSpec | None = None,
     extra_fmt: str = "",
 ) -> Any:
     """Check that ``arg_value`` is an instance of one of ``types`` and return it.
@@ -240,7 +241,7 @@ def check_list_uint64(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
     return _check_list_range(arg_name, seq, check_uint64, allow_none)
 
 
-def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) -> Optional[range]:
+def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) -> range | None:
     """Validate a layer range (spec 7.8/7.9).
 
     * ``None`` is accepted when ``allow_none`` (else ``TypeError``); any non-``range`` -> ``TypeError``.

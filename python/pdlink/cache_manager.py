@@ -11,7 +11,8 @@ core as they are.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._utils import (
     check_dict,
@@ -55,10 +56,10 @@ _MODE_SLOT_TO_SLOT, _MODE_BLOCKS_TO_BLOCKS, _MODE_SLOT_TO_BLOCKS, _MODE_EXPLICIT
 
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
-KeyLike = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
+KeyLike = CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
 
 
-def _target(key: KeyLike) -> Tuple[int, int, int, int, int, int]:
+def _target(key: KeyLike) -> tuple[int, int, int, int, int, int]:
     """(kind, model_id, req_id, prefix_id, cache_id, batch_index) addressing a remote cache."""
     if isinstance(key, BlocksCacheKey):
         return (_TARGET_BLOCKS, key.model_id, _NO_ID, _NO_ID, 0, 0)
@@ -77,10 +78,10 @@ def _target(key: KeyLike) -> Tuple[int, int, int, int, int, int]:
 
 def _layer_tensors(
     cache: Cache,
-    src_layer_range: Optional[range],
-    dst_layer_range: Optional[range],
+    src_layer_range: range | None,
+    dst_layer_range: range | None,
     tensor_num_per_layer: int,
-) -> Tuple[List[int], List[int]]:
+) -> tuple[list[int], list[int]]:
     """Tensor indices for (src, dst) from layer ranges; ([], []) means every tensor i -> i."""
     check_uint32("tensor_num_per_layer", tensor_num_per_layer)
     raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0")
@@ -126,7 +127,7 @@ class CacheManager:
     serialised by the engine, transfers to different peers run in parallel.
     """
 
-    def __init__(self, owner: Any, engine: Any, remote_cache_accessible: bool, has_pool: Dict[Placement, bool]):
+    def __init__(self, owner: Any, engine: Any, remote_cache_accessible: bool, has_pool: dict[Placement, bool]):
         self._owner = owner
         self._engine = engine
         self._remote_cache_accessible = remote_cache_accessible
@@ -143,23 +144,23 @@ class CacheManager:
     def _invalidate(self) -> None:
         self._initialized = False
 
-    def _new_cache(self, desc: CacheDesc, handle: Tuple[int, List[int]], is_blocks: bool) -> Cache:
+    def _new_cache(self, desc: CacheDesc, handle: tuple[int, list[int]], is_blocks: bool) -> Cache:
         cache_id, addrs = handle
         return Cache(cache_id, desc, list(addrs), is_blocks_cache=is_blocks)
 
     @staticmethod
-    def _layout(desc: CacheDesc, is_blocks: bool) -> Tuple[int, int, int, bool, int]:
+    def _layout(desc: CacheDesc, is_blocks: bool) -> tuple[int, int, int, bool, int]:
         shape = desc.shape
         raise_if_false(1 <= len(shape) <= 32, f"shape must have 1..32 dims, got {list(shape)}")
         raise_if_false(shape[0] > 0, f"shape[0] must be > 0, got {list(shape)}")
         return desc.num_tensors, desc.size, shape[0], is_blocks, int(desc.placement)
 
     @staticmethod
-    def _keys(cache_keys: Sequence[CacheKey]) -> List[Tuple[int, int, int]]:
+    def _keys(cache_keys: Sequence[CacheKey]) -> list[tuple[int, int, int]]:
         check_list_of("cache_keys", cache_keys, CacheKey)
         return [(k.req_id, k.prefix_id, k.model_id) for k in cache_keys]
 
-    def _remote_accessible(self, desc: CacheDesc, remote_accessible: Optional[bool]) -> bool:
+    def _remote_accessible(self, desc: CacheDesc, remote_accessible: bool | None) -> bool:
         check_isinstance("remote_accessible", remote_accessible, bool)
         linked = getattr(self._owner, "_is_call_linked", False)
         if linked:
@@ -169,7 +170,7 @@ class CacheManager:
             return desc.placement == Placement.DEVICE
         return remote_accessible
 
-    def _check_addrs(self, desc: CacheDesc, addrs: Any, exact: bool) -> List[int]:
+    def _check_addrs(self, desc: CacheDesc, addrs: Any, exact: bool) -> list[int]:
         check_list_uint64("addrs", addrs)
         raise_if_false(len(addrs) > 0, "addrs must not be empty")
         raise_if_false(all(a != 0 for a in addrs), "addrs must not contain 0")
@@ -188,11 +189,11 @@ class CacheManager:
             f"config memory pool firstly: allocating a {desc.placement} cache needs LLMConfig.{which}",
         )
 
-    def _transfer(self, op: str, is_push: bool, key: Optional[KeyLike], cache: Cache, mode: int, *, slot: int = 0,
+    def _transfer(self, op: str, is_push: bool, key: KeyLike | None, cache: Cache, mode: int, *, slot: int = 0,
                   size: int = -1, local_blocks: Sequence[int] = (), remote_blocks: Sequence[int] = (),
                   local_tensors: Sequence[int] = (), remote_tensors: Sequence[int] = (),
-                  local_runs: Sequence[Tuple[int, int]] = (), remote_runs: Sequence[Tuple[int, int]] = (),
-                  peer: Optional[int] = None) -> None:
+                  local_runs: Sequence[tuple[int, int]] = (), remote_runs: Sequence[tuple[int, int]] = (),
+                  peer: int | None = None) -> None:
         """One native transfer. ``key=None`` addresses raw remote memory (``peer`` then names the
         cluster and ``remote_runs`` hold absolute addresses)."""
         if key is None:
@@ -207,7 +208,7 @@ class CacheManager:
         )
 
     @staticmethod
-    def _pull_kwargs(cache: Cache, kwargs: Dict[str, Any]) -> Tuple[List[int], List[int]]:
+    def _pull_kwargs(cache: Cache, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
         if not kwargs:  # the common call: every tensor, no layer ranges
             return [], []
         unknown = sorted(set(kwargs) - set(_PULL_KWARGS))
@@ -221,8 +222,8 @@ class CacheManager:
 
     # ------------------------------------------------------------------ registration
 
-    def register_cache(self, cache_desc: CacheDesc, addrs: List[int], cache_keys: Sequence[CacheKey] = (),
-                       remote_accessible: Optional[bool] = None) -> Cache:
+    def register_cache(self, cache_desc: CacheDesc, addrs: list[int], cache_keys: Sequence[CacheKey] = (),
+                       remote_accessible: bool | None = None) -> Cache:
         """Register user memory as a contiguous cache; ``cache_keys[i]`` names batch slot ``i``."""
         engine = self._live_engine()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
@@ -232,9 +233,9 @@ class CacheManager:
         handle = engine.register_cache(*self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
         return self._new_cache(cache_desc, handle, False)
 
-    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: List[int],
-                              blocks_cache_key: Optional[BlocksCacheKey] = None,
-                              remote_accessible: Optional[bool] = None) -> Cache:
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                              blocks_cache_key: BlocksCacheKey | None = None,
+                              remote_accessible: bool | None = None) -> Cache:
         """Register user memory as a blocks (paged) cache; a key publishes it under its model_id."""
         engine = self._live_engine()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
@@ -262,7 +263,7 @@ class CacheManager:
         handle = engine.allocate_cache(*self._layout(cache_desc, False), keys, None, "allocate_cache")
         return self._new_cache(cache_desc, handle, False)
 
-    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: Optional[BlocksCacheKey] = None) -> Cache:
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
         """Allocate a blocks cache from the memory pool of its placement."""
         engine = self._live_engine()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
@@ -276,7 +277,8 @@ class CacheManager:
         """Drop the id reference of an allocated cache; freed once its keys are gone too."""
         engine = self._live_engine()
         check_isinstance("cache", cache, Cache, allow_none=False)
-        raise_if_true(cache.is_blocks_cache, "deallocate_cache does not accept a blocks cache; use deallocate_blocks_cache")
+        raise_if_true(cache.is_blocks_cache,
+                      "deallocate_cache does not accept a blocks cache; use deallocate_blocks_cache")
         engine.deallocate_cache(cache.cache_id, False, "deallocate_cache")
         cache._invalidate()
 
@@ -296,7 +298,7 @@ class CacheManager:
 
     # ------------------------------------------------------------------ pull
 
-    def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache, batch_index: int = 0,
+    def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache, batch_index: int = 0,
                    size: int = -1, **kwargs: Any) -> None:
         """Copy one remote batch slot into slot ``batch_index`` of the local contiguous ``cache``."""
         self._live_engine()
@@ -345,7 +347,7 @@ class CacheManager:
                        "push needs LLMConfig.enable_remote_cache_accessible = True at init")
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
-                   src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                   src_layer_range: range | None = None, dst_layer_range: range | None = None,
                    size: int = -1, tensor_num_per_layer: int = 2) -> None:
         """Write local slot ``src_batch_index`` into the remote ``(cache_id, batch_index)`` slot."""
         self._live_engine()
@@ -361,8 +363,8 @@ class CacheManager:
                        local_tensors=src_t, remote_tensors=dst_t)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int] = (),
-                    dst_blocks: Sequence[int] = (), src_layer_range: Optional[range] = None,
-                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+                    dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
+                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         self._live_engine()
         self._check_push_enabled()
@@ -376,11 +378,11 @@ class CacheManager:
         self._transfer("push_blocks", True, dst_cache_key, src_cache, _MODE_BLOCKS_TO_BLOCKS,
                        local_blocks=src_blocks, remote_blocks=dst_blocks, local_tensors=src_t, remote_tensors=dst_t)
 
-    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: "LayerSynchronizer",
-                             transfer_configs: Sequence[Union["TransferConfig", "TransferWithCacheKeyConfig"]],
-                             src_block_indices: Optional[Sequence[int]] = None,
-                             dst_block_indices: Optional[Sequence[int]] = None,
-                             dst_block_memory_size: Optional[int] = None) -> "CacheTask":
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+                             src_block_indices: Sequence[int] | None = None,
+                             dst_block_indices: Sequence[int] | None = None,
+                             dst_block_memory_size: int | None = None) -> CacheTask:
         """Push ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer (spec 8.5, 10.5).
 
         Configs are ``TransferWithCacheKeyConfig`` with ``enable_remote_cache_accessible`` and
@@ -400,7 +402,7 @@ class CacheManager:
     # ------------------------------------------------------------------ local copies
 
     def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
-                   offset: int = 0, size: int = -1, req_id: Optional[int] = None) -> None:
+                   offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
         """Copy one batch slot (from ``offset``, ``size`` bytes or the rest) between two local caches."""
         engine = self._live_engine()
         _check_cache("dst", dst)
@@ -424,7 +426,7 @@ class CacheManager:
         runs = [(dst_batch_index * d_stride + offset, src_batch_index * s_stride + offset, length)]
         engine.copy_local(dst.tensor_addrs, int(dd.placement), src.tensor_addrs, int(sd.placement), runs, "copy_cache")
 
-    def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
+    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``."""
         engine = self._live_engine()
         _check_cache("cache", cache)
@@ -441,7 +443,7 @@ class CacheManager:
         placement = int(cache.cache_desc.placement)
         engine.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs, "copy_blocks")
 
-    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Dict[int, int]) -> None:
+    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
         """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST); accepts ``create_cpu_cache`` handles."""
         engine = self._live_engine()
         # A None cache raises AttributeError here, as llm_datadist does (spec 3.2).
@@ -467,13 +469,14 @@ class CacheManager:
         engine.copy_local(dst_cache.tensor_addrs, int(dst_desc.placement), src_cache.tensor_addrs,
                           int(src_desc.placement), runs, "swap_blocks")
 
-    def remap_registered_memory(self, mem_infos: Union[MemInfo, List[MemInfo]]) -> None:
+    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
         """Reserved in llm_datadist (DEVICE memory after a UCE fault); not supported by pdlink."""
         self._live_engine()
         infos = mem_infos if isinstance(mem_infos, (list, tuple)) else [mem_infos]
         check_list_of("mem_infos", infos, MemInfo)
         for info in infos:
-            raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE, "remap_registered_memory supports DEVICE memory only")
+            raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE,
+                           "remap_registered_memory supports DEVICE memory only")
             raise_if_false(info.addr != 0 and info.size > 0, "mem_info addr must be != 0 and size > 0")
         handle_llm_status(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remap_registered_memory",
                           "memory remapping is a reserved llm_datadist feature that pdlink does not provide")

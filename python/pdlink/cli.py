@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from typing import List, Optional
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
@@ -111,8 +110,9 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdlink", description="KV-cache transfer between prefill and decode instances")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdlink",
+                                     description="KV-cache transfer between prefill and decode instances")
     parser.add_argument("-v", "--verbose", action="store_true", help="log pdlink's Python layer at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="two processes: move KV, verify, switch roles, move it back, print GB/s")

@@ -26,8 +26,9 @@ import http.client
 import json
 import ssl
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 __all__ = ["ManagementClient", "Response", "ClientError", "RoleRejected", "NotReady", "NodeSpec", "role_body",
            "ROLES"]
@@ -42,7 +43,7 @@ class ClientError(Exception):
 class RoleRejected(ClientError):
     """The server did not accept the role assignment; ``response`` holds its answer (may be None)."""
 
-    def __init__(self, message: str, response: Optional["Response"] = None):
+    def __init__(self, message: str, response: Response | None = None):
         super().__init__(message)
         self.response = response
 
@@ -50,7 +51,7 @@ class RoleRejected(ClientError):
 class NotReady(ClientError):
     """The node did not reach RoleReady with the expected role in time; ``last`` is its last status."""
 
-    def __init__(self, message: str, last: Optional[Dict[str, Any]] = None):
+    def __init__(self, message: str, last: dict[str, Any] | None = None):
         super().__init__(message)
         self.last = last
 
@@ -58,7 +59,7 @@ class NotReady(ClientError):
 @dataclass
 class Response:
     status: int
-    headers: Dict[str, str]
+    headers: dict[str, str]
     body: bytes
 
     def json(self) -> Any:
@@ -68,12 +69,12 @@ class Response:
 class ManagementClient:
     """Talks to one server's management plane (or its metrics plane, for ``metrics()``)."""
 
-    def __init__(self, host: str, port: int, *, https: bool = True, ca: Optional[str] = None,
-                 cert: Optional[str] = None, key: Optional[str] = None, check_hostname: bool = False,
+    def __init__(self, host: str, port: int, *, https: bool = True, ca: str | None = None,
+                 cert: str | None = None, key: str | None = None, check_hostname: bool = False,
                  timeout: float = 5.0, retries: int = 3, retry_wait: float = 0.5):
         self.host, self.port, self.https = host, port, https
         self.timeout, self.retries, self.retry_wait = timeout, retries, retry_wait
-        self._ctx: Optional[ssl.SSLContext] = None
+        self._ctx: ssl.SSLContext | None = None
         if https:
             from .server.tls import client_context
 
@@ -84,7 +85,7 @@ class ManagementClient:
             return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._ctx)
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
-    def request(self, method: str, path: str, body: Any = None, headers: Optional[Dict[str, str]] = None
+    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
                 ) -> Response:
         """One request on a new connection, retried on transport failures only."""
         data = None
@@ -93,7 +94,7 @@ class ManagementClient:
             data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
             hdrs["Content-Type"] = "application/json"
         hdrs.update(headers or {})
-        last: Optional[BaseException] = None
+        last: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.retry_wait)
@@ -121,11 +122,11 @@ class ManagementClient:
         except ValueError:
             raise ClientError(f"GET {self._url(path)}: the answer is not JSON") from None
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         """``GET /v1/status``."""
         return self.get_json("/v1/status")
 
-    def config(self) -> Dict[str, Any]:
+    def config(self) -> dict[str, Any]:
         """``GET /v1/config``."""
         return self.get_json("/v1/config")
 
@@ -140,7 +141,7 @@ class ManagementClient:
             raise ClientError(f"GET {self._url('/metrics')}: HTTP {resp.status}")
         return resp.body.decode()
 
-    def post_role(self, role: str, body: Dict[str, Any], result_retries: int = 3, result_wait: float = 5.0
+    def post_role(self, role: str, body: dict[str, Any], result_retries: int = 3, result_wait: float = 5.0
                   ) -> Response:
         """``POST /v1/role/{role}`` until the answer is 200 with ``result == "ok"``.
 
@@ -166,11 +167,11 @@ class ManagementClient:
         raise RoleRejected(f"POST {self._url(path)}: result was {result!r}, not 'ok', "
                            f"{result_retries + 1} time(s)", resp)
 
-    def wait_ready(self, role: str, timeout: float = 60.0, interval: float = 5.0) -> Dict[str, Any]:
+    def wait_ready(self, role: str, timeout: float = 60.0, interval: float = 5.0) -> dict[str, Any]:
         """Poll ``GET /v1/status`` until ``RoleReady`` with ``currentRole == role``; returns that
         status. Transport failures while polling count as "not yet". ``NotReady`` after ``timeout``."""
         deadline = time.monotonic() + timeout
-        last: Optional[Dict[str, Any]] = None
+        last: dict[str, Any] | None = None
         while True:
             try:
                 last = self.status()
@@ -184,8 +185,8 @@ class ManagementClient:
                                f"last status: {json.dumps(last)[:1000] if last else 'none'}", last)
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
-    def assign(self, role: str, body: Dict[str, Any], wait: bool = True, timeout: float = 60.0,
-               interval: float = 5.0, result_retries: int = 3, result_wait: float = 5.0) -> Dict[str, Any]:
+    def assign(self, role: str, body: dict[str, Any], wait: bool = True, timeout: float = 60.0,
+               interval: float = 5.0, result_retries: int = 3, result_wait: float = 5.0) -> dict[str, Any]:
         """Post the role, then (``wait``) wait until ready; returns the last status (or ``{}``)."""
         self.post_role(role, body, result_retries, result_wait)
         return self.wait_ready(role, timeout, interval) if wait else {}
@@ -200,11 +201,11 @@ class NodeSpec:
 
     id: int
     server_ip: str
-    device_ids: List[int] = field(default_factory=lambda: [0])
-    device_ips: Optional[List[str]] = None  # default: server_ip for every device
+    device_ids: list[int] = field(default_factory=lambda: [0])
+    device_ips: list[str] | None = None  # default: server_ip for every device
 
     @classmethod
-    def parse(cls, text: str) -> "NodeSpec":
+    def parse(cls, text: str) -> NodeSpec:
         """``ID@IP`` or ``ID@IP:DEV[,DEV...]`` (``DEV``: device ids, default ``0``); an IPv6 address
         goes in brackets: ``3@[::1]:0,1``."""
         ident, sep, rest = text.partition("@")
@@ -221,20 +222,20 @@ class NodeSpec:
             raise ValueError(f"device ids must be integers in {text!r}") from None
         return cls(int(ident), ip, device_ids)
 
-    def to_json(self, local: bool) -> Dict[str, Any]:
+    def to_json(self, local: bool) -> dict[str, Any]:
         ips = self.device_ips or [self.server_ip] * len(self.device_ids)
         devices = [{"device_id": str(d), "device_ip": ips[i], "device_logical_id": str(i), "rank_id": str(i)}
                    for i, d in enumerate(self.device_ids)]
-        out: Dict[str, Any] = {"server_ip": self.server_ip, "id": self.id, "host_ip": self.server_ip,
+        out: dict[str, Any] = {"server_ip": self.server_ip, "id": self.id, "host_ip": self.server_ip,
                                "device": devices}
         if local:
             out.update(instance_idx_in_pod=0, num_instances_per_pod=1, is_single_container=True)
         return out
 
 
-def role_body(local: NodeSpec, peers: Sequence[NodeSpec], p_percentage: Optional[int] = None) -> Dict[str, Any]:
+def role_body(local: NodeSpec, peers: Sequence[NodeSpec], p_percentage: int | None = None) -> dict[str, Any]:
     """The body MindIE's controller would send for ``local`` with ``peers``."""
-    body: Dict[str, Any] = {"local": local.to_json(True), "peers": [p.to_json(False) for p in peers]}
+    body: dict[str, Any] = {"local": local.to_json(True), "peers": [p.to_json(False) for p in peers]}
     if p_percentage is not None:
         body["local"]["p_percentage"] = p_percentage
     return body

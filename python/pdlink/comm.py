@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
 from .llm_types import RegisterMemStatus
@@ -47,7 +47,7 @@ def port_base() -> int:
     return int(raw)
 
 
-def parse_rank_table(rank_table: str) -> Dict[int, Tuple[str, int]]:
+def parse_rank_table(rank_table: str) -> dict[int, tuple[str, int]]:
     """rank id -> (device_ip, device_id) from an HCCL rank table, version "1.0" or "1.2".
 
     Checks: valid JSON object; version; status "completed" when present; server_count equal
@@ -64,13 +64,14 @@ def parse_rank_table(rank_table: str) -> Dict[int, Tuple[str, int]]:
     version = table.get("version")
     raise_if_false(version in ("1.0", "1.2"), f"rank_table version must be '1.0' or '1.2', got {version!r}")
     if "status" in table:
-        raise_if_false(table["status"] == "completed", f"rank_table status must be 'completed', got {table['status']!r}")
+        raise_if_false(table["status"] == "completed",
+                       f"rank_table status must be 'completed', got {table['status']!r}")
     servers = table.get("server_list")
     raise_if_false(isinstance(servers, list) and servers, "rank_table needs a non-empty server_list")
     if "server_count" in table:
         raise_if_false(str(table["server_count"]) == str(len(servers)),
                        f"rank_table server_count {table['server_count']!r} != {len(servers)} servers")
-    ranks: Dict[int, Tuple[str, int]] = {}
+    ranks: dict[int, tuple[str, int]] = {}
     server_ids = set()
     for server in servers:
         raise_if_false(isinstance(server, dict) and isinstance(server.get("device"), list),
@@ -101,15 +102,15 @@ def parse_rank_table(rank_table: str) -> Dict[int, Tuple[str, int]]:
 
 
 class _Comm:
-    def __init__(self, comm_id: int, name: str, peers: Dict[int, Tuple[str, int]], dial: List[int], deadline: float):
+    def __init__(self, comm_id: int, name: str, peers: dict[int, tuple[str, int]], dial: list[int], deadline: float):
         self.comm_id = comm_id
         self.name = name
         self.peers = peers            # peer cluster id -> endpoint (ip, port)
         self.dial = dial              # peers this member dials (lower ranks)
         self.deadline = deadline
-        self.failed: Optional[str] = None
+        self.failed: str | None = None
         self.cancelled = threading.Event()
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
 
 
 class CommManager:
@@ -119,11 +120,11 @@ class CommManager:
         self._engine = engine
         self._cluster_id = cluster_id
         self._link_total_s = link_total_s
-        self._comms: Dict[int, _Comm] = {}
+        self._comms: dict[int, _Comm] = {}
         self._next_id = 1
         self._lock = threading.Lock()
 
-    def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         check_isinstance("comm_name", comm_name, str, allow_none=False)
         raise_if_false(0 < len(comm_name) < _MAX_COMM_NAME, f"comm_name must have 1..{_MAX_COMM_NAME - 1} characters")
         check_dict("cluster_rank_info", cluster_rank_info, int, int)
@@ -190,7 +191,7 @@ class CommManager:
         comm = self._get(comm_id)
         if comm.failed:
             return RegisterMemStatus.FAILED
-        up = {l["peer_cluster_id"] for l in self._engine.links() if not l["broken"]}
+        up = {link["peer_cluster_id"] for link in self._engine.links() if not link["broken"]}
         if all(cid in up for cid in comm.peers):
             return RegisterMemStatus.OK
         if time.monotonic() > comm.deadline:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-from typing import Dict, List, Optional, Tuple, Union
 
 from ._enum import NamedIntEnum
 from ._utils import (
@@ -52,7 +51,7 @@ _ROLE_OPTION_VALUES = {
 }
 
 
-def role_to_option(role: Union[LLMRole, int]) -> str:
+def role_to_option(role: LLMRole | int) -> str:
     """Value of option ``llm.Role`` for ``role``: ``"Prompt"``, ``"Decoder"`` or ``"Mix"``.
 
     Accepts an ``LLMRole`` or its int value. ``TypeError`` for other types,
@@ -63,7 +62,7 @@ def role_to_option(role: Union[LLMRole, int]) -> str:
     return _ROLE_OPTION_VALUES[LLMRole(role)]
 
 
-def ip_to_int(ip: Union[str, int]) -> int:
+def ip_to_int(ip: str | int) -> int:
     """Convert a dotted IPv4 string to the int the engine expects; ints pass through.
 
     The conversion is ``int.from_bytes(socket.inet_aton(ip), "little")``, so
@@ -87,13 +86,13 @@ class LLMClusterInfo:
     """
 
     def __init__(self) -> None:
-        self._remote_cluster_id: Optional[int] = None
-        self._remote_role_type: Optional[Union[LLMRole, int]] = None
-        self._local_ip_info_list: List[Tuple[int, int]] = []
-        self._remote_ip_info_list: List[Tuple[int, int]] = []
+        self._remote_cluster_id: int | None = None
+        self._remote_role_type: LLMRole | int | None = None
+        self._local_ip_info_list: list[tuple[int, int]] = []
+        self._remote_ip_info_list: list[tuple[int, int]] = []
 
     @property
-    def remote_cluster_id(self) -> Optional[int]:
+    def remote_cluster_id(self) -> int | None:
         """Remote cluster id (uint64); ``None`` until set."""
         return self._remote_cluster_id
 
@@ -103,27 +102,27 @@ class LLMClusterInfo:
         self._remote_cluster_id = remote_cluster_id
 
     @property
-    def remote_role_type(self) -> Optional[Union[LLMRole, int]]:
+    def remote_role_type(self) -> LLMRole | int | None:
         """Remote role (``LLMRole`` or int); ``None`` until set. Not sent to the engine."""
         return self._remote_role_type
 
     @remote_role_type.setter
-    def remote_role_type(self, remote_role_type: Union[LLMRole, int]) -> None:
+    def remote_role_type(self, remote_role_type: LLMRole | int) -> None:
         check_isinstance("remote_role_type", remote_role_type, [LLMRole, int])
         self._remote_role_type = remote_role_type
 
     @property
-    def local_ip_info_list(self) -> List[Tuple[int, int]]:
+    def local_ip_info_list(self) -> list[tuple[int, int]]:
         """List of ``(ip_int, port)`` tuples added by ``append_local_ip_info``."""
         return self._local_ip_info_list
 
     @property
-    def remote_ip_info_list(self) -> List[Tuple[int, int]]:
+    def remote_ip_info_list(self) -> list[tuple[int, int]]:
         """List of ``(ip_int, port)`` tuples added by ``append_remote_ip_info``."""
         return self._remote_ip_info_list
 
     @staticmethod
-    def _checked_ip_port(ip: Union[str, int], port: int) -> Tuple[int, int]:
+    def _checked_ip_port(ip: str | int, port: int) -> tuple[int, int]:
         check_isinstance("ip", ip, [str, int], allow_none=False)
         check_uint16("port", port)
         ip_int = ip_to_int(ip)
@@ -131,11 +130,11 @@ class LLMClusterInfo:
         check_uint32("ip", ip_int)
         return ip_int, port
 
-    def append_local_ip_info(self, ip: Union[str, int], port: int) -> None:
+    def append_local_ip_info(self, ip: str | int, port: int) -> None:
         """Append a local ``(ip, port)``; ``ip`` is a dotted IPv4 str or an int, ``port`` a uint16."""
         self._local_ip_info_list.append(self._checked_ip_port(ip, port))
 
-    def append_remote_ip_info(self, ip: Union[str, int], port: int) -> None:
+    def append_remote_ip_info(self, ip: str | int, port: int) -> None:
         """Append a remote ``(ip, port)``; ``ip`` is a dotted IPv4 str or an int, ``port`` a uint16."""
         self._remote_ip_info_list.append(self._checked_ip_port(ip, port))
 
@@ -160,32 +159,32 @@ class LlmConfig:
     """
 
     def __init__(self) -> None:
-        self._options: Dict[str, str] = {}
-        self._device_id: Optional[Union[int, List[int], Tuple[int, ...]]] = None
-        self._sync_kv_timeout: Optional[Union[int, str]] = None
+        self._options: dict[str, str] = {}
+        self._device_id: int | list[int] | tuple[int, ...] | None = None
+        self._sync_kv_timeout: int | str | None = None
         self._listen_ip_info: str = ""
         self._deploy_res_path: str = ""
-        self._ge_options: Dict[str, str] = {}
+        self._ge_options: dict[str, str] = {}
         self._enable_switch_role: bool = False
-        self._link_total_time: Optional[int] = None
-        self._link_retry_count: Optional[int] = None
+        self._link_total_time: int | None = None
+        self._link_retry_count: int | None = None
         self._cluster_info: str = ""
-        self._output_max_size: Optional[int] = None
+        self._output_max_size: int | None = None
         self._mem_utilization: float = 0.95
         self._buf_pool_cfg: str = ""
         self._mem_pool_cfg: str = ""
         self._host_mem_pool_cfg: str = ""
-        self._enable_cache_manager: Optional[bool] = None
-        self._enable_remote_cache_accessible: Optional[bool] = None
-        self._rdma_traffic_class: Optional[int] = None
-        self._rdma_service_level: Optional[int] = None
-        self._local_comm_res: Optional[str] = None
-        self._transfer_backend: Optional[str] = None
-        self._global_resource_config: Optional[str] = None
+        self._enable_cache_manager: bool | None = None
+        self._enable_remote_cache_accessible: bool | None = None
+        self._rdma_traffic_class: int | None = None
+        self._rdma_service_level: int | None = None
+        self._local_comm_res: str | None = None
+        self._transfer_backend: str | None = None
+        self._global_resource_config: str | None = None
 
     # ------------------------------------------------------------------ options
 
-    def generate_options(self) -> Dict[str, str]:
+    def generate_options(self) -> dict[str, str]:
         """Build and return the option dict (the same object as ``options``).
 
         Emission order: ge_options; device ids; SyncKvCacheWaitTime; deployResPath;
@@ -196,7 +195,7 @@ class LlmConfig:
         """
         return self.gen_options()
 
-    def gen_options(self) -> Dict[str, str]:
+    def gen_options(self) -> dict[str, str]:
         """Same as ``generate_options()``."""
         opts = self._options
         if self._ge_options:
@@ -218,7 +217,7 @@ class LlmConfig:
             opts["llm.MemoryUtilization"] = str(self._mem_utilization)
         return opts
 
-    def _add_device_options(self, opts: Dict[str, str]) -> None:
+    def _add_device_options(self, opts: dict[str, str]) -> None:
         dev = self._device_id
         if dev is None:
             return
@@ -231,7 +230,7 @@ class LlmConfig:
             opts["ge.session_device_id"] = str(dev[0])
             opts["ge.exec.deviceId"] = ";".join(str(d) for d in dev)
 
-    def _add_memory_options(self, opts: Dict[str, str]) -> None:
+    def _add_memory_options(self, opts: dict[str, str]) -> None:
         if self._buf_pool_cfg:
             opts["llm.BufPoolCfg"] = str(self._buf_pool_cfg)
         if self._mem_pool_cfg:
@@ -243,7 +242,7 @@ class LlmConfig:
         if self._enable_remote_cache_accessible is not None:
             opts["llm.EnableRemoteCacheAccessible"] = "1" if self._enable_remote_cache_accessible else "0"
 
-    def _add_connect_options(self, opts: Dict[str, str]) -> None:
+    def _add_connect_options(self, opts: dict[str, str]) -> None:
         if self._listen_ip_info:
             opts["llm.listenIpInfo"] = str(self._listen_ip_info)
         if self._link_total_time is not None:
@@ -263,19 +262,19 @@ class LlmConfig:
             opts["llm.GlobalResourceConfig"] = str(self._global_resource_config)
 
     @property
-    def options(self) -> Dict[str, str]:
+    def options(self) -> dict[str, str]:
         """The option dict filled by ``generate_options()`` (read-only property)."""
         return self._options
 
     # ------------------------------------------------------------------ device / timeouts
 
     @property
-    def device_id(self) -> Optional[Union[int, List[int], Tuple[int, ...]]]:
+    def device_id(self) -> int | list[int] | tuple[int, ...] | None:
         """Device id: an int >= 0 (int32) or a list/tuple of such ints; ``None`` if unset."""
         return self._device_id
 
     @device_id.setter
-    def device_id(self, device_id: Union[int, List[int], Tuple[int, ...], None]) -> None:
+    def device_id(self, device_id: int | list[int] | tuple[int, ...] | None) -> None:
         check_isinstance("device_id", device_id, [list, tuple, int])
         if isinstance(device_id, (list, tuple)):
             check_list_of("device_id", device_id, int)
@@ -290,12 +289,12 @@ class LlmConfig:
         self._device_id = device_id
 
     @property
-    def sync_kv_timeout(self) -> Optional[Union[int, str]]:
+    def sync_kv_timeout(self) -> int | str | None:
         """Pull/push timeout in ms: an int or digit str, > 0 and int32; ``None`` if unset."""
         return self._sync_kv_timeout
 
     @sync_kv_timeout.setter
-    def sync_kv_timeout(self, sync_kv_timeout: Union[int, str, None]) -> None:
+    def sync_kv_timeout(self, sync_kv_timeout: int | str | None) -> None:
         check_isinstance("sync_kv_timeout", sync_kv_timeout, [int, str])
         if sync_kv_timeout is not None:
             if isinstance(sync_kv_timeout, str):
@@ -314,7 +313,7 @@ class LlmConfig:
         return 0 if self._link_total_time is None else self._link_total_time
 
     @link_total_time.setter
-    def link_total_time(self, link_total_time: Optional[int]) -> None:
+    def link_total_time(self, link_total_time: int | None) -> None:
         check_isinstance("link_total_time", link_total_time, int)
         if link_total_time is not None:
             raise_if_false(
@@ -329,7 +328,7 @@ class LlmConfig:
         return 1 if self._link_retry_count is None else self._link_retry_count
 
     @link_retry_count.setter
-    def link_retry_count(self, link_retry_count: Optional[int]) -> None:
+    def link_retry_count(self, link_retry_count: int | None) -> None:
         check_isinstance("link_retry_count", link_retry_count, int)
         if link_retry_count is not None:
             raise_if_false(
@@ -346,7 +345,7 @@ class LlmConfig:
         return self._listen_ip_info
 
     @listen_ip_info.setter
-    def listen_ip_info(self, listen_ip_info: Optional[str]) -> None:
+    def listen_ip_info(self, listen_ip_info: str | None) -> None:
         check_isinstance("listen_ip_info", listen_ip_info, str)
         self._listen_ip_info = "" if listen_ip_info is None else listen_ip_info
 
@@ -356,7 +355,7 @@ class LlmConfig:
         return self._deploy_res_path
 
     @deploy_res_path.setter
-    def deploy_res_path(self, deploy_res_path: Optional[str]) -> None:
+    def deploy_res_path(self, deploy_res_path: str | None) -> None:
         check_isinstance("deploy_res_path", deploy_res_path, str)
         self._deploy_res_path = "" if deploy_res_path is None else deploy_res_path
 
@@ -366,7 +365,7 @@ class LlmConfig:
         return self._buf_pool_cfg
 
     @buf_pool_cfg.setter
-    def buf_pool_cfg(self, buf_pool_cfg: Optional[str]) -> None:
+    def buf_pool_cfg(self, buf_pool_cfg: str | None) -> None:
         check_isinstance("buf_pool_cfg", buf_pool_cfg, str)
         self._buf_pool_cfg = "" if buf_pool_cfg is None else buf_pool_cfg
 
@@ -376,7 +375,7 @@ class LlmConfig:
         return self._mem_pool_cfg
 
     @mem_pool_cfg.setter
-    def mem_pool_cfg(self, mem_pool_cfg: Optional[str]) -> None:
+    def mem_pool_cfg(self, mem_pool_cfg: str | None) -> None:
         check_isinstance("mem_pool_cfg", mem_pool_cfg, str)
         self._mem_pool_cfg = "" if mem_pool_cfg is None else mem_pool_cfg
 
@@ -386,7 +385,7 @@ class LlmConfig:
         return self._host_mem_pool_cfg
 
     @host_mem_pool_cfg.setter
-    def host_mem_pool_cfg(self, host_mem_pool_cfg: Optional[str]) -> None:
+    def host_mem_pool_cfg(self, host_mem_pool_cfg: str | None) -> None:
         check_isinstance("host_mem_pool_cfg", host_mem_pool_cfg, str)
         self._host_mem_pool_cfg = "" if host_mem_pool_cfg is None else host_mem_pool_cfg
 
@@ -396,7 +395,7 @@ class LlmConfig:
         return self._cluster_info
 
     @cluster_info.setter
-    def cluster_info(self, cluster_info: Optional[str]) -> None:
+    def cluster_info(self, cluster_info: str | None) -> None:
         check_isinstance("cluster_info", cluster_info, str)
         if cluster_info is None:
             self._cluster_info = ""
@@ -421,7 +420,7 @@ class LlmConfig:
         return "" if self._local_comm_res is None else self._local_comm_res
 
     @local_comm_res.setter
-    def local_comm_res(self, local_comm_res: Optional[str]) -> None:
+    def local_comm_res(self, local_comm_res: str | None) -> None:
         check_isinstance("local_comm_res", local_comm_res, str)
         self._local_comm_res = local_comm_res
 
@@ -431,7 +430,7 @@ class LlmConfig:
         return "" if self._transfer_backend is None else self._transfer_backend
 
     @transfer_backend.setter
-    def transfer_backend(self, transfer_backend: Optional[str]) -> None:
+    def transfer_backend(self, transfer_backend: str | None) -> None:
         check_isinstance("transfer_backend", transfer_backend, str)
         self._transfer_backend = transfer_backend
 
@@ -441,19 +440,19 @@ class LlmConfig:
         return "" if self._global_resource_config is None else self._global_resource_config
 
     @global_resource_config.setter
-    def global_resource_config(self, global_resource_config: Optional[str]) -> None:
+    def global_resource_config(self, global_resource_config: str | None) -> None:
         check_isinstance("global_resource_config", global_resource_config, str)
         self._global_resource_config = global_resource_config
 
     # ------------------------------------------------------------------ other
 
     @property
-    def ge_options(self) -> Dict[str, str]:
+    def ge_options(self) -> dict[str, str]:
         """Extra options copied verbatim first into the option dict; ``{}`` if unset."""
         return self._ge_options
 
     @ge_options.setter
-    def ge_options(self, ge_options: Optional[Dict[str, str]]) -> None:
+    def ge_options(self, ge_options: dict[str, str] | None) -> None:
         check_dict("ge_options", ge_options, str, str, allow_none=True)
         self._ge_options = {} if ge_options is None else ge_options
 
@@ -463,7 +462,7 @@ class LlmConfig:
         return self._enable_switch_role
 
     @enable_switch_role.setter
-    def enable_switch_role(self, enable_switch_role: Optional[bool]) -> None:
+    def enable_switch_role(self, enable_switch_role: bool | None) -> None:
         check_isinstance("enable_switch_role", enable_switch_role, bool)
         self._enable_switch_role = bool(enable_switch_role)
 
@@ -473,7 +472,7 @@ class LlmConfig:
         return False if self._enable_cache_manager is None else self._enable_cache_manager
 
     @enable_cache_manager.setter
-    def enable_cache_manager(self, enable_cache_manager: Optional[bool]) -> None:
+    def enable_cache_manager(self, enable_cache_manager: bool | None) -> None:
         check_isinstance("enable_cache_manager", enable_cache_manager, bool)
         self._enable_cache_manager = enable_cache_manager
 
@@ -483,17 +482,17 @@ class LlmConfig:
         return False if self._enable_remote_cache_accessible is None else self._enable_remote_cache_accessible
 
     @enable_remote_cache_accessible.setter
-    def enable_remote_cache_accessible(self, enable_remote_cache_accessible: Optional[bool]) -> None:
+    def enable_remote_cache_accessible(self, enable_remote_cache_accessible: bool | None) -> None:
         check_isinstance("enable_remote_cache_accessible", enable_remote_cache_accessible, bool)
         self._enable_remote_cache_accessible = enable_remote_cache_accessible
 
     @property
-    def output_max_size(self) -> Optional[int]:
+    def output_max_size(self) -> int | None:
         """Legacy output max size (int); ``None`` if unset."""
         return self._output_max_size
 
     @output_max_size.setter
-    def output_max_size(self, output_max_size: Optional[int]) -> None:
+    def output_max_size(self, output_max_size: int | None) -> None:
         check_isinstance("output_max_size", output_max_size, int)
         self._output_max_size = output_max_size
 
@@ -513,23 +512,23 @@ class LlmConfig:
         self._mem_utilization = mem_utilization
 
     @property
-    def rdma_traffic_class(self) -> Optional[int]:
+    def rdma_traffic_class(self) -> int | None:
         """RDMA traffic class (uint32; docs: [0, 255], multiple of 4); ``None`` if unset."""
         return self._rdma_traffic_class
 
     @rdma_traffic_class.setter
-    def rdma_traffic_class(self, rdma_traffic_class: Optional[int]) -> None:
+    def rdma_traffic_class(self, rdma_traffic_class: int | None) -> None:
         if rdma_traffic_class is not None:
             check_uint32("rdma_traffic_class", rdma_traffic_class)
         self._rdma_traffic_class = rdma_traffic_class
 
     @property
-    def rdma_service_level(self) -> Optional[int]:
+    def rdma_service_level(self) -> int | None:
         """RDMA service level (uint32; docs: [0, 7]); ``None`` if unset."""
         return self._rdma_service_level
 
     @rdma_service_level.setter
-    def rdma_service_level(self, rdma_service_level: Optional[int]) -> None:
+    def rdma_service_level(self, rdma_service_level: int | None) -> None:
         if rdma_service_level is not None:
             check_uint32("rdma_service_level", rdma_service_level)
         self._rdma_service_level = rdma_service_level

@@ -9,7 +9,7 @@ As in the reference package, ``DT_BF16`` maps to ``np.float16`` in ``dtype_to_np
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Dict
+from typing import Any
 
 from .status import LLMException, LLMStatusCode
 
@@ -38,7 +38,7 @@ class DataType(Enum):
 
 
 # [INF] Bytes per element for a CPU implementation (spec 2.3). DT_STRING has no fixed size.
-_ITEMSIZE: Dict[DataType, int] = {
+_ITEMSIZE: dict[DataType, int] = {
     DataType.DT_FLOAT: 4,
     DataType.DT_FLOAT16: 2,
     DataType.DT_INT8: 1,

@@ -18,7 +18,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 PROMPT_ID, DECODER_ID = 1, 2
 
@@ -27,14 +27,23 @@ def _pattern(np: Any, shape: tuple, tensor: int, seed: int):
     n = 1
     for d in shape:
         n *= d
-    return ((np.arange(n, dtype=np.uint32) * 2654435761 + tensor * 97 + seed * 7919) >> 7).astype(np.uint8).reshape(shape)
+    mixed = (np.arange(n, dtype=np.uint32) * 2654435761 + tensor * 97 + seed * 7919) >> 7
+    return mixed.astype(np.uint8).reshape(shape)
 
 
-def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results: Any) -> None:
+def _worker(name: str, role_first: int, conn: Any, args: dict[str, Any], results: Any) -> None:
     import numpy as np
 
-    from llm_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole,
-                              LLMStatusCode)
+    from llm_datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        LLMStatusCode,
+    )
     from pdlink.device import DeviceMemory
 
     num_tensors, num_blocks, block_bytes = args["num_tensors"], args["num_blocks"], args["block_bytes"]
@@ -62,7 +71,7 @@ def _worker(name: str, role_first: int, conn: Any, args: Dict[str, Any], results
     desc = CacheDesc(num_tensors, list(shape), DataType.DT_UINT8)
     cache = cm.register_blocks_cache(desc, [m.addr for m in kv], BlocksCacheKey(me, 0))
 
-    def pull_and_verify(seed: int, peer_port: int) -> Dict[str, Any]:
+    def pull_and_verify(seed: int, peer_port: int) -> dict[str, Any]:
         info = LLMClusterInfo()
         info.remote_cluster_id = other
         info.append_local_ip_info("127.0.0.1", 0)
@@ -158,7 +167,7 @@ def run(size_mib: int = 64, block_kib: int = 256, num_tensors: int = 8, repeat: 
              ctx.Process(target=_worker, args=("decode", 2, b, args, results), name="pdlink-decode")]
     for p in procs:
         p.start()
-    got: List[tuple] = []
+    got: list[tuple] = []
     deadline = time.monotonic() + 300
     while sum(1 for k, _ in got if k in ("ok", "error")) < 2 and time.monotonic() < deadline:
         try:

@@ -21,7 +21,7 @@ The backend is chosen as ``LLMDataDist.init`` chooses it: ``backend`` argument, 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +30,7 @@ __all__ = ["DeviceMemory", "backend_info", "open_backend"]
 _HOST, _DEVICE = 0, 1
 
 
-def open_backend(backend: Optional[str] = None, device_id: int = 0) -> Any:
+def open_backend(backend: str | None = None, device_id: int = 0) -> Any:
     """The process-wide native backend (``pdlink._core.Backend``) of that name and device.
 
     Raises ``LLMException(LLM_FEATURE_NOT_ENABLED)`` naming the reason when it cannot be used
@@ -41,7 +41,7 @@ def open_backend(backend: Optional[str] = None, device_id: int = 0) -> Any:
     return _core.open_backend(backend or os.environ.get("PDLINK_BACKEND") or "auto", device_id)
 
 
-def backend_info(backend: Optional[str] = None, device_id: int = 0) -> Dict[str, Any]:
+def backend_info(backend: str | None = None, device_id: int = 0) -> dict[str, Any]:
     """What the backend of that name would be here, without raising.
 
     Keys: ``name`` (the backend picked, or None when unusable), ``error`` (why not), ``device_id``,
@@ -52,7 +52,7 @@ def backend_info(backend: Optional[str] = None, device_id: int = 0) -> Dict[str,
     from . import _core
     from .status import LLMException
 
-    info: Dict[str, Any] = {"name": None, "error": "", "device_id": device_id}
+    info: dict[str, Any] = {"name": None, "error": "", "device_id": device_id}
     try:
         b = open_backend(backend, device_id)
     except LLMException as e:
@@ -72,7 +72,7 @@ class DeviceMemory:
     through the backend (blocking copies).
     """
 
-    def __init__(self, nbytes: int, device_id: int = 0, backend: Optional[str] = None, placement: int = _DEVICE):
+    def __init__(self, nbytes: int, device_id: int = 0, backend: str | None = None, placement: int = _DEVICE):
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         self._backend = open_backend(backend, device_id)
@@ -84,14 +84,14 @@ class DeviceMemory:
     def backend(self) -> str:
         return self._backend.name
 
-    def write(self, data: Union[bytes, bytearray, memoryview, np.ndarray], offset: int = 0) -> None:
+    def write(self, data: bytes | bytearray | memoryview | np.ndarray, offset: int = 0) -> None:
         """Copies ``data`` (its raw bytes) to ``addr + offset``."""
         src = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray)
                                    else data).view(np.uint8).reshape(-1)
         self._check(offset, src.nbytes)
         self._backend.copy(self.addr + offset, self._placement, src.ctypes.data, _HOST, src.nbytes)
 
-    def read(self, nbytes: Optional[int] = None, offset: int = 0) -> np.ndarray:
+    def read(self, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
         """A host copy of ``nbytes`` (default: the rest) from ``addr + offset``, as uint8."""
         n = self.nbytes - offset if nbytes is None else nbytes
         self._check(offset, n)
@@ -117,7 +117,7 @@ class DeviceMemory:
         except Exception:  # noqa: BLE001 - interpreter shutdown; the process releases it anyway
             pass
 
-    def __enter__(self) -> "DeviceMemory":
+    def __enter__(self) -> DeviceMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:

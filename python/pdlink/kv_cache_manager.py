@@ -23,7 +23,8 @@ import ctypes
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ._utils import (
     check_dict,
@@ -62,13 +63,13 @@ _OFFSET_KWARGS = ("src_cache_offset", "dst_cache_offset")
 _ID_PAD = ctypes.c_uint8(0)
 
 
-def fan_out(count: int, fn: Callable[[int], _T]) -> List[_T]:
+def fan_out(count: int, fn: Callable[[int], _T]) -> list[_T]:
     """Run ``fn(i)`` for every device index ``i`` (in parallel when there are several) and
     return the results in order; re-raises the first device's exception after all finished."""
     if count == 1:
         return [fn(0)]
-    results: List[Any] = [None] * count
-    errors: List[Optional[BaseException]] = [None] * count
+    results: list[Any] = [None] * count
+    errors: list[BaseException | None] = [None] * count
 
     def run(i: int) -> None:
         try:
@@ -114,12 +115,12 @@ class KvCacheManager:
 
     def __init__(self, owner: Any, managers: Sequence[CacheManager], role: LLMRole) -> None:
         self._owner = owner
-        self._cms: List[CacheManager] = list(managers)
+        self._cms: list[CacheManager] = list(managers)
         self._role = role
         self._initialized = True
         self._lock = threading.RLock()
         # public cache id -> (handle token, one internal Cache per device)
-        self._live: Dict[int, Tuple[object, List[Cache]]] = {}
+        self._live: dict[int, tuple[object, list[Cache]]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -152,7 +153,7 @@ class KvCacheManager:
                        f"{op} is not supported by {self._role}: it requires {role} (KvCacheManager mode)")
 
     def _entry(self, op: str, name: str, cache: KvCache,
-               missing: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> List[Cache]:
+               missing: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> list[Cache]:
         """The per-device internal caches of a live handle allocated by this manager."""
         entry = self._live.get(cache.cache_id)
         if (cache._manager is not self or entry is None or entry[0] is not cache._token
@@ -166,9 +167,9 @@ class KvCacheManager:
     # ------------------------------------------------------------------ allocation
 
     def _allocate(self, op: str, desc: CacheDesc, keys: Sequence[CacheKey],
-                  blocks_key: Optional[BlocksCacheKey], is_blocks: bool) -> KvCache:
+                  blocks_key: BlocksCacheKey | None, is_blocks: bool) -> KvCache:
         layout = _snapshot(desc)
-        made: List[Cache] = []
+        made: list[Cache] = []
         try:
             for cm in self._cms:
                 if is_blocks:
@@ -187,7 +188,7 @@ class KvCacheManager:
         logger.info("%s success, cache_id = %d", op, kv.cache_id)
         return kv
 
-    def _rollback(self, made: List[Cache], keys: Sequence[CacheKey]) -> None:
+    def _rollback(self, made: list[Cache], keys: Sequence[CacheKey]) -> None:
         """Undo a multi-device allocation that failed on device ``len(made)``."""
         for i, cache in enumerate(made):
             try:
@@ -237,7 +238,7 @@ class KvCacheManager:
                           "publishing keys requires LLMRole.PROMPT")
         return self._allocate("[allocate_cache]", cache_desc, cache_keys, None, False)
 
-    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: Optional[BlocksCacheKey] = None
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
                               ) -> KvCache:
         """Allocate a blocks (paged) cache from the device pool; a key publishes it under its
         ``model_id`` (not allowed for a DECODER)."""
@@ -265,7 +266,7 @@ class KvCacheManager:
         self._release(caches)
         logger.info("[deallocate_cache] success, cache_id = %d", cache.cache_id)
 
-    def _release(self, caches: List[Cache]) -> None:
+    def _release(self, caches: list[Cache]) -> None:
         # Sequential on purpose: freeing is a quick local operation, and this also runs from
         # KvCache.__del__, where starting threads is not safe (e.g. during interpreter exit).
         errors = []
@@ -301,7 +302,7 @@ class KvCacheManager:
 
     # ------------------------------------------------------------------ pull
 
-    def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], kv_cache: KvCache, batch_index: int = 0,
+    def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache, batch_index: int = 0,
                    size: int = -1, **kwargs: Any) -> None:
         """Copy a remote batch slot into slot ``batch_index`` of ``kv_cache`` (DECODER only).
 
@@ -349,8 +350,8 @@ class KvCacheManager:
             "pull_cache", False, cache_key, caches[i], _MODE_EXPLICIT, local_runs=local_runs,
             remote_runs=remote_runs, local_tensors=dst_t, remote_tensors=src_t))
 
-    def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache, prompt_blocks: List[int],
-                    decoder_blocks: List[int], **kwargs: Any) -> None:
+    def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache, prompt_blocks: list[int],
+                    decoder_blocks: list[int], **kwargs: Any) -> None:
         """Copy the prompt's blocks ``prompt_blocks[i]`` into local blocks ``decoder_blocks[i]``
         (DECODER only). Both lists must be ``list`` objects, non-empty and of equal length.
         kwargs: ``src_layer_range``, ``dst_layer_range``, ``tensor_num_per_layer``."""
@@ -372,7 +373,7 @@ class KvCacheManager:
     # ------------------------------------------------------------------ local copies
 
     def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0, src_batch_index: int = 0,
-                   offset: int = 0, size: int = -1, req_id: Optional[int] = None) -> None:
+                   offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
         """Copy one batch slot (from byte ``offset``, ``size`` bytes or the rest) between two
         contiguous caches of this manager, on every device."""
         self._check_live()
@@ -391,7 +392,7 @@ class KvCacheManager:
         for i, cm in enumerate(self._cms):
             cm.copy_cache(d[i], s[i], dst_batch_index, src_batch_index, offset, size, req_id)
 
-    def copy_blocks(self, cache: KvCache, copy_block_info: Dict[int, List[int]]) -> None:
+    def copy_blocks(self, cache: KvCache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``, on every device."""
         self._check_live()
         check_isinstance("cache", cache, KvCache, allow_none=False)
@@ -405,7 +406,7 @@ class KvCacheManager:
         for i, cm in enumerate(self._cms):
             cm.copy_blocks(caches[i], copy_block_info)
 
-    def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: Dict[int, int]) -> None:
+    def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: dict[int, int]) -> None:
         """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST). The HOST side is a
         ``KvCache.create_cpu_cache`` handle with one address list per device; the DEVICE side
         must be a live cache of this manager."""
@@ -432,9 +433,9 @@ class KvCacheManager:
     # ------------------------------------------------------------------ tensors
 
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: Any, transfer_configs: Sequence[Any],
-                             src_block_indices: Optional[Sequence[int]] = None,
-                             dst_block_indices: Optional[Sequence[int]] = None,
-                             dst_block_memory_size: Optional[int] = None) -> Any:
+                             src_block_indices: Sequence[int] | None = None,
+                             dst_block_indices: Sequence[int] | None = None,
+                             dst_block_memory_size: int | None = None) -> Any:
         """Push ``src_cache`` layer by layer into raw remote addresses (``TransferConfig`` only).
 
         PROMPT only; single device only (``LLM_FEATURE_NOT_ENABLED`` in multi-device mode); the
@@ -454,7 +455,7 @@ class KvCacheManager:
                                     remote_cache_accessible=False,
                                     timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
 
-    def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> List[Any]:
+    def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Any]:
         """Deprecated: one ``Tensor`` per device viewing tensor ``tensor_index`` of ``cache``.
 
         The tensors view the cache memory (no copy) and keep the handle alive; they are valid

@@ -20,7 +20,8 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from ._utils import (
     check_dict,
@@ -77,7 +78,7 @@ def _int_ip_to_str(ip: int) -> str:
     return socket.inet_ntoa(int(ip).to_bytes(4, "little"))
 
 
-def _split_listen(value: str) -> Tuple[str, int]:
+def _split_listen(value: str) -> tuple[str, int]:
     """``"ip:port"`` -> (ip, port); LLMException(PARAM_INVALID) when malformed."""
     check_isinstance("llm.listenIpInfo", value, str, allow_none=False)
     ip, sep, port = value.rpartition(":")
@@ -91,7 +92,7 @@ def _split_listen(value: str) -> Tuple[str, int]:
     return ip, int(port)
 
 
-def _pool(options: Dict[str, str], key: str) -> Tuple[int, int]:
+def _pool(options: dict[str, str], key: str) -> tuple[int, int]:
     """(bytes, page_shift) from a ``{"memory_size": N, "page_shift": S}`` option; (0, 16) if absent."""
     raw = options.get(key)
     if raw is None or raw == "":
@@ -109,7 +110,7 @@ def _pool(options: Dict[str, str], key: str) -> Tuple[int, int]:
     return size, shift
 
 
-def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
+def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
     """Validate llm_datadist options and derive the native engine's settings (spec 4.2).
 
     Flags must be exactly "0" or "1"; ``llm.SyncKvCacheWaitTime`` a positive integer (ms).
@@ -160,7 +161,7 @@ def parse_engine_options(options: Dict[str, str]) -> Dict[str, Any]:
     }
 
 
-def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
+def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
     """Validate the options of KvCacheManager (v1) mode and derive one engine setting per device.
 
     * ``ge.exec.deviceId``: required; ``"0"`` or ``";"``-separated ids (multi-device mode);
@@ -182,7 +183,7 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
                    f"ge.exec.deviceId must be a device id or ';'-separated ids, got {raw_devices!r}")
     devices = [int(p) for p in parts]
     raise_if_false(len(set(devices)) == len(devices), f"ge.exec.deviceId repeats a device: {raw_devices!r}")
-    listens: List[Tuple[str, int]] = [("", 0)] * len(devices)
+    listens: list[tuple[str, int]] = [("", 0)] * len(devices)
     if role == LLMRole.PROMPT:
         listen = options.get("llm.listenIpInfo", "")
         raise_if_false(bool(listen), "a PROMPT in KvCacheManager mode requires llm.listenIpInfo "
@@ -213,11 +214,11 @@ def parse_v1_options(options: Dict[str, str], role: LLMRole) -> Dict[str, Any]:
     }
 
 
-def _combine_device_results(count: int, per_device: List[List[Tuple[Any, ...]]]) -> List[Tuple[Any, ...]]:
+def _combine_device_results(count: int, per_device: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
     """One (code, message) per cluster from each device's results: the first failure wins."""
     out = []
     for j in range(count):
-        picked: Tuple[Any, ...] = (int(LLMStatusCode.LLM_SUCCESS), "")
+        picked: tuple[Any, ...] = (int(LLMStatusCode.LLM_SUCCESS), "")
         for i, results in enumerate(per_device):
             res = results[j] if j < len(results) else (results[0] if results else (int(LLMStatusCode.LLM_FAILED),
                                                                                   "no result"))
@@ -237,7 +238,7 @@ class LLMDataDist:
     which must not run concurrently with anything else (as in llm_datadist).
     """
 
-    llm_engine_instance: Optional["LLMDataDist"] = None
+    llm_engine_instance: LLMDataDist | None = None
     _instance_lock = threading.Lock()
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
@@ -246,7 +247,7 @@ class LLMDataDist:
         self._role = role
         self._cluster_id = cluster_id
         self._engine: Any = None  # the (first) native engine
-        self._engines: List[Any] = []  # one per device; several only in v1 multi-device mode
+        self._engines: list[Any] = []  # one per device; several only in v1 multi-device mode
         self._cache_manager: Any = None  # CacheManager mode (v2)
         self._kv_cache_manager: Any = None  # KvCacheManager mode (v1)
         self._v1 = False
@@ -255,7 +256,7 @@ class LLMDataDist:
         self._is_initialized = False
         self._is_call_linked = False
         self._comm_manager: Any = None
-        self._options: Dict[str, str] = {}
+        self._options: dict[str, str] = {}
 
     # ------------------------------------------------------------------ properties
 
@@ -277,12 +278,12 @@ class LLMDataDist:
         return self._live_engine().listen_port
 
     @property
-    def listen_ports(self) -> List[int]:
+    def listen_ports(self) -> list[int]:
         """pdlink extension: the bound listen port of every device's engine (0: not listening)."""
         self._live_engine()
         return [e.listen_port for e in self._engines]
 
-    def links(self) -> List[Dict[str, Any]]:
+    def links(self) -> list[dict[str, Any]]:
         """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
         broken, broken_reason, transport); in v1 multi-device mode each also has
         ``device_index``."""
@@ -315,7 +316,7 @@ class LLMDataDist:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def init(self, options: Dict[str, str]) -> None:
+    def init(self, options: dict[str, str]) -> None:
         """Start the engine with ``LLMConfig.generate_options()`` output (spec 6.1)."""
         if self._is_initialized:
             return
@@ -331,7 +332,8 @@ class LLMDataDist:
             raise_if_false(options["llm.EnableCacheManager"] == "1", "llm.LocalCommRes requires CacheManager mode")
         if "llm.TransferBackend" in options:
             options.setdefault("llm.EnableRemoteCacheAccessible", "1")
-            raise_if_false(options.get("llm.EnableCacheManager") == "1", "llm.TransferBackend requires CacheManager mode")
+            raise_if_false(options.get("llm.EnableCacheManager") == "1",
+                           "llm.TransferBackend requires CacheManager mode")
             raise_if_false(options["llm.EnableRemoteCacheAccessible"] == "1",
                            "llm.TransferBackend requires llm.EnableRemoteCacheAccessible = 1")
             raise_if_false(bool(options.get("llm.listenIpInfo")), "llm.TransferBackend requires llm.listenIpInfo")
@@ -369,13 +371,13 @@ class LLMDataDist:
         logger.info("LLMDataDist cluster %d initialised as %s in %s mode (listen ports %s)", self._cluster_id,
                     self._role, "KvCacheManager" if v1 else "CacheManager", [e.listen_port for e in self._engines])
 
-    def _init_v1(self, core: Any, cfg: Dict[str, Any]) -> None:
+    def _init_v1(self, core: Any, cfg: dict[str, Any]) -> None:
         """KvCacheManager mode: one engine per device, all with this cluster id; a PROMPT's engine
         ``i`` listens on the ``i``-th ``llm.listenIpInfo`` entry. Called under the instance lock."""
         from .cache_manager import CacheManager
         from .kv_cache_manager import KvCacheManager
 
-        engines: List[Any] = []
+        engines: list[Any] = []
         try:
             for device, (ip, port) in zip(cfg["devices"], cfg["listens"]):
                 engine = core.Engine(core.open_backend(cfg["backend"], device))
@@ -441,8 +443,8 @@ class LLMDataDist:
                                f"cluster {c.remote_cluster_id} needs a local_ip_info (append_local_ip_info)")
 
     @staticmethod
-    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: List[Tuple[Any, ...]]
-                 ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: list[tuple[Any, ...]]
+                 ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         codes = []
         overall = LLMStatusCode.LLM_SUCCESS
         for cluster, (code, message, *_) in zip(clusters, results):
@@ -457,7 +459,7 @@ class LLMDataDist:
         return overall, codes
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
-                      ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+                      ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Connect to each cluster's listener; returns ``(overall, [per-cluster status])``.
 
         Links are symmetric once made: either side may then pull or push. Peers are linked in
@@ -480,7 +482,7 @@ class LLMDataDist:
         return self._results("link_clusters", clusters, engine.link(peers, timeout))
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
-                        ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+                        ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Tear links down. ``force=True`` drops only the local end (both sides must call it).
 
         KvCacheManager mode: either role may call it (a PROMPT cleans up after a dead DECODER);
@@ -492,7 +494,7 @@ class LLMDataDist:
         self._check_clusters(clusters, timeout, need_remote_ip=not force)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
-        by_address = {l["peer_address"]: l["peer_cluster_id"] for l in engine.links()}
+        by_address = {link["peer_address"]: link["peer_cluster_id"] for link in engine.links()}
         ids = []
         for c in clusters:
             if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
@@ -519,7 +521,7 @@ class LLMDataDist:
     def _mode_is_cache_manager(self) -> bool:
         return self._options.get("llm.EnableCacheManager") == "1"
 
-    def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Two-sided link of every member of ``cluster_rank_info`` (each member calls it with the
         same arguments). Returns a comm id at once; poll ``query_register_mem_status`` until OK.
         See pdlink.comm for how the rank table's addresses are used."""
@@ -551,7 +553,7 @@ class LLMDataDist:
                                f"got {len(c.remote_ip_info_list)}")
 
     def _link_clusters_v1(self, clusters: Sequence[LLMClusterInfo], timeout: int
-                          ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+                          ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         from .kv_cache_manager import fan_out
 
         self._check_clusters_v1(clusters, timeout, need_remote_ip=True)
@@ -562,7 +564,7 @@ class LLMDataDist:
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
 
-        def link(i: int) -> List[Tuple[Any, ...]]:
+        def link(i: int) -> list[tuple[Any, ...]]:
             peers = [(c.remote_cluster_id, _int_ip_to_str(c.remote_ip_info_list[i][0]), c.remote_ip_info_list[i][1])
                      for c in clusters]
             return self._engines[i].link(peers, timeout)
@@ -579,7 +581,7 @@ class LLMDataDist:
         return self._results("link_clusters", clusters, combined)
 
     def _unlink_clusters_v1(self, clusters: Sequence[LLMClusterInfo], timeout: int, force: bool
-                            ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+                            ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         from .kv_cache_manager import fan_out
 
         check_isinstance("force", force, bool, allow_none=False)
@@ -607,7 +609,7 @@ class LLMDataDist:
 
     # ------------------------------------------------------------------ roles
 
-    def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
+    def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
         """Change role; ``llm.listenIpInfo`` in ``switch_options`` starts or moves the listener,
         its absence stops it. Raises ``LLMException(LLM_EXIST_LINK)`` while links exist.
 
@@ -629,7 +631,7 @@ class LLMDataDist:
         self._role = role
 
 
-    def _switch_role_v1(self, role: LLMRole, switch_options: Optional[Dict[str, str]]) -> None:
+    def _switch_role_v1(self, role: LLMRole, switch_options: dict[str, str] | None) -> None:
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_dict("switch_options", switch_options, str, str, allow_none=True)
         raise_if_true(role == self._role, f"switch_role: the role is already {role}")

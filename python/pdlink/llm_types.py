@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 from ._enum import NamedIntEnum
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
-
 from ._utils import (
     INT64_MAX,
     INVALID_ID,
@@ -118,12 +118,12 @@ class CacheDesc:
     def __init__(
         self,
         num_tensors: int,
-        shape: Union[Tuple[int, ...], List[int]],
+        shape: tuple[int, ...] | list[int],
         data_type: DataType,
         placement: Placement = Placement.DEVICE,
         batch_dim_index: int = 0,
         seq_len_dim_index: int = -1,
-        kv_tensor_format: Optional[str] = None,
+        kv_tensor_format: str | None = None,
     ) -> None:
         check_uint32("num_tensors", num_tensors)
         check_list_of("shape", shape, int)
@@ -158,7 +158,7 @@ class CacheDesc:
         return self._num_tensors
 
     @property
-    def shape(self) -> Union[List[int], Tuple[int, ...]]:
+    def shape(self) -> list[int] | tuple[int, ...]:
         """Shape of every tensor (the object passed to the constructor)."""
         return self._shape
 
@@ -188,7 +188,7 @@ class CacheDesc:
         return self._seq_len_dim_index
 
     @property
-    def kv_tensor_format(self) -> Optional[str]:
+    def kv_tensor_format(self) -> str | None:
         """Optional tensor format string."""
         return self._kv_tensor_format
 
@@ -250,9 +250,9 @@ class CacheDesc:
 def _collect_key_params(
     key_class: str,
     args: tuple,
-    kwargs: Dict[str, Any],
+    kwargs: dict[str, Any],
     positional_names: Sequence[str],
-) -> Tuple[Dict[str, Any], str]:
+) -> tuple[dict[str, Any], str]:
     """Merge positional and keyword params of a key constructor.
 
     ``prompt_cluster_id`` is an alias of ``cluster_id``. Returns the merged params (keyed
@@ -266,7 +266,7 @@ def _collect_key_params(
     valid_keywords = ("prompt_cluster_id",) + tuple(positional_names)
     for k in kwargs:
         raise_if_false(k in valid_keywords, f"{key_class}: Unsupported param:{k}")
-    params: Dict[str, Any] = dict(zip(positional_names, args))
+    params: dict[str, Any] = dict(zip(positional_names, args))
     cluster_key_name = "cluster_id"
     if "cluster_id" not in params and "cluster_id" not in kwargs and "prompt_cluster_id" in kwargs:
         cluster_key_name = "prompt_cluster_id"
@@ -336,7 +336,7 @@ class CacheKey:
         """Prefix id (default ``2**64-1`` = none)."""
         return self._prefix_id
 
-    def _fields(self) -> Tuple[int, int, int, int]:
+    def _fields(self) -> tuple[int, int, int, int]:
         return (self._cluster_id, self._req_id, self._model_id, self._prefix_id)
 
     def __eq__(self, other: object) -> bool:
@@ -384,7 +384,7 @@ class CacheKeyByIdAndIndex:
         """Batch slot in the remote cache."""
         return self._batch_index
 
-    def _fields(self) -> Tuple[int, int, int]:
+    def _fields(self) -> tuple[int, int, int]:
         return (self._cluster_id, self._cache_id, self._batch_index)
 
     def __eq__(self, other: object) -> bool:
@@ -450,7 +450,7 @@ class BlocksCacheKey:
 # ---------------------------------------------------------------------------- handles
 
 
-def _as_addr_list(name: str, addrs: Any) -> List[int]:
+def _as_addr_list(name: str, addrs: Any) -> list[int]:
     check_list_of(name, addrs, int)
     return addrs if isinstance(addrs, list) else list(addrs)
 
@@ -467,7 +467,7 @@ class Cache:
         self,
         cache_id: int,
         cache_desc: CacheDesc,
-        tensor_addrs: List[int],
+        tensor_addrs: list[int],
         is_blocks_cache: bool = False,
     ) -> None:
         check_int64("cache_id", cache_id)
@@ -490,7 +490,7 @@ class Cache:
         return self._cache_desc
 
     @property
-    def tensor_addrs(self) -> List[int]:
+    def tensor_addrs(self) -> list[int]:
         """One address per tensor; ``[]`` after deallocation."""
         return self._tensor_addrs
 
@@ -505,7 +505,7 @@ class Cache:
         self._valid = False
 
     @classmethod
-    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: List[int]) -> "Cache":
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
         """Wrap user-owned host memory for ``swap_blocks`` (not registered with the engine).
 
         Requires ``cache_desc.placement == HOST`` and ``len(addrs) == num_tensors``
@@ -543,7 +543,7 @@ class KvCache:
     ``deallocate_cache`` is recommended. ``__del__`` never raises, also at interpreter exit.
     """
 
-    def __init__(self, cache_id: int, cache_desc: CacheDesc, per_device_tensor_addrs: List[List[int]],
+    def __init__(self, cache_id: int, cache_desc: CacheDesc, per_device_tensor_addrs: list[list[int]],
                  kv_cache_manager: Any = None) -> None:
         check_int64("cache_id", cache_id)
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
@@ -581,7 +581,7 @@ class KvCache:
         return self._cache_desc
 
     @property
-    def per_device_tensor_addrs(self) -> List[List[int]]:
+    def per_device_tensor_addrs(self) -> list[list[int]]:
         """Tensor addresses, one inner list per device; ``[]`` after deallocation."""
         return self._per_device_tensor_addrs
 
@@ -591,7 +591,7 @@ class KvCache:
         self._valid = False
 
     @classmethod
-    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: Union[List[int], List[List[int]]]) -> "KvCache":
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int] | list[list[int]]) -> KvCache:
         """Wrap user-owned host memory (not registered with the engine).
 
         ``addrs`` is a flat list of ``num_tensors`` addresses (one device) or a list of such
@@ -676,8 +676,8 @@ class TransferConfig:
     def __init__(
         self,
         dst_cluster_id: int,
-        dst_addrs: List[int],
-        src_layer_range: Optional[range] = None,
+        dst_addrs: list[int],
+        src_layer_range: range | None = None,
         src_batch_index: int = 0,
     ) -> None:
         check_uint64("dst_cluster_id", dst_cluster_id)
@@ -688,7 +688,7 @@ class TransferConfig:
         self._dst_addrs = dst_addrs
         self._src_layer_range = src_layer_range
         self._src_batch_index = src_batch_index
-        self.dst_layer_range: Optional[range] = None
+        self.dst_layer_range: range | None = None
 
     @property
     def dst_cluster_id(self) -> int:
@@ -701,22 +701,22 @@ class TransferConfig:
         self._dst_cluster_id = dst_cluster_id
 
     @property
-    def dst_addrs(self) -> Union[List[int], Tuple[int, ...]]:
+    def dst_addrs(self) -> list[int] | tuple[int, ...]:
         """Remote tensor addresses (2 per transferred layer)."""
         return self._dst_addrs
 
     @dst_addrs.setter
-    def dst_addrs(self, dst_addrs: List[int]) -> None:
+    def dst_addrs(self, dst_addrs: list[int]) -> None:
         check_list_uint64("dst_addrs", dst_addrs)
         self._dst_addrs = dst_addrs
 
     @property
-    def src_layer_range(self) -> Optional[range]:
+    def src_layer_range(self) -> range | None:
         """Source layers to transfer (None: all)."""
         return self._src_layer_range
 
     @src_layer_range.setter
-    def src_layer_range(self, src_layer_range: Optional[range]) -> None:
+    def src_layer_range(self, src_layer_range: range | None) -> None:
         check_layer_range("src_layer_range", src_layer_range)
         self._src_layer_range = src_layer_range
 
@@ -750,7 +750,7 @@ class TransferWithCacheKeyConfig:
 
     def __init__(
         self,
-        cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex],
+        cache_key: BlocksCacheKey | CacheKeyByIdAndIndex,
         src_layer_range: range = None,
         dst_layer_range: range = None,
         src_batch_index: int = 0,
@@ -783,12 +783,12 @@ class TransferWithCacheKeyConfig:
         )
 
     @property
-    def cache_key(self) -> Union[BlocksCacheKey, CacheKeyByIdAndIndex]:
+    def cache_key(self) -> BlocksCacheKey | CacheKeyByIdAndIndex:
         """Key of the remote cache."""
         return self._cache_key
 
     @cache_key.setter
-    def cache_key(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex]) -> None:
+    def cache_key(self, cache_key: BlocksCacheKey | CacheKeyByIdAndIndex) -> None:
         self._check_cache_key(cache_key)
         self._check_blocks_batch_index(cache_key, self._src_batch_index)
         self._cache_key = cache_key
@@ -840,7 +840,7 @@ class LayerSynchronizer(ABC):
     """User hook for layer-wise ``transfer_cache_async`` (spec 7.10)."""
 
     @abstractmethod
-    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         """Block until layer ``layer_index`` is computed. Return False to abort the transfer.
 
         The framework currently always passes ``timeout_in_millis=None``.

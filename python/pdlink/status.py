@@ -11,7 +11,7 @@ Public names:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 from ._enum import NamedIntEnum
 
@@ -73,7 +73,7 @@ class LLMStatusCode(NamedIntEnum):
 # Every native code that has a Python member. LLM_UNKNOWN_ERROR (-1) is Python-only
 # and is deliberately absent, so code_2_status(-1) gives LLM_FAILED like any other
 # unknown code.
-_CODE_TO_STATUS: Dict[int, LLMStatusCode] = {
+_CODE_TO_STATUS: dict[int, LLMStatusCode] = {
     int(member): member
     for member in LLMStatusCode
     if member is not LLMStatusCode.LLM_UNKNOWN_ERROR
@@ -88,7 +88,7 @@ def code_2_status(status: int) -> LLMStatusCode:
         return LLMStatusCode.LLM_FAILED
 
 
-def _rebuild_llm_exception(cls: type, args: tuple, status_code: Any, state: Optional[dict]) -> "LLMException":
+def _rebuild_llm_exception(cls: type, args: tuple, status_code: Any, state: dict | None) -> LLMException:
     """Unpickling helper for LLMException (and subclasses)."""
     exc = cls.__new__(cls)
     BaseException.__init__(exc, *args)
@@ -105,12 +105,12 @@ class LLMException(RuntimeError):
     Pickling keeps both the message arguments and the status code.
     """
 
-    def __init__(self, *args: Any, status_code: Union[LLMStatusCode, int] = LLMStatusCode.LLM_SUCCESS) -> None:
+    def __init__(self, *args: Any, status_code: LLMStatusCode | int = LLMStatusCode.LLM_SUCCESS) -> None:
         super().__init__(*args)
         self._status_code = status_code
 
     @property
-    def status_code(self) -> Union[LLMStatusCode, int]:
+    def status_code(self) -> LLMStatusCode | int:
         """The status code given at construction."""
         return self._status_code
 
@@ -122,7 +122,7 @@ class LLMException(RuntimeError):
 class Status:
     """A status code wrapper with ``is_ok()`` and a ``status_code`` property."""
 
-    def __init__(self, status: Union[LLMStatusCode, int]) -> None:
+    def __init__(self, status: LLMStatusCode | int) -> None:
         self._status_code = status
 
     def is_ok(self) -> bool:
@@ -130,7 +130,7 @@ class Status:
         return self._status_code == LLMStatusCode.LLM_SUCCESS
 
     @property
-    def status_code(self) -> Union[LLMStatusCode, int]:
+    def status_code(self) -> LLMStatusCode | int:
         """The wrapped status code."""
         return self._status_code
 
@@ -148,7 +148,7 @@ def handle_llm_status(ret: int, func_name: str, info: Any) -> None:
         raise llm_exception(ret, func_name, info)
 
 
-def llm_exception(ret: int, func_name: str, info: Any) -> "LLMException":
+def llm_exception(ret: int, func_name: str, info: Any) -> LLMException:
     """The ``LLMException`` for native return code ``ret``, with llm_datadist's message format.
 
     The one formatter of such messages: the native binding's translator calls it too.
@@ -169,7 +169,7 @@ def raise_if_false(
     cond: Any,
     msg: str,
     *args: Any,
-    status_code: Union[LLMStatusCode, int] = LLMStatusCode.LLM_PARAM_INVALID,
+    status_code: LLMStatusCode | int = LLMStatusCode.LLM_PARAM_INVALID,
     **kwargs: Any,
 ) -> None:
     """If ``cond`` is falsy: log ``msg`` (``str.format``-ed with any extra args) on the
@@ -184,7 +184,7 @@ def raise_if_true(
     cond: Any,
     msg: str,
     *args: Any,
-    status_code: Union[LLMStatusCode, int] = LLMStatusCode.LLM_PARAM_INVALID,
+    status_code: LLMStatusCode | int = LLMStatusCode.LLM_PARAM_INVALID,
     **kwargs: Any,
 ) -> None:
     """If ``cond`` is truthy: log ``msg`` and raise ``LLMException(msg, status_code=status_code)``."""

@@ -15,7 +15,7 @@ Differences from llm_datadist (documented in docs/compatibility.md):
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any
 
 from ._utils import check_isinstance, check_list_of
 from .data_type import DataType, itemsize
@@ -42,7 +42,7 @@ class TensorDesc:
     otherwise). ``shape`` is stored as a new list.
     """
 
-    def __init__(self, dtype: DataType, shape: Union[List[int], Tuple[int, ...]]) -> None:
+    def __init__(self, dtype: DataType, shape: list[int] | tuple[int, ...]) -> None:
         check_isinstance("dtype", dtype, DataType, allow_none=False)
         check_list_of("shape", shape, int)
         self._dtype = dtype
@@ -54,7 +54,7 @@ class TensorDesc:
         return self._dtype
 
     @property
-    def shape(self) -> List[int]:
+    def shape(self) -> list[int]:
         """Dimensions."""
         return self._shape
 
@@ -79,7 +79,7 @@ class Tensor:
     obtained earlier with ``copy=False`` must not be used after that: its memory is gone.
     """
 
-    def __init__(self, data: Any, tensor_desc: Optional[TensorDesc] = None) -> None:
+    def __init__(self, data: Any, tensor_desc: TensorDesc | None = None) -> None:
         import numpy as np
 
         check_isinstance("data", data, [np.ndarray, Tensor], allow_none=False)
@@ -94,7 +94,7 @@ class Tensor:
             return
         self._init_by_ndarray(data, tensor_desc)
 
-    def _init_by_ndarray(self, data: Any, tensor_desc: Optional[TensorDesc]) -> None:
+    def _init_by_ndarray(self, data: Any, tensor_desc: TensorDesc | None) -> None:
         import numpy as np
 
         from . import data_type
@@ -124,7 +124,7 @@ class Tensor:
         self._array = data
 
     @classmethod
-    def _view(cls, addr: int, desc: TensorDesc, owner: Any, device_backend: Any = None) -> "Tensor":
+    def _view(cls, addr: int, desc: TensorDesc, owner: Any, device_backend: Any = None) -> Tensor:
         """Internal: a tensor over ``prod(shape) * itemsize`` bytes at ``addr``, valid while
         ``owner`` (a KvCache) is. ``device_backend``: the native backend when ``addr`` is device
         memory the host cannot address (Ascend); the data is then read through it, as a copy."""

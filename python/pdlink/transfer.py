@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, raise_if_false
 from .cache_manager import _MODE_BLOCKS_TO_BLOCKS, _MODE_EXPLICIT, _MODE_SLOT_TO_SLOT
@@ -38,8 +39,8 @@ logger = logging.getLogger("pdlink")
 _TENSORS_PER_LAYER = 2
 _OP = "transfer_cache_async"
 
-Run = Tuple[int, int]  # (offset or address, length)
-TransferConfigLike = Union[TransferConfig, TransferWithCacheKeyConfig]
+Run = tuple[int, int]  # (offset or address, length)
+TransferConfigLike = TransferConfig | TransferWithCacheKeyConfig
 
 
 class _PlanError(Exception):
@@ -49,7 +50,7 @@ class _PlanError(Exception):
 # ---------------------------------------------------------------------------- CacheTask
 
 
-def _join_seconds(timeout_in_millis: Optional[int]) -> Optional[float]:
+def _join_seconds(timeout_in_millis: int | None) -> float | None:
     if timeout_in_millis is None:
         return None
     check_uint32("timeout_in_millis", timeout_in_millis)
@@ -65,16 +66,16 @@ class CacheTask:
     ``LLM_WAIT_PROCESS_TIMEOUT`` in KvCacheManager mode. Waiting again later is fine.
     """
 
-    def __init__(self, job: "_TransferJob", timeout_code: LLMStatusCode) -> None:
+    def __init__(self, job: _TransferJob, timeout_code: LLMStatusCode) -> None:
         self._job = job
         self._timeout_code = timeout_code
 
-    def _finished(self, timeout_in_millis: Optional[int]) -> bool:
+    def _finished(self, timeout_in_millis: int | None) -> bool:
         seconds = _join_seconds(timeout_in_millis)
         self._job.join(seconds)
         return not self._job.is_alive() and self._job.error is None
 
-    def synchronize(self, timeout_in_millis: Optional[int] = None) -> LLMStatusCode:
+    def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """The first non-success code over all configs (``None`` entries ignored), else ``LLM_SUCCESS``."""
         if not self._finished(timeout_in_millis):
             return self._timeout_code
@@ -83,7 +84,7 @@ class CacheTask:
                 return ret
         return LLMStatusCode.LLM_SUCCESS
 
-    def get_results(self, timeout_in_millis: Optional[int] = None) -> List[Optional[LLMStatusCode]]:
+    def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
         """One code per transfer config, in order; ``None`` for a config that never transferred."""
         if not self._finished(timeout_in_millis):
             return [self._timeout_code] * self._job.num_configs
@@ -97,11 +98,11 @@ class CacheTask:
 # ---------------------------------------------------------------------------- byte runs
 
 
-def _coalesce(runs: Sequence[Tuple[int, int, int]]) -> Tuple[List[Run], List[Run]]:
+def _coalesce(runs: Sequence[tuple[int, int, int]]) -> tuple[list[Run], list[Run]]:
     """(local_offset, remote_offset, length) triples -> local and remote run lists, merging runs
     that are consecutive on both sides."""
-    local: List[Run] = []
-    remote: List[Run] = []
+    local: list[Run] = []
+    remote: list[Run] = []
     for loff, roff, n in runs:
         if local and local[-1][0] + local[-1][1] == loff and remote[-1][0] + remote[-1][1] == roff:
             local[-1] = (local[-1][0], local[-1][1] + n)
@@ -128,7 +129,7 @@ class _Layout:
             raise _PlanError(f"src_batch_index {index} out of range [0, {self.num_slots})")
         return index * self.stride
 
-    def chunks(self, base: int, dst_blocks: Sequence[int], block_size: int) -> List[Tuple[int, int, int]]:
+    def chunks(self, base: int, dst_blocks: Sequence[int], block_size: int) -> list[tuple[int, int, int]]:
         """Contiguous source -> blocks: the slot at ``base`` cut into ``block_size`` chunks; chunk ``j``
         goes to block ``dst_blocks[j]`` (the last chunk may be short)."""
         if block_size <= 0:
@@ -141,7 +142,7 @@ class _Layout:
                 for j, d in enumerate(dst_blocks)]
 
     def pairs(self, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-              block_size: Optional[int]) -> List[Tuple[int, int, int]]:
+              block_size: int | None) -> list[tuple[int, int, int]]:
         """Blocks -> blocks: block ``src_blocks[i]`` to block ``dst_blocks[i]``, both of the source's block size."""
         if not self.is_blocks:
             raise _PlanError("src_block_indices need a blocks src_cache")
@@ -163,18 +164,18 @@ class _Target:
         self.raw = isinstance(config, TransferConfig)
         if self.raw:
             self.key = None
-            self.dst_addrs: List[int] = list(config.dst_addrs)
+            self.dst_addrs: list[int] = list(config.dst_addrs)
             self.dst_start = 0
         else:
             self.key = config.cache_key
             self.dst_addrs = []
             self.dst_start = config.dst_layer_range.start
         self.mode = _MODE_EXPLICIT
-        self.kwargs: Dict[str, Any] = {}
-        self.error: Optional[str] = None
+        self.kwargs: dict[str, Any] = {}
+        self.error: str | None = None
 
     def plan(self, layout: _Layout, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-             block_size: Optional[int]) -> None:
+             block_size: int | None) -> None:
         """Work out the mode and runs once; a config the engine would refuse keeps its reason in
         ``error`` and fails with LLM_PARAM_INVALID when its first layer is due (as upstream)."""
         try:
@@ -183,7 +184,7 @@ class _Target:
             self.error = str(e)
 
     def _plan(self, layout: _Layout, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-              block_size: Optional[int]) -> None:
+              block_size: int | None) -> None:
         if self.raw:
             # Raw remote memory: explicit runs, remote offsets relative to each dst address.
             if not dst_blocks:  # cache -> cache: one whole slot (or one block of a blocks source)
@@ -244,21 +245,21 @@ class _TransferJob(threading.Thread):
     lets an in-flight push finish before the atexit ``finalize``."""
 
     def __init__(self, transfer_fn: Callable[..., None], src_cache: Any, layer_synchronizer: LayerSynchronizer,
-                 targets: List[_Target], num_layers: int) -> None:
+                 targets: list[_Target], num_layers: int) -> None:
         super().__init__(name="pdlink-transfer-cache-async")
         self._transfer_fn = transfer_fn
         self._src_cache = src_cache
         self._synchronizer = layer_synchronizer
         self._targets = targets
         self._num_layers = num_layers
-        self._rets: Dict[int, LLMStatusCode] = {}
-        self.error: Optional[BaseException] = None
+        self._rets: dict[int, LLMStatusCode] = {}
+        self.error: BaseException | None = None
 
     @property
     def num_configs(self) -> int:
         return len(self._targets)
 
-    def results(self) -> List[Optional[LLMStatusCode]]:
+    def results(self) -> list[LLMStatusCode | None]:
         return [self._rets.get(t.dst_cluster_id) for t in self._targets]
 
     def run(self) -> None:
@@ -304,10 +305,10 @@ def transfer_cache_async(
     src_cache: Any,
     src_is_blocks: bool,
     layer_synchronizer: LayerSynchronizer,
-    transfer_configs: Union[List[TransferConfigLike], Tuple[TransferConfigLike, ...]],
-    src_block_indices: Optional[Sequence[int]] = None,
-    dst_block_indices: Optional[Sequence[int]] = None,
-    dst_block_memory_size: Optional[int] = None,
+    transfer_configs: list[TransferConfigLike] | tuple[TransferConfigLike, ...],
+    src_block_indices: Sequence[int] | None = None,
+    dst_block_indices: Sequence[int] | None = None,
+    dst_block_memory_size: int | None = None,
     *,
     remote_cache_accessible: bool,
     timeout_code: LLMStatusCode = LLMStatusCode.LLM_TIMEOUT,

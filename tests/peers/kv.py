@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import internals
 from llm_datadist import (
@@ -41,22 +42,22 @@ from peers.memory import GuardedTensors, device_memory_is_remote, fill_tensors, 
 from verify import Snapshot
 
 Shape = Sequence[int]
-RemoteKey = Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex]
+RemoteKey = BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex
 ROLES = {"prompt": LLMRole.PROMPT, "decoder": LLMRole.DECODER, "mix": LLMRole.MIX}
 
 
 @dataclasses.dataclass
 class _Named:
     cache: Cache
-    memory: Optional[GuardedTensors]  # None: pool-allocated
+    memory: GuardedTensors | None  # None: pool-allocated
     rows: int
-    addrs: List[int]  # the tensors' addresses (the Cache forgets them when deallocated)
+    addrs: list[int]  # the tensors' addresses (the Cache forgets them when deallocated)
 
 
 @dataclasses.dataclass
 class _State:
-    dd: Optional[LLMDataDist] = None
-    caches: Dict[str, _Named] = dataclasses.field(default_factory=dict)
+    dd: LLMDataDist | None = None
+    caches: dict[str, _Named] = dataclasses.field(default_factory=dict)
 
 
 _S = _State()
@@ -79,9 +80,9 @@ def cache(name: str) -> Cache:
 # ---------------------------------------------------------------------------- engine and links
 
 
-def options(listen: Optional[str] = None, timeout_ms: Optional[int] = None, remote: bool = True,
-            pool: Optional[int] = None, host_pool: Optional[int] = None,
-            extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def options(listen: str | None = None, timeout_ms: int | None = None, remote: bool = True,
+            pool: int | None = None, host_pool: int | None = None,
+            extra: dict[str, str] | None = None) -> dict[str, str]:
     """The init options of a CacheManager-mode engine on device 0."""
     cfg = LLMConfig()
     cfg.device_id = 0
@@ -99,9 +100,9 @@ def options(listen: Optional[str] = None, timeout_ms: Optional[int] = None, remo
     return {**cfg.generate_options(), **(extra or {})}
 
 
-def start(role: str, cluster_id: int, *, listen: bool = False, timeout_ms: Optional[int] = None,
-          remote: bool = True, pool: Optional[int] = None, host_pool: Optional[int] = None,
-          extra: Optional[Dict[str, str]] = None) -> int:
+def start(role: str, cluster_id: int, *, listen: bool = False, timeout_ms: int | None = None,
+          remote: bool = True, pool: int | None = None, host_pool: int | None = None,
+          extra: dict[str, str] | None = None) -> int:
     """Creates and initialises this peer's engine; returns its listen port (0 when not listening)."""
     assert _S.dd is None, "kv.start() already ran in this peer"
     dd = LLMDataDist(ROLES[role], cluster_id)
@@ -119,21 +120,21 @@ def cluster(remote_id: int, port: int, ip: str = "127.0.0.1", local: bool = True
     return c
 
 
-def link(remote_id: int, port: int, timeout_ms: int = 5000) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+def link(remote_id: int, port: int, timeout_ms: int = 5000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
     status, per_cluster = _dd().link_clusters([cluster(remote_id, port)], timeout_ms)
     return status, list(per_cluster)
 
 
-def unlink(remote_id: int, port: int, force: bool = False, timeout_ms: Optional[int] = None) -> LLMStatusCode:
+def unlink(remote_id: int, port: int, force: bool = False, timeout_ms: int | None = None) -> LLMStatusCode:
     timeout = 3000 if timeout_ms is None else timeout_ms  # llm_datadist's default
     return _dd().unlink_clusters([cluster(remote_id, port)], timeout, force=force)[0]
 
 
-def links() -> List[Dict[str, Any]]:
+def links() -> list[dict[str, Any]]:
     return list(_dd().links())
 
 
-def switch_role(role: str, listen: Optional[str] = None) -> Tuple[int, int]:
+def switch_role(role: str, listen: str | None = None) -> tuple[int, int]:
     """``switch_role``, with a listen address for a new PROMPT; returns (role, listen port)."""
     opts = None
     if listen is not None:
@@ -144,7 +145,7 @@ def switch_role(role: str, listen: Optional[str] = None) -> Tuple[int, int]:
     return role_and_port()
 
 
-def role_and_port() -> Tuple[int, int]:
+def role_and_port() -> tuple[int, int]:
     dd = _dd()
     return int(dd.role), int(dd.listen_port)
 
@@ -161,7 +162,7 @@ def cache_count() -> int:
     return internals.cache_count(_dd())
 
 
-def resources() -> Tuple[int, int]:
+def resources() -> tuple[int, int]:
     """(open file descriptors, threads) of this process, for leak checks."""
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
@@ -174,7 +175,7 @@ def _device(placement: Placement) -> bool:
 
 
 def register_blocks(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *,
-                    seed: Optional[int], key: Optional[BlocksCacheKey] = None,
+                    seed: int | None, key: BlocksCacheKey | None = None,
                     placement: Placement = Placement.DEVICE) -> int:
     """A blocks cache over guarded memory (``shape[0]`` blocks per tensor), filled with
     ``verify.pattern(.., seed)`` or zeros; returns its cache id."""
@@ -185,7 +186,7 @@ def register_blocks(name: str, num: int, shape: Shape, dtype: DataType = DataTyp
     return int(c.cache_id)
 
 
-def register(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *, seed: Optional[int],
+def register(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *, seed: int | None,
              keys: Sequence[CacheKey] = (), placement: Placement = Placement.DEVICE) -> int:
     """A plain cache over guarded memory (``shape[0]`` batch slots per tensor); returns its id."""
     desc = CacheDesc(num, list(shape), dtype, placement)
@@ -196,7 +197,7 @@ def register(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FL
 
 
 def allocate(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *,
-             seed: Optional[int] = None, keys: Sequence[CacheKey] = (), blocks: bool = False,
+             seed: int | None = None, keys: Sequence[CacheKey] = (), blocks: bool = False,
              placement: Placement = Placement.DEVICE) -> int:
     """A cache from the engine's pool (``allocate_cache``/``allocate_blocks_cache``), written with
     ``verify.pattern(.., seed)`` when a seed is given; returns its id."""
@@ -212,7 +213,7 @@ def allocate(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FL
     return int(c.cache_id)
 
 
-def overwrite(name: str, seed: Optional[int]) -> None:
+def overwrite(name: str, seed: int | None) -> None:
     """New test data in cache ``name`` (``verify.pattern(.., seed)``, zeros for None); guards and
     the rest of a pool unchanged. The memory is written even after the cache was unregistered."""
     n = _named(name)
@@ -258,7 +259,7 @@ def push_blocks(key: BlocksCacheKey, name: str, src_blocks: Sequence[int], dst_b
     _dd().cache_manager.push_blocks(key, cache(name), list(src_blocks), list(dst_blocks), **kwargs)
 
 
-def pull_cache(key: Union[CacheKey, CacheKeyByIdAndIndex], name: str, batch_index: int = 0, **kwargs: Any) -> None:
+def pull_cache(key: CacheKey | CacheKeyByIdAndIndex, name: str, batch_index: int = 0, **kwargs: Any) -> None:
     _dd().cache_manager.pull_cache(key, cache(name), batch_index, **kwargs)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Any, List, Optional
+from typing import Any
 
 import numpy as np
 
@@ -67,10 +67,10 @@ class GuardedTensors:
     ``verify.pattern(.., seed)``, or zeros when ``seed`` is None. ``addrs`` are what a cache
     registers; the memory lives as long as this object."""
 
-    def __init__(self, count: int, tensor_bytes: int, rows: int, seed: Optional[int], device: bool):
+    def __init__(self, count: int, tensor_bytes: int, rows: int, seed: int | None, device: bool):
         self.tensor_bytes, self.rows, self.device = tensor_bytes, rows, device
-        self._keep: List[Any] = []
-        self.bases: List[int] = []
+        self._keep: list[Any] = []
+        self.bases: list[int] = []
         span = GUARD_BYTES + tensor_bytes + GUARD_BYTES
         for _ in range(count):
             if device:
@@ -87,7 +87,7 @@ class GuardedTensors:
         fill_tensors(self.addrs, tensor_bytes, seed, device)
 
     @property
-    def addrs(self) -> List[int]:
+    def addrs(self) -> list[int]:
         return [b + GUARD_BYTES for b in self.bases]
 
     def snapshot(self, label: str) -> Snapshot:
@@ -96,7 +96,7 @@ class GuardedTensors:
                         [(i, GUARD_BYTES) for i in range(len(self.bases))], self.tensor_bytes, self.rows)
 
 
-def pool_snapshot(label: str, base: int, capacity: int, tensor_addrs: List[int], tensor_bytes: int, rows: int,
+def pool_snapshot(label: str, base: int, capacity: int, tensor_addrs: list[int], tensor_bytes: int, rows: int,
                   device: bool) -> Snapshot:
     """The whole pool holding a pool-allocated cache, and where the cache's tensors lie in it."""
     region = direct_read(base, capacity, device)
@@ -105,7 +105,7 @@ def pool_snapshot(label: str, base: int, capacity: int, tensor_addrs: List[int],
     return Snapshot(label, "pool", [region], [(0, o) for o in offsets], tensor_bytes, rows)
 
 
-def fill_tensors(tensor_addrs: List[int], tensor_bytes: int, seed: Optional[int], device: bool) -> None:
+def fill_tensors(tensor_addrs: list[int], tensor_bytes: int, seed: int | None, device: bool) -> None:
     """``verify.pattern(.., seed)`` (zeros for None) into each tensor."""
     for i, a in enumerate(tensor_addrs):
         direct_write(a, pattern(tensor_bytes, i, seed) if seed is not None else np.zeros(tensor_bytes, np.uint8),

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 from llm_datadist import BlocksCacheKey, LLMException, LLMStatusCode
 from peers import kv
 
 
-def concurrent_pulls(key: BlocksCacheKey, name: str, threads: int, iterations: int) -> List[str]:
+def concurrent_pulls(key: BlocksCacheKey, name: str, threads: int, iterations: int) -> list[str]:
     """``threads`` threads, thread i pulling block i into block i ``iterations`` times; returns the
     errors (empty when every pull succeeded)."""
-    errors: List[str] = []
+    errors: list[str] = []
 
     def work(i: int) -> None:
         try:
@@ -31,17 +31,17 @@ def concurrent_pulls(key: BlocksCacheKey, name: str, threads: int, iterations: i
     return errors
 
 
-Outcome = Union[str, LLMStatusCode]  # "ok", or the status code of the transfer that failed
+Outcome = str | LLMStatusCode  # "ok", or the status code of the transfer that failed
 
 
 @dataclasses.dataclass
 class _Loop:
     thread: threading.Thread
     done: int = 0  # transfers completed
-    outcome: Optional[Outcome] = None
+    outcome: Outcome | None = None
 
 
-_loop: Optional[_Loop] = None
+_loop: _Loop | None = None
 
 
 def start_transfer_loop(op: str, key: BlocksCacheKey, name: str, src_blocks: Sequence[int],
@@ -71,7 +71,7 @@ def transfers_done() -> int:
     return _loop.done
 
 
-def join_transfer_loop(timeout_s: float) -> Optional[Outcome]:
+def join_transfer_loop(timeout_s: float) -> Outcome | None:
     """The loop's outcome, after waiting at most ``timeout_s`` for it to end (None: still running)."""
     assert _loop is not None
     _loop.thread.join(timeout_s)

@@ -1,6 +1,17 @@
 """``llm_datadist.v2.llm_types`` (re-exported from pdlink.llm_types)."""
 from pdlink.llm_types import *  # noqa: F401,F403
 from pdlink.llm_types import (  # noqa: F401
-    BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LayerSynchronizer, MemInfo, Memtype, Placement,
-    PushType, RegisterMemStatus, TransferConfig, TransferWithCacheKeyConfig,
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    LayerSynchronizer,
+    MemInfo,
+    Memtype,
+    Placement,
+    PushType,
+    RegisterMemStatus,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
 )

@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -54,12 +54,12 @@ class _Headers:
     def __init__(self, app: Any):
         self.app = app
 
-    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
 
-        async def send_with_headers(message: Dict[str, Any]) -> None:
+        async def send_with_headers(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
                 headers += [(b"connection", b"close"), (b"requestuuid", uuid.uuid4().hex.encode())]
@@ -69,7 +69,7 @@ class _Headers:
         await self.app(scope, receive, send_with_headers)
 
 
-async def _read_limited(request: Request, limit: int) -> Optional[bytes]:
+async def _read_limited(request: Request, limit: int) -> bytes | None:
     """The body, or None when it exceeds ``limit`` bytes (reading stops there)."""
     body = bytearray()
     async for chunk in request.stream():
@@ -83,7 +83,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _handlers(settings: Settings, node: Node, metrics: Any) -> Dict[str, Any]:
+def _handlers(settings: Settings, node: Node, metrics: Any) -> dict[str, Any]:
     role_lock = asyncio.Lock()
     limit = settings.max_request_bytes
 
@@ -196,12 +196,12 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return error(500, "Server internal error", "Internal Server Error")
 
 
-def build_apps(settings: Settings, node: Node, metrics: Any) -> List[Any]:
+def build_apps(settings: Settings, node: Node, metrics: Any) -> list[Any]:
     """One ASGI app per plane of ``settings.planes``, in that order."""
     h = _handlers(settings, node, metrics)
     apps = []
     for plane in settings.planes:
-        routes: List[Route] = []
+        routes: list[Route] = []
         if "management" in plane.routes:
             routes += [
                 Route("/v1/role/{role}", h["role"], methods=["POST"]),

@@ -31,8 +31,9 @@ import ipaddress
 import json
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any
 
 __all__ = ["ConfigError", "Settings", "Plane", "TlsFiles", "KvTransfer", "TestKv", "ModelInfo", "load", "parse",
            "locate", "read_config_file", "MAX_CONFIG_BYTES", "EMBEDDED"]
@@ -50,10 +51,10 @@ class TlsFiles:
     """One plane's TLS material, paths resolved."""
 
     name: str  # "business", "management" or "metrics": which ServerConfig fields it came from
-    ca_files: Tuple[str, ...]  # empty: no client authentication
+    ca_files: tuple[str, ...]  # empty: no client authentication
     cert: str
     key: str
-    crl_files: Tuple[str, ...]
+    crl_files: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class Plane:
     name: str  # "management" or "metrics"
     ip: str
     port: int
-    routes: Tuple[str, ...]  # ("management",), ("metrics",) or ("management", "metrics")
-    tls: Optional[TlsFiles]  # None: plain HTTP
+    routes: tuple[str, ...]  # ("management",), ("metrics",) or ("management", "metrics")
+    tls: TlsFiles | None  # None: plain HTTP
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class ModelInfo:
 @dataclass(frozen=True)
 class Settings:
     source: str  # the file's path, or EMBEDDED
-    home: Optional[str]
+    home: str | None
     ip_address: str
     management_ip: str
     port: int
@@ -123,19 +124,19 @@ class Settings:
     max_link_num: int
     infer_mode: str
     max_request_bytes: int
-    planes: Tuple[Plane, ...]
+    planes: tuple[Plane, ...]
     kv: KvTransfer
     model: ModelInfo
-    warnings: Tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def management(self) -> Plane:
         return self.planes[0]
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """A JSON-able description of the effective settings (``pdlink serve --check-config``)."""
-        def plane(p: Plane) -> Dict[str, Any]:
-            out: Dict[str, Any] = {"name": p.name, "url": f"{'https' if p.tls else 'http'}://{_host(p.ip)}:{p.port}",
+        def plane(p: Plane) -> dict[str, Any]:
+            out: dict[str, Any] = {"name": p.name, "url": f"{'https' if p.tls else 'http'}://{_host(p.ip)}:{p.port}",
                                    "routes": list(p.routes)}
             if p.tls:
                 out["tls"] = {"certificates": p.tls.name, "cert": p.tls.cert, "key": p.tls.key,
@@ -170,7 +171,7 @@ def _host(ip: str) -> str:
 
 # ---------------------------------------------------------------------------------------- locating
 
-def locate(cli_path: Optional[str], env: Mapping[str, str]) -> Tuple[Optional[str], Optional[str], str]:
+def locate(cli_path: str | None, env: Mapping[str, str]) -> tuple[str | None, str | None, str]:
     """(config path or None for the embedded default, home directory or None, how it was found)."""
     home = _env_home(env)
     if cli_path:
@@ -188,18 +189,18 @@ def locate(cli_path: Optional[str], env: Mapping[str, str]) -> Tuple[Optional[st
     return None, None, "embedded"
 
 
-def _mindie_home(env: Mapping[str, str]) -> Optional[str]:
+def _mindie_home(env: Mapping[str, str]) -> str | None:
     home = env.get("MINDIE_LLM_HOME_PATH")
     if home and os.path.isfile(os.path.join(home, "__init__.py")):
         return home
     return None
 
 
-def _env_home(env: Mapping[str, str]) -> Optional[str]:
+def _env_home(env: Mapping[str, str]) -> str | None:
     return _mindie_home(env) or env.get("MIES_INSTALL_PATH") or None
 
 
-def read_config_file(path: str) -> Dict[str, Any]:
+def read_config_file(path: str) -> dict[str, Any]:
     """Read and parse a config file after MindIE's file checks (regular file, 0 < size <= 10 MB,
     mode no looser than 0640, owned by the current user or root)."""
     real = os.path.realpath(path)
@@ -236,7 +237,7 @@ def read_config_file(path: str) -> Dict[str, Any]:
     return raw
 
 
-def load(cli_path: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> Settings:
+def load(cli_path: str | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Find, read, check and parse the configuration (see the module docstring)."""
     env = os.environ if env is None else env
     path, home, how = locate(cli_path, env)
@@ -278,7 +279,7 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be true or false, got {v!r}")
         return v
 
-    def int(self, key: str, default: Optional[int], lo: int, hi: int) -> Optional[int]:
+    def int(self, key: str, default: int | None, lo: int, hi: int) -> int | None:
         v = self._get(key)
         if v is None:
             return default
@@ -286,7 +287,7 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be an integer in [{lo}, {hi}], got {v!r}")
         return v
 
-    def str(self, key: str, default: Optional[str], choices: Optional[Tuple[str, ...]] = None) -> Optional[str]:
+    def str(self, key: str, default: str | None, choices: tuple[str, ...] | None = None) -> str | None:
         v = self._get(key)
         if v is None:
             return default
@@ -295,7 +296,7 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be {want}, got {v!r}")
         return v
 
-    def str_list(self, key: str, default: List[str], max_len: int) -> List[str]:
+    def str_list(self, key: str, default: list[str], max_len: int) -> list[str]:
         v = self._get(key)
         if v is None:
             return list(default)
@@ -303,7 +304,7 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be a list of at most {max_len} file names, got {v!r}")
         return list(v)
 
-    def section(self, key: str, strict: bool = False) -> "_Section":
+    def section(self, key: str, strict: bool = False) -> _Section:
         return _Section(self._get(key), f"{self.name}.{key}", strict)
 
     def done(self) -> None:
@@ -324,13 +325,13 @@ def _is_all_zero(ip: str) -> bool:
     return ipaddress.ip_address(ip).is_unspecified
 
 
-def _resolve(home: Optional[str], path: str) -> str:
+def _resolve(home: str | None, path: str) -> str:
     if os.path.isabs(path) or home is None:
         return os.path.abspath(path)
     return os.path.abspath(os.path.join(home, path))
 
 
-def _tls_files(sc: _Section, name: str, home: Optional[str]) -> TlsFiles:
+def _tls_files(sc: _Section, name: str, home: str | None) -> TlsFiles:
     prefix = {"business": "tls", "management": "managementTls", "metrics": "metricsTls"}[name]
     defaults = {
         "business": (["ca.pem"], "security/certs/server.pem", "security/keys/server.key.pem", "security/certs/"),
@@ -353,7 +354,7 @@ def _tls_files(sc: _Section, name: str, home: Optional[str]) -> TlsFiles:
                     tuple(os.path.join(crl_dir, f) if not os.path.isabs(f) else f for f in crl_files))
 
 
-def _check_tls_files(tls: TlsFiles, plane: str, warnings: List[str]) -> TlsFiles:
+def _check_tls_files(tls: TlsFiles, plane: str, warnings: list[str]) -> TlsFiles:
     """Files must exist; a private key must not be accessible to group or others; certificates and
     CAs must not be writable by them. A listed CRL that is absent is skipped with a warning."""
     def regular(path: str, what: str) -> os.stat_result:
@@ -390,7 +391,7 @@ def _check_tls_files(tls: TlsFiles, plane: str, warnings: List[str]) -> TlsFiles
 _MAX_SECRET_BYTES = 4096
 
 
-def _link_secret(path: Optional[str], home: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
+def _link_secret(path: str | None, home: str | None, env: Mapping[str, str]) -> tuple[str, str]:
     """(secret, where it came from): ``linkSecretFile`` (mode 0600 or stricter, at most 4 KiB,
     surrounding whitespace ignored), else env ``PDLINK_LINK_SECRET`` (as the library), else none."""
     if path is None:
@@ -419,7 +420,7 @@ def _link_secret(path: Optional[str], home: Optional[str], env: Mapping[str, str
     return secret, path
 
 
-def _kv_section(root: _Section, home: Optional[str], env: Mapping[str, str]) -> KvTransfer:
+def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvTransfer:
     kv = root.section("KvTransferConfig", strict=True)
     test = kv.section("testKv", strict=True)
     test_kv = TestKv(
@@ -453,7 +454,7 @@ def _model_section(root: _Section, device_count: int) -> ModelInfo:
     deploy = backend.section("ModelDeployConfig")
     sched = backend.section("ScheduleConfig")
     models = deploy._get("ModelConfig")
-    first: Dict[str, Any] = {}
+    first: dict[str, Any] = {}
     if models is not None:
         if not isinstance(models, list) or (models and not isinstance(models[0], dict)):
             raise ConfigError("BackendConfig.ModelDeployConfig.ModelConfig must be a list of objects")
@@ -472,11 +473,11 @@ def _model_section(root: _Section, device_count: int) -> ModelInfo:
     )
 
 
-def parse(raw: Dict[str, Any], source: str, home: Optional[str], env: Mapping[str, str]) -> Settings:
+def parse(raw: dict[str, Any], source: str, home: str | None, env: Mapping[str, str]) -> Settings:
     """Validate a parsed config document and derive the effective settings."""
     root = _Section(raw, "config")
     sc = root.section("ServerConfig")
-    warnings: List[str] = []
+    warnings: list[str] = []
 
     ip_address = _ip(env.get("MIES_CONTAINER_IP") or sc.str("ipAddress", "127.0.0.1"),
                      "ServerConfig.ipAddress (or env MIES_CONTAINER_IP)")
@@ -500,14 +501,14 @@ def parse(raw: Dict[str, Any], source: str, home: Optional[str], env: Mapping[st
             raise ConfigError(f"{what} {ip} would listen on all interfaces; set ServerConfig."
                               "allowAllZeroIpListening to true to allow it, or bind a specific address")
 
-    def tls_for(name: str, plane: str) -> Optional[TlsFiles]:
+    def tls_for(name: str, plane: str) -> TlsFiles | None:
         if not https:
             return None
         return _check_tls_files(_tls_files(sc, name, home), plane, warnings)
 
     mgmt_is_business = management_ip == ip_address and management_port == port
-    mgmt_routes: Tuple[str, ...] = ("management",)
-    planes: List[Plane] = []
+    mgmt_routes: tuple[str, ...] = ("management",)
+    planes: list[Plane] = []
     if metrics_port == management_port:
         mgmt_routes = ("management", "metrics")
     planes.append(Plane("management", management_ip, management_port, mgmt_routes,

@@ -14,7 +14,8 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any, Iterator, List, Optional, TextIO
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from .config import ConfigError, Settings
 
@@ -41,7 +42,7 @@ def _bind(ip: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, out: Optional[TextIO] = None) -> int:
+def serve(settings: Settings, out: TextIO | None = None) -> int:
     """Serve until a signal arrives; returns the process exit code."""
     out = out or sys.stderr
     try:
@@ -56,7 +57,7 @@ def serve(settings: Settings, out: Optional[TextIO] = None) -> int:
     from .tls import server_context
 
     contexts = [server_context(p.tls, p.name) if p.tls else None for p in settings.planes]
-    sockets: List[socket.socket] = []
+    sockets: list[socket.socket] = []
     try:
         for plane in settings.planes:
             sockets.append(_bind(plane.ip, plane.port, min(2 * settings.max_link_num, 4096)))

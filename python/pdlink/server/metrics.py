@@ -19,7 +19,8 @@ serving it moves bytes in its C++ threads and is not counted).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -31,7 +32,7 @@ _BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class _StateCollector:
-    def __init__(self, snapshot: Callable[[], Dict[str, Any]]):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -62,7 +63,7 @@ class Metrics:
         self.errors = Counter("pdlink_errors", "Failed transfers and links given up, by LLMStatusCode",
                               ["op", "code"], registry=r)
 
-    def attach(self, snapshot: Callable[[], Dict[str, Any]]) -> None:
+    def attach(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(snapshot))
 
     # events

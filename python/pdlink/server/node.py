@@ -38,8 +38,9 @@ import ipaddress
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
@@ -59,7 +60,7 @@ class Unavailable(Exception):
     """The assignment cannot be applied by this instance (HTTP 503); nothing was changed."""
 
 
-def kv_pattern(np: Any, cluster: int, device: int, num_tensors: int, num_blocks: int, block_bytes: int) -> List[Any]:
+def kv_pattern(np: Any, cluster: int, device: int, num_tensors: int, num_blocks: int, block_bytes: int) -> list[Any]:
     """The known content of the test KV cache of ``cluster``'s device ``device``: one
     ``(num_blocks, block_bytes)`` uint8 array per tensor."""
     base = np.arange(num_blocks * block_bytes, dtype=np.uint64).reshape(num_blocks, block_bytes)
@@ -75,7 +76,7 @@ class ObservedEngine:
     def __init__(self, engine: Any, metrics: Any):
         self._engine = engine
         self._metrics = metrics
-        self._geometry: Dict[int, Tuple[int, int]] = {}  # cache id -> (num_tensors, bytes per slot/block)
+        self._geometry: dict[int, tuple[int, int]] = {}  # cache id -> (num_tensors, bytes per slot/block)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -92,8 +93,8 @@ class ObservedEngine:
     def transfer(self, is_push: bool, op: str, peer: int, target_kind: int, model_id: int, req_id: int,
                  prefix_id: int, cache_id: int, batch_index: int, local_cache_id: int, mode: int, local_slot: int,
                  size: int, local_blocks: Sequence[int], remote_blocks: Sequence[int], local_tensors: Sequence[int],
-                 remote_tensors: Sequence[int], local_runs: Sequence[Tuple[int, int]],
-                 remote_runs: Sequence[Tuple[int, int]]) -> None:
+                 remote_tensors: Sequence[int], local_runs: Sequence[tuple[int, int]],
+                 remote_runs: Sequence[tuple[int, int]]) -> None:
         t0 = time.perf_counter()
         try:
             self._engine.transfer(is_push, op, peer, target_kind, model_id, req_id, prefix_id, cache_id, batch_index,
@@ -124,23 +125,23 @@ class _NullMetrics:
 class _PeerPlan:
     cluster_id: int
     server_ip: str
-    addresses: Tuple[Tuple[str, int], ...]  # the peer's listen address per device
+    addresses: tuple[tuple[str, int], ...]  # the peer's listen address per device
 
 
 @dataclass(frozen=True)
 class _Plan:
     role: str
     cluster_id: int
-    listen: Tuple[Tuple[str, int], ...]  # this node's listen address per device (used when the role listens)
-    device_ids: Tuple[str, ...]
-    peers: Dict[int, _PeerPlan]
-    p_percentage: Optional[int]
+    listen: tuple[tuple[str, int], ...]  # this node's listen address per device (used when the role listens)
+    device_ids: tuple[str, ...]
+    peers: dict[int, _PeerPlan]
+    p_percentage: int | None
 
 
 class _LinkJob:
     """Links one peer on every device (see the module docstring); runs on its own thread."""
 
-    def __init__(self, node: "Node", peer: _PeerPlan, dial: bool):
+    def __init__(self, node: Node, peer: _PeerPlan, dial: bool):
         self.node, self.peer, self.dial = node, peer, dial
         self.cancel = threading.Event()
         self.state = "linking"  # -> "ok" | "failed" | "cancelled"
@@ -212,7 +213,7 @@ class _LinkJob:
             logger.info("peer %d linked on %d device(s)", cid, len(engines))
 
 
-def _link_state(engine: Any, cid: int) -> Tuple[bool, bool]:
+def _link_state(engine: Any, cid: int) -> tuple[bool, bool]:
     """(a live link to ``cid`` exists, a broken one exists)."""
     live = broken = False
     for link in engine.links():
@@ -233,26 +234,26 @@ class Node:
         self._core = backend_module
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self._engines: List[Any] = []
-        self._managers: List[Any] = []
-        self._cluster_id: Optional[int] = None  # of the engines, once created
-        self._identity: Optional[int] = None  # cluster id of the accepted posts
-        self._role: Optional[str] = None  # the latest accepted role
-        self._p_percentage: Optional[int] = None
+        self._engines: list[Any] = []
+        self._managers: list[Any] = []
+        self._cluster_id: int | None = None  # of the engines, once created
+        self._identity: int | None = None  # cluster id of the accepted posts
+        self._role: str | None = None  # the latest accepted role
+        self._p_percentage: int | None = None
         self._role_status = "RoleUnknown" if settings.infer_mode == "dmi" else "RoleReady"
         self._generation = 0
         self._applied = 0
-        self._desired: Optional[_Plan] = None
-        self._engine_role: Optional[str] = None  # applied on the engines
-        self._listening: Tuple[Tuple[str, int], ...] = ()  # applied listen addresses (empty: not listening)
-        self._device_ids: Tuple[str, ...] = ()
-        self._peers: Dict[int, _PeerPlan] = {}  # the applied peer list
-        self._jobs: Dict[int, _LinkJob] = {}
+        self._desired: _Plan | None = None
+        self._engine_role: str | None = None  # applied on the engines
+        self._listening: tuple[tuple[str, int], ...] = ()  # applied listen addresses (empty: not listening)
+        self._device_ids: tuple[str, ...] = ()
+        self._peers: dict[int, _PeerPlan] = {}  # the applied peer list
+        self._jobs: dict[int, _LinkJob] = {}
         self._ever_ok: set = set()
-        self._last_error: Optional[str] = None
+        self._last_error: str | None = None
         self._stopping = False
         self._kv_lock = threading.Lock()
-        self._test_kv: List[Dict[str, Any]] = []
+        self._test_kv: list[dict[str, Any]] = []
         self._worker = threading.Thread(target=self._run, daemon=True, name="pdlink-role-worker")
         self._worker.start()
 
@@ -273,7 +274,7 @@ class Node:
                               f"(KvTransferConfig.listenIpSource = {source})")
         return ip
 
-    def _addresses(self, node: NodeInfo, who: str) -> Tuple[Tuple[str, int], ...]:
+    def _addresses(self, node: NodeInfo, who: str) -> tuple[tuple[str, int], ...]:
         base = self.settings.kv.listen_port_base
         out = []
         for i, dev in enumerate(node.devices):
@@ -349,7 +350,7 @@ class Node:
                         self._identity = None  # no engine was made: a later post may name another instance
             self._evaluate()
 
-    def _listen_for(self, plan: _Plan) -> Tuple[Tuple[str, int], ...]:
+    def _listen_for(self, plan: _Plan) -> tuple[tuple[str, int], ...]:
         return plan.listen if plan.role in _LISTENING_ROLES else ()
 
     def _create_engines(self, plan: _Plan) -> None:
@@ -362,7 +363,7 @@ class Node:
 
         kv = self.settings.kv
         listen = self._listen_for(plan)
-        engines: List[Any] = []
+        engines: list[Any] = []
         try:
             for i in range(kv.device_count):
                 ip, port = listen[i] if listen else ("", 0)
@@ -391,7 +392,7 @@ class Node:
         logger.info("instance %d: %d engine(s) as %s, listening on %s", plan.cluster_id, len(engines), plan.role,
                     [f"{ip}:{p}" for ip, p in listen] or "nothing")
 
-    def _unlink(self, cids: Sequence[int], engines: Optional[Sequence[Any]] = None) -> None:
+    def _unlink(self, cids: Sequence[int], engines: Sequence[Any] | None = None) -> None:
         """Non-force unlink (the peer drops its end too) on ``engines`` (default: all)."""
         if not cids:
             return
@@ -411,7 +412,7 @@ class Node:
         """Unlink everything, then switch every engine's role and listener."""
         listen = self._listen_for(plan)
         self._stop_jobs(list(self._jobs))
-        switched: List[int] = []
+        switched: list[int] = []
         try:
             for i, engine in enumerate(self._engines):
                 ip, port = listen[i] if listen else ("", 0)
@@ -479,7 +480,7 @@ class Node:
     def _peer_live(self, cid: int) -> bool:
         return bool(self._engines) and all(_link_state(e, cid)[0] for e in self._engines)
 
-    def _peer_views(self) -> List[Dict[str, Any]]:
+    def _peer_views(self) -> list[dict[str, Any]]:
         with self._lock:
             peers = list(self._peers.values())
             jobs = dict(self._jobs)
@@ -490,9 +491,9 @@ class Node:
             cid = peer.cluster_id
             per_device = []
             for dev_links in links:
-                mine = [l for l in dev_links if l["peer_cluster_id"] == cid]
-                per_device.append(next((l for l in mine if not l["broken"]), mine[0] if mine else None))
-            live = bool(links) and all(l is not None and not l["broken"] for l in per_device)
+                mine = [link for link in dev_links if link["peer_cluster_id"] == cid]
+                per_device.append(next((link for link in mine if not link["broken"]), mine[0] if mine else None))
+            live = bool(links) and all(link is not None and not link["broken"] for link in per_device)
             job = jobs.get(cid)
             if live:
                 state, reason = "ok", ""
@@ -503,7 +504,7 @@ class Node:
             elif job is not None and job.state == "failed":
                 state, reason = "failed", job.reason
             else:
-                broken = [l["broken_reason"] for l in per_device if l is not None and l["broken"]]
+                broken = [link["broken_reason"] for link in per_device if link is not None and link["broken"]]
                 state = "failed"
                 reason = f"link lost: {broken[0]}" if broken else "link lost: the peer unlinked or is gone"
             views.append({"target": cid, "state": state, "reason": reason, "server_ip": peer.server_ip,
@@ -511,7 +512,7 @@ class Node:
                           "dials": bool(job.dial) if job is not None else None})
         return views
 
-    def _evaluate(self, views: Optional[List[Dict[str, Any]]] = None) -> None:
+    def _evaluate(self, views: list[dict[str, Any]] | None = None) -> None:
         """Reach RoleReady when the latest assignment is applied and linking is over."""
         with self._lock:
             if self._role_status != "RoleSwitching" or self._applied < self._generation:
@@ -535,13 +536,13 @@ class Node:
         lost = any(v["state"] != "ok" and v["target"] in ever for v in views)
         return not (lost and not any(v["state"] == "ok" for v in views))
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         """The body of ``GET /v1/status``."""
         views = self._peer_views()
         self._evaluate(views)
         kv, model = self.settings.kv, self.settings.model
         with self._lock:
-            service: Dict[str, Any] = {"roleStatus": self._role_status, "currentRole": self._role or "none"}
+            service: dict[str, Any] = {"roleStatus": self._role_status, "currentRole": self._role or "none"}
             if self._role == "flex" and self._p_percentage is not None:
                 service["p_percentage"] = self._p_percentage
             blocks = kv.test_kv.num_blocks * len(self._test_kv)
@@ -556,8 +557,8 @@ class Node:
             }
         for i, engine in enumerate(engines):
             ext["devices"][i]["links"] = [
-                {"target": l["peer_cluster_id"], "address": l["peer_address"], "initiator": l["initiator"],
-                 "broken": l["broken"], "transport": l["transport"]} for l in engine.links()]
+                {"target": link["peer_cluster_id"], "address": link["peer_address"], "initiator": link["initiator"],
+                 "broken": link["broken"], "transport": link["transport"]} for link in engine.links()]
         resource = {
             "availSlotsNum": model.max_batch_size, "availBlockNum": blocks, "waitingRequestNum": 0,
             "runningRequestNum": 0, "swappedRequestNum": 0, "freeNpuBlockNums": blocks, "freeCpuBlockNums": 0,
@@ -567,7 +568,7 @@ class Node:
                       for v in views if v["state"] != "linking"]
         return {"service": service, "resource": resource, "linkStatus": {"peers": link_peers}, "pdlink": ext}
 
-    def snapshot(self) -> Dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """Cheap numbers for the metrics collector."""
         with self._lock:
             engines = list(self._engines)
@@ -595,7 +596,7 @@ class Node:
             entries.append({"src": src, "dst": dst, "src_cache": src_cache, "dst_cache": dst_cache})
         self._test_kv = entries
 
-    def test_pull(self, target: int) -> Dict[str, Any]:
+    def test_pull(self, target: int) -> dict[str, Any]:
         """Pull every block of ``target``'s test KV cache on every device (in reverse block order)
         and compare each byte with the pattern ``target`` fills it with. Raises ``LLMException``
         when a pull fails, ``Unavailable`` when there is nothing to pull with, ``ValueError`` (with
@@ -615,7 +616,7 @@ class Node:
             src_blocks = list(range(t.num_blocks - 1, -1, -1))
             dst_blocks = list(range(t.num_blocks))
             t0 = time.perf_counter()
-            for i, (cm, entry) in enumerate(zip(managers, entries)):
+            for cm, entry in zip(managers, entries):
                 for a in entry["dst"]:
                     a[:] = 0
                 cm.pull_blocks(BlocksCacheKey(target, 0), entry["dst_cache"], src_blocks, dst_blocks)

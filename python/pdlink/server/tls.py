@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import ssl
-from typing import Optional
 
 from .config import ConfigError, TlsFiles
 
@@ -56,7 +55,7 @@ def server_context(tls: TlsFiles, plane: str = "management") -> ssl.SSLContext:
     return ctx
 
 
-def client_context(ca: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None,
+def client_context(ca: str | None = None, cert: str | None = None, key: str | None = None,
                    check_hostname: bool = False) -> ssl.SSLContext:
     """A TLS 1.3 client context: trust ``ca`` (the system store when None), present ``cert`` /
     ``key`` when given, check the host name only when ``check_hostname``."""

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 __all__ = ["ROLES", "BodyError", "Device", "NodeInfo", "RoleRequest", "parse_role_request", "cluster_id",
            "MAX_PEERS", "MAX_DEVICES"]
 
 # URL role -> pdlink engine role (LLMRole values: PROMPT=1, DECODER=2, MIX=3)
-ROLES: Dict[str, int] = {"prefill": 1, "decode": 2, "flex": 3}
+ROLES: dict[str, int] = {"prefill": 1, "decode": 2, "flex": 3}
 MAX_PEERS = 256
 MAX_DEVICES = 64
 _NO_CLUSTER = 2**64 - 1  # the native ANY_CLUSTER value; never a real id
@@ -50,9 +50,9 @@ class BodyError(ValueError):
 class Device:
     device_logical_id: str
     device_ip: str
-    device_id: Optional[str] = None
-    rank_id: Optional[str] = None
-    super_device_id: Optional[str] = None
+    device_id: str | None = None
+    rank_id: str | None = None
+    super_device_id: str | None = None
 
     @property
     def port_id(self) -> int:
@@ -64,10 +64,10 @@ class Device:
 @dataclass(frozen=True)
 class NodeInfo:
     server_ip: str
-    devices: Tuple[Device, ...]
-    id: Optional[int] = None
-    host_ip: Optional[str] = None
-    super_pod_id: Optional[str] = None
+    devices: tuple[Device, ...]
+    id: int | None = None
+    host_ip: str | None = None
+    super_pod_id: str | None = None
 
     @property
     def cluster_id(self) -> int:
@@ -78,11 +78,11 @@ class NodeInfo:
 class RoleRequest:
     role: str
     local: NodeInfo
-    peers: Tuple[NodeInfo, ...]
-    p_percentage: Optional[int] = None
-    instance_idx_in_pod: Optional[int] = None
-    num_instances_per_pod: Optional[int] = None
-    is_single_container: Optional[bool] = None
+    peers: tuple[NodeInfo, ...]
+    p_percentage: int | None = None
+    instance_idx_in_pod: int | None = None
+    num_instances_per_pod: int | None = None
+    is_single_container: bool | None = None
 
 
 def cluster_id(node: NodeInfo) -> int:
@@ -186,7 +186,7 @@ def parse_role_request(role: str, body: Any) -> RoleRequest:
     if raw_local.get("p_percentage") is not None:
         p_percentage = _uint(raw_local["p_percentage"], "local.p_percentage", 100)
     peers_raw = body.get("peers")
-    peers: List[NodeInfo] = []
+    peers: list[NodeInfo] = []
     if peers_raw is not None:
         if not isinstance(peers_raw, list):
             raise BodyError("peers must be an array")
@@ -199,7 +199,7 @@ def parse_role_request(role: str, body: Any) -> RoleRequest:
                                 f"node ({len(local.devices)})")
             peers.append(peer)
     me = cluster_id(local)
-    seen: Dict[int, int] = {}
+    seen: dict[int, int] = {}
     for i, peer in enumerate(peers):
         cid = cluster_id(peer)
         if cid == me:
