@@ -31,7 +31,7 @@ class DeviceArray:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self._mem: DeviceMemory | None = DeviceMemory(max(nbytes, 1), device_id=device_id)
+        self._mem: DeviceMemory = DeviceMemory(max(nbytes, 1), device_id=device_id)
 
     # ------------------------------------------------------------------ construction
 
@@ -132,7 +132,7 @@ class DeviceArray:
     def __ne__(self, other):
         return self.numpy() != np.asarray(other)
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable, like ndarray (== is elementwise)
 
     def __reduce__(self):
         # a peer's eval result arrives in the test process as a plain numpy array

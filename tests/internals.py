@@ -14,7 +14,7 @@ from pdlink import _core
 from pdlink import _utils as validation_utils
 from pdlink import data_type as data_type_module
 from pdlink._sysinfo import direct_access_permitted
-from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, RoleRejected, role_body
+from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, Response, RoleRejected, role_body
 from pdlink.comm import parse_rank_table
 from pdlink.configs import ip_to_int, role_to_option
 from pdlink.data_type import itemsize
@@ -30,7 +30,7 @@ from pdlink.transfer import transfer_cache_async
 
 __all__ = [
     "BodyError", "ClientError", "DEFAULT_CONFIG_JSON", "DeviceMemory", "ManagementClient", "NodeSpec", "NotReady",
-    "PushType", "ROLES", "RoleRejected", "backend_info", "backend_name", "cache_count", "client_context",
+    "PushType", "ROLES", "Response", "RoleRejected", "backend_info", "backend_name", "cache_count", "client_context",
     "cluster_id", "core", "data_type_module", "direct_access_permitted", "engine", "handle_llm_status", "ip_to_int",
     "itemsize", "open_backend", "parse_engine_options", "parse_rank_table", "parse_role_request", "pools",
     "raise_if_false", "raise_if_true", "register_mem_status_from_int", "role_body", "role_to_option", "server_config",

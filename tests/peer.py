@@ -226,7 +226,7 @@ class Peer:
         """``call`` bounded by ``seconds`` instead (a hang guard: make it a generous multiple of the
         timeout the call itself is configured with, and assert on what the call returns)."""
         what = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
-        return self._request(("call", (fn, args, kwargs)), seconds, what)  # type: ignore[no-any-return]
+        return self._request(("call", (fn, args, kwargs)), seconds, what)
 
     def _request(self, message: Any, timeout: float, what: str) -> Any:
         if self._broken:
@@ -262,7 +262,7 @@ class Peer:
         """SIGSTOP, returning once every thread of the peer has stopped (a group stop is not
         synchronous: threads run on until each reaches a stop point)."""
         os.kill(self.pid, signal.SIGSTOP)
-        wait_until(lambda: all(state in ("T", "t") for state in self._thread_states()), 5.0,
+        wait_until(lambda: all(state in ("T", "t") for state in self.thread_states()), 5.0,
                    f"every thread of {self.name} stopped")
 
     def thaw(self) -> None:
@@ -275,7 +275,7 @@ class Peer:
         else:
             os.kill(self.pid, sig)
 
-    def _thread_states(self) -> list[str]:
+    def thread_states(self) -> list[str]:
         states = []
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")

@@ -85,9 +85,11 @@ def _crl(ca: Any, revoked: Any) -> bytes:
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
     ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), password=None)
+    assert isinstance(ca_key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)), type(ca_key)  # trustme's key types
     cert = x509.load_pem_x509_certificate(revoked.cert_chain_pems[0].bytes())
     now = datetime.datetime.now(datetime.timezone.utc)
     entry = x509.RevokedCertificateBuilder().serial_number(cert.serial_number).revocation_date(now).build()

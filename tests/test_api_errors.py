@@ -96,9 +96,9 @@ def test_calls_before_init_raise_plain_runtime_error():
 
 def test_constructor_type_and_range_errors():
     with pytest.raises(TypeError):
-        LLMDataDist(LLMRole.PROMPT, "1")
+        LLMDataDist(LLMRole.PROMPT, "1")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        LLMDataDist(1, 1)  # a plain int is not an LLMRole
+        LLMDataDist(1, 1)  # type: ignore[arg-type]  # a plain int is not an LLMRole
     with pytest.raises(TypeError):
         LLMDataDist(LLMRole.PROMPT, True)
     with pytest.raises(ValueError):

@@ -18,7 +18,7 @@ import pytest
 
 from fake_ascend.build import build, exported_symbols
 from internals import core as _core
-from pdlink import LLMStatusCode
+from pdlink import LLMException, LLMStatusCode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,10 @@ def fakes():
     return str(build("full"))
 
 
-def run_py(code: str, timeout: float = 60, **env: str) -> dict:
+RUN_TIMEOUT = 60.0
+
+
+def run_py(code: str, timeout: float = RUN_TIMEOUT, **env: str) -> dict:
     """Runs `code` in a fresh interpreter with only the given Ascend/pdlink variables set; the
     code prints one JSON object, which is returned."""
     e = {k: v for k, v in os.environ.items()
@@ -47,7 +50,7 @@ print(json.dumps({"ascend": backend_info("ascend"), "auto": backend_info("auto")
 """
 
 
-def copy_libs(src: str, dst: str) -> None:
+def copy_libs(src: str | os.PathLike[str], dst: str) -> None:
     os.makedirs(dst)
     for name in ("libascendcl.so", "libhccl.so"):
         shutil.copy(os.path.join(src, name), dst)
@@ -78,7 +81,7 @@ def test_default_loader_path_is_searched_last(tmp_path):
 @pytest.mark.parametrize("var", ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"])
 def test_toolkit_variables_are_searched(tmp_path, fakes, var):
     copy_libs(fakes, str(tmp_path / "cann" / "lib64"))
-    out = run_py(INFO, **{var: str(tmp_path / "cann")})
+    out = run_py(INFO, RUN_TIMEOUT, **{var: str(tmp_path / "cann")})  # timeout given: the dict holds variables only
     assert out["ascend"]["name"] == "ascend", out
     assert out["ascend"]["ascend"]["library_dir"] == str(tmp_path / "cann" / "lib64")
     assert out["auto"]["name"] == "ascend"
@@ -128,7 +131,7 @@ def test_fakes_export_the_whole_symbol_table(fakes):
 
 
 def test_unknown_backend_name():
-    with pytest.raises(Exception) as e:
+    with pytest.raises(LLMException) as e:
         _core.open_backend("npu", 0)
     assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     assert "available: auto, cpu, ascend" in str(e.value)

@@ -31,7 +31,7 @@ def test_role_to_option():
     assert role_to_option(LLMRole.MIX) == "Mix"
     assert role_to_option(2) == "Decoder"
     with pytest.raises(TypeError):
-        role_to_option("Prompt")
+        role_to_option("Prompt")  # type: ignore[arg-type]
     with pytest.raises(LLMException) as ei:
         role_to_option(7)
     assert _param_invalid(ei)
@@ -71,19 +71,19 @@ def test_cluster_info_ip_lists():
     assert info.remote_ip_info_list == [(67305985, 0), (67305985, 65535)]
     assert all(isinstance(t, tuple) for t in info.remote_ip_info_list)
     with pytest.raises(AttributeError):
-        info.local_ip_info_list = []
+        info.local_ip_info_list = []  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        info.remote_ip_info_list = []
+        info.remote_ip_info_list = []  # type: ignore[misc]
 
 
 def test_cluster_info_validation():
     info = LLMClusterInfo()
     with pytest.raises(TypeError, match=r"remote_cluster_id only support \['int'\], but got <class 'str'>\."):
-        info.remote_cluster_id = "1"
+        info.remote_cluster_id = "1"  # type: ignore[assignment]
     with pytest.raises(TypeError):
         info.remote_cluster_id = True
     with pytest.raises(TypeError):
-        info.remote_cluster_id = None
+        info.remote_cluster_id = None  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"^remote_cluster_id's value is out of range,-1 is not a uint64 value\.$"):
         info.remote_cluster_id = -1
     with pytest.raises(ValueError):
@@ -92,15 +92,15 @@ def test_cluster_info_validation():
     info.remote_role_type = 2
     assert info.remote_role_type == 2
     with pytest.raises(TypeError):
-        info.remote_role_type = "PROMPT"
+        info.remote_role_type = "PROMPT"  # type: ignore[assignment]
     with pytest.raises(TypeError, match=r"ip only support \['str', 'int'\]"):
-        info.append_local_ip_info(1.5, 10)
+        info.append_local_ip_info(1.5, 10)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"port's value is out of range,65536 is not a uint16 value\."):
         info.append_local_ip_info("1.2.3.4", 65536)
     with pytest.raises(ValueError):
         info.append_remote_ip_info("1.2.3.4", -1)
     with pytest.raises(TypeError):
-        info.append_remote_ip_info("1.2.3.4", "80")
+        info.append_remote_ip_info("1.2.3.4", "80")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="Can not parse ip str:abc"):
         info.append_remote_ip_info("abc", 80)
     assert info.local_ip_info_list == []
@@ -240,7 +240,7 @@ def test_same_dict_returned_and_accumulates():
 def test_options_read_only():
     cfg = LLMConfig()
     with pytest.raises(AttributeError):
-        cfg.options = {}
+        cfg.options = {}  # type: ignore[misc]
 
 
 def test_getter_defaults():
@@ -312,7 +312,7 @@ def test_cluster_info_ip_conversion():
     with pytest.raises(LLMException):
         cfg.cluster_info = "[1, 2]"
     with pytest.raises(TypeError):
-        cfg.cluster_info = {"cluster_id": 1}
+        cfg.cluster_info = {"cluster_id": 1}  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------- LlmConfig validation
@@ -364,10 +364,10 @@ def test_config_type_errors(prop, value):
 def test_config_type_error_message():
     cfg = LLMConfig()
     with pytest.raises(TypeError) as ei:
-        cfg.listen_ip_info = 5
+        cfg.listen_ip_info = 5  # type: ignore[assignment]
     assert str(ei.value) == "listen_ip_info only support ['str'], but got <class 'int'>."
     with pytest.raises(TypeError) as ei:
-        cfg.device_id = "0"
+        cfg.device_id = "0"  # type: ignore[assignment]
     assert str(ei.value) == "device_id only support ['list', 'tuple', 'int'], but got <class 'str'>."
 
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_ascend.build import build, exported_symbols  # noqa: E402
@@ -117,6 +118,12 @@ def pattern(seed: int, n: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def address(p: C.c_void_p) -> int:
+    """The pointer a successful call stored in `p` (ctypes reads NULL as None)."""
+    assert p.value is not None, "NULL pointer"
+    return p.value
+
+
 class Fake:
     """Both fake libraries with typed entry points, plus helpers that raise on failure."""
 
@@ -129,6 +136,9 @@ class Fake:
             fn.restype, fn.argtypes = res, args
             setattr(self, name, fn)
 
+    if TYPE_CHECKING:  # the entry points of SIGNATURES, set in __init__
+        def __getattr__(self, name: str) -> Any: ...
+
     def err(self) -> str:
         return (self.aclGetRecentErrMsg() or b"").decode()
 
@@ -139,7 +149,7 @@ class Fake:
     def malloc(self, n: int) -> int:
         p = vp()
         self.check(self.aclrtMalloc(C.byref(p), n, 0), "aclrtMalloc")
-        return p.value
+        return address(p)
 
     def upload(self, data: bytes) -> int:
         p = self.malloc(len(data))
@@ -154,14 +164,14 @@ class Fake:
     def stream(self) -> int:
         s = vp()
         self.check(self.aclrtCreateStream(C.byref(s)), "aclrtCreateStream")
-        return s.value
+        return address(s)
 
     def root_info(self) -> RootInfo:
         root = RootInfo()
         self.check(self.HcclGetRootInfo(C.byref(root)), "HcclGetRootInfo")
         return root
 
-    def init(self, blob: bytes, rank: int) -> tuple[int, int]:
+    def init(self, blob: bytes, rank: int) -> tuple[int, int | None]:
         root = RootInfo()
         C.memmove(C.addressof(root), blob, len(blob))
         comm = vp()
@@ -170,6 +180,7 @@ class Fake:
     def join(self, blob: bytes, rank: int) -> int:
         rc, comm = self.init(blob, rank)
         self.check(rc, "HcclCommInitRootInfo")
+        assert comm is not None
         return comm
 
     def batch(self, comm, peer, sends=(), recvs=(), stream=None, dtype=UINT8) -> int:
@@ -220,17 +231,19 @@ class Peer:
         full_env = dict(os.environ, **(env or {}))
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", str(lib_dir)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=full_env, text=True)
-        self.lines: queue.Queue = queue.Queue()
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self):
-        for line in self.proc.stdout:
+        for line in self.stdout:
             self.lines.put(line)
         self.lines.put(None)
 
     def send(self, code: str) -> None:
-        self.proc.stdin.write(json.dumps(code) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(code) + "\n")
+        self.stdin.flush()
 
     def reply(self, timeout=15.0):
         line = self.lines.get(timeout=timeout)
@@ -248,7 +261,7 @@ class Peer:
     def close(self):
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.close()
+                self.stdin.close()
                 self.proc.wait(5)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
@@ -637,7 +650,7 @@ def connect(fk, peer) -> int:
     comm = vp()
     fk.check(fk.HcclCommInitRootInfo(2, C.byref(root), 0, C.byref(comm)), "HcclCommInitRootInfo")
     peer.reply()
-    return comm.value
+    return address(comm)
 
 
 def test_hccl_batch_both_directions_at_once(fk, peers, stream, monkeypatch):
@@ -792,8 +805,8 @@ def test_ipc_export_import_across_processes(fk, peers):
     fk.check(fk.aclrtIpcMemImportByKey(C.byref(p), key.encode(), 1), "import")
     assert fk.download(p.value, 8192) == pattern(7, 8192)
     local = fk.upload(pattern(8, 4096))
-    fk.check(fk.aclrtMemcpy(p.value + 1000, 4096, local, 4096, D2D))  # write into the peer's memory
-    assert fk.aclrtMemcpy(p.value + 8000, 4096, local, 4096, D2D) == ACL_ERROR_INVALID_PARAM  # past the region
+    fk.check(fk.aclrtMemcpy(address(p) + 1000, 4096, local, 4096, D2D))  # write into the peer's memory
+    assert fk.aclrtMemcpy(address(p) + 8000, 4096, local, 4096, D2D) == ACL_ERROR_INVALID_PARAM  # past the region
     assert peer("_ = fk.download(src + 1000, 4096) == pattern(8, 4096)") is True
     fk.check(fk.aclrtIpcMemClose(key.encode()))
     assert fk.aclrtMemcpy(local, 16, p.value, 16, D2D) == ACL_ERROR_INVALID_PARAM  # unmapped

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from internals import ClientError, ManagementClient, NotReady, RoleRejected, client_context
+from internals import ClientError, ManagementClient, NotReady, Response, RoleRejected, client_context
 from server_util import LOCAL, Certs, Serve, decode_body, free_block, free_ports, wait_for, write_config
 
 LOCAL_ID = 10
@@ -287,6 +287,7 @@ def test_503_cannot_be_applied(assigned, name, make, words):
     assert state(assigned.client) == before
     with pytest.raises(RoleRejected) as e:  # the client reports it
         assigned.client.post_role("prefill", make())
+    assert e.value.response is not None
     assert e.value.response.status == 503
 
 
@@ -322,6 +323,7 @@ def test_a_failed_link_is_reported_not_fatal(assigned):
     assert assigned.server.alive() and c.healthy()  # never linked, so not "lost"
     with pytest.raises(NotReady) as e:
         c.wait_ready("decode", timeout=0.3, interval=0.1)
+    assert e.value.last is not None
     assert e.value.last["linkStatus"]["peers"][0]["target"] == 21
     text = assigned.metrics.metrics()
     assert 'pdlink_errors_total{code="LLM_LINK_FAILED",op="link"}' in text
@@ -349,7 +351,7 @@ def test_an_assignment_that_fails_to_apply_is_reported(assigned):
 def test_concurrent_role_posts_are_serialised(assigned):
     c = assigned.client
     posts = [("prefill" if i % 2 else "decode", body(peers=[(200 + i, [1]), (300 + i, [2])])) for i in range(8)]
-    results = [None] * len(posts)
+    results: list[Response | None] = [None] * len(posts)
 
     def post(i):
         results[i] = c.request("POST", f"/v1/role/{posts[i][0]}", posts[i][1])
@@ -360,9 +362,10 @@ def test_concurrent_role_posts_are_serialised(assigned):
     for t in threads:
         t.join(30)
     assert all(r is not None and r.status == 200 and r.json() == {"result": "ok"} for r in results)
-    gens = sorted(int(r.headers["x-pdlink-generation"]) for r in results)
+    responses = [r for r in results if r is not None]  # all of them, in post order
+    gens = sorted(int(r.headers["x-pdlink-generation"]) for r in responses)
     assert gens == list(range(gens[0], gens[0] + len(posts)))  # each post got its own generation
-    last = max(range(len(posts)), key=lambda i: int(results[i].headers["x-pdlink-generation"]))
+    last = max(range(len(posts)), key=lambda i: int(responses[i].headers["x-pdlink-generation"]))
     status = wait_for(lambda: (s := c.status())["pdlink"]["appliedGeneration"] == gens[-1] and s, 15)
     assert status, c.status()
     assert status["service"]["currentRole"] == posts[last][0]

@@ -24,7 +24,7 @@ class Stub:
 
     def __init__(self, script):
         self.script = list(script)
-        self.requests = []
+        self.requests: list[tuple[str, str, str | None, bytes]] = []  # method, path, Content-Type, body
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -122,6 +122,7 @@ def test_ready_means_role_ready_with_the_expected_role(stub):
     s = stub(status_doc("RoleReady", "prefill"))
     with pytest.raises(NotReady) as e:
         s.client().wait_ready("decode", timeout=0.2, interval=0.02)
+    assert e.value.last is not None
     assert e.value.last["service"]["currentRole"] == "prefill"
 
 

@@ -48,6 +48,7 @@ import socket
 import ssl
 import sys
 from collections import Counter
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -586,7 +587,7 @@ def mutate(draw: Any, body: Any) -> Any:
     elif op == "retype":
         key = draw(st.sampled_from(keys))
         old = spot[key]
-        spot[key] = draw(values.filter(lambda v, old=old: type(v) is not type(old)))
+        spot[key] = draw(values.filter(lambda v: type(v) is not type(old)))
     elif op == "wrap":
         key = draw(st.sampled_from(keys))
         how = draw(st.sampled_from(["list", "dict", "deep", "text"]))
@@ -781,6 +782,7 @@ def test_framing_lies(fz, framing):
     def run(role, ctype, data, delta, cuts, bad):
         target, hdrs = f"/v1/role/{role}", [("Content-Type", ctype)]
         timeout = 10.0
+        allowed: AbstractSet[int | bytes | None]  # statuses, None (no answer), PLAIN_400
         if framing == "exact":
             req = request_bytes("POST", target, hdrs + [("Content-Length", str(len(data)))], data)
             allowed = expect_role(fz, role, ctype, data) | ({None} if len(data) > LIMIT else set())
@@ -849,6 +851,7 @@ def test_gets(fz):
         target = path + ("" if query is None else "?" + query)
         ans = exchange(fz, request_bytes(method, target, headers), head=method == "HEAD")
         check_answer(fz, ans, {200}, f"{method} {target!r}", head=method == "HEAD")
+        assert ans is not None
         if method == "GET":
             if path == "/v1/status":
                 check_status_doc(json.loads(ans.body))
@@ -878,7 +881,7 @@ def test_an_address_is_printable_ascii(where, zone):
     surrogate there, the 503 naming the address could not be encoded (500), and with
     ``listenIpSource`` ``device_ip`` the address was accepted, stored, and every later
     ``GET /v1/status`` failed (500) until the next assignment. Such addresses are now a 422."""
-    body = {"local": node_json(LOCAL_ID, LOCAL, "0"), "peers": [node_json(1, LOCAL, "1")]}
+    body: dict[str, Any] = {"local": node_json(LOCAL_ID, LOCAL, "0"), "peers": [node_json(1, LOCAL, "1")]}
     node, _, key = where.rpartition(".")
     spot = body["local"] if node == "local" else body["peers"][0] if node == "peers[0]" else body["local"]["device"][0]
     spot[key] = "fe80::1%" + zone
@@ -891,7 +894,7 @@ def test_an_address_is_printable_ascii(where, zone):
 def test_zone_ids_over_the_api(fz):
     for ip in ("::1%\ud800", "fe80::1%\udc80"):
         for node in ("local", "peers"):
-            body = {"local": node_json(LOCAL_ID, LOCAL, "0"), "peers": [node_json(1, LOCAL, "1")]}
+            body: dict[str, Any] = {"local": node_json(LOCAL_ID, LOCAL, "0"), "peers": [node_json(1, LOCAL, "1")]}
             (body["local"] if node == "local" else body["peers"][0])["server_ip"] = ip
             data = encode(dump(body))
             ans = exchange(fz, request_bytes("POST", "/v1/role/prefill", [("Content-Type", "application/json"),
@@ -911,6 +914,7 @@ def test_a_trailing_slash_is_not_redirected(fz, method, target):
            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
     ans = exchange(fz, req)
     check_answer(fz, ans, {404}, f"{method} {target}")
+    assert ans is not None
     assert "location" not in ans.headers
     check_server(fz, None)
 

@@ -91,13 +91,13 @@ def test_code_2_status_known_and_unknown():
 
 def test_llm_exception_basics():
     exc = LLMException("boom", status_code=LLMStatusCode.LLM_TIMEOUT)
-    assert isinstance(exc, RuntimeError)
+    assert issubclass(type(exc), RuntimeError)  # not isinstance: mypy would narrow exc to RuntimeError
     assert exc.status_code is LLMStatusCode.LLM_TIMEOUT
     assert str(exc) == "boom"
     assert exc.args == ("boom",)
     assert LLMException("x").status_code is LLMStatusCode.LLM_SUCCESS
     with pytest.raises(AttributeError):
-        exc.status_code = LLMStatusCode.LLM_FAILED
+        exc.status_code = LLMStatusCode.LLM_FAILED  # type: ignore[misc]
     with pytest.raises(RuntimeError):
         raise exc
 
@@ -118,7 +118,9 @@ def test_llm_exception_subclass_pickle():
 
     # local classes are not picklable by reference; use copy semantics via __reduce__
     exc = MyExc("a", status_code=LLMStatusCode.LLM_LINK_BUSY)
-    func, args = exc.__reduce__()
+    reduced = exc.__reduce__()
+    assert isinstance(reduced, tuple)
+    func, args = reduced
     restored = func(*args)
     assert type(restored) is MyExc
     assert restored.status_code is LLMStatusCode.LLM_LINK_BUSY

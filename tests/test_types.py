@@ -136,9 +136,9 @@ def test_cache_desc_update_dim():
     with pytest.raises(LLMException):
         desc.update_dim(-1, 1)
     with pytest.raises(TypeError):
-        desc.update_dim("0", 1)
+        desc.update_dim("0", 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        desc.update_dim(0, "1")
+        desc.update_dim(0, "1")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         desc.update_dim(0, 2**63)
     tdesc = CacheDesc(1, (2, 3), DataType.DT_INT8)
@@ -173,7 +173,7 @@ def test_cache_desc_type_errors(args, kwargs):
 
 def test_cache_desc_type_error_message():
     with pytest.raises(TypeError) as ei:
-        CacheDesc("2", [1], DataType.DT_FLOAT)
+        CacheDesc("2", [1], DataType.DT_FLOAT)  # type: ignore[arg-type]
     assert str(ei.value) == "num_tensors only support ['int'], but got <class 'str'>."
 
 
@@ -302,12 +302,12 @@ def test_cache_key_error_messages():
     with pytest.raises(TypeError) as ei:
         CacheKey(1, "2")
     assert str(ei.value) == "req_id only support ['int'], but got <class 'str'>."
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(ValueError) as vi:
         CacheKey(1, 2, 0, 2**64)
-    assert str(ei.value) == f"prefix_id's value is out of range,{2**64} is not a uint64 value."
-    with pytest.raises(ValueError) as ei:
+    assert str(vi.value) == f"prefix_id's value is out of range,{2**64} is not a uint64 value."
+    with pytest.raises(ValueError) as vi:
         CacheKey(prompt_cluster_id=-1, req_id=1)
-    assert str(ei.value) == "prompt_cluster_id's value is out of range,-1 is not a uint64 value."
+    assert str(vi.value) == "prompt_cluster_id's value is out of range,-1 is not a uint64 value."
 
 
 # ---------------------------------------------------------------------------- CacheKeyByIdAndIndex
@@ -402,7 +402,7 @@ def test_cache_handle():
     assert cache.tensor_addrs == []
     assert addrs == [0x1000, 0x2000]  # the caller's list is not cleared
     assert not hasattr(Cache, "__del__")
-    blocks = Cache(2, desc, (1, 2), is_blocks_cache=True)
+    blocks = Cache(2, desc, (1, 2), is_blocks_cache=True)  # type: ignore[arg-type]
     assert blocks.is_blocks_cache is True
     assert blocks.tensor_addrs == [1, 2]
 
@@ -410,15 +410,15 @@ def test_cache_handle():
 def test_cache_handle_validation():
     desc = CacheDesc(2, [4, 8], DataType.DT_FLOAT16)
     with pytest.raises(TypeError):
-        Cache("1", desc, [1, 2])
+        Cache("1", desc, [1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         Cache(2**63, desc, [1, 2])
     with pytest.raises(TypeError):
-        Cache(1, None, [1, 2])
+        Cache(1, None, [1, 2])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        Cache(1, desc, [1, "2"])
+        Cache(1, desc, [1, "2"])  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        Cache(1, desc, [1, 2], is_blocks_cache=1)
+        Cache(1, desc, [1, 2], is_blocks_cache=1)  # type: ignore[arg-type]
 
 
 def test_cache_create_cpu_cache():
@@ -435,11 +435,11 @@ def test_cache_create_cpu_cache():
         Cache.create_cpu_cache(desc, [10])
     _assert_param_invalid(ei)
     with pytest.raises(TypeError):
-        Cache.create_cpu_cache(desc, [10, "20"])
+        Cache.create_cpu_cache(desc, [10, "20"])  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        Cache.create_cpu_cache("desc", [10, 20])
+        Cache.create_cpu_cache("desc", [10, 20])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        Cache.create_cpu_cache(desc, 10)
+        Cache.create_cpu_cache(desc, 10)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- KvCache
@@ -456,9 +456,9 @@ def test_kv_cache_handle():
     kv._invalidate()
     assert kv.per_device_tensor_addrs == []
     with pytest.raises(TypeError):
-        KvCache(3, desc, [1, 2])
+        KvCache(3, desc, [1, 2])  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        KvCache("3", desc, [[1, 2]])
+        KvCache("3", desc, [[1, 2]])  # type: ignore[arg-type]
 
 
 def test_kv_cache_create_cpu_cache():
@@ -470,13 +470,13 @@ def test_kv_cache_create_cpu_cache():
     assert nested.per_device_tensor_addrs == [[1, 2], [3, 4]]
     for bad in ([], [1], [[1, 2], [3]], [[1, 2], 3], [1, [2, 3]]):
         with pytest.raises(LLMException) as ei:
-            KvCache.create_cpu_cache(desc, bad)
+            KvCache.create_cpu_cache(desc, bad)  # type: ignore[arg-type]
         _assert_param_invalid(ei)
     with pytest.raises(LLMException):
         KvCache.create_cpu_cache(CacheDesc(2, [4], DataType.DT_FLOAT), [1, 2])
-    for bad in ((1, 2), [1, "2"], [[1, "2"]], ["a", "b"]):
+    for wrong in ((1, 2), [1, "2"], [[1, "2"]], ["a", "b"]):
         with pytest.raises(TypeError):
-            KvCache.create_cpu_cache(desc, bad)
+            KvCache.create_cpu_cache(desc, wrong)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- MemInfo
@@ -503,7 +503,7 @@ def test_transfer_config():
     assert cfg.src_layer_range is None
     assert cfg.src_batch_index == 0
     assert cfg.dst_layer_range is None
-    cfg = TransferConfig(2, (1, 2, 3, 4), range(0, 2), 3)
+    cfg = TransferConfig(2, (1, 2, 3, 4), range(0, 2), 3)  # type: ignore[arg-type]
     assert cfg.src_layer_range == range(0, 2)
     assert cfg.src_batch_index == 3
     cfg.dst_cluster_id = 5
@@ -520,17 +520,17 @@ def test_transfer_config():
 
 def test_transfer_config_errors():
     with pytest.raises(TypeError):
-        TransferConfig("1", [1])
+        TransferConfig("1", [1])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         TransferConfig(-1, [1])
     with pytest.raises(TypeError):
-        TransferConfig(1, None)
+        TransferConfig(1, None)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        TransferConfig(1, [1, "2"])
+        TransferConfig(1, [1, "2"])  # type: ignore[list-item]
     with pytest.raises(ValueError):
         TransferConfig(1, [1, -2])
     with pytest.raises(TypeError):
-        TransferConfig(1, [1], [0, 1])
+        TransferConfig(1, [1], [0, 1])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         TransferConfig(1, [1], None, -1)
     for bad in (range(0, 4, 2), range(2, 2), range(3, 1), range(-1, 1)):
@@ -541,7 +541,7 @@ def test_transfer_config_errors():
     with pytest.raises(ValueError):
         cfg.dst_cluster_id = 2**64
     with pytest.raises(TypeError):
-        cfg.dst_addrs = 5
+        cfg.dst_addrs = 5  # type: ignore[assignment]
     with pytest.raises(LLMException):
         cfg.src_layer_range = range(1, 0)
     with pytest.raises(ValueError):
@@ -582,9 +582,9 @@ def test_transfer_with_cache_key_config_errors():
     with pytest.raises(TypeError):
         TransferWithCacheKeyConfig(key, None, range(0, 1))
     with pytest.raises(TypeError):
-        TransferWithCacheKeyConfig(CacheKey(1, 2), range(0, 1), range(0, 1))
+        TransferWithCacheKeyConfig(CacheKey(1, 2), range(0, 1), range(0, 1))  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        TransferWithCacheKeyConfig(None, range(0, 1), range(0, 1))
+        TransferWithCacheKeyConfig(None, range(0, 1), range(0, 1))  # type: ignore[arg-type]
     for src, dst in ((range(0, 2), range(0, 3)), (range(0, 4, 2), range(0, 2)), (range(1, 1), range(0, 0))):
         with pytest.raises(LLMException) as ei:
             TransferWithCacheKeyConfig(key, src, dst)
@@ -601,9 +601,9 @@ def test_transfer_with_cache_key_config_errors():
     with pytest.raises(LLMException):
         cfg.cache_key = BlocksCacheKey(1)
     with pytest.raises(TypeError):
-        cfg.cache_key = None
+        cfg.cache_key = None  # type: ignore[assignment]
     with pytest.raises(TypeError):
-        cfg.src_layer_range = None
+        cfg.src_layer_range = None  # type: ignore[assignment]
     with pytest.raises(LLMException):
         cfg.dst_layer_range = range(0, 2, 2)
 
@@ -613,7 +613,7 @@ def test_transfer_with_cache_key_config_errors():
 
 def test_layer_synchronizer_abc():
     with pytest.raises(TypeError):
-        LayerSynchronizer()
+        LayerSynchronizer()  # type: ignore[abstract]
 
     class Sync(LayerSynchronizer):
         def __init__(self):

@@ -134,9 +134,9 @@ def test_range_checks(checker, word, low, high):
     with pytest.raises(ValueError) as ei:
         checker("v", low - 1)
     assert str(ei.value) == f"v's value is out of range,{low - 1} is not a {word} value."
-    with pytest.raises(TypeError) as ei:
+    with pytest.raises(TypeError) as ti:
         checker("v", "1")
-    assert str(ei.value) == "v only support ['int'], but got <class 'str'>."
+    assert str(ti.value) == "v only support ['int'], but got <class 'str'>."
     with pytest.raises(TypeError):
         checker("v", None)
     with pytest.raises(TypeError):
@@ -231,7 +231,7 @@ def test_itemsize_errors():
     assert ei.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
     assert "not computable" in str(ei.value)
     with pytest.raises(TypeError):
-        itemsize(1)
+        itemsize(1)  # type: ignore[arg-type]
 
 
 def test_numpy_maps():

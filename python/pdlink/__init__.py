@@ -10,7 +10,7 @@ load on first use of a name that needs them.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,31 @@ _EXPORTS = {
     "Tensor": "tensor",
     "LLMDataDist": "llm_datadist",
 }
+
+if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for type checkers
+    from .cache_manager import CacheManager  # noqa: F401
+    from .configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401
+    from .data_type import DataType  # noqa: F401
+    from .kv_cache_manager import KvCacheManager  # noqa: F401
+    from .llm_datadist import LLMDataDist  # noqa: F401
+    from .llm_types import (  # noqa: F401
+        BlocksCacheKey,
+        Cache,
+        CacheDesc,
+        CacheKey,
+        CacheKeyByIdAndIndex,
+        KvCache,
+        LayerSynchronizer,
+        MemInfo,
+        Memtype,
+        Placement,
+        RegisterMemStatus,
+        TransferConfig,
+        TransferWithCacheKeyConfig,
+    )
+    from .status import LLMException, LLMStatusCode, Status, code_2_status  # noqa: F401
+    from .tensor import Tensor, TensorDesc  # noqa: F401
+    from .transfer import CacheTask  # noqa: F401
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from .status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 
@@ -239,6 +239,12 @@ def check_list_int64(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
 def check_list_uint64(arg_name: str, seq: Any, allow_none: bool = False) -> Any:
     """list/tuple whose elements are all uint64 (``TypeError`` / ``ValueError``). Returns ``seq``."""
     return _check_list_range(arg_name, seq, check_uint64, allow_none)
+
+
+@overload
+def check_layer_range(arg_name: str, layer_range: Any, allow_none: Literal[False]) -> range: ...
+@overload
+def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) -> range | None: ...
 
 
 def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) -> range | None:

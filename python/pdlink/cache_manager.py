@@ -96,6 +96,7 @@ def _layer_tensors(
     )
     src = src_layer_range if src_layer_range is not None else dst_layer_range
     dst = dst_layer_range if dst_layer_range is not None else src_layer_range
+    assert src is not None and dst is not None  # not both None (returned above)
     raise_if_false(len(src) == len(dst), f"src_layer_range {src} and dst_layer_range {dst} differ in length")
     return list(range(src.start * n, src.stop * n)), list(range(dst.start * n, dst.stop * n))
 
@@ -434,7 +435,7 @@ class CacheManager:
         raise_if_false(cache.is_blocks_cache, "copy_blocks needs a blocks cache")
         num_blocks = cache.cache_desc.shape[0]
         stride = cache.cache_desc.size // num_blocks
-        runs = []
+        runs: list[tuple[int, int, int]] = []
         for src, dsts in copy_block_info.items():
             check_list_int64("copy_block_info value", dsts)
             for dst in [src, *dsts]:

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import cast
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
                 from .server.tls import server_context
 
                 for p in settings.planes:
+                    assert p.tls is not None  # every plane has TLS when httpsEnabled
                     server_context(p.tls, p.name)
             print(json.dumps(settings.summary(), indent=2))
             return 0
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ascend = _core.ascend_info()
         where = ascend.get("library_dir") or "the loader path"
-        state = f"loaded from {where}" if ascend["loaded"] else "unavailable: " + ascend["error"]
+        state = f"loaded from {where}" if ascend["loaded"] else "unavailable: " + cast(str, ascend["error"])
         print(f"pdlink {__version__} (wire protocol {_core.PROTOCOL_VERSION}, backends: cpu, ascend)")
         print(f"ascend runtime: {state}")
         return 0

@@ -178,6 +178,7 @@ def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
     raw_devices = options.get("ge.exec.deviceId")
     raise_if_false(bool(raw_devices),
                    "KvCacheManager mode requires ge.exec.deviceId (set LLMConfig.device_id)")
+    assert raw_devices is not None  # raise_if_false above
     parts = raw_devices.split(";")
     raise_if_false(all(p.isdigit() for p in parts),
                    f"ge.exec.deviceId must be a device id or ';'-separated ids, got {raw_devices!r}")
@@ -639,6 +640,7 @@ class LLMDataDist:
         if role == LLMRole.PROMPT:
             raise_if_false(switch_options is not None and "llm.listenIpInfo" in switch_options,
                            "switch_role to LLMRole.PROMPT requires llm.listenIpInfo in switch_options")
+            assert switch_options is not None  # raise_if_false above
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
         raise_if_false(self._switch_role_enabled,
                        "switch_role needs LLMConfig.enable_switch_role = True at init (KvCacheManager mode)",

@@ -14,7 +14,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from ._enum import NamedIntEnum
 from ._utils import (
@@ -611,18 +611,20 @@ class KvCache:
                 "the type of the internal element of addrs should be consistent.",
             )
             if nested:
-                check_list_of("the internal element of addrs", addr, int, seq_types=list)
+                inner = cast("list[int]", addr)  # isinstance(addr, list) == nested, checked above
+                check_list_of("the internal element of addrs", inner, int, seq_types=list)
                 raise_if_false(
-                    cache_desc.num_tensors == len(addr),
+                    cache_desc.num_tensors == len(inner),
                     f"cache_desc num_tensors:{cache_desc.num_tensors} "
-                    f"should be equal to size of the internal element of addrs:{len(addr)}",
+                    f"should be equal to size of the internal element of addrs:{len(inner)}",
                 )
         if not nested:
             raise_if_false(
                 cache_desc.num_tensors == len(addrs),
                 f"cache_desc num_tensors:{cache_desc.num_tensors} should be equal to size of addrs:{len(addrs)}",
             )
-        return cls(-1, cache_desc, addrs if nested else [addrs])
+        # Every element is a list when nested, an int otherwise (checked above).
+        return cls(-1, cache_desc, cast("list[list[int]]", addrs) if nested else [cast("list[int]", addrs)])
 
     def __repr__(self) -> str:
         return f"KvCache(cache_id={self._cache_id}, num_devices={len(self._per_device_tensor_addrs)})"
@@ -751,13 +753,13 @@ class TransferWithCacheKeyConfig:
     def __init__(
         self,
         cache_key: BlocksCacheKey | CacheKeyByIdAndIndex,
-        src_layer_range: range = None,
-        dst_layer_range: range = None,
+        src_layer_range: range | None = None,  # required: None -> TypeError
+        dst_layer_range: range | None = None,  # required: None -> TypeError
         src_batch_index: int = 0,
     ) -> None:
         self._check_cache_key(cache_key)
-        check_layer_range("src_layer_range", src_layer_range, allow_none=False)
-        check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
+        src_layer_range = check_layer_range("src_layer_range", src_layer_range, allow_none=False)
+        dst_layer_range = check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
         raise_if_false(
             len(src_layer_range) == len(dst_layer_range),
             f"src_layer_range size should be equal to dst_layer_range size, "

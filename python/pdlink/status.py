@@ -88,7 +88,7 @@ def code_2_status(status: int) -> LLMStatusCode:
         return LLMStatusCode.LLM_FAILED
 
 
-def _rebuild_llm_exception(cls: type, args: tuple, status_code: Any, state: dict | None) -> LLMException:
+def _rebuild_llm_exception(cls: type[LLMException], args: tuple, status_code: Any, state: dict | None) -> LLMException:
     """Unpickling helper for LLMException (and subclasses)."""
     exc = cls.__new__(cls)
     BaseException.__init__(exc, *args)

@@ -79,6 +79,9 @@ class Tensor:
     obtained earlier with ``copy=False`` must not be used after that: its memory is gone.
     """
 
+    _tensor_desc: TensorDesc
+    _array: Any  # a numpy.ndarray, or None for a view of cache memory
+
     def __init__(self, data: Any, tensor_desc: TensorDesc | None = None) -> None:
         import numpy as np
 
@@ -165,7 +168,8 @@ class Tensor:
             self._device_backend.copy(host.ctypes.data, 0, self._addr, 1, nbytes)  # device -> host
             return host.view(storage).reshape(desc.shape)
         buf = (ctypes.c_uint8 * nbytes).from_address(self._addr)
-        return np.frombuffer(buf, dtype=storage).reshape(desc.shape)
+        # ctypes arrays export the buffer protocol; numpy's stubs only list concrete buffer types
+        return np.frombuffer(buf, dtype=storage).reshape(desc.shape)  # type: ignore[call-overload]
 
     def numpy(self, copy: bool = False) -> Any:
         """The data as a numpy array: a view of the memory unless ``copy=True``.

@@ -162,7 +162,7 @@ class _Target:
         self.src_range: range = config.src_layer_range if config.src_layer_range is not None else range(num_layers)
         self.batch_index: int = config.src_batch_index
         self.raw = isinstance(config, TransferConfig)
-        if self.raw:
+        if isinstance(config, TransferConfig):  # self.raw
             self.key = None
             self.dst_addrs: list[int] = list(config.dst_addrs)
             self.dst_start = 0
@@ -305,7 +305,7 @@ def transfer_cache_async(
     src_cache: Any,
     src_is_blocks: bool,
     layer_synchronizer: LayerSynchronizer,
-    transfer_configs: list[TransferConfigLike] | tuple[TransferConfigLike, ...],
+    transfer_configs: Sequence[TransferConfigLike],  # must be a list or tuple (checked below)
     src_block_indices: Sequence[int] | None = None,
     dst_block_indices: Sequence[int] | None = None,
     dst_block_memory_size: int | None = None,
@@ -334,6 +334,7 @@ def transfer_cache_async(
     if src_block_indices:
         raise_if_false(dst_block_indices, "transfer from blocks to cache is not supported: "
                        "src_block_indices need dst_block_indices")
+        assert dst_block_indices is not None  # raise_if_false above
         raise_if_false(len(src_block_indices) == len(dst_block_indices),
                        "num_block_indices mismatches, src_num = {0}, dst_num = {1}",
                        len(src_block_indices), len(dst_block_indices))
@@ -366,7 +367,7 @@ def transfer_cache_async(
         r = target.src_range
         raise_if_false(0 <= r.start < r.stop <= num_layers,
                        "src_layer_range: {0} out of range, src_layer_num = {1}", r, num_layers)
-        if target.raw:
+        if isinstance(config, TransferConfig):  # target.raw
             expected = len(r) * _TENSORS_PER_LAYER
             raise_if_false(len(target.dst_addrs) == expected,
                            "expect {0} dst_addrs, but len(dst_addrs) = {1}, range = {2}",

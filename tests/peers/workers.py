@@ -31,7 +31,8 @@ def concurrent_pulls(key: BlocksCacheKey, name: str, threads: int, iterations: i
     return errors
 
 
-Outcome = str | LLMStatusCode  # "ok", or the status code of the transfer that failed
+# "ok", or the status code of the transfer that failed (LLMException.status_code: LLMStatusCode | int)
+Outcome = str | LLMStatusCode | int
 
 
 @dataclasses.dataclass

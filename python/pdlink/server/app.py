@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..status import LLMException
+from ..status import LLMException, LLMStatusCode
 from .config import Settings
 from .node import Node, Unavailable
 from .validation import ROLES, BodyError, parse_role_request
@@ -165,7 +165,8 @@ def _handlers(settings: Settings, node: Node, metrics: Any) -> dict[str, Any]:
         except Unavailable as e:
             return error(503, str(e), "Service Unavailable")
         except LLMException as e:
-            return error(503, str(e), e.status_code.name)
+            # pdlink raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
+            return error(503, str(e), cast(LLMStatusCode, e.status_code).name)
         except ValueError as e:
             return error(500, f"KV verification failed: {e}", "Verification Failed")
 

@@ -27,13 +27,14 @@ This module uses the standard library only.
 
 from __future__ import annotations
 
+import builtins
 import ipaddress
 import json
 import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast, overload
 
 __all__ = ["ConfigError", "Settings", "Plane", "TlsFiles", "KvTransfer", "TestKv", "ModelInfo", "load", "parse",
            "locate", "read_config_file", "MAX_CONFIG_BYTES", "EMBEDDED"]
@@ -257,21 +258,27 @@ def load(cli_path: str | None = None, env: Mapping[str, str] | None = None) -> S
 class _Section:
     """Typed access to one JSON object, with error messages naming the field."""
 
-    def __init__(self, raw: Any, name: str, strict: bool = False):
+    # The accessors below are named after builtins, which they shadow in this class body: annotations
+    # here spell the builtins as ``builtins.X``.
+
+    def __init__(self, raw: Any, name: builtins.str, strict: builtins.bool = False):
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{name} must be a JSON object")
-        self.raw, self.name, self.strict, self.seen = raw, name, strict, set()
+        self.raw: dict[builtins.str, Any] = raw
+        self.name = name
+        self.strict = strict
+        self.seen: set[builtins.str] = set()
 
-    def _get(self, key: str) -> Any:
+    def _get(self, key: builtins.str) -> Any:
         self.seen.add(key)
         return self.raw.get(key)
 
-    def has(self, key: str) -> bool:
+    def has(self, key: builtins.str) -> builtins.bool:
         return self.raw.get(key) is not None
 
-    def bool(self, key: str, default: bool) -> bool:
+    def bool(self, key: builtins.str, default: builtins.bool) -> builtins.bool:
         v = self._get(key)
         if v is None:
             return default
@@ -279,7 +286,14 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be true or false, got {v!r}")
         return v
 
-    def int(self, key: str, default: int | None, lo: int, hi: int) -> int | None:
+    @overload
+    def int(self, key: builtins.str, default: builtins.int, lo: builtins.int, hi: builtins.int) -> builtins.int: ...
+    @overload
+    def int(self, key: builtins.str, default: builtins.int | None, lo: builtins.int,
+            hi: builtins.int) -> builtins.int | None: ...
+
+    def int(self, key: builtins.str, default: builtins.int | None, lo: builtins.int,
+            hi: builtins.int) -> builtins.int | None:
         v = self._get(key)
         if v is None:
             return default
@@ -287,7 +301,15 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be an integer in [{lo}, {hi}], got {v!r}")
         return v
 
-    def str(self, key: str, default: str | None, choices: tuple[str, ...] | None = None) -> str | None:
+    @overload
+    def str(self, key: builtins.str, default: builtins.str,
+            choices: tuple[builtins.str, ...] | None = None) -> builtins.str: ...
+    @overload
+    def str(self, key: builtins.str, default: builtins.str | None,
+            choices: tuple[builtins.str, ...] | None = None) -> builtins.str | None: ...
+
+    def str(self, key: builtins.str, default: builtins.str | None,
+            choices: tuple[builtins.str, ...] | None = None) -> builtins.str | None:
         v = self._get(key)
         if v is None:
             return default
@@ -296,7 +318,7 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be {want}, got {v!r}")
         return v
 
-    def str_list(self, key: str, default: list[str], max_len: int) -> list[str]:
+    def str_list(self, key: builtins.str, default: list[builtins.str], max_len: builtins.int) -> list[builtins.str]:
         v = self._get(key)
         if v is None:
             return list(default)
@@ -304,7 +326,7 @@ class _Section:
             raise ConfigError(f"{self.name}.{key} must be a list of at most {max_len} file names, got {v!r}")
         return list(v)
 
-    def section(self, key: str, strict: bool = False) -> _Section:
+    def section(self, key: builtins.str, strict: builtins.bool = False) -> _Section:
         return _Section(self._get(key), f"{self.name}.{key}", strict)
 
     def done(self) -> None:
@@ -484,7 +506,8 @@ def parse(raw: dict[str, Any], source: str, home: str | None, env: Mapping[str, 
     if env.get("MIES_CONTAINER_MANAGEMENT_IP"):
         management_ip = _ip(env["MIES_CONTAINER_MANAGEMENT_IP"], "env MIES_CONTAINER_MANAGEMENT_IP")
     elif sc.has("managementIpAddress"):
-        management_ip = _ip(sc.str("managementIpAddress", None), "ServerConfig.managementIpAddress")
+        # sc.has() above: the value is present, so str() returns it, never the None default
+        management_ip = _ip(cast(str, sc.str("managementIpAddress", None)), "ServerConfig.managementIpAddress")
     else:
         management_ip = ip_address
     port = sc.int("port", 1025, 1024, 65535)

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
@@ -101,7 +101,8 @@ class ObservedEngine:
                                   local_cache_id, mode, local_slot, size, local_blocks, remote_blocks, local_tensors,
                                   remote_tensors, local_runs, remote_runs)
         except LLMException as e:
-            self._metrics.transfer_failed(op, e.status_code.name)
+            # The binding raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
+            self._metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
             raise
         seconds = time.perf_counter() - t0
         tensors, unit = self._geometry.get(local_cache_id, (0, 0))
@@ -335,6 +336,7 @@ class Node:
                 if self._stopping:
                     return
                 plan, gen = self._desired, self._generation
+                assert plan is not None  # accept() sets it with every generation
             error = None
             try:
                 self._apply(plan)
@@ -429,6 +431,7 @@ class Node:
             old = self._listening
             for i in switched:  # best effort: put the switched engines back
                 ip, port = old[i] if old else ("", 0)
+                assert self._engine_role is not None  # set when the engines were created
                 try:
                     self._unlink([link["peer_cluster_id"] for link in self._engines[i].links()], [self._engines[i]])
                     self._engines[i].switch_role(ROLES[self._engine_role], ip, port)
@@ -547,7 +550,7 @@ class Node:
                 service["p_percentage"] = self._p_percentage
             blocks = kv.test_kv.num_blocks * len(self._test_kv)
             engines = list(self._engines)
-            ext = {
+            ext: dict[str, Any] = {
                 "clusterId": self._cluster_id, "generation": self._generation, "appliedGeneration": self._applied,
                 "lastError": self._last_error, "engineRole": self._engine_role, "peers": views,
                 "devices": [{"index": i, "deviceId": self._device_ids[i] if i < len(self._device_ids) else None,
@@ -572,8 +575,8 @@ class Node:
         """Cheap numbers for the metrics collector."""
         with self._lock:
             engines = list(self._engines)
-            return_value = {"role": self._role, "role_status": self._role_status, "generation": self._generation,
-                            "peers": len(self._peers)}
+            return_value: dict[str, Any] = {"role": self._role, "role_status": self._role_status,
+                                            "generation": self._generation, "peers": len(self._peers)}
         return_value["links"] = [len(e.links()) for e in engines]
         return return_value
 
