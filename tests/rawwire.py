@@ -1,22 +1,36 @@
-"""A raw client of pdlink's wire protocol (v2), for hostile-peer tests: it says exactly the bytes a
-test wants, well-formed or not. Layouts: docs/architecture.md, "Wire protocol"."""
+"""A raw speaker of pdlink's wire protocol (v3), for hostile-peer and hostile-server tests: it says
+exactly the bytes a test wants, well-formed or not. Layouts: csrc/transport/wire.h and
+docs/architecture.md, "Wire protocol"."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
 import socket
 import struct
 
-HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC = 0x4B4C4450, 0x414C4450, 0x524C4450, 0x514C4450
-ACK_FIXED = 22 + 40 + 16 + 32
+VERSION = 3
+HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC, RESPONSE_MAGIC = (
+    0x4B4C4450, 0x414C4450, 0x524C4450, 0x514C4450, 0x534C4450)
+HELLO_BYTES = 48
+ACK_FIXED = 22 + 16 + 32
+CLIENT_AUTH_BYTES = 32 + 16 + 8 + 8
+AUTH_FIXED = 22
+HELLO_SAME_HOST = 1
+
+OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE, OP_DEVICE_CHANNEL = range(1, 9)
+FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED = 1, 2, 4
+KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW = range(1, 6)
+ANY = 2**64 - 1
+LINK_FAILED = 0x5010B009
 
 
-def hello(version=2, channel=0, cluster=9, expected=1, nonce=1234, challenge=None):
-    """A Hello; the identity is zeros ("not on your host")."""
+def hello(version: int = VERSION, channel: int = 0, cluster: int = 9, expected: int = 1, nonce: int = 1234,
+          challenge: bytes | None = None, flags: int = 0) -> bytes:
     challenge = challenge if challenge is not None else os.urandom(16)
-    return struct.pack("<IHBBQQQ", HELLO_MAGIC, version, channel, 0, cluster, expected, nonce) + bytes(40) + challenge
+    return struct.pack("<IHBBQQQ", HELLO_MAGIC, version, channel, flags, cluster, expected, nonce) + challenge
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:
@@ -29,25 +43,54 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def read_ack(s: socket.socket):
-    """(status, cluster id, message, challenge, proof) of a HelloAck."""
+@dataclasses.dataclass
+class Ack:
+    status: int
+    cluster: int
+    message: str
+    challenge: bytes
+    proof: bytes
+    version: int
+
+
+def ack(status: int = 0, cluster: int = 1, challenge: bytes = bytes(16), proof: bytes = bytes(32), message: bytes = b"",
+        version: int = VERSION) -> bytes:
+    return (struct.pack("<IHIQI", ACK_MAGIC, version, status, cluster, len(message)) + challenge + proof
+            + message)
+
+
+def read_ack(s: socket.socket) -> Ack:
     s.settimeout(5)
     head = recv_exact(s, ACK_FIXED)
-    _magic, _version, status, cluster, mlen = struct.unpack("<IHIQI", head[:22])
-    challenge, proof = head[62:78], head[78:110]
-    return status, cluster, recv_exact(s, mlen).decode(), challenge, proof
+    _magic, version, status, cluster, mlen = struct.unpack("<IHIQI", head[:22])
+    return Ack(status, cluster, recv_exact(s, mlen).decode(), head[22:38], head[38:70], version)
 
 
-def read_auth(s: socket.socket):
-    """(status, message) of an AuthResult."""
-    magic, status, mlen = struct.unpack("<III", recv_exact(s, 12))
+def client_auth(proof: bytes, boot_id: bytes = bytes(16), pid_ns: int = 0, gen_addr: int = 0) -> bytes:
+    return proof + boot_id + struct.pack("<QQ", pid_ns, gen_addr)
+
+
+@dataclasses.dataclass
+class AuthResult:
+    status: int
+    message: str
+    redirect: str
+    gen_addr: int
+
+
+def auth_result(status: int = 0, message: bytes = b"", redirect: bytes = b"", gen_addr: int = 0) -> bytes:
+    return struct.pack("<IIIHQ", AUTH_MAGIC, status, len(message), len(redirect), gen_addr) + message + redirect
+
+
+def read_auth(s: socket.socket) -> AuthResult:
+    magic, status, mlen, rlen, gen = struct.unpack("<IIIHQ", recv_exact(s, AUTH_FIXED))
     assert magic == AUTH_MAGIC
-    return status, recv_exact(s, mlen).decode()
+    return AuthResult(status, recv_exact(s, mlen).decode(), recv_exact(s, rlen).decode(), gen)
 
 
 def proof(secret: bytes, role: bytes, client_challenge: bytes, server_challenge: bytes, client: int, server: int,
           nonce: int, channel: int) -> bytes:
-    """The handshake proof (engine.cc linkProof); 32 zero bytes without a secret."""
+    """The handshake proof (engine_helpers.cc linkProof); 32 zero bytes without a secret."""
     if not secret:
         return bytes(32)
     msg = (b"pdlink-link-v2" + role + client_challenge + server_challenge + struct.pack("<QQQ", client, server, nonce)
@@ -55,34 +98,100 @@ def proof(secret: bytes, role: bytes, client_challenge: bytes, server_challenge:
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def handshake(port: int, channel=0, cluster=9, expected=1, nonce=1234, secret=b"", send_proof=None):
-    """Connect and run one channel's handshake. Returns (socket, stage, status, message): stage is
-    "ack" when the HelloAck refused, else "auth" with the AuthResult's status."""
-    s = socket.create_connection(("127.0.0.1", port))
+def host_hint() -> tuple[bytes, int]:
+    """(boot id, pid namespace inode) of this process: what a same-host dialler's hint says."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = bytes.fromhex(f.read().strip().replace("-", ""))
+    return boot, os.stat("/proc/self/ns/pid").st_ino
+
+
+def connect_unix(name: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0" + name)
+    return s
+
+
+@dataclasses.dataclass
+class Handshake:
+    sock: socket.socket
+    stage: str  # "ack" when the HelloAck refused, else "auth"
+    status: int
+    message: str
+    result: AuthResult | None = None
+
+
+def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expected: int = 1, nonce: int = 1234,
+              secret: bytes = b"", send_proof: bytes | None = None, flags: int = 0, hint: tuple[bytes, int] | None = None,
+              gen_addr: int = 0, unix: str | None = None, source: str = "127.0.0.1") -> Handshake:
+    """Connect (TCP to 127.0.0.1:port from `source`, or to the AF_UNIX abstract name `unix`) and run
+    one channel's handshake."""
+    if unix is not None:
+        s = connect_unix(unix)
+    else:
+        s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
     challenge = os.urandom(16)
-    s.sendall(hello(channel=channel, cluster=cluster, expected=expected, nonce=nonce, challenge=challenge))
-    status, server, msg, server_challenge, _server_proof = read_ack(s)
-    if status != 0:
-        return s, "ack", status, msg
-    mine = send_proof if send_proof is not None else proof(secret, b"C", challenge, server_challenge, cluster, server,
+    s.sendall(hello(channel=channel, cluster=cluster, expected=expected, nonce=nonce, challenge=challenge, flags=flags))
+    a = read_ack(s)
+    if a.status != 0:
+        return Handshake(s, "ack", a.status, a.message)
+    mine = send_proof if send_proof is not None else proof(secret, b"C", challenge, a.challenge, cluster, a.cluster,
                                                            nonce, channel)
-    s.sendall(mine)
-    status, msg = read_auth(s)
-    return s, "auth", status, msg
+    boot, pid_ns = hint if hint is not None else (bytes(16), 0)
+    s.sendall(client_auth(mine, boot, pid_ns, gen_addr))
+    r = read_auth(s)
+    return Handshake(s, "auth", r.status, r.message, r)
 
 
 def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0) -> bytes:
     return struct.pack("<IBBHIQ", REQUEST_MAGIC, op, flags, 0, len(body), payload_len) + body
 
 
-def blocks_body(model=0, tensors=(0,), runs=((0, 64),), block_size=0, kind=4) -> bytes:
-    b = struct.pack("<BQQQqQQ", kind, model, 2**64 - 1, 2**64 - 1, 0, 0, block_size)
+def body_header(kind: int = KIND_BLOCKS, model: int = 0, req: int = ANY, prefix: int = ANY, cache_id: int = 0,
+                batch: int = 0, block_size: int = 0) -> bytes:
+    return struct.pack("<BQQQqQQ", kind, model, req, prefix, cache_id, batch, block_size)
+
+
+def blocks_body(model: int = 0, tensors=(0,), runs=((0, 64),), block_size: int = 0, kind: int = KIND_BLOCKS) -> bytes:
+    b = body_header(kind=kind, model=model, block_size=block_size)
     b += struct.pack("<I", len(tensors)) + b"".join(struct.pack("<I", t) for t in tensors)
     b += struct.pack("<I", len(runs)) + b"".join(struct.pack("<QQ", o, n) for o, n in runs)
     return b
 
 
-def read_response(s: socket.socket):
+def counted_body(tensor_count: int, run_count: int, tensor_bytes: bytes = b"", run_bytes: bytes = b"",
+                 model: int = 0) -> bytes:
+    """A body whose counts say one thing and whose bytes may say another (for bounds tests)."""
+    return (body_header(model=model) + struct.pack("<I", tensor_count) + tensor_bytes + struct.pack("<I", run_count)
+            + run_bytes)
+
+
+def response(status: int = 0, message: bytes = b"", payload: bytes = b"", payload_len: int | None = None) -> bytes:
+    plen = len(payload) if payload_len is None else payload_len
+    return struct.pack("<IIIQ", RESPONSE_MAGIC, status, len(message), plen) + message + payload
+
+
+def read_response(s: socket.socket) -> tuple[int, str, bytes]:
     """(status, message, payload) of a Response."""
     _magic, status, mlen, plen = struct.unpack("<IIIQ", recv_exact(s, 20))
     return status, recv_exact(s, mlen).decode(), recv_exact(s, plen)
+
+
+def read_request(s: socket.socket) -> tuple[int, int, bytes, int]:
+    """(op, flags, body, payload_len) of a Request (the payload is left in the socket)."""
+    magic, op, flags, _pad, blen, plen = struct.unpack("<IBBHIQ", recv_exact(s, 20))
+    assert magic == REQUEST_MAGIC, hex(magic)
+    return op, flags, recv_exact(s, blen), plen
+
+
+def parse_body(body: bytes) -> tuple[int, list[int], list[tuple[int, int]]]:
+    """(target kind, tensors, runs) of a TransferBody."""
+    kind = body[0]
+    pos = 57
+    (nt,) = struct.unpack_from("<I", body, pos)
+    pos += 4
+    tensors = list(struct.unpack_from(f"<{nt}I", body, pos))
+    pos += 4 * nt
+    (nr,) = struct.unpack_from("<I", body, pos)
+    pos += 4
+    flat = struct.unpack_from(f"<{2 * nr}Q", body, pos)
+    return kind, tensors, list(zip(flat[::2], flat[1::2]))

@@ -68,25 +68,25 @@ def test_mismatched_secrets_are_refused_on_both_sides(peers, p_secret, d_secret)
 def test_forged_or_replayed_proofs_are_refused_and_the_engine_keeps_serving(peers):
     p, d, port = pair(peers, "tcp", "the-secret", "the-secret")
     # no proof knowledge: zeros
-    s, stage, status, msg = rawwire.handshake(port, secret=b"")
-    s.close()
-    assert (stage, status) == ("auth", LLMStatusCode.LLM_LINK_FAILED) and "authentication failed" in msg, msg
+    h = rawwire.handshake(port, secret=b"")
+    h.sock.close()
+    assert (h.stage, h.status) == ("auth", LLMStatusCode.LLM_LINK_FAILED) and "authentication failed" in h.message, h
     # a right-looking proof for another nonce (a replay from another link attempt)
     sock = socket.create_connection(("127.0.0.1", port))
     challenge = os.urandom(16)
     sock.sendall(rawwire.hello(nonce=1, challenge=challenge))
-    status, server, _msg, server_challenge, server_proof = rawwire.read_ack(sock)
-    assert status == 0
+    a = rawwire.read_ack(sock)
+    assert a.status == 0
     # the server proved itself correctly for this hello...
-    assert server_proof == rawwire.proof(b"the-secret", b"S", challenge, server_challenge, 9, server, 1, 0)
+    assert a.proof == rawwire.proof(b"the-secret", b"S", challenge, a.challenge, 9, a.cluster, 1, 0)
     # ...and a client proof bound to nonce 2 does not pass for nonce 1
-    sock.sendall(rawwire.proof(b"the-secret", b"C", challenge, server_challenge, 9, server, 2, 0))
-    assert rawwire.read_auth(sock)[0] == LLMStatusCode.LLM_LINK_FAILED
+    sock.sendall(rawwire.client_auth(rawwire.proof(b"the-secret", b"C", challenge, a.challenge, 9, a.cluster, 2, 0)))
+    assert rawwire.read_auth(sock).status == LLMStatusCode.LLM_LINK_FAILED
     sock.close()
     # a raw client that does know the secret gets in (the scheme is what the docs say)
-    s, stage, status, msg = rawwire.handshake(port, secret=b"the-secret", nonce=3)
-    assert status == 0, msg
-    s.close()
+    h = rawwire.handshake(port, secret=b"the-secret", nonce=3)
+    assert h.status == 0, h.message
+    h.sock.close()
     # a real decoder still links and pulls
     assert d.eval(f"dd.link_clusters([cluster(1, {port})])")[0] == LLMStatusCode.LLM_SUCCESS
     d.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [4], [4])")

@@ -139,12 +139,12 @@ def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pai
     for hello, words in [(rawwire.hello(version=99), "version"), (rawwire.hello(expected=77), "not cluster 77")]:
         with socket.create_connection(("127.0.0.1", pair.port)) as s:
             s.sendall(hello)
-            status, cluster, msg, _, _ = rawwire.read_ack(s)
-            assert status == LLMStatusCode.LLM_LINK_FAILED and cluster == 1 and words in msg, msg
+            a = rawwire.read_ack(s)
+            assert a.status == LLMStatusCode.LLM_LINK_FAILED and a.cluster == 1 and words in a.message, a
     # 5. a reverse channel without a forward one
-    s, stage, status, msg = rawwire.handshake(pair.port, channel=1)
-    s.close()
-    assert (stage, status) == ("auth", LLMStatusCode.LLM_LINK_FAILED), msg
+    h = rawwire.handshake(pair.port, channel=1)
+    h.sock.close()
+    assert (h.stage, h.status) == ("auth", LLMStatusCode.LLM_LINK_FAILED), h.message
     pair.link()
     pulled_exactly(pair, [5])
     assert [link["peer_cluster_id"] for link in pair.prefill.call(kv.links)] == [DECODER_ID]
@@ -154,14 +154,16 @@ def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pai
 def test_hostile_frames_on_an_established_link_only_drop_that_link(pair: Pair) -> None:
     """A peer that passes the handshake and then sends out-of-range or malformed requests."""
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
-    fwd, stage, status, msg = rawwire.handshake(pair.port, cluster=9, nonce=77)
-    assert status == 0, msg
-    rev, stage, status, msg = rawwire.handshake(pair.port, channel=1, cluster=9, nonce=77)
+    h = rawwire.handshake(pair.port, cluster=9, nonce=77)
     if pair.variant.path == "cma":
-        # an engine forced to direct memory access refuses a peer that is not on its host
-        assert status == LLMStatusCode.LLM_LINK_FAILED and "cma" in msg, msg
+        # an engine forced to direct memory access refuses a peer that is not (proven) on its host
+        assert h.status == LLMStatusCode.LLM_LINK_FAILED and "cma" in h.message, h.message
         return
-    assert status == 0, msg
+    assert h.status == 0, h.message
+    fwd = h.sock
+    h = rawwire.handshake(pair.port, channel=1, cluster=9, nonce=77)
+    assert h.status == 0, h.message
+    rev = h.sock
     fwd.settimeout(5)
     tensor_bytes = SHAPE[0] * SHAPE[1] * 2
     source = pair.prefill.call(kv.snapshot, "kv")

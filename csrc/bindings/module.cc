@@ -11,6 +11,8 @@
 #include "core/sha256.h"
 #include "bindings/status_bridge.h"
 #include "engine/engine.h"
+#include "core/limits.h"
+#include "transport/cma.h"
 #include "transport/wire.h"
 
 namespace py = pybind11;
@@ -93,6 +95,18 @@ PYBIND11_MODULE(_core, m) {
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
   m.attr("ANY_CLUSTER") = wire::kAnyCluster;
+  // The bounds on what one peer may make an engine spend (core/limits.h), bound once.
+  {
+    py::dict limits;
+    limits["max_request_tensors"] = limits::kMaxRequestTensors;
+    limits["max_request_pieces"] = limits::kMaxRequestPieces;
+    limits["max_body_bytes"] = limits::kMaxBodyBytes;
+    limits["max_message_bytes"] = limits::kMaxMessageBytes;
+    limits["read_chunk_bytes"] = limits::kReadChunkBytes;
+    m.attr("LIMITS") = limits;
+  }
+  // Whether this process currently lets same-host peers read its memory (cma::Grant).
+  m.def("ptrace_grant_active", &cma::Grant::active);
   // The handshake's MAC, exposed so tests can check it against Python's hmac module.
   m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
     std::string k = key, m = msg;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/limits.h"
 #include "core/log.h"
 #include "engine/engine_internal.h"
 #include "transport/cma.h"
@@ -15,13 +16,10 @@ using namespace detail;  // NOLINT: this file is part of the engine
 // ---------------------------------------------------------------- serving
 
 void Engine::serve(const std::shared_ptr<Link>& link) {
-  bool unlinked = false;
-  Status st;
-  std::vector<std::shared_ptr<CacheEntry>> pinned;  // caches a peer is copying directly
-  std::vector<std::string> exported;                 // IPC keys a peer is copying through
-  while (st.ok() && !unlinked) st = serveOne(link, &unlinked, &pinned, &exported);
-  for (const std::string& key : exported) backend_->closeExport(key);
-  if (!unlinked) {
+  ServeState state;
+  Status st = serveStream(link, link->in(), &state);
+  for (const std::string& key : state.exported) backend_->closeExport(key);
+  if (!state.unlinked) {
     std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
                                                                                 : st.message();
     if (!link->broken()) PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: " << why);
@@ -29,9 +27,52 @@ void Engine::serve(const std::shared_ptr<Link>& link) {
   }
 }
 
-Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
-                        std::vector<std::shared_ptr<CacheEntry>>* pinned, std::vector<std::string>* exported) {
-  Socket& s = link->in();
+Status Engine::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state) {
+  Status st;
+  while (st.ok() && !state->unlinked) {
+    // Nothing a peer sends may take the process down: whatever escapes a frame drops this link.
+    try {
+      st = serveOne(link, in, state);
+    } catch (const std::exception& e) {
+      st = Status(Code::kFailed, std::string("serving a request failed: ") + e.what());
+      PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
+    }
+  }
+  return st;
+}
+
+Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const {
+  // Only reads and writes take flags or a payload; which flags depends on what this link and this
+  // engine negotiated. A frame outside that is a protocol violation: the link is dropped.
+  const bool access = h.op == wire::Op::kRead || h.op == wire::Op::kWrite;
+  if (!access && (h.flags != 0 || h.payload_len != 0)) return Status(Code::kLinkFailed, "flags or payload on a frame that takes none");
+  if ((h.op == wire::Op::kPing || h.op == wire::Op::kUnlink) && h.body_len != 0) {
+    return Status(Code::kLinkFailed, "a body on a frame that takes none");
+  }
+  if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
+    return Status(Code::kLinkFailed, "oversized device channel request");
+  }
+  if (h.op == wire::Op::kRead && h.payload_len != 0) return Status(Code::kLinkFailed, "a payload on a read");
+  return Status::OK();
+}
+
+Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
+  const bool direct = h.flags & wire::kFlagDirect, device = h.flags & wire::kFlagDevice;
+  const bool one_sided = h.flags & wire::kFlagOneSided;
+  // Absolute addresses go only to a peer the kernel proved to be on this host (cma and IPC), or
+  // into memory a device channel prepared (one-sided); the bytes of a device cache only over a
+  // device channel.
+  if (direct && !device && !link.sameHost()) {
+    return Status(Code::kFeatureNotEnabled, "direct memory access needs a same-host link");
+  }
+  if (device && direct && !(ipc_ && link.sameHost())) {
+    return Status(Code::kFeatureNotEnabled, "IPC needs a same-host link and a runtime that shares device memory");
+  }
+  if (one_sided && !one_sided_) return Status(Code::kFeatureNotEnabled, "no one-sided access on this runtime");
+  return Status::OK();
+}
+
+Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState* state) {
   PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
   Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * config_.sync_timeout_ms, 5000));
@@ -39,19 +80,20 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   PDLINK_RETURN_IF_ERROR(s.recvAll(hbuf, sizeof(hbuf), deadline));
   wire::RequestHeader h;
   Status st = wire::decode(hbuf, sizeof(hbuf), &h);
+  if (st.ok()) st = admitHeader(*link, h);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
     return st;
   }
-  std::vector<uint8_t> body(h.body_len);
-  if (h.body_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(body.data(), body.size(), deadline));
+  std::string body;
+  PDLINK_RETURN_IF_ERROR(s.readBounded(h.body_len, wire::kMaxBodyBytes, deadline, &body, "request body"));
   // The requester sends its next frame only after its direct or IPC copy finished: unpin.
-  for (const std::string& key : *exported) backend_->closeExport(key);
-  exported->clear();
-  pinned->clear();
+  for (const std::string& key : state->exported) backend_->closeExport(key);
+  state->exported.clear();
+  state->pinned.clear();
 
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
-  if (h.op == wire::Op::kDeviceChannel) return serveDeviceChannel(link, body, deadline);
+  if (h.op == wire::Op::kDeviceChannel) return serveDeviceChannel(link, s, body, deadline);
   if (h.op == wire::Op::kUnlink) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -60,13 +102,13 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
     }
     (void)sendResponse(s, Status::OK(), deadline);
     link->breakLink("unlinked by the peer");
-    *unlinked = true;
+    state->unlinked = true;
     PDLINK_LOG(kInfo, clusterName(link->peer()) << " unlinked");
     return Status::OK();
   }
 
   wire::TransferBody tb;
-  st = wire::decode(body.data(), body.size(), &tb);
+  st = wire::decode(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &tb);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
     return st;
@@ -78,17 +120,19 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
   if (h.op == wire::Op::kRelease) return Status::OK();
   if (h.op == wire::Op::kDescribe) {
     // With device memory in play the checked round trip decides (it knows each cache's placement).
-    auto d = device_transport_ ? Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "no direct reads here"))
-             : tb.target.kind == wire::TargetKind::kBlocks
-                 ? registry_.describe(tb.target.model_id)
-                 : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
+    Result<wire::CacheDescriptor> d =
+        !link->sameHost() ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
+        : device_transport_ ? Status(Code::kParamInvalid, "no direct reads here")
+        : tb.target.kind == wire::TargetKind::kBlocks
+            ? registry_.describe(tb.target.model_id)
+            : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
     if (!d.ok()) return sendResponse(s, d.status(), deadline);
     std::string payload = wire::encode(d.value());
     std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
     return s.sendAll(head.data(), head.size(), deadline);
   }
   auto payload = tb.payloadBytes();
-  bool is_write = h.op == wire::Op::kWrite;
+  const bool is_write = h.op == wire::Op::kWrite;
   const bool direct = h.flags & wire::kFlagDirect;
   const bool device = h.flags & wire::kFlagDevice;
   const bool in_stream = is_write && !direct && !device;  // the payload follows in this stream
@@ -97,12 +141,19 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
     return Status(Code::kLinkFailed, "inconsistent payload length");
   }
+  auto refuse = [&](const Status& why) -> Status {
+    if (in_stream) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    return sendResponse(s, why, deadline);
+  };
+  if (Status admitted = admitAccess(*link, h); !admitted.ok()) {
+    PDLINK_LOG(kDebug, "refused a request from " << clusterName(link->peer()) << ": " << admitted.message());
+    return refuse(admitted);
+  }
   auto resolved = registry_.resolve(tb, is_write);
   if (!resolved.ok()) {
     PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer())
                                    << ": " << resolved.status().message());
-    if (in_stream) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
-    return sendResponse(s, resolved.status(), deadline);
+    return refuse(resolved.status());
   }
   const Resolved& r = resolved.value();
   // Device memory is reachable only through the device channel; host memory only without it.
@@ -110,23 +161,20 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
                            return e->layout.placement == Placement::kDevice;
                          });
   if (device != on_device) {
-    if (in_stream) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
-    return sendResponse(s,
-                        Status(Code::kParamInvalid,
-                               on_device ? "the addressed cache is in device memory; the other side's cache must be "
-                                           "in device memory too (placement DEVICE, same backend)"
-                                         : "the addressed cache is in host memory; a device cache cannot be moved to "
-                                           "or from it over this link (use placement DEVICE on both sides)"),
-                        deadline);
+    return refuse(Status(Code::kParamInvalid,
+                         on_device ? "the addressed cache is in device memory; the other side's cache must be "
+                                     "in device memory too (placement DEVICE, same backend)"
+                                   : "the addressed cache is in host memory; a device cache cannot be moved to "
+                                     "or from it over this link (use placement DEVICE on both sides)"));
   }
   if (device && direct) {  // same-host IPC: export the checked regions, keep them until the next frame
-    *pinned = r.keep;
-    return serveIpc(s, r, deadline, exported);
+    state->pinned = r.keep;
+    return serveIpc(s, r, deadline, &state->exported);
   }
   if (device && (h.flags & wire::kFlagOneSided)) {  // addresses in prepared memory, kept until the next frame
     DeviceChannel* channel = link->inDevice();
     std::string list;
-    list.reserve(r.tensors.size() * r.runs.size() * 8);
+    list.reserve(r.tensors.size() * r.runs.size() * 8);  // bounded: limits::kMaxRequestPieces
     for (uint32_t t : r.tensors) {
       for (const wire::Run& run : r.runs) {
         uint64_t addr = r.addrs[t] + r.base + run.offset;
@@ -137,7 +185,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
         list.append(reinterpret_cast<const char*>(&addr), 8);
       }
     }
-    *pinned = r.keep;
+    state->pinned = r.keep;
     std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
     return s.sendAll(head.data(), head.size(), deadline);
   }
@@ -158,17 +206,20 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, bool* unlinked,
     return is_write ? sendResponse(s, Status::OK(), deadline) : Status::OK();
   }
   if (direct) {
-    // Checked like any access; answer where the bytes are and keep them alive until the next frame.
-    std::string list;
-    list.reserve(r.tensors.size() * r.runs.size() * 16);
+    // Checked like any access; answer where the bytes are and keep them alive until the next frame
+    // (the pin epoch lets the requester detect a pin that lapsed meanwhile).
+    wire::DirectAnswer answer;
+    answer.pin_epoch = registry_.pinEpoch();
+    answer.addrs.reserve(r.tensors.size() * r.runs.size());  // bounded: limits::kMaxRequestPieces
+    answer.lengths.reserve(r.tensors.size() * r.runs.size());
     for (uint32_t t : r.tensors) {
       for (const wire::Run& run : r.runs) {
-        uint64_t addr = r.addrs[t] + r.base + run.offset;
-        list.append(reinterpret_cast<const char*>(&addr), 8);
-        list.append(reinterpret_cast<const char*>(&run.length), 8);
+        answer.addrs.push_back(r.addrs[t] + r.base + run.offset);
+        answer.lengths.push_back(run.length);
       }
     }
-    *pinned = r.keep;
+    state->pinned = r.keep;
+    std::string list = wire::encode(answer);
     std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
     return s.sendAll(head.data(), head.size(), deadline);
   }
@@ -196,12 +247,11 @@ void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline dea
   if (!link.out().sendv(iov, deadline).ok()) link.breakLink("could not confirm a completed transfer to the peer");
 }
 
-void commitPull(Link& link, wire::TargetKind kind, const std::string& body, Deadline deadline) {
-  if (usesKeyCommit(kind)) finishAccess(link, wire::Op::kCommit, body, deadline);
+// After a pull that received every byte: release the request key, once the last request of a
+// split transfer is done (a key read in several requests must survive until then).
+void commitPull(Link& link, wire::TargetKind kind, bool last, const std::string& body, Deadline deadline) {
+  if (usesKeyCommit(kind) && last) finishAccess(link, wire::Op::kCommit, body, deadline);
 }
-
-// An IPC key on the wire: NUL-padded to a fixed size (ACL's keys are 65-byte C strings).
-constexpr size_t kIpcKeyBytes = 64;
 
 }  // namespace
 
@@ -341,16 +391,37 @@ Result<Engine::Plan> Engine::plan(const TransferSpec& spec, bool is_push) {
       }
     }
   }
+  if (p.remote.tensors.size() > limits::kMaxRequestTensors) {
+    return Status(Code::kParamInvalid, "a transfer moves at most " + std::to_string(limits::kMaxRequestTensors) +
+                                           " tensors, got " + std::to_string(p.remote.tensors.size()));
+  }
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
   p.payload = payload.value();
-  // The request must fit one frame (wire::kMaxBodyBytes): about 4 million block runs.
-  const uint64_t body_bytes = 64 + 4 * uint64_t{p.remote.tensors.size()} + 16 * uint64_t{p.remote.runs.size()};
-  if (body_bytes > wire::kMaxBodyBytes) {
-    return Status(Code::kParamInvalid, "too many block runs in one transfer (" + std::to_string(p.remote.runs.size()) +
-                                           "); split it into several calls");
-  }
   return p;
+}
+
+std::vector<Engine::Plan> Engine::split(const Plan& p) {
+  // Each request names at most limits::kMaxRequestPieces (tensor, run) pieces, the bound every
+  // server applies; a larger transfer becomes several requests of consecutive runs. Only the last
+  // one commits a pulled request key.
+  const uint64_t runs_per_request = std::max<uint64_t>(1, limits::kMaxRequestPieces / p.remote.tensors.size());
+  std::vector<Plan> out;
+  for (size_t first = 0; first < p.remote.runs.size(); first += runs_per_request) {
+    const size_t last = std::min<size_t>(p.remote.runs.size(), first + runs_per_request);
+    Plan c;
+    c.local = p.local;
+    c.local_tensors = p.local_tensors;
+    c.local_runs.assign(p.local_runs.begin() + first, p.local_runs.begin() + last);
+    c.remote.target = p.remote.target;
+    c.remote.block_size = p.remote.block_size;
+    c.remote.tensors = p.remote.tensors;
+    c.remote.runs.assign(p.remote.runs.begin() + first, p.remote.runs.begin() + last);
+    c.payload = c.remote.payloadBytes().value();  // a part of a sum that did not overflow
+    c.commit = last == p.remote.runs.size();
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 Status Engine::pull(const TransferSpec& spec) { return transfer(spec, false); }
@@ -362,7 +433,6 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
   std::shared_ptr<Link> link = link_r.value();
-  Plan& p = p_r.value();
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
@@ -370,6 +440,14 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
     return linkDown(*link);
   }
   Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
+  Plan& p = p_r.value();
+  if (p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
+  for (Plan& part : split(p)) PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
+  return Status::OK();
+}
+
+Status Engine::transferPart(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
+                            const char* what) {
   if (device_transport_ && p.local->layout.placement == Placement::kDevice) {
     return deviceTransfer(link, p, is_push, deadline, what);
   }
@@ -396,7 +474,7 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   }
   st = movePayload(s, false, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
-  commitPull(*link, p.remote.target.kind, body, deadline);
+  commitPull(*link, p.remote.target.kind, p.commit, body, deadline);
   return Status::OK();
 }
 
@@ -416,6 +494,9 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     if (body.empty()) body = wire::encode(p.remote);
     return body;
   };
+  // The peer's published words (Registry::Published): generation, then pin epoch.
+  void* const generation_word = reinterpret_cast<void*>(d.published_addr);
+  void* const pin_epoch_word = reinterpret_cast<void*>(d.published_addr + 8);
 
   // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
   // round trip. The peer's registry generation is read before and after the data (in the same
@@ -430,9 +511,8 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
                             deadline, what, &rh);
         if (!st.ok() && link->broken()) return st;
         if (!st.ok()) break;  // refused: the checked round trip below gives the peer's own answer
-        if (rh.payload_len > wire::kMaxBodyBytes) return failTransfer(link, Status(Code::kLinkFailed, "oversized descriptor"), what);
-        std::string payload(rh.payload_len, '\0');
-        st = s.recvAll(payload.data(), payload.size(), deadline);
+        std::string payload;
+        st = s.readBounded(rh.payload_len, wire::kMaxDescriptorBytes, deadline, &payload, "cache descriptor");
         wire::CacheDescriptor desc;
         if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
         if (!st.ok()) return failTransfer(link, st, what);
@@ -447,7 +527,7 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
       }
       if (!fits) break;  // the checked way reports the peer's own error
       uint64_t g1 = 0, g2 = 0;
-      std::vector<iovec> lv{{&g1, 8}}, rv{{reinterpret_cast<void*>(d.gen_addr), 8}};
+      std::vector<iovec> lv{{&g1, 8}}, rv{{generation_word, 8}};
       size_t k = 0;
       for (uint32_t t : p.remote.tensors) {
         for (const wire::Run& r : p.remote.runs) {
@@ -456,7 +536,7 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
         }
       }
       lv.push_back({&g2, 8});
-      rv.push_back({reinterpret_cast<void*>(d.gen_addr), 8});
+      rv.push_back({generation_word, 8});
       Status st = cma::copy(d.pid, false, lv, rv);
       if (st.ok() && g1 == c.generation && g2 == c.generation) return Status::OK();
       if (!st.ok() && st.code() == Code::kLinkFailed) return failTransfer(link, st, what);
@@ -465,30 +545,53 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
   }
 
   // Checked round trip: the peer validates and pins the target and answers with its addresses.
+  // The pin lasts until this side's next frame, or until it expires on the peer: the peer's pin
+  // epoch, read again after the copy, tells. A lapsed pin fails the transfer (a read may have
+  // seen memory that was freed meanwhile, a write may have landed in it).
   encoded();
   wire::ResponseHeader rh;
   Status st = request(link, wire::RequestHeader{is_push ? wire::Op::kWrite : wire::Op::kRead,
                                                 static_cast<uint32_t>(body.size()), 0, wire::kFlagDirect},
                       body, deadline, what, &rh);
   if (!st.ok()) return st;
-  if (rh.payload_len != local.size() * 16) {
-    return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 16) +
-                                                            " ranges, expected " + std::to_string(local.size())),
-                        what);
+  std::string payload;
+  wire::DirectAnswer answer;
+  if (rh.payload_len != wire::directAnswerBytes(local.size())) {
+    st = Status(Code::kLinkFailed, "peer answered a direct access of " + std::to_string(rh.payload_len) +
+                                       " bytes, expected " + std::to_string(wire::directAnswerBytes(local.size())));
+  } else {
+    st = s.readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "direct-access answer");
+    if (st.ok()) {
+      st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(), &answer);
+    }
   }
-  std::vector<uint64_t> list(local.size() * 2);
-  st = s.recvAll(list.data(), rh.payload_len, deadline);
+  for (size_t i = 0; st.ok() && i < local.size(); ++i) {
+    if (answer.lengths[i] != local[i].iov_len) st = Status(Code::kLinkFailed, "peer answered a range of the wrong length");
+  }
   if (!st.ok()) return failTransfer(link, st, what);
   std::vector<iovec> remote_iov(local.size());
-  for (size_t i = 0; i < local.size(); ++i) {
-    if (list[2 * i + 1] != local[i].iov_len) {
-      return failTransfer(link, Status(Code::kLinkFailed, "peer answered a range of the wrong length"), what);
+  for (size_t i = 0; i < local.size(); ++i) remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
+  // The addresses are the peer's, applied to the peer's pid (proven by the kernel): at worst they
+  // make this side copy the peer's own memory.
+  uint64_t epoch_after = 0;
+  Status copied;
+  if (is_push) {
+    copied = cma::copy(d.pid, true, local, remote_iov);
+    if (copied.ok()) {
+      auto epoch = cma::readWord(d.pid, reinterpret_cast<uint64_t>(pin_epoch_word));
+      copied = epoch.status();
+      if (epoch.ok()) epoch_after = epoch.value();
     }
-    remote_iov[i] = {reinterpret_cast<void*>(list[2 * i]), local[i].iov_len};
+  } else {  // the epoch word rides in the same ordered read, after the data
+    local.push_back({&epoch_after, 8});
+    remote_iov.push_back({pin_epoch_word, 8});
+    copied = cma::copy(d.pid, false, local, remote_iov);
   }
-  Status copied = cma::copy(d.pid, is_push, local, remote_iov);
+  if (copied.ok() && epoch_after != answer.pin_epoch) {
+    copied = Status(Code::kFailed, "the peer released its pin before the copy finished (pin expired); retry");
+  }
   // Unpin on the peer; for a completed read by request key this is also the release of the key.
-  bool commit = copied.ok() && !is_push && usesKeyCommit(target.kind);
+  bool commit = copied.ok() && !is_push && usesKeyCommit(target.kind) && p.commit;
   finishAccess(*link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
   if (!copied.ok()) {
     if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
@@ -499,9 +602,8 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
 
 // ---------------------------------------------------------------- device channels
 
-Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, const std::vector<uint8_t>& rendezvous,
+Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
                                   Deadline deadline) {
-  Socket& s = link->in();
   if (!device_transport_) {
     return sendResponse(s, Status(Code::kFeatureNotEnabled, std::string("the peer's backend (") + backend_->name() +
                                                                 ") has no device channels"),
@@ -515,7 +617,7 @@ Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, const std::
   std::string head = wire::encode(wire::ResponseHeader{0, 0, 1});
   head.push_back(static_cast<char>(agreed));
   PDLINK_RETURN_IF_ERROR(s.sendAll(head.data(), head.size(), deadline));
-  auto channel = backend_->joinChannel(std::string(rendezvous.begin(), rendezvous.end() - 1), false);
+  auto channel = backend_->joinChannel(rendezvous.substr(0, rendezvous.size() - 1), false);
   if (channel.ok() && (agreed & wire::kChannelOneSided)) {
     Status st = channel.value()->prepare(preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
     if (!st.ok()) channel = st;
@@ -543,7 +645,8 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
                       body, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
   uint8_t agreed = 0;
-  if (rh.payload_len != 1 || !link->out().recvAll(&agreed, 1, deadline).ok()) {
+  const uint8_t offered = offer ? wire::kChannelOneSided : 0;
+  if (rh.payload_len != 1 || !link->out().recvAll(&agreed, 1, deadline).ok() || (agreed & ~offered) != 0) {
     return failTransfer(link, Status(Code::kLinkFailed, "malformed device channel answer"), what);
   }
   auto channel = backend_->joinChannel(rv, true);
@@ -587,40 +690,33 @@ Status Engine::deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     return failTransfer(link, st, what);
   }
   if (is_push) return awaitResponse(link, deadline, what, &rh);  // stored on the peer
-  commitPull(*link, p.remote.target.kind, body, deadline);
+  commitPull(*link, p.remote.target.kind, p.commit, body, deadline);
   return Status::OK();
 }
 
 // ---------------------------------------------------------------- same-host IPC
 
-Status Engine::serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported) {
+Status Engine::serveIpc(Stream& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported) {
   if (!ipc_) {
     return sendResponse(s, Status(Code::kFeatureNotEnabled, "the peer's runtime cannot share device memory (IPC)"),
                         deadline);
   }
-  // One export per tensor, spanning its runs; the requester gets each run's offset in it.
-  uint64_t lo = UINT64_MAX, hi = 0;
-  for (const wire::Run& run : r.runs) {
-    lo = std::min(lo, run.offset);
-    hi = std::max(hi, run.offset + run.length);
-  }
-  std::string payload;
-  payload.reserve(r.tensors.size() * (kIpcKeyBytes + 8 * r.runs.size()));
+  // One export per tensor, spanning its runs [lo, hi): the requester checks the span against its
+  // own request and places its runs inside it itself.
+  const IpcSpan span = ipcSpan(r.runs);
+  wire::IpcAnswer answer;
   for (uint32_t t : r.tensors) {
-    auto key = backend_->exportMemory(r.addrs[t] + r.base + lo, hi - lo);
-    if (key.ok() && key.value().size() > kIpcKeyBytes) key = Status(Code::kFailed, "IPC key longer than 64 bytes");
+    auto key = backend_->exportMemory(r.addrs[t] + r.base + span.lo, span.length);
+    if (key.ok() && (key.value().empty() || key.value().size() > limits::kIpcKeyBytes ||
+                     key.value().find('\0') != std::string::npos)) {
+      key = Status(Code::kFailed, "IPC key of an unexpected form");
+    }
     if (!key.ok()) return sendResponse(s, key.status(), deadline);  // exported so far: closed at the next frame
     exported->push_back(key.value());
-    std::string padded = key.value();
-    padded.resize(kIpcKeyBytes, '\0');
-    payload += padded;
+    answer.keys.push_back(key.value());
+    answer.spans.push_back(span.length);
   }
-  for (size_t i = 0; i < r.tensors.size(); ++i) {
-    for (const wire::Run& run : r.runs) {
-      uint64_t off = run.offset - lo;
-      payload.append(reinterpret_cast<const char*>(&off), 8);
-    }
-  }
+  std::string payload = wire::encode(answer);
   std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
   return s.sendAll(head.data(), head.size(), deadline);
 }
@@ -631,11 +727,20 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std
   Status st = requestAccess(link, body, is_push, wire::kFlagDevice | wire::kFlagDirect, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (kFeatureNotEnabled: no IPC there), or the link failed
   const size_t nt = p.remote.tensors.size(), nr = p.remote.runs.size();
-  if (rh.payload_len != nt * (kIpcKeyBytes + 8 * nr)) {
-    return failTransfer(link, Status(Code::kLinkFailed, "peer answered an IPC description of the wrong size"), what);
+  std::string payload;
+  wire::IpcAnswer answer;
+  if (rh.payload_len != nt * wire::kIpcEntryBytes) {
+    st = Status(Code::kLinkFailed, "peer answered an IPC description of the wrong size");
+  } else {
+    st = link->out().readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "IPC answer");
+    if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), nt, &answer);
   }
-  std::string payload(rh.payload_len, '\0');
-  st = link->out().recvAll(payload.data(), payload.size(), deadline);
+  // Every run lies inside the span this side computes from its own request; a span the peer
+  // states differently is refused, so no offset the peer chose is ever applied to a mapping.
+  const IpcSpan span = ipcSpan(p.remote.runs);
+  for (size_t i = 0; st.ok() && i < nt; ++i) {
+    if (answer.spans[i] != span.length) st = Status(Code::kLinkFailed, "peer exported an IPC span of the wrong size");
+  }
   if (!st.ok()) return failTransfer(link, st, what);
 
   std::vector<std::string> imported;
@@ -643,20 +748,15 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std
   copies.reserve(nt * nr);
   Status copied;
   for (size_t i = 0; i < nt && copied.ok(); ++i) {
-    std::string key(payload.data() + i * kIpcKeyBytes, kIpcKeyBytes);
-    key.resize(key.find('\0') == std::string::npos ? kIpcKeyBytes : key.find('\0'));
-    auto base = backend_->importMemory(key);
+    auto base = backend_->importMemory(answer.keys[i]);
     if (!base.ok()) {
       copied = base.status();
       break;
     }
-    imported.push_back(key);
-    const char* offs = payload.data() + nt * kIpcKeyBytes + i * nr * 8;
+    imported.push_back(answer.keys[i]);
     const uint64_t local_base = p.local->addrs[p.local_tensors[i]];
     for (size_t j = 0; j < nr; ++j) {
-      uint64_t off;
-      std::memcpy(&off, offs + j * 8, 8);
-      uint64_t local = local_base + p.local_runs[j].offset, remote = base.value() + off;
+      uint64_t local = local_base + p.local_runs[j].offset, remote = base.value() + (p.remote.runs[j].offset - span.lo);
       copies.push_back(is_push ? DeviceCopy{remote, local, p.local_runs[j].length}
                                : DeviceCopy{local, remote, p.local_runs[j].length});
     }
@@ -665,7 +765,7 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std
   for (const std::string& key : imported) backend_->closeImport(key);
   // Unpin on the peer (and close its exports); for a completed read by request key this is also
   // the release of the key.
-  const bool commit = copied.ok() && !is_push && usesKeyCommit(p.remote.target.kind);
+  const bool commit = copied.ok() && !is_push && usesKeyCommit(p.remote.target.kind) && p.commit;
   finishAccess(*link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
   if (!copied.ok()) {
     if (copied.code() == Code::kTimeout) return failTransfer(link, copied, what);
@@ -695,13 +795,18 @@ Status Engine::oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, cons
   wire::ResponseHeader rh;
   Status st = requestAccess(link, body, is_push, wire::kFlagDevice | wire::kFlagOneSided, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (kFeatureNotEnabled: not prepared there), or the link failed
+  std::vector<uint64_t> remote;
+  std::string payload;
   if (rh.payload_len != local.size() * 8) {
-    return failTransfer(link, Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 8) +
-                                                            " addresses, expected " + std::to_string(local.size())),
-                        what);
+    st = Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 8) + " addresses, expected " +
+                                       std::to_string(local.size()));
+  } else {
+    st = link->out().readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "address list");
+    if (st.ok()) {
+      st = wire::decodeAddresses(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(),
+                                 &remote);
+    }
   }
-  std::vector<uint64_t> remote(local.size());
-  st = link->out().recvAll(remote.data(), rh.payload_len, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
   std::vector<DeviceCopy> copies(local.size());
   for (size_t i = 0; i < local.size(); ++i) {
@@ -714,7 +819,7 @@ Status Engine::oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, cons
     return failTransfer(link, moved, what);  // unpins on the peer too: its serving thread sees the link go
   }
   // Unpin on the peer; for a completed read by request key this is also the release of the key.
-  const bool commit = !is_push && usesKeyCommit(p.remote.target.kind);
+  const bool commit = !is_push && usesKeyCommit(p.remote.target.kind) && p.commit;
   finishAccess(*link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
   return Status::OK();
 }

@@ -70,12 +70,17 @@ Status Engine::initialize(const EngineConfig& config) {
     }
     listener_ = std::move(l.value());
   }
-  identity_ = localIdentity();
+  hint_ = localHint();
   if (config.transport != Transport::kTcp) {
-    identity_.transports |= wire::kTransportCma;
-    cma::allowPeers();
+    std::string name;
+    auto u = startUnixListener(&name);
+    if (u.ok()) {
+      unix_listener_ = std::move(u.value());
+      unix_name_ = name;
+    } else {
+      PDLINK_LOG(kWarn, "no same-host socket (" << u.status().message() << "); links to this engine use tcp");
+    }
   }
-  identity_.gen_addr = reinterpret_cast<uint64_t>(registry_.generation());
   role_ = config.role;
   stopping_ = false;
   initialized_ = true;
@@ -153,8 +158,8 @@ void Engine::reapThreads() {
 
 // ---------------------------------------------------------------- listener and roles
 
-Result<std::unique_ptr<Listener>> Engine::startListener(const std::string& ip, uint16_t port) {
-  return Listener::start(ip, port, [this](Socket s) {
+Listener::AcceptFn Engine::acceptor() {
+  return [this](Socket s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
@@ -164,16 +169,38 @@ Result<std::unique_ptr<Listener>> Engine::startListener(const std::string& ip, u
       }
     }
     auto holder = std::make_shared<Socket>(std::move(s));
-    spawn([this, holder] { handleIncoming(std::move(*holder)); });
-  });
+    try {
+      spawn([this, holder] { handleIncoming(std::move(*holder)); });
+    } catch (const std::exception& e) {  // no thread to be had: drop this connection, keep listening
+      PDLINK_LOG(kWarn, "dropping connection from " << holder->peer() << ": " << e.what());
+    }
+  };
+}
+
+Result<std::unique_ptr<Listener>> Engine::startListener(const std::string& ip, uint16_t port) {
+  return Listener::start(ip, port, acceptor());
+}
+
+Result<std::unique_ptr<Listener>> Engine::startUnixListener(std::string* name) {
+  uint8_t rnd[16];
+  randomBytes(rnd, sizeof(rnd));
+  static const char* hex = "0123456789abcdef";
+  *name = "pdlink-";
+  for (uint8_t b : rnd) {
+    name->push_back(hex[b >> 4]);
+    name->push_back(hex[b & 15]);
+  }
+  return Listener::startUnix(*name, acceptor());
 }
 
 void Engine::stopListeners() {
-  std::unique_ptr<Listener> a, b;
+  std::unique_ptr<Listener> a, b, c;
   {
     std::lock_guard<std::mutex> lock(mu_);
     a = std::move(listener_);
     b = std::move(comm_listener_);
+    c = std::move(unix_listener_);
+    unix_name_.clear();
   }
   // Destroyed outside mu_: the accept callback takes it.
 }

@@ -182,11 +182,26 @@ class Engine {
   Status copyLocal(const std::vector<uint64_t>& dst_addrs, Placement dst_placement,
                    const std::vector<uint64_t>& src_addrs, Placement src_placement, const std::vector<CopyRun>& runs);
 
+  // Serves the requests read from `in` on `link` until `in` fails or a frame drops the link,
+  // exactly as the link's serving thread does (it calls this on the link's in channel); no
+  // exception escapes. Public so that the fuzzer drives the real serving loop over an in-memory
+  // stream (csrc/fuzz). `state` must outlive the call; its pins are released when it is destroyed.
+  struct ServeState {
+    std::vector<std::shared_ptr<CacheEntry>> pinned;  // what a direct or IPC access of the peer uses
+    std::vector<std::string> exported;                // IPC keys exported for it
+    bool unlinked = false;                            // the peer unlinked
+  };
+  Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
+
  private:
-  struct Plan;  // byte runs for both sides of one transfer (engine.cc)
+  struct Plan;  // byte runs for both sides of one transfer (engine_internal.h)
   Engine(std::shared_ptr<Backend> backend, const Capabilities& caps);
   Result<Plan> plan(const TransferSpec& spec, bool is_push);
+  static std::vector<Plan> split(const Plan& p);
   Status transfer(const TransferSpec& spec, bool is_push);
+  // One request of a transfer (requires the out mutex), on the path the link and the local cache
+  // call for: a device path, direct copies, or the stream.
+  Status transferPart(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
   Status failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what);
   // Reads the response to a request on `link`'s out channel: a transport failure poisons the link
@@ -200,17 +215,36 @@ class Engine {
                        Deadline deadline, const char* what, wire::ResponseHeader* rh);
 
   Result<std::unique_ptr<Listener>> startListener(const std::string& ip, uint16_t port);
+  // The AF_UNIX listener same-host diallers are redirected to, under a random abstract name
+  // (started by initialize unless the transport is forced to tcp; without it links use TCP).
+  Result<std::unique_ptr<Listener>> startUnixListener(std::string* name);
+  // What every listener does with an accepted connection: a handshake thread, within the caps.
+  Listener::AcceptFn acceptor();
   void stopListeners();
   void handleIncoming(Socket sock);
+  // The two channels of a link this side dials, and what the handshake proved about the peer.
+  struct Dialled;
+  Result<Dialled> dialTcp(const PeerAddress& peer, bool offer_same_host, uint64_t* peer_id, Deadline deadline,
+                          std::string* redirect);
+  // `reached`: the acceptor answered (a failure after that is the acceptor's refusal, not a sign
+  // that its socket is out of reach).
+  Result<Dialled> dialUnix(const std::string& name, uint64_t* peer_id, Deadline deadline, bool* reached);
   Status linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id);
   Status unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force);
   void installLink(const std::shared_ptr<Link>& link);
-  Status chooseTransport(const wire::HostIdentity& peer, bool* direct) const;
+  // Whether this side's requests copy the peer's memory directly: only for a peer the kernel
+  // identified (pid != 0), after a probe read of its published words. kLinkFailed when cma is
+  // forced and not possible.
+  Status chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* direct) const;
   void serve(const std::shared_ptr<Link>& link);
-  // Serving one request; a non-OK result means the channel is unusable.
-  // `pinned` and `exported` hold what a direct or IPC access of the peer uses until its next frame.
-  Status serveOne(const std::shared_ptr<Link>& link, bool* unlinked, std::vector<std::shared_ptr<CacheEntry>>* pinned,
-                  std::vector<std::string>* exported);
+  // Serving one request read from `in`; a non-OK result means the channel is unusable.
+  Status serveOne(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
+  // Admission (with wire's bounded decoders, the only place that turns what a peer sent into
+  // work). admitHeader: whether a frame of this kind and size may be read at all on this link
+  // (non-OK: a protocol violation, the link is dropped). admitAccess: whether a read or write may
+  // use the path its flags ask for on this link (non-OK: refused, the link stays).
+  Status admitHeader(const Link& link, const wire::RequestHeader& h) const;
+  Status admitAccess(const Link& link, const wire::RequestHeader& h) const;
   Status directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   // DEVICE caches of a backend with device transport: the request on the socket, the bytes over
   // the link's device channel (created on first use by ensureDeviceChannel; requires the out mutex).
@@ -220,7 +254,7 @@ class Engine {
   // them and copies device to device. kFeatureNotEnabled when the peer cannot (then HCCL is used).
   Status ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body, bool is_push,
                      Deadline deadline, const char* what);
-  Status serveIpc(Socket& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported);
+  Status serveIpc(Stream& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported);
   // One-sided HCCL: the peer answers with the addresses of memory its channel prepared.
   // kFeatureNotEnabled when that is not possible (then the two-sided transfer is used).
   Status oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body,
@@ -228,7 +262,8 @@ class Engine {
   // The DEVICE memory a device channel prepares for one-sided access: the device pool and every
   // registered DEVICE cache's tensors.
   std::vector<Segment> preparedRegions() const;
-  Status serveDeviceChannel(const std::shared_ptr<Link>& link, const std::vector<uint8_t>& rendezvous, Deadline deadline);
+  Status serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
+                            Deadline deadline);
   void spawn(std::function<void()> fn);
   void reapThreads();
 
@@ -239,7 +274,7 @@ class Engine {
   const bool ipc_;
   const bool one_sided_;
   EngineConfig config_;
-  wire::HostIdentity identity_;  // set by initialize()
+  wire::HostHint hint_;  // set by initialize()
   Registry registry_;
   std::shared_ptr<MemPool> device_pool_;
   std::shared_ptr<MemPool> host_pool_;
@@ -254,11 +289,16 @@ class Engine {
   // Listeners are destroyed (which joins their thread) only outside mu_.
   std::unique_ptr<Listener> listener_;       // from listen_ip_info / switch_role, guarded by mu_
   std::unique_ptr<Listener> comm_listener_;  // rendezvous endpoint of link(), guarded by mu_
+  std::unique_ptr<Listener> unix_listener_;  // same-host redirect target, guarded by mu_
+  std::string unix_name_;                    // its abstract name, guarded by mu_
 
   // Incoming links waiting for their REVERSE channel, keyed by the initiator's nonce.
   struct PendingLink {
     uint64_t peer = 0;
     std::unique_ptr<Socket> forward;  // the channel this side will serve
+    pid_t pid = 0;                    // SO_PEERCRED of an AF_UNIX forward channel
+    uint64_t published_addr = 0;      // from the forward channel's ClientAuth (AF_UNIX only)
+    std::shared_ptr<cma::Grant> grant;
     std::shared_ptr<Link> link;       // set by the REVERSE handler when the link is installed
     bool done = false;
   };

@@ -3,11 +3,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <random>
 
+#include "core/limits.h"
 #include "core/log.h"
 #include "engine/engine_internal.h"
 
@@ -52,8 +54,8 @@ Digest linkProof(const std::string& secret, char role, const uint8_t* client_cha
   return hmacSha256(secret, m.data(), m.size());
 }
 
-wire::HostIdentity localIdentity() {
-  wire::HostIdentity id;
+wire::HostHint localHint() {
+  wire::HostHint id;
   if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
     char text[64] = {0};
     if (std::fgets(text, sizeof(text), f)) {
@@ -71,7 +73,6 @@ wire::HostIdentity localIdentity() {
   }
   struct stat st{};
   if (::stat("/proc/self/ns/pid", &st) == 0) id.pid_ns = static_cast<uint64_t>(st.st_ino);
-  id.pid = static_cast<uint32_t>(::getpid());
   return id;
 }
 
@@ -80,12 +81,21 @@ Status linkDown(const Link& link) {
                                        "); call unlink_clusters, then link_clusters again");
 }
 
+IpcSpan ipcSpan(const std::vector<wire::Run>& runs) {
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (const wire::Run& run : runs) {
+    lo = std::min(lo, run.offset);
+    hi = std::max(hi, run.offset + run.length);  // runs were checked: no overflow
+  }
+  return runs.empty() ? IpcSpan{0, 0} : IpcSpan{lo, hi - lo};
+}
+
 bool usesKeyCommit(wire::TargetKind kind) {
   return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex;
 }
 
 // Sends a response header plus its message text.
-Status sendResponse(Socket& s, const Status& st, Deadline deadline) {
+Status sendResponse(Stream& s, const Status& st, Deadline deadline) {
   std::string msg = st.message().substr(0, wire::kMaxMessageBytes);
   wire::ResponseHeader h{static_cast<uint32_t>(st.code()), static_cast<uint32_t>(msg.size()), 0};
   std::string frame = wire::encode(h) + msg;
@@ -93,19 +103,21 @@ Status sendResponse(Socket& s, const Status& st, Deadline deadline) {
 }
 
 // Reads a response header, and its message text when the status is an error.
-Status readResponse(Socket& s, Deadline deadline, wire::ResponseHeader* h, Status* remote) {
+Status readResponse(Stream& s, Deadline deadline, wire::ResponseHeader* h, Status* remote) {
   uint8_t buf[wire::kResponseHeaderBytes];
   PDLINK_RETURN_IF_ERROR(s.recvAll(buf, sizeof(buf), deadline));
   PDLINK_RETURN_IF_ERROR(wire::decode(buf, sizeof(buf), h));
-  std::string msg(h->message_len, '\0');
-  if (h->message_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
+  if (h->status == 0 && h->message_len != 0) return Status(Code::kLinkFailed, "malformed response (text on success)");
+  std::string msg;
+  PDLINK_RETURN_IF_ERROR(s.readBounded(h->message_len, wire::kMaxMessageBytes, deadline, &msg, "response text"));
+  if (h->status != 0 && h->payload_len != 0) return Status(Code::kLinkFailed, "malformed response (payload on error)");
   *remote = h->status == 0 ? Status::OK() : Status(static_cast<Code>(h->status), msg);
   return Status::OK();
 }
 
-// Moves the payload of one transfer between a socket and memory, tensor-major, batching iovecs
+// Moves the payload of one transfer between a stream and memory, tensor-major, batching iovecs
 // so that thousands of small blocks cost a few syscalls, not one each.
-Status movePayload(Socket& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
+Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
                    uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> iov) {
   for (uint32_t t : tensors) {
     for (const wire::Run& r : runs) {
@@ -126,10 +138,12 @@ Status linkError(const PeerAddress& peer, const Status& st) {
                           std::to_string(peer.port) + ": " + st.message());
 }
 
-// Client half of a channel handshake: hello out, ack in (checking the peer's identity against
-// *peer_id, or learning it when that is kAnyCluster), then the challenge-response.
-Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, uint64_t* peer_id,
-                     wire::HostIdentity* peer_identity, Deadline deadline) {
+// Client half of one channel's handshake (transport/wire.h): Hello out, HelloAck in (checking the
+// endpoint's cluster id against *peer_id, or learning it when that is kAnyCluster), the acceptor's
+// proof checked, ClientAuth out, AuthResult in. What ClientAuth carries beyond the proof (`mine`)
+// goes out only once the acceptor has proven the secret.
+Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, const wire::ClientAuth& mine,
+                     uint64_t* peer_id, wire::AuthResult* result, Deadline deadline) {
   randomBytes(hello.challenge, sizeof(hello.challenge));
   std::string frame = wire::encode(hello);
   PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
@@ -138,10 +152,13 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, ui
   wire::HelloAck ack;
   uint32_t msg_len = 0;
   PDLINK_RETURN_IF_ERROR(wire::decodeFixed(buf, sizeof(buf), &ack, &msg_len));
-  std::string msg(msg_len, '\0');
-  if (msg_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
+  std::string msg;
+  PDLINK_RETURN_IF_ERROR(s.readBounded(msg_len, wire::kMaxMessageBytes, deadline, &msg, "hello-ack text"));
   if (ack.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
-  *peer_identity = ack.identity;
+  if (ack.version != wire::kProtocolVersion) {
+    return Status(Code::kLinkFailed, "protocol version mismatch: the peer speaks " + std::to_string(ack.version) +
+                                         ", this engine " + std::to_string(wire::kProtocolVersion));
+  }
   if (*peer_id == wire::kAnyCluster) {
     *peer_id = ack.cluster_id;
   } else if (ack.cluster_id != *peer_id) {
@@ -156,16 +173,27 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, ui
                   secret.empty() ? "the peer requires a link secret (set pdlink.LinkSecret or PDLINK_LINK_SECRET)"
                                  : "the peer could not prove it knows the link secret");
   }
-  Digest mine = linkProof(secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, ack.cluster_id,
-                          hello.nonce, channel);
-  PDLINK_RETURN_IF_ERROR(s.sendAll(mine.data(), mine.size(), deadline));
+  wire::ClientAuth auth = mine;
+  Digest proof = linkProof(secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, ack.cluster_id,
+                           hello.nonce, channel);
+  std::memcpy(auth.proof, proof.data(), sizeof(auth.proof));
+  frame = wire::encode(auth);
+  PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
   uint8_t rbuf[wire::kAuthResultFixedBytes];
   PDLINK_RETURN_IF_ERROR(s.recvAll(rbuf, sizeof(rbuf), deadline));
-  wire::AuthResult result;
-  PDLINK_RETURN_IF_ERROR(wire::decodeFixed(rbuf, sizeof(rbuf), &result, &msg_len));
-  msg.assign(msg_len, '\0');
-  if (msg_len > 0) PDLINK_RETURN_IF_ERROR(s.recvAll(msg.data(), msg.size(), deadline));
-  if (result.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
+  uint16_t redirect_len = 0;
+  PDLINK_RETURN_IF_ERROR(wire::decodeFixed(rbuf, sizeof(rbuf), result, &msg_len, &redirect_len));
+  PDLINK_RETURN_IF_ERROR(s.readBounded(msg_len, wire::kMaxMessageBytes, deadline, &result->message, "auth text"));
+  PDLINK_RETURN_IF_ERROR(s.readBounded(redirect_len, limits::kUnixNameBytes, deadline, &result->redirect,
+                                       "redirect name"));
+  if (result->status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + result->message);
+  // A redirect answers only a FORWARD TCP channel that offered to take one; addresses come only on
+  // AF_UNIX channels.
+  const bool may_redirect = !s.isUnix() && hello.channel == wire::Channel::kForward &&
+                            (hello.flags & wire::kHelloSameHost);
+  if ((!result->redirect.empty() && !may_redirect) || (result->gen_addr != 0 && !s.isUnix())) {
+    return Status(Code::kLinkFailed, "malformed auth-result frame from peer (a redirect or an address it may not send)");
+  }
   return Status::OK();
 }
 

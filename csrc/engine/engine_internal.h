@@ -29,22 +29,32 @@ void randomBytes(uint8_t* out, size_t n);
 Digest linkProof(const std::string& secret, char role, const uint8_t* client_challenge,
                  const uint8_t* server_challenge, uint64_t client_id, uint64_t server_id, uint64_t nonce,
                  uint8_t channel);
-wire::HostIdentity localIdentity();
+// Where this process runs (a hint for same-host redirects, never a proof).
+wire::HostHint localHint();
 // kLinkFailed naming the broken link's reason and what to do about it.
 Status linkDown(const Link& link);
+// The byte range of a tensor an IPC access exports: from the first run's offset to the last
+// run's end (both sides compute it from the same runs).
+struct IpcSpan {
+  uint64_t lo = 0, length = 0;
+};
+IpcSpan ipcSpan(const std::vector<wire::Run>& runs);
+// Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.
+constexpr uint32_t kMaxRendezvousBytes = 8192;
 // Whether a completed pull through this target must release a request key on the peer.
 bool usesKeyCommit(wire::TargetKind kind);
 // A response header plus its message text.
-Status sendResponse(Socket& s, const Status& st, Deadline deadline);
-// Reads a response header, and its message text when the status is an error.
-Status readResponse(Socket& s, Deadline deadline, wire::ResponseHeader* h, Status* remote);
-// Moves the payload of one transfer between a socket and memory, tensor-major, batching iovecs.
-Status movePayload(Socket& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
+Status sendResponse(Stream& s, const Status& st, Deadline deadline);
+// Reads a response header, and its message text (bounded) when the status is an error. A
+// malformed header (text on success, payload on an error) is kLinkFailed.
+Status readResponse(Stream& s, Deadline deadline, wire::ResponseHeader* h, Status* remote);
+// Moves the payload of one transfer between a stream and memory, tensor-major, batching iovecs.
+Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
                    uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> iov = {});
 Status linkError(const PeerAddress& peer, const Status& st);
-// Client half of a channel handshake (links.cc).
-Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, uint64_t* peer_id,
-                     wire::HostIdentity* peer_identity, Deadline deadline);
+// Client half of one channel's handshake (engine_helpers.cc).
+Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, const wire::ClientAuth& mine,
+                     uint64_t* peer_id, wire::AuthResult* result, Deadline deadline);
 
 }  // namespace pdlink::detail
 
@@ -57,6 +67,9 @@ struct Engine::Plan {
   std::vector<wire::Run> local_runs;
   wire::TransferBody remote;  // target, block size, remote tensors and runs
   uint64_t payload = 0;
+  // The last request of the transfer: only it commits a pulled request key. A transfer of more
+  // than limits::kMaxRequestPieces pieces is split into several requests (Engine::transfer).
+  bool commit = true;
 };
 
 }  // namespace pdlink

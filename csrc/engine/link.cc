@@ -1,6 +1,10 @@
 #include "engine/link.h"
 
+#include <unistd.h>
+
 namespace pdlink {
+
+bool Link::inProcess() const { return direct_state_.pid != 0 && direct_state_.pid == ::getpid(); }
 
 bool Link::broken() const {
   std::lock_guard<std::mutex> lock(state_mu_);

@@ -22,6 +22,7 @@
 
 #include "backends/backend.h"
 #include "core/status.h"
+#include "transport/cma.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
 
@@ -38,20 +39,33 @@ class Link {
   // a requester for its reply, the serving thread for the next request of a busy peer.
   static constexpr int kSpinUs = 50;
 
+  // The process at the other end of this link's AF_UNIX channels, as the kernel reported it
+  // (SO_PEERCRED on both channels; transport/socket.h), and where its registry publishes the words a
+  // direct reader checks (Registry::Published). Set before the link is shared, then constant.
+  // pid 0: no same-host proof (TCP channels, or a peer whose pid this namespace cannot see). Only a
+  // proven link may use cma or IPC, and addresses a peer sends are applied to that pid only.
+  // `grant` keeps this process readable by same-host peers while the link lives (cma::Grant).
+  void setPeerProcess(pid_t pid, uint64_t published_addr, std::shared_ptr<cma::Grant> grant) {
+    direct_state_.pid = pid;
+    direct_state_.published_addr = published_addr;
+    grant_ = std::move(grant);
+  }
+  // The kernel proved the peer runs on this host (see setPeerProcess).
+  bool sameHost() const { return direct_state_.pid != 0; }
+  bool inProcess() const;  // the peer is another engine of this process
+
   // Same-host fast path for this side's requests: copy the peer's memory directly (transport/cma.h).
+  // Enabled after a probe read of the proven peer succeeded.
   struct Direct {
     pid_t pid = 0;
-    uint64_t gen_addr = 0;
+    uint64_t published_addr = 0;
     std::map<uint64_t, wire::CacheDescriptor> descriptors;  // model_id -> layout; guarded by out mutex
   };
-  void enableDirect(pid_t pid, uint64_t gen_addr) {
-    direct_ = true;
-    direct_state_.pid = pid;
-    direct_state_.gen_addr = gen_addr;
-  }
+  void enableDirect() { direct_ = sameHost(); }  // before the link is shared
   bool direct() const { return direct_; }
   Direct& directState() { return direct_state_; }  // requires outMutex()
-  const char* transport() const { return direct_ ? "cma" : "tcp"; }
+  // "cma" (direct copies), "unix" (a same-host stream) or "tcp".
+  const char* transport() const { return direct_ ? "cma" : out_.isUnix() ? "unix" : "tcp"; }
 
   // Device channels (Backend::DeviceChannel), one per direction like the sockets: `out` carries
   // the bytes of this side's requests (this side created it, rank 0), `in` those of the peer's
@@ -60,15 +74,17 @@ class Link {
   void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
   DeviceChannel* inDevice() { return in_device_.get(); }
   void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
-  // Same-host IPC for DEVICE memory (Backend::importMemory): possible when both ends are on this
-  // host; switched off for the link once the peer refuses it (its runtime has no IPC).
-  void setSameHost(bool same) { same_host_ = same; }  // before the link is shared
-  bool ipcPossible() const { return same_host_ && !ipc_refused_; }  // requires outMutex()
+  // Same-host IPC for DEVICE memory (Backend::importMemory): possible on a proven same-host link;
+  // switched off for the link once the peer refuses it (its runtime has no IPC).
+  bool ipcPossible() const { return sameHost() && !ipc_refused_; }  // requires outMutex()
   void refuseIpc() { ipc_refused_ = true; }                          // requires outMutex()
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
-  const std::string& peerAddress() const { return out_.peer(); }
+  // The address this side dialled ("ip:port", also for a link redirected to an AF_UNIX socket), or
+  // where an accepted link came from.
+  const std::string& peerAddress() const { return peer_address_.empty() ? out_.peer() : peer_address_; }
+  void setPeerAddress(std::string address) { peer_address_ = std::move(address); }  // before the link is shared
 
   Socket& out() { return out_; }
   Socket& in() { return in_; }
@@ -87,9 +103,10 @@ class Link {
   std::mutex out_mu_;  // held for a whole request/response exchange on out_
   bool direct_ = false;  // set before the link is shared, then constant
   Direct direct_state_;
+  std::shared_ptr<cma::Grant> grant_;
+  std::string peer_address_;
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
-  bool same_host_ = false;
   bool ipc_refused_ = false;  // guarded by out_mu_
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_

@@ -1,6 +1,8 @@
 // Links: dialling, accepting (the handshake with authentication and transport choice), unlinking.
 #include "engine/engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <future>
@@ -12,6 +14,13 @@
 namespace pdlink {
 
 using namespace detail;  // NOLINT: this file is part of the engine
+
+struct Engine::Dialled {
+  Socket fwd, rev;
+  pid_t pid = 0;                 // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
+  uint64_t published_addr = 0;   // its Registry::Published words (AF_UNIX channels only)
+  std::shared_ptr<cma::Grant> grant;
+};
 
 // ---------------------------------------------------------------- links
 
@@ -67,33 +76,39 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   } unmark{this, guard_key};
 
   Deadline deadline = Deadline::afterMs(timeout_ms);
-  wire::Hello hello;
-  hello.cluster_id = config_.cluster_id;
-  hello.expected_peer = peer.cluster_id;
-  hello.nonce = makeNonce();
-  hello.identity = identity_;
   uint64_t peer_id = peer.cluster_id;
-  wire::HostIdentity peer_identity;
-  auto fwd = Socket::connect(peer.ip, peer.port, deadline);
-  if (!fwd.ok()) return linkError(peer, fwd.status());
-  Status st = helloExchange(fwd.value(), hello, config_.link_secret, &peer_id, &peer_identity, deadline);
-  if (!st.ok()) return linkError(peer, st);
+  const bool offer = config_.transport != Transport::kTcp;
+  std::string redirect;
+  auto dialled = dialTcp(peer, offer, &peer_id, deadline, &redirect);
+  if (!dialled.ok()) return linkError(peer, dialled.status());
+  if (!redirect.empty()) {
+    // The acceptor is on this host (by the hints) and offers its AF_UNIX socket, where the kernel
+    // tells each side who the other is. Out of reach (another network namespace): TCP after all.
+    bool reached = false;
+    auto local = dialUnix(redirect, &peer_id, deadline, &reached);
+    if (local.ok()) {
+      dialled = std::move(local);
+    } else if (reached || config_.transport == Transport::kCma) {
+      return linkError(peer, local.status());
+    } else {
+      PDLINK_LOG(kInfo, "same-host channels to " << clusterName(peer_id) << " unavailable ("
+                                                 << local.status().message() << "); using tcp");
+      peer_id = peer.cluster_id;
+      dialled = dialTcp(peer, false, &peer_id, deadline, &redirect);
+      if (!dialled.ok()) return linkError(peer, dialled.status());
+    }
+  }
   if (peer_id == config_.cluster_id) {
     return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
   }
-  auto rev = Socket::connect(peer.ip, peer.port, deadline);
-  if (!rev.ok()) return linkError(peer, rev.status());
-  hello.channel = wire::Channel::kReverse;
-  st = helloExchange(rev.value(), hello, config_.link_secret, &peer_id, &peer_identity, deadline);
-  if (!st.ok()) return linkError(peer, st);
-
+  Dialled& d = dialled.value();
   bool direct = false;
-  st = chooseTransport(peer_identity, &direct);
+  Status st = chooseTransport(d.pid, d.published_addr, &direct);
   if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
-  auto link = std::make_shared<Link>(peer_id, std::move(fwd.value()), std::move(rev.value()), true);
-  if (direct) link->enableDirect(static_cast<pid_t>(peer_identity.pid), peer_identity.gen_addr);
-  // Forcing tcp turns every same-host shortcut off: cma for host memory, IPC for device memory.
-  link->setSameHost(config_.transport != Transport::kTcp && identity_.sameHost(peer_identity));
+  auto link = std::make_shared<Link>(peer_id, std::move(d.fwd), std::move(d.rev), true);
+  link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant));
+  link->setPeerAddress(where);
+  if (direct) link->enableDirect();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
@@ -118,29 +133,98 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     if (!st.ok()) PDLINK_LOG(kInfo, st.message());
   }
   if (linked_id) *linked_id = peer_id;
-  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << where << " over " << link->transport()
-                                 << (channel ? " and a device channel" : ""));
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << peer.ip << ":" << peer.port << " over "
+                                 << link->transport() << (channel ? " and a device channel" : ""));
   return Status::OK();
 }
 
-Status Engine::chooseTransport(const wire::HostIdentity& peer, bool* direct) const {
+Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same_host, uint64_t* peer_id,
+                                        Deadline deadline, std::string* redirect) {
+  redirect->clear();
+  wire::Hello hello;
+  hello.cluster_id = config_.cluster_id;
+  hello.expected_peer = peer.cluster_id;
+  hello.nonce = makeNonce();
+  hello.flags = offer_same_host ? wire::kHelloSameHost : 0;
+  wire::ClientAuth mine;
+  if (offer_same_host) mine.hint = hint_;  // what the acceptor needs to decide on a redirect
+  Dialled d;
+  auto fwd = Socket::connect(peer.ip, peer.port, deadline);
+  if (!fwd.ok()) return fwd.status();
+  wire::AuthResult result;
+  PDLINK_RETURN_IF_ERROR(helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
+  if (!result.redirect.empty()) {
+    *redirect = result.redirect;
+    return d;  // the acceptor closes this connection; the link is made on the AF_UNIX socket
+  }
+  auto rev = Socket::connect(peer.ip, peer.port, deadline);
+  if (!rev.ok()) return rev.status();
+  hello.channel = wire::Channel::kReverse;
+  hello.flags = 0;
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(rev.value(), hello, config_.link_secret, wire::ClientAuth{}, peer_id, &result, deadline));
+  d.fwd = std::move(fwd.value());
+  d.rev = std::move(rev.value());
+  return d;
+}
+
+Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer_id, Deadline deadline,
+                                         bool* reached) {
+  *reached = false;
+  Dialled d;
+  auto fwd = Socket::connectUnix(name, deadline);
+  if (!fwd.ok()) return fwd.status();
+  *reached = true;
+  auto cred = fwd.value().peerCredentials();
+  if (!cred.ok()) return cred.status();
+  d.pid = cred.value().pid;
+  // The acceptor probes this process before it completes the link: let it read us from now on
+  // (released with `d` if the link does not come up). Not for a peer inside this process.
+  if (d.pid != 0 && d.pid != ::getpid()) d.grant = cma::Grant::acquire();
+  wire::Hello hello;
+  hello.cluster_id = config_.cluster_id;
+  hello.expected_peer = *peer_id;
+  hello.nonce = makeNonce();
+  wire::ClientAuth mine;
+  mine.hint = hint_;
+  mine.gen_addr = reinterpret_cast<uint64_t>(registry_.published());
+  wire::AuthResult result;
+  PDLINK_RETURN_IF_ERROR(helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
+  d.published_addr = result.gen_addr;
+  auto rev = Socket::connectUnix(name, deadline);
+  if (!rev.ok()) return rev.status();
+  auto cred2 = rev.value().peerCredentials();
+  if (!cred2.ok() || cred2.value().pid != d.pid) {
+    return Status(Code::kLinkFailed, "the two same-host channels reached different processes");
+  }
+  hello.channel = wire::Channel::kReverse;
+  PDLINK_RETURN_IF_ERROR(helloExchange(rev.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
+  if (result.gen_addr != d.published_addr) {
+    return Status(Code::kLinkFailed, "the two same-host channels disagree about the peer");
+  }
+  d.fwd = std::move(fwd.value());
+  d.rev = std::move(rev.value());
+  return d;
+}
+
+Status Engine::chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* direct) const {
   *direct = false;
   if (config_.transport == Transport::kTcp) return Status::OK();
-  const bool possible = identity_.sameHost(peer) && (peer.transports & wire::kTransportCma) &&
-                        (identity_.transports & wire::kTransportCma);
-  if (possible) {
-    auto word = cma::readWord(static_cast<pid_t>(peer.pid), peer.gen_addr);
-    if (word.ok()) {
-      *direct = true;
-      return Status::OK();
+  if (peer_pid == 0) {
+    if (config_.transport == Transport::kCma) {
+      return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
     }
-    if (config_.transport == Transport::kCma) return word.status();
-    PDLINK_LOG(kInfo, "same-host peer pid " << peer.pid << ": " << word.status().message() << "; using tcp");
     return Status::OK();
   }
-  if (config_.transport == Transport::kCma) {
-    return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
+  // A proven same-host peer: copy directly if this process may read it (Yama, same user). The
+  // probe reads the peer's published words, at the pid the kernel gave, never a claimed one.
+  auto word = cma::readWord(peer_pid, published_addr);
+  if (word.ok()) {
+    *direct = true;
+    return Status::OK();
   }
+  if (config_.transport == Transport::kCma) return word.status();
+  PDLINK_LOG(kInfo, "same-host peer pid " << peer_pid << ": " << word.status().message() << "; streaming");
   return Status::OK();
 }
 
@@ -168,12 +252,16 @@ void Engine::handleIncoming(Socket sock) {
   };
   Deadline deadline = Deadline::afterMs(config_.handshake_timeout_ms);
   const std::string from = sock.peer();
+  const bool local = sock.isUnix();
   bool acked = false;  // once our HelloAck is out, a refusal is sent as an AuthResult
   auto refuse = [&](const std::string& why) {
     PDLINK_LOG(kWarn, "refused link from " << from << ": " << why);
     std::string frame;
     if (acked) {
-      frame = wire::encode(wire::AuthResult{static_cast<uint32_t>(Code::kLinkFailed), why});
+      wire::AuthResult r;
+      r.status = static_cast<uint32_t>(Code::kLinkFailed);
+      r.message = why;
+      frame = wire::encode(r);
     } else {
       wire::HelloAck ack;
       ack.status = static_cast<uint32_t>(Code::kLinkFailed);
@@ -198,8 +286,8 @@ void Engine::handleIncoming(Socket sock) {
     return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
                   std::to_string(wire::kProtocolVersion));
   }
-  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kHelloRestBytes, deadline);
-  if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, wire::kHelloRestBytes, &hello);
+  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kHelloBytes - wire::kHelloPrefixBytes, deadline);
+  if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, wire::kHelloBytes - wire::kHelloPrefixBytes, &hello);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
     untrack();
@@ -213,37 +301,73 @@ void Engine::handleIncoming(Socket sock) {
   }
 
   // Challenge-response: prove we know the link secret, then check the dialler's proof. Nothing
-  // about this engine's memory is reachable before the dialler's proof has been checked.
+  // about this engine's host or memory goes out, and nothing is reachable, before that check.
   wire::HelloAck ack;
   ack.cluster_id = config_.cluster_id;
-  ack.identity = identity_;
   randomBytes(ack.challenge, sizeof(ack.challenge));
   const uint8_t channel = static_cast<uint8_t>(hello.channel);
-  Digest server_proof = linkProof(config_.link_secret, 'S', hello.challenge, ack.challenge, hello.cluster_id, config_.cluster_id,
-                                  hello.nonce, channel);
+  Digest server_proof = linkProof(config_.link_secret, 'S', hello.challenge, ack.challenge, hello.cluster_id,
+                                  config_.cluster_id, hello.nonce, channel);
   std::memcpy(ack.proof, server_proof.data(), sizeof(ack.proof));
   std::string ack_frame = wire::encode(ack);
   st = sock.sendAll(ack_frame.data(), ack_frame.size(), deadline);
   acked = true;
-  uint8_t client_proof[wire::kProofBytes];
-  if (st.ok()) st = sock.recvAll(client_proof, sizeof(client_proof), deadline);
+  uint8_t auth_buf[wire::kClientAuthBytes];
+  wire::ClientAuth client;
+  if (st.ok()) st = sock.recvAll(auth_buf, sizeof(auth_buf), deadline);
+  if (st.ok()) st = wire::decode(auth_buf, sizeof(auth_buf), &client);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropped connection from " << from << " during authentication: " << st.message());
     untrack();
     return;
   }
-  Digest expected = linkProof(config_.link_secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, config_.cluster_id,
-                              hello.nonce, channel);
-  if (!constantTimeEqual(client_proof, expected.data(), expected.size())) {
+  Digest expected = linkProof(config_.link_secret, 'C', hello.challenge, ack.challenge, hello.cluster_id,
+                              config_.cluster_id, hello.nonce, channel);
+  if (!constantTimeEqual(client.proof, expected.data(), expected.size())) {
     return refuse(std::string("authentication failed for ") + clusterName(hello.cluster_id) +
                   (config_.link_secret.empty() ? ": this engine has no link secret but the peer sent a proof"
                                                : ": the peer does not know this engine's link secret"));
   }
-  const std::string ok_frame = wire::encode(wire::AuthResult{0, ""});
+
+  // Same-host: a FORWARD TCP channel from a dialler that offers it and, by its hint, runs on this
+  // host is redirected to the AF_UNIX socket (which proves it); otherwise the link stays on TCP.
+  wire::AuthResult ok;
+  pid_t pid = 0;
+  std::shared_ptr<cma::Grant> grant;
+  if (local) {
+    if (config_.transport == Transport::kTcp) return refuse("this engine uses tcp only");
+    auto cred = sock.peerCredentials();
+    if (!cred.ok()) return refuse(cred.status().message());
+    pid = cred.value().pid;
+    ok.gen_addr = reinterpret_cast<uint64_t>(registry_.published());
+    // The dialler probes this process before it completes the link.
+    if (pid != 0 && pid != ::getpid()) grant = cma::Grant::acquire();
+  } else if (hello.channel == wire::Channel::kForward) {
+    std::string name;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      name = unix_name_;
+    }
+    if ((hello.flags & wire::kHelloSameHost) && config_.transport != Transport::kTcp && !name.empty() &&
+        hint_.sameHost(client.hint)) {
+      ok.redirect = name;
+      const std::string frame = wire::encode(ok);
+      (void)sock.sendAll(frame.data(), frame.size(), deadline);
+      untrack();
+      return;
+    }
+  }
+  if (!local && config_.transport == Transport::kCma) {
+    return refuse("transport 'cma' was forced here but the peer is not on this host or refuses it");
+  }
+  const std::string ok_frame = wire::encode(ok);
 
   if (hello.channel == wire::Channel::kForward) {
     auto pending = std::make_shared<PendingLink>();
     pending->peer = hello.cluster_id;
+    pending->pid = pid;
+    pending->published_addr = local ? client.gen_addr : 0;
+    pending->grant = std::move(grant);
     std::shared_ptr<Link> link;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -293,23 +417,28 @@ void Engine::handleIncoming(Socket sock) {
       return stopping_ || it == pending_.end() || it->second->forward;
     });
     auto it = pending_.find(hello.nonce);
-    if (stopping_ || it == pending_.end() || !it->second->forward || it->second->peer != hello.cluster_id) {
+    if (stopping_ || it == pending_.end() || !it->second->forward || it->second->peer != hello.cluster_id ||
+        it->second->forward->isUnix() != local) {
       lock.unlock();
       return refuse("no matching forward channel for this link attempt");
     }
     auto pending = it->second;
+    if (local && (pending->pid != pid || pending->published_addr != client.gen_addr)) {
+      lock.unlock();
+      return refuse("the two same-host channels come from different processes");
+    }
     handshaking_.erase(pending->forward.get());
     handshaking_.erase(tracked);
     // A forced transport that cannot be had here is refused now, before the link is installed.
     bool direct = false;
-    Status chosen = chooseTransport(hello.identity, &direct);
+    Status chosen = chooseTransport(pid, pending->published_addr, &direct);
     if (!chosen.ok()) {
       lock.unlock();
       return refuse(chosen.message());
     }
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
-    if (direct) link->enableDirect(static_cast<pid_t>(hello.identity.pid), hello.identity.gen_addr);
-    link->setSameHost(config_.transport != Transport::kTcp && identity_.sameHost(hello.identity));
+    link->setPeerProcess(pid, pending->published_addr, pending->grant);
+    if (direct) link->enableDirect();
     // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
     // mutex under mu_ cannot deadlock.
     out_lock = std::unique_lock<std::mutex>(link->outMutex());

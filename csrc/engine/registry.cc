@@ -291,7 +291,7 @@ Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
   }
   const CacheEntry& e = *caches_.at(it->second);
   wire::CacheDescriptor d;
-  d.generation = generation_.load(std::memory_order_acquire);
+  d.generation = published_.generation.load(std::memory_order_acquire);
   d.tensor_size = e.layout.tensor_size;
   d.stride = e.layout.stride();
   d.addrs = e.addrs;

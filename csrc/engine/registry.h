@@ -104,10 +104,22 @@ class Registry {
   // Serving side of direct (same-host) reads: the layout of the blocks cache published under
   // model_id. kKvCacheNotExist when there is none.
   Result<wire::CacheDescriptor> describe(uint64_t model_id) const;
-  // Bumped before any cache memory is released or any index changes, so a peer that read this
-  // word before and after a direct copy knows its cached descriptor was still valid. Its address
-  // is published in the handshake and stays fixed for the Registry's lifetime.
-  const std::atomic<uint64_t>* generation() const { return &generation_; }
+  // Two words a same-host peer reads directly (transport/cma.h), published at one fixed address
+  // for the Registry's lifetime (sent in the handshake of same-host links only):
+  //   generation  bumped before any cache memory is released or any index changes, so a peer that
+  //               read it before and after a direct copy through a cached descriptor knows the
+  //               descriptor was still valid;
+  //   pin_epoch   bumped whenever a pin is released before its access finished (a pin that
+  //               expired, engine/engine.h), so a peer that read it before and after a checked
+  //               direct copy knows the memory stayed pinned throughout.
+  struct Published {
+    std::atomic<uint64_t> generation{1};
+    std::atomic<uint64_t> pin_epoch{1};
+  };
+  static_assert(sizeof(Published) == 16, "two adjacent words: one direct read gets both");
+  const Published* published() const { return &published_; }
+  uint64_t pinEpoch() const { return published_.pin_epoch.load(std::memory_order_acquire); }
+  void bumpPinEpoch() { published_.pin_epoch.fetch_add(1, std::memory_order_release); }
 
   // Every tensor of a registered (not pool-allocated) DEVICE cache, as (address, bytes): the
   // memory a device channel prepares for one-sided access besides the device pool.
@@ -127,10 +139,10 @@ class Registry {
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);
 
-  void bumpLocked() { generation_.fetch_add(1, std::memory_order_release); }
+  void bumpLocked() { published_.generation.fetch_add(1, std::memory_order_release); }
 
   mutable std::mutex mu_;
-  std::atomic<uint64_t> generation_{1};
+  alignas(16) Published published_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> caches_;
   std::set<int64_t> id_refs_;                               // allocated caches not yet deallocated

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -61,10 +62,35 @@ Result<uint64_t> readWord(pid_t pid, uint64_t addr) {
   return value;
 }
 
-void allowPeers() {
+namespace {
+std::mutex& grantMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+size_t grants = 0;  // guarded by grantMutex()
+}  // namespace
+
+std::shared_ptr<Grant> Grant::acquire() {
+  std::lock_guard<std::mutex> lock(grantMutex());
 #ifdef PR_SET_PTRACER
-  (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  if (grants == 0) (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 #endif
+  ++grants;
+  return std::shared_ptr<Grant>(new Grant());
+}
+
+Grant::~Grant() {
+  std::lock_guard<std::mutex> lock(grantMutex());
+  if (--grants == 0) {
+#ifdef PR_SET_PTRACER
+    (void)::prctl(PR_SET_PTRACER, 0, 0, 0, 0);
+#endif
+  }
+}
+
+bool Grant::active() {
+  std::lock_guard<std::mutex> lock(grantMutex());
+  return grants > 0;
 }
 
 }  // namespace pdlink::cma

@@ -2,15 +2,17 @@
 //
 // Two processes on one host that may ptrace each other (same user, and Yama permitting) can copy
 // memory between their address spaces in one system call per 1024 ranges, with no socket and no
-// intermediate copy. The engine uses it only after a handshake showed both ends on the same host
-// and a probe read succeeded; otherwise it streams over TCP.
-// Threading: stateless; safe from any thread.
+// intermediate copy. The engine uses it only on a link whose channels are AF_UNIX connections to a
+// process the kernel identified (transport/socket.h, PeerCredentials), after a probe read of that
+// process succeeded; otherwise it streams. A pid is never taken from what a peer says.
+// Threading: safe from any thread.
 #pragma once
 
 #include <sys/types.h>
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/status.h"
@@ -25,8 +27,23 @@ Status copy(pid_t pid, bool write, const std::vector<iovec>& local, const std::v
 // Reads one 8-byte word of `pid` at `addr`; the link-time check that direct access is permitted.
 Result<uint64_t> readWord(pid_t pid, uint64_t addr);
 
-// Allows any process of this user to attach (prctl PR_SET_PTRACER_ANY). Needed where Yama's
-// ptrace_scope is 1, which otherwise limits attaching to ancestors; a no-op elsewhere.
-void allowPeers();
+// Permission for same-host peers to copy this process's memory. Where Yama's ptrace_scope is 1,
+// only ancestors may attach; a peer's process_vm_readv/writev of us needs prctl(PR_SET_PTRACER,
+// PR_SET_PTRACER_ANY), which lets every process of this user attach. Yama keeps one ptracer per
+// process, so per-peer grants cannot serve two peers: the permission is process-wide, held while at
+// least one Grant lives (one per proven same-host link to another process) and withdrawn when the
+// last one goes. Never taken on an engine whose transport is forced to tcp.
+class Grant {
+ public:
+  static std::shared_ptr<Grant> acquire();
+  ~Grant();
+  Grant(const Grant&) = delete;
+  Grant& operator=(const Grant&) = delete;
+  // Whether the process-wide permission is in force now (for tests and `links()`).
+  static bool active();
+
+ private:
+  Grant() = default;
+};
 
 }  // namespace pdlink::cma

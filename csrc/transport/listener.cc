@@ -12,9 +12,19 @@ namespace pdlink {
 Result<std::unique_ptr<Listener>> Listener::start(const std::string& ip, uint16_t port, AcceptFn on_accept) {
   auto ls = ListenSocket::bind(ip, port);
   if (!ls.ok()) return Status(Code::kFailed, ls.status().message());
+  return start(std::move(ls.value()), ip, std::move(on_accept));
+}
+
+Result<std::unique_ptr<Listener>> Listener::startUnix(const std::string& name, AcceptFn on_accept) {
+  auto ls = ListenSocket::bindUnix(name);
+  if (!ls.ok()) return ls.status();
+  return start(std::move(ls.value()), "", std::move(on_accept));
+}
+
+Result<std::unique_ptr<Listener>> Listener::start(ListenSocket socket, std::string ip, AcceptFn on_accept) {
   std::unique_ptr<Listener> l(new Listener());
-  l->ip_ = ip;
-  l->socket_ = std::move(ls.value());
+  l->ip_ = std::move(ip);
+  l->socket_ = std::move(socket);
   l->on_accept_ = std::move(on_accept);
   l->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (l->wake_fd_ < 0) return Status(Code::kFailed, std::string("eventfd failed: ") + std::strerror(errno));

@@ -1,4 +1,5 @@
-// Listener: a bound TCP listening socket plus the thread that accepts on it.
+// Listener: a bound listening socket (TCP, or an AF_UNIX abstract name) plus the thread that
+// accepts on it.
 //
 // Ownership: owns the socket and the thread; the destructor stops the thread (through an eventfd)
 // and joins it, so an accept callback never runs after destruction.
@@ -24,6 +25,8 @@ class Listener {
   // Binds ip:port (0 = any free port) and starts accepting. kFailed with the OS reason when the
   // address cannot be bound.
   static Result<std::unique_ptr<Listener>> start(const std::string& ip, uint16_t port, AcceptFn on_accept);
+  // Listens under an AF_UNIX abstract name (transport/socket.h) instead.
+  static Result<std::unique_ptr<Listener>> startUnix(const std::string& name, AcceptFn on_accept);
   ~Listener();
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
@@ -33,6 +36,7 @@ class Listener {
 
  private:
   Listener() = default;
+  static Result<std::unique_ptr<Listener>> start(ListenSocket socket, std::string ip, AcceptFn on_accept);
   void run();
 
   std::string ip_;

@@ -7,10 +7,13 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+
+#include "core/limits.h"
 
 namespace pdlink {
 namespace {
@@ -55,6 +58,17 @@ Result<sockaddr_in> resolve(const std::string& ip, uint16_t port) {
   return addr;
 }
 
+// An abstract AF_UNIX address: sun_path starts with a NUL, the name follows (not NUL-terminated).
+Result<std::pair<sockaddr_un, socklen_t>> unixAddress(const std::string& name) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.empty() || name.size() > limits::kUnixNameBytes || name.size() + 1 > sizeof(addr.sun_path)) {
+    return Status(Code::kParamInvalid, "bad unix socket name (" + std::to_string(name.size()) + " bytes)");
+  }
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  return std::make_pair(addr, static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size()));
+}
+
 }  // namespace
 
 Socket::Socket(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
@@ -63,7 +77,8 @@ Socket::~Socket() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Socket::Socket(Socket&& other) noexcept : fd_(other.fd_), spin_us_(other.spin_us_), peer_(std::move(other.peer_)) {
+Socket::Socket(Socket&& other) noexcept
+    : fd_(other.fd_), spin_us_(other.spin_us_), unix_(other.unix_), peer_(std::move(other.peer_)) {
   other.fd_ = -1;
 }
 
@@ -72,6 +87,7 @@ Socket& Socket::operator=(Socket&& other) noexcept {
     if (fd_ >= 0) ::close(fd_);
     fd_ = other.fd_;
     spin_us_ = other.spin_us_;
+    unix_ = other.unix_;
     peer_ = std::move(other.peer_);
     other.fd_ = -1;
   }
@@ -100,6 +116,36 @@ Result<Socket> Socket::connect(const std::string& ip, uint16_t port, Deadline de
     }
   }
   return sock;
+}
+
+Result<Socket> Socket::connectUnix(const std::string& name, Deadline deadline) {
+  auto addr = unixAddress(name);
+  if (!addr.ok()) return addr.status();
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return Status(Code::kLinkFailed, "socket(AF_UNIX) failed: " + std::string(strerror(errno)));
+  Socket sock(fd, "unix:@" + name.substr(0, 16));
+  sock.unix_ = true;
+  // A unix connect completes at once or fails; EAGAIN means the listener's backlog is full, so
+  // try again until the deadline.
+  for (;;) {
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr.value().first), addr.value().second) == 0) return sock;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN || deadline.expired()) {
+      return Status(errno == EAGAIN ? Code::kTimeout : Code::kLinkFailed,
+                    "connect to " + sock.peer_ + " failed: " + strerror(errno));
+    }
+    ::usleep(1000);
+  }
+}
+
+Result<PeerCredentials> Socket::peerCredentials() const {
+  if (!unix_ || fd_ < 0) return Status(Code::kFailed, "peer credentials exist only for unix sockets");
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd_, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof(cred)) {
+    return Status(Code::kFailed, std::string("SO_PEERCRED failed: ") + strerror(errno));
+  }
+  return PeerCredentials{cred.pid, cred.uid, cred.gid};
 }
 
 Status Socket::ioError(const char* what, int err) const {
@@ -133,16 +179,6 @@ Status Socket::waitReadable(Deadline deadline) {
     } while (Deadline::Clock::now() < until);
   }
   return waitFor(POLLIN, deadline, "receive");
-}
-
-Status Socket::sendAll(const void* data, size_t len, Deadline deadline) {
-  std::vector<iovec> iov{{const_cast<void*>(data), len}};
-  return sendv(iov, deadline);
-}
-
-Status Socket::recvAll(void* data, size_t len, Deadline deadline) {
-  std::vector<iovec> iov{{data, len}};
-  return recvv(iov, deadline);
 }
 
 Status Socket::sendv(std::vector<iovec>& iov, Deadline deadline) {
@@ -198,16 +234,6 @@ Status Socket::recvv(std::vector<iovec>& iov, Deadline deadline) {
   return Status::OK();
 }
 
-Status Socket::discard(uint64_t len, Deadline deadline) {
-  char buf[64 * 1024];
-  while (len > 0) {
-    size_t chunk = static_cast<size_t>(std::min<uint64_t>(len, sizeof(buf)));
-    PDLINK_RETURN_IF_ERROR(recvAll(buf, chunk, deadline));
-    len -= chunk;
-  }
-  return Status::OK();
-}
-
 void Socket::shutdown() {
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
@@ -235,11 +261,26 @@ Result<ListenSocket> ListenSocket::bind(const std::string& ip, uint16_t port) {
   return ls;
 }
 
+Result<ListenSocket> ListenSocket::bindUnix(const std::string& name) {
+  auto addr = unixAddress(name);
+  if (!addr.ok()) return addr.status();
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return Status(Code::kFailed, "socket(AF_UNIX) failed: " + std::string(strerror(errno)));
+  ListenSocket ls;
+  ls.fd_ = fd;
+  ls.unix_ = true;
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr.value().first), addr.value().second) != 0) {
+    return Status(Code::kFailed, "cannot bind unix socket @" + name + ": " + strerror(errno));
+  }
+  if (::listen(fd, 128) != 0) return Status(Code::kFailed, "listen on unix socket failed: " + std::string(strerror(errno)));
+  return ls;
+}
+
 ListenSocket::~ListenSocket() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-ListenSocket::ListenSocket(ListenSocket&& other) noexcept : fd_(other.fd_), port_(other.port_) {
+ListenSocket::ListenSocket(ListenSocket&& other) noexcept : fd_(other.fd_), port_(other.port_), unix_(other.unix_) {
   other.fd_ = -1;
 }
 
@@ -248,12 +289,21 @@ ListenSocket& ListenSocket::operator=(ListenSocket&& other) noexcept {
     if (fd_ >= 0) ::close(fd_);
     fd_ = other.fd_;
     port_ = other.port_;
+    unix_ = other.unix_;
     other.fd_ = -1;
   }
   return *this;
 }
 
 Socket ListenSocket::acceptOne() {
+  if (unix_) {
+    int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return Socket();
+    Socket s(fd, "unix");
+    s.unix_ = true;
+    if (auto cred = s.peerCredentials(); cred.ok()) s.peer_ = "unix:pid " + std::to_string(cred.value().pid);
+    return s;
+  }
   sockaddr_in addr{};
   socklen_t len = sizeof(addr);
   int fd = ::accept4(fd_, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);

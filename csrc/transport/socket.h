@@ -1,4 +1,5 @@
-// Socket: an owned, non-blocking TCP socket with deadline-bounded, scatter-gather I/O.
+// Socket: an owned, non-blocking stream socket (TCP, or AF_UNIX for same-host links) with
+// deadline-bounded, scatter-gather I/O.
 //
 // Ownership: a Socket owns its file descriptor and closes it on destruction. It is movable, not
 // copyable.
@@ -9,6 +10,7 @@
 // kLinkFailed. The message names the operation and the peer.
 #pragma once
 
+#include <sys/types.h>
 #include <sys/uio.h>
 
 #include <cstddef>
@@ -18,14 +20,25 @@
 
 #include "core/deadline.h"
 #include "core/status.h"
+#include "transport/stream.h"
 
 namespace pdlink {
 
-class Socket {
+// What the kernel recorded about the process at the other end of an AF_UNIX connection
+// (SO_PEERCRED): for the connecting side, the process that created the listening socket; for the
+// accepting side, the process that connected. `pid` is in this process's pid namespace, 0 when the
+// peer's is not visible from here.
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+class Socket final : public Stream {
  public:
   Socket() = default;
   explicit Socket(int fd, std::string peer = "");
-  ~Socket();
+  ~Socket() override;
   Socket(Socket&& other) noexcept;
   Socket& operator=(Socket&& other) noexcept;
   Socket(const Socket&) = delete;
@@ -33,21 +46,22 @@ class Socket {
 
   // Connects to ip:port (IPv4 dotted string or host name resolving to IPv4) within the deadline.
   static Result<Socket> connect(const std::string& ip, uint16_t port, Deadline deadline);
+  // Connects to the AF_UNIX socket with this abstract name (no leading NUL; at most
+  // limits::kUnixNameBytes). kLinkFailed when nobody listens under that name in this network
+  // namespace.
+  static Result<Socket> connectUnix(const std::string& name, Deadline deadline);
 
   bool valid() const { return fd_ >= 0; }
   int fd() const { return fd_; }
-  const std::string& peer() const { return peer_; }
+  const std::string& peer() const override { return peer_; }
+  bool isUnix() const { return unix_; }
+  // SO_PEERCRED of an AF_UNIX socket; kFailed for TCP sockets.
+  Result<PeerCredentials> peerCredentials() const;
 
-  Status sendAll(const void* data, size_t len, Deadline deadline);
-  Status recvAll(void* data, size_t len, Deadline deadline);
-  // Scatter-gather variants: the iovec array is consumed (modified) as bytes move.
-  Status sendv(std::vector<iovec>& iov, Deadline deadline);
-  Status recvv(std::vector<iovec>& iov, Deadline deadline);
-  // Reads and discards exactly `len` bytes (to resynchronise after rejecting a payload).
-  Status discard(uint64_t len, Deadline deadline);
-  // Blocks until data (or EOF) is readable (spinning first, see setReceiveSpin). kLinkFailed after
-  // shutdown().
-  Status waitReadable(Deadline deadline);
+  Status sendv(std::vector<iovec>& iov, Deadline deadline) override;
+  Status recvv(std::vector<iovec>& iov, Deadline deadline) override;
+  // Spins first (see setReceiveSpin). kLinkFailed after shutdown().
+  Status waitReadable(Deadline deadline) override;
 
   // Before blocking in poll(2) for incoming data, retry the receive for up to `us` microseconds.
   // A requester waiting for a short reply then avoids a sleep/wake-up cycle, which on loopback
@@ -59,18 +73,23 @@ class Socket {
   void shutdown();
 
  private:
+  friend class ListenSocket;
   Status waitFor(short events, Deadline deadline, const char* what);
   Status ioError(const char* what, int err) const;
 
   int fd_ = -1;
   int spin_us_ = 0;
+  bool unix_ = false;
   std::string peer_;
 };
 
-// Listening socket bound to ip:port (port 0 picks a free port; see port()).
+// Listening socket bound to ip:port (port 0 picks a free port; see port()), or to an AF_UNIX
+// abstract name.
 class ListenSocket {
  public:
   static Result<ListenSocket> bind(const std::string& ip, uint16_t port);
+  // kFailed when the name is taken (abstract names are first come, first served).
+  static Result<ListenSocket> bindUnix(const std::string& name);
   ListenSocket() = default;
   ~ListenSocket();
   ListenSocket(ListenSocket&& other) noexcept;
@@ -84,6 +103,7 @@ class ListenSocket {
  private:
   int fd_ = -1;
   uint16_t port_ = 0;
+  bool unix_ = false;
 };
 
 }  // namespace pdlink

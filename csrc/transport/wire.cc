@@ -45,29 +45,10 @@ Status malformed(const char* what) {
 
 }  // namespace
 
-bool HostIdentity::sameHost(const HostIdentity& o) const {
+bool HostHint::sameHost(const HostHint& o) const {
   static const uint8_t zero[16] = {0};
   return std::memcmp(boot_id, zero, 16) != 0 && std::memcmp(boot_id, o.boot_id, 16) == 0 && pid_ns == o.pid_ns &&
          pid_ns != 0;
-}
-
-static void putIdentity(Writer& w, const HostIdentity& id) {
-  w.bytes(std::string(reinterpret_cast<const char*>(id.boot_id), 16));
-  w.put(id.pid_ns);
-  w.put(id.pid);
-  w.put(id.transports);
-  w.put(id.gen_addr);
-}
-
-Status decodeIdentity(const uint8_t* p, size_t n, HostIdentity* out) {
-  if (n < kIdentityBytes) return malformed("identity");
-  std::memcpy(out->boot_id, p, 16);
-  Reader r(p + 16, n - 16);
-  r.get(&out->pid_ns);
-  r.get(&out->pid);
-  r.get(&out->transports);
-  r.get(&out->gen_addr);
-  return Status::OK();
 }
 
 std::string encode(const Hello& h) {
@@ -79,15 +60,13 @@ std::string encode(const Hello& h) {
   w.put(h.cluster_id);
   w.put(h.expected_peer);
   w.put(h.nonce);
-  putIdentity(w, h.identity);
   w.bytes(std::string(reinterpret_cast<const char*>(h.challenge), kChallengeBytes));
   return w.take();
 }
 
 Status decodeRest(const uint8_t* p, size_t n, Hello* out) {
-  if (n < kHelloRestBytes) return malformed("hello");
-  PDLINK_RETURN_IF_ERROR(decodeIdentity(p, kIdentityBytes, &out->identity));
-  std::memcpy(out->challenge, p + kIdentityBytes, kChallengeBytes);
+  if (n < kHelloBytes - kHelloPrefixBytes) return malformed("hello");
+  std::memcpy(out->challenge, p, kChallengeBytes);
   return Status::OK();
 }
 
@@ -114,7 +93,6 @@ std::string encode(const HelloAck& a) {
   w.put(a.status);
   w.put(a.cluster_id);
   w.put(static_cast<uint32_t>(a.message.size()));
-  putIdentity(w, a.identity);
   w.bytes(std::string(reinterpret_cast<const char*>(a.challenge), kChallengeBytes));
   w.bytes(std::string(reinterpret_cast<const char*>(a.proof), kProofBytes));
   w.bytes(a.message);
@@ -130,10 +108,30 @@ Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_
   if (!r.get(&out->version) || !r.get(&out->status) || !r.get(&out->cluster_id) || !r.get(message_len)) {
     return malformed("hello-ack");
   }
-  if (*message_len > kMaxMessageBytes || n < kHelloAckFixedBytes) return malformed("hello-ack");
-  PDLINK_RETURN_IF_ERROR(decodeIdentity(p + 22, kIdentityBytes, &out->identity));
-  std::memcpy(out->challenge, p + 22 + kIdentityBytes, kChallengeBytes);
-  std::memcpy(out->proof, p + 22 + kIdentityBytes + kChallengeBytes, kProofBytes);
+  if (*message_len > kMaxMessageBytes || n < kHelloAckFixedBytes || !isKnownCode(out->status)) {
+    return malformed("hello-ack");
+  }
+  std::memcpy(out->challenge, p + 22, kChallengeBytes);
+  std::memcpy(out->proof, p + 22 + kChallengeBytes, kProofBytes);
+  return Status::OK();
+}
+
+std::string encode(const ClientAuth& a) {
+  Writer w;
+  w.bytes(std::string(reinterpret_cast<const char*>(a.proof), kProofBytes));
+  w.bytes(std::string(reinterpret_cast<const char*>(a.hint.boot_id), 16));
+  w.put(a.hint.pid_ns);
+  w.put(a.gen_addr);
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, ClientAuth* out) {
+  if (n < kClientAuthBytes) return malformed("client-auth");
+  std::memcpy(out->proof, p, kProofBytes);
+  std::memcpy(out->hint.boot_id, p + kProofBytes, 16);
+  Reader r(p + kProofBytes + 16, n - kProofBytes - 16);
+  r.get(&out->hint.pid_ns);
+  r.get(&out->gen_addr);
   return Status::OK();
 }
 
@@ -243,10 +241,17 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
   }
   if (kind < 1 || kind > 5) return malformed("transfer");
   t.kind = static_cast<TargetKind>(kind);
-  if (!r.get(&count) || count > r.left() / sizeof(uint32_t)) return malformed("transfer");
+  // Counts are bounded by the bytes that are there and by the limits before anything is allocated.
+  if (!r.get(&count) || count > r.left() / sizeof(uint32_t) || count > limits::kMaxRequestTensors) {
+    return malformed("transfer");
+  }
+  const uint64_t tensors = count;
   out->tensors.resize(count);
   for (uint32_t i = 0; i < count; ++i) r.get(&out->tensors[i]);
-  if (!r.get(&count) || count > r.left() / (2 * sizeof(uint64_t))) return malformed("transfer");
+  if (!r.get(&count) || count > r.left() / (2 * sizeof(uint64_t)) ||
+      tensors * count > limits::kMaxRequestPieces) {
+    return malformed("transfer");
+  }
   out->runs.resize(count);
   for (uint32_t i = 0; i < count; ++i) {
     r.get(&out->runs[i].offset);
@@ -261,15 +266,19 @@ std::string encode(const AuthResult& r) {
   w.put(kAuthMagic);
   w.put(r.status);
   w.put(static_cast<uint32_t>(r.message.size()));
+  w.put(static_cast<uint16_t>(r.redirect.size()));
+  w.put(r.gen_addr);
   w.bytes(r.message);
+  w.bytes(r.redirect);
   return w.take();
 }
 
-Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len) {
+Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len, uint16_t* redirect_len) {
   Reader r(p, n);
   uint32_t magic = 0;
   if (!r.get(&magic) || magic != kAuthMagic || !r.get(&out->status) || !r.get(message_len) ||
-      *message_len > kMaxMessageBytes || !isKnownCode(out->status)) {
+      !r.get(redirect_len) || !r.get(&out->gen_addr) || *message_len > kMaxMessageBytes ||
+      *redirect_len > limits::kUnixNameBytes || !isKnownCode(out->status)) {
     return malformed("auth-result");
   }
   return Status::OK();
@@ -289,11 +298,77 @@ Status decode(const uint8_t* p, size_t n, CacheDescriptor* out) {
   Reader r(p, n);
   uint32_t count = 0;
   if (!r.get(&out->generation) || !r.get(&out->tensor_size) || !r.get(&out->stride) || !r.get(&count) ||
-      count != r.left() / sizeof(uint64_t) || r.left() % sizeof(uint64_t) != 0) {
+      count != r.left() / sizeof(uint64_t) || r.left() % sizeof(uint64_t) != 0 || count == 0 ||
+      count > limits::kMaxRequestTensors || out->stride == 0 || out->stride > out->tensor_size) {
     return malformed("descriptor");
   }
   out->addrs.resize(count);
   for (uint32_t i = 0; i < count; ++i) r.get(&out->addrs[i]);
+  return Status::OK();
+}
+
+std::string encode(const DirectAnswer& a) {
+  Writer w;
+  w.put(a.pin_epoch);
+  for (size_t i = 0; i < a.addrs.size(); ++i) {
+    w.put(a.addrs[i]);
+    w.put(a.lengths[i]);
+  }
+  return w.take();
+}
+
+uint64_t directAnswerBytes(uint64_t pieces) { return 8 + 16 * pieces; }
+
+Status decode(const uint8_t* p, size_t n, uint64_t expected_pieces, DirectAnswer* out) {
+  if (expected_pieces > limits::kMaxRequestPieces || n != directAnswerBytes(expected_pieces)) {
+    return malformed("direct-access answer");
+  }
+  Reader r(p, n);
+  r.get(&out->pin_epoch);
+  out->addrs.resize(expected_pieces);
+  out->lengths.resize(expected_pieces);
+  for (uint64_t i = 0; i < expected_pieces; ++i) {
+    r.get(&out->addrs[i]);
+    r.get(&out->lengths[i]);
+  }
+  return Status::OK();
+}
+
+Status decodeAddresses(const uint8_t* p, size_t n, uint64_t expected, std::vector<uint64_t>* out) {
+  if (expected > limits::kMaxRequestPieces || n != 8 * expected) return malformed("address-list answer");
+  Reader r(p, n);
+  out->resize(expected);
+  for (uint64_t i = 0; i < expected; ++i) r.get(&(*out)[i]);
+  return Status::OK();
+}
+
+std::string encode(const IpcAnswer& a) {
+  Writer w;
+  for (size_t i = 0; i < a.keys.size(); ++i) {
+    std::string padded = a.keys[i].substr(0, limits::kIpcKeyBytes);
+    padded.resize(limits::kIpcKeyBytes, '\0');
+    w.bytes(padded);
+    w.put(a.spans[i]);
+  }
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, uint64_t expected_tensors, IpcAnswer* out) {
+  if (expected_tensors > limits::kMaxRequestTensors || n != kIpcEntryBytes * expected_tensors) {
+    return malformed("IPC answer");
+  }
+  out->keys.clear();
+  out->spans.clear();
+  for (uint64_t i = 0; i < expected_tensors; ++i) {
+    const char* k = reinterpret_cast<const char*>(p + i * kIpcEntryBytes);
+    size_t len = 0;
+    while (len < limits::kIpcKeyBytes && k[len] != '\0') ++len;
+    if (len == 0) return malformed("IPC answer");
+    uint64_t span = 0;
+    std::memcpy(&span, p + i * kIpcEntryBytes + limits::kIpcKeyBytes, 8);
+    out->keys.emplace_back(k, len);
+    out->spans.push_back(span);
+  }
   return Status::OK();
 }
 

@@ -1,22 +1,40 @@
-// The pdlink wire protocol (version 1), spoken over each TCP channel of a link.
+// The pdlink wire protocol (version 3), spoken over each channel of a link.
 //
-// A link is two TCP connections opened by the initiator to the acceptor's listener:
+// A link is two stream connections opened by the initiator to the acceptor:
 //   FORWARD: the initiator sends requests, the acceptor serves them;
 //   REVERSE: the acceptor sends requests, the initiator serves them.
 // So each side has one channel it requests on and one it serves on, and a transfer is one-sided:
 // the serving side answers from a C++ thread without any Python involvement.
 //
-// Every connection starts with a Hello from the initiator and a HelloAck from the acceptor. After
-// that, frames are a fixed RequestHeader (+ body + payload) answered by a ResponseHeader
-// (+ message + payload). All integers are little-endian. Nothing read off the wire is trusted:
-// decoders bound every length and count before using it, and the serving side checks every
-// access against the caches it has registered (engine/registry.h).
+// Handshake, per channel (all integers little-endian):
+//   dialler  -> Hello        version, channel, flags, both cluster ids, nonce, challenge
+//   acceptor -> HelloAck     status, its cluster id, its challenge, its proof (or a refusal)
+//   dialler  -> ClientAuth   its proof; host hint and generation address (same-host channels only)
+//   acceptor -> AuthResult   status; a same-host redirect; its generation address (same-host only)
+// Nothing about an engine's host or memory travels before the other side has proven the link
+// secret: the host hint goes out only after the acceptor's proof checked out, the acceptor's
+// redirect and addresses only after the dialler's.
+//
+// Same-host links: a dialler that may use same-host paths says so in its Hello (kHelloSameHost)
+// and sends its host hint; an acceptor on the same host (by that hint) answers the FORWARD channel
+// with a redirect to its AF_UNIX abstract socket and closes it. The dialler then opens both
+// channels there, with the same handshake. On an AF_UNIX channel the kernel reports the peer's pid
+// (SO_PEERCRED), so nothing a peer claims decides whether memory is copied directly: only a link
+// whose channels are AF_UNIX connections to a process this side can see may use cma or IPC.
+//
+// After the handshake, frames are a fixed RequestHeader (+ body + payload) answered by a
+// ResponseHeader (+ message + payload). Nothing read off the wire is trusted: decoders bound every
+// length and count (core/limits.h) before anything is allocated for it, the serving side admits a
+// request only for the paths its link negotiated (Engine::admit) and checks every access against
+// its registered caches (engine/registry.h), and the requester checks every answer against what it
+// asked for.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "core/limits.h"
 #include "core/status.h"
 
 namespace pdlink::wire {
@@ -25,33 +43,24 @@ constexpr uint32_t kHelloMagic = 0x4B4C4450;     // "PDLK"
 constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
-constexpr uint16_t kProtocolVersion = 2;
+constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
+constexpr uint16_t kProtocolVersion = 3;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
-constexpr uint32_t kMaxBodyBytes = 64u << 20;   // request descriptors (block runs etc.)
-constexpr uint32_t kMaxMessageBytes = 64u << 10;  // error text in responses and acks
+constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;
+constexpr uint32_t kMaxMessageBytes = limits::kMaxMessageBytes;
 
 enum class Channel : uint8_t { kForward = 0, kReverse = 1 };
 
-// Who an endpoint is on its host: lets two ends of a link find out that they share one and can
-// copy memory directly (cross-memory attach) instead of streaming it through a socket.
-struct HostIdentity {
-  uint8_t boot_id[16] = {0};  // /proc/sys/kernel/random/boot_id
-  uint64_t pid_ns = 0;        // inode of /proc/self/ns/pid
-  uint32_t pid = 0;
-  uint32_t transports = 0;    // kTransportCma: this end accepts direct memory access
-  uint64_t gen_addr = 0;      // address of the registry generation counter (see engine/registry.h)
-  bool sameHost(const HostIdentity& o) const;
-};
-constexpr uint32_t kTransportCma = 1;
-constexpr size_t kIdentityBytes = 40;
-
 // Link authentication (challenge-response). Each side sends a fresh random challenge; each proves
 // it knows the shared link secret with HMAC-SHA256 over both challenges and the link's identity
-// (engine.cc linkProof). No secret ever crosses the wire. Without a secret a proof is all zeros,
-// which a side that has a secret rejects.
+// (engine_helpers.cc linkProof). No secret ever crosses the wire. Without a secret a proof is all
+// zeros, which a side that has a secret rejects.
 constexpr size_t kChallengeBytes = 16;
 constexpr size_t kProofBytes = 32;
+
+// Hello.flags: the dialler may take a same-host redirect (its transport is not forced to tcp).
+constexpr uint8_t kHelloSameHost = 1;
 
 struct Hello {
   uint16_t version = kProtocolVersion;
@@ -60,46 +69,63 @@ struct Hello {
   uint64_t cluster_id = 0;     // the sender's own cluster id
   uint64_t expected_peer = 0;  // the cluster id the sender believes it is dialling
   uint64_t nonce = 0;          // pairs the FORWARD and REVERSE channels of one link
-  HostIdentity identity;
   uint8_t challenge[kChallengeBytes] = {0};
 };
 // The first 32 bytes keep one layout in every version (magic, version, ...), so a peer of another
-// version is recognised and told so; version 2 appends the identity and the challenge.
+// version is recognised and told so; then the challenge.
 constexpr size_t kHelloPrefixBytes = 32;
-constexpr size_t kHelloRestBytes = kIdentityBytes + kChallengeBytes;
-constexpr size_t kHelloBytes = kHelloPrefixBytes + kHelloRestBytes;
+constexpr size_t kHelloBytes = kHelloPrefixBytes + kChallengeBytes;
 std::string encode(const Hello& h);
 // Decodes the 32-byte prefix. Rejects a wrong magic (garbage) with kLinkFailed; a version mismatch
 // is reported by the caller.
 Status decodePrefix(const uint8_t* p, size_t n, Hello* out);
-Status decodeIdentity(const uint8_t* p, size_t n, HostIdentity* out);
-// Decodes the part after the prefix (identity and challenge).
+// Decodes the part after the prefix (the challenge).
 Status decodeRest(const uint8_t* p, size_t n, Hello* out);
 
 struct HelloAck {
   uint16_t version = kProtocolVersion;
   uint32_t status = 0;  // an LLMStatusCode value
   uint64_t cluster_id = 0;
-  HostIdentity identity;
   uint8_t challenge[kChallengeBytes] = {0};
   uint8_t proof[kProofBytes] = {0};  // the acceptor's proof (see above)
   std::string message;
 };
-constexpr size_t kHelloAckFixedBytes = 22 + kIdentityBytes + kChallengeBytes + kProofBytes;
+constexpr size_t kHelloAckFixedBytes = 22 + kChallengeBytes + kProofBytes;
 std::string encode(const HelloAck& a);
-// Decodes the fixed part; `message_len` tells how many message bytes follow.
+// Decodes the fixed part; `message_len` (bounded) tells how many message bytes follow.
 Status decodeFixed(const uint8_t* p, size_t n, HelloAck* out, uint32_t* message_len);
 
-// After the HelloAck the dialler sends its proof (kProofBytes raw) and the acceptor answers with
-// an AuthResult; only then is the channel part of a link.
-constexpr uint32_t kAuthMagic = 0x524C4450;  // "PDLR"
-constexpr size_t kAuthResultFixedBytes = 12;
+// Where an endpoint runs: a hint, never a proof (same-host is proven by the kernel, see above).
+struct HostHint {
+  uint8_t boot_id[16] = {0};  // /proc/sys/kernel/random/boot_id
+  uint64_t pid_ns = 0;        // inode of /proc/self/ns/pid
+  bool sameHost(const HostHint& o) const;
+};
+
+// The dialler's answer to the HelloAck: its proof, then what a same-host link needs. On a TCP
+// channel `hint` is sent only with kHelloSameHost and `gen_addr` is always 0.
+struct ClientAuth {
+  uint8_t proof[kProofBytes] = {0};
+  HostHint hint;
+  uint64_t gen_addr = 0;  // address of the dialler's published registry words (engine/registry.h)
+};
+constexpr size_t kClientAuthBytes = kProofBytes + 16 + 8 + 8;
+std::string encode(const ClientAuth& a);
+Status decode(const uint8_t* p, size_t n, ClientAuth* out);
+
+// The acceptor's verdict. `redirect` (FORWARD TCP channels only): the AF_UNIX abstract name to
+// reconnect to for a same-host link; the acceptor closes this connection. `gen_addr`: as in
+// ClientAuth, non-zero only on AF_UNIX channels.
 struct AuthResult {
   uint32_t status = 0;
   std::string message;
+  std::string redirect;
+  uint64_t gen_addr = 0;
 };
+constexpr size_t kAuthResultFixedBytes = 22;
 std::string encode(const AuthResult& r);
-Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len);
+// Decodes the fixed part; the message (bounded) then the redirect name (bounded) follow.
+Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len, uint16_t* redirect_len);
 
 enum class Op : uint8_t {
   kRead = 1,    // serve bytes of a registered cache       -> Response + payload
@@ -107,15 +133,17 @@ enum class Op : uint8_t {
   kCommit = 3,  // a read by request key completed: release  (no response)
   kUnlink = 4,  // the peer tears the link down              -> Response
   kPing = 5,    // liveness check (check_link_status)          -> Response
-  kDescribe = 6,  // a kBlocks target's layout for direct reads  -> Response + CacheDescriptor
+  kDescribe = 6,  // a kBlocks target's layout for direct reads (same-host) -> Response + CacheDescriptor
   kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
   kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
 };
 constexpr uint8_t kMaxOp = 8;
 
-// kRead/kWrite with kFlagDirect: the server checks the access as usual but answers with the
-// absolute addresses (AddressList) instead of moving bytes; the requester then copies them itself
-// with process_vm_readv/writev, and the server keeps the caches alive until the next frame.
+// kRead/kWrite with kFlagDirect (same-host links only): the server checks the access as usual but
+// answers with a DirectAnswer (the absolute address of every piece, and its pin epoch) instead of
+// moving bytes; the requester copies them itself with process_vm_readv/writev and the server keeps
+// the caches alive until the next frame (or until the pin expires: the requester re-reads the pin
+// epoch after its copy, see engine/registry.h).
 constexpr uint8_t kFlagDirect = 1;
 // kRead/kWrite with kFlagDevice: checked as usual; the bytes then move over the link's device
 // channel for this direction (Backend::DeviceChannel) instead of this stream. kRead: Response, then
@@ -123,13 +151,15 @@ constexpr uint8_t kFlagDirect = 1;
 // (stored). Set only for DEVICE-placement caches of a backend with device transport.
 constexpr uint8_t kFlagDevice = 2;
 // Both flags: same-host IPC. The server checks the access, exports each addressed tensor's span
-// (Backend::exportMemory) and answers with one 64-byte key per tensor, then one u64 offset into
-// that span per (tensor, run); the requester maps the keys and copies device to device itself,
-// then sends kCommit/kRelease, at which the server closes the exports and unpins.
+// [first run's offset, last run's end) (Backend::exportMemory) and answers with an IpcAnswer: one
+// 64-byte key and the span's length per tensor. The requester checks each span against the one it
+// computes from its own request, maps the keys and copies device to device itself (offsets inside
+// a span are its own runs', never the server's), then sends kCommit/kRelease, at which the server
+// closes the exports and unpins.
 // kFlagDevice | kFlagOneSided: HCCL one-sided access. The server checks the access as usual and,
 // when every addressed range lies in memory it prepared on the link's device channel, answers with
-// one u64 absolute address per (tensor, run) and keeps the caches alive until the next frame; the
-// requester reads or writes them with HcclBatchGet/Put, then sends kCommit/kRelease. Otherwise it
+// one u64 absolute address per piece and keeps the caches alive until the next frame; the requester
+// reads or writes them with HcclBatchGet/Put, then sends kCommit/kRelease. Otherwise it
 // refuses with kFeatureNotEnabled and the requester uses the two-sided transfer.
 constexpr uint8_t kFlagOneSided = 4;
 constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided;
@@ -138,9 +168,9 @@ constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided;
 constexpr uint8_t kChannelOneSided = 1;
 struct RequestHeader {
   Op op = Op::kRead;
-  uint32_t body_len = 0;
+  uint32_t body_len = 0;    // at most kMaxBodyBytes
   uint64_t payload_len = 0;
-  uint8_t flags = 0;  // kFlagDirect or kFlagDevice
+  uint8_t flags = 0;  // a combination above; which ones a link accepts: Engine::admit
 };
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);
@@ -190,12 +220,17 @@ struct TransferBody {
   std::vector<Run> runs;
   // Total payload bytes, or an error if the descriptor would overflow 64 bits.
   Result<uint64_t> payloadBytes() const;
+  // tensors x runs: the byte ranges this body names (limits::kMaxRequestPieces at most).
+  uint64_t pieces() const { return uint64_t{tensors.size()} * runs.size(); }
 };
 std::string encode(const TransferBody& b);
+// Rejects more than limits::kMaxRequestTensors tensors or kMaxRequestPieces pieces before
+// allocating for them.
 Status decode(const uint8_t* p, size_t n, TransferBody* out);
 
-// kDescribe answer: everything a requester needs to read a blocks cache directly, valid while the
-// server's registry generation stays `generation`.
+// kDescribe answer (same-host links only): everything a requester needs to read a blocks cache
+// directly, valid while the server's registry generation stays `generation`. At most
+// limits::kMaxRequestTensors addresses.
 struct CacheDescriptor {
   uint64_t generation = 0;
   uint64_t tensor_size = 0;
@@ -204,5 +239,31 @@ struct CacheDescriptor {
 };
 std::string encode(const CacheDescriptor& d);
 Status decode(const uint8_t* p, size_t n, CacheDescriptor* out);
+// The largest encoded CacheDescriptor: what a requester reads at most for one.
+constexpr uint64_t kMaxDescriptorBytes = 28 + 8 * uint64_t{limits::kMaxRequestTensors};
+
+// Answers a requester decodes against what it asked: each decoder takes the count it expects and
+// fails (kLinkFailed, "malformed ... answer") on any other size or any value out of bounds.
+//
+// kFlagDirect: the pin epoch, then (address, length) per piece, tensor-major.
+struct DirectAnswer {
+  uint64_t pin_epoch = 0;
+  std::vector<uint64_t> addrs;
+  std::vector<uint64_t> lengths;
+};
+std::string encode(const DirectAnswer& a);
+uint64_t directAnswerBytes(uint64_t pieces);
+Status decode(const uint8_t* p, size_t n, uint64_t expected_pieces, DirectAnswer* out);
+// kFlagDevice|kFlagOneSided: one address per piece, tensor-major.
+Status decodeAddresses(const uint8_t* p, size_t n, uint64_t expected, std::vector<uint64_t>* out);
+// kFlagDevice|kFlagDirect: per tensor a key (NUL-padded to limits::kIpcKeyBytes; at least one
+// non-NUL byte) and the exported span's length.
+struct IpcAnswer {
+  std::vector<std::string> keys;
+  std::vector<uint64_t> spans;
+};
+constexpr size_t kIpcEntryBytes = limits::kIpcKeyBytes + 8;
+std::string encode(const IpcAnswer& a);
+Status decode(const uint8_t* p, size_t n, uint64_t expected_tensors, IpcAnswer* out);
 
 }  // namespace pdlink::wire

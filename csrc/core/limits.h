@@ -1,0 +1,34 @@
+// Limits: the bounds on what one peer can make this process spend, in one table.
+//
+// Every count or size a peer sends is checked against these before anything is allocated for it
+// (transport/wire.h decoders, Engine::admit). Both ends of a link apply the same table: a
+// requester splits a transfer that would exceed a per-request bound into several requests
+// (Engine::plan), so honest callers never meet them; a server refuses a request that exceeds one.
+// The binding exposes the table once (pdlink._core.LIMITS); Python never re-types a value.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pdlink::limits {
+
+// Tensors one request may name (a cache has at most this many; llm_datadist's largest models
+// register a few hundred).
+constexpr uint32_t kMaxRequestTensors = 1u << 16;
+// Tensors x runs of one request: the byte ranges a server resolves, pins and, on the direct and
+// one-sided paths, answers with addresses for (16 bytes each: at most 4 MiB per answer).
+constexpr uint64_t kMaxRequestPieces = uint64_t{1} << 18;
+// A request body: the target (57 bytes), two counts, the tensor list and the runs.
+constexpr uint32_t kMaxBodyBytes =
+    static_cast<uint32_t>(64 + 4 * uint64_t{kMaxRequestTensors} + 16 * kMaxRequestPieces);
+// Error text in responses, acks and auth results.
+constexpr uint32_t kMaxMessageBytes = 64u << 10;
+// Bodies and answers are read in chunks of this size as their bytes arrive, so a header that
+// announces a large body costs memory only once the bytes are really there.
+constexpr size_t kReadChunkBytes = 64u << 10;
+// An IPC key on the wire (ACL's are 65-byte C strings: 64 characters and the NUL).
+constexpr size_t kIpcKeyBytes = 64;
+// An AF_UNIX abstract socket name offered for a same-host link (sun_path minus the leading NUL).
+constexpr size_t kUnixNameBytes = 64;
+
+}  // namespace pdlink::limits

@@ -1,0 +1,43 @@
+// Stream: a reliable byte stream with deadline-bounded, scatter-gather I/O. A link's channels are
+// Sockets (transport/socket.h); the serving loop and the frame helpers read and write through this
+// interface only, so they run unchanged over an in-memory stream (the fuzzer's, csrc/fuzz).
+//
+// Threading: one thread may send while another receives; two concurrent senders (or receivers)
+// must be serialised by the caller.
+// Errors: a deadline that passes gives kTimeout; a closed or failing stream gives kLinkFailed.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/deadline.h"
+#include "core/status.h"
+
+namespace pdlink {
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  // The iovec array is consumed (modified) as bytes move.
+  virtual Status sendv(std::vector<iovec>& iov, Deadline deadline) = 0;
+  virtual Status recvv(std::vector<iovec>& iov, Deadline deadline) = 0;
+  // Blocks until data (or EOF) is readable.
+  virtual Status waitReadable(Deadline deadline) = 0;
+  // Who is at the other end, for messages.
+  virtual const std::string& peer() const = 0;
+
+  Status sendAll(const void* data, size_t len, Deadline deadline);
+  Status recvAll(void* data, size_t len, Deadline deadline);
+  // Reads and discards exactly `len` bytes (to resynchronise after rejecting a payload).
+  Status discard(uint64_t len, Deadline deadline);
+  // Reads exactly `len` bytes into `out` (replacing it), refusing `len` > `max` before reading
+  // anything. The buffer grows in limits::kReadChunkBytes steps as bytes arrive, so a peer that
+  // announces a large body and sends nothing costs no memory.
+  Status readBounded(uint64_t len, uint64_t max, Deadline deadline, std::string* out, const char* what);
+};
+
+}  // namespace pdlink
