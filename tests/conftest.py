@@ -53,6 +53,14 @@ def variant(request: pytest.FixtureRequest) -> Variant:
     return v
 
 
+def only(*ids: str) -> pytest.MarkDecorator:
+    """Runs a test on these cells of the matrix only (a case that exists on one path), e.g.
+    ``@only("cpu-cma")``; the cells keep their skip rules (cma not permitted here)."""
+    chosen = [v for v in VARIANTS if v.id in ids]
+    assert len(chosen) == len(ids), f"unknown variant in {ids}"
+    return pytest.mark.parametrize("variant", chosen, ids=[v.id for v in chosen], indirect=True)
+
+
 @pytest.fixture
 def transport(variant: Variant) -> str:
     """Legacy name of the variant ("cma", "tcp", "ascend") for tests not yet converted."""

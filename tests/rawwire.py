@@ -121,8 +121,9 @@ class Handshake:
 
 
 def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expected: int = 1, nonce: int = 1234,
-              secret: bytes = b"", send_proof: bytes | None = None, flags: int = 0, hint: tuple[bytes, int] | None = None,
-              gen_addr: int = 0, unix: str | None = None, source: str = "127.0.0.1") -> Handshake:
+              secret: bytes = b"", send_proof: bytes | None = None, flags: int = 0,
+              hint: tuple[bytes, int] | None = None, gen_addr: int = 0, unix: str | None = None,
+              source: str = "127.0.0.1") -> Handshake:
     """Connect (TCP to 127.0.0.1:port from `source`, or to the AF_UNIX abstract name `unix`) and run
     one channel's handshake."""
     if unix is not None:
@@ -186,7 +187,7 @@ def read_request(s: socket.socket) -> tuple[int, int, bytes, int]:
 def parse_body(body: bytes) -> tuple[int, list[int], list[tuple[int, int]]]:
     """(target kind, tensors, runs) of a TransferBody."""
     kind = body[0]
-    pos = 57
+    pos = struct.calcsize("<BQQQqQQ")
     (nt,) = struct.unpack_from("<I", body, pos)
     pos += 4
     tensors = list(struct.unpack_from(f"<{nt}I", body, pos))

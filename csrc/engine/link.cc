@@ -17,11 +17,13 @@ std::string Link::brokenReason() const {
 }
 
 void Link::breakLink(const std::string& reason) {
+  std::shared_ptr<cma::Grant> grant;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (broken_) return;
     broken_ = true;
     broken_reason_ = reason;
+    grant = std::move(grant_);  // a broken link copies nothing more: its peer needs no access to us
   }
   out_.shutdown();
   in_.shutdown();

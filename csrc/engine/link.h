@@ -44,7 +44,7 @@ class Link {
   // direct reader checks (Registry::Published). Set before the link is shared, then constant.
   // pid 0: no same-host proof (TCP channels, or a peer whose pid this namespace cannot see). Only a
   // proven link may use cma or IPC, and addresses a peer sends are applied to that pid only.
-  // `grant` keeps this process readable by same-host peers while the link lives (cma::Grant).
+  // `grant` keeps this process readable by same-host peers until the link breaks (cma::Grant).
   void setPeerProcess(pid_t pid, uint64_t published_addr, std::shared_ptr<cma::Grant> grant) {
     direct_state_.pid = pid;
     direct_state_.published_addr = published_addr;
@@ -103,7 +103,7 @@ class Link {
   std::mutex out_mu_;  // held for a whole request/response exchange on out_
   bool direct_ = false;  // set before the link is shared, then constant
   Direct direct_state_;
-  std::shared_ptr<cma::Grant> grant_;
+  std::shared_ptr<cma::Grant> grant_;  // set before the link is shared; dropped by breakLink under state_mu_
   std::string peer_address_;
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only

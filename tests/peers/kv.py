@@ -23,6 +23,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 import internals
 from llm_datadist import (
     BlocksCacheKey,
@@ -58,6 +60,7 @@ class _Named:
 class _State:
     dd: LLMDataDist | None = None
     caches: dict[str, _Named] = dataclasses.field(default_factory=dict)
+    secrets: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 _S = _State()
@@ -120,8 +123,9 @@ def cluster(remote_id: int, port: int, ip: str = "127.0.0.1", local: bool = True
     return c
 
 
-def link(remote_id: int, port: int, timeout_ms: int = 5000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-    status, per_cluster = _dd().link_clusters([cluster(remote_id, port)], timeout_ms)
+def link(remote_id: int, port: int, timeout_ms: int = 5000,
+         ip: str = "127.0.0.1") -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    status, per_cluster = _dd().link_clusters([cluster(remote_id, port, ip)], timeout_ms)
     return status, list(per_cluster)
 
 
@@ -165,6 +169,32 @@ def cache_count() -> int:
 def resources() -> tuple[int, int]:
     """(open file descriptors, threads) of this process, for leak checks."""
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+
+def plant_secret(nbytes: int = 4096) -> tuple[int, bytes]:
+    """Unregistered memory holding random bytes (what a hostile peer must never see or change):
+    its address and contents."""
+    buf = np.frombuffer(os.urandom(nbytes), dtype=np.uint8).copy()
+    _S.secrets.append(buf)
+    return int(buf.ctypes.data), buf.tobytes()
+
+
+def secrets() -> list[bytes]:
+    """The planted secrets as they are now."""
+    return [b.tobytes() for b in _S.secrets]
+
+
+def tensor_addresses(name: str) -> list[int]:
+    return list(_named(name).addrs)
+
+
+def ptrace_grant_active() -> bool:
+    return bool(internals.core.ptrace_grant_active())
 
 
 # ---------------------------------------------------------------------------- caches

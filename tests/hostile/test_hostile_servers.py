@@ -1,0 +1,244 @@
+"""A requester that trusts no server: a victim engine dials a hostile endpoint (tests/peers/hostile.py,
+a plain socket program on 127.0.0.2) that sabotages the handshake or answers the victim's requests
+with malformed, oversized or lying replies, one reply kind per case.
+
+Every case asserts the exact status the victim gets, that its destination memory is unchanged
+(or holds only what the control case sends), that nothing of its unregistered memory moved, that
+it stays within a memory bound, and that it then links to an honest prefill and pulls byte-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import rawwire
+from backend_env import Variant
+from conftest import DECODER_ID, PROMPT_ID, Pair, only
+from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
+from peer import Peer
+from peers import hostile, kv
+from poll import hang_guard
+from verify import assert_same, check_transfer, rows
+
+KEY = BlocksCacheKey(PROMPT_ID, 0)
+SHAPE = (8, 64)
+TIMEOUT_MS = 1000
+RSS_BOUND_KIB = 64 * 1024  # what one hostile exchange may add to the victim's resident memory, at most
+
+# Handshake sabotage: the link fails, no link entity is left.
+HANDSHAKE_MODES = ["garbage_ack", "ack_huge_message", "ack_unknown_status", "ack_wrong_cluster", "auth_gen_on_tcp",
+                   "auth_huge_redirect"]
+# Replies to a pull over TCP: the pull fails with this status and the link is poisoned.
+REPLY_MODES = {
+    "resp_bad_magic": LLMStatusCode.LLM_LINK_FAILED,
+    "resp_unknown_status": LLMStatusCode.LLM_LINK_FAILED,
+    "resp_huge_message": LLMStatusCode.LLM_LINK_FAILED,
+    "resp_text_on_success": LLMStatusCode.LLM_LINK_FAILED,
+    "resp_payload_on_error": LLMStatusCode.LLM_LINK_FAILED,
+    "read_wrong_length": LLMStatusCode.LLM_LINK_FAILED,
+    "read_huge_payload": LLMStatusCode.LLM_LINK_FAILED,
+    "stall": LLMStatusCode.LLM_TIMEOUT,
+}
+# Replies on a same-host (AF_UNIX, proven) link that the victim reads directly.
+DIRECT_MODES = {
+    "describe_huge": LLMStatusCode.LLM_LINK_FAILED,
+    "describe_bad_count": LLMStatusCode.LLM_LINK_FAILED,
+    "direct_wrong_count": LLMStatusCode.LLM_LINK_FAILED,
+    "direct_wrong_length": LLMStatusCode.LLM_LINK_FAILED,
+}
+
+
+@pytest.fixture
+def victim(peers: Callable[..., Peer], variant: Variant) -> Peer:
+    v = peers("victim", env=variant.env())
+    v.call(kv.start, "decoder", DECODER_ID, timeout_ms=TIMEOUT_MS)
+    v.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    return v
+
+
+def start_attacker(peers: Callable[..., Peer], mode: str, redirect: bool = False, **params: object) -> tuple[Peer, int]:
+    a = peers("attacker")
+    return a, a.call(hostile.serve, mode, redirect, **params)
+
+
+def asked(attacker: Peer, op: int, flags: int = 0) -> bool:
+    """The attacker received a request of this kind (so its reply is what the victim refused)."""
+    return any(o["event"] == "request" and o["op"] == op and o["flags"] == flags
+               for o in attacker.call(hostile.observed))
+
+
+def link_attacker(victim: Peer, port: int) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    return victim.call_within(hang_guard(3000), kv.link, PROMPT_ID, port, 3000, "127.0.0.2")
+
+
+def honest_pull_works(peers: Callable[..., Peer], variant: Variant, victim: Peer) -> None:
+    """After the attack the victim links to an honest prefill and pulls byte-exact."""
+    honest = peers("honest", env=variant.env())
+    port = honest.call(kv.start, "prompt", PROMPT_ID, listen=True)
+    honest.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    assert victim.call(kv.link, PROMPT_ID, port)[0] == LLMStatusCode.LLM_SUCCESS
+    check_transfer(lambda: honest.call(kv.snapshot, "kv"), lambda: victim.call(kv.snapshot, "kv"),
+                   lambda: victim.call(kv.pull_blocks, KEY, "kv", [0, 3], [0, 3]), rows([(0, 0), (3, 3)]))
+
+
+def failed_pull(victim: Peer) -> LLMException:
+    with pytest.raises(LLMException) as e:
+        victim.call_within(hang_guard(TIMEOUT_MS), kv.pull_blocks, KEY, "kv", [1, 2], [1, 2])
+    return e.value
+
+
+@pytest.mark.parametrize("mode", HANDSHAKE_MODES)
+def test_a_sabotaged_handshake_fails_the_link_cleanly(peers: Callable[..., Peer], variant: Variant, victim: Peer,
+                                                      mode: str) -> None:
+    _, port = start_attacker(peers, mode)
+    rss = victim.call(kv.rss_kib)
+    assert link_attacker(victim, port) == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert victim.call(kv.links) == []
+    assert victim.call(kv.rss_kib) - rss < RSS_BOUND_KIB
+    honest_pull_works(peers, variant, victim)
+
+
+@only("cpu-tcp")
+def test_a_redirect_the_dialler_did_not_offer_to_take_fails_the_link(peers: Callable[..., Peer], variant: Variant,
+                                                                     victim: Peer) -> None:
+    """A dialler forced to tcp asks for no same-host redirect; one that comes anyway is a protocol
+    violation."""
+    _, port = start_attacker(peers, "auth_redirect_unoffered")
+    assert link_attacker(victim, port) == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert victim.call(kv.links) == []
+    honest_pull_works(peers, variant, victim)
+
+
+# (The attacker is on 127.0.0.2 and redirects no one here: a victim forced to cma cannot link to it,
+# and a victim's DEVICE caches move over a device channel, which it refuses; those paths have
+# their own cases below.)
+@only("cpu-tcp")
+@pytest.mark.parametrize("mode", sorted(REPLY_MODES))
+def test_a_malformed_reply_fails_that_pull_and_nothing_else(peers: Callable[..., Peer], variant: Variant,
+                                                            victim: Peer, mode: str) -> None:
+    attacker, port = start_attacker(peers, mode)
+    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+    before = victim.call(kv.snapshot, "kv")
+    rss = victim.call(kv.rss_kib)
+    err = failed_pull(victim)
+    assert err.status_code == REPLY_MODES[mode], err
+    assert asked(attacker, rawwire.OP_READ)
+    assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's cache after a refused reply")
+    assert victim.call(kv.rss_kib) - rss < RSS_BOUND_KIB
+    # the link is poisoned, nothing else: unlink, then an honest prefill serves the victim
+    assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
+    honest_pull_works(peers, variant, victim)
+
+
+@only("cpu-tcp")
+def test_the_control_case_a_well_formed_reply_is_taken(peers: Callable[..., Peer], variant: Variant,
+                                                       victim: Peer) -> None:
+    """The same attacker answering exactly what was asked: the victim stores exactly those bytes
+    (so the failures above are the checks at work, not a broken harness)."""
+    _, port = start_attacker(peers, "read_exact")
+    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+    before = victim.call(kv.snapshot, "kv")
+    victim.call(kv.pull_blocks, KEY, "kv", [1, 2], [1, 2])
+    expected = before.copy()
+    for t in range(2):
+        for block in (1, 2):
+            expected.tensor(t)[block * before.row_bytes:(block + 1) * before.row_bytes] = 0x5A
+    assert_same(victim.call(kv.snapshot, "kv"), expected, "the victim's cache")
+
+
+@only("cpu-cma")
+@pytest.mark.parametrize("mode", sorted(DIRECT_MODES))
+def test_a_lying_same_host_reply_is_refused(peers: Callable[..., Peer], variant: Variant, victim: Peer,
+                                            mode: str) -> None:
+    attacker, port = start_attacker(peers, mode, redirect=True)
+    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+    assert {link["transport"] for link in victim.call(kv.links)} == {"cma"}
+    before = victim.call(kv.snapshot, "kv")
+    rss = victim.call(kv.rss_kib)
+    err = failed_pull(victim)
+    assert err.status_code == DIRECT_MODES[mode], err
+    assert asked(attacker, rawwire.OP_DESCRIBE) if mode.startswith("describe") else asked(
+        attacker, rawwire.OP_READ, rawwire.FLAG_DIRECT)
+    assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's cache after a lying reply")
+    assert victim.call(kv.rss_kib) - rss < RSS_BOUND_KIB
+    assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
+    honest_pull_works(peers, variant, victim)
+
+
+@only("cpu-cma")
+@pytest.mark.parametrize("mode, op", [("describe_victim_addresses", "pull"), ("direct_victim_addresses", "pull"),
+                                      ("direct_victim_addresses", "push")])
+def test_addresses_of_the_victims_own_memory_are_never_applied_to_it(peers: Callable[..., Peer], variant: Variant,
+                                                                     victim: Peer, mode: str, op: str) -> None:
+    """The v2 attack: a same-host peer answers with addresses inside the victim's own process (an
+    unregistered secret, here). The victim copies only to and from the pid the kernel reported for
+    the other end, the attacker's, so its own memory is neither read nor written."""
+    addr, secret = victim.call(kv.plant_secret, 8 * 64 * 2)
+    attacker, port = start_attacker(peers, mode, redirect=True, addresses=[addr, addr], tensor_bytes=8 * 64 * 2,
+                                    stride=64 * 2)
+    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+    before = victim.call(kv.snapshot, "kv")
+    call = kv.pull_blocks if op == "pull" else kv.push_blocks
+    with pytest.raises(LLMException) as e:  # the addresses are not mapped in the attacker
+        victim.call_within(hang_guard(TIMEOUT_MS), call, KEY, "kv", [1, 2], [1, 2])
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, e.value
+    if mode == "direct_victim_addresses":  # the victim did ask, and was answered with its own addresses
+        assert asked(attacker, rawwire.OP_READ if op == "pull" else rawwire.OP_WRITE, rawwire.FLAG_DIRECT)
+    else:
+        assert asked(attacker, rawwire.OP_DESCRIBE)
+    assert victim.call(kv.secrets) == [secret]  # not written
+    after = victim.call(kv.snapshot, "kv")
+    assert_same(after, before, "the victim's cache")
+    assert all(secret[i:i + 16] not in after.regions[r].tobytes() for r in range(2) for i in range(0, len(secret), 256))
+
+
+@only("ascend-fake")
+@pytest.mark.parametrize("mode", ["devchan_unoffered_option", "devchan_long_answer"])
+def test_a_malformed_device_channel_answer_fails_the_link(peers: Callable[..., Peer], variant: Variant,
+                                                          victim: Peer, mode: str) -> None:
+    attacker, port = start_attacker(peers, mode)
+    assert link_attacker(victim, port) == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert asked(attacker, rawwire.OP_DEVICE_CHANNEL)
+    assert victim.call(kv.links) == []
+    honest_pull_works(peers, variant, victim)
+
+
+@only("ascend-fake")
+@pytest.mark.parametrize("mode", ["ipc_wrong_span", "ipc_empty_key", "ipc_wrong_size"])
+def test_a_malformed_ipc_answer_is_refused_before_any_mapping(peers: Callable[..., Peer], variant: Variant,
+                                                              mode: str) -> None:
+    """IPC (same-host device memory): the span the server states must be the one the victim computes
+    from its own request, keys must be keys; offsets are never taken from the server."""
+    v = peers("victim", env=variant.env(PDLINK_TRANSPORT="auto"))  # IPC needs the same-host link
+    v.call(kv.start, "decoder", DECODER_ID, timeout_ms=TIMEOUT_MS)
+    v.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    attacker, port = start_attacker(peers, mode, redirect=True)
+    assert link_attacker(v, port)[0] == LLMStatusCode.LLM_SUCCESS
+    before = v.call(kv.snapshot, "kv")
+    err = failed_pull(v)
+    assert err.status_code == LLMStatusCode.LLM_LINK_FAILED, err
+    assert asked(attacker, rawwire.OP_READ, rawwire.FLAG_DEVICE | rawwire.FLAG_DIRECT)
+    assert_same(v.call(kv.snapshot, "kv"), before, "the victim's device cache")
+
+
+@only("cpu-cma")
+def test_a_redirect_to_the_victims_own_socket_is_refused(peers: Callable[..., Peer], make_pair: Callable[..., Pair],
+                                                         variant: Variant) -> None:
+    """A hostile acceptor that sends the victim to the victim's own AF_UNIX socket (its name is no
+    secret: /proc/net/unix lists it): the victim's own acceptor refuses, since it is not the cluster
+    the victim dials; no link to itself is made, and the victim keeps serving its decoder."""
+    pair = make_pair()
+    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    own = peers("spy").call(hostile.redirect_name, pair.port, 9)  # the prefill's own AF_UNIX name
+    assert own.startswith("pdlink-")
+    _, port = start_attacker(peers, "redirect_to", name=own)
+    victim = pair.prefill
+    assert victim.call_within(hang_guard(3000), kv.link, 9, port, 3000, "127.0.0.2") == (
+        LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert victim.call(kv.links) == []
+    pair.link()
+    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
+                   lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", [4], [4]), rows([(4, 4)]))

@@ -1,0 +1,300 @@
+"""A hostile pdlink endpoint, run in its own peer process: a plain socket program that speaks the
+wire protocol (tests/rawwire.py) as an attacker would.
+
+Two roles:
+
+* a hostile **server** (``serve``): it accepts a victim's link on 127.0.0.2 (TCP, and on request an
+  AF_UNIX socket it redirects the victim to), completes or sabotages the handshake, then answers
+  the victim's requests the way ``mode`` says (malformed, oversized, lying about addresses ...);
+* a hostile **client** (``attack``): it links to a victim as a raw peer from 127.0.0.2 and sends
+  crafted frames, reporting what came back.
+
+Everything the victim sends is recorded (``observed``) so tests can show what it did and did not
+disclose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import socket
+import struct
+import threading
+from typing import Any
+
+import rawwire
+
+ATTACKER_IP = "127.0.0.2"
+
+
+@dataclasses.dataclass
+class _Server:
+    mode: str
+    sock: socket.socket
+    unix: socket.socket | None
+    unix_name: str
+    observed: list[dict[str, Any]]
+    conns: list[socket.socket]
+    published: Any  # a buffer whose address this process publishes as its "generation words"
+    params: dict[str, Any]
+    thread: threading.Thread | None = None
+
+
+_server: _Server | None = None
+
+
+def serve(mode: str, redirect: bool = False, **params: Any) -> int:
+    """Starts the hostile server; returns its TCP port on ATTACKER_IP."""
+    global _server
+    assert _server is None
+    tcp = socket.socket()
+    tcp.bind((ATTACKER_IP, 0))
+    tcp.listen(16)
+    unix = None
+    name = ""
+    if redirect:
+        name = f"pdlink-hostile-{os.getpid()}"
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind("\0" + name)
+        unix.listen(16)
+    words = (ctypes.c_uint64 * 2)(7, 7)  # generation and pin epoch, readable by a prober
+    _server = _Server(mode, tcp, unix, name, [], [], words, params)
+    _server.thread = threading.Thread(target=_accept_loop, args=(_server,), daemon=True)
+    _server.thread.start()
+    return int(tcp.getsockname()[1])
+
+
+def observed() -> list[dict[str, Any]]:
+    assert _server is not None
+    return list(_server.observed)
+
+
+def _accept_loop(srv: _Server) -> None:
+    import select
+
+    listeners = [srv.sock] + ([srv.unix] if srv.unix is not None else [])
+    while True:
+        ready, _, _ = select.select(listeners, [], [])
+        for ls in ready:
+            conn, _ = ls.accept()
+            srv.conns.append(conn)
+            threading.Thread(target=_handle, args=(srv, conn, ls is srv.unix), daemon=True).start()
+
+
+def _handle(srv: _Server, conn: socket.socket, local: bool) -> None:
+    try:
+        _handshake_and_serve(srv, conn, local)
+    except (ConnectionError, OSError, AssertionError, struct.error) as e:
+        srv.observed.append({"event": "closed", "why": repr(e)})
+    finally:
+        conn.close()
+
+
+def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None:
+    mode = srv.mode
+    head = rawwire.recv_exact(conn, rawwire.HELLO_BYTES)
+    _magic, version, channel, flags, cluster, expected, nonce = struct.unpack("<IHBBQQQ", head[:32])
+    srv.observed.append({"event": "hello", "channel": channel, "flags": flags, "cluster": cluster, "local": local})
+    if mode == "garbage_ack":
+        conn.sendall(os.urandom(200))
+        return
+    if mode == "ack_huge_message":
+        conn.sendall(struct.pack("<IHIQI", rawwire.ACK_MAGIC, 3, 0, 1, 0xFFFFFFFF) + bytes(48))
+        return
+    if mode == "ack_unknown_status":
+        conn.sendall(rawwire.ack(status=12345))
+        return
+    if mode == "ack_wrong_cluster":
+        conn.sendall(rawwire.ack(cluster=77))
+        return
+    conn.sendall(rawwire.ack(cluster=1))
+    auth = rawwire.recv_exact(conn, rawwire.CLIENT_AUTH_BYTES)
+    boot, gen = auth[32:48], struct.unpack("<Q", auth[56:64])[0]
+    srv.observed.append({"event": "client_auth", "channel": channel, "local": local, "hint": boot != bytes(16),
+                         "gen_addr": gen})
+    gen_addr = ctypes.addressof(srv.published) if local else 0
+    if mode == "redirect_to":  # to an AF_UNIX name of the test's choosing
+        conn.sendall(rawwire.auth_result(redirect=str(srv.params["name"]).encode()))
+        return
+    if mode == "auth_redirect_unoffered":
+        conn.sendall(rawwire.auth_result(redirect=b"pdlink-nowhere"))
+        return
+    if not local and channel == 0 and srv.unix is not None:
+        conn.sendall(rawwire.auth_result(redirect=srv.unix_name.encode()))
+        return
+    if mode == "auth_gen_on_tcp":
+        conn.sendall(rawwire.auth_result(gen_addr=0x1000))
+        return
+    if mode == "auth_huge_redirect":
+        conn.sendall(struct.pack("<IIIHQ", rawwire.AUTH_MAGIC, 0, 0, 0xFFFF, 0))
+        return
+    conn.sendall(rawwire.auth_result(gen_addr=gen_addr))
+    if channel == 0:
+        _answer_requests(srv, conn)
+    else:
+        _idle(conn)
+
+
+def _idle(conn: socket.socket) -> None:
+    # the victim's serving side of this link: nothing is ever requested of it
+    while conn.recv(4096):
+        pass
+
+
+def _answer_requests(srv: _Server, conn: socket.socket) -> None:
+    mode, params = srv.mode, srv.params
+    while True:
+        op, flags, body, plen = rawwire.read_request(conn)
+        rec: dict[str, Any] = {"event": "request", "op": op, "flags": flags, "payload_len": plen}
+        if op in (rawwire.OP_READ, rawwire.OP_WRITE, rawwire.OP_DESCRIBE, rawwire.OP_COMMIT, rawwire.OP_RELEASE):
+            kind, tensors, runs = rawwire.parse_body(body)
+            rec.update(kind=kind, tensors=tensors, runs=runs)
+        srv.observed.append(rec)
+        if op in (rawwire.OP_COMMIT, rawwire.OP_RELEASE):
+            continue
+        if op == rawwire.OP_PING or op == rawwire.OP_UNLINK:
+            conn.sendall(rawwire.response())
+            continue
+        if op == rawwire.OP_WRITE and not flags:
+            rawwire.recv_exact(conn, plen)  # take the payload; what follows is the scripted answer
+        pieces = len(rec.get("tensors", [])) * len(rec.get("runs", []))
+        total = sum(n for _, n in rec.get("runs", [])) * len(rec.get("tensors", []))
+        if mode == "stall":
+            _idle(conn)
+            return
+        if mode == "resp_bad_magic":
+            conn.sendall(b"\x00" * 20)
+        elif mode == "resp_unknown_status":
+            conn.sendall(rawwire.response(status=424242))
+        elif mode == "resp_huge_message":
+            conn.sendall(struct.pack("<IIIQ", rawwire.RESPONSE_MAGIC, rawwire.LINK_FAILED, 0x7FFFFFFF, 0))
+        elif mode == "resp_text_on_success":
+            conn.sendall(rawwire.response(message=b"fine"))
+        elif mode == "resp_payload_on_error":
+            conn.sendall(rawwire.response(status=rawwire.LINK_FAILED, message=b"no", payload_len=1 << 40))
+        elif mode == "read_wrong_length":
+            conn.sendall(rawwire.response(payload=b"\x5a" * (total + 8)))
+        elif mode == "read_huge_payload":
+            conn.sendall(rawwire.response(payload_len=1 << 60))
+        elif mode == "read_exact":  # an honest-looking server (control case): the bytes asked for
+            conn.sendall(rawwire.response(payload=b"\x5a" * total))
+        elif op == rawwire.OP_DESCRIBE and mode == "describe_huge":
+            conn.sendall(rawwire.response(payload_len=1 << 40))
+        elif op == rawwire.OP_DESCRIBE and mode == "describe_bad_count":
+            conn.sendall(rawwire.response(payload=struct.pack("<QQQI", 7, 4096, 64, 5000) + bytes(16)))
+        elif op == rawwire.OP_DESCRIBE and mode in ("direct_victim_addresses", "describe_victim_addresses"):
+            # a layout whose "tensors" are the victim's own memory (the addresses it is told about)
+            addrs = params["addresses"]
+            desc = struct.pack("<QQQI", 7, params["tensor_bytes"], params["stride"], len(addrs))
+            conn.sendall(rawwire.response(payload=desc + b"".join(struct.pack("<Q", a) for a in addrs)))
+        elif op == rawwire.OP_DESCRIBE:
+            conn.sendall(rawwire.response(status=0x5010B019, message=b"no direct reads"))  # refuse: checked path
+        elif mode == "direct_wrong_count":
+            conn.sendall(rawwire.response(payload=struct.pack("<Q", 1) + bytes(16 * (pieces + 1))))
+        elif mode == "direct_wrong_length":
+            conn.sendall(rawwire.response(payload=struct.pack("<Q", 1) + b"".join(
+                struct.pack("<QQ", 0x1000, n + 1) for _ in rec["tensors"] for _, n in rec["runs"])))
+        elif mode == "direct_victim_addresses":
+            addrs = params["addresses"]
+            entries = b"".join(struct.pack("<QQ", addrs[i % len(addrs)] + o, n)
+                               for i, _ in enumerate(rec["tensors"]) for o, n in rec["runs"])
+            conn.sendall(rawwire.response(payload=struct.pack("<Q", 7) + entries))
+        elif op == rawwire.OP_DEVICE_CHANNEL and mode == "devchan_unoffered_option":
+            conn.sendall(rawwire.response(payload=b"\x01"))  # agrees to one-sided, which was not offered
+        elif op == rawwire.OP_DEVICE_CHANNEL and mode == "devchan_long_answer":
+            conn.sendall(rawwire.response(payload=b"\x00" * 9))
+        elif op == rawwire.OP_DEVICE_CHANNEL:
+            conn.sendall(rawwire.response(status=0x5010B019, message=b"no device channels"))
+        elif mode == "ipc_wrong_span":
+            key = b"attacker-key".ljust(64, b"\0")
+            conn.sendall(rawwire.response(payload=b"".join(key + struct.pack("<Q", 1 << 30) for _ in rec["tensors"])))
+        elif mode == "ipc_empty_key":
+            span = max(o + n for o, n in rec["runs"]) - min(o for o, _ in rec["runs"])
+            conn.sendall(rawwire.response(payload=b"".join(bytes(64) + struct.pack("<Q", span)
+                                                          for _ in rec["tensors"])))
+        elif mode == "ipc_wrong_size":
+            conn.sendall(rawwire.response(payload=bytes(72 * len(rec["tensors"]) + 1)))
+        else:
+            conn.sendall(rawwire.response(status=0x5010B005, message=b"refused"))
+
+
+# --------------------------------------------------------------------------- hostile client
+
+
+@dataclasses.dataclass
+class _Client:
+    fwd: socket.socket
+    rev: socket.socket
+
+
+_client: _Client | None = None
+_words = (ctypes.c_uint64 * 2)(1, 1)  # this process's "published words", for a victim's probe
+
+
+def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None = None) -> tuple[int, str]:
+    """Links to the victim as a raw peer (both channels) from ATTACKER_IP, or over the AF_UNIX name
+    `unix`; returns (status, message) of the handshake."""
+    global _client
+    nonce = int.from_bytes(os.urandom(8), "little")
+    gen = ctypes.addressof(_words) if unix is not None else 0
+    h = rawwire.handshake(port, cluster=cluster, nonce=nonce, secret=secret, unix=unix, source=ATTACKER_IP,
+                          gen_addr=gen)
+    if h.status != 0:
+        return h.status, h.message
+    r = rawwire.handshake(port, channel=1, cluster=cluster, nonce=nonce, secret=secret, unix=unix,
+                          source=ATTACKER_IP, gen_addr=gen)
+    if r.status != 0:
+        return r.status, r.message
+    h.sock.settimeout(10)
+    _client = _Client(h.sock, r.sock)
+    return 0, ""
+
+
+def redirect_name(port: int, cluster: int = 9) -> str:
+    """Asks the victim for a same-host redirect by claiming its host (the hint of this machine) and
+    returns the AF_UNIX name it answers with ("" when it does not redirect)."""
+    h = rawwire.handshake(port, cluster=cluster, flags=rawwire.HELLO_SAME_HOST, hint=rawwire.host_hint(),
+                          source=ATTACKER_IP)
+    h.sock.close()
+    assert h.result is not None, h.message
+    return h.result.redirect
+
+
+def send(frame: bytes) -> None:
+    assert _client is not None
+    _client.fwd.sendall(frame)
+
+
+def exchange(frame: bytes) -> tuple[int, str, bytes] | str:
+    """Sends one request frame and returns the victim's response, or "closed" when it dropped the
+    link instead."""
+    assert _client is not None
+    try:
+        _client.fwd.sendall(frame)
+        return rawwire.read_response(_client.fwd)
+    except (ConnectionError, OSError):
+        return "closed"
+
+
+def close() -> None:
+    global _client
+    if _client is not None:
+        _client.fwd.close()
+        _client.rev.close()
+        _client = None
+
+
+def flood_frames(port: int, count: int, frame: bytes) -> list[str]:
+    """`count` raw links, each sending `frame` once; what each got back ("closed" or a status)."""
+    global _client
+    out: list[str] = []
+    for i in range(count):
+        status, msg = link_raw(port, cluster=100 + i)
+        if status != 0:
+            out.append(f"refused {status}: {msg}")
+            continue
+        r = exchange(frame)
+        out.append(r if isinstance(r, str) else str(r[0]))
+        close()
+    return out
