@@ -129,6 +129,7 @@ def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expec
     if unix is not None:
         s = connect_unix(unix)
     else:
+        assert port is not None
         s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
     challenge = os.urandom(16)
     s.sendall(hello(channel=channel, cluster=cluster, expected=expected, nonce=nonce, challenge=challenge, flags=flags))

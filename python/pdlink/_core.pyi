@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
-LIMITS: Dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
+LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
 
 def ptrace_grant_active() -> bool: ...  # same-host peers may read this process now (proven links exist)
 
