@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Fuzzes the wire-protocol decoders and the serving side's access checks (csrc/fuzz/wire_fuzz.cc)
-# with libFuzzer, AddressSanitizer and UndefinedBehaviorSanitizer for a bounded time
-# (FUZZ_SECONDS, default 60). Exits non-zero when the fuzzer finds a crash, a sanitizer report, a
-# broken invariant, a timeout or runaway memory; the input is saved under build/ci/fuzz/.
+# Fuzzes the wire-protocol decoders, the serving side's access checks, the real serving loop
+# (Engine::serveStream against a real Engine) and the requester's checks of the answers it reads
+# (csrc/fuzz/wire_fuzz.cc) with libFuzzer, AddressSanitizer and UndefinedBehaviorSanitizer for a
+# bounded time (FUZZ_SECONDS, default 60). Exits non-zero when the fuzzer finds a crash, a sanitizer
+# report, a broken invariant, a timeout or runaway memory; the input is saved under build/ci/fuzz/.
+#
+# Then, to show the fuzzer finds what it is there to find, it builds the target three more times,
+# each with one deliberate bug compiled in (core/seeded_bug.h: an unbounded reserve, an unchecked
+# flag, an unchecked reply span), and fails unless each is found within FUZZ_SEEDED_SECONDS
+# (default 60). FUZZ_SEEDED=0 skips that part.
 # Installs clang and its runtime libraries with apt-get when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,29 +16,44 @@ cd "$(dirname "$0")/.."
 . .ci/common.sh
 
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
+FUZZ_SEEDED_SECONDS=${FUZZ_SEEDED_SECONDS:-60}
+FUZZ_SEEDED=${FUZZ_SEEDED:-1}
 dir="$CI_OUT/fuzz"
+mkdir -p "$dir"
 
 step "fuzz: toolchain"
 apt_install clang libclang-rt-dev
 tools_venv
 
-step "fuzz: build wire_fuzz (clang, -fsanitize=fuzzer,address,undefined)"
-CC=clang CXX=clang++ configure "$dir/build" -DPDLINK_BUILD_FUZZ=ON
-cmake --build "$dir/build" --target wire_fuzz make_seeds >"$dir/build.log" 2>&1 || { tail -n 60 "$dir/build.log"; exit 1; }
+# build DIR [CMAKE ARGS...]: the fuzz target and the seed generator.
+build() {
+  local out=$1
+  shift
+  CC=clang CXX=clang++ configure "$out" -DPDLINK_BUILD_FUZZ=ON "$@"
+  cmake --build "$out" --target wire_fuzz make_seeds >"$out.log" 2>&1 || { tail -n 60 "$out.log"; exit 1; }
+}
 
-rm -rf "$dir/seeds" "$dir/corpus"
-mkdir -p "$dir/seeds" "$dir/corpus"
-"$dir/build/make_seeds" "$dir/seeds"
+# fuzz BINARY SECONDS WORKDIR: runs it on fresh seeds; leaves the exit code in $rc.
+fuzz() {
+  local bin=$1 seconds=$2 work=$3
+  rm -rf "$work"
+  mkdir -p "$work/seeds" "$work/corpus"
+  "$(dirname "$bin")/make_seeds" "$work/seeds" >/dev/null
+  rc=0
+  "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
+    -artifact_prefix="$work/" "$work/corpus" "$work/seeds" >"$work/fuzz.log" 2>&1 || rc=$?
+}
+
+step "fuzz: build wire_fuzz (clang, -fsanitize=fuzzer,address,undefined)"
+build "$dir/build"
 
 step "fuzz: run for ${FUZZ_SECONDS} s"
-rc=0
-"$dir/build/wire_fuzz" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=2048 -max_len=4096 \
-  -print_final_stats=1 -artifact_prefix="$dir/" "$dir/corpus" "$dir/seeds" >"$dir/fuzz.log" 2>&1 || rc=$?
-grep -E 'DONE|^stat::(number_of_executed_units|new_units_added|peak_rss_mb)|^Done' "$dir/fuzz.log" || true
+fuzz "$dir/build/wire_fuzz" "$FUZZ_SECONDS" "$dir/run"
+grep -E 'DONE|^stat::(number_of_executed_units|new_units_added|peak_rss_mb)|^Done' "$dir/run/fuzz.log" || true
 if [ "$rc" -ne 0 ]; then
   echo "FUZZ FAILURE (exit $rc). Log tail:"
-  tail -n 60 "$dir/fuzz.log"
-  for f in "$dir"/crash-* "$dir"/timeout-* "$dir"/oom-* "$dir"/leak-*; do
+  tail -n 60 "$dir/run/fuzz.log"
+  for f in "$dir"/run/crash-* "$dir"/run/timeout-* "$dir"/run/oom-* "$dir"/run/leak-*; do
     [ -e "$f" ] || continue
     echo "input $f:"
     od -An -tx1 -v "$f" | head -n 40
@@ -40,3 +61,23 @@ if [ "$rc" -ne 0 ]; then
   exit 1
 fi
 echo "fuzz: no finding"
+
+[ "$FUZZ_SEEDED" = 1 ] || exit 0
+missed=0
+for kind in reserve flag offset; do
+  step "fuzz: seeded bug '$kind' must be found within ${FUZZ_SEEDED_SECONDS} s"
+  build "$dir/seeded-$kind" -DPDLINK_FUZZ_SEEDED_BUG="$kind"
+  start=$SECONDS
+  fuzz "$dir/seeded-$kind/wire_fuzz" "$FUZZ_SEEDED_SECONDS" "$dir/seeded-$kind-run"
+  took=$((SECONDS - start))
+  what=$(grep -m1 -E 'ERROR: libFuzzer|ERROR: AddressSanitizer|runtime error|invariant violated|wire_fuzz: ' \
+    "$dir/seeded-$kind-run/fuzz.log" || true)
+  if [ "$rc" -ne 0 ] && [ -n "$what" ]; then
+    echo "found in ${took} s: $what"
+  else
+    echo "NOT FOUND within ${FUZZ_SEEDED_SECONDS} s (exit $rc)"
+    tail -n 20 "$dir/seeded-$kind-run/fuzz.log"
+    missed=$((missed + 1))
+  fi
+done
+[ "$missed" -eq 0 ]

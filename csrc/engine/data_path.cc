@@ -6,6 +6,7 @@
 
 #include "core/limits.h"
 #include "core/log.h"
+#include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
 #include "transport/cma.h"
 
@@ -62,7 +63,7 @@ Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const
   // Absolute addresses go only to a peer the kernel proved to be on this host (cma and IPC), or
   // into memory a device channel prepared (one-sided); the bytes of a device cache only over a
   // device channel.
-  if (direct && !device && !link.sameHost()) {
+  if (direct && !device && !link.sameHost() && !seeded::bug(seeded::kFlag)) {
     return Status(Code::kFeatureNotEnabled, "direct memory access needs a same-host link");
   }
   if (device && direct && !(ipc_ && link.sameHost())) {
@@ -726,7 +727,7 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std
   wire::ResponseHeader rh;
   Status st = requestAccess(link, body, is_push, wire::kFlagDevice | wire::kFlagDirect, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (kFeatureNotEnabled: no IPC there), or the link failed
-  const size_t nt = p.remote.tensors.size(), nr = p.remote.runs.size();
+  const size_t nt = p.remote.tensors.size();
   std::string payload;
   wire::IpcAnswer answer;
   if (rh.payload_len != nt * wire::kIpcEntryBytes) {
@@ -735,32 +736,24 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std
     st = link->out().readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "IPC answer");
     if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), nt, &answer);
   }
-  // Every run lies inside the span this side computes from its own request; a span the peer
-  // states differently is refused, so no offset the peer chose is ever applied to a mapping.
-  const IpcSpan span = ipcSpan(p.remote.runs);
-  for (size_t i = 0; st.ok() && i < nt; ++i) {
-    if (answer.spans[i] != span.length) st = Status(Code::kLinkFailed, "peer exported an IPC span of the wrong size");
-  }
+  if (st.ok()) st = checkIpcAnswer(answer, p.remote.runs);
   if (!st.ok()) return failTransfer(link, st, what);
 
   std::vector<std::string> imported;
-  std::vector<DeviceCopy> copies;
-  copies.reserve(nt * nr);
+  std::vector<uint64_t> local_bases, remote_bases;
   Status copied;
-  for (size_t i = 0; i < nt && copied.ok(); ++i) {
+  for (size_t i = 0; i < nt; ++i) {
     auto base = backend_->importMemory(answer.keys[i]);
     if (!base.ok()) {
       copied = base.status();
       break;
     }
     imported.push_back(answer.keys[i]);
-    const uint64_t local_base = p.local->addrs[p.local_tensors[i]];
-    for (size_t j = 0; j < nr; ++j) {
-      uint64_t local = local_base + p.local_runs[j].offset, remote = base.value() + (p.remote.runs[j].offset - span.lo);
-      copies.push_back(is_push ? DeviceCopy{remote, local, p.local_runs[j].length}
-                               : DeviceCopy{local, remote, p.local_runs[j].length});
-    }
+    remote_bases.push_back(base.value());
+    local_bases.push_back(p.local->addrs[p.local_tensors[i]]);
   }
+  std::vector<DeviceCopy> copies;
+  if (copied.ok()) copies = ipcCopies(local_bases, p.local_runs, remote_bases, p.remote.runs, is_push);
   if (copied.ok()) copied = backend_->copyDevice(copies, deadline);
   for (const std::string& key : imported) backend_->closeImport(key);
   // Unpin on the peer (and close its exports); for a completed read by request key this is also

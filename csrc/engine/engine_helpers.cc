@@ -11,6 +11,7 @@
 
 #include "core/limits.h"
 #include "core/log.h"
+#include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
 
 namespace pdlink::detail {
@@ -88,6 +89,32 @@ IpcSpan ipcSpan(const std::vector<wire::Run>& runs) {
     hi = std::max(hi, run.offset + run.length);  // runs were checked: no overflow
   }
   return runs.empty() ? IpcSpan{0, 0} : IpcSpan{lo, hi - lo};
+}
+
+Status checkIpcAnswer(const wire::IpcAnswer& answer, const std::vector<wire::Run>& remote_runs) {
+  if constexpr (seeded::bug(seeded::kOffset)) return Status::OK();  // fuzz demonstration only
+  const IpcSpan span = ipcSpan(remote_runs);
+  for (uint64_t stated : answer.spans) {
+    if (stated != span.length) return Status(Code::kLinkFailed, "peer exported an IPC span of the wrong size");
+  }
+  return Status::OK();
+}
+
+std::vector<DeviceCopy> ipcCopies(const std::vector<uint64_t>& local_bases, const std::vector<wire::Run>& local_runs,
+                                  const std::vector<uint64_t>& remote_bases, const std::vector<wire::Run>& remote_runs,
+                                  bool is_push) {
+  const IpcSpan span = ipcSpan(remote_runs);
+  std::vector<DeviceCopy> copies;
+  copies.reserve(local_bases.size() * local_runs.size());
+  for (size_t i = 0; i < local_bases.size(); ++i) {
+    for (size_t j = 0; j < local_runs.size(); ++j) {
+      const uint64_t local = local_bases[i] + local_runs[j].offset;
+      const uint64_t remote = remote_bases[i] + (remote_runs[j].offset - span.lo);
+      copies.push_back(is_push ? DeviceCopy{remote, local, local_runs[j].length}
+                               : DeviceCopy{local, remote, local_runs[j].length});
+    }
+  }
+  return copies;
 }
 
 bool usesKeyCommit(wire::TargetKind kind) {

@@ -39,6 +39,15 @@ struct IpcSpan {
   uint64_t lo = 0, length = 0;
 };
 IpcSpan ipcSpan(const std::vector<wire::Run>& runs);
+// The requester's check of an IPC answer: every span the server states is exactly the one this side
+// computes from its own request (remote_runs). kLinkFailed otherwise.
+Status checkIpcAnswer(const wire::IpcAnswer& answer, const std::vector<wire::Run>& remote_runs);
+// The copies of an IPC transfer, once checkIpcAnswer passed and the keys were mapped at
+// `remote_bases`: run j of tensor i lies at remote_bases[i] + (remote run j's offset - span start),
+// inside the mapped span by construction. Offsets come from this side's own runs only.
+std::vector<DeviceCopy> ipcCopies(const std::vector<uint64_t>& local_bases, const std::vector<wire::Run>& local_runs,
+                                  const std::vector<uint64_t>& remote_bases, const std::vector<wire::Run>& remote_runs,
+                                  bool is_push);
 // Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.
 constexpr uint32_t kMaxRendezvousBytes = 8192;
 // Whether a completed pull through this target must release a request key on the peer.

@@ -1,6 +1,7 @@
-// The fuzz target's world: the input layout (a selector byte, then the bytes for one decoder) and
-// a small Registry of caches in real memory, shared by the fuzz target (wire_fuzz.cc) and the
-// seed generator (make_seeds.cc) so that seeds address caches that exist.
+// The fuzz target's world: the input layout (a selector byte, then the bytes for one mode) and a
+// small set of caches in real memory, in a bare Registry (Fixture) or in a real Engine
+// (EngineFixture), shared by the fuzz target (wire_fuzz.cc) and the seed generator (make_seeds.cc)
+// so that seeds address caches that exist.
 //
 // Caches, in registration order (ids 1..5):
 //   1 A  registered contiguous, 2 tensors x 256 B, 4 slots (stride 64); keys: slot 0 req (1, m0),
@@ -11,8 +12,9 @@
 //   4 D  pool-allocated blocks (model 7), 1 tensor x 256 B, 4 blocks of 64 B
 //   5 E  registered contiguous, 1 tensor x 100 B, 3 slots (stride 33), no keys; its tensor sits at a
 //        fixed address (kRawTensorAddr, below) so that seeds can name it in raw-address transfers
-// Registered tensors are heap buffers of exactly their size (AddressSanitizer guards their edges);
-// pool tensors come from a MemPool. `regions` lists every tensor ever added, with its cache id.
+// Registered tensors are heap buffers of exactly their size (AddressSanitizer guards their edges),
+// filled with kTensorFill; pool tensors come from a pool. `regions` lists every tensor ever added,
+// with its cache id.
 #pragma once
 
 #include <sys/mman.h>
@@ -20,11 +22,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
 
 #include "backends/backend.h"
+#include "engine/engine.h"
 #include "engine/mem_pool.h"
 #include "engine/registry.h"
 #include "transport/wire.h"
@@ -33,26 +37,36 @@ namespace pdlink::fuzz {
 
 // First input byte (mod kModeCount) selects what the rest is.
 enum Mode : uint8_t {
-  kModeHello = 0,       // Hello prefix, then (if long enough) the rest: identity + challenge
-  kModeIdentity = 1,    // HostIdentity alone
-  kModeHelloAck = 2,    // HelloAck fixed part
-  kModeAuthResult = 3,  // AuthResult fixed part
-  kModeRequest = 4,     // RequestHeader
-  kModeResponse = 5,    // ResponseHeader
-  kModeBody = 6,        // TransferBody, then Registry::resolve / commitRead / describe
-  kModeDescriptor = 7,  // CacheDescriptor
-  kModeStream = 8,      // a sequence of steps against one registry (see StepKind)
-  kModeCount = 9,
+  kModeHello = 0,        // Hello prefix, then (if long enough) the challenge
+  kModeClientAuth = 1,   // ClientAuth
+  kModeHelloAck = 2,     // HelloAck fixed part
+  kModeAuthResult = 3,   // AuthResult fixed part
+  kModeRequest = 4,      // RequestHeader
+  kModeResponse = 5,     // ResponseHeader
+  kModeBody = 6,         // TransferBody, then Registry::resolve / commitRead / describe
+  kModeDescriptor = 7,   // CacheDescriptor (a requester reads it)
+  kModeServe = 8,        // the real serving loop (Engine::serveStream) over a sequence of steps
+  kModeDirectAnswer = 9, // u16 expected pieces, then a DirectAnswer (a requester reads it)
+  kModeAddresses = 10,   // u16 expected count, then an address list (a requester reads it)
+  kModeIpcAnswer = 11,   // u8 tensors, u8 runs, runs (2 x u16), then an IpcAnswer: the requester's check
+  kModeCount = 12,
 };
 
-// kModeStream: each step starts with a StepKind byte.
+// kModeServe: the first byte's bit 0 says whether the link is same-host (proven); then steps, each
+// starting with a StepKind byte. Consecutive frames form one stream handed to serveStream; a
+// registry step between them runs between two such streams (the serving state, pins included,
+// carries over).
 enum StepKind : uint8_t {
-  kStepFrame = 0,       // RequestHeader (20 B) + body_len bytes of body, served as serveOne does
+  kStepFrame = 0,       // RequestHeader (20 B) + body_len bytes of body (+ an in-stream write's payload)
   kStepDeallocate = 1,  // u8 cache id, u8 expect_blocks
   kStepUnregister = 2,  // u8 cache id
   kStepRemoveKey = 3,   // u8 req_id, u8 prefix_id, u8 model_id (0xFF: "none" for the ids)
   kStepCount = 4,
 };
+
+// The bytes every registered test tensor is filled with: no 8-byte window of them looks like an
+// address, so an address in the serving loop's output can only be one it disclosed.
+constexpr uint8_t kTensorFill = 0x11;
 
 // A fixed, otherwise unused address for cache E's tensor, so that seeds can name it in raw-address
 // transfers (inside the application range of x86-64's AddressSanitizer layout). Where it cannot be
@@ -79,43 +93,26 @@ inline uint8_t* rawTensor() {
   return p;
 }
 
-class Fixture {
-  // Destroyed after the registry (members go in reverse order): owned tensors return to the pool
-  // when their entries die, and registered tensors must outlive every entry that names them.
-  std::vector<std::unique_ptr<uint8_t[]>> buffers_;
-  std::shared_ptr<MemPool> pool_;
+inline RequestKey fixtureKey(uint64_t req, uint64_t prefix, uint64_t model) {
+  RequestKey k;
+  k.req_id = req;
+  k.prefix_id = prefix;
+  k.model_id = model;
+  return k;
+}
 
- public:
-  Fixture() {
-    auto pool = MemPool::create(makeCpuBackend(), Placement::kDevice, 16 << 10, 10);
-    if (!pool.ok()) fail("memory pool");
-    pool_ = pool.value();
-
-    RequestKey none;
-    addRegistered({2, 256, 4, false}, {key(1, kInvalidId, 0), key(kInvalidId, 2, 0), none, key(3, 4, 1)},
-                  std::nullopt, true);
-    addRegistered({3, 256, 8, true}, {}, 0, false);
-    addOwned({2, 200, 2, false}, {key(5, kInvalidId, 0), key(6, 6, 2)}, std::nullopt);
-    addOwned({1, 256, 4, true}, {}, 7);
-    addRegistered({1, kRawTensorBytes, 3, false}, {}, std::nullopt, true, rawTensor());
-  }
-
-  Registry registry;
-  std::vector<Region> regions;
-
- private:
-  static RequestKey key(uint64_t req, uint64_t prefix, uint64_t model) {
-    RequestKey k;
-    k.req_id = req;
-    k.prefix_id = prefix;
-    k.model_id = model;
-    return k;
-  }
-  [[noreturn]] static void fail(const char* what) {
-    std::fprintf(stderr, "fuzz fixture: cannot set up %s\n", what);
-    std::abort();
-  }
-  static CacheLayout layout(uint32_t tensors, uint64_t bytes, uint64_t slots, bool blocks) {
+// The five caches above, in registration order.
+struct CacheSpec {
+  uint32_t tensors;
+  uint64_t bytes;
+  uint64_t slots;
+  bool blocks;
+  std::vector<RequestKey> keys;
+  std::optional<uint64_t> model;
+  bool remote_accessible;
+  bool owned;  // pool-allocated
+  bool raw;    // cache E: its tensor at kRawTensorAddr
+  CacheLayout layout() const {
     CacheLayout L;
     L.num_tensors = tensors;
     L.tensor_size = bytes;
@@ -123,50 +120,110 @@ class Fixture {
     L.is_blocks = blocks;
     return L;
   }
-  struct Shape {
-    uint32_t tensors;
-    uint64_t bytes;
-    uint64_t slots;
-    bool blocks;
+};
+
+inline std::vector<CacheSpec> cacheSpecs() {
+  const RequestKey none;
+  return {
+      {2, 256, 4, false, {fixtureKey(1, kInvalidId, 0), fixtureKey(kInvalidId, 2, 0), none, fixtureKey(3, 4, 1)},
+       std::nullopt, true, false, false},
+      {3, 256, 8, true, {}, 0, false, false, false},
+      {2, 200, 2, false, {fixtureKey(5, kInvalidId, 0), fixtureKey(6, 6, 2)}, std::nullopt, true, true, false},
+      {1, 256, 4, true, {}, 7, true, true, false},
+      {1, kRawTensorBytes, 3, false, {}, std::nullopt, true, false, true},
   };
+}
 
-  void add(CacheEntry e, const std::vector<RequestKey>& keys) {
-    bool remote = e.remote_accessible;
-    auto r = registry.add(std::move(e), keys);
-    if (!r.ok()) fail("a cache");
-    for (uint64_t a : r.value()->addrs) regions.push_back({a, r.value()->layout.tensor_size, r.value()->id, remote});
-  }
+[[noreturn]] inline void fixtureFailed(const char* what) {
+  std::fprintf(stderr, "fuzz fixture: cannot set up %s\n", what);
+  std::abort();
+}
 
-  void addRegistered(Shape s, const std::vector<RequestKey>& keys, std::optional<uint64_t> blocks_model,
-                     bool remote, uint8_t* fixed = nullptr) {
-    CacheEntry e;
-    e.layout = layout(s.tensors, s.bytes, s.slots, s.blocks);
-    for (uint32_t t = 0; t < s.tensors; ++t) {
-      uint8_t* p = fixed;
+// Registered tensors: heap buffers of exactly their size, filled with kTensorFill (cache E's sits
+// at its fixed address).
+class TensorBuffers {
+ public:
+  std::vector<uint64_t> make(const CacheSpec& c) {
+    std::vector<uint64_t> addrs;
+    for (uint32_t t = 0; t < c.tensors; ++t) {
+      uint8_t* p = c.raw ? rawTensor() : nullptr;
       if (!p) {
-        buffers_.emplace_back(new uint8_t[s.bytes]());
+        buffers_.emplace_back(new uint8_t[c.bytes]);
         p = buffers_.back().get();
       }
-      e.addrs.push_back(reinterpret_cast<uint64_t>(p));
+      std::memset(p, kTensorFill, c.bytes);
+      addrs.push_back(reinterpret_cast<uint64_t>(p));
     }
-    e.remote_accessible = remote;
-    e.blocks_model = blocks_model;
-    add(std::move(e), keys);
+    return addrs;
   }
 
-  void addOwned(Shape s, const std::vector<RequestKey>& keys, std::optional<uint64_t> blocks_model) {
-    CacheEntry e;
-    e.layout = layout(s.tensors, s.bytes, s.slots, s.blocks);
-    e.owned = true;
-    e.pool = pool_;
-    e.blocks_model = blocks_model;
-    for (uint32_t t = 0; t < s.tensors; ++t) {
-      auto a = pool_->allocate(s.bytes);
-      if (!a.ok()) fail("a pool allocation");
-      e.addrs.push_back(a.value());
+ private:
+  std::vector<std::unique_ptr<uint8_t[]>> buffers_;
+};
+
+inline void noteRegions(const std::shared_ptr<CacheEntry>& e, std::vector<Region>* regions) {
+  for (uint64_t a : e->addrs) regions->push_back({a, e->layout.tensor_size, e->id, e->remote_accessible});
+}
+
+// The caches in a bare Registry, for the decoder and access-check modes.
+class Fixture {
+  // Destroyed after the registry (members go in reverse order): owned tensors return to the pool
+  // when their entries die, and registered tensors must outlive every entry that names them.
+  TensorBuffers buffers_;
+  std::shared_ptr<MemPool> pool_;
+
+ public:
+  Fixture() {
+    auto pool = MemPool::create(makeCpuBackend(), Placement::kDevice, 16 << 10, 10);
+    if (!pool.ok()) fixtureFailed("memory pool");
+    pool_ = pool.value();
+    for (const CacheSpec& c : cacheSpecs()) {
+      CacheEntry e;
+      e.layout = c.layout();
+      e.remote_accessible = c.remote_accessible;
+      e.blocks_model = c.model;
+      if (c.owned) {
+        e.owned = true;
+        e.pool = pool_;
+        for (uint32_t t = 0; t < c.tensors; ++t) {
+          auto a = pool_->allocate(c.bytes);
+          if (!a.ok()) fixtureFailed("a pool allocation");
+          e.addrs.push_back(a.value());
+        }
+      } else {
+        e.addrs = buffers_.make(c);
+      }
+      auto r = registry.add(std::move(e), c.keys);
+      if (!r.ok()) fixtureFailed("a cache");
+      noteRegions(r.value(), &regions);
     }
-    add(std::move(e), keys);
   }
+
+  Registry registry;
+  std::vector<Region> regions;
+};
+
+// The same caches in a real Engine (CPU backend, transport tcp, no listener), for the serving loop.
+class EngineFixture {
+  TensorBuffers buffers_;  // outlives the engine (declared first)
+
+ public:
+  EngineFixture() : engine(makeCpuBackend()) {
+    EngineConfig config;
+    config.cluster_id = 1;
+    config.transport = Transport::kTcp;
+    config.device_pool = {16 << 10, 10};
+    if (!engine.initialize(config).ok()) fixtureFailed("the engine");
+    for (const CacheSpec& c : cacheSpecs()) {
+      auto r = c.owned ? engine.allocateCache(c.layout(), c.keys, c.model)
+                       : engine.registerCache(c.layout(), buffers_.make(c), c.keys, c.model, c.remote_accessible);
+      if (!r.ok()) fixtureFailed("a cache");
+      noteRegions(r.value(), &regions);
+    }
+  }
+
+  Engine engine;
+  std::vector<Region> regions;
 };
 
 }  // namespace pdlink::fuzz

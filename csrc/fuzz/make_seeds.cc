@@ -39,6 +39,7 @@ wire::TransferBody body(wire::TargetKind kind, std::vector<uint32_t> tensors, st
   return b;
 }
 
+// A frame step: the request, and for a write in the stream its payload (0x22 bytes).
 std::string frame(wire::Op op, const wire::TransferBody& b, uint8_t flags = 0) {
   std::string encoded = wire::encode(b);
   wire::RequestHeader h;
@@ -46,7 +47,8 @@ std::string frame(wire::Op op, const wire::TransferBody& b, uint8_t flags = 0) {
   h.flags = flags;
   h.body_len = static_cast<uint32_t>(encoded.size());
   if (op == wire::Op::kWrite && !flags) h.payload_len = b.payloadBytes().value();
-  return std::string(1, static_cast<char>(kStepFrame)) + wire::encode(h) + encoded;
+  return std::string(1, static_cast<char>(kStepFrame)) + wire::encode(h) + encoded +
+         std::string(static_cast<size_t>(h.payload_len), '\x22');
 }
 
 }  // namespace
@@ -62,18 +64,20 @@ int main(int argc, char** argv) {
   hello.cluster_id = 1;
   hello.expected_peer = wire::kAnyCluster;
   hello.nonce = 0x1234567890ABCDEFull;
-  hello.identity.pid = 42;
-  hello.identity.pid_ns = 4026531836ull;
-  hello.identity.transports = wire::kTransportCma;
-  for (int i = 0; i < 16; ++i) hello.identity.boot_id[i] = static_cast<uint8_t>(i * 17);
+  hello.flags = wire::kHelloSameHost;
   seed("hello", kModeHello, wire::encode(hello));
   hello.channel = wire::Channel::kReverse;
+  hello.flags = 0;
   seed("hello-reverse", kModeHello, wire::encode(hello));
-  seed("identity", kModeIdentity, wire::encode(hello).substr(wire::kHelloPrefixBytes, wire::kIdentityBytes));
+
+  wire::ClientAuth client;
+  client.hint.pid_ns = 4026531836ull;
+  for (int i = 0; i < 16; ++i) client.hint.boot_id[i] = static_cast<uint8_t>(i * 17);
+  client.gen_addr = 0x7f0000001000ull;
+  seed("client-auth", kModeClientAuth, wire::encode(client));
 
   wire::HelloAck ack;
   ack.cluster_id = 2;
-  ack.identity = hello.identity;
   seed("hello-ack", kModeHelloAck, wire::encode(ack));
   ack.status = static_cast<uint32_t>(Code::kLinkFailed);
   ack.message = "refused: wrong cluster id";
@@ -81,13 +85,16 @@ int main(int argc, char** argv) {
 
   wire::AuthResult auth;
   seed("auth-ok", kModeAuthResult, wire::encode(auth));
+  auth.redirect = "pdlink-00112233445566778899aabbccddeeff";
+  seed("auth-redirect", kModeAuthResult, wire::encode(auth));
+  auth.redirect.clear();
   auth.status = static_cast<uint32_t>(Code::kLinkFailed);
   auth.message = "authentication failed";
   seed("auth-refused", kModeAuthResult, wire::encode(auth));
 
   wire::RequestHeader req;
   req.op = wire::Op::kWrite;
-  req.body_len = 69;
+  req.body_len = 61;
   req.payload_len = 4096;
   seed("request-write", kModeRequest, wire::encode(req));
   req.op = wire::Op::kDeviceChannel;
@@ -95,7 +102,7 @@ int main(int argc, char** argv) {
   req.payload_len = 0;
   seed("request-device-channel", kModeRequest, wire::encode(req));
   req.op = wire::Op::kRead;
-  req.body_len = 69;
+  req.body_len = 61;
   req.flags = wire::kFlagDevice | wire::kFlagOneSided;
   seed("request-one-sided", kModeRequest, wire::encode(req));
   wire::ResponseHeader resp;
@@ -109,6 +116,20 @@ int main(int argc, char** argv) {
   desc.stride = 32;
   desc.addrs = {0x7f0000001000ull, 0x7f0000002000ull, 0x7f0000003000ull};
   seed("descriptor", kModeDescriptor, wire::encode(desc));
+
+  // Answers a requester reads: a direct-access answer for 3 pieces, 2 one-sided addresses, an IPC
+  // answer for 2 tensors x 2 runs ([16, +32) and [64, +16): a span of 64 bytes from offset 16).
+  wire::DirectAnswer direct;
+  direct.pin_epoch = 3;
+  direct.addrs = {0x7f0000001000ull, 0x7f0000001040ull, 0x7f0000002000ull};
+  direct.lengths = {64, 64, 128};
+  seed("direct-answer", kModeDirectAnswer, std::string("\x03\x00", 2) + wire::encode(direct));
+  seed("addresses", kModeAddresses, std::string("\x02\x00", 2) + std::string(16, '\x01'));
+  wire::IpcAnswer ipc;
+  ipc.keys = {"ipc-key-0", "ipc-key-1"};
+  ipc.spans = {64, 64};
+  seed("ipc-answer", kModeIpcAnswer,
+       std::string("\x01\x01\x10\x00\x1f\x00\x40\x00\x0f\x00", 10) + wire::encode(ipc));
 
   // Transfer bodies that the fixture accepts, one per target kind.
   using K = wire::TargetKind;
@@ -134,8 +155,10 @@ int main(int argc, char** argv) {
   seed("body-id-index", kModeBody, wire::encode(byid));
   seed("body-raw", kModeBody, wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}})));
 
-  // A session: read and commit by key (which frees the pooled slot's key), a direct read, a
-  // describe, a write, local removals, and reads after them.
+  // A session through the serving loop: read and commit by key (which frees the pooled slot's key),
+  // a direct read, device flags, a describe, a write, local removals, and reads after them. Served
+  // on a link that is not same-host (first byte 0: the direct read and describe must be refused)
+  // and on one that is (1).
   std::string s;
   s += frame(wire::Op::kRead, poolkey);
   s += frame(wire::Op::kCommit, poolkey);
@@ -150,7 +173,8 @@ int main(int argc, char** argv) {
   s += std::string{static_cast<char>(kStepUnregister), 1};
   s += frame(wire::Op::kRead, reqkey);
   s += frame(wire::Op::kRead, byid);
-  seed("stream", kModeStream, s);
+  seed("serve-tcp", kModeServe, std::string(1, '\0') + s);
+  seed("serve-same-host", kModeServe, std::string(1, '\1') + s);
 
   std::printf("wrote %d seeds to %s\n", written, dir.c_str());
   return 0;

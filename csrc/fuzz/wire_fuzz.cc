@@ -1,18 +1,27 @@
-// libFuzzer target: the wire-protocol decoders (transport/wire.h) and what the serving side does
-// with a decoded transfer (Registry::resolve, commitRead, describe), fed arbitrary bytes.
+// libFuzzer target: the wire-protocol decoders (transport/wire.h), what the serving side does with
+// a decoded transfer (Registry::resolve, commitRead, describe), the real serving loop
+// (Engine::serveStream over an in-memory stream, against a real Engine), and the requester's checks
+// of the answers it reads, fed arbitrary bytes.
 //
-// Input: one selector byte (fuzz_fixture.h, Mode), then the bytes for that decoder. Checked beyond
-// "no crash, no sanitizer report":
+// Input: one selector byte (fuzz_fixture.h, Mode), then the bytes for that mode. Checked beyond
+// "no crash, no sanitizer report, no exception":
 //  * a decoder that accepts its input accepted only values within the documented bounds, and
 //    re-encoding them gives the same bytes (no field skipped or misread);
 //  * an access that Registry::resolve accepts lies inside one tensor of a cache that the registry
 //    still holds and that the result keeps alive; a write only inside a remote-accessible cache;
 //    the payload size is what payloadBytes() says; every byte of the range can be touched;
 //  * a rejected access is kKvCacheNotExist or kParamInvalid, never anything else;
-//  * a describe() answer names live tensors of a blocks cache.
+//  * a describe() answer names live tensors of a blocks cache;
+//  * the serving loop, on a link that is not same-host, never sends an address of the caches (no
+//    8-byte window of its output lies inside a registered tensor), and never changes a cache that
+//    is not remote accessible;
+//  * an IPC answer the requester accepts leads only to copies inside the spans the server exported.
 // A violation prints what was wrong and aborts, so libFuzzer keeps the input.
 //
 // Build: cmake -DPDLINK_BUILD_FUZZ=ON with clang (see .ci/fuzz.sh).
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -21,7 +30,9 @@
 #include <set>
 #include <string>
 
+#include "engine/engine_internal.h"
 #include "fuzz/fuzz_fixture.h"
+#include "fuzz/memory_stream.h"
 
 namespace pdlink::fuzz {
 namespace {
@@ -51,25 +62,24 @@ void fuzzHello(const uint8_t* p, size_t n) {
   }
   std::string e = wire::encode(h);
   FUZZ_CHECK(e.size() == wire::kHelloBytes && prefixIs(e, p, wire::kHelloBytes));
-  (void)h.identity.sameHost(h.identity);
 }
 
-void fuzzIdentity(const uint8_t* p, size_t n) {
-  wire::Hello h;
-  if (!wire::decodeIdentity(p, n, &h.identity).ok()) {
-    FUZZ_CHECK(n < wire::kIdentityBytes);
+void fuzzClientAuth(const uint8_t* p, size_t n) {
+  wire::ClientAuth a;
+  if (!wire::decode(p, n, &a).ok()) {
+    FUZZ_CHECK(n < wire::kClientAuthBytes);
     return;
   }
-  std::string e = wire::encode(h);
-  FUZZ_CHECK(e.size() >= wire::kHelloPrefixBytes + wire::kIdentityBytes);
-  FUZZ_CHECK(std::memcmp(e.data() + wire::kHelloPrefixBytes, p, wire::kIdentityBytes) == 0);
+  std::string e = wire::encode(a);
+  FUZZ_CHECK(e.size() == wire::kClientAuthBytes && prefixIs(e, p, wire::kClientAuthBytes));
+  (void)a.hint.sameHost(a.hint);
 }
 
 void fuzzHelloAck(const uint8_t* p, size_t n) {
   wire::HelloAck a;
   uint32_t len = 0;
   if (!wire::decodeFixed(p, n, &a, &len).ok()) return;
-  FUZZ_CHECK(n >= wire::kHelloAckFixedBytes && len <= wire::kMaxMessageBytes);
+  FUZZ_CHECK(n >= wire::kHelloAckFixedBytes && len <= wire::kMaxMessageBytes && isKnownCode(a.status));
   a.message.assign(len, '\0');
   std::string e = wire::encode(a);
   FUZZ_CHECK(e.size() == wire::kHelloAckFixedBytes + len && prefixIs(e, p, wire::kHelloAckFixedBytes));
@@ -78,11 +88,14 @@ void fuzzHelloAck(const uint8_t* p, size_t n) {
 void fuzzAuthResult(const uint8_t* p, size_t n) {
   wire::AuthResult a;
   uint32_t len = 0;
-  if (!wire::decodeFixed(p, n, &a, &len).ok()) return;
-  FUZZ_CHECK(n >= wire::kAuthResultFixedBytes && len <= wire::kMaxMessageBytes && isKnownCode(a.status));
+  uint16_t redirect = 0;
+  if (!wire::decodeFixed(p, n, &a, &len, &redirect).ok()) return;
+  FUZZ_CHECK(n >= wire::kAuthResultFixedBytes && len <= wire::kMaxMessageBytes && isKnownCode(a.status) &&
+             redirect <= limits::kUnixNameBytes);
   a.message.assign(len, '\0');
+  a.redirect.assign(redirect, '\0');
   std::string e = wire::encode(a);
-  FUZZ_CHECK(e.size() == wire::kAuthResultFixedBytes + len && prefixIs(e, p, wire::kAuthResultFixedBytes));
+  FUZZ_CHECK(e.size() == wire::kAuthResultFixedBytes + len + redirect && prefixIs(e, p, wire::kAuthResultFixedBytes));
 }
 
 void fuzzRequest(const uint8_t* p, size_t n) {
@@ -112,8 +125,67 @@ void fuzzResponse(const uint8_t* p, size_t n) {
 void fuzzDescriptor(const uint8_t* p, size_t n) {
   wire::CacheDescriptor d;
   if (!wire::decode(p, n, &d).ok()) return;
+  FUZZ_CHECK(!d.addrs.empty() && d.addrs.size() <= limits::kMaxRequestTensors && d.stride > 0 &&
+             d.stride <= d.tensor_size && n <= wire::kMaxDescriptorBytes);
   std::string e = wire::encode(d);
   FUZZ_CHECK(e.size() == n && prefixIs(e, p, n));  // the decoder takes exactly its bytes
+}
+
+uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+void fuzzDirectAnswer(const uint8_t* p, size_t n) {
+  if (n < 2) return;
+  const uint64_t expected = u16(p);
+  wire::DirectAnswer a;
+  if (!wire::decode(p + 2, n - 2, expected, &a).ok()) return;
+  FUZZ_CHECK(a.addrs.size() == expected && a.lengths.size() == expected && n - 2 == wire::directAnswerBytes(expected));
+  std::string e = wire::encode(a);
+  FUZZ_CHECK(e.size() == n - 2 && prefixIs(e, p + 2, n - 2));
+}
+
+void fuzzAddresses(const uint8_t* p, size_t n) {
+  if (n < 2) return;
+  const uint64_t expected = u16(p);
+  std::vector<uint64_t> out;
+  if (!wire::decodeAddresses(p + 2, n - 2, expected, &out).ok()) return;
+  FUZZ_CHECK(out.size() == expected && n - 2 == 8 * expected);
+}
+
+// The requester's side of IPC: a request of `tensors` x `runs` (runs from the input), the server's
+// answer (the rest of the input). An answer the requester accepts must lead only to copies inside
+// the spans the server says it exported, at the bases the keys were "mapped" at.
+void fuzzIpcAnswer(const uint8_t* p, size_t n) {
+  if (n < 2) return;
+  const size_t tensors = 1 + p[0] % 8, nruns = 1 + p[1] % 8;
+  if (n < 2 + 4 * nruns) return;
+  std::vector<wire::Run> runs;
+  for (size_t j = 0; j < nruns; ++j) runs.push_back({u16(p + 2 + 4 * j), 1 + uint64_t{u16(p + 4 + 4 * j)}});
+  const uint8_t* ans = p + 2 + 4 * nruns;
+  const size_t ans_len = n - 2 - 4 * nruns;
+  wire::IpcAnswer a;
+  if (!wire::decode(ans, ans_len, tensors, &a).ok()) return;
+  FUZZ_CHECK(a.keys.size() == tensors && a.spans.size() == tensors);
+  for (const std::string& k : a.keys) FUZZ_CHECK(!k.empty() && k.size() <= limits::kIpcKeyBytes);
+  if (!detail::checkIpcAnswer(a, runs).ok()) return;
+  std::vector<uint64_t> local(tensors), remote(tensors);
+  for (size_t i = 0; i < tensors; ++i) {
+    local[i] = (uint64_t{1} << 40) * (i + 1);
+    remote[i] = (uint64_t{1} << 44) * (i + 1);
+  }
+  for (bool push : {false, true}) {
+    std::vector<DeviceCopy> copies = detail::ipcCopies(local, runs, remote, runs, push);
+    FUZZ_CHECK(copies.size() == tensors * nruns);
+    for (size_t c = 0; c < copies.size(); ++c) {
+      const size_t i = c / nruns;
+      const uint64_t at = push ? copies[c].dst : copies[c].src;
+      if (at < remote[i] || at + copies[c].length > remote[i] + a.spans[i]) {
+        std::fprintf(stderr, "wire_fuzz: IPC copy [%#llx, +%llu) outside the exported span [%#llx, +%llu)\n",
+                     static_cast<unsigned long long>(at), static_cast<unsigned long long>(copies[c].length),
+                     static_cast<unsigned long long>(remote[i]), static_cast<unsigned long long>(a.spans[i]));
+        std::abort();
+      }
+    }
+  }
 }
 
 // What the serving side may do with an accepted access: the checks listed at the top.
@@ -223,70 +295,92 @@ void fuzzBody(const uint8_t* p, size_t n) {
   exerciseBody(fx, b);
 }
 
-// A sequence of request frames and local registry changes against one registry, each frame handled
-// as Engine::serveOne handles it (a frame that would drop the link ends the sequence).
-void fuzzStream(const uint8_t* p, size_t n) {
-  Fixture fx;
-  std::vector<std::shared_ptr<CacheEntry>> pinned;  // direct accesses stay pinned until the next frame
-  size_t i = 0;
+// The bytes of every cache that is not remote accessible, to check no request changed them.
+std::vector<std::string> protectedBytes(const EngineFixture& fx) {
+  std::vector<std::string> out;
+  for (const Region& g : fx.regions) {
+    if (!g.remote_accessible) out.emplace_back(reinterpret_cast<const char*>(g.addr), g.size);
+  }
+  return out;
+}
+
+// No 8-byte little-endian window of what the serving loop sent lies inside a cache's tensor,
+// unless the input itself carried those bytes (a write of them read back).
+void checkNoAddresses(const EngineFixture& fx, const std::string& out, const std::string& in) {
+  for (size_t i = 0; i + 8 <= out.size(); ++i) {
+    uint64_t v;
+    std::memcpy(&v, out.data() + i, 8);
+    for (const Region& g : fx.regions) {
+      if (v >= g.addr && v < g.addr + g.size && in.find(out.substr(i, 8)) == std::string::npos) {
+        std::fprintf(stderr, "wire_fuzz: the serving loop sent address %#llx (cache %lld) on a link that is not "
+                     "same-host, at output byte %zu\n", static_cast<unsigned long long>(v),
+                     static_cast<long long>(g.cache_id), i);
+        std::abort();
+      }
+    }
+  }
+}
+
+// The length of one frame step at p (header, body, and an in-stream write's payload as far as the
+// input goes); 0 when no header decodes there (the rest is then handed over as it is).
+size_t frameLength(const uint8_t* p, size_t n) {
+  wire::RequestHeader h;
+  if (n < wire::kRequestHeaderBytes || !wire::decode(p, wire::kRequestHeaderBytes, &h).ok()) return 0;
+  uint64_t len = wire::kRequestHeaderBytes + uint64_t{h.body_len};
+  if (h.op == wire::Op::kWrite && h.flags == 0) len += h.payload_len;
+  return static_cast<size_t>(std::min<uint64_t>(len, n));
+}
+
+// Frames and registry changes against one real Engine: consecutive frames are one stream for
+// Engine::serveStream (the real loop: admission, resolve, answers); the serving state carries over.
+void fuzzServe(const uint8_t* p, size_t n) {
+  if (n < 1) return;
+  const bool same_host = p[0] & 1;
+  EngineFixture fx;
+  auto link = std::make_shared<Link>(9, Socket(), Socket(), false);
+  if (same_host) link->setPeerProcess(::getpid(), 0, nullptr);  // a peer the kernel put in this process
+  Engine::ServeState state;
+  const std::vector<std::string> before = protectedBytes(fx);
+  const std::string input(reinterpret_cast<const char*>(p), n);
+  std::string stream;  // the frames gathered since the last registry step
+  auto run = [&]() {
+    if (stream.empty() || state.unlinked) return;
+    MemoryStream in(reinterpret_cast<const uint8_t*>(stream.data()), stream.size());
+    (void)fx.engine.serveStream(link, in, &state);
+    if (!same_host) checkNoAddresses(fx, in.output(), input);
+    stream.clear();
+    FUZZ_CHECK(protectedBytes(fx) == before);
+  };
   auto id = [](uint8_t v) { return static_cast<int64_t>(v % 7); };  // 0 and 6 name no cache
+  size_t i = 1;
   while (i < n) {
     const uint8_t step = p[i++] % kStepCount;
-    if (step == kStepDeallocate) {
-      if (n - i < 2) return;
-      (void)fx.registry.deallocate(id(p[i]), p[i + 1] & 1);
+    if (step == kStepFrame) {
+      size_t len = frameLength(p + i, n - i);
+      if (len == 0) len = n - i;  // no header here: the rest goes as it is (the loop drops the link)
+      stream.append(reinterpret_cast<const char*>(p + i), len);
+      i += len;
+      continue;
+    }
+    run();
+    if (step == kStepDeallocate && n - i >= 2) {
+      (void)fx.engine.deallocateCache(id(p[i]), p[i + 1] & 1);
       i += 2;
-      continue;
-    }
-    if (step == kStepUnregister) {
-      if (n - i < 1) return;
-      (void)fx.registry.unregister(id(p[i]));
+    } else if (step == kStepUnregister && n - i >= 1) {
+      (void)fx.engine.unregisterCache(id(p[i]));
       i += 1;
-      continue;
-    }
-    if (step == kStepRemoveKey) {
-      if (n - i < 3) return;
+    } else if (step == kStepRemoveKey && n - i >= 3) {
       RequestKey k;
       k.req_id = p[i] == 0xFF ? kInvalidId : p[i];
       k.prefix_id = p[i + 1] == 0xFF ? kInvalidId : p[i + 1];
       k.model_id = p[i + 2];
-      fx.registry.removeKey(k);
+      fx.engine.removeCacheKey(k);
       i += 3;
-      continue;
+    } else {
+      return;
     }
-    // kStepFrame
-    if (n - i < wire::kRequestHeaderBytes) return;
-    wire::RequestHeader h;
-    if (!wire::decode(p + i, wire::kRequestHeaderBytes, &h).ok()) return;
-    i += wire::kRequestHeaderBytes;
-    if (n - i < h.body_len) return;
-    const uint8_t* body = p + i;
-    i += h.body_len;
-    pinned.clear();
-    if (h.op == wire::Op::kPing || h.op == wire::Op::kUnlink || h.op == wire::Op::kDeviceChannel) continue;
-    wire::TransferBody b;
-    if (!wire::decode(body, h.body_len, &b).ok()) return;
-    if (h.op == wire::Op::kCommit) {
-      fx.registry.commitRead(b.target, b.tensors);
-      continue;
-    }
-    if (h.op == wire::Op::kRelease) continue;
-    if (h.op == wire::Op::kDescribe) {
-      if (b.target.kind == wire::TargetKind::kBlocks) checkDescribe(fx, b.target.model_id);
-      continue;
-    }
-    const bool is_write = h.op == wire::Op::kWrite;
-    const bool in_stream = is_write && h.flags == 0;  // kFlagDirect/kFlagDevice: bytes move elsewhere
-    auto payload = b.payloadBytes();
-    if (!payload.ok() || h.payload_len != (in_stream ? payload.value() : 0)) return;
-    auto r = fx.registry.resolve(b, is_write);
-    if (!r.ok()) {
-      checkRejected(r.status());
-      continue;
-    }
-    checkResolved(fx, b, r.value(), is_write);
-    if (h.flags & wire::kFlagDirect) pinned = r.value().keep;
   }
+  run();
 }
 
 }  // namespace
@@ -299,14 +393,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t n = size - 1;
   switch (data[0] % kModeCount) {
     case kModeHello: fuzzHello(p, n); break;
-    case kModeIdentity: fuzzIdentity(p, n); break;
+    case kModeClientAuth: fuzzClientAuth(p, n); break;
     case kModeHelloAck: fuzzHelloAck(p, n); break;
     case kModeAuthResult: fuzzAuthResult(p, n); break;
     case kModeRequest: fuzzRequest(p, n); break;
     case kModeResponse: fuzzResponse(p, n); break;
     case kModeBody: fuzzBody(p, n); break;
     case kModeDescriptor: fuzzDescriptor(p, n); break;
-    case kModeStream: fuzzStream(p, n); break;
+    case kModeServe: fuzzServe(p, n); break;
+    case kModeDirectAnswer: fuzzDirectAnswer(p, n); break;
+    case kModeAddresses: fuzzAddresses(p, n); break;
+    case kModeIpcAnswer: fuzzIpcAnswer(p, n); break;
   }
   return 0;
 }

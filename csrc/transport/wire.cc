@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "core/seeded_bug.h"
+
 namespace pdlink::wire {
 namespace {
 
@@ -242,7 +244,9 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
   if (kind < 1 || kind > 5) return malformed("transfer");
   t.kind = static_cast<TargetKind>(kind);
   // Counts are bounded by the bytes that are there and by the limits before anything is allocated.
-  if (!r.get(&count) || count > r.left() / sizeof(uint32_t) || count > limits::kMaxRequestTensors) {
+  if (!r.get(&count)) return malformed("transfer");
+  if constexpr (seeded::bug(seeded::kReserve)) out->tensors.reserve(count);  // fuzz demonstration only
+  if (count > r.left() / sizeof(uint32_t) || count > limits::kMaxRequestTensors) {
     return malformed("transfer");
   }
   const uint64_t tensors = count;
