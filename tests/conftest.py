@@ -53,12 +53,14 @@ def variant(request: pytest.FixtureRequest) -> Variant:
     return v
 
 
-def only(*ids: str) -> pytest.MarkDecorator:
+def only(*ids: str, heavy: tuple[str, ...] = ()) -> pytest.MarkDecorator:
     """Runs a test on these cells of the matrix only (a case that exists on one path), e.g.
-    ``@only("cpu-cma")``; the cells keep their skip rules (cma not permitted here)."""
+    ``@only("cpu-cma")``; the cells keep their skip rules (cma not permitted here). Cells named in
+    `heavy` run only with the heavy tests (``pytest -m heavy``), for a case that is slow there."""
     chosen = [v for v in VARIANTS if v.id in ids]
-    assert len(chosen) == len(ids), f"unknown variant in {ids}"
-    return pytest.mark.parametrize("variant", chosen, ids=[v.id for v in chosen], indirect=True)
+    assert len(chosen) == len(ids) and set(heavy) <= set(ids), f"unknown variant in {ids} / {heavy}"
+    params = [pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.id in heavy else []) for v in chosen]
+    return pytest.mark.parametrize("variant", params, indirect=True)
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from conftest import DECODER_ID, PROMPT_ID, Pair
+import internals
+from conftest import DECODER_ID, PROMPT_ID, Pair, only
 from pdlink import (
     BlocksCacheKey,
     CacheKey,
@@ -233,3 +234,42 @@ def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pair: Pair) 
         assert "not remote accessible" in str(e.value)  # (on ascend: before the DEVICE/HOST placement check)
 
     moved((pair.prefill, "s1"), (pair.decode, "host"), refused, nothing)
+
+
+# The fake HCCL moves ~12,000 segments a second: the Ascend cells (25 s each) run with the heavy tests.
+@only("cpu-cma", "cpu-tcp", "ascend-fake", heavy=("ascend-fake",))
+def test_a_transfer_larger_than_one_request_is_split_and_exact(make_pair: Callable[..., Pair]) -> None:
+    """More (tensor, block run) pieces than one request may name (pdlink._core.LIMITS): the
+    requester splits the pull into several requests, transparently; every byte lands."""
+    pair = make_pair(timeout=30000)  # 300,000 segments take the fake HCCL more than the default 1 s
+    pieces = internals.core.LIMITS["max_request_pieces"]
+    blocks = pieces // 4 + 5000  # 4 tensors: more pieces than one request, in runs that never coalesce
+    pair.prefill.call(kv.register_blocks, "kv", 4, (2 * blocks, 4), DataType.DT_INT8, seed=3, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 4, (2 * blocks, 4), DataType.DT_INT8, seed=None)
+    pair.link()
+    src_blocks = list(range(0, 2 * blocks, 2))  # every other block: no two runs are consecutive
+    dst_blocks = list(range(2 * blocks - 1, 0, -2))
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, src_blocks, dst_blocks),
+          rows(list(zip(src_blocks, dst_blocks))))
+
+
+@only("cpu-cma", "cpu-tcp", "ascend-fake", heavy=("ascend-fake",))
+def test_a_split_pull_by_request_key_releases_the_key_after_the_last_request(make_pair: Callable[..., Pair]) -> None:
+    """A keyed pull into blocks, split into several requests: the source key survives the first
+    requests and is released only once the last one has landed."""
+    pair = make_pair(remote=False, pool=8 << 20, timeout=30000)
+    pieces = internals.core.LIMITS["max_request_pieces"]
+    blocks = pieces // 2 + 1000  # 2 tensors, every block its own run
+    pair.prefill.call(kv.allocate, "src", 2, (1, blocks, 4), DataType.DT_INT8, seed=5, keys=[CacheKey(1, 77, 0)])
+    src = pair.prefill.call(kv.snapshot, "src")
+    pair.prefill.call(kv.deallocate, "src")  # only the key holds it now
+    pair.decode.call(kv.register_blocks, "blk", 2, (2 * blocks, 4), DataType.DT_INT8, seed=None)
+    pair.link()
+    dst0 = pair.decode.call(kv.snapshot, "blk")
+    dst_blocks = list(range(2 * blocks - 1, 0, -2))
+    pair.decode.call_within(120, kv.pull_blocks, CacheKey(1, 77, 0), "blk", [], dst_blocks)
+    block = 4
+    expected = dst0.with_bytes(src, [Copy(t, i * block, t, d * block, block) for t in range(2)
+                                     for i, d in enumerate(dst_blocks)])
+    assert_same(pair.decode.call(kv.snapshot, "blk"), expected, "destination")
+    wait_until(lambda: pair.prefill.call(kv.cache_count) == 0, 10, "the key released after the last request")

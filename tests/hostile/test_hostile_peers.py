@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
+import internals
 import rawwire
+from backend_env import Variant
 from conftest import Pair, only
 from pdlink import BlocksCacheKey, LLMStatusCode, Placement
 from peer import Peer
@@ -27,6 +29,7 @@ SHAPE = (16, 4096)
 TENSOR_BYTES = SHAPE[0] * SHAPE[1] * 2
 RSS_BOUND_KIB = 64 * 1024
 S = LLMStatusCode
+LIMITS = internals.core.LIMITS  # the engine's own table, never re-typed here
 
 
 @pytest.fixture
@@ -65,8 +68,8 @@ OVERSIZED = {
     # the frame that aborted v2: tensor 0 a million times, a one-byte run a quarter-million times
     "million_tensors_direct": lambda: rawwire.request(
         rawwire.OP_READ, rawwire.counted_body(1_000_000, 250_000), flags=rawwire.FLAG_DIRECT),
-    "pieces_over_the_bound": lambda: tensor_read(1024, 1024, rawwire.FLAG_DIRECT),
-    "tensors_over_the_bound": lambda: tensor_read(65537, 1),
+    "pieces_over_the_bound": lambda: tensor_read(1024, LIMITS["max_request_pieces"] // 1024 + 1, rawwire.FLAG_DIRECT),
+    "tensors_over_the_bound": lambda: tensor_read(LIMITS["max_request_tensors"] + 1, 1),
     "counts_beyond_the_bytes": lambda: rawwire.request(rawwire.OP_READ, rawwire.counted_body(2**32 - 1, 2**32 - 1)),
 }
 
@@ -90,21 +93,31 @@ def test_a_frame_over_the_request_bounds_drops_only_that_link(peers: Callable[..
 
 
 def test_a_request_at_the_bounds_is_served_within_them(peers: Callable[..., Peer], victim: Pair) -> None:
-    """65536 tensors x 4 runs = 262144 pieces, the most one request may name: admitted, checked
-    against the registry (tensor 65535 does not exist here) and refused with the registry's answer,
-    the link intact."""
+    """The most one request may name (max_request_tensors x 4 runs = max_request_pieces): admitted and
+    served (on a same-host link as a direct answer of 4 MiB, on TCP as the bytes), within the memory
+    bound; one tensor index past the cache is refused with the registry's answer, the link intact."""
+    tensors = LIMITS["max_request_tensors"]
+    runs = LIMITS["max_request_pieces"] // tensors
+    assert runs == 4
     a = attacker_links(peers, victim)
-    body = rawwire.counted_body(65536, 4, b"".join(struct.pack("<I", t) for t in range(65536)),
-                                struct.pack("<QQ", 0, 64) * 4)
-    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body))
-    assert answer == (S.LLM_PARAM_INVALID, answer[1], b""), answer
-    assert "tensor index 2 out of range" in answer[1]
-    # the same link still serves a legal read, exactly the registered bytes
-    legal = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(runs=((128, 64),))))
-    if victim.variant.device_memory:
-        assert legal[:1] == (S.LLM_PARAM_INVALID,) and "device memory" in legal[1], legal
+    rss = victim.prefill.call(kv.rss_kib)
+    indexes = b"".join(struct.pack("<I", t % 2) for t in range(tensors))
+    body = rawwire.counted_body(tensors, runs, indexes, struct.pack("<QQ", 0, 64) * runs)
+    direct = victim.variant.path == "cma"
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body,
+                                                      flags=rawwire.FLAG_DIRECT if direct else 0))
+    if victim.variant.device_memory:  # a stream read of device memory is refused as such
+        assert answer[:1] == (S.LLM_PARAM_INVALID,) and answer[2] == b"", answer[:2]
     else:
-        assert legal[0] == 0 and legal[2] == victim.prefill.call(kv.snapshot, "kv").tensor(0)[128:192].tobytes()
+        assert answer[0] == 0, answer[:2]
+        assert len(answer[2]) == (8 + 16 * tensors * runs if direct else 64 * tensors * runs)
+        if direct:
+            a.call(hostile.send, rawwire.request(rawwire.OP_RELEASE, rawwire.blocks_body()))
+    assert victim.prefill.call(kv.rss_kib) - rss < RSS_BOUND_KIB
+    past = rawwire.counted_body(tensors, runs, b"".join(struct.pack("<I", t) for t in range(tensors)),
+                                struct.pack("<QQ", 0, 64) * runs)
+    refused = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, past))
+    assert refused[:1] == (S.LLM_PARAM_INVALID,) and "tensor index 2 out of range" in refused[1], refused[:2]
     honest_pull(victim, 5)
 
 
@@ -210,3 +223,18 @@ def test_writes_are_checked_like_reads(peers: Callable[..., Peer], victim: Pair)
                   + b"\xee" * 65) == "closed"
     assert_same(victim.prefill.call(kv.snapshot, "kv"), before, "the victim's cache")
     honest_pull(victim, 8)
+
+
+@only("cpu-cma")
+def test_nothing_about_the_engine_goes_out_before_the_proof(peers: Callable[..., Peer], variant: Variant) -> None:
+    """With a link secret, a peer that claims the engine's host but cannot prove the secret gets the
+    acceptor's challenge and proof only: no redirect (the same-host socket's name), no address; a
+    peer that can prove it gets both."""
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", 1, listen=True, extra={"pdlink.LinkSecret": "s3cret"})
+    hint = rawwire.host_hint()
+    wrong = rawwire.handshake(port, flags=rawwire.HELLO_SAME_HOST, hint=hint, secret=b"guess")
+    assert (wrong.stage, wrong.status) == ("auth", S.LLM_LINK_FAILED) and "authentication failed" in wrong.message
+    assert wrong.result is not None and wrong.result.redirect == "" and wrong.result.gen_addr == 0
+    right = rawwire.handshake(port, flags=rawwire.HELLO_SAME_HOST, hint=hint, secret=b"s3cret")
+    assert right.status == 0 and right.result is not None and right.result.redirect.startswith("pdlink-")

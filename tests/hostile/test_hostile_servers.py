@@ -242,3 +242,56 @@ def test_a_redirect_to_the_victims_own_socket_is_refused(peers: Callable[..., Pe
     pair.link()
     check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
                    lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", [4], [4]), rows([(4, 4)]))
+
+
+@only("cpu-cma")
+def test_a_redirect_to_a_third_engine_links_that_engine_or_nothing(peers: Callable[..., Peer],
+                                                                   variant: Variant, victim: Peer) -> None:
+    """A hostile acceptor that sends the victim to another engine's AF_UNIX socket: that engine
+    refuses unless it is the cluster the victim dials; when it is, the victim has linked the engine
+    it asked for (the kernel names it), and pulls its bytes."""
+    other = peers("other", env=variant.env())
+    port = other.call(kv.start, "prompt", 9, listen=True)
+    other.call(kv.register_blocks, "kv", 2, SHAPE, seed=5, key=BlocksCacheKey(9, 0))
+    name = peers("spy").call(hostile.redirect_name, port, 3)
+    _, attacker_port = start_attacker(peers, "redirect_to", name=name)
+    # dialling cluster 1 there: engine 9 refuses
+    assert link_attacker(victim, attacker_port) == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    # dialling cluster 9 there: the victim is linked to engine 9 itself, over its AF_UNIX socket
+    assert victim.call(kv.link, 9, attacker_port, 3000, "127.0.0.2")[0] == LLMStatusCode.LLM_SUCCESS
+    assert [(link["peer_cluster_id"], link["transport"]) for link in victim.call(kv.links)] == [(9, "cma")]
+    check_transfer(lambda: other.call(kv.snapshot, "kv"), lambda: victim.call(kv.snapshot, "kv"),
+                   lambda: victim.call(kv.pull_blocks, BlocksCacheKey(9, 0), "kv", [2], [2]), rows([(2, 2)]))
+
+
+@only("cpu-cma")
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_a_pin_that_lapsed_during_a_direct_copy_fails_it(peers: Callable[..., Peer], variant: Variant,
+                                                         victim: Peer, op: str) -> None:
+    """A checked direct access is pinned only until its pin expires; the server's pin epoch, read
+    again after the copy, tells the requester. Here the server's epoch has moved on since its
+    answer: the copy is refused (LLM_FAILED, retryable), not taken as good. The control: the same
+    server with an unchanged epoch, whose bytes then land exactly."""
+    call = kv.pull_blocks if op == "pull" else kv.push_blocks
+    attacker, port = start_attacker(peers, "direct_epoch_moved", redirect=True)
+    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+    with pytest.raises(LLMException) as e:
+        victim.call_within(hang_guard(TIMEOUT_MS), call, KEY, "kv", [1, 2], [1, 2])
+    assert e.value.status_code == LLMStatusCode.LLM_FAILED and "pin expired" in str(e.value), e.value
+    assert asked(attacker, rawwire.OP_READ if op == "pull" else rawwire.OP_WRITE, rawwire.FLAG_DIRECT)
+    # the link is fine: a refusal of one copy
+    assert victim.call(kv.links)[0]["broken"] is False
+
+    control = peers("control")
+    port2 = control.call(hostile.serve, "direct_own_memory", True)
+    assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
+    assert link_attacker(victim, port2)[0] == LLMStatusCode.LLM_SUCCESS
+    before = victim.call(kv.snapshot, "kv")
+    victim.call(call, KEY, "kv", [1, 2], [1, 2])
+    if op == "pull":  # the server's 0x5a bytes, exactly where asked
+        expected = before.copy()
+        for t in range(2):
+            expected.tensor(t)[1 * before.row_bytes:3 * before.row_bytes] = 0x5A
+        assert_same(victim.call(kv.snapshot, "kv"), expected, "the victim's cache")
+    else:
+        assert_same(victim.call(kv.snapshot, "kv"), before, "the pushing victim's cache")

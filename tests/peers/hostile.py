@@ -59,6 +59,7 @@ def serve(mode: str, redirect: bool = False, **params: Any) -> int:
         unix.bind("\0" + name)
         unix.listen(16)
     words = (ctypes.c_uint64 * 2)(7, 7)  # generation and pin epoch, readable by a prober
+    params.setdefault("data", (ctypes.c_uint8 * (1 << 20)).from_buffer_copy(b"\x5a" * (1 << 20)))
     _server = _Server(mode, tcp, unix, name, [], [], words, params)
     _server.thread = threading.Thread(target=_accept_loop, args=(_server,), daemon=True)
     _server.thread.start()
@@ -108,7 +109,7 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
     if mode == "ack_wrong_cluster":
         conn.sendall(rawwire.ack(cluster=77))
         return
-    conn.sendall(rawwire.ack(cluster=1))
+    conn.sendall(rawwire.ack(cluster=expected if expected != rawwire.ANY else 1))  # whoever the victim dials
     auth = rawwire.recv_exact(conn, rawwire.CLIENT_AUTH_BYTES)
     boot, gen = auth[32:48], struct.unpack("<Q", auth[56:64])[0]
     srv.observed.append({"event": "client_auth", "channel": channel, "local": local, "hint": boot != bytes(16),
@@ -195,6 +196,17 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
         elif mode == "direct_wrong_length":
             conn.sendall(rawwire.response(payload=struct.pack("<Q", 1) + b"".join(
                 struct.pack("<QQ", 0x1000, n + 1) for _ in rec["tensors"] for _, n in rec["runs"])))
+        elif mode in ("direct_own_memory", "direct_epoch_moved"):
+            # addresses of this process's own buffer (readable by the victim), with the pin epoch
+            # this process publishes, or one that has moved on since (a pin that expired)
+            base = ctypes.addressof(params["data"])
+            entries, at = b"", 0
+            for _ in rec["tensors"]:
+                for _o, n in rec["runs"]:
+                    entries += struct.pack("<QQ", base + at, n)
+                    at += n
+            epoch = srv.published[1] - (1 if mode == "direct_epoch_moved" else 0)
+            conn.sendall(rawwire.response(payload=struct.pack("<Q", epoch) + entries))
         elif mode == "direct_victim_addresses":
             addrs = params["addresses"]
             entries = b"".join(struct.pack("<QQ", addrs[i % len(addrs)] + o, n)
@@ -252,10 +264,10 @@ def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None 
 
 
 def redirect_name(port: int, cluster: int = 9) -> str:
-    """Asks the victim for a same-host redirect by claiming its host (the hint of this machine) and
+    """Asks an engine for a same-host redirect by claiming its host (the hint of this machine) and
     returns the AF_UNIX name it answers with ("" when it does not redirect)."""
-    h = rawwire.handshake(port, cluster=cluster, flags=rawwire.HELLO_SAME_HOST, hint=rawwire.host_hint(),
-                          source=ATTACKER_IP)
+    h = rawwire.handshake(port, cluster=cluster, expected=rawwire.ANY, flags=rawwire.HELLO_SAME_HOST,
+                          hint=rawwire.host_hint(), source=ATTACKER_IP)
     h.sock.close()
     assert h.result is not None, h.message
     return h.result.redirect
