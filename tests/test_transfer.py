@@ -23,7 +23,7 @@ from pdlink import (
 )
 from peer import Peer
 from peers import kv, workers
-from poll import wait_until
+from poll import hang_guard, wait_until
 from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
 
 KEY = Pair.KEY  # BlocksCacheKey(1, 0): the prompt's blocks cache
@@ -236,12 +236,15 @@ def test_push_into_a_cache_that_is_not_remote_accessible_is_refused(pair: Pair) 
     moved((pair.prefill, "s1"), (pair.decode, "host"), refused, nothing)
 
 
-# The fake HCCL moves ~12,000 segments a second: the Ascend cells (25 s each) run with the heavy tests.
+# About 300,000 segments: the fake HCCL moves ~12,000 a second (more slowly under a sanitizer), so the
+# transfers get a generous sync_kv_timeout, and the Ascend cells (25 s each) run with the heavy tests.
+SPLIT_TIMEOUT_MS = 180_000
+
 @only("cpu-cma", "cpu-tcp", "ascend-fake", heavy=("ascend-fake",))
 def test_a_transfer_larger_than_one_request_is_split_and_exact(make_pair: Callable[..., Pair]) -> None:
     """More (tensor, block run) pieces than one request may name (pdlink._core.LIMITS): the
     requester splits the pull into several requests, transparently; every byte lands."""
-    pair = make_pair(timeout=30000)  # 300,000 segments take the fake HCCL more than the default 1 s
+    pair = make_pair(timeout=SPLIT_TIMEOUT_MS)
     pieces = internals.core.LIMITS["max_request_pieces"]
     blocks = pieces // 4 + 5000  # 4 tensors: more pieces than one request, in runs that never coalesce
     pair.prefill.call(kv.register_blocks, "kv", 4, (2 * blocks, 4), DataType.DT_INT8, seed=3, key=KEY)
@@ -249,7 +252,9 @@ def test_a_transfer_larger_than_one_request_is_split_and_exact(make_pair: Callab
     pair.link()
     src_blocks = list(range(0, 2 * blocks, 2))  # every other block: no two runs are consecutive
     dst_blocks = list(range(2 * blocks - 1, 0, -2))
-    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, src_blocks, dst_blocks),
+    moved((pair.prefill, "kv"), (pair.decode, "kv"),
+          lambda: pair.decode.call_within(hang_guard(SPLIT_TIMEOUT_MS), kv.pull_blocks, KEY, "kv", src_blocks,
+                                          dst_blocks),
           rows(list(zip(src_blocks, dst_blocks))))
 
 
@@ -257,7 +262,7 @@ def test_a_transfer_larger_than_one_request_is_split_and_exact(make_pair: Callab
 def test_a_split_pull_by_request_key_releases_the_key_after_the_last_request(make_pair: Callable[..., Pair]) -> None:
     """A keyed pull into blocks, split into several requests: the source key survives the first
     requests and is released only once the last one has landed."""
-    pair = make_pair(remote=False, pool=8 << 20, timeout=30000)
+    pair = make_pair(remote=False, pool=8 << 20, timeout=SPLIT_TIMEOUT_MS)
     pieces = internals.core.LIMITS["max_request_pieces"]
     blocks = pieces // 2 + 1000  # 2 tensors, every block its own run
     pair.prefill.call(kv.allocate, "src", 2, (1, blocks, 4), DataType.DT_INT8, seed=5, keys=[CacheKey(1, 77, 0)])
@@ -267,7 +272,7 @@ def test_a_split_pull_by_request_key_releases_the_key_after_the_last_request(mak
     pair.link()
     dst0 = pair.decode.call(kv.snapshot, "blk")
     dst_blocks = list(range(2 * blocks - 1, 0, -2))
-    pair.decode.call_within(120, kv.pull_blocks, CacheKey(1, 77, 0), "blk", [], dst_blocks)
+    pair.decode.call_within(hang_guard(SPLIT_TIMEOUT_MS), kv.pull_blocks, CacheKey(1, 77, 0), "blk", [], dst_blocks)
     block = 4
     expected = dst0.with_bytes(src, [Copy(t, i * block, t, d * block, block) for t in range(2)
                                      for i, d in enumerate(dst_blocks)])
