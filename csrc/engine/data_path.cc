@@ -46,7 +46,9 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   // Only reads and writes take flags or a payload; which flags depends on what this link and this
   // engine negotiated. A frame outside that is a protocol violation: the link is dropped.
   const bool access = h.op == wire::Op::kRead || h.op == wire::Op::kWrite;
-  if (!access && (h.flags != 0 || h.payload_len != 0)) return Status(Code::kLinkFailed, "flags or payload on a frame that takes none");
+  if (!access && (h.flags != 0 || h.payload_len != 0)) {
+    return Status(Code::kLinkFailed, "flags or payload on a frame that takes none");
+  }
   if ((h.op == wire::Op::kPing || h.op == wire::Op::kUnlink) && h.body_len != 0) {
     return Status(Code::kLinkFailed, "a body on a frame that takes none");
   }
@@ -567,11 +569,15 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     }
   }
   for (size_t i = 0; st.ok() && i < local.size(); ++i) {
-    if (answer.lengths[i] != local[i].iov_len) st = Status(Code::kLinkFailed, "peer answered a range of the wrong length");
+    if (answer.lengths[i] != local[i].iov_len) {
+      st = Status(Code::kLinkFailed, "peer answered a range of the wrong length");
+    }
   }
   if (!st.ok()) return failTransfer(link, st, what);
   std::vector<iovec> remote_iov(local.size());
-  for (size_t i = 0; i < local.size(); ++i) remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
+  for (size_t i = 0; i < local.size(); ++i) {
+    remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
+  }
   // The addresses are the peer's, applied to the peer's pid (proven by the kernel): at worst they
   // make this side copy the peer's own memory.
   uint64_t epoch_after = 0;

@@ -219,7 +219,8 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   const bool may_redirect = !s.isUnix() && hello.channel == wire::Channel::kForward &&
                             (hello.flags & wire::kHelloSameHost);
   if ((!result->redirect.empty() && !may_redirect) || (result->gen_addr != 0 && !s.isUnix())) {
-    return Status(Code::kLinkFailed, "malformed auth-result frame from peer (a redirect or an address it may not send)");
+    return Status(Code::kLinkFailed,
+                  "malformed auth-result frame from peer (a redirect or an address it may not send)");
   }
   return Status::OK();
 }

@@ -178,9 +178,6 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
   auto cred = fwd.value().peerCredentials();
   if (!cred.ok()) return cred.status();
   d.pid = cred.value().pid;
-  // The acceptor probes this process before it completes the link: let it read us from now on
-  // (released with `d` if the link does not come up). Not for a peer inside this process.
-  if (d.pid != 0 && d.pid != ::getpid()) d.grant = cma::Grant::acquire();
   wire::Hello hello;
   hello.cluster_id = config_.cluster_id;
   hello.expected_peer = *peer_id;
@@ -191,6 +188,10 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
   wire::AuthResult result;
   PDLINK_RETURN_IF_ERROR(helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
   d.published_addr = result.gen_addr;
+  // The acceptor (it has proven the secret by now) probes this process before it completes the
+  // link: let it read us from now on (released with `d` if the link does not come up). Not for a
+  // peer inside this process.
+  if (d.pid != 0 && d.pid != ::getpid()) d.grant = cma::Grant::acquire();
   auto rev = Socket::connectUnix(name, deadline);
   if (!rev.ok()) return rev.status();
   auto cred2 = rev.value().peerCredentials();
@@ -286,8 +287,9 @@ void Engine::handleIncoming(Socket sock) {
     return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
                   std::to_string(wire::kProtocolVersion));
   }
-  st = sock.recvAll(buf + wire::kHelloPrefixBytes, wire::kHelloBytes - wire::kHelloPrefixBytes, deadline);
-  if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, wire::kHelloBytes - wire::kHelloPrefixBytes, &hello);
+  constexpr size_t kRest = wire::kHelloBytes - wire::kHelloPrefixBytes;
+  st = sock.recvAll(buf + wire::kHelloPrefixBytes, kRest, deadline);
+  if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, kRest, &hello);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
     untrack();
