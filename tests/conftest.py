@@ -100,7 +100,8 @@ class Pair:
 
     ``port``: the prompt's listen port. ``timeout``: both sides' sync_kv_timeout (ms), unless
     ``prefill_timeout`` gives the prompt its own; ``prefill_env``/``decode_env`` add environment
-    variables to one side (e.g. fault injection in the fakes).
+    variables to one side (e.g. fault injection in the fakes); ``prefill_options`` adds init options
+    to the prompt (e.g. ``{"pdlink.MaxLinks": "4"}``).
     """
 
     KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
@@ -108,13 +109,13 @@ class Pair:
     def __init__(self, peers: Callable[..., Peer], variant: Variant, remote: bool = True,
                  timeout: int | None = None, pool: int | None = 1 << 22,
                  prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                 prefill_timeout: int | None = None):
+                 prefill_timeout: int | None = None, prefill_options: dict[str, str] | None = None):
         self.variant = variant
         self.prefill = peers("prefill", env=variant.env(**(prefill_env or {})))
         self.decode = peers("decode", env=variant.env(**(decode_env or {})))
         self.timeout = timeout
         self.port = self.prefill.call(kv.start, "prompt", PROMPT_ID, listen=True, remote=remote, pool=pool,
-                                      timeout_ms=prefill_timeout or timeout)
+                                      timeout_ms=prefill_timeout or timeout, extra=prefill_options)
         self.decode.call(kv.start, "decoder", DECODER_ID, remote=remote, pool=pool, timeout_ms=timeout)
 
     def link(self) -> None:

@@ -153,8 +153,9 @@ def body_header(kind: int = KIND_BLOCKS, model: int = 0, req: int = ANY, prefix:
     return struct.pack("<BQQQqQQ", kind, model, req, prefix, cache_id, batch, block_size)
 
 
-def blocks_body(model: int = 0, tensors=(0,), runs=((0, 64),), block_size: int = 0, kind: int = KIND_BLOCKS) -> bytes:
-    b = body_header(kind=kind, model=model, block_size=block_size)
+def blocks_body(model: int = 0, tensors=(0,), runs=((0, 64),), block_size: int = 0, kind: int = KIND_BLOCKS,
+                req: int = ANY) -> bytes:
+    b = body_header(kind=kind, model=model, block_size=block_size, req=req)
     b += struct.pack("<I", len(tensors)) + b"".join(struct.pack("<I", t) for t in tensors)
     b += struct.pack("<I", len(runs)) + b"".join(struct.pack("<QQ", o, n) for o, n in runs)
     return b

@@ -504,3 +504,51 @@ def test_standard_infer_mode_over_plain_http(tmp_path):
 def test_no_unhandled_error_was_logged(srv):
     assert srv.server.alive()
     assert "Traceback" not in srv.server.output and "unhandled error" not in srv.server.output, srv.server.output
+
+
+def test_health_answers_while_large_role_bodies_are_decoded(tmp_path):
+    """Role bodies may be as large as maxRequestLength (40 MB by default). Decoding one holds
+    Python's GIL for the whole document, so pdlink decodes large ones in a worker process: /health
+    answers while two such bodies (sent in full) are still being decoded, and their answers come
+    after it (422 here: the bodies lack `local`, and nothing changes)."""
+    certs = Certs(str(tmp_path / "certs"))
+    (mgmt,) = free_ports(1)
+    path = write_config(str(tmp_path / "config.json"),
+                        {"ipAddress": LOCAL, "port": mgmt, "managementPort": mgmt, **certs.server_config()},
+                        kv={"listenPortBase": free_block(8)})
+    server = Serve(path).wait_ready()
+    try:
+        payload = b'{"padding": [' + b'{"a":1},' * 1_300_000 + b'0]}'  # 10 MB of objects: about a second to decode
+        head = (f"POST /v1/role/decode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n").encode()
+        posts = []
+        for _ in range(2):  # both bodies arrive in full only at the end, together
+            sock = socket.create_connection((LOCAL, mgmt), 60)
+            sock = client_context(certs.ca, certs.client_cert, certs.client_key).wrap_socket(sock)
+            sock.sendall(head + payload[:-1])
+            posts.append(sock)
+        for sock in posts:
+            sock.sendall(payload[-1:])
+        probe = socket.create_connection((LOCAL, mgmt), 30)
+        probe = client_context(certs.ca, certs.client_cert, certs.client_key).wrap_socket(probe)
+        probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        health = probe.recv(65536)  # the status line and headers: all that is needed here
+        probe.close()
+        assert health.startswith(b"HTTP/1.1 200"), health[:100]
+        early = []
+        for sock in posts:  # no answer yet (a TLS session ticket may be there, but no application data)
+            sock.setblocking(False)
+            try:
+                early.append(sock.recv(100))
+            except ssl.SSLWantReadError:
+                pass
+        assert early == [], f"a role body was answered before /health (decoding blocked the event loop): {early}"
+        for sock in posts:
+            sock.settimeout(60)
+            answer = b""
+            while b"local is required" not in answer and (chunk := sock.recv(65536)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 422") and b"local is required" in answer, answer[:300]
+            sock.close()
+    finally:
+        server.stop()

@@ -168,6 +168,20 @@ PYBIND11_MODULE(_core, m) {
       [](const std::string& name, int32_t device_id) { return valueOrThrow(openBackend(name, device_id), "init"); },
       py::arg("name"), py::arg("device_id") = 0, py::call_guard<py::gil_scoped_release>());
 
+  // What peers may make an engine spend (engine/engine.h EngineLimits); the defaults come from C++.
+  py::class_<EngineLimits>(m, "EngineLimits")
+      .def(py::init<>())
+      .def_readwrite("max_links", &EngineLimits::max_links)
+      .def_readwrite("max_handshakes", &EngineLimits::max_handshakes)
+      .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
+      .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
+      .def("__repr__", [](const EngineLimits& l) {
+        return "EngineLimits(max_links=" + std::to_string(l.max_links) + ", max_handshakes=" +
+               std::to_string(l.max_handshakes) + ", max_handshakes_per_source=" +
+               std::to_string(l.max_handshakes_per_source) + ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
+               ")";
+      });
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](std::shared_ptr<Backend> backend) { return std::make_unique<Engine>(std::move(backend)); }),
            py::arg("backend"))
@@ -180,7 +194,7 @@ PYBIND11_MODULE(_core, m) {
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
              uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret,
-             bool hccl_one_sided) {
+             bool hccl_one_sided, const EngineLimits& limits) {
             EngineConfig c;
             c.cluster_id = cluster_id;
             c.role = static_cast<Role>(role);
@@ -194,13 +208,18 @@ PYBIND11_MODULE(_core, m) {
             c.transport = static_cast<Transport>(transport);
             c.link_secret = link_secret;
             c.one_sided = hccl_one_sided;
+            if (limits.max_links == 0 || limits.max_handshakes == 0 || limits.max_handshakes_per_source == 0 ||
+                limits.pin_timeout_ms < 0) {
+              throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
+            }
+            c.limits = limits;
             throwIfError(e.initialize(c), "init");
           },
           py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
           py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
           py::arg("transport") = 0, py::arg("link_secret") = "", py::arg("hccl_one_sided") = false,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("limits") = EngineLimits(), py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)
       .def_property_readonly("cluster_id", &Engine::clusterId)
@@ -209,6 +228,19 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
       .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
       .def_property_readonly("cache_count", &Engine::cacheCount)
+      .def("stats",
+           [](const Engine& e) {
+             EngineStats s = e.stats();
+             py::dict d;
+             d["live_links"] = s.live_links;
+             d["tombstones"] = s.tombstones;
+             d["handshakes"] = s.handshakes;
+             d["threads"] = s.threads;
+             d["handshakes_refused"] = s.handshakes_refused;
+             d["listener_backoffs"] = s.listener_backoffs;
+             d["pins_expired"] = s.pins_expired;
+             return d;
+           })
       .def("pools",
            [](const Engine& e) {
              py::list out;

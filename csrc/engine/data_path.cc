@@ -26,6 +26,10 @@ void Engine::serve(const std::shared_ptr<Link>& link) {
     if (!link->broken()) PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: " << why);
     link->breakLink(why);
   }
+  // The link's channels are dead: leave a tombstone in its place, so its sockets close as soon as
+  // no transfer holds the link any more, and this thread ends.
+  std::lock_guard<std::mutex> lock(mu_);
+  links_.retire(link, config_.limits.max_links);
 }
 
 Status Engine::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state) {
@@ -76,7 +80,25 @@ Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const
 }
 
 Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState* state) {
-  PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
+  if (state->pinned.empty() && state->exported.empty()) {
+    PDLINK_RETURN_IF_ERROR(s.waitReadable(Deadline::never()));
+  } else {
+    // A direct or IPC access keeps its caches pinned until the peer's next frame, but not longer
+    // than the pin bound: a peer that goes silent after asking cannot keep freed memory alive.
+    // The pin epoch moves first, so a copy still running fails its check (engine/registry.h).
+    Status ready = s.waitReadable(Deadline::afterMs(pinTimeoutMs()));
+    if (ready.code() == Code::kTimeout) {
+      registry_.bumpPinEpoch();
+      for (const std::string& key : state->exported) backend_->closeExport(key);
+      state->exported.clear();
+      state->pinned.clear();
+      pins_expired_.fetch_add(1);
+      PDLINK_LOG(kInfo, clusterName(link->peer()) << " sent nothing for " << pinTimeoutMs()
+                                                  << " ms after a direct access: its pin expired");
+      return Status::OK();
+    }
+    PDLINK_RETURN_IF_ERROR(ready);
+  }
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
   Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * config_.sync_timeout_ms, 5000));
   uint8_t hbuf[wire::kRequestHeaderBytes];
@@ -100,8 +122,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kUnlink) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = links_.find(link->peer());
-      if (it != links_.end() && it->second == link) links_.erase(it);
+      links_.forget(link);
     }
     (void)sendResponse(s, Status::OK(), deadline);
     link->breakLink("unlinked by the peer");
@@ -261,14 +282,9 @@ void commitPull(Link& link, wire::TargetKind kind, bool last, const std::string&
 Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
-  auto it = links_.find(peer);
-  if (it == links_.end()) {
-    return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
-  }
-  if (it->second->broken()) {
-    return linkDown(*it->second);
-  }
-  return it->second;
+  if (std::shared_ptr<Link> link = links_.forRequests(peer)) return link;
+  if (auto why = links_.downReason(peer)) return linkDown(peer, *why);
+  return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
 }
 
 Status Engine::failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what) {

@@ -95,8 +95,7 @@ void Engine::finalize() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!initialized_) return;
     stopping_ = true;
-    for (auto& [id, link] : links_) links.push_back(link);
-    links_.clear();
+    links = links_.removeAll();
   }
   stopListeners();
   for (auto& link : links) {
@@ -116,9 +115,8 @@ void Engine::finalize() {
   }
   pending_cv_.notify_all();
   {
-    std::lock_guard<std::mutex> lock(threads_mu_);
-    for (auto& w : workers_) w.thread.join();
-    workers_.clear();
+    std::unique_lock<std::mutex> lock(threads_->mu);
+    threads_->cv.wait(lock, [&] { return threads_->running == 0; });
   }
   std::lock_guard<std::mutex> lock(mu_);
   pending_.clear();
@@ -132,47 +130,99 @@ void Engine::finalize() {
 // ---------------------------------------------------------------- threads
 
 void Engine::spawn(std::function<void()> fn) {
-  // Join the threads that finished, so that an engine that only accepts links (and never calls
-  // link/unlink, which reap too) does not keep their stacks: measured 17 KiB per link before.
-  reapThreads();
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  std::lock_guard<std::mutex> lock(threads_mu_);
-  workers_.push_back(Worker{std::thread([fn = std::move(fn), done] {
-                              fn();
-                              done->store(true);
-                            }),
-                            done});
+  // Detached: a thread that ends frees its stack at once, with nobody to join it. `threads_`
+  // counts the running ones so that finalize can wait for them; a thread's last act is the
+  // decrement, and the counter it then touches it co-owns, so the engine may go right after.
+  std::shared_ptr<Threads> t = threads_;
+  {
+    std::lock_guard<std::mutex> lock(t->mu);
+    ++t->running;
+  }
+  try {
+    std::thread([t, fn = std::move(fn)]() mutable {
+      fn();
+      fn = nullptr;  // what it captured (a link, a socket) goes before the count does
+      std::lock_guard<std::mutex> lock(t->mu);
+      if (--t->running == 0) t->cv.notify_all();
+    }).detach();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(t->mu);
+    if (--t->running == 0) t->cv.notify_all();
+    throw;
+  }
 }
 
-void Engine::reapThreads() {
-  std::lock_guard<std::mutex> lock(threads_mu_);
-  for (auto it = workers_.begin(); it != workers_.end();) {
-    if (it->done->load()) {
-      it->thread.join();
-      it = workers_.erase(it);
-    } else {
-      ++it;
+EngineStats Engine::stats() const {
+  EngineStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.live_links = links_.live();
+    s.tombstones = links_.tombstones();
+    s.handshakes = slots_.total;
+    for (const Listener* l : {listener_.get(), comm_listener_.get(), unix_listener_.get()}) {
+      if (l) s.listener_backoffs += l->backoffs();
     }
   }
+  s.handshakes_refused = handshakes_refused_.load();
+  s.pins_expired = pins_expired_.load();
+  {
+    std::lock_guard<std::mutex> lock(threads_->mu);
+    s.threads = threads_->running;
+  }
+  return s;
 }
 
 // ---------------------------------------------------------------- listener and roles
 
+namespace {
+// Where a connection comes from, for the per-source handshake cap: its IP address, or for an
+// AF_UNIX connection the local process (the peer string is "unix:pid N").
+std::string sourceOf(const Socket& s) {
+  const std::string& p = s.peer();
+  return s.isUnix() ? p : p.substr(0, p.rfind(':'));
+}
+}  // namespace
+
+void Engine::HandshakeSlot::release() {
+  if (!engine) return;
+  std::lock_guard<std::mutex> lock(engine->mu_);
+  --engine->slots_.total;
+  auto it = engine->slots_.per_source.find(source);
+  if (it != engine->slots_.per_source.end() && --it->second == 0) engine->slots_.per_source.erase(it);
+  engine = nullptr;
+}
+
 Listener::AcceptFn Engine::acceptor() {
   return [this](Socket s) {
+    // A handshake slot is taken here, on the listener's thread, before any thread is started: a
+    // flood from one source runs out of its own slots, not everyone's.
+    auto slot = std::make_shared<HandshakeSlot>();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
-      if (handshaking_.size() >= kMaxHandshakes) {
-        PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress");
+      const EngineLimits& lim = config_.limits;
+      const std::string source = sourceOf(s);
+      size_t& mine = slots_.per_source[source];
+      if (slots_.total >= lim.max_handshakes || mine >= lim.max_handshakes_per_source) {
+        if (mine == 0) slots_.per_source.erase(source);
+        if (handshakes_refused_.fetch_add(1) % 1000 == 0) {  // one line per thousand, not one each
+          PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress ("
+                                                        << slots_.total << " in all, " << mine << " from "
+                                                        << source << ")");
+        }
         return;
       }
+      ++mine;
+      ++slots_.total;
+      slot->engine = this;
+      slot->source = source;
     }
     auto holder = std::make_shared<Socket>(std::move(s));
     try {
-      spawn([this, holder] { handleIncoming(std::move(*holder)); });
+      spawn([this, holder, slot] { handleIncoming(std::move(*holder), slot.get()); });
     } catch (const std::exception& e) {  // no thread to be had: drop this connection, keep listening
       PDLINK_LOG(kWarn, "dropping connection from " << holder->peer() << ": " << e.what());
+      slot->release();
     }
   };
 }
@@ -213,7 +263,7 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
     if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
     if (!links_.empty() || !linking_.empty()) {
       std::string ids;
-      for (auto& [id, l] : links_) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+      for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
       return Status(Code::kExistLink, "cannot switch role while links exist (peer clusters: " + ids +
                                           "); call unlink_clusters first");
     }

@@ -18,6 +18,7 @@
 // out of the registry.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -32,6 +33,7 @@
 #include "backends/backend.h"
 #include "core/status.h"
 #include "engine/link.h"
+#include "engine/link_table.h"
 #include "engine/mem_pool.h"
 #include "engine/registry.h"
 #include "transport/listener.h"
@@ -53,6 +55,17 @@ struct PoolConfig {
   uint32_t page_shift = 16;
 };
 
+// What peers can make an engine spend, beyond the per-request bounds of core/limits.h. Each is an
+// init option (pdlink.MaxLinks, ...; docs/security.md, "Limits"), with these defaults.
+struct EngineLimits {
+  uint32_t max_links = 512;               // live links (dialled and accepted); as many tombstones are kept
+  uint32_t max_handshakes = 64;           // connections mid-handshake, from everyone
+  uint32_t max_handshakes_per_source = 8;  // of those, from one IP address (or one local process)
+  // How long the serving side keeps the caches of a direct or IPC access pinned while the peer
+  // sends nothing; 0: max(2 x sync_timeout_ms, 5 s). The peer's late copy then fails (pin epoch).
+  int64_t pin_timeout_ms = 0;
+};
+
 struct EngineConfig {
   uint64_t cluster_id = 0;
   Role role = Role::kMix;
@@ -71,6 +84,7 @@ struct EngineConfig {
   // (HcclBatchSendRecv). Off by default: the one-sided API is not public HCCL and its struct
   // layouts changed between CANN releases (docs/ascend.md).
   bool one_sided = false;
+  EngineLimits limits;
 };
 
 struct PeerAddress {
@@ -79,13 +93,15 @@ struct PeerAddress {
   uint16_t port = 0;
 };
 
-struct LinkInfo {
-  uint64_t peer_cluster_id = 0;
-  std::string peer_address;
-  bool initiator = false;  // this side dialled
-  bool broken = false;
-  std::string broken_reason;
-  std::string transport;
+// Counters of what peers made an engine spend (Engine::stats): for tests, logs and metrics.
+struct EngineStats {
+  size_t live_links = 0;         // links with channels (dialled and accepted)
+  size_t tombstones = 0;         // dead links still reported until unlinked (engine/link_table.h)
+  size_t handshakes = 0;         // connections in a handshake now
+  size_t threads = 0;            // engine threads running (serving, handshakes)
+  uint64_t handshakes_refused = 0;  // connections dropped for want of a handshake slot
+  uint64_t listener_backoffs = 0;   // times a listener paused for want of descriptors
+  uint64_t pins_expired = 0;        // pins released before the peer's next frame
 };
 
 // A pull or push, described from the caller's side. The engine turns it into byte runs (coalescing
@@ -162,6 +178,7 @@ class Engine {
   Status unregisterCache(int64_t cache_id);
   void removeCacheKey(const RequestKey& key);
   size_t cacheCount() const { return registry_.size(); }
+  EngineStats stats() const;
   // The memory pools created by initialize() (none before it or after finalize()): where each lies
   // and how much of it is allocated. For tests that check a whole pool around a transfer; like
   // allocateCache, not to be called concurrently with initialize/finalize.
@@ -221,7 +238,14 @@ class Engine {
   // What every listener does with an accepted connection: a handshake thread, within the caps.
   Listener::AcceptFn acceptor();
   void stopListeners();
-  void handleIncoming(Socket sock);
+  // A handshake slot held by an incoming connection's thread; release() gives it back (once).
+  struct HandshakeSlot {
+    Engine* engine = nullptr;
+    std::string source;
+    void release();
+    ~HandshakeSlot() { release(); }
+  };
+  void handleIncoming(Socket sock, HandshakeSlot* slot);
   // The two channels of a link this side dials, and what the handshake proved about the peer.
   struct Dialled;
   Result<Dialled> dialTcp(const PeerAddress& peer, bool offer_same_host, uint64_t* peer_id, Deadline deadline,
@@ -232,6 +256,8 @@ class Engine {
   Status linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id);
   Status unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force);
   void installLink(const std::shared_ptr<Link>& link);
+  // Whether the peer still answers on `link` (a ping, or a transfer running on it); breaks it when not.
+  bool stillAlive(const std::shared_ptr<Link>& link, Deadline deadline);
   // Whether this side's requests copy the peer's memory directly: only for a peer the kernel
   // identified (pid != 0), after a probe read of its published words. kLinkFailed when cma is
   // forced and not possible.
@@ -244,6 +270,10 @@ class Engine {
   // (non-OK: a protocol violation, the link is dropped). admitAccess: whether a read or write may
   // use the path its flags ask for on this link (non-OK: refused, the link stays).
   Status admitHeader(const Link& link, const wire::RequestHeader& h) const;
+  int64_t pinTimeoutMs() const {
+    const int64_t set = config_.limits.pin_timeout_ms;
+    return set > 0 ? set : std::max<int64_t>(2 * config_.sync_timeout_ms, 5000);
+  }
   Status admitAccess(const Link& link, const wire::RequestHeader& h) const;
   Status directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
   // DEVICE caches of a backend with device transport: the request on the socket, the bytes over
@@ -264,8 +294,9 @@ class Engine {
   std::vector<Segment> preparedRegions() const;
   Status serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
                             Deadline deadline);
+  // Starts an engine thread (detached; finalize waits for every one). Throws std::system_error when
+  // the system has no thread to give.
   void spawn(std::function<void()> fn);
-  void reapThreads();
 
   std::shared_ptr<Backend> backend_;
   // From backend_->capabilities(), read once: device channels; same-host DEVICE transfers by IPC;
@@ -283,7 +314,7 @@ class Engine {
   bool initialized_ = false;                         // guarded by mu_
   bool stopping_ = false;                            // guarded by mu_
   Role role_ = Role::kMix;                           // guarded by mu_
-  std::map<uint64_t, std::shared_ptr<Link>> links_;  // guarded by mu_
+  LinkTable links_;                                  // guarded by mu_
   std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
 
   // Listeners are destroyed (which joins their thread) only outside mu_.
@@ -305,13 +336,22 @@ class Engine {
   std::map<uint64_t, std::shared_ptr<PendingLink>> pending_;  // guarded by mu_
   std::condition_variable pending_cv_;
   std::set<Socket*> handshaking_;  // sockets in a handshake; shut down by finalize, guarded by mu_
-
-  std::mutex threads_mu_;
-  struct Worker {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
+  // Handshake slots (EngineLimits::max_handshakes, _per_source): taken by the listener, released
+  // when the handshake ends.
+  struct Slots {
+    size_t total = 0;
+    std::map<std::string, size_t> per_source;
   };
-  std::vector<Worker> workers_;  // guarded by threads_mu_
+  Slots slots_;  // guarded by mu_
+  std::atomic<uint64_t> handshakes_refused_{0};
+  std::atomic<uint64_t> pins_expired_{0};
+
+  struct Threads {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t running = 0;  // guarded by mu
+  };
+  std::shared_ptr<Threads> threads_ = std::make_shared<Threads>();  // engine threads still running
 };
 
 }  // namespace pdlink

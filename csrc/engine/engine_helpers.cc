@@ -77,10 +77,12 @@ wire::HostHint localHint() {
   return id;
 }
 
-Status linkDown(const Link& link) {
-  return Status(Code::kLinkFailed, "the link to " + clusterName(link.peer()) + " is down (" + link.brokenReason() +
+Status linkDown(uint64_t peer, const std::string& reason) {
+  return Status(Code::kLinkFailed, "the link to " + clusterName(peer) + " is down (" + reason +
                                        "); call unlink_clusters, then link_clusters again");
 }
+
+Status linkDown(const Link& link) { return linkDown(link.peer(), link.brokenReason()); }
 
 IpcSpan ipcSpan(const std::vector<wire::Run>& runs) {
   uint64_t lo = UINT64_MAX, hi = 0;

@@ -18,7 +18,6 @@
 namespace pdlink::detail {
 
 constexpr size_t kMaxPeersPerCall = 16;
-constexpr size_t kMaxHandshakes = 64;  // connections mid-handshake; more are dropped (flood guard)
 constexpr size_t kIovBatch = 1024;     // iovecs per sendmsg/recvmsg
 
 std::string clusterName(uint64_t id);
@@ -33,6 +32,9 @@ Digest linkProof(const std::string& secret, char role, const uint8_t* client_cha
 wire::HostHint localHint();
 // kLinkFailed naming the broken link's reason and what to do about it.
 Status linkDown(const Link& link);
+Status linkDown(uint64_t peer, const std::string& reason);
+// How long a probe of a link that a newcomer wants to take over may wait for the peer's answer.
+constexpr int64_t kProbeTimeoutMs = 500;
 // The byte range of a tensor an IPC access exports: from the first run's offset to the last
 // run's end (both sides compute it from the same runs).
 struct IpcSpan {

@@ -28,6 +28,16 @@
 
 namespace pdlink {
 
+// What `Engine::links()` reports of one link (or of a dead link's tombstone, engine/link_table.h).
+struct LinkInfo {
+  uint64_t peer_cluster_id = 0;
+  std::string peer_address;
+  bool initiator = false;  // this side dialled
+  bool broken = false;
+  std::string broken_reason;
+  std::string transport;
+};
+
 class Link {
  public:
   Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)

@@ -26,7 +26,6 @@ struct Engine::Dialled {
 
 std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
                                  std::vector<uint64_t>* peer_ids) {
-  reapThreads();
   if (peers.size() > kMaxPeersPerCall) {
     return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(peers.size()))};
   }
@@ -55,11 +54,17 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     if (known && peer.cluster_id == config_.cluster_id) {
       return Status(Code::kParamInvalid, "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
     }
-    for (auto& [id, l] : links_) {
-      if ((known && id == peer.cluster_id) || (!known && l->peerAddress() == where)) {
-        if (linked_id) *linked_id = id;
-        return Status(Code::kAlreadyLink, clusterName(id) + " is already linked");
+    // A link entity (a dead one too, until unlinked) for this peer: llm_datadist answers
+    // LLM_ALREADY_LINK.
+    for (const LinkInfo& l : links_.infos()) {
+      if ((known && l.peer_cluster_id == peer.cluster_id) || (!known && l.peer_address == where)) {
+        if (linked_id) *linked_id = l.peer_cluster_id;
+        return Status(Code::kAlreadyLink, clusterName(l.peer_cluster_id) + " is already linked");
       }
+    }
+    if (links_.live() + linking_.size() >= config_.limits.max_links) {
+      return Status(Code::kLinkFailed, "this engine already has " + std::to_string(links_.live()) +
+                                           " links, the most it may have (pdlink.MaxLinks); unlink one first");
     }
     if (!linking_.insert(guard_key).second) {
       return Status(Code::kProcessingLink, "a link to " + (known ? clusterName(peer.cluster_id) : where) +
@@ -230,17 +235,29 @@ Status Engine::chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* di
 }
 
 void Engine::installLink(const std::shared_ptr<Link>& link) {
-  auto it = links_.find(link->peer());
-  if (it != links_.end()) {
-    // The peer re-linked without unlinking (it restarted, or force-unlinked its end): the old
-    // entity is stale, as in llm_datadist's force re-link.
+  if (std::shared_ptr<Link> old = links_.install(link)) {
+    // The peer re-linked without unlinking (it restarted, or force-unlinked its end), and its old
+    // link was dead, or the newcomer proved the secret (handleIncoming): the old entity is stale,
+    // as in llm_datadist's force re-link.
     PDLINK_LOG(kInfo, "replacing stale link to " << clusterName(link->peer()));
-    it->second->breakLink("replaced by a new link from the peer");
+    old->breakLink("replaced by a new link from the peer");
   }
-  links_[link->peer()] = link;
 }
 
-void Engine::handleIncoming(Socket sock) {
+bool Engine::stillAlive(const std::shared_ptr<Link>& link, Deadline deadline) {
+  if (link->broken()) return false;
+  std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
+  if (!out.owns_lock()) return true;  // a transfer is running on it
+  std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
+  wire::ResponseHeader rh;
+  Status remote;
+  Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+  if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+  if (!st.ok()) link->breakLink("found dead by a probe: " + st.message());
+  return st.ok();
+}
+
+void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
@@ -362,6 +379,17 @@ void Engine::handleIncoming(Socket sock) {
   if (!local && config_.transport == Transport::kCma) {
     return refuse("transport 'cma' was forced here but the peer is not on this host or refuses it");
   }
+  if (hello.channel == wire::Channel::kForward) {
+    size_t live = 0, waiting = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live = links_.live();
+      waiting = pending_.size();
+    }
+    if (live + waiting >= config_.limits.max_links) {
+      return refuse("this engine already has " + std::to_string(live) + " links, the most it may have");
+    }
+  }
   const std::string ok_frame = wire::encode(ok);
 
   if (hello.channel == wire::Channel::kForward) {
@@ -402,11 +430,23 @@ void Engine::handleIncoming(Socket sock) {
       return;
     }
     PDLINK_LOG(kInfo, "accepted link from " << clusterName(hello.cluster_id) << " at " << from);
+    slot->release();  // the handshake is over: this thread serves the link from now on
     serve(link);
     return;
   }
 
   // REVERSE channel: completes the link whose FORWARD channel is waiting under the same nonce.
+  // A peer may not take over the cluster id of another peer's healthy link: only one that proved
+  // the secret (it is that cluster), or when a probe finds the old link dead (the peer restarted).
+  std::shared_ptr<Link> rival;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    rival = links_.slot(hello.cluster_id, false);
+  }
+  if (rival && config_.link_secret.empty() && stillAlive(rival, Deadline::afterMs(kProbeTimeoutMs))) {
+    return refuse(clusterName(hello.cluster_id) + " already has a healthy link from " + rival->peerAddress() +
+                  "; it must unlink first");
+  }
   std::shared_ptr<Link> link;
   std::unique_lock<std::mutex> out_lock;
   {
@@ -425,6 +465,10 @@ void Engine::handleIncoming(Socket sock) {
       return refuse("no matching forward channel for this link attempt");
     }
     auto pending = it->second;
+    if (links_.live() >= config_.limits.max_links) {
+      lock.unlock();
+      return refuse("this engine already has the most links it may have");
+    }
     if (local && (pending->pid != pid || pending->published_addr != client.gen_addr)) {
       lock.unlock();
       return refuse("the two same-host channels come from different processes");
@@ -455,7 +499,6 @@ void Engine::handleIncoming(Socket sock) {
 }
 
 std::vector<Status> Engine::unlink(const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
-  reapThreads();
   if (ids.size() > kMaxPeersPerCall) {
     return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(ids.size()))};
   }
@@ -465,32 +508,33 @@ std::vector<Status> Engine::unlink(const std::vector<uint64_t>& ids, int64_t tim
 }
 
 Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
-  std::shared_ptr<Link> link;
+  std::vector<std::shared_ptr<Link>> links;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = links_.find(cluster_id);
-    if (it == links_.end()) return Status(Code::kNotYetLink, "no link to " + clusterName(cluster_id));
-    link = it->second;
-    links_.erase(it);
+    bool had = false;
+    links = links_.remove(cluster_id, &had);
+    if (!had) return Status(Code::kNotYetLink, "no link to " + clusterName(cluster_id));
   }
   Status result;
-  if (!force && !link->broken()) {
-    // Tell the peer so it drops its end too; a dead peer cannot be told.
-    std::lock_guard<std::mutex> out(link->outMutex());
-    Deadline deadline = Deadline::afterMs(timeout_ms);
-    wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
-    std::string frame = wire::encode(h);
-    Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
-    wire::ResponseHeader rh;
-    Status remote;
-    if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
-    if (!st.ok()) {
-      result = Status(Code::kNotifyPromptUnlinkFailed,
-                      "unlinked locally, but " + clusterName(cluster_id) + " could not be told (" + st.message() +
-                          "); call unlink_clusters on that side too");
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  for (const auto& link : links) {
+    if (!force && !link->broken()) {
+      // Tell the peer so it drops its end too; a dead peer cannot be told.
+      std::lock_guard<std::mutex> out(link->outMutex());
+      wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
+      std::string frame = wire::encode(h);
+      Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+      wire::ResponseHeader rh;
+      Status remote;
+      if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+      if (!st.ok()) {
+        result = Status(Code::kNotifyPromptUnlinkFailed,
+                        "unlinked locally, but " + clusterName(cluster_id) + " could not be told (" + st.message() +
+                            "); call unlink_clusters on that side too");
+      }
     }
+    link->breakLink("unlinked by this side");
   }
-  link->breakLink("unlinked by this side");
   PDLINK_LOG(kInfo, "unlinked " << clusterName(cluster_id) << (force ? " (force)" : ""));
   return result;
 }
@@ -535,11 +579,7 @@ Result<uint16_t> Engine::startCommListener(const std::string& ip, uint16_t port)
 
 std::vector<LinkInfo> Engine::links() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<LinkInfo> out;
-  for (auto& [id, l] : links_) {
-    out.push_back(LinkInfo{id, l->peerAddress(), l->initiator(), l->broken(), l->brokenReason(), l->transport()});
-  }
-  return out;
+  return links_.infos();
 }
 
 }  // namespace pdlink

@@ -9,7 +9,7 @@ CacheEntry::~CacheEntry() {
 }
 
 Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::vector<RequestKey>& keys) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   if (keys.size() > entry.layout.num_slots) {
     return Status(Code::kParamInvalid, "cache_keys has " + std::to_string(keys.size()) +
                                            " keys but the cache has only " +
@@ -41,6 +41,7 @@ Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::v
   entry.id = next_id_++;
   auto sp = std::make_shared<CacheEntry>(std::move(entry));
   caches_[sp->id] = sp;
+  for (uint64_t a : sp->addrs) raw_index_.emplace(a, RawTensor{a + sp->layout.tensor_size, sp->id});
   if (sp->owned) id_refs_.insert(sp->id);
   if (sp->blocks_model) blocks_index_[*sp->blocks_model] = sp->id;
   for (uint64_t slot = 0; slot < keys.size(); ++slot) {
@@ -54,7 +55,7 @@ Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::v
 }
 
 Result<std::shared_ptr<CacheEntry>> Registry::get(int64_t id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end()) {
     return Status(Code::kParamInvalid, "no cache with id " + std::to_string(id) + " is registered here");
@@ -63,7 +64,7 @@ Result<std::shared_ptr<CacheEntry>> Registry::get(int64_t id) const {
 }
 
 Status Registry::deallocate(int64_t id, bool expect_blocks) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end() || !it->second->owned || !id_refs_.count(id)) return Status::OK();
   if (it->second->layout.is_blocks != expect_blocks) {
@@ -79,7 +80,7 @@ Status Registry::deallocate(int64_t id, bool expect_blocks) {
 }
 
 Status Registry::unregister(int64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end()) {
     return Status(Code::kParamInvalid, "no registered cache with id " + std::to_string(id));
@@ -96,12 +97,12 @@ Status Registry::unregister(int64_t id) {
     for (auto& [slot, binding] : b->second) slots.push_back(slot);
     for (uint64_t slot : slots) unbindLocked(id, slot);
   }
-  caches_.erase(it);
+  eraseLocked(it);
   return Status::OK();
 }
 
 void Registry::removeKey(const RequestKey& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   std::pair<int64_t, uint64_t> where{0, 0};
   auto r = key.hasReq() ? req_index_.find({key.req_id, key.model_id}) : req_index_.end();
   if (r != req_index_.end()) {
@@ -134,11 +135,25 @@ void Registry::maybeFreeLocked(int64_t id) {
   if (id_refs_.count(id) || bindings_.count(id)) return;
   // The memory returns to the pool when the last in-flight transfer drops its reference.
   bumpLocked();
+  eraseLocked(it);
+}
+
+void Registry::eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::iterator it) {
+  const CacheEntry& e = *it->second;
+  for (uint64_t a : e.addrs) {
+    auto [first, last] = raw_index_.equal_range(a);
+    for (auto r = first; r != last; ++r) {
+      if (r->second.cache_id == e.id) {
+        raw_index_.erase(r);
+        break;
+      }
+    }
+  }
   caches_.erase(it);
 }
 
 Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_write) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   const wire::Target& t = body.target;
   if (t.kind == wire::TargetKind::kRaw) return resolveRawLocked(body, for_write);
   std::shared_ptr<CacheEntry> entry;
@@ -220,14 +235,17 @@ Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool
     if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
       return Status(Code::kParamInvalid, "invalid address range");
     }
-    // The range must lie inside one registered tensor. O(registered tensors) per run: llm_datadist
-    // registers at most a few hundred addresses.
+    // The range must lie inside one registered tensor: found through the index of tensor starts,
+    // among the kRawCandidates tensors that start closest below it (O(log tensors) per run, so the
+    // shared lock is held for a time bounded by the request's runs, never by the registry's size).
     std::shared_ptr<CacheEntry> found;
-    for (const auto& [id, e] : caches_) {
-      for (uint64_t a : e->addrs) {
-        if (run.offset >= a && end <= a + e->layout.tensor_size) found = e;
+    auto at = raw_index_.upper_bound(run.offset);
+    for (size_t k = 0; k < kRawCandidates && at != raw_index_.begin(); ++k) {
+      --at;
+      if (end <= at->second.end) {
+        found = caches_.at(at->second.cache_id);
+        break;
       }
-      if (found) break;
     }
     if (!found) {
       return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
@@ -242,7 +260,7 @@ Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool
 }
 
 void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& tensors) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   std::pair<int64_t, uint64_t> where;
   if (t.kind == wire::TargetKind::kRequestKey) {
     auto it = req_index_.find({t.req_id, t.model_id});
@@ -269,7 +287,7 @@ void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& te
 }
 
 std::vector<std::pair<uint64_t, uint64_t>> Registry::registeredDeviceTensors() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   std::vector<std::pair<uint64_t, uint64_t>> out;
   for (const auto& [id, e] : caches_) {
     if (e->owned || e->layout.placement != Placement::kDevice) continue;
@@ -279,12 +297,12 @@ std::vector<std::pair<uint64_t, uint64_t>> Registry::registeredDeviceTensors() c
 }
 
 size_t Registry::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   return caches_.size();
 }
 
 Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   auto it = blocks_index_.find(model_id);
   if (it == blocks_index_.end()) {
     return Status(Code::kKvCacheNotExist, "no blocks cache is published here under model_id " + std::to_string(model_id));
@@ -299,9 +317,10 @@ Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
 }
 
 void Registry::clear() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   bumpLocked();
   caches_.clear();
+  raw_index_.clear();
   id_refs_.clear();
   bindings_.clear();
   req_index_.clear();

@@ -12,8 +12,11 @@
 // id reference (dropped by deallocate) and every request key (dropped by a successful remote pull by
 // that key, or by removeKey) are gone. Registered caches are user memory and are never freed here.
 //
-// Threading: all methods are thread-safe (one mutex). Resolve() returns a shared_ptr that keeps
-// the cache's memory alive while a transfer uses it, even if it is deallocated meanwhile.
+// Threading: all methods are thread-safe (one reader-writer lock: resolve, describe and lookups
+// share it, changes take it alone). A resolve holds it for a time bounded by the request's pieces
+// (core/limits.h) times log(tensors), never by the registry's size. Resolve() returns a shared_ptr
+// that keeps the cache's memory alive while a transfer uses it, even if it is deallocated
+// meanwhile.
 #pragma once
 
 #include <atomic>
@@ -23,6 +26,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <shared_mutex>
 #include <utility>
 #include <vector>
 
@@ -136,12 +140,21 @@ class Registry {
   using KeyIndex = std::map<std::pair<uint64_t, uint64_t>, std::pair<int64_t, uint64_t>>;
 
   Result<Resolved> resolveRawLocked(const wire::TransferBody& body, bool for_write) const;
+  void eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::iterator it);
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);
 
   void bumpLocked() { published_.generation.fetch_add(1, std::memory_order_release); }
 
-  mutable std::mutex mu_;
+  // A raw-address access must lie inside one tensor; of overlapping registrations the ones that
+  // start closest below the address are considered, this many.
+  static constexpr size_t kRawCandidates = 16;
+  struct RawTensor {
+    uint64_t end;
+    int64_t cache_id;
+  };
+
+  mutable std::shared_mutex mu_;
   alignas(16) Published published_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> caches_;
@@ -150,6 +163,7 @@ class Registry {
   KeyIndex req_index_;
   KeyIndex prefix_index_;
   std::map<uint64_t, int64_t> blocks_index_;
+  std::multimap<uint64_t, RawTensor> raw_index_;  // tensor start -> end, cache (every cache's tensors)
 };
 
 }  // namespace pdlink

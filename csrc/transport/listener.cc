@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/log.h"
+
 namespace pdlink {
 
 Result<std::unique_ptr<Listener>> Listener::start(const std::string& ip, uint16_t port, AcceptFn on_accept) {
@@ -43,11 +45,30 @@ Listener::~Listener() {
 }
 
 void Listener::run() {
+  bool backing_off = false;
+  bool logged = false;  // this run of failures was logged; reset by the next accepted connection
   for (;;) {
     pollfd fds[2] = {{socket_.fd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) continue;  // EINTR
+    // While backing off, only the stop request is waited for: the listening socket stays readable
+    // (the connection it cannot accept is still queued), and polling it would spin.
+    const int n = backing_off ? ::poll(fds + 1, 1, kBackoffMs) : ::poll(fds, 2, -1);
+    if (n < 0) continue;  // EINTR
     if (fds[1].revents) return;
-    for (Socket s = socket_.acceptOne(); s.valid(); s = socket_.acceptOne()) on_accept_(std::move(s));
+    backing_off = false;
+    int error = 0;
+    for (Socket s = socket_.acceptOne(&error); s.valid(); s = socket_.acceptOne(&error)) {
+      logged = false;
+      on_accept_(std::move(s));
+    }
+    if (error == 0) continue;
+    backoffs_.fetch_add(1);
+    backing_off = true;
+    if (!logged) {
+      PDLINK_LOG(kWarn, "cannot accept connections on " << (ip_.empty() ? "the same-host socket" : ip_) << ": "
+                                                       << std::strerror(error) << "; retrying every " << kBackoffMs
+                                                       << " ms until it can");
+      logged = true;
+    }
   }
 }
 

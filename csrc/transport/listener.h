@@ -8,6 +8,7 @@
 // no lock the callback takes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,6 +34,11 @@ class Listener {
 
   const std::string& ip() const { return ip_; }
   uint16_t port() const { return socket_.port(); }
+  // How often accepting paused because the process (or system) was out of descriptors, or a
+  // connection failed to be accepted for another reason: the listener then waits kBackoffMs
+  // instead of spinning on a readable socket it cannot accept from, and logs it once per episode.
+  uint64_t backoffs() const { return backoffs_.load(); }
+  static constexpr int kBackoffMs = 100;
 
  private:
   Listener() = default;
@@ -44,6 +50,7 @@ class Listener {
   AcceptFn on_accept_;
   int wake_fd_ = -1;
   std::thread thread_;
+  std::atomic<uint64_t> backoffs_{0};
 };
 
 }  // namespace pdlink

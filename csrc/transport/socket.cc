@@ -295,10 +295,14 @@ ListenSocket& ListenSocket::operator=(ListenSocket&& other) noexcept {
   return *this;
 }
 
-Socket ListenSocket::acceptOne() {
+Socket ListenSocket::acceptOne(int* error) {
+  *error = 0;
   if (unix_) {
     int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return Socket();
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) *error = errno;
+      return Socket();
+    }
     Socket s(fd, "unix");
     s.unix_ = true;
     if (auto cred = s.peerCredentials(); cred.ok()) s.peer_ = "unix:pid " + std::to_string(cred.value().pid);
@@ -307,7 +311,10 @@ Socket ListenSocket::acceptOne() {
   sockaddr_in addr{};
   socklen_t len = sizeof(addr);
   int fd = ::accept4(fd_, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
-  if (fd < 0) return Socket();
+  if (fd < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) *error = errno;
+    return Socket();
+  }
   setNoDelay(fd);
   char buf[INET_ADDRSTRLEN] = {0};
   ::inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof(buf));

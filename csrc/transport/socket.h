@@ -97,8 +97,9 @@ class ListenSocket {
 
   uint16_t port() const { return port_; }
   int fd() const { return fd_; }
-  // Accepts one connection if one is pending (non-blocking); invalid Socket if none.
-  Socket acceptOne();
+  // Accepts one connection if one is pending (non-blocking); an invalid Socket if none, with
+  // `*error` the errno of a failure other than "none pending" (EMFILE: out of descriptors, ...).
+  Socket acceptOne(int* error);
 
  private:
   int fd_ = -1;

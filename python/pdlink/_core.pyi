@@ -35,6 +35,15 @@ class Backend:
 
 def open_backend(name: str, device_id: int = 0) -> Backend: ...  # "auto", "cpu" or "ascend"
 
+class EngineLimits:
+    """What peers may make an engine spend (csrc/engine/engine.h); defaults from C++."""
+
+    max_links: int
+    max_handshakes: int
+    max_handshakes_per_source: int
+    pin_timeout_ms: int  # 0: max(2 x sync_timeout_ms, 5 s)
+    def __init__(self) -> None: ...
+
 class Engine:
     def __init__(self, backend: Backend | str = "cpu") -> None: ...
     def initialize(
@@ -52,6 +61,7 @@ class Engine:
         transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
         link_secret: str = "",  # non-empty: links must authenticate (challenge-response)
         hccl_one_sided: bool = False,  # Ascend: HcclBatchGet/Put when both ends enable it
+        limits: EngineLimits = ...,
     ) -> None: ...
     def finalize(self) -> None: ...
     @property
@@ -68,7 +78,9 @@ class Engine:
     def backend_handle(self) -> Backend: ...
     @property
     def cache_count(self) -> int: ...
-    def pools(self) -> list[dict[str, int]]: ...  # placement, base, capacity, used per memory pool
+    def pools(self) -> list[dict[str, int]]: ...
+    # live_links, tombstones, handshakes, threads, handshakes_refused, listener_backoffs, pins_expired
+    def stats(self) -> dict[str, int]: ...  # placement, base, capacity, used per memory pool
     def switch_role(self, role: int, listen_ip: str, listen_port: int) -> None: ...
     def link(
         self, peers: Sequence[tuple[int | None, str, int]], timeout_ms: int

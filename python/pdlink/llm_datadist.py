@@ -61,6 +61,15 @@ _BACKENDS = ("auto", "cpu", "ascend")
 # two-sided HcclBatchSendRecv. The environment variable PDLINK_HCCL_ONE_SIDED works the same.
 ONE_SIDED_OPTION = "pdlink.HcclOneSided"
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
+# pdlink options bounding what peers may make an engine spend (docs/security.md, "Limits"): option ->
+# (environment variable read when it is absent, field of _core.EngineLimits). Unset: the engine's
+# defaults, which live in C++ only.
+LIMIT_OPTIONS = {
+    "pdlink.MaxLinks": ("PDLINK_MAX_LINKS", "max_links"),
+    "pdlink.MaxHandshakes": ("PDLINK_MAX_HANDSHAKES", "max_handshakes"),
+    "pdlink.MaxHandshakesPerSource": ("PDLINK_MAX_HANDSHAKES_PER_SOURCE", "max_handshakes_per_source"),
+    "pdlink.PinTimeoutMs": ("PDLINK_PIN_TIMEOUT_MS", "pin_timeout_ms"),
+}
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
 _V1_DEFAULT_POOL_BYTES = 1 << 30
@@ -108,6 +117,27 @@ def _pool(options: dict[str, str], key: str) -> tuple[int, int]:
     raise_if_false(isinstance(shift, int) and not isinstance(shift, bool) and 10 <= shift < 31,
                    f"{key}.page_shift must be an integer in [10, 31), got {shift!r}")
     return size, shift
+
+
+def _parse_limits(options: dict[str, str]) -> dict[str, int]:
+    """The limit options that are set, as EngineLimits fields; each a positive integer."""
+    out = {}
+    for option, (env, field) in LIMIT_OPTIONS.items():
+        raw = options.get(option) or os.environ.get(env)
+        if raw is None or raw == "":
+            continue
+        raise_if_false(isinstance(raw, str) and raw.isdigit() and 0 < int(raw) <= 2**31 - 1,
+                       f"{option} (or {env}) must be a positive integer, got {raw!r}")
+        out[field] = int(raw)
+    return out
+
+
+def engine_limits(core: Any, values: dict[str, int]) -> Any:
+    """A ``_core.EngineLimits`` with the engine's defaults, overridden by `values`."""
+    limits = core.EngineLimits()
+    for field, value in values.items():
+        setattr(limits, field, value)
+    return limits
 
 
 def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
@@ -158,6 +188,7 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
         "host_page_shift": host_shift,
         "transport": _TRANSPORTS[transport],
         "link_secret": secret,
+        "limits": _parse_limits(options),
     }
 
 
@@ -212,6 +243,7 @@ def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
         "link_secret": cfg["link_secret"],
         "backend": cfg["backend"],
         "hccl_one_sided": cfg["hccl_one_sided"],
+        "limits": cfg["limits"],
     }
 
 
@@ -356,6 +388,7 @@ class LLMDataDist:
                 self._init_v1(_core, cfg)
             else:
                 engine = _core.Engine(_core.open_backend(cfg.pop("backend"), cfg.pop("device_id")))
+                cfg["limits"] = engine_limits(_core, cfg["limits"])
                 engine.initialize(self._cluster_id, int(self._role), handshake_timeout_ms=5000, **cfg)
                 self._engine = engine
                 self._engines = [engine]
@@ -387,7 +420,7 @@ class LLMDataDist:
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
                                   host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000,
                                   transport=cfg["transport"], link_secret=cfg["link_secret"],
-                                  hccl_one_sided=cfg["hccl_one_sided"])
+                                  hccl_one_sided=cfg["hccl_one_sided"], limits=engine_limits(core, cfg["limits"]))
                 engines.append(engine)
         except BaseException:
             for engine in engines:

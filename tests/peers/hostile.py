@@ -310,3 +310,71 @@ def flood_frames(port: int, count: int, frame: bytes) -> list[str]:
         out.append(r if isinstance(r, str) else str(r[0]))
         close()
     return out
+
+
+# --------------------------------------------------------------------------- floods and many links
+
+_held: list[socket.socket] = []
+_links: list[_Client] = []
+
+
+def silent_connections(port: int, count: int, source: str = ATTACKER_IP) -> int:
+    """Opens `count` connections that never say anything (each holds a handshake slot until it
+    times out); returns how many connected."""
+    for _ in range(count):
+        try:
+            _held.append(socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)))
+        except OSError:
+            break
+    return len(_held)
+
+
+def many_links(port: int, count: int, first_cluster: int = 100, unix: str | None = None) -> list[tuple[int, str]]:
+    """`count` raw links held open, cluster ids from `first_cluster`; the handshake result of each."""
+    global _client
+    out = []
+    for i in range(count):
+        status = link_raw(port, cluster=first_cluster + i, unix=unix)
+        out.append(status)
+        if status[0] == 0:
+            assert _client is not None
+            _links.append(_client)
+            _client = None
+    return out
+
+
+def close_all() -> None:
+    """Closes every connection and link this process holds."""
+    for s in _held:
+        s.close()
+    _held.clear()
+    for c in _links:
+        c.fwd.close()
+        c.rev.close()
+    _links.clear()
+    close()
+
+
+_looping = threading.Event()
+_loop_results: list[object] = []
+
+
+def start_request_loop(frame: bytes) -> None:
+    """Sends `frame` on the raw link again and again from a thread (reading each answer) until
+    stop_request_loop."""
+    assert _client is not None
+    _looping.set()
+
+    def run() -> None:
+        while _looping.is_set():
+            _loop_results.append(exchange(frame))
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def stop_request_loop() -> list[object]:
+    """Stops the loop once it has sent at least one frame; the status of every answer."""
+    while not _loop_results:
+        threading.Event().wait(0.01)
+    _looping.clear()
+    return [r[0] if isinstance(r, tuple) else r for r in _loop_results]

@@ -193,6 +193,34 @@ def tensor_addresses(name: str) -> list[int]:
     return list(_named(name).addrs)
 
 
+def stats() -> dict[str, int]:
+    """What peers made the engine spend (live links, tombstones, handshakes, threads, ...)."""
+    return dict(internals.engine(_dd()).stats())
+
+
+def limit_descriptors(extra: int) -> int:
+    """Lets this process open only `extra` more descriptors than it has now; returns the old limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + extra, hard))
+    return soft
+
+
+def restore_descriptors(soft: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+def can_open_a_file() -> bool:
+    try:
+        with open("/proc/self/status"):
+            return True
+    except OSError:
+        return False
+
+
 def ptrace_grant_active() -> bool:
     return bool(internals.core.ptrace_grant_active())
 

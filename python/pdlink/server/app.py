@@ -35,7 +35,8 @@ from starlette.routing import Route
 from ..status import LLMException, LLMStatusCode
 from .config import Settings
 from .node import Node, Unavailable
-from .validation import ROLES, BodyError, parse_role_request
+from .parsing import BodyDecoder
+from .validation import ROLES
 
 __all__ = ["build_apps"]
 
@@ -79,11 +80,7 @@ async def _read_limited(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _handlers(settings: Settings, node: Node, metrics: Any) -> dict[str, Any]:
+def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder) -> dict[str, Any]:
     role_lock = asyncio.Lock()
     limit = settings.max_request_bytes
 
@@ -112,14 +109,11 @@ def _handlers(settings: Settings, node: Node, metrics: Any) -> dict[str, Any]:
             return error(400, "the client disconnected before sending the whole body", "Bad Request")
         if body is None:
             return error(413, f"request body exceeds maxRequestLength ({limit} bytes)", "Payload Too Large")
-        try:
-            data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            return error(400, f"request body is not valid JSON: {str(e)[:200]}. {_RESET}", "Bad Request")
-        try:
-            req = parse_role_request(name, data)
-        except BodyError as e:
-            return error(422, f"{e}. {_RESET}", "Input validation error")
+        kind, req = await decoder.decode(name, body)  # large bodies in a worker process: see parsing.py
+        if kind == "json":
+            return error(400, f"request body is not valid JSON: {req}. {_RESET}", "Bad Request")
+        if kind == "body":
+            return error(422, f"{req}. {_RESET}", "Input validation error")
         async with role_lock:  # role posts are serialised
             try:
                 generation = node.accept(req)
@@ -197,9 +191,10 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return error(500, "Server internal error", "Internal Server Error")
 
 
-def build_apps(settings: Settings, node: Node, metrics: Any) -> list[Any]:
-    """One ASGI app per plane of ``settings.planes``, in that order."""
-    h = _handlers(settings, node, metrics)
+def build_apps(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder) -> list[Any]:
+    """One ASGI app per plane of ``settings.planes``, in that order. `decoder` decodes role bodies
+    (the caller closes it after the servers stop)."""
+    h = _handlers(settings, node, metrics, decoder)
     apps = []
     for plane in settings.planes:
         routes: list[Route] = []

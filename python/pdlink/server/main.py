@@ -50,6 +50,7 @@ def serve(settings: Settings, out: TextIO | None = None) -> int:
 
         from .app import build_apps
         from .metrics import Metrics
+        from .parsing import BodyDecoder
     except ImportError as e:
         print(f"pdlink serve needs the server extra ({e.name} is missing): pip install 'pdlink[server]'", file=out)
         return 2
@@ -90,7 +91,8 @@ def serve(settings: Settings, out: TextIO | None = None) -> int:
     metrics = Metrics()
     node = Node(settings, metrics)
     metrics.attach(node.snapshot)
-    apps = build_apps(settings, node, metrics)
+    decoder = BodyDecoder()
+    apps = build_apps(settings, node, metrics, decoder)
     servers = [
         _Server(_Config(app, ctx, lifespan="off", log_config=None, access_log=False, server_header=False,
                         proxy_headers=False, limit_concurrency=settings.max_link_num, timeout_keep_alive=5))
@@ -130,5 +132,6 @@ def serve(settings: Settings, out: TextIO | None = None) -> int:
         for s in sockets:
             s.close()
         node.close()
+        decoder.close()
     print("pdlink serve: stopped", file=out, flush=True)
     return 0

@@ -1,0 +1,293 @@
+"""Bounded resources: every resource a peer can make an engine spend (links, handshakes, threads,
+descriptors, lock time, pins) has a bound, an init option and a default; dead links are reaped;
+nobody takes over another peer's cluster id. The attackers are plain socket programs on
+127.0.0.2 (tests/peers/hostile.py); the victim is the prefill of a pair whose honest decoder must
+keep pulling byte-exact within its timeout throughout. Resource counts are polled, never timed.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import pytest
+
+import internals
+import rawwire
+from backend_env import Variant
+from conftest import DECODER_ID, PROMPT_ID, Pair, only
+from pdlink import BlocksCacheKey, CacheKey, DataType, LLMStatusCode
+from peer import Peer
+from peers import hostile, kv
+from poll import hang_guard, wait_until
+from verify import check_transfer, rows
+
+KEY = Pair.KEY
+SHAPE = (16, 1024)
+S = LLMStatusCode
+
+
+def linked(make_pair: Callable[..., Pair], **options: str) -> Pair:
+    pair = make_pair(prefill_options=options or None)
+    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    pair.link()
+    return pair
+
+
+def honest_pull(pair: Pair, block: int) -> None:
+    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
+                   lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", [block], [block]), rows([(block, block)]))
+
+
+def stat(peer: Peer, name: str) -> int:
+    return peer.call(kv.stats)[name]
+
+
+def unix_name(peers: Callable[..., Peer], pair: Pair) -> str | None:
+    """How a raw attacker reaches a victim that only takes same-host links."""
+    return peers("spy").call(hostile.redirect_name, pair.port) if pair.variant.path == "cma" else None
+
+
+def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
+    limits = internals.core.EngineLimits()
+    assert (limits.max_links, limits.max_handshakes, limits.max_handshakes_per_source, limits.pin_timeout_ms) == (
+        512, 64, 8, 0)
+
+
+@pytest.mark.parametrize("option, value", [("pdlink.MaxLinks", "0"), ("pdlink.MaxHandshakes", "-1"),
+                                           ("pdlink.PinTimeoutMs", "soon")])
+def test_a_bad_limit_option_is_refused(peers: Callable[..., Peer], option: str, value: str) -> None:
+    p = peers("p")
+    with pytest.raises(Exception) as e:
+        p.call(kv.start, "prompt", 1, listen=True, extra={option: value})
+    assert getattr(e.value, "status_code", None) == S.LLM_PARAM_INVALID and option in str(e.value)
+
+
+def test_dead_links_leave_tombstones_not_threads_or_descriptors(peers: Callable[..., Peer],
+                                                                make_pair: Callable[..., Pair]) -> None:
+    """Raw links that die (the attacker closes them) are reaped: their threads end and their
+    descriptors close; each leaves a tombstone, so llm_datadist callers still see the dead link
+    (switch_role: LLM_EXIST_LINK) until they unlink it; tombstones are bounded by pdlink.MaxLinks."""
+    pair = linked(make_pair, **{"pdlink.MaxLinks": "20"})
+    base_fds, base_threads = pair.prefill.call(kv.resources)
+    a = peers("attacker")
+    unix = unix_name(peers, pair)
+    results = a.call(hostile.many_links, pair.port, 18, 100, unix)
+    assert [r[0] for r in results] == [0] * 18, results
+    wait_until(lambda: stat(pair.prefill, "live_links") == 19, 20, "19 live links (18 raw, 1 honest)")
+    honest_pull(pair, 1)
+    a.call(hostile.close_all)
+    wait_until(lambda: stat(pair.prefill, "live_links") == 1, 20, "only the honest link left alive")
+    wait_until(lambda: (lambda r: r[0] <= base_fds and r[1] <= base_threads)(pair.prefill.call(kv.resources)), 20,
+               f"descriptors and threads back to {base_fds}, {base_threads}")
+    assert stat(pair.prefill, "tombstones") == 18
+    dead = [link for link in pair.prefill.call(kv.links) if link["broken"]]
+    assert sorted(link["peer_cluster_id"] for link in dead) == list(range(100, 118))
+    honest_pull(pair, 2)
+    # more dead links than the bound: the oldest tombstones are forgotten
+    results = a.call(hostile.many_links, pair.port, 10, 200, unix)
+    assert [r[0] for r in results] == [0] * 10, results
+    a.call(hostile.close_all)
+    wait_until(lambda: stat(pair.prefill, "live_links") == 1, 20, "the second wave reaped")
+    assert stat(pair.prefill, "tombstones") == 20
+    # a tombstone is an entity until unlinked
+    with pytest.raises(Exception) as e:
+        pair.prefill.call(kv.switch_role, "decoder")
+    assert getattr(e.value, "status_code", None) == S.LLM_EXIST_LINK
+    assert pair.prefill.call(kv.unlink, 209, 0, True) == S.LLM_SUCCESS
+    assert stat(pair.prefill, "tombstones") == 19
+
+
+def test_links_that_never_finish_a_handshake_leave_nothing(peers: Callable[..., Peer],
+                                                           make_pair: Callable[..., Pair]) -> None:
+    pair = linked(make_pair, **{"pdlink.MaxHandshakesPerSource": "64"})
+    base_fds, base_threads = pair.prefill.call(kv.resources)
+    a = peers("attacker")
+    assert a.call(hostile.silent_connections, pair.port, 40) == 40
+    wait_until(lambda: stat(pair.prefill, "handshakes") == 40, 20, "40 handshakes waiting")
+    honest_pull(pair, 3)
+    a.call(hostile.close_all)
+    wait_until(lambda: stat(pair.prefill, "handshakes") == 0, 20, "no handshake left")
+    wait_until(lambda: (lambda r: r[0] <= base_fds and r[1] <= base_threads)(pair.prefill.call(kv.resources)), 20,
+               "descriptors and threads back")
+    assert stat(pair.prefill, "tombstones") == 0 and stat(pair.prefill, "live_links") == 1
+
+
+def test_a_handshake_flood_from_one_source_does_not_lock_others_out(peers: Callable[..., Peer],
+                                                                    make_pair: Callable[..., Pair]) -> None:
+    """One source may hold pdlink.MaxHandshakesPerSource handshake slots (8 by default): a flood from
+    127.0.0.2 is dropped past that, and a newcomer from another address links at once."""
+    pair = make_pair()
+    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    a = peers("attacker")
+    a.call(hostile.silent_connections, pair.port, 60)
+    wait_until(lambda: stat(pair.prefill, "handshakes_refused") >= 52, 20, "the flood past 8 slots dropped")
+    assert stat(pair.prefill, "handshakes") == 8
+    pair.link()  # from 127.0.0.1, during the flood
+    honest_pull(pair, 4)
+    a.call(hostile.close_all)
+
+
+def test_the_total_handshake_cap_holds_across_sources(peers: Callable[..., Peer],
+                                                      make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(prefill_options={"pdlink.MaxHandshakes": "6", "pdlink.MaxHandshakesPerSource": "4"})
+    a = peers("attacker")
+    assert a.call(hostile.silent_connections, pair.port, 4, "127.0.0.2") == 4
+    assert a.call(hostile.silent_connections, pair.port, 4, "127.0.0.3") == 8
+    wait_until(lambda: stat(pair.prefill, "handshakes_refused") >= 2, 20, "the two connections past 6 dropped")
+    assert stat(pair.prefill, "handshakes") == 6
+    a.call(hostile.close_all)
+    wait_until(lambda: stat(pair.prefill, "handshakes") == 0, 20, "the slots given back")
+    pair.link()
+
+
+def test_max_links_refuses_newcomers_and_frees_with_them(peers: Callable[..., Peer],
+                                                         make_pair: Callable[..., Pair]) -> None:
+    pair = linked(make_pair, **{"pdlink.MaxLinks": "4"})
+    a = peers("attacker")
+    unix = unix_name(peers, pair)
+    results = a.call(hostile.many_links, pair.port, 3, 100, unix)
+    assert [r[0] for r in results] == [0, 0, 0], results
+    status, message = peers("attacker2").call(hostile.link_raw, pair.port, 120, b"", unix)
+    assert status == S.LLM_LINK_FAILED and "the most it may have" in message, message
+    honest_pull(pair, 5)
+    a.call(hostile.close_all)
+    wait_until(lambda: stat(pair.prefill, "live_links") == 1, 20, "the attacker's links reaped")
+    assert peers("attacker3").call(hostile.link_raw, pair.port, 121, b"", unix) == (0, "")
+
+
+def test_a_raw_read_of_many_runs_does_not_stall_an_honest_pull(peers: Callable[..., Peer],
+                                                              make_pair: Callable[..., Pair]) -> None:
+    """A raw-address read naming the most runs a request may (against 260 registered tensors): the
+    registry resolves each run through an index, under a shared lock, so an honest pull running at
+    the same time completes within its 1 s timeout, byte-exact, every time."""
+    pair = make_pair(timeout=1000)
+    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    for i in range(129):  # 2 + 258 = 260 registered tensors
+        pair.prefill.call(kv.register, f"c{i}", 2, (2, 64), seed=i)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    pair.link()
+    base = pair.prefill.call(kv.tensor_addresses, "c128")[1]
+    runs = internals.core.LIMITS["max_request_pieces"]
+    body = rawwire.counted_body(1, runs, struct.pack("<I", 0), struct.pack("<QQ", base + 8, 1) * runs)
+    body = bytes([rawwire.KIND_RAW]) + body[1:]
+    flags = rawwire.FLAG_DIRECT if pair.variant.path == "cma" else 0
+    a = peers("attacker")
+    assert a.call(hostile.link_raw, pair.port, 9, b"", unix_name(peers, pair)) == (0, "")
+    a.call(hostile.start_request_loop, rawwire.request(rawwire.OP_READ, body, flags=flags))
+    for block in range(16):
+        pair.decode.call_within(hang_guard(1000), kv.pull_blocks, KEY, "kv", [block], [block])
+    answers = a.call(hostile.stop_request_loop)
+    # every run resolved; then the bytes, or on the Ascend backend the refusal of a stream read of
+    # device memory
+    expected = S.LLM_PARAM_INVALID if pair.variant.device_memory else 0
+    assert answers and all(s == expected for s in answers), answers[:5]
+    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
+                   lambda: None, lambda dst0, src0: dst0.with_rows(src0, [(b, b) for b in range(16)]))
+
+
+@only("cpu-cma")
+def test_a_pin_expires_and_frees_the_memory(peers: Callable[..., Peer], variant: Variant) -> None:
+    """A same-host peer asks for one direct read of a pool cache and then stays silent. The owner
+    deallocates the cache; once the pin bound passes (pdlink.PinTimeoutMs) the memory returns to the
+    pool, and the owner's next allocation, which failed with LLM_OUT_OF_MEMORY meanwhile, succeeds."""
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", PROMPT_ID, listen=True, pool=1 << 20, remote=False,
+                  extra={"pdlink.PinTimeoutMs": "500"})
+    p.call(kv.allocate, "big", 1, (1, 768 * 1024), DataType.DT_INT8, seed=1, keys=[CacheKey(1, 7)])
+    a = peers("attacker")
+    name = peers("spy").call(hostile.redirect_name, port)
+    assert a.call(hostile.link_raw, port, 9, b"", name) == (0, "")
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(
+        kind=rawwire.KIND_REQUEST_KEY, req=7, runs=((0, 4096),)), flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    p.call(kv.deallocate, "big")
+    p.call(kv.remove_cache_key, CacheKey(1, 7))  # no reference is left but the attacker's pin
+    with pytest.raises(Exception) as e:
+        p.call(kv.allocate, "again", 1, (1, 768 * 1024), DataType.DT_INT8)
+    assert getattr(e.value, "status_code", None) == S.LLM_OUT_OF_MEMORY
+    wait_until(lambda: stat(p, "pins_expired") == 1, hang_guard(500), "the pin expired")
+    p.call(kv.allocate, "again", 1, (1, 768 * 1024), DataType.DT_INT8)
+
+
+def test_a_healthy_link_cannot_be_taken_over_by_a_newcomer(peers: Callable[..., Peer],
+                                                           make_pair: Callable[..., Pair]) -> None:
+    """Without a secret, a raw peer that links as cluster 2 while the honest cluster 2's link is
+    healthy is refused (a probe finds the old link alive); the honest link keeps working."""
+    pair = linked(make_pair)
+    status, message = peers("attacker").call(hostile.link_raw, pair.port, DECODER_ID, b"", unix_name(peers, pair))
+    assert status == S.LLM_LINK_FAILED and "already has a healthy link" in message, message
+    honest_pull(pair, 6)
+    assert [(link["peer_cluster_id"], link["broken"]) for link in pair.prefill.call(kv.links)] == [(DECODER_ID, False)]
+
+
+def test_a_restarted_peer_takes_its_cluster_id_back(peers: Callable[..., Peer], make_pair: Callable[..., Pair],
+                                                    variant: Variant) -> None:
+    """A decoder that died and restarts with the same cluster id links again: the old link is dead
+    (found so by the probe, if the death was not noticed yet)."""
+    pair = linked(make_pair)
+    pair.decode.kill()
+    d2 = peers("decode2", env=variant.env())
+    d2.call(kv.start, "decoder", DECODER_ID)
+    d2.call(kv.register_blocks, "kv", 2, SHAPE, seed=3)
+    assert d2.call(kv.link, PROMPT_ID, pair.port)[0] == S.LLM_SUCCESS
+    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: d2.call(kv.snapshot, "kv"),
+                   lambda: d2.call(kv.pull_blocks, KEY, "kv", [7], [7]), rows([(7, 7)]))
+
+
+@only("cpu-tcp")
+def test_with_a_secret_a_prover_replaces_the_old_link(peers: Callable[..., Peer], variant: Variant) -> None:
+    """With a link secret, a newcomer that proves it is cluster 2 replaces cluster 2's old link (the
+    restart of a peer whose death went unnoticed); the old link is broken."""
+    secret = {"pdlink.LinkSecret": "shared"}
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", PROMPT_ID, listen=True, extra=secret)
+    p.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    d1, d2 = peers("d1", env=variant.env()), peers("d2", env=variant.env())
+    for d in (d1, d2):
+        d.call(kv.start, "decoder", DECODER_ID, extra=secret)
+        d.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    assert d1.call(kv.link, PROMPT_ID, port)[0] == S.LLM_SUCCESS
+    assert d2.call(kv.link, PROMPT_ID, port)[0] == S.LLM_SUCCESS
+    wait_until(lambda: d1.call(kv.links)[0]["broken"], 10, "the replaced link broken on the old peer")
+    check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d2.call(kv.snapshot, "kv"),
+                   lambda: d2.call(kv.pull_blocks, KEY, "kv", [8], [8]), rows([(8, 8)]))
+
+
+def test_a_dialler_keeps_its_own_link_when_the_peer_dials_back(peers: Callable[..., Peer], variant: Variant) -> None:
+    """Engine A dials B; then someone claiming to be B dials A. A keeps the link it dialled for its
+    own requests (the newcomer gets the accepted slot, not A's link)."""
+    a = peers("a", env=variant.env())
+    b = peers("b", env=variant.env())
+    a_port = a.call(kv.start, "prompt", 1, listen=True)
+    b_port = b.call(kv.start, "prompt", 2, listen=True)
+    b.call(kv.register_blocks, "kv", 2, SHAPE, seed=4, key=BlocksCacheKey(2, 0))
+    a.call(kv.register_blocks, "kv", 2, SHAPE, seed=None)
+    assert a.call(kv.link, 2, b_port)[0] == S.LLM_SUCCESS
+    unix = peers("spy").call(hostile.redirect_name, a_port) if variant.path == "cma" else None
+    assert peers("attacker").call(hostile.link_raw, a_port, 2, b"", unix) == (0, "")
+    links = a.call(kv.links)
+    assert sorted((link["initiator"], link["broken"]) for link in links) == [(False, False), (True, False)]
+    check_transfer(lambda: b.call(kv.snapshot, "kv"), lambda: a.call(kv.snapshot, "kv"),
+                   lambda: a.call(kv.pull_blocks, BlocksCacheKey(2, 0), "kv", [9], [9]), rows([(9, 9)]))
+
+
+@only("cpu-tcp")
+def test_out_of_descriptors_the_listener_backs_off_and_recovers(peers: Callable[..., Peer],
+                                                               make_pair: Callable[..., Pair]) -> None:
+    """With its descriptors exhausted, the victim's listener cannot accept: it pauses and retries
+    (counted, logged once) instead of spinning; once descriptors are free again, links are accepted."""
+    pair = linked(make_pair)
+    old = pair.prefill.call(kv.limit_descriptors, 4)
+    a = peers("attacker")
+    try:
+        a.call(hostile.silent_connections, pair.port, 12)
+        wait_until(lambda: stat(pair.prefill, "listener_backoffs") >= 1, 20, "the listener backed off")
+        assert pair.prefill.call(kv.can_open_a_file) is False  # the process really is out of descriptors
+        honest_pull(pair, 10)  # established links keep working
+    finally:
+        a.call(hostile.close_all)
+        pair.prefill.call(kv.restore_descriptors, old)
+    assert peers("late").call(hostile.link_raw, pair.port, 50) == (0, "")  # cpu-tcp: no redirect needed
