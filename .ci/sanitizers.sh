@@ -133,6 +133,9 @@ for transport in tcp cma; do
   run "tsan-stress-$transport" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
     "$CI_OUT/tsan/concurrency_test" stress --transport "$transport" --seconds "$STRESS_SECONDS"
 done
+# authenticated links: sealed frames and payloads (the AuthStreams' per-channel state)
+run "tsan-stress-tcp-sealed" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
+  "$CI_OUT/tsan/concurrency_test" stress --transport tcp --secret ci-secret --integrity 1 --seconds "$STRESS_SECONDS"
 
 # ------------------------------------------------------------------------------------ 3. ASan+LSan
 step "ASan+LSan: concurrency_test"
@@ -146,6 +149,9 @@ for transport in tcp cma; do
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
     "$CI_OUT/asan/concurrency_test" stress --transport "$transport" --seconds "$STRESS_SECONDS"
 done
+run "lsan-cycles-tcp-sealed" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+  "$CI_OUT/asan/concurrency_test" cycles --transport tcp --secret ci-secret --integrity 1 --cycles 2000
 
 step "sanitizers: $findings finding(s), $SECONDS s"
 [ "$findings" -eq 0 ]

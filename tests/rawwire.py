@@ -17,8 +17,10 @@ HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC, RESPONSE_MAGIC = (
 HELLO_BYTES = 48
 ACK_FIXED = 22 + 16 + 32
 CLIENT_AUTH_BYTES = 32 + 16 + 8 + 8
-AUTH_FIXED = 22
-HELLO_SAME_HOST = 1
+AUTH_FIXED = 22 + 1 + 16
+TAG_BYTES = 16
+HELLO_SAME_HOST, HELLO_PAYLOAD_INTEGRITY = 1, 2
+AUTH_PAYLOAD_INTEGRITY = 1
 
 OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE, OP_DEVICE_CHANNEL = range(1, 9)
 FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED = 1, 2, 4
@@ -76,26 +78,79 @@ class AuthResult:
     message: str
     redirect: str
     gen_addr: int
+    flags: int = 0
+    tag: bytes = bytes(TAG_BYTES)
 
 
-def auth_result(status: int = 0, message: bytes = b"", redirect: bytes = b"", gen_addr: int = 0) -> bytes:
-    return struct.pack("<IIIHQ", AUTH_MAGIC, status, len(message), len(redirect), gen_addr) + message + redirect
+def auth_result(status: int = 0, message: bytes = b"", redirect: bytes = b"", gen_addr: int = 0, flags: int = 0,
+                tag: bytes = bytes(TAG_BYTES)) -> bytes:
+    return (struct.pack("<IIIHQB", AUTH_MAGIC, status, len(message), len(redirect), gen_addr, flags) + tag + message
+            + redirect)
 
 
 def read_auth(s: socket.socket) -> AuthResult:
-    magic, status, mlen, rlen, gen = struct.unpack("<IIIHQ", recv_exact(s, AUTH_FIXED))
+    fixed = recv_exact(s, AUTH_FIXED)
+    magic, status, mlen, rlen, gen, flags = struct.unpack("<IIIHQB", fixed[:23])
     assert magic == AUTH_MAGIC
-    return AuthResult(status, recv_exact(s, mlen).decode(), recv_exact(s, rlen).decode(), gen)
+    return AuthResult(status, recv_exact(s, mlen).decode(), recv_exact(s, rlen).decode(), gen, flags, fixed[23:])
 
 
-def proof(secret: bytes, role: bytes, client_challenge: bytes, server_challenge: bytes, client: int, server: int,
-          nonce: int, channel: int) -> bytes:
-    """The handshake proof (engine_helpers.cc linkProof); 32 zero bytes without a secret."""
-    if not secret:
-        return bytes(32)
-    msg = (b"pdlink-link-v2" + role + client_challenge + server_challenge + struct.pack("<QQQ", client, server, nonce)
-           + bytes([channel]))
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+def _mac(key: bytes, msg: bytes) -> bytes:
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def transcript_hello(hello_frame: bytes, server: int, server_challenge: bytes) -> bytes:
+    """The start of a channel's transcript (engine_internal.h Transcript): the Hello as sent, the
+    acceptor's cluster id and challenge."""
+    return hello_frame + struct.pack("<Q", server) + server_challenge
+
+
+def transcript_client(boot_id: bytes = bytes(16), pid_ns: int = 0, gen_addr: int = 0) -> bytes:
+    """What ClientAuth adds to the transcript besides its proof."""
+    return boot_id + struct.pack("<QQ", pid_ns, gen_addr)
+
+
+def transcript_verdict(unix: bool, status: int = 0, flags: int = 0, gen_addr: int = 0, redirect: bytes = b"") -> bytes:
+    """What the verdict adds: the channel kind, then the AuthResult's fields."""
+    return struct.pack("<BIBQH", int(unix), status, flags, gen_addr, len(redirect)) + redirect
+
+
+def proof(secret: bytes, role: bytes, transcript: bytes) -> bytes:
+    """A handshake proof (engine_helpers.cc handshakeProof); 32 zero bytes without a secret."""
+    return _mac(secret, b"pdlink-proof-v3" + role + transcript) if secret else bytes(32)
+
+
+def session_key(secret: bytes, transcript: bytes) -> bytes:
+    """A channel's session key (engine_helpers.cc deriveSession), over the whole transcript."""
+    return _mac(secret, b"pdlink-session-v3-" + transcript)
+
+
+def verdict_tag(key: bytes) -> bytes:
+    return _mac(key, b"pdlink-auth-result")[:TAG_BYTES]
+
+
+class Sealer:
+    """One side of an authenticated channel (transport/auth_stream.h): tags the frames it sends and
+    checks the ones it receives, counting both."""
+
+    def __init__(self, key: bytes, requester: bool):
+        self.key = key
+        self.send_dir, self.recv_dir = (b"Q", b"A") if requester else (b"A", b"Q")
+        self.sent = self.received = 0
+
+    def tag(self, direction: bytes, seq: int, frame: bytes) -> bytes:
+        return _mac(self.key, direction + struct.pack("<Q", seq) + frame)[:TAG_BYTES]
+
+    def seal(self, frame: bytes) -> bytes:
+        """The frame followed by its tag."""
+        out = frame + self.tag(self.send_dir, self.sent, frame)
+        self.sent += 1
+        return out
+
+    def check(self, frame: bytes, tag: bytes) -> bool:
+        ok = hmac.compare_digest(tag, self.tag(self.recv_dir, self.received, frame))
+        self.received += 1
+        return ok
 
 
 def host_hint() -> tuple[bytes, int]:
@@ -114,10 +169,12 @@ def connect_unix(name: str) -> socket.socket:
 @dataclasses.dataclass
 class Handshake:
     sock: socket.socket
-    stage: str  # "ack" when the HelloAck refused, else "auth"
+    stage: str  # "ack" when the HelloAck refused, "proof" when the acceptor's proof failed, else "auth"
     status: int
     message: str
     result: AuthResult | None = None
+    ack: Ack | None = None
+    key: bytes = b""  # the session key (with a secret, once the verdict's tag checked out)
 
 
 def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expected: int = 1, nonce: int = 1234,
@@ -131,17 +188,25 @@ def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expec
     else:
         assert port is not None
         s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
-    challenge = os.urandom(16)
-    s.sendall(hello(channel=channel, cluster=cluster, expected=expected, nonce=nonce, challenge=challenge, flags=flags))
+    frame = hello(channel=channel, cluster=cluster, expected=expected, nonce=nonce, flags=flags)
+    s.sendall(frame)
     a = read_ack(s)
     if a.status != 0:
-        return Handshake(s, "ack", a.status, a.message)
-    mine = send_proof if send_proof is not None else proof(secret, b"C", challenge, a.challenge, cluster, a.cluster,
-                                                           nonce, channel)
+        return Handshake(s, "ack", a.status, a.message, ack=a)
+    transcript = transcript_hello(frame, a.cluster, a.challenge)
+    if secret and a.proof != proof(secret, b"S", transcript):
+        return Handshake(s, "proof", LINK_FAILED, "the acceptor's proof does not match", ack=a)
     boot, pid_ns = hint if hint is not None else (bytes(16), 0)
+    transcript += transcript_client(boot, pid_ns, gen_addr)
+    mine = send_proof if send_proof is not None else proof(secret, b"C", transcript)
     s.sendall(client_auth(mine, boot, pid_ns, gen_addr))
     r = read_auth(s)
-    return Handshake(s, "auth", r.status, r.message, r)
+    key = b""
+    if secret and r.status == 0:
+        key = session_key(secret, transcript + transcript_verdict(unix is not None, r.status, r.flags, r.gen_addr,
+                                                                  r.redirect.encode()))
+        assert r.tag == verdict_tag(key), "the verdict's tag does not match"
+    return Handshake(s, "auth", r.status, r.message, r, a, key)
 
 
 def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0) -> bytes:

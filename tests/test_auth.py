@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import os
 import socket
+import struct
 
 import pytest
 
@@ -73,14 +74,16 @@ def test_forged_or_replayed_proofs_are_refused_and_the_engine_keeps_serving(peer
     assert (h.stage, h.status) == ("auth", LLMStatusCode.LLM_LINK_FAILED) and "authentication failed" in h.message, h
     # a right-looking proof for another nonce (a replay from another link attempt)
     sock = socket.create_connection(("127.0.0.1", port))
-    challenge = os.urandom(16)
-    sock.sendall(rawwire.hello(nonce=1, challenge=challenge))
+    frame = rawwire.hello(nonce=1)
+    sock.sendall(frame)
     a = rawwire.read_ack(sock)
     assert a.status == 0
-    # the server proved itself correctly for this hello...
-    assert a.proof == rawwire.proof(b"the-secret", b"S", challenge, a.challenge, 9, a.cluster, 1, 0)
-    # ...and a client proof bound to nonce 2 does not pass for nonce 1
-    sock.sendall(rawwire.client_auth(rawwire.proof(b"the-secret", b"C", challenge, a.challenge, 9, a.cluster, 2, 0)))
+    # the server proved itself correctly for this hello (the scheme is what the docs say)...
+    transcript = rawwire.transcript_hello(frame, a.cluster, a.challenge)
+    assert a.proof == rawwire.proof(b"the-secret", b"S", transcript)
+    # ...and a client proof for the same hello with nonce 2 does not pass for nonce 1
+    other = rawwire.transcript_hello(frame[:24] + struct.pack("<Q", 2) + frame[32:], a.cluster, a.challenge)
+    sock.sendall(rawwire.client_auth(rawwire.proof(b"the-secret", b"C", other + rawwire.transcript_client())))
     assert rawwire.read_auth(sock).status == LLMStatusCode.LLM_LINK_FAILED
     sock.close()
     # a raw client that does know the secret gets in (the scheme is what the docs say)
@@ -112,3 +115,27 @@ def test_connection_flood_does_not_stop_existing_links(peers):
     d.exec(f"dd.unlink_clusters([cluster(1, {port})])")
     assert wait_for(lambda: d.eval(f"dd.link_clusters([cluster(1, {port})], 2000)")[0] == LLMStatusCode.LLM_SUCCESS,
                     timeout=15)
+
+
+def test_sealed_frames_follow_the_documented_scheme(peers):
+    """A raw client that knows the secret makes a whole link (both channels) and speaks sealed frames
+    computed from the documented scheme (tests/rawwire.py: transcript, session key, per-direction
+    sequence numbers): its ping is answered with a response whose tag checks out; the same ping
+    sent again (a replay) is not answered and drops the link."""
+    p, _d, port = pair(peers, "tcp", "the-secret", None)
+    fwd = rawwire.handshake(port, channel=0, nonce=77, secret=b"the-secret")
+    rev = rawwire.handshake(port, channel=1, nonce=77, secret=b"the-secret")
+    assert (fwd.status, rev.status) == (0, 0) and fwd.key and rev.key and fwd.key != rev.key
+    assert wait_for(lambda: [link["authenticated"] for link in p.eval("dd.links()")] == [True])
+    sealer = rawwire.Sealer(fwd.key, requester=True)
+    ping = sealer.seal(rawwire.request(rawwire.OP_PING, b""))
+    fwd.sock.sendall(ping)
+    fwd.sock.settimeout(5)
+    answer = rawwire.recv_exact(fwd.sock, 20 + rawwire.TAG_BYTES)
+    assert struct.unpack_from("<IIQ", answer, 4) == (0, 0, 0)
+    assert sealer.check(answer[:20], answer[20:])
+    fwd.sock.sendall(ping)  # replayed: its tag was for frame 0, the acceptor expects frame 1
+    assert fwd.sock.recv(64) == b""  # closed without an answer
+    assert wait_for(lambda: "failed its authentication" in p.eval("dd.links()")[0]["broken_reason"])
+    fwd.sock.close()
+    rev.sock.close()

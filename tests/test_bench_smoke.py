@@ -20,3 +20,16 @@ def test_benchmark_smoke_runs_and_verifies(tmp_path):
         for key in ("pull_bulk", "push_bulk", "pull_small", "lat_4k_us", "link_ms", "switch_role_ms", "sweep"):
             assert key in run, key
     assert "pdlink benchmark" in (tmp_path / "results.txt").read_text()
+
+
+def test_authentication_benchmark_smoke_runs_and_verifies(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_auth.py"), "--smoke", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "auth.json").read_text())
+    assert "tcp" in results["runs"] and results["hmac"]["median"] > 0
+    for modes in results["runs"].values():
+        assert set(modes) == {"plain", "sealed", "integrity"}
+        for run in modes.values():
+            for key in ("pull", "push", "pull_4k_us", "link_ms"):
+                assert key in run, key

@@ -278,3 +278,24 @@ def test_a_split_pull_by_request_key_releases_the_key_after_the_last_request(mak
                                      for i, d in enumerate(dst_blocks)])
     assert_same(pair.decode.call(kv.snapshot, "blk"), expected, "destination")
     wait_until(lambda: pair.prefill.call(kv.cache_count) == 0, 10, "the key released after the last request")
+
+
+@pytest.mark.parametrize("integrity", [False, True], ids=["sealed-frames", "payload-integrity"])
+def test_authenticated_links_move_exact_bytes(make_pair: Callable[..., Pair], integrity: bool) -> None:
+    """With a link secret (every frame sealed) and with payload integrity (payloads sealed too, in
+    chunks): pulls and pushes on every path are byte-exact. Blocks of 160 KiB, so a sealed payload
+    spans several chunks, and chunk boundaries fall inside runs and between them."""
+    env = {"PDLINK_LINK_SECRET": "transfer-secret", **({"PDLINK_PAYLOAD_INTEGRITY": "1"} if integrity else {})}
+    pair = make_pair(prefill_env=env, decode_env=env, pool=None)
+    shape = (6, 80 * 1024)  # 6 blocks of 160 KiB per tensor
+    pair.prefill.call(kv.register_blocks, "kv", 2, shape, seed=1, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 2, shape, seed=2)
+    pair.link()
+    for side in (pair.prefill, pair.decode):
+        assert [(link["authenticated"], link["payload_integrity"]) for link in side.call(kv.links)] == [
+            (True, integrity)]
+    moves = [(0, 1), (1, 2), (2, 3), (5, 0)]  # one run of three blocks (480 KiB) and one of one
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [s for s, _ in moves], [d for _, d in moves]),
+          rows(moves))
+    moved((pair.decode, "kv"), (pair.prefill, "kv"),
+          lambda: pair.decode.call(kv.push_blocks, KEY, "kv", [4, 1], [5, 4]), rows([(4, 5), (1, 4)]))

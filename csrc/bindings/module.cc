@@ -8,7 +8,7 @@
 
 #include "backends/ascend/ascend_api.h"
 #include "backends/backend.h"
-#include "core/sha256.h"
+#include "core/crypto.h"
 #include "bindings/status_bridge.h"
 #include "engine/engine.h"
 #include "core/limits.h"
@@ -103,15 +103,21 @@ PYBIND11_MODULE(_core, m) {
     limits["max_body_bytes"] = limits::kMaxBodyBytes;
     limits["max_message_bytes"] = limits::kMaxMessageBytes;
     limits["read_chunk_bytes"] = limits::kReadChunkBytes;
+    limits["payload_chunk_bytes"] = limits::kPayloadChunkBytes;
     m.attr("LIMITS") = limits;
   }
   // Whether this process currently lets same-host peers read its memory (cma::Grant).
   m.def("ptrace_grant_active", &cma::Grant::active);
-  // The handshake's MAC, exposed so tests can check it against Python's hmac module.
+  // The links' MAC (libcrypto's, core/crypto.h), exposed so tests can check it against Python's.
   m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
     std::string k = key, m = msg;
-    Digest d = hmacSha256(k, m.data(), m.size());
+    Digest d = valueOrThrow(crypto::hmacSha256(k, m.data(), m.size()), "hmac_sha256");
     return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
+  // Where libcrypto was loaded from; raises when it cannot be (a link secret then fails to init).
+  m.def("crypto_library", [] {
+    throwIfError(crypto::available(), "crypto_library");
+    return crypto::libraryPath();
   });
 
   // What the Ascend loader found, without failing: for pdlink.backend_info() and diagnostics.
@@ -194,7 +200,7 @@ PYBIND11_MODULE(_core, m) {
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
              uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret,
-             bool hccl_one_sided, const EngineLimits& limits) {
+             bool hccl_one_sided, const EngineLimits& limits, bool payload_integrity) {
             EngineConfig c;
             c.cluster_id = cluster_id;
             c.role = static_cast<Role>(role);
@@ -207,6 +213,7 @@ PYBIND11_MODULE(_core, m) {
             if (transport < 0 || transport > 2) throw py::value_error("transport must be 0 (auto), 1 (tcp) or 2 (cma)");
             c.transport = static_cast<Transport>(transport);
             c.link_secret = link_secret;
+            c.payload_integrity = payload_integrity;
             c.one_sided = hccl_one_sided;
             if (limits.max_links == 0 || limits.max_handshakes == 0 || limits.max_handshakes_per_source == 0 ||
                 limits.pin_timeout_ms < 0) {
@@ -219,7 +226,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
           py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
           py::arg("transport") = 0, py::arg("link_secret") = "", py::arg("hccl_one_sided") = false,
-          py::arg("limits") = EngineLimits(), py::call_guard<py::gil_scoped_release>())
+          py::arg("limits") = EngineLimits(), py::arg("payload_integrity") = false,
+          py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)
       .def_property_readonly("cluster_id", &Engine::clusterId)
@@ -305,6 +313,8 @@ PYBIND11_MODULE(_core, m) {
                d["broken"] = l.broken;
                d["broken_reason"] = l.broken_reason;
                d["transport"] = l.transport;
+               d["authenticated"] = l.authenticated;
+               d["payload_integrity"] = l.payload_integrity;
                out.append(d);
              }
              return out;

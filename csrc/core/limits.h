@@ -28,6 +28,10 @@ constexpr uint32_t kMaxMessageBytes = 64u << 10;
 constexpr size_t kReadChunkBytes = 64u << 10;
 // An IPC key on the wire (ACL's are 65-byte C strings: 64 characters and the NUL).
 constexpr size_t kIpcKeyBytes = 64;
+// With payload integrity, a payload travels in chunks of this size, each with its own tag: the
+// receiver lands a chunk in its destination only once the tag checked out, staging at most one
+// chunk per transfer (transport/auth_stream.h).
+constexpr size_t kPayloadChunkBytes = 256u << 10;
 // An AF_UNIX abstract socket name offered for a same-host link (sun_path minus the leading NUL).
 constexpr size_t kUnixNameBytes = 64;
 

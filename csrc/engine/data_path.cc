@@ -112,6 +112,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   }
   std::string body;
   PDLINK_RETURN_IF_ERROR(s.readBounded(h.body_len, wire::kMaxBodyBytes, deadline, &body, "request body"));
+  // On an authenticated link, nothing of a frame is acted on before its tag checked out.
+  PDLINK_RETURN_IF_ERROR(s.checkFrame(deadline));
   // The requester sends its next frame only after its direct or IPC copy finished: unpin.
   for (const std::string& key : state->exported) backend_->closeExport(key);
   state->exported.clear();
@@ -151,9 +153,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
             ? registry_.describe(tb.target.model_id)
             : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
     if (!d.ok()) return sendResponse(s, d.status(), deadline);
-    std::string payload = wire::encode(d.value());
-    std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
-    return s.sendAll(head.data(), head.size(), deadline);
+    return sendAnswer(s, wire::encode(d.value()), deadline);
   }
   auto payload = tb.payloadBytes();
   const bool is_write = h.op == wire::Op::kWrite;
@@ -166,7 +166,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
     return Status(Code::kLinkFailed, "inconsistent payload length");
   }
   auto refuse = [&](const Status& why) -> Status {
-    if (in_stream) PDLINK_RETURN_IF_ERROR(s.discard(h.payload_len, deadline));
+    if (in_stream) PDLINK_RETURN_IF_ERROR(discardPayload(s, h.payload_len, deadline));
     return sendResponse(s, why, deadline);
   };
   if (Status admitted = admitAccess(*link, h); !admitted.ok()) {
@@ -210,8 +210,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
       }
     }
     state->pinned = r.keep;
-    std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
-    return s.sendAll(head.data(), head.size(), deadline);
+    return sendAnswer(s, list, deadline);
   }
   if (device) {
     DeviceChannel* channel = link->inDevice();
@@ -243,18 +242,14 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
       }
     }
     state->pinned = r.keep;
-    std::string list = wire::encode(answer);
-    std::string head = wire::encode(wire::ResponseHeader{0, 0, list.size()}) + list;
-    return s.sendAll(head.data(), head.size(), deadline);
+    return sendAnswer(s, wire::encode(answer), deadline);
   }
   if (is_write) {
     PDLINK_RETURN_IF_ERROR(movePayload(s, false, r.addrs, r.tensors, r.base, r.runs, deadline));
     return sendResponse(s, Status::OK(), deadline);
   }
-  wire::ResponseHeader rh{0, 0, payload.value()};
-  std::string head = wire::encode(rh);
-  std::vector<iovec> iov{{head.data(), head.size()}};
-  return movePayload(s, true, r.addrs, r.tensors, r.base, r.runs, deadline, std::move(iov));
+  std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.value()});
+  return movePayload(s, true, r.addrs, r.tensors, r.base, r.runs, deadline, {{head.data(), head.size()}});
 }
 
 // ---------------------------------------------------------------- transfers
@@ -268,7 +263,7 @@ namespace {
 void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline deadline) {
   std::string head = wire::encode(wire::RequestHeader{op, static_cast<uint32_t>(body.size()), 0});
   std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
-  if (!link.out().sendv(iov, deadline).ok()) link.breakLink("could not confirm a completed transfer to the peer");
+  if (!link.out().sendFrame(iov, deadline).ok()) link.breakLink("could not confirm a completed transfer to the peer");
 }
 
 // After a pull that received every byte: release the request key, once the last request of a
@@ -309,7 +304,7 @@ Status Engine::request(const std::shared_ptr<Link>& link, const wire::RequestHea
                        Deadline deadline, const char* what, wire::ResponseHeader* rh) {
   std::string head = wire::encode(header);
   std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
-  Status st = link->out().sendv(iov, deadline);
+  Status st = link->out().sendFrame(iov, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
   return awaitResponse(link, deadline, what, rh);
 }
@@ -471,7 +466,7 @@ Status Engine::transferPart(const std::shared_ptr<Link>& link, Plan& p, bool is_
     return deviceTransfer(link, p, is_push, deadline, what);
   }
   if (link->direct()) return directTransfer(link, p, is_push, deadline, what);
-  Socket& s = link->out();
+  Stream& s = link->out();
   std::string body = wire::encode(p.remote);
   wire::ResponseHeader rh;
   Status st;
@@ -500,7 +495,7 @@ Status Engine::transferPart(const std::shared_ptr<Link>& link, Plan& p, bool is_
 Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline,
                               const char* what) {
   Link::Direct& d = link->directState();
-  Socket& s = link->out();
+  Stream& s = link->out();
   std::vector<iovec> local;
   for (uint32_t t : p.local_tensors) {
     for (const wire::Run& r : p.local_runs) {
@@ -531,7 +526,7 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
         if (!st.ok() && link->broken()) return st;
         if (!st.ok()) break;  // refused: the checked round trip below gives the peer's own answer
         std::string payload;
-        st = s.readBounded(rh.payload_len, wire::kMaxDescriptorBytes, deadline, &payload, "cache descriptor");
+        st = readAnswer(s, rh.payload_len, wire::kMaxDescriptorBytes, deadline, &payload, "cache descriptor");
         wire::CacheDescriptor desc;
         if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
         if (!st.ok()) return failTransfer(link, st, what);
@@ -579,7 +574,7 @@ Status Engine::directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool i
     st = Status(Code::kLinkFailed, "peer answered a direct access of " + std::to_string(rh.payload_len) +
                                        " bytes, expected " + std::to_string(wire::directAnswerBytes(local.size())));
   } else {
-    st = s.readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "direct-access answer");
+    st = readAnswer(s, rh.payload_len, rh.payload_len, deadline, &payload, "direct-access answer");
     if (st.ok()) {
       st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(), &answer);
     }
@@ -637,9 +632,7 @@ Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, 
   // Accept first, then join: the requester joins only after this answer, so a refusal never
   // leaves it waiting in the vendor's communicator setup. The answer says which options apply.
   const uint8_t agreed = wanted & (config_.one_sided ? wire::kChannelOneSided : 0);
-  std::string head = wire::encode(wire::ResponseHeader{0, 0, 1});
-  head.push_back(static_cast<char>(agreed));
-  PDLINK_RETURN_IF_ERROR(s.sendAll(head.data(), head.size(), deadline));
+  PDLINK_RETURN_IF_ERROR(sendAnswer(s, std::string(1, static_cast<char>(agreed)), deadline));
   auto channel = backend_->joinChannel(rendezvous.substr(0, rendezvous.size() - 1), false);
   if (channel.ok() && (agreed & wire::kChannelOneSided)) {
     Status st = channel.value()->prepare(preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
@@ -667,11 +660,13 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
   Status st = request(link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0},
                       body, deadline, what, &rh);
   if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
-  uint8_t agreed = 0;
+  std::string answer;
   const uint8_t offered = offer ? wire::kChannelOneSided : 0;
-  if (rh.payload_len != 1 || !link->out().recvAll(&agreed, 1, deadline).ok() || (agreed & ~offered) != 0) {
+  if (rh.payload_len != 1 || !readAnswer(link->out(), 1, 1, deadline, &answer, "device channel answer").ok() ||
+      (static_cast<uint8_t>(answer[0]) & ~offered) != 0) {
     return failTransfer(link, Status(Code::kLinkFailed, "malformed device channel answer"), what);
   }
+  const uint8_t agreed = static_cast<uint8_t>(answer[0]);
   auto channel = backend_->joinChannel(rv, true);
   if (channel.ok() && (agreed & wire::kChannelOneSided)) {
     st = channel.value()->prepare(preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
@@ -739,9 +734,7 @@ Status Engine::serveIpc(Stream& s, const Resolved& r, Deadline deadline, std::ve
     answer.keys.push_back(key.value());
     answer.spans.push_back(span.length);
   }
-  std::string payload = wire::encode(answer);
-  std::string head = wire::encode(wire::ResponseHeader{0, 0, payload.size()}) + payload;
-  return s.sendAll(head.data(), head.size(), deadline);
+  return sendAnswer(s, wire::encode(answer), deadline);
 }
 
 Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body, bool is_push,
@@ -755,7 +748,7 @@ Status Engine::ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std
   if (rh.payload_len != nt * wire::kIpcEntryBytes) {
     st = Status(Code::kLinkFailed, "peer answered an IPC description of the wrong size");
   } else {
-    st = link->out().readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "IPC answer");
+    st = readAnswer(link->out(), rh.payload_len, rh.payload_len, deadline, &payload, "IPC answer");
     if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), nt, &answer);
   }
   if (st.ok()) st = checkIpcAnswer(answer, p.remote.runs);
@@ -816,7 +809,7 @@ Status Engine::oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, cons
     st = Status(Code::kLinkFailed, "peer answered " + std::to_string(rh.payload_len / 8) + " addresses, expected " +
                                        std::to_string(local.size()));
   } else {
-    st = link->out().readBounded(rh.payload_len, rh.payload_len, deadline, &payload, "address list");
+    st = readAnswer(link->out(), rh.payload_len, rh.payload_len, deadline, &payload, "address list");
     if (st.ok()) {
       st = wire::decodeAddresses(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(),
                                  &remote);

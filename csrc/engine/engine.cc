@@ -47,6 +47,10 @@ Status Engine::initialize(const EngineConfig& config) {
   std::lock_guard<std::mutex> lock(mu_);
   if (initialized_) return Status::OK();
   if (config.sync_timeout_ms <= 0) return Status(Code::kParamInvalid, "sync timeout must be > 0 ms");
+  if (config.payload_integrity && config.link_secret.empty()) {
+    return Status(Code::kParamInvalid, "payload integrity needs a link secret (pdlink.LinkSecret)");
+  }
+  if (!config.link_secret.empty()) PDLINK_RETURN_IF_ERROR(crypto::available());  // names what is missing
   config_ = config;
   if (config.device_pool.bytes > 0) {
     auto pool = MemPool::create(backend_, Placement::kDevice, config.device_pool.bytes, config.device_pool.page_shift);
@@ -104,7 +108,7 @@ void Engine::finalize() {
       if (out.owns_lock()) {  // tell the peer, best effort, without waiting on a busy link
         wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
         std::string frame = wire::encode(h);
-        (void)link->out().sendAll(frame.data(), frame.size(), Deadline::afterMs(200));
+        (void)link->out().sendFrame(frame, Deadline::afterMs(200));
       }
     }
     link->breakLink("engine finalized");

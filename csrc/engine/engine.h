@@ -77,8 +77,14 @@ struct EngineConfig {
   PoolConfig host_pool;
   Transport transport = Transport::kAuto;
   // When non-empty, both ends of every link must prove they know it (challenge-response in the
-  // handshake, transport/wire.h); a peer that cannot is refused before it can reach any memory.
+  // handshake, transport/wire.h); a peer that cannot is refused before it can reach any memory, and
+  // every frame after the handshake is sealed under a session key (transport/auth_stream.h). Needs
+  // the system's libcrypto (core/crypto.h): initialize() fails with kFeatureNotEnabled without it.
   std::string link_secret;
+  // With a link secret: the transfers' payloads (tensor bytes) are sealed too, not only the frames
+  // around them. Either side asking for it is enough. Costs one HMAC-SHA256 pass over every byte
+  // on each side (docs/security.md). Without a secret: kParamInvalid.
+  bool payload_integrity = false;
   // DEVICE transfers over HCCL use its one-sided access (HcclBatchGet/Put) when both ends enable
   // it, both runtimes have it and the memory was registered before the link; otherwise two-sided
   // (HcclBatchSendRecv). Off by default: the one-sided API is not public HCCL and its struct
@@ -330,6 +336,8 @@ class Engine {
     pid_t pid = 0;                    // SO_PEERCRED of an AF_UNIX forward channel
     uint64_t published_addr = 0;      // from the forward channel's ClientAuth (AF_UNIX only)
     std::shared_ptr<cma::Grant> grant;
+    std::shared_ptr<const crypto::Key> session_key;  // the forward channel's (with a link secret)
+    bool integrity = false;                          // payload integrity agreed on it
     std::shared_ptr<Link> link;       // set by the REVERSE handler when the link is installed
     bool done = false;
   };

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "core/limits.h"
@@ -36,23 +37,68 @@ void randomBytes(uint8_t* out, size_t n) {
   }
 }
 
-// The proof of one side of a channel: HMAC-SHA256(secret, label || role || both challenges ||
-// both cluster ids || nonce || channel). Binding the ids, nonce and channel stops a proof from
-// being replayed on another link or channel. Without a secret it is all zeros.
-Digest linkProof(const std::string& secret, char role, const uint8_t* client_challenge,
-                 const uint8_t* server_challenge, uint64_t client_id, uint64_t server_id, uint64_t nonce,
-                 uint8_t channel) {
-  Digest out{};
-  if (secret.empty()) return out;
-  std::string m = "pdlink-link-v2";
+void Transcript::add(const void* data, size_t len) { bytes_.append(static_cast<const char*>(data), len); }
+
+void Transcript::addHello(const std::string& hello_frame, uint64_t server_id, const uint8_t* server_challenge) {
+  bytes_ += hello_frame;
+  add(server_id);
+  add(server_challenge, wire::kChallengeBytes);
+}
+
+void Transcript::addClientAuth(const wire::ClientAuth& a) {
+  add(a.hint.boot_id, sizeof(a.hint.boot_id));
+  add(a.hint.pid_ns);
+  add(a.gen_addr);
+}
+
+void Transcript::addVerdict(bool unix_channel, const wire::AuthResult& r) {
+  add(static_cast<uint8_t>(unix_channel));
+  add(r.status);
+  add(r.flags);
+  add(r.gen_addr);
+  add(static_cast<uint16_t>(r.redirect.size()));
+  bytes_ += r.redirect;
+}
+
+namespace {
+
+Result<Digest> labelled(const std::string& key, const char* label, char role, const Transcript& t) {
+  std::string m = label;
   m.push_back(role);
-  m.append(reinterpret_cast<const char*>(client_challenge), wire::kChallengeBytes);
-  m.append(reinterpret_cast<const char*>(server_challenge), wire::kChallengeBytes);
-  m.append(reinterpret_cast<const char*>(&client_id), 8);
-  m.append(reinterpret_cast<const char*>(&server_id), 8);
-  m.append(reinterpret_cast<const char*>(&nonce), 8);
-  m.push_back(static_cast<char>(channel));
-  return hmacSha256(secret, m.data(), m.size());
+  m += t.bytes();
+  return crypto::hmacSha256(key, m.data(), m.size());
+}
+
+}  // namespace
+
+// HMAC-SHA256(secret, "pdlink-proof-v3" || role || transcript). The transcript binds the proof to
+// this channel's fresh challenges, both ids, the nonce and the flags, so a proof cannot be replayed
+// on another link or channel, nor the dialler's hint or address rewritten under it.
+Result<Digest> handshakeProof(const std::string& secret, char role, const Transcript& t) {
+  if (secret.empty()) return Digest{};
+  return labelled(secret, "pdlink-proof-v3", role, t);
+}
+
+Result<Session> deriveSession(const std::string& secret, const Transcript& t) {
+  Session out;
+  if (secret.empty()) return out;
+  auto k = labelled(secret, "pdlink-session-v3", '-', t);
+  if (!k.ok()) return k.status();
+  auto key = crypto::Key::create(std::string(reinterpret_cast<const char*>(k.value().data()), k.value().size()));
+  if (!key.ok()) return key.status();
+  out.key = std::move(key.value());
+  auto tag = out.key->start();
+  if (!tag.ok()) return tag.status();
+  static constexpr char kLabel[] = "pdlink-auth-result";
+  tag.value().update(kLabel, sizeof(kLabel) - 1);
+  Digest d = tag.value().finish();
+  std::memcpy(out.verdict_tag, d.data(), sizeof(out.verdict_tag));
+  return out;
+}
+
+Status sessionFailed(const Status& why) {
+  return Status(why.code() == Code::kFeatureNotEnabled ? Code::kFeatureNotEnabled : Code::kLinkFailed,
+                "cannot authenticate the link: " + why.message());
 }
 
 wire::HostHint localHint() {
@@ -123,12 +169,23 @@ bool usesKeyCommit(wire::TargetKind kind) {
   return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex;
 }
 
-// Sends a response header plus its message text.
+// Sends a response header plus its message text, as one frame.
 Status sendResponse(Stream& s, const Status& st, Deadline deadline) {
   std::string msg = st.message().substr(0, wire::kMaxMessageBytes);
   wire::ResponseHeader h{static_cast<uint32_t>(st.code()), static_cast<uint32_t>(msg.size()), 0};
-  std::string frame = wire::encode(h) + msg;
-  return s.sendAll(frame.data(), frame.size(), deadline);
+  return s.sendFrame(wire::encode(h) + msg, deadline);
+}
+
+Status sendAnswer(Stream& s, const std::string& answer, Deadline deadline) {
+  const std::string head = wire::encode(wire::ResponseHeader{0, 0, answer.size()});
+  if (!s.authenticated()) return s.sendFrame(head + answer, deadline);  // one write: no tags between
+  PDLINK_RETURN_IF_ERROR(s.sendFrame(head, deadline));
+  return s.sendFrame(answer, deadline);
+}
+
+Status readAnswer(Stream& s, uint64_t len, uint64_t max, Deadline deadline, std::string* out, const char* what) {
+  PDLINK_RETURN_IF_ERROR(s.readBounded(len, max, deadline, out, what));
+  return s.checkFrame(deadline);
 }
 
 // Reads a response header, and its message text when the status is an error.
@@ -140,14 +197,16 @@ Status readResponse(Stream& s, Deadline deadline, wire::ResponseHeader* h, Statu
   std::string msg;
   PDLINK_RETURN_IF_ERROR(s.readBounded(h->message_len, wire::kMaxMessageBytes, deadline, &msg, "response text"));
   if (h->status != 0 && h->payload_len != 0) return Status(Code::kLinkFailed, "malformed response (payload on error)");
+  PDLINK_RETURN_IF_ERROR(s.checkFrame(deadline));
   *remote = h->status == 0 ? Status::OK() : Status(static_cast<Code>(h->status), msg);
   return Status::OK();
 }
 
-// Moves the payload of one transfer between a stream and memory, tensor-major, batching iovecs
-// so that thousands of small blocks cost a few syscalls, not one each.
-Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
-                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> iov) {
+namespace {
+
+// Tensor-major, batching iovecs so that thousands of small blocks cost a few syscalls, not one each.
+Status moveBytes(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
+                 uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> iov) {
   for (uint32_t t : tensors) {
     for (const wire::Run& r : runs) {
       iov.push_back({reinterpret_cast<void*>(addrs[t] + base + r.offset), static_cast<size_t>(r.length)});
@@ -161,6 +220,84 @@ Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, 
   return Status::OK();
 }
 
+// With payload integrity: chunk by chunk (limits::kPayloadChunkBytes), each a frame of its own. A
+// received chunk is staged and checked before any of it lands in memory.
+Status moveSealedPayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs,
+                         const std::vector<uint32_t>& tensors, uint64_t base, const std::vector<wire::Run>& runs,
+                         Deadline deadline) {
+  std::unique_ptr<uint8_t[]> staging;  // one chunk, or the whole payload when smaller; not zeroed
+  std::vector<iovec> chunk;            // the destination (or source) pieces of the current chunk
+  size_t filled = 0;
+  auto flush = [&]() -> Status {
+    if (filled == 0) return Status::OK();
+    Status st;
+    if (sending) {
+      st = s.sendFrame(chunk, deadline);
+    } else {
+      st = s.recvAll(staging.get(), filled, deadline);
+      if (st.ok()) st = s.checkFrame(deadline);
+      size_t at = 0;
+      for (const iovec& v : chunk) {  // only a chunk that checked out lands
+        if (!st.ok()) break;
+        std::memcpy(v.iov_base, staging.get() + at, v.iov_len);
+        at += v.iov_len;
+      }
+    }
+    chunk.clear();
+    filled = 0;
+    return st;
+  };
+  if (!sending) {
+    uint64_t total = 0;
+    for (const wire::Run& r : runs) total += r.length;  // checked sums: no overflow
+    total *= tensors.size();
+    staging.reset(new uint8_t[std::min<uint64_t>(total, limits::kPayloadChunkBytes)]);
+  }
+  for (uint32_t t : tensors) {
+    for (const wire::Run& r : runs) {
+      auto* p = reinterpret_cast<uint8_t*>(addrs[t] + base + r.offset);
+      uint64_t left = r.length;
+      while (left > 0) {
+        const size_t take = static_cast<size_t>(std::min<uint64_t>(left, limits::kPayloadChunkBytes - filled));
+        chunk.push_back({p, take});
+        filled += take;
+        p += take;
+        left -= take;
+        if (filled == limits::kPayloadChunkBytes) PDLINK_RETURN_IF_ERROR(flush());
+      }
+    }
+  }
+  return flush();
+}
+
+}  // namespace
+
+Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
+                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> frame) {
+  if (!frame.empty() && s.authenticated()) {  // its own frame; without tags it rides in the payload's first write
+    PDLINK_RETURN_IF_ERROR(s.sendFrame(frame, deadline));
+    frame.clear();
+  }
+  s.payload(true);
+  Status st = s.payloadIntegrity() ? moveSealedPayload(s, sending, addrs, tensors, base, runs, deadline)
+                                   : moveBytes(s, sending, addrs, tensors, base, runs, deadline, std::move(frame));
+  s.payload(false);
+  return st;
+}
+
+Status discardPayload(Stream& s, uint64_t len, Deadline deadline) {
+  s.payload(true);
+  Status st;
+  // In the chunks it was sent in (each checked, with payload integrity), or all at once.
+  const uint64_t step = s.payloadIntegrity() ? limits::kPayloadChunkBytes : std::max<uint64_t>(len, 1);
+  for (uint64_t left = len; st.ok() && left > 0; left -= std::min(left, step)) {
+    st = s.discard(std::min(left, step), deadline);
+    if (st.ok()) st = s.checkFrame(deadline);
+  }
+  s.payload(false);
+  return st;
+}
+
 Status linkError(const PeerAddress& peer, const Status& st) {
   Code code = st.code() == Code::kParamInvalid ? Code::kParamInvalid : Code::kLinkFailed;
   return Status(code, "cannot link to " + clusterName(peer.cluster_id) + " at " + peer.ip + ":" +
@@ -169,13 +306,13 @@ Status linkError(const PeerAddress& peer, const Status& st) {
 
 // Client half of one channel's handshake (transport/wire.h): Hello out, HelloAck in (checking the
 // endpoint's cluster id against *peer_id, or learning it when that is kAnyCluster), the acceptor's
-// proof checked, ClientAuth out, AuthResult in. What ClientAuth carries beyond the proof (`mine`)
-// goes out only once the acceptor has proven the secret.
+// proof checked, ClientAuth out, AuthResult in (its tag checked under the session key). What
+// ClientAuth carries beyond the proof (`mine`) goes out only once the acceptor has proven the secret.
 Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, const wire::ClientAuth& mine,
-                     uint64_t* peer_id, wire::AuthResult* result, Deadline deadline) {
+                     uint64_t* peer_id, wire::AuthResult* result, Session* session, Deadline deadline) {
   randomBytes(hello.challenge, sizeof(hello.challenge));
-  std::string frame = wire::encode(hello);
-  PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
+  const std::string hello_frame = wire::encode(hello);
+  PDLINK_RETURN_IF_ERROR(s.sendAll(hello_frame.data(), hello_frame.size(), deadline));
   uint8_t buf[wire::kHelloAckFixedBytes];
   PDLINK_RETURN_IF_ERROR(s.recvAll(buf, sizeof(buf), deadline));
   wire::HelloAck ack;
@@ -184,29 +321,37 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   std::string msg;
   PDLINK_RETURN_IF_ERROR(s.readBounded(msg_len, wire::kMaxMessageBytes, deadline, &msg, "hello-ack text"));
   if (ack.status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + msg);
-  if (ack.version != wire::kProtocolVersion) {
-    return Status(Code::kLinkFailed, "protocol version mismatch: the peer speaks " + std::to_string(ack.version) +
-                                         ", this engine " + std::to_string(wire::kProtocolVersion));
-  }
+  if (ack.version != wire::kProtocolVersion) return versionMismatch(ack.version);
   if (*peer_id == wire::kAnyCluster) {
     *peer_id = ack.cluster_id;
   } else if (ack.cluster_id != *peer_id) {
     return Status(Code::kLinkFailed, "the endpoint is " + clusterName(ack.cluster_id) + ", not " +
                                          clusterName(*peer_id));
   }
-  const uint8_t channel = static_cast<uint8_t>(hello.channel);
-  Digest expected = linkProof(secret, 'S', hello.challenge, ack.challenge, hello.cluster_id, ack.cluster_id,
-                              hello.nonce, channel);
-  if (!constantTimeEqual(ack.proof, expected.data(), expected.size())) {
-    return Status(Code::kLinkFailed,
-                  secret.empty() ? "the peer requires a link secret (set pdlink.LinkSecret or PDLINK_LINK_SECRET)"
-                                 : "the peer could not prove it knows the link secret");
+  Transcript t;
+  t.addHello(hello_frame, ack.cluster_id, ack.challenge);
+  auto expected = handshakeProof(secret, 'S', t);
+  if (!expected.ok()) return sessionFailed(expected.status());
+  if (!constantTimeEqual(ack.proof, expected.value().data(), expected.value().size())) {
+    static constexpr uint8_t kNoProof[wire::kProofBytes] = {0};
+    if (secret.empty()) {
+      return Status(Code::kLinkFailed, "the peer requires a link secret and this engine has none: set the same "
+                                       "pdlink.LinkSecret (or PDLINK_LINK_SECRET) on both sides");
+    }
+    if (std::memcmp(ack.proof, kNoProof, sizeof(kNoProof)) == 0) {
+      return Status(Code::kLinkFailed, "the peer has no link secret and this engine has one: set the same "
+                                       "pdlink.LinkSecret (or PDLINK_LINK_SECRET) on both sides");
+    }
+    return Status(Code::kLinkFailed, "the peer's link secret differs from this engine's (it could not prove it "
+                                     "knows this one, or the handshake was altered on the way): set the same "
+                                     "pdlink.LinkSecret on both sides");
   }
   wire::ClientAuth auth = mine;
-  Digest proof = linkProof(secret, 'C', hello.challenge, ack.challenge, hello.cluster_id, ack.cluster_id,
-                           hello.nonce, channel);
-  std::memcpy(auth.proof, proof.data(), sizeof(auth.proof));
-  frame = wire::encode(auth);
+  t.addClientAuth(auth);
+  auto proof = handshakeProof(secret, 'C', t);
+  if (!proof.ok()) return sessionFailed(proof.status());
+  std::memcpy(auth.proof, proof.value().data(), sizeof(auth.proof));
+  const std::string frame = wire::encode(auth);
   PDLINK_RETURN_IF_ERROR(s.sendAll(frame.data(), frame.size(), deadline));
   uint8_t rbuf[wire::kAuthResultFixedBytes];
   PDLINK_RETURN_IF_ERROR(s.recvAll(rbuf, sizeof(rbuf), deadline));
@@ -216,15 +361,36 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   PDLINK_RETURN_IF_ERROR(s.readBounded(redirect_len, limits::kUnixNameBytes, deadline, &result->redirect,
                                        "redirect name"));
   if (result->status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + result->message);
+  // The verdict, its redirect and its address count only when they come from the prover, unaltered.
+  t.addVerdict(s.isUnix(), *result);
+  auto derived = deriveSession(secret, t);
+  if (!derived.ok()) return sessionFailed(derived.status());
+  if (!constantTimeEqual(result->tag, derived.value().verdict_tag, sizeof(result->tag))) {
+    return Status(Code::kLinkFailed, "the peer's auth-result failed its authentication (altered on the way)");
+  }
   // A redirect answers only a FORWARD TCP channel that offered to take one; addresses come only on
-  // AF_UNIX channels.
+  // AF_UNIX channels; payload integrity only on an authenticated link that the dialler offered it
+  // to, or whose acceptor wants it.
   const bool may_redirect = !s.isUnix() && hello.channel == wire::Channel::kForward &&
                             (hello.flags & wire::kHelloSameHost);
-  if ((!result->redirect.empty() && !may_redirect) || (result->gen_addr != 0 && !s.isUnix())) {
+  if ((!result->redirect.empty() && !may_redirect) || (result->gen_addr != 0 && !s.isUnix()) ||
+      ((result->flags & wire::kAuthPayloadIntegrity) && secret.empty())) {
     return Status(Code::kLinkFailed,
-                  "malformed auth-result frame from peer (a redirect or an address it may not send)");
+                  "malformed auth-result frame from peer (a redirect, an address or a flag it may not send)");
   }
+  if ((hello.flags & wire::kHelloPayloadIntegrity) && !(result->flags & wire::kAuthPayloadIntegrity)) {
+    return Status(Code::kLinkFailed, "the peer did not agree to the payload integrity this engine asked for");
+  }
+  derived.value().integrity = result->flags & wire::kAuthPayloadIntegrity;
+  *session = std::move(derived.value());
   return Status::OK();
+}
+
+Status versionMismatch(uint16_t peer_version) {
+  return Status(Code::kLinkFailed, "protocol version mismatch: the peer speaks pdlink protocol " +
+                                       std::to_string(peer_version) + ", this engine " +
+                                       std::to_string(wire::kProtocolVersion) +
+                                       ": run the same pdlink release on both sides");
 }
 
 }  // namespace pdlink::detail

@@ -4,11 +4,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/deadline.h"
-#include "core/sha256.h"
+#include "core/crypto.h"
 #include "core/status.h"
 #include "engine/engine.h"
 #include "engine/link.h"
@@ -24,10 +25,40 @@ std::string clusterName(uint64_t id);
 // A random 64-bit value pairing the two channels of one link attempt.
 uint64_t makeNonce();
 void randomBytes(uint8_t* out, size_t n);
-// The proof of one side of a channel handshake (see links.cc); all zeros without a secret.
-Digest linkProof(const std::string& secret, char role, const uint8_t* client_challenge,
-                 const uint8_t* server_challenge, uint64_t client_id, uint64_t server_id, uint64_t nonce,
-                 uint8_t channel);
+// The handshake transcript of one channel, as both sides see it (transport/wire.h): the Hello
+// frame as sent, the acceptor's cluster id and challenge; then what ClientAuth says besides its
+// proof; then the channel kind and the verdict. Proofs and the session key cover it.
+class Transcript {
+ public:
+  void addHello(const std::string& hello_frame, uint64_t server_id, const uint8_t* server_challenge);
+  void addClientAuth(const wire::ClientAuth& auth);
+  void addVerdict(bool unix_channel, const wire::AuthResult& result);
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  void add(const void* data, size_t len);
+  template <class T>
+  void add(T v) {
+    add(&v, sizeof(v));
+  }
+  std::string bytes_;
+};
+// The proof of one side ('S' acceptor, after addHello; 'C' dialler, after addClientAuth); all zeros
+// without a secret. Fails only when libcrypto is unusable.
+Result<Digest> handshakeProof(const std::string& secret, char role, const Transcript& t);
+// An authenticated channel's session (after addVerdict): its key (transport/auth_stream.h) and the
+// AuthResult's tag under it. Without a secret: no key, zero tag.
+struct Session {
+  std::shared_ptr<const crypto::Key> key;
+  uint8_t verdict_tag[16] = {0};
+  bool integrity = false;  // payload integrity was agreed (AuthResult flags)
+};
+Result<Session> deriveSession(const std::string& secret, const Transcript& t);
+// kLinkFailed (kFeatureNotEnabled when libcrypto is missing) for a handshake that could not be
+// computed.
+Status sessionFailed(const Status& why);
+// kLinkFailed naming both protocol versions and what to do.
+Status versionMismatch(uint16_t peer_version);
 // Where this process runs (a hint for same-host redirects, never a proof).
 wire::HostHint localHint();
 // kLinkFailed naming the broken link's reason and what to do about it.
@@ -54,18 +85,28 @@ std::vector<DeviceCopy> ipcCopies(const std::vector<uint64_t>& local_bases, cons
 constexpr uint32_t kMaxRendezvousBytes = 8192;
 // Whether a completed pull through this target must release a request key on the peer.
 bool usesKeyCommit(wire::TargetKind kind);
-// A response header plus its message text.
+// A response header plus its message text, as one frame.
 Status sendResponse(Stream& s, const Status& st, Deadline deadline);
-// Reads a response header, and its message text (bounded) when the status is an error. A
-// malformed header (text on success, payload on an error) is kLinkFailed.
+// A successful response that carries an answer (a descriptor, addresses, IPC keys, options): the
+// header, then the answer as a frame of its own.
+Status sendAnswer(Stream& s, const std::string& answer, Deadline deadline);
+// Reads a response header, and its message text (bounded) when the status is an error, and checks
+// the frame. A malformed header (text on success, payload on an error) is kLinkFailed.
 Status readResponse(Stream& s, Deadline deadline, wire::ResponseHeader* h, Status* remote);
-// Moves the payload of one transfer between a stream and memory, tensor-major, batching iovecs.
+// Reads the answer sendAnswer sent (`len` from its header, at most `max`) and checks its frame.
+Status readAnswer(Stream& s, uint64_t len, uint64_t max, Deadline deadline, std::string* out, const char* what);
+// Moves the payload of one transfer between a stream and memory, tensor-major, as a payload frame
+// (Stream::payload: sealed or checked only with payload integrity). `frame` (sending only): the
+// frame that precedes the payload (its header), sent in the same write when the stream has no tags.
 Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
-                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> iov = {});
+                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline,
+                   std::vector<iovec> frame = {});
+// Reads and drops the payload of a refused write (checked like any payload frame).
+Status discardPayload(Stream& s, uint64_t len, Deadline deadline);
 Status linkError(const PeerAddress& peer, const Status& st);
 // Client half of one channel's handshake (engine_helpers.cc).
 Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, const wire::ClientAuth& mine,
-                     uint64_t* peer_id, wire::AuthResult* result, Deadline deadline);
+                     uint64_t* peer_id, wire::AuthResult* result, Session* session, Deadline deadline);
 
 }  // namespace pdlink::detail
 

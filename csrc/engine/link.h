@@ -3,6 +3,8 @@
 // A link is symmetric once established: either side may pull from or push to the other. It holds
 // two channels (transport/wire.h): `out`, on which this side sends requests and reads responses
 // (callers serialise on out_mu), and `in`, which one serving thread owned by the engine reads.
+// With a link secret each channel is an AuthStream over its socket (transport/auth_stream.h):
+// every frame is sealed and checked under the channel's session key.
 //
 // A link breaks when a transfer on it times out or fails mid-stream (the byte stream can no longer
 // be trusted) or when the peer closes its end. A broken link stays in the engine's table, so that
@@ -22,6 +24,7 @@
 
 #include "backends/backend.h"
 #include "core/status.h"
+#include "transport/auth_stream.h"
 #include "transport/cma.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
@@ -36,6 +39,8 @@ struct LinkInfo {
   bool broken = false;
   std::string broken_reason;
   std::string transport;
+  bool authenticated = false;      // every frame is sealed under a session key (a link secret)
+  bool payload_integrity = false;  // and so is every payload
 };
 
 class Link {
@@ -96,8 +101,21 @@ class Link {
   const std::string& peerAddress() const { return peer_address_.empty() ? out_.peer() : peer_address_; }
   void setPeerAddress(std::string address) { peer_address_ = std::move(address); }  // before the link is shared
 
-  Socket& out() { return out_; }
-  Socket& in() { return in_; }
+  // Authenticates both channels under their session keys (an authenticated link; before the link
+  // is shared): from now on out()/in() seal and check every frame.
+  void authenticate(std::shared_ptr<const crypto::Key> out_key, std::shared_ptr<const crypto::Key> in_key,
+                    bool payload_integrity) {
+    out_auth_ = std::make_unique<AuthStream>(out_, std::move(out_key), true, payload_integrity);
+    in_auth_ = std::make_unique<AuthStream>(in_, std::move(in_key), false, payload_integrity);
+  }
+  bool authenticated() const { return out_auth_ != nullptr; }
+  bool payloadIntegrity() const { return out_auth_ && out_auth_->payloadIntegrity(); }
+
+  // The channels frames travel on: requests out, the peer's requests in.
+  Stream& out() { return out_auth_ ? static_cast<Stream&>(*out_auth_) : out_; }
+  Stream& in() { return in_auth_ ? static_cast<Stream&>(*in_auth_) : in_; }
+  // The socket under out(), for what is not a frame (the acceptor's last handshake message).
+  Socket& outSocket() { return out_; }
   std::mutex& outMutex() { return out_mu_; }
 
   bool broken() const;
@@ -110,6 +128,7 @@ class Link {
   const bool initiator_;
   Socket out_;
   Socket in_;
+  std::unique_ptr<AuthStream> out_auth_, in_auth_;  // set before the link is shared, then constant
   std::mutex out_mu_;  // held for a whole request/response exchange on out_
   bool direct_ = false;  // set before the link is shared, then constant
   Direct direct_state_;

@@ -6,7 +6,8 @@ namespace pdlink {
 
 namespace {
 LinkInfo infoOf(const Link& l) {
-  return LinkInfo{l.peer(), l.peerAddress(), l.initiator(), l.broken(), l.brokenReason(), l.transport()};
+  return LinkInfo{l.peer(),      l.peerAddress(),       l.initiator(),         l.broken(),
+                  l.brokenReason(), l.transport(), l.authenticated(), l.payloadIntegrity()};
 }
 }  // namespace
 

@@ -20,6 +20,7 @@ struct Engine::Dialled {
   pid_t pid = 0;                 // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
   uint64_t published_addr = 0;   // its Registry::Published words (AF_UNIX channels only)
   std::shared_ptr<cma::Grant> grant;
+  Session fwd_session, rev_session;  // with a link secret: the channels' keys
 };
 
 // ---------------------------------------------------------------- links
@@ -111,6 +112,9 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   Status st = chooseTransport(d.pid, d.published_addr, &direct);
   if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
   auto link = std::make_shared<Link>(peer_id, std::move(d.fwd), std::move(d.rev), true);
+  if (d.fwd_session.key) {
+    link->authenticate(std::move(d.fwd_session.key), std::move(d.rev_session.key), d.fwd_session.integrity);
+  }
   link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant));
   link->setPeerAddress(where);
   if (direct) link->enableDirect();
@@ -143,6 +147,18 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   return Status::OK();
 }
 
+namespace {
+
+// Both channels of a link agree on payload integrity (the acceptor decides it once per link).
+Status sameIntegrity(const Session& fwd, const Session& rev) {
+  if (fwd.integrity != rev.integrity) {
+    return Status(Code::kLinkFailed, "the peer agreed to payload integrity on one channel only");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same_host, uint64_t* peer_id,
                                         Deadline deadline, std::string* redirect) {
   redirect->clear();
@@ -150,14 +166,16 @@ Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same
   hello.cluster_id = config_.cluster_id;
   hello.expected_peer = peer.cluster_id;
   hello.nonce = makeNonce();
-  hello.flags = offer_same_host ? wire::kHelloSameHost : 0;
+  const uint8_t integrity = config_.payload_integrity ? wire::kHelloPayloadIntegrity : 0;
+  hello.flags = (offer_same_host ? wire::kHelloSameHost : 0) | integrity;
   wire::ClientAuth mine;
   if (offer_same_host) mine.hint = hint_;  // what the acceptor needs to decide on a redirect
   Dialled d;
   auto fwd = Socket::connect(peer.ip, peer.port, deadline);
   if (!fwd.ok()) return fwd.status();
   wire::AuthResult result;
-  PDLINK_RETURN_IF_ERROR(helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, &d.fwd_session, deadline));
   if (!result.redirect.empty()) {
     *redirect = result.redirect;
     return d;  // the acceptor closes this connection; the link is made on the AF_UNIX socket
@@ -165,9 +183,10 @@ Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same
   auto rev = Socket::connect(peer.ip, peer.port, deadline);
   if (!rev.ok()) return rev.status();
   hello.channel = wire::Channel::kReverse;
-  hello.flags = 0;
-  PDLINK_RETURN_IF_ERROR(
-      helloExchange(rev.value(), hello, config_.link_secret, wire::ClientAuth{}, peer_id, &result, deadline));
+  hello.flags = integrity;
+  PDLINK_RETURN_IF_ERROR(helloExchange(rev.value(), hello, config_.link_secret, wire::ClientAuth{}, peer_id, &result,
+                                       &d.rev_session, deadline));
+  PDLINK_RETURN_IF_ERROR(sameIntegrity(d.fwd_session, d.rev_session));
   d.fwd = std::move(fwd.value());
   d.rev = std::move(rev.value());
   return d;
@@ -187,11 +206,13 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
   hello.cluster_id = config_.cluster_id;
   hello.expected_peer = *peer_id;
   hello.nonce = makeNonce();
+  hello.flags = config_.payload_integrity ? wire::kHelloPayloadIntegrity : 0;
   wire::ClientAuth mine;
   mine.hint = hint_;
   mine.gen_addr = reinterpret_cast<uint64_t>(registry_.published());
   wire::AuthResult result;
-  PDLINK_RETURN_IF_ERROR(helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, &d.fwd_session, deadline));
   d.published_addr = result.gen_addr;
   // The acceptor (it has proven the secret by now) probes this process before it completes the
   // link: let it read us from now on (released with `d` if the link does not come up). Not for a
@@ -204,10 +225,12 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
     return Status(Code::kLinkFailed, "the two same-host channels reached different processes");
   }
   hello.channel = wire::Channel::kReverse;
-  PDLINK_RETURN_IF_ERROR(helloExchange(rev.value(), hello, config_.link_secret, mine, peer_id, &result, deadline));
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(rev.value(), hello, config_.link_secret, mine, peer_id, &result, &d.rev_session, deadline));
   if (result.gen_addr != d.published_addr) {
     return Status(Code::kLinkFailed, "the two same-host channels disagree about the peer");
   }
+  PDLINK_RETURN_IF_ERROR(sameIntegrity(d.fwd_session, d.rev_session));
   d.fwd = std::move(fwd.value());
   d.rev = std::move(rev.value());
   return d;
@@ -251,7 +274,7 @@ bool Engine::stillAlive(const std::shared_ptr<Link>& link, Deadline deadline) {
   std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
   wire::ResponseHeader rh;
   Status remote;
-  Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+  Status st = link->out().sendFrame(frame, deadline);
   if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
   if (!st.ok()) link->breakLink("found dead by a probe: " + st.message());
   return st.ok();
@@ -301,8 +324,9 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     return;
   }
   if (hello.version != wire::kProtocolVersion) {
-    return refuse("protocol version mismatch: peer speaks " + std::to_string(hello.version) + ", this engine " +
-                  std::to_string(wire::kProtocolVersion));
+    return refuse("protocol version mismatch: this engine speaks pdlink protocol " +
+                  std::to_string(wire::kProtocolVersion) + ", the dialler " + std::to_string(hello.version) +
+                  ": run the same pdlink release on both sides");
   }
   constexpr size_t kRest = wire::kHelloBytes - wire::kHelloPrefixBytes;
   st = sock.recvAll(buf + wire::kHelloPrefixBytes, kRest, deadline);
@@ -321,13 +345,15 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
 
   // Challenge-response: prove we know the link secret, then check the dialler's proof. Nothing
   // about this engine's host or memory goes out, and nothing is reachable, before that check.
+  const std::string& secret = config_.link_secret;
   wire::HelloAck ack;
   ack.cluster_id = config_.cluster_id;
   randomBytes(ack.challenge, sizeof(ack.challenge));
-  const uint8_t channel = static_cast<uint8_t>(hello.channel);
-  Digest server_proof = linkProof(config_.link_secret, 'S', hello.challenge, ack.challenge, hello.cluster_id,
-                                  config_.cluster_id, hello.nonce, channel);
-  std::memcpy(ack.proof, server_proof.data(), sizeof(ack.proof));
+  Transcript transcript;
+  transcript.addHello(std::string(reinterpret_cast<const char*>(buf), sizeof(buf)), ack.cluster_id, ack.challenge);
+  auto server_proof = handshakeProof(secret, 'S', transcript);
+  if (!server_proof.ok()) return refuse(sessionFailed(server_proof.status()).message());
+  std::memcpy(ack.proof, server_proof.value().data(), sizeof(ack.proof));
   std::string ack_frame = wire::encode(ack);
   st = sock.sendAll(ack_frame.data(), ack_frame.size(), deadline);
   acked = true;
@@ -340,17 +366,36 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     untrack();
     return;
   }
-  Digest expected = linkProof(config_.link_secret, 'C', hello.challenge, ack.challenge, hello.cluster_id,
-                              config_.cluster_id, hello.nonce, channel);
-  if (!constantTimeEqual(client.proof, expected.data(), expected.size())) {
+  transcript.addClientAuth(client);
+  auto expected = handshakeProof(secret, 'C', transcript);
+  if (!expected.ok()) return refuse(sessionFailed(expected.status()).message());
+  if (!constantTimeEqual(client.proof, expected.value().data(), expected.value().size())) {
+    static constexpr uint8_t kNoProof[wire::kProofBytes] = {0};
+    const bool none = std::memcmp(client.proof, kNoProof, sizeof(kNoProof)) == 0;
     return refuse(std::string("authentication failed for ") + clusterName(hello.cluster_id) +
-                  (config_.link_secret.empty() ? ": this engine has no link secret but the peer sent a proof"
-                                               : ": the peer does not know this engine's link secret"));
+                  (secret.empty() ? ": this engine has no link secret but the peer sent a proof"
+                   : none         ? ": the peer has no link secret"
+                                  : ": the peer does not know this engine's link secret"));
   }
 
   // Same-host: a FORWARD TCP channel from a dialler that offers it and, by its hint, runs on this
   // host is redirected to the AF_UNIX socket (which proves it); otherwise the link stays on TCP.
   wire::AuthResult ok;
+  // Payload integrity when either side wants it (on an authenticated link only).
+  if (!secret.empty() && (config_.payload_integrity || (hello.flags & wire::kHelloPayloadIntegrity))) {
+    ok.flags = wire::kAuthPayloadIntegrity;
+  }
+  // The verdict carries a tag under the channel's session key, which covers the whole handshake.
+  Session session;
+  auto seal = [&]() -> bool {
+    transcript.addVerdict(local, ok);
+    auto derived = deriveSession(secret, transcript);
+    if (!derived.ok()) return false;
+    session = std::move(derived.value());
+    session.integrity = ok.flags & wire::kAuthPayloadIntegrity;
+    std::memcpy(ok.tag, session.verdict_tag, sizeof(ok.tag));
+    return true;
+  };
   pid_t pid = 0;
   std::shared_ptr<cma::Grant> grant;
   if (local) {
@@ -370,6 +415,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     if ((hello.flags & wire::kHelloSameHost) && config_.transport != Transport::kTcp && !name.empty() &&
         hint_.sameHost(client.hint)) {
       ok.redirect = name;
+      if (!seal()) return refuse("cannot authenticate the link: libcrypto failed");
       const std::string frame = wire::encode(ok);
       (void)sock.sendAll(frame.data(), frame.size(), deadline);
       untrack();
@@ -390,6 +436,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
       return refuse("this engine already has " + std::to_string(live) + " links, the most it may have");
     }
   }
+  if (!seal()) return refuse("cannot authenticate the link: libcrypto failed");
   const std::string ok_frame = wire::encode(ok);
 
   if (hello.channel == wire::Channel::kForward) {
@@ -398,6 +445,8 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     pending->pid = pid;
     pending->published_addr = local ? client.gen_addr : 0;
     pending->grant = std::move(grant);
+    pending->session_key = std::move(session.key);
+    pending->integrity = session.integrity;
     std::shared_ptr<Link> link;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -473,6 +522,10 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
       lock.unlock();
       return refuse("the two same-host channels come from different processes");
     }
+    if (pending->integrity != session.integrity) {
+      lock.unlock();
+      return refuse("the two channels disagree about payload integrity");
+    }
     handshaking_.erase(pending->forward.get());
     handshaking_.erase(tracked);
     // A forced transport that cannot be had here is refused now, before the link is installed.
@@ -483,6 +536,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
       return refuse(chosen.message());
     }
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
+    if (session.key) link->authenticate(std::move(session.key), pending->session_key, session.integrity);
     link->setPeerProcess(pid, pending->published_addr, pending->grant);
     if (direct) link->enableDirect();
     // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
@@ -493,7 +547,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     pending->done = true;
   }
   pending_cv_.notify_all();
-  if (!link->out().sendAll(ok_frame.data(), ok_frame.size(), deadline).ok()) {
+  if (!link->outSocket().sendAll(ok_frame.data(), ok_frame.size(), deadline).ok()) {
     link->breakLink("peer went away during the handshake");
   }
 }
@@ -523,7 +577,7 @@ Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
       std::lock_guard<std::mutex> out(link->outMutex());
       wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
       std::string frame = wire::encode(h);
-      Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+      Status st = link->out().sendFrame(frame, deadline);
       wire::ResponseHeader rh;
       Status remote;
       if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
@@ -547,7 +601,7 @@ Status Engine::ping(uint64_t cluster_id, int64_t timeout_ms) {
   if (link->broken()) return linkDown(*link);
   Deadline deadline = Deadline::afterMs(timeout_ms);
   std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
-  Status st = link->out().sendAll(frame.data(), frame.size(), deadline);
+  Status st = link->out().sendFrame(frame, deadline);
   wire::ResponseHeader rh;
   Status remote;
   if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);

@@ -88,6 +88,10 @@ int main(int argc, char** argv) {
   auth.redirect = "pdlink-00112233445566778899aabbccddeeff";
   seed("auth-redirect", kModeAuthResult, wire::encode(auth));
   auth.redirect.clear();
+  auth.flags = wire::kAuthPayloadIntegrity;
+  for (size_t i = 0; i < sizeof(auth.tag); ++i) auth.tag[i] = static_cast<uint8_t>(i * 17);
+  seed("auth-integrity", kModeAuthResult, wire::encode(auth));
+  auth.flags = 0;
   auth.status = static_cast<uint32_t>(Code::kLinkFailed);
   auth.message = "authentication failed";
   seed("auth-refused", kModeAuthResult, wire::encode(auth));

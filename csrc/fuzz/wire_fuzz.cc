@@ -91,7 +91,7 @@ void fuzzAuthResult(const uint8_t* p, size_t n) {
   uint16_t redirect = 0;
   if (!wire::decodeFixed(p, n, &a, &len, &redirect).ok()) return;
   FUZZ_CHECK(n >= wire::kAuthResultFixedBytes && len <= wire::kMaxMessageBytes && isKnownCode(a.status) &&
-             redirect <= limits::kUnixNameBytes);
+             redirect <= limits::kUnixNameBytes && (a.flags & ~wire::kAuthPayloadIntegrity) == 0);
   a.message.assign(len, '\0');
   a.redirect.assign(redirect, '\0');
   std::string e = wire::encode(a);

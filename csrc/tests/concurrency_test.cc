@@ -4,7 +4,8 @@
 // is to run under ThreadSanitizer (races, lock-order inversions) and under AddressSanitizer with
 // LeakSanitizer (memory errors, leaks), which .ci/sanitizers.sh does.
 //
-// Usage: concurrency_test MODE [--transport auto|tcp|cma] [--seconds S] [--cycles N]
+// Usage: concurrency_test MODE [--transport auto|tcp|cma] [--secret S] [--integrity 0|1] [--seconds S]
+//        [--cycles N]
 //   stress  engines P (cluster 1, listening) and D (cluster 2) linked; for S seconds (default 10):
 //           - 3 threads on D pull random block pairs from P's blocks cache, checking the bytes;
 //           - 1 thread on D pushes blocks into P's sink cache and pulls them back, checking them;
@@ -100,6 +101,8 @@ CacheLayout layout(uint64_t bytes, uint64_t slots, bool blocks) {
 }
 
 Transport transport = Transport::kAuto;
+std::string secret;            // --secret: authenticated links (every frame sealed)
+bool payload_integrity = false;  // --integrity 1: payloads sealed too
 
 std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, uint64_t pool_bytes = 0) {
   auto e = std::make_unique<Engine>(makeCpuBackend());
@@ -110,6 +113,8 @@ std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, uint64_t pool_bytes
   c.device_pool.bytes = pool_bytes;
   c.device_pool.page_shift = 12;
   c.transport = transport;
+  c.link_secret = secret;
+  c.payload_integrity = payload_integrity;
   Status st = e->initialize(c);
   if (!st.ok()) {
     std::fprintf(stderr, "FAIL: initialize engine %llu: %s\n", static_cast<unsigned long long>(id),
@@ -434,7 +439,10 @@ int cycles(int n) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s stress|cycles [--transport auto|tcp|cma] [--seconds S] [--cycles N]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s stress|cycles [--transport auto|tcp|cma] [--secret S] [--integrity 0|1] [--seconds S] "
+                 "[--cycles N]\n",
+                 argv[0]);
     return 2;
   }
   std::string mode = argv[1];
@@ -443,6 +451,10 @@ int main(int argc, char** argv) {
     std::string opt = argv[i], val = argv[i + 1];
     if (opt == "--transport") {
       transport = val == "tcp" ? Transport::kTcp : val == "cma" ? Transport::kCma : Transport::kAuto;
+    } else if (opt == "--secret") {
+      secret = val;
+    } else if (opt == "--integrity") {
+      payload_integrity = val == "1";
     } else if (opt == "--seconds") {
       seconds = std::atoi(val.c_str());
     } else if (opt == "--cycles") {

@@ -11,6 +11,11 @@ Status Stream::sendAll(const void* data, size_t len, Deadline deadline) {
   return sendv(iov, deadline);
 }
 
+Status Stream::sendFrame(const std::string& frame, Deadline deadline) {
+  std::vector<iovec> iov{{const_cast<char*>(frame.data()), frame.size()}};
+  return sendFrame(iov, deadline);
+}
+
 Status Stream::recvAll(void* data, size_t len, Deadline deadline) {
   std::vector<iovec> iov{{data, len}};
   return recvv(iov, deadline);

@@ -30,6 +30,28 @@ class Stream {
   // Who is at the other end, for messages.
   virtual const std::string& peer() const = 0;
 
+  // Frames (an authenticated link's channels are AuthStreams: transport/auth_stream.h; on any
+  // other stream the frame calls only send, or do nothing). A frame is the bytes sent between two
+  // seals. sendFrame: sends these bytes and ends the frame (with its tag, in the same write).
+  // sealFrame: ends the frame made of the bytes sent since the last seal. checkFrame: the bytes
+  // received since the last check are one frame: read its tag and check it (kLinkFailed when it
+  // does not match); call it before acting on any of them. payload(true): the frames that follow
+  // are a transfer's payload (tensor bytes), which has a tag only with payload integrity (without
+  // it, seal and check do nothing); payload(false) ends it. Called at frame boundaries only.
+  virtual Status sendFrame(std::vector<iovec>& iov, Deadline deadline) { return sendv(iov, deadline); }
+  virtual Status sealFrame(Deadline deadline) {
+    (void)deadline;
+    return Status::OK();
+  }
+  virtual Status checkFrame(Deadline deadline) {
+    (void)deadline;
+    return Status::OK();
+  }
+  virtual void payload(bool on) { (void)on; }
+  virtual bool authenticated() const { return false; }
+  virtual bool payloadIntegrity() const { return false; }
+
+  Status sendFrame(const std::string& frame, Deadline deadline);
   Status sendAll(const void* data, size_t len, Deadline deadline);
   Status recvAll(void* data, size_t len, Deadline deadline);
   // Reads and discards exactly `len` bytes (to resynchronise after rejecting a payload).

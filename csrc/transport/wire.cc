@@ -272,6 +272,8 @@ std::string encode(const AuthResult& r) {
   w.put(static_cast<uint32_t>(r.message.size()));
   w.put(static_cast<uint16_t>(r.redirect.size()));
   w.put(r.gen_addr);
+  w.put(r.flags);
+  w.bytes(std::string(reinterpret_cast<const char*>(r.tag), sizeof(r.tag)));
   w.bytes(r.message);
   w.bytes(r.redirect);
   return w.take();
@@ -281,10 +283,12 @@ Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* messag
   Reader r(p, n);
   uint32_t magic = 0;
   if (!r.get(&magic) || magic != kAuthMagic || !r.get(&out->status) || !r.get(message_len) ||
-      !r.get(redirect_len) || !r.get(&out->gen_addr) || *message_len > kMaxMessageBytes ||
-      *redirect_len > limits::kUnixNameBytes || !isKnownCode(out->status)) {
+      !r.get(redirect_len) || !r.get(&out->gen_addr) || !r.get(&out->flags) || *message_len > kMaxMessageBytes ||
+      *redirect_len > limits::kUnixNameBytes || !isKnownCode(out->status) || (out->flags & ~kAuthPayloadIntegrity) != 0 ||
+      n < kAuthResultFixedBytes) {
     return malformed("auth-result");
   }
+  std::memcpy(out->tag, p + kAuthResultFixedBytes - sizeof(out->tag), sizeof(out->tag));
   return Status::OK();
 }
 

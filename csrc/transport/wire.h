@@ -10,7 +10,11 @@
 //   dialler  -> Hello        version, channel, flags, both cluster ids, nonce, challenge
 //   acceptor -> HelloAck     status, its cluster id, its challenge, its proof (or a refusal)
 //   dialler  -> ClientAuth   its proof; host hint and generation address (same-host channels only)
-//   acceptor -> AuthResult   status; a same-host redirect; its generation address (same-host only)
+//   acceptor -> AuthResult   status; a same-host redirect; its generation address (same-host only);
+//                            with a secret, a tag under the session key
+// With a link secret, every frame after the handshake carries a tag under a session key derived from
+// it (both challenges, both cluster ids, the nonce, the channel, the host hint, both published
+// addresses, the channel kind and the payload-integrity choice): transport/auth_stream.h.
 // Nothing about an engine's host or memory travels before the other side has proven the link
 // secret: the host hint goes out only after the acceptor's proof checked out, the acceptor's
 // redirect and addresses only after the dialler's.
@@ -59,8 +63,10 @@ enum class Channel : uint8_t { kForward = 0, kReverse = 1 };
 constexpr size_t kChallengeBytes = 16;
 constexpr size_t kProofBytes = 32;
 
-// Hello.flags: the dialler may take a same-host redirect (its transport is not forced to tcp).
+// Hello.flags: the dialler may take a same-host redirect (its transport is not forced to tcp);
+// it wants payload integrity (authenticated links: engine/engine.h EngineConfig::payload_integrity).
 constexpr uint8_t kHelloSameHost = 1;
+constexpr uint8_t kHelloPayloadIntegrity = 2;
 
 struct Hello {
   uint16_t version = kProtocolVersion;
@@ -115,14 +121,20 @@ Status decode(const uint8_t* p, size_t n, ClientAuth* out);
 
 // The acceptor's verdict. `redirect` (FORWARD TCP channels only): the AF_UNIX abstract name to
 // reconnect to for a same-host link; the acceptor closes this connection. `gen_addr`: as in
-// ClientAuth, non-zero only on AF_UNIX channels.
+// ClientAuth, non-zero only on AF_UNIX channels. `flags`: kAuthPayloadIntegrity when the acceptor
+// wants payload integrity. `tag` (with a secret; zeros without): HMAC-SHA256 under the channel's
+// session key over status, flags, gen_addr and redirect, truncated to 16 bytes, so the dialler
+// knows the verdict, the redirect and the address come from the prover, unaltered.
+constexpr uint8_t kAuthPayloadIntegrity = 1;
 struct AuthResult {
   uint32_t status = 0;
   std::string message;
   std::string redirect;
   uint64_t gen_addr = 0;
+  uint8_t flags = 0;
+  uint8_t tag[16] = {0};
 };
-constexpr size_t kAuthResultFixedBytes = 22;
+constexpr size_t kAuthResultFixedBytes = 22 + 1 + 16;
 std::string encode(const AuthResult& r);
 // Decodes the fixed part; the message (bounded) then the redirect name (bounded) follow.
 Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len, uint16_t* redirect_len);

@@ -13,7 +13,8 @@ LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limi
 
 def ptrace_grant_active() -> bool: ...  # same-host peers may read this process now (proven links exist)
 
-def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the handshake's MAC (tests)
+def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the links' MAC, libcrypto's (tests)
+def crypto_library() -> str: ...  # where libcrypto was loaded from; raises LLMException when it cannot be
 
 _Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)
 _Handle = tuple[int, list[int]]  # (cache_id, tensor addresses)
@@ -59,9 +60,10 @@ class Engine:
         host_page_shift: int,
         handshake_timeout_ms: int,
         transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
-        link_secret: str = "",  # non-empty: links must authenticate (challenge-response)
+        link_secret: str = "",  # non-empty: links must authenticate, every frame sealed (needs libcrypto)
         hccl_one_sided: bool = False,  # Ascend: HcclBatchGet/Put when both ends enable it
         limits: EngineLimits = ...,
+        payload_integrity: bool = False,  # with a link secret: payloads sealed too
     ) -> None: ...
     def finalize(self) -> None: ...
     @property

@@ -50,6 +50,10 @@ _TRANSPORTS = {"auto": 0, "tcp": 1, "cma": 2}
 # pdlink option: a shared secret every linked engine must prove it knows (challenge-response; the
 # secret never crosses the wire). The environment variable PDLINK_LINK_SECRET works the same.
 SECRET_OPTION = "pdlink.LinkSecret"
+# pdlink option, with a link secret: "1" seals the transfers' payloads (tensor bytes) too, not only
+# the frames around them; either side asking is enough (docs/security.md: its cost). "0" (default).
+# The environment variable PDLINK_PAYLOAD_INTEGRITY works the same.
+INTEGRITY_OPTION = "pdlink.PayloadIntegrity"
 # pdlink option: where cache memory lives and how DEVICE bytes move. "cpu": host memory, links move
 # it; "ascend": NPU memory through ACL, moved over HCCL (the libraries are loaded at run time, see
 # docs/ascend.md); "auto": Ascend when its libraries load and report a device, else CPU. The
@@ -173,6 +177,11 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
     one_sided = options.get(ONE_SIDED_OPTION) or os.environ.get("PDLINK_HCCL_ONE_SIDED") or "0"
     raise_if_false(one_sided in ("0", "1"),
                    f"{ONE_SIDED_OPTION} (or PDLINK_HCCL_ONE_SIDED) must be '0' or '1', got {one_sided!r}")
+    integrity = options.get(INTEGRITY_OPTION) or os.environ.get("PDLINK_PAYLOAD_INTEGRITY") or "0"
+    raise_if_false(integrity in ("0", "1"),
+                   f"{INTEGRITY_OPTION} (or PDLINK_PAYLOAD_INTEGRITY) must be '0' or '1', got {integrity!r}")
+    raise_if_false(integrity == "0" or bool(secret),
+                   f"{INTEGRITY_OPTION} needs a link secret ({SECRET_OPTION} or PDLINK_LINK_SECRET)")
     return {
         "hccl_one_sided": one_sided == "1",
         "backend": backend,
@@ -188,6 +197,7 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
         "host_page_shift": host_shift,
         "transport": _TRANSPORTS[transport],
         "link_secret": secret,
+        "payload_integrity": integrity == "1",
         "limits": _parse_limits(options),
     }
 
@@ -241,6 +251,7 @@ def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
         "switch_role": options.get("llm.EnableSwitchRole") == "1",
         "transport": cfg["transport"],
         "link_secret": cfg["link_secret"],
+        "payload_integrity": cfg["payload_integrity"],
         "backend": cfg["backend"],
         "hccl_one_sided": cfg["hccl_one_sided"],
         "limits": cfg["limits"],
@@ -318,8 +329,8 @@ class LLMDataDist:
 
     def links(self) -> list[dict[str, Any]]:
         """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
-        broken, broken_reason, transport); in v1 multi-device mode each also has
-        ``device_index``."""
+        broken, broken_reason, transport, authenticated, payload_integrity); in v1 multi-device
+        mode each also has ``device_index``."""
         engine = self._live_engine()
         if len(self._engines) == 1:
             return engine.links()
@@ -420,7 +431,8 @@ class LLMDataDist:
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
                                   host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000,
                                   transport=cfg["transport"], link_secret=cfg["link_secret"],
-                                  hccl_one_sided=cfg["hccl_one_sided"], limits=engine_limits(core, cfg["limits"]))
+                                  payload_integrity=cfg["payload_integrity"], hccl_one_sided=cfg["hccl_one_sided"],
+                                  limits=engine_limits(core, cfg["limits"]))
                 engines.append(engine)
         except BaseException:
             for engine in engines:

@@ -9,6 +9,7 @@ polled back to their level before the attack.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 
@@ -233,7 +234,7 @@ def test_nothing_about_the_engine_goes_out_before_the_proof(peers: Callable[...,
     p = peers("prefill", env=variant.env())
     port = p.call(kv.start, "prompt", 1, listen=True, extra={"pdlink.LinkSecret": "s3cret"})
     hint = rawwire.host_hint()
-    wrong = rawwire.handshake(port, flags=rawwire.HELLO_SAME_HOST, hint=hint, secret=b"guess")
+    wrong = rawwire.handshake(port, flags=rawwire.HELLO_SAME_HOST, hint=hint, send_proof=os.urandom(32))  # a guess
     assert (wrong.stage, wrong.status) == ("auth", S.LLM_LINK_FAILED) and "authentication failed" in wrong.message
     assert wrong.result is not None and wrong.result.redirect == "" and wrong.result.gen_addr == 0
     right = rawwire.handshake(port, flags=rawwire.HELLO_SAME_HOST, hint=hint, secret=b"s3cret")

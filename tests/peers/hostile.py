@@ -109,6 +109,9 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
     if mode == "ack_wrong_cluster":
         conn.sendall(rawwire.ack(cluster=77))
         return
+    if mode == "ack_other_version":
+        conn.sendall(rawwire.ack(cluster=expected, version=rawwire.VERSION + 1))
+        return
     conn.sendall(rawwire.ack(cluster=expected if expected != rawwire.ANY else 1))  # whoever the victim dials
     auth = rawwire.recv_exact(conn, rawwire.CLIENT_AUTH_BYTES)
     boot, gen = auth[32:48], struct.unpack("<Q", auth[56:64])[0]
@@ -128,7 +131,7 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
         conn.sendall(rawwire.auth_result(gen_addr=0x1000))
         return
     if mode == "auth_huge_redirect":
-        conn.sendall(struct.pack("<IIIHQ", rawwire.AUTH_MAGIC, 0, 0, 0xFFFF, 0))
+        conn.sendall(struct.pack("<IIIHQB", rawwire.AUTH_MAGIC, 0, 0, 0xFFFF, 0, 0) + bytes(rawwire.TAG_BYTES))
         return
     conn.sendall(rawwire.auth_result(gen_addr=gen_addr))
     if channel == 0:

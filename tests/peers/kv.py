@@ -19,6 +19,7 @@ function needs to clean up after the test.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -127,6 +128,24 @@ def link(remote_id: int, port: int, timeout_ms: int = 5000,
          ip: str = "127.0.0.1") -> tuple[LLMStatusCode, list[LLMStatusCode]]:
     status, per_cluster = _dd().link_clusters([cluster(remote_id, port, ip)], timeout_ms)
     return status, list(per_cluster)
+
+
+def link_logged(remote_id: int, port: int, timeout_ms: int = 5000,
+                ip: str = "127.0.0.1") -> tuple[LLMStatusCode, list[str]]:
+    """Like ``link``, and what the library logged about it (the reason of a failed link)."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("pdlink").addHandler(handler)
+    try:
+        status, _ = _dd().link_clusters([cluster(remote_id, port, ip)], timeout_ms)
+    finally:
+        logging.getLogger("pdlink").removeHandler(handler)
+    return status, records
 
 
 def unlink(remote_id: int, port: int, force: bool = False, timeout_ms: int | None = None) -> LLMStatusCode:

@@ -95,6 +95,7 @@ class KvTransfer:
     test_kv: TestKv = field(default_factory=TestKv)
     link_secret: str = field(default="", repr=False)  # "" : links are not authenticated
     link_secret_source: str = "none"  # "none", "env PDLINK_LINK_SECRET" or the file's path
+    payload_integrity: bool = False  # with a link secret: payloads sealed too (docs/security.md)
 
 
 @dataclass(frozen=True)
@@ -467,8 +468,12 @@ def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvT
         test_kv=test_kv,
     )
     secret, source = _link_secret(kv.str("linkSecretFile", None), home, env)
+    integrity = kv.bool("payloadIntegrity", False)
+    if integrity and not secret:
+        raise ConfigError("KvTransferConfig.payloadIntegrity needs a link secret (linkSecretFile or env "
+                          "PDLINK_LINK_SECRET)")
     kv.done()
-    return replace(out, link_secret=secret, link_secret_source=source)
+    return replace(out, link_secret=secret, link_secret_source=source, payload_integrity=integrity)
 
 
 def _model_section(root: _Section, device_count: int) -> ModelInfo:

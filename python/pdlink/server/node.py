@@ -372,7 +372,8 @@ class Node:
                 # The role post's device ids (logical, as strings) pick the NPU on Ascend.
                 dev = plan.device_ids[i] if i < len(plan.device_ids) else str(i)
                 engine = self._core.Engine(self._core.open_backend(kv.backend, int(dev) if dev.isdigit() else i))
-                auth = {"link_secret": kv.link_secret} if kv.link_secret else {}
+                auth = ({"link_secret": kv.link_secret, "payload_integrity": kv.payload_integrity}
+                        if kv.link_secret else {})
                 engine.initialize(plan.cluster_id, ROLES[plan.role], listen_ip=ip, listen_port=port,
                                   sync_timeout_ms=kv.sync_kv_timeout_ms, device_pool_bytes=0, device_page_shift=16,
                                   host_pool_bytes=0, host_page_shift=16, handshake_timeout_ms=5000,
