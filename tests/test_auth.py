@@ -14,7 +14,7 @@ import pytest
 import rawwire
 from backend_env import peer_env
 from internals import core as _core
-from pdlink import LLMStatusCode
+from pdlink import LLMException, LLMStatusCode
 from peer import wait_for
 
 SETUP = """
@@ -139,3 +139,46 @@ def test_sealed_frames_follow_the_documented_scheme(peers):
     assert wait_for(lambda: "failed its authentication" in p.eval("dd.links()")[0]["broken_reason"])
     fwd.sock.close()
     rev.sock.close()
+
+
+@pytest.mark.parametrize("options, env", [
+    ({"pdlink.PayloadIntegrity": "yes", "pdlink.LinkSecret": "s"}, {}),  # not '0' or '1'
+    ({"pdlink.PayloadIntegrity": "1"}, {}),  # no secret to seal with
+    ({}, {"PDLINK_PAYLOAD_INTEGRITY": "1"}),
+], ids=["bad-value", "option-without-secret", "env-without-secret"])
+def test_payload_integrity_option_is_validated(monkeypatch, options, env):
+    from internals import parse_engine_options
+
+    monkeypatch.delenv("PDLINK_LINK_SECRET", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(LLMException) as e:
+        parse_engine_options(options)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_payload_integrity_option_reaches_the_engine():
+    from internals import parse_engine_options
+
+    cfg = parse_engine_options({"pdlink.PayloadIntegrity": "1", "pdlink.LinkSecret": "s"})
+    assert cfg["payload_integrity"] is True and cfg["link_secret"] == "s"
+    assert parse_engine_options({})["payload_integrity"] is False
+    # the engine itself refuses integrity without a secret, whoever asks
+    e = _core.Engine("cpu")
+    with pytest.raises(LLMException) as err:
+        e.initialize(3, 0, "", 0, 1000, 0, 16, 0, 16, 1000, payload_integrity=True)
+    assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_a_secret_without_libcrypto_fails_init_naming_what_is_missing(peers):
+    """libcrypto is loaded at run time: where it cannot be, an engine with a secret does not start
+    (and says what to install); one without a secret does not need it."""
+    from peers import kv
+
+    p = peers("prefill", env=peer_env("tcp", PDLINK_LIBCRYPTO="/nonexistent/libcrypto.so.3"))
+    with pytest.raises(LLMException) as e:
+        p.call(kv.start, "prompt", 1, listen=True, extra={"pdlink.LinkSecret": "s"})
+    assert e.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert "/nonexistent/libcrypto.so.3" in str(e.value) and "libssl3" in str(e.value)
+    q = peers("decode", env=peer_env("tcp", PDLINK_LIBCRYPTO="/nonexistent/libcrypto.so.3"))
+    assert q.call(kv.start, "decoder", 2) == 0

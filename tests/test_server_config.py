@@ -232,6 +232,14 @@ def test_link_secret_file_then_env(tmp_path):
         load(cfg(tmp_path, kv={"linkSecretFile": "absent"}, name="absent.json"))
 
 
+def test_payload_integrity_needs_a_link_secret(tmp_path):
+    assert load(cfg(tmp_path, name="off.json"), PDLINK_LINK_SECRET="s").kv.payload_integrity is False
+    s = load(cfg(tmp_path, kv={"payloadIntegrity": True}, name="on.json"), PDLINK_LINK_SECRET="s")
+    assert s.kv.payload_integrity is True
+    with pytest.raises(C.ConfigError, match="payloadIntegrity needs a link secret"):
+        load(cfg(tmp_path, kv={"payloadIntegrity": True}, name="nosecret.json"))
+
+
 # ------------------------------------------------------------------------------------- TLS files
 
 @pytest.fixture(scope="module")
