@@ -34,6 +34,9 @@ ROW = SHAPE[1] * 2
 SECRET = "mitm-test-secret"
 AUTH_FAILURE = "failed its authentication"
 S = LLMStatusCode
+# Every attack without a secret (it works), with sealed frames, and with payload integrity too.
+MODES = [(False, False), (True, False), (True, True)]
+MODE_IDS = ["no-secret", "sealed", "payload-integrity"]
 pytestmark = only("cpu-tcp")  # the proxy sits on a TCP link; same-host channels are AF_UNIX (kernel-proven)
 
 
@@ -92,14 +95,14 @@ def block_write(block: int, data: bytes) -> bytes:
                            payload_len=len(data)) + data
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_an_injected_read_gets_no_answer(mitm: Callable[..., Mitm], secret: bool) -> None:
+@pytest.mark.parametrize("secret, integrity", MODES, ids=MODE_IDS)
+def test_an_injected_read_gets_no_answer(mitm: Callable[..., Mitm], secret: bool, integrity: bool) -> None:
     """The proxy asks the victim for block 3 of its cache. Without a secret the victim answers with
     it; with one, the frame fails its check and nothing comes back."""
-    m = mitm(secret=secret)
+    m = mitm(secret=secret, integrity=integrity)
     check_transfer(m.src, m.dst, lambda: m.decode.call(kv.pull_blocks, KEY, "kv", [0], [0]), rows([(0, 0)]))
     fwd = m.proxy.forward()
-    assert fwd.authenticated == secret
+    assert (fwd.authenticated, fwd.integrity) == (secret, integrity)
     src = m.src()
     fwd.inject(block_read(3) + os.urandom(rawwire.TAG_BYTES))  # a tag the proxy can only guess
     if not secret:
@@ -114,9 +117,9 @@ def test_an_injected_read_gets_no_answer(mitm: Callable[..., Mitm], secret: bool
     assert_same(m.src(), src, "victim")
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_an_injected_write_does_not_land(mitm: Callable[..., Mitm], secret: bool) -> None:
-    m = mitm(secret=secret)
+@pytest.mark.parametrize("secret, integrity", MODES, ids=MODE_IDS)
+def test_an_injected_write_does_not_land(mitm: Callable[..., Mitm], secret: bool, integrity: bool) -> None:
+    m = mitm(secret=secret, integrity=integrity)
     fwd = m.proxy.forward()
     src = m.src()
     forged = b"\xee" * ROW
@@ -130,11 +133,11 @@ def test_an_injected_write_does_not_land(mitm: Callable[..., Mitm], secret: bool
     assert_same(m.src(), src, "victim")
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_a_replayed_push_does_not_land_again(mitm: Callable[..., Mitm], secret: bool) -> None:
+@pytest.mark.parametrize("secret, integrity", MODES, ids=MODE_IDS)
+def test_a_replayed_push_does_not_land_again(mitm: Callable[..., Mitm], secret: bool, integrity: bool) -> None:
     """The decoder pushes its block 1 into the victim's block 2; the victim's own data then
     changes; the proxy sends the recorded push again."""
-    m = mitm(secret=secret)
+    m = mitm(secret=secret, integrity=integrity)
     check_transfer(m.dst, m.src, lambda: m.decode.call(kv.push_blocks, KEY, "kv", [1], [2]), rows([(1, 2)]))
     fwd = m.proxy.forward()
     (push,) = [r for r in fwd.requests if r.op == rawwire.OP_WRITE]
@@ -164,11 +167,11 @@ def hold_commits(channel: Channel, req: Request) -> list[bytes]:
     return [req.raw]
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_reordered_frames_are_detected(mitm: Callable[..., Mitm], secret: bool) -> None:
+@pytest.mark.parametrize("secret, integrity", MODES, ids=MODE_IDS)
+def test_reordered_frames_are_detected(mitm: Callable[..., Mitm], secret: bool, integrity: bool) -> None:
     """A pull by cache id and index ends with a commit (the victim may then release what it
     read); the proxy delivers the next pull before it."""
-    m = mitm(secret=secret, on_request=hold_commits)
+    m = mitm(secret=secret, integrity=integrity, on_request=hold_commits)
     cache_id = m.prefill.call(kv.register, "req", 1, (2, 256), seed=4)
     keys = [CacheKeyByIdAndIndex(PROMPT_ID, cache_id, 0), CacheKeyByIdAndIndex(PROMPT_ID, cache_id, 1)]
     m.decode.call(kv.register, "dst", 1, (2, 256), seed=None)
@@ -207,9 +210,9 @@ def drop_last_run(channel: Channel, req: Request) -> list[bytes]:
     return [cut.raw]
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_a_push_cut_short_is_detected(mitm: Callable[..., Mitm], secret: bool) -> None:
-    m = mitm(secret=secret, on_request=drop_last_run)
+@pytest.mark.parametrize("secret, integrity", MODES, ids=MODE_IDS)
+def test_a_push_cut_short_is_detected(mitm: Callable[..., Mitm], secret: bool, integrity: bool) -> None:
+    m = mitm(secret=secret, integrity=integrity, on_request=drop_last_run)
     src0 = m.src()
     if not secret:  # the pusher is told both blocks landed; only the first did
         m.decode.call(kv.push_blocks, KEY, "kv", [0, 1], [1, 3])
@@ -264,9 +267,9 @@ def rewrite_cluster(hello: bytes) -> bytes:
     return hello[:8] + struct.pack("<Q", 7) + hello[16:]
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_a_rewritten_identity_fails_the_handshake(mitm: Callable[..., Mitm], secret: bool) -> None:
-    m = mitm(secret=secret, on_hello=rewrite_cluster, link=False)
+@pytest.mark.parametrize("secret, integrity", MODES, ids=MODE_IDS)
+def test_a_rewritten_identity_fails_the_handshake(mitm: Callable[..., Mitm], secret: bool, integrity: bool) -> None:
+    m = mitm(secret=secret, integrity=integrity, on_hello=rewrite_cluster, link=False)
     status, log = m.decode.call(kv.link_logged, PROMPT_ID, m.proxy.port)
     if not secret:  # the victim believes cluster 7 linked
         assert status == S.LLM_SUCCESS
