@@ -286,7 +286,10 @@ def test_authenticated_links_move_exact_bytes(make_pair: Callable[..., Pair], in
     chunks): pulls and pushes on every path are byte-exact. Blocks of 160 KiB, so a sealed payload
     spans several chunks, and chunk boundaries fall inside runs and between them."""
     env = {"PDLINK_LINK_SECRET": "transfer-secret", **({"PDLINK_PAYLOAD_INTEGRITY": "1"} if integrity else {})}
-    pair = make_pair(prefill_env=env, decode_env=env, pool=None)
+    # a generous timeout: under ThreadSanitizer (.ci/sanitizers.sh) the push lands in the serving
+    # thread, and each received piece of these large blocks is a suppressed race report there
+    # (ordered through the peer process, which TSan cannot see), seconds in all
+    pair = make_pair(prefill_env=env, decode_env=env, pool=None, timeout=30000)
     shape = (6, 80 * 1024)  # 6 blocks of 160 KiB per tensor
     pair.prefill.call(kv.register_blocks, "kv", 2, shape, seed=1, key=KEY)
     pair.decode.call(kv.register_blocks, "kv", 2, shape, seed=2)

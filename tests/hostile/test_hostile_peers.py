@@ -88,8 +88,16 @@ def test_a_frame_over_the_request_bounds_drops_only_that_link(peers: Callable[..
     # the link's serving thread is gone; the broken link entity keeps its two sockets (shut down,
     # not closed) until it is unlinked, so that switch_role still sees it
     fds, threads = base
-    wait_until(lambda: (lambda r: r[0] <= fds + 2 and r[1] <= threads)(victim.prefill.call(kv.resources)), 20,
-               f"the victim's descriptors and threads back to {base} (+2 descriptors)")
+    seen: list[tuple[int, int]] = []
+
+    def settled() -> bool:
+        seen.append(victim.prefill.call(kv.resources))
+        return seen[-1][0] <= fds + 2 and seen[-1][1] <= threads
+
+    try:
+        wait_until(settled, 20, f"the victim's descriptors and threads back to {base} (+2 descriptors)")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last (descriptors, threads): {seen[-1]}") from None
     honest_pull(victim, 4)
 
 
