@@ -124,7 +124,7 @@ run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread F
   TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$PWD/.ci/tsan.supp" \
   "$CI_OUT/tsan-venv/bin/python" -m pytest tests/test_transfer.py tests/test_transfer_async.py \
   tests/test_faults.py tests/test_load.py tests/test_comm_link.py tests/test_ascend_ipc.py \
-  tests/test_ascend_onesided.py -q -s -p no:cacheprovider -m "heavy or not heavy"
+  tests/test_ascend_onesided.py tests/test_programs.py -q -s -p no:cacheprovider -m "heavy or not heavy"
 
 step "TSan: concurrency_test"
 configure "$CI_OUT/tsan" -DPDLINK_SANITIZE=thread -DPDLINK_BUILD_TESTS=ON

@@ -122,14 +122,16 @@ def test_init_lifecycle_single_instance_per_process(peers):
     with pytest.raises(RuntimeError, match="not initialized"):
         p.eval("dd2.cache_manager")
     assert p.eval("LLMDataDist.llm_engine_instance is dd")
-    # finalize twice is a no-op; afterwards every call raises RuntimeError, even on the old manager
+    # finalize twice is a no-op; afterwards every call raises RuntimeError, and the old manager
+    # LLM_ENGINE_FINALIZED (test_lifecycle.py has every operation)
     p.exec("dd.finalize(); dd.finalize()")
     assert p.eval("LLMDataDist.llm_engine_instance is None")
-    for expr in ("dd.listen_port", "dd.cache_manager",
-                 "cm0.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_INT8))"):
+    for expr in ("dd.listen_port", "dd.cache_manager"):
         with pytest.raises(RuntimeError) as e:
             p.eval(expr)
         assert type(e.value) is RuntimeError and str(e.value) == "llm datadist is not initialized"
+    with llm_error(S.LLM_ENGINE_FINALIZED):
+        p.eval("cm0.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_INT8))")
     # now the second instance may start, and the first one's listener is gone
     p.exec("dd2.init(options(pool=1 << 20)); cm2 = dd2.cache_manager")
     ret = p.eval(f"dd2.link_clusters([cluster(1, {port})], 500)")
@@ -541,13 +543,13 @@ def test_link_clusters_failure_codes(pd):
     assert ret == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [])
     ret = d.eval(f"dd.unlink_clusters([cluster(100 + i, {pd.port}) for i in range(17)], 1000)")
     assert ret == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [])
-    # a remote ip is required (exactly one) for a non-forced link/unlink
-    for code in ["c = LLMClusterInfo(); c.remote_cluster_id = 1; c.append_local_ip_info('127.0.0.1', 0)\n"
-                 "dd.link_clusters([c], 1000)",
-                 f"c = cluster(1, {pd.port}); c.append_remote_ip_info('127.0.0.1', {pd.port})\n"
-                 "dd.unlink_clusters([c], 1000)"]:
-        with llm_error(S.LLM_PARAM_INVALID):
-            d.exec(code)
+    # a remote ip is required (exactly one) for a link (raised) and a non-forced unlink (the
+    # cluster's status, as upstream's engine answers it)
+    with llm_error(S.LLM_PARAM_INVALID):
+        d.exec("c = LLMClusterInfo(); c.remote_cluster_id = 1; c.append_local_ip_info('127.0.0.1', 0)\n"
+               "dd.link_clusters([c], 1000)")
+    d.exec(f"c = cluster(1, {pd.port}); c.append_remote_ip_info('127.0.0.1', {pd.port})")
+    assert d.eval("dd.unlink_clusters([c], 1000)") == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID])
     assert [lk["peer_cluster_id"] for lk in d.eval("dd.links()")] == [1]  # the link is untouched
 
 

@@ -96,7 +96,7 @@ c1 = cm.register_blocks_cache(CacheDesc(4, [16, 8], DataType.DT_FLOAT16), addrs(
     assert p.eval("dd.links()") == [] and d.eval("dd.links()") == []
     with pytest.raises(LLMException) as e:
         d.exec(f"dd.query_register_mem_status({d_comm})")
-    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK  # as upstream, for an unlinked comm id
 
 
 def test_pull_blocks_sample_with_swap_to_host(peers, backend):

@@ -323,7 +323,7 @@ def test_validation_remote_accessible_mode(peers):
     assert p.eval("cm.transfer_cache_async(c_kv, s, [K], None, None, 0).get_results()") == [S.LLM_NOT_YET_LINK]
     assert p.eval("cm.transfer_cache_async(c_ct, s, [K], None, [0], 64).get_results()") == [S.LLM_NOT_YET_LINK]
     p.exec("dd.finalize()")
-    _expect(p, "c_kv, s, [K]", RuntimeError)
+    _expect(p, "c_kv, s, [K]", LLMException, S.LLM_ENGINE_FINALIZED)  # a finalized engine's manager
 
 
 def test_validation_raw_address_mode(peers):

@@ -104,6 +104,7 @@ PYBIND11_MODULE(_core, m) {
     limits["max_message_bytes"] = limits::kMaxMessageBytes;
     limits["read_chunk_bytes"] = limits::kReadChunkBytes;
     limits["payload_chunk_bytes"] = limits::kPayloadChunkBytes;
+    limits["link_log_entries"] = limits::kLinkLogEntries;
     m.attr("LIMITS") = limits;
   }
   // Whether this process currently lets same-host peers read its memory (cma::Grant).
@@ -200,7 +201,7 @@ PYBIND11_MODULE(_core, m) {
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
              uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret,
-             bool hccl_one_sided, const EngineLimits& limits, bool payload_integrity) {
+             bool hccl_one_sided, const EngineLimits& limits, bool payload_integrity, bool one_way_links) {
             EngineConfig c;
             c.cluster_id = cluster_id;
             c.role = static_cast<Role>(role);
@@ -215,6 +216,7 @@ PYBIND11_MODULE(_core, m) {
             c.link_secret = link_secret;
             c.payload_integrity = payload_integrity;
             c.one_sided = hccl_one_sided;
+            c.one_way_links = one_way_links;
             if (limits.max_links == 0 || limits.max_handshakes == 0 || limits.max_handshakes_per_source == 0 ||
                 limits.pin_timeout_ms < 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
@@ -226,7 +228,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
           py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
           py::arg("transport") = 0, py::arg("link_secret") = "", py::arg("hccl_one_sided") = false,
-          py::arg("limits") = EngineLimits(), py::arg("payload_integrity") = false,
+          py::arg("limits") = EngineLimits(), py::arg("payload_integrity") = false, py::arg("one_way_links") = false,
           py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)
@@ -302,6 +304,12 @@ PYBIND11_MODULE(_core, m) {
             return toList(e.unlink(ids, timeout_ms, force));
           },
           py::call_guard<py::gil_scoped_release>())
+      .def("linked_since",
+           [](const Engine& e, uint64_t after) {
+             std::vector<uint64_t> peers;
+             uint64_t latest = e.linkedSince(after, &peers);
+             return std::make_pair(latest, peers);
+           })
       .def("links",
            [](const Engine& e) {
              py::list out;

@@ -32,6 +32,9 @@ constexpr size_t kIpcKeyBytes = 64;
 // receiver lands a chunk in its destination only once the tag checked out, staging at most one
 // chunk per transfer (transport/auth_stream.h).
 constexpr size_t kPayloadChunkBytes = 256u << 10;
+// The engine remembers this many of the latest link installations (Engine::linkedSince), so that
+// a status poll learns of a link that came and went between two polls.
+constexpr size_t kLinkLogEntries = 1024;
 // An AF_UNIX abstract socket name offered for a same-host link (sun_path minus the leading NUL).
 constexpr size_t kUnixNameBytes = 64;
 

@@ -64,6 +64,10 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
 }
 
 Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
+  if (config_.one_way_links && link.initiator()) {  // our own one-way link: the peer may not use it
+    return Status(Code::kNotYetLink, "with one-way links (transfer backend hixl) only the side that linked reads "
+                                     "or writes over a link; call link_clusters on that side too");
+  }
   const bool direct = h.flags & wire::kFlagDirect, device = h.flags & wire::kFlagDevice;
   const bool one_sided = h.flags & wire::kFlagOneSided;
   // Absolute addresses go only to a peer the kernel proved to be on this host (cma and IPC), or
@@ -140,14 +144,18 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
     return st;
   }
   if (h.op == wire::Op::kCommit) {
+    // A commit releases keys the peer read; over our own one-way link it read nothing.
+    if (!admitAccess(*link, h).ok()) return Status::OK();
     registry_.commitRead(tb.target, tb.tensors);
     return Status::OK();
   }
   if (h.op == wire::Op::kRelease) return Status::OK();
   if (h.op == wire::Op::kDescribe) {
     // With device memory in play the checked round trip decides (it knows each cache's placement).
+    const Status admitted = admitAccess(*link, h);
     Result<wire::CacheDescriptor> d =
-        !link->sameHost() ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
+        !admitted.ok() ? Result<wire::CacheDescriptor>(admitted)
+        : !link->sameHost() ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
         : device_transport_ ? Status(Code::kParamInvalid, "no direct reads here")
         : tb.target.kind == wire::TargetKind::kBlocks
             ? registry_.describe(tb.target.model_id)

@@ -52,6 +52,7 @@ Status Engine::initialize(const EngineConfig& config) {
   }
   if (!config.link_secret.empty()) PDLINK_RETURN_IF_ERROR(crypto::available());  // names what is missing
   config_ = config;
+  links_.setOneWay(config.one_way_links);
   if (config.device_pool.bytes > 0) {
     auto pool = MemPool::create(backend_, Placement::kDevice, config.device_pool.bytes, config.device_pool.page_shift);
     if (!pool.ok()) return pool.status();
@@ -265,6 +266,17 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
+    if (config_.one_way_links) {
+      // As llm_datadist's hixl backend: the role is a label; links and listener stay as they are.
+      const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
+                                              (listen_port == listener_->port() || listen_port == 0));
+      if (!same) {
+        return Status(Code::kFeatureNotEnabled, "with one-way links (transfer backend hixl) switch_role cannot "
+                                                "change the listen address; finalize and init again");
+      }
+      role_ = role;
+      return Status::OK();
+    }
     if (!links_.empty() || !linking_.empty()) {
       std::string ids;
       for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -90,6 +91,12 @@ struct EngineConfig {
   // (HcclBatchSendRecv). Off by default: the one-sided API is not public HCCL and its struct
   // layouts changed between CANN releases (docs/ascend.md).
   bool one_sided = false;
+  // One-way links (llm_datadist's "hixl" transfer backend): only the side that dialled a link
+  // reads and writes over it; the acceptor serves it but cannot use it for its own requests
+  // (kNotYetLink until it links too), and both sides may link to each other, each link on its own.
+  // unlink drops only this side's own link, without telling the peer, and succeeds when there is
+  // none; switch_role keeps the links and the listener (a new listen address: kFeatureNotEnabled).
+  bool one_way_links = false;
   EngineLimits limits;
 };
 
@@ -166,6 +173,11 @@ class Engine {
                            std::vector<uint64_t>* peer_ids = nullptr);
   std::vector<Status> unlink(const std::vector<uint64_t>& cluster_ids, int64_t timeout_ms, bool force);
   std::vector<LinkInfo> links() const;
+  // Every link this engine installed (dialled or accepted) is numbered, from 1. Returns the number
+  // of the latest (0: none yet) and, in `peers`, the cluster ids of those numbered after `after`,
+  // oldest first: a poll sees a link that came and went meanwhile (link()'s sticky OK status).
+  // Only the latest limits::kLinkLogEntries are kept; older ones are left out. Thread-safe.
+  uint64_t linkedSince(uint64_t after, std::vector<uint64_t>* peers) const;
   // One round trip on the link (check_link_status). kNotYetLink / kLinkFailed / kTimeout.
   Status ping(uint64_t cluster_id, int64_t timeout_ms);
   // A second listener, the rendezvous endpoint of two-sided link() calls; idempotent for the same
@@ -322,6 +334,8 @@ class Engine {
   Role role_ = Role::kMix;                           // guarded by mu_
   LinkTable links_;                                  // guarded by mu_
   std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
+  std::deque<std::pair<uint64_t, uint64_t>> link_log_;  // (number, peer) of the latest links, guarded by mu_
+  uint64_t link_seq_ = 0;                            // guarded by mu_
 
   // Listeners are destroyed (which joins their thread) only outside mu_.
   std::unique_ptr<Listener> listener_;       // from listen_ip_info / switch_role, guarded by mu_

@@ -26,7 +26,7 @@ size_t LinkTable::tombstones() const {
 std::shared_ptr<Link> LinkTable::forRequests(uint64_t peer) const {
   auto it = entries_.find(peer);
   if (it == entries_.end()) return nullptr;
-  for (const auto& l : {it->second.dialled, it->second.accepted}) {
+  for (const auto& l : {it->second.dialled, one_way_ ? nullptr : it->second.accepted}) {
     if (l && !l->broken()) return l;
   }
   return nullptr;
@@ -41,7 +41,8 @@ std::shared_ptr<Link> LinkTable::slot(uint64_t peer, bool dialled) const {
 std::optional<std::string> LinkTable::downReason(uint64_t peer) const {
   auto it = entries_.find(peer);
   if (it == entries_.end()) return std::nullopt;
-  for (const auto& l : {it->second.dialled, it->second.accepted}) {
+  if (one_way_ && !it->second.dialled && !it->second.tombstone) return std::nullopt;  // only the peer's link
+  for (const auto& l : {it->second.dialled, one_way_ ? nullptr : it->second.accepted}) {
     if (l) return l->brokenReason();
   }
   return it->second.tombstone ? it->second.tombstone->info.broken_reason : std::string();
@@ -62,6 +63,10 @@ void LinkTable::retire(const std::shared_ptr<Link>& link, size_t max_tombstones)
   Entry& e = it->second;
   std::shared_ptr<Link>& slot = link->initiator() ? e.dialled : e.accepted;
   if (slot != link) return;  // replaced or unlinked meanwhile
+  if (one_way_ && !link->initiator()) {  // the peer's link: nothing of it stays here
+    forget(link);
+    return;
+  }
   e.tombstone = Tombstone{infoOf(*link), ++seq_};
   e.tombstone->info.broken = true;
   slot.reset();
@@ -89,9 +94,19 @@ void LinkTable::forget(const std::shared_ptr<Link>& link) {
 std::vector<std::shared_ptr<Link>> LinkTable::remove(uint64_t peer, bool* had) {
   std::vector<std::shared_ptr<Link>> out;
   auto it = entries_.find(peer);
-  *had = it != entries_.end();
-  if (!*had) return out;
-  for (auto& l : {it->second.dialled, it->second.accepted}) {
+  *had = false;
+  if (it == entries_.end()) return out;
+  Entry& e = it->second;
+  if (one_way_) {
+    *had = e.dialled || e.tombstone;
+    if (e.dialled) out.push_back(std::move(e.dialled));
+    e.dialled.reset();
+    e.tombstone.reset();
+    if (e.holdsNothing()) entries_.erase(it);
+    return out;
+  }
+  *had = true;
+  for (auto& l : {e.dialled, e.accepted}) {
     if (l) out.push_back(l);
   }
   entries_.erase(it);
@@ -114,7 +129,22 @@ std::vector<LinkInfo> LinkTable::infos() const {
   for (const auto& [peer, e] : entries_) {
     if (e.dialled) out.push_back(infoOf(*e.dialled));
     if (e.accepted) out.push_back(infoOf(*e.accepted));
-    if (e.tombstone && !e.dialled && !e.accepted) out.push_back(e.tombstone->info);
+    // A dead link still shows while nothing replaced it (one-way: while this side has no link of
+    // its own; the peer's accepted one is not a replacement).
+    if (e.tombstone && !e.dialled && (one_way_ || !e.accepted)) out.push_back(e.tombstone->info);
+  }
+  return out;
+}
+
+std::vector<LinkInfo> LinkTable::ownInfos() const {
+  if (!one_way_) return infos();
+  std::vector<LinkInfo> out;
+  for (const auto& [peer, e] : entries_) {
+    if (e.dialled) {
+      out.push_back(infoOf(*e.dialled));
+    } else if (e.tombstone) {  // one-way tombstones are of dialled links only
+      out.push_back(e.tombstone->info);
+    }
   }
   return out;
 }

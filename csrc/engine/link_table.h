@@ -10,6 +10,8 @@
 //
 // Symmetric use (CacheManager mode): a request takes the dialled link when it is usable, else the
 // accepted one. A new accepted link never displaces the dialled one.
+// One-way use (setOneWay): only the dialled link is this side's; an accepted link is the peer's,
+// served here but never used for requests, and leaves no tombstone when it dies.
 // Threading: not thread-safe; the engine uses it under its mutex only.
 #pragma once
 
@@ -26,6 +28,7 @@ namespace pdlink {
 
 class LinkTable {
  public:
+  void setOneWay(bool one_way) { one_way_ = one_way; }
   // Links that are not tombstones (broken ones included until their serving thread retires them).
   size_t live() const;
   size_t tombstones() const;
@@ -50,12 +53,15 @@ class LinkTable {
   void retire(const std::shared_ptr<Link>& link, size_t max_tombstones);
   // Forgets `link` if it still holds its slot (the peer unlinked it), leaving no tombstone.
   void forget(const std::shared_ptr<Link>& link);
-  // Removes everything held for `peer` and returns its links (to notify and break). `had` tells
-  // whether anything was held.
+  // Removes everything held for `peer` (one-way: only this side's own link and tombstone) and
+  // returns its links (to notify and break). `had` tells whether anything was removed.
   std::vector<std::shared_ptr<Link>> remove(uint64_t peer, bool* had);
   std::vector<std::shared_ptr<Link>> removeAll();
 
   std::vector<LinkInfo> infos() const;
+  // What this side holds as its own link entities (one-way: the dialled links and their
+  // tombstones; symmetric: everything), for the already-linked check.
+  std::vector<LinkInfo> ownInfos() const;
   std::vector<uint64_t> peers() const;
 
  private:
@@ -69,6 +75,7 @@ class LinkTable {
     bool holdsNothing() const { return !dialled && !accepted && !tombstone; }
   };
   std::map<uint64_t, Entry> entries_;
+  bool one_way_ = false;
   uint64_t seq_ = 0;
 };
 

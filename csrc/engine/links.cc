@@ -7,6 +7,7 @@
 #include <cstring>
 #include <future>
 
+#include "core/limits.h"
 #include "core/log.h"
 #include "engine/engine_internal.h"
 #include "transport/cma.h"
@@ -55,9 +56,10 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     if (known && peer.cluster_id == config_.cluster_id) {
       return Status(Code::kParamInvalid, "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
     }
-    // A link entity (a dead one too, until unlinked) for this peer: llm_datadist answers
-    // LLM_ALREADY_LINK.
-    for (const LinkInfo& l : links_.infos()) {
+    // A link entity of this side (a dead one too, until unlinked) for this peer: llm_datadist
+    // answers LLM_ALREADY_LINK. (So a peer that linked to us first makes our own link attempt
+    // ALREADY_LINK: its link is symmetric. One-way links count only our own.)
+    for (const LinkInfo& l : links_.ownInfos()) {
       if ((known && l.peer_cluster_id == peer.cluster_id) || (!known && l.peer_address == where)) {
         if (linked_id) *linked_id = l.peer_cluster_id;
         return Status(Code::kAlreadyLink, clusterName(l.peer_cluster_id) + " is already linked");
@@ -258,6 +260,8 @@ Status Engine::chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* di
 }
 
 void Engine::installLink(const std::shared_ptr<Link>& link) {
+  link_log_.emplace_back(++link_seq_, link->peer());
+  if (link_log_.size() > limits::kLinkLogEntries) link_log_.pop_front();
   if (std::shared_ptr<Link> old = links_.install(link)) {
     // The peer re-linked without unlinking (it restarted, or force-unlinked its end), and its old
     // link was dead, or the newcomer proved the secret (handleIncoming): the old entity is stale,
@@ -470,7 +474,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
                                          std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll())),
                                [&] { return pending->done || stopping_; });
       }
-      pending_.erase(hello.nonce);
+      if (auto it = pending_.find(hello.nonce); it != pending_.end() && it->second == pending) pending_.erase(it);
       if (pending->done) link = pending->link;
       if (!link) handshaking_.erase(tracked);
     }
@@ -543,6 +547,8 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     // mutex under mu_ cannot deadlock.
     out_lock = std::unique_lock<std::mutex>(link->outMutex());
     installLink(link);
+    // No longer waiting: counted as a live link from now on, not twice against pdlink.MaxLinks.
+    pending_.erase(it);
     pending->link = link;
     pending->done = true;
   }
@@ -563,10 +569,13 @@ std::vector<Status> Engine::unlink(const std::vector<uint64_t>& ids, int64_t tim
 
 Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
   std::vector<std::shared_ptr<Link>> links;
+  // One-way links: only our own goes, and the peer is not told (its end sees the channels close).
+  if (config_.one_way_links) force = true;
   {
     std::lock_guard<std::mutex> lock(mu_);
     bool had = false;
     links = links_.remove(cluster_id, &had);
+    if (!had && config_.one_way_links) return Status::OK();  // as the hixl backend: nothing to destroy
     if (!had) return Status(Code::kNotYetLink, "no link to " + clusterName(cluster_id));
   }
   Status result;
@@ -634,6 +643,15 @@ Result<uint16_t> Engine::startCommListener(const std::string& ip, uint16_t port)
 std::vector<LinkInfo> Engine::links() const {
   std::lock_guard<std::mutex> lock(mu_);
   return links_.infos();
+}
+
+uint64_t Engine::linkedSince(uint64_t after, std::vector<uint64_t>* peers) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  peers->clear();
+  for (const auto& [seq, peer] : link_log_) {
+    if (seq > after) peers->push_back(peer);
+  }
+  return link_seq_;
 }
 
 }  // namespace pdlink

@@ -37,7 +37,7 @@ from .llm_types import (
     Memtype,
     Placement,
 )
-from .status import LLMStatusCode, handle_llm_status
+from .status import LLMException, LLMStatusCode, handle_llm_status
 
 if TYPE_CHECKING:
     from .llm_types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
@@ -138,8 +138,11 @@ class CacheManager:
     # ------------------------------------------------------------------ helpers
 
     def _live_engine(self):
+        # As in llm_datadist (CacheManager._check_is_inited): a manager outlives its engine's
+        # finalize, and a re-init makes a new one, so a stale manager says so before doing anything.
         if not self._initialized:
-            raise RuntimeError("llm datadist is not initialized")
+            raise LLMException("this CacheManager's LLMDataDist was finalized; after init again, use its new "
+                               "cache_manager", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         return self._engine
 
     def _invalidate(self) -> None:

@@ -33,6 +33,7 @@ _DIAL_ATTEMPT_MS = 1000
 _RETRY_PAUSE_S = 0.05
 _MAX_COMM_NAME = 128
 _MAX_COMMS = 512
+_NO_LINK_YET = 2**64 - 1  # linked_since(this): only the latest link number
 
 
 def _param(msg: str) -> LLMException:
@@ -102,13 +103,17 @@ def parse_rank_table(rank_table: str) -> dict[int, tuple[str, int]]:
 
 
 class _Comm:
-    def __init__(self, comm_id: int, name: str, peers: dict[int, tuple[str, int]], dial: list[int], deadline: float):
+    def __init__(self, comm_id: int, name: str, peers: dict[int, tuple[str, int]], dial: list[int], deadline: float,
+                 link_seq: int):
         self.comm_id = comm_id
         self.name = name
         self.peers = peers            # peer cluster id -> endpoint (ip, port)
         self.dial = dial              # peers this member dials (lower ranks)
         self.deadline = deadline
         self.failed: str | None = None
+        self.ok = False               # sticky, as in llm_datadist: once OK, always OK
+        self.link_seq = link_seq      # the engine's link number when link() was called
+        self.seen: set[int] = set()   # peers linked since (a link may come and go between polls)
         self.cancelled = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -154,7 +159,8 @@ class CommManager:
         peers = {cid: ep for cid, ep in endpoints.items() if cid != self._cluster_id}
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:
-            comm = _Comm(self._next_id, comm_name, peers, dial, time.monotonic() + self._link_total_s)
+            comm = _Comm(self._next_id, comm_name, peers, dial, time.monotonic() + self._link_total_s,
+                         self._engine.linked_since(_NO_LINK_YET)[0])
             self._next_id += 1
             self._comms[comm.comm_id] = comm
         if dial:
@@ -179,20 +185,29 @@ class CommManager:
             if pending:
                 comm.cancelled.wait(_RETRY_PAUSE_S)  # the peer may not have called link() yet
 
-    def _get(self, comm_id: int) -> _Comm:
+    def _get(self, comm_id: int, unknown: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> _Comm:
         check_uint64("comm_id", comm_id)
         with self._lock:
             comm = self._comms.get(comm_id)
         if comm is None:
-            raise _param(f"no communicator with comm_id {comm_id}")
+            raise LLMException(f"no communicator with comm_id {comm_id} (never linked, or unlinked)",
+                               status_code=unknown)
         return comm
 
     def query(self, comm_id: int) -> RegisterMemStatus:
-        comm = self._get(comm_id)
+        """PREPARING, then OK once every member has been linked (sticky: it stays OK after the
+        peers unlink, as upstream), or FAILED after the link time. An unknown (or unlinked) comm
+        id is LLM_NOT_YET_LINK, as upstream's CommLinkManager answers."""
+        comm = self._get(comm_id, LLMStatusCode.LLM_NOT_YET_LINK)
+        if comm.ok:  # the peer may have pulled and unlinked between two polls
+            return RegisterMemStatus.OK
         if comm.failed:
             return RegisterMemStatus.FAILED
+        comm.link_seq, linked = self._engine.linked_since(comm.link_seq)
+        comm.seen.update(linked)
         up = {link["peer_cluster_id"] for link in self._engine.links() if not link["broken"]}
-        if all(cid in up for cid in comm.peers):
+        if all(cid in up or cid in comm.seen for cid in comm.peers):
+            comm.ok = True
             return RegisterMemStatus.OK
         if time.monotonic() > comm.deadline:
             comm.failed = "link time exceeded"

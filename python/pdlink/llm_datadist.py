@@ -41,6 +41,8 @@ __all__ = ["LLMDataDist"]
 logger = logging.getLogger("pdlink")
 
 _MAX_CLUSTERS_PER_CALL = 16
+# llm.TransferBackend's one value: links are one-way (the native engine's one_way_links).
+_HIXL_BACKEND = "hixl"
 _DEFAULT_SYNC_TIMEOUT_MS = 1000
 _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 20 GB
 # pdlink option: how links move bytes. "auto": direct memory access between processes of one host
@@ -198,6 +200,7 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
         "transport": _TRANSPORTS[transport],
         "link_secret": secret,
         "payload_integrity": integrity == "1",
+        "one_way_links": options.get("llm.TransferBackend") == _HIXL_BACKEND,
         "limits": _parse_limits(options),
     }
 
@@ -296,6 +299,7 @@ class LLMDataDist:
         self._kv_cache_manager: Any = None  # KvCacheManager mode (v1)
         self._v1 = False
         self._switch_role_enabled = False
+        self._one_way = False  # llm.TransferBackend = "hixl"
         self._sync_timeout_ms = _DEFAULT_SYNC_TIMEOUT_MS
         self._is_initialized = False
         self._is_call_linked = False
@@ -374,7 +378,10 @@ class LLMDataDist:
             options.setdefault("llm.EnableCacheManager", "1")
             options.setdefault("llm.EnableRemoteCacheAccessible", "1")
             raise_if_false(options["llm.EnableCacheManager"] == "1", "llm.LocalCommRes requires CacheManager mode")
-        if "llm.TransferBackend" in options:
+        if "llm.TransferBackend" in options:  # as upstream, any other value fails init
+            raise_if_false(options["llm.TransferBackend"] == _HIXL_BACKEND,
+                           f"llm.TransferBackend must be {_HIXL_BACKEND!r} (leave it unset for the default "
+                           f"backend), got {options['llm.TransferBackend']!r}")
             options.setdefault("llm.EnableRemoteCacheAccessible", "1")
             raise_if_false(options.get("llm.EnableCacheManager") == "1",
                            "llm.TransferBackend requires CacheManager mode")
@@ -404,6 +411,7 @@ class LLMDataDist:
                 self._engine = engine
                 self._engines = [engine]
                 self._v1 = False
+                self._one_way = cfg["one_way_links"]
                 self._sync_timeout_ms = cfg["sync_timeout_ms"]
                 self._kv_cache_manager = None
                 self._cache_manager = CacheManager(
@@ -443,6 +451,7 @@ class LLMDataDist:
         self._engine = engines[0]
         self._engines = engines
         self._v1 = True
+        self._one_way = False
         self._switch_role_enabled = cfg["switch_role"]
         self._cache_manager = None
         self._sync_timeout_ms = cfg["sync_timeout_ms"]
@@ -469,7 +478,10 @@ class LLMDataDist:
 
     # ------------------------------------------------------------------ links
 
-    def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int, need_remote_ip: bool) -> None:
+    def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int, linking: bool) -> None:
+        """Argument checks that raise: upstream's Python layer. For ``link_clusters``: exactly one
+        remote IP, and a local IP unless ``llm.LocalCommRes`` is set; ``unlink_clusters`` checks
+        only ids (its IP rule is a per-cluster status, see there)."""
         check_list_of("clusters", clusters, LLMClusterInfo)
         check_int32("timeout", timeout)
         raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
@@ -480,11 +492,11 @@ class LLMDataDist:
             # fork's connector (spec 11.3) was written for a release that accepted it.
             if c.remote_cluster_id is not None or len(c.remote_ip_info_list) != 1:
                 check_uint64("remote_cluster_id", c.remote_cluster_id)
-            if need_remote_ip:
+            if linking:
                 raise_if_false(len(c.remote_ip_info_list) == 1,
                                f"cluster {c.remote_cluster_id} needs exactly one remote_ip_info, "
                                f"got {len(c.remote_ip_info_list)}")
-            if not local_comm_res and need_remote_ip:
+            if linking and not local_comm_res:
                 raise_if_false(len(c.local_ip_info_list) >= 1,
                                f"cluster {c.remote_cluster_id} needs a local_ip_info (append_local_ip_info)")
 
@@ -518,7 +530,7 @@ class LLMDataDist:
         engine = self._live_engine()
         if self._v1:
             return self._link_clusters_v1(clusters, timeout)
-        self._check_clusters(clusters, timeout, need_remote_ip=True)
+        self._check_clusters(clusters, timeout, linking=True)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
         peers = []
@@ -529,7 +541,13 @@ class LLMDataDist:
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
                         ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Tear links down. ``force=True`` drops only the local end (both sides must call it).
+        """Tear links down; each cluster needs its ``remote_cluster_id`` only (no local IP).
+
+        Non-force tells the peer, and (as upstream's engine) wants exactly one ``remote_ip_info``:
+        without it that cluster's slot is ``LLM_PARAM_INVALID`` (returned, not raised) and its link
+        stays. ``force=True`` drops only the local end (both sides must call it); the id is enough.
+        With ``llm.TransferBackend = "hixl"`` ``force`` is ignored: this side's own one-way link
+        goes without telling the peer, and a cluster without one is ``LLM_SUCCESS``.
 
         KvCacheManager mode: either role may call it (a PROMPT cleans up after a dead DECODER);
         only the cluster ids are used, on every device."""
@@ -537,23 +555,34 @@ class LLMDataDist:
         if self._v1:
             return self._unlink_clusters_v1(clusters, timeout, force)
         check_isinstance("force", force, bool, allow_none=False)
-        self._check_clusters(clusters, timeout, need_remote_ip=not force)
+        self._check_clusters(clusters, timeout, linking=False)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
         by_address = {link["peer_address"]: link["peer_cluster_id"] for link in engine.links()}
+        results: list[tuple[Any, ...] | None] = []
         ids = []
         for c in clusters:
+            if not (force or self._one_way) and len(c.remote_ip_info_list) != 1:
+                results.append((int(LLMStatusCode.LLM_PARAM_INVALID),
+                                f"a non-force unlink needs exactly one remote_ip_info, got {len(c.remote_ip_info_list)}"
+                                " (or pass force=True)"))
+                continue
+            results.append(None)
             if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
                 ip, port = c.remote_ip_info_list[0]
                 ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", _core_any_cluster()))
             else:
                 ids.append(c.remote_cluster_id)
-        return self._results("unlink_clusters", clusters, engine.unlink(ids, timeout, force))
+        done = iter(engine.unlink(ids, timeout, force) if ids else [])
+        return self._results("unlink_clusters", clusters, [r if r is not None else next(done) for r in results])
 
     def _comms(self):
         engine = self._live_engine()
         raise_if_false(self._cache_manager is not None and self._mode_is_cache_manager(),
                        "link/unlink/query_register_mem_status need CacheManager mode")
+        raise_if_true(self._one_way, "link/unlink/query_register_mem_status are not available with "
+                                     "llm.TransferBackend = 'hixl'; use link_clusters / unlink_clusters",
+                      status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if self._comm_manager is None:
             from .comm import CommManager
 
@@ -580,8 +609,10 @@ class LLMDataDist:
         self._comms().unlink(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
-        """PREPARING until every link of the communicator is up, then OK; FAILED after the link
-        time (``llm.LinkTotalTime``) passes without it."""
+        """PREPARING until every link of the communicator has been up, then OK for good (also
+        once the peers unlinked, as upstream); FAILED after the link time (``llm.LinkTotalTime``)
+        passes without it. ``LLM_NOT_YET_LINK`` for an unknown or unlinked comm id;
+        ``LLM_FEATURE_NOT_ENABLED`` (as ``link``/``unlink``) with ``llm.TransferBackend = "hixl"``."""
         return self._comms().query(comm_id)
 
     # ------------------------------------------------------------------ links, v1
@@ -658,6 +689,9 @@ class LLMDataDist:
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
         """Change role; ``llm.listenIpInfo`` in ``switch_options`` starts or moves the listener,
         its absence stops it. Raises ``LLMException(LLM_EXIST_LINK)`` while links exist.
+
+        With ``llm.TransferBackend = "hixl"`` (as upstream) only the role label changes: links
+        and listener stay; a different ``llm.listenIpInfo`` is ``LLM_FEATURE_NOT_ENABLED``.
 
         KvCacheManager mode: the new role must differ (``LLM_PARAM_INVALID``); switching to
         PROMPT needs ``llm.listenIpInfo`` (``LLM_PARAM_INVALID``) and starts listening there,

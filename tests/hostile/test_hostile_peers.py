@@ -97,7 +97,8 @@ def test_a_frame_over_the_request_bounds_drops_only_that_link(peers: Callable[..
     try:
         wait_until(settled, 20, f"the victim's descriptors and threads back to {base} (+2 descriptors)")
     except AssertionError as e:
-        raise AssertionError(f"{e}; last (descriptors, threads): {seen[-1]}") from None
+        raise AssertionError(f"{e}; last (descriptors, threads): {seen[-1]}, threads now: "
+                             f"{victim.prefill.call(kv.thread_names)}") from None
     honest_pull(victim, 4)
 
 

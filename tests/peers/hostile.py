@@ -5,7 +5,8 @@ Two roles:
 
 * a hostile **server** (``serve``): it accepts a victim's link on 127.0.0.2 (TCP, and on request an
   AF_UNIX socket it redirects the victim to), completes or sabotages the handshake, then answers
-  the victim's requests the way ``mode`` says (malformed, oversized, lying about addresses ...);
+  the victim's requests the way ``mode`` says (malformed, oversized, lying about addresses ...),
+  or (``read_back``) sends a request of its own over the link the victim dialled;
 * a hostile **client** (``attack``): it links to a victim as a raw peer from 127.0.0.2 and sends
   crafted frames, reporting what came back.
 
@@ -136,8 +137,12 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
     conn.sendall(rawwire.auth_result(gen_addr=gen_addr))
     if channel == 0:
         _answer_requests(srv, conn)
-    else:
-        _idle(conn)
+        return
+    if mode == "read_back":  # use the victim's own link to read its blocks cache (model 0)
+        conn.sendall(rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=0, tensors=(0,), runs=((0, 64),))))
+        status, message, payload = rawwire.read_response(conn)
+        srv.observed.append({"event": "read_back", "status": status, "message": message, "payload": payload})
+    _idle(conn)
 
 
 def _idle(conn: socket.socket) -> None:

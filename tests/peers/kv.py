@@ -34,12 +34,18 @@ from llm_datadist import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LayerSynchronizer,
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
+    LLMException,
     LLMRole,
     LLMStatusCode,
+    MemInfo,
+    Memtype,
     Placement,
+    RegisterMemStatus,
+    TransferWithCacheKeyConfig,
 )
 from peers.memory import GuardedTensors, device_memory_is_remote, fill_tensors, pool_snapshot
 from verify import Snapshot
@@ -115,6 +121,83 @@ def start(role: str, cluster_id: int, *, listen: bool = False, timeout_ms: int |
     return int(dd.listen_port)
 
 
+def start_program(role: str, cluster_id: int, *, listen_port: int | None = None, local_comm_res: bool = True,
+                  transfer_backend: str | None = None, cache_manager: bool = False, remote_access: bool = False,
+                  pool: int | None = None, timeout_ms: int | None = None) -> int:
+    """An engine set up the way the official llm_datadist samples do it (LLMConfig, then
+    ``generate_options()``): ``local_comm_res = ""`` (which turns CacheManager mode and remote
+    access on), or ``enable_cache_manager`` / ``enable_remote_cache_accessible`` themselves;
+    ``listen_ip_info`` on loopback (port 0: any free one); ``transfer_backend`` as given. Returns
+    the listen port (0: not listening)."""
+    assert _S.dd is None, "kv.start() already ran in this peer"
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    if local_comm_res:
+        cfg.local_comm_res = ""
+    if cache_manager:
+        cfg.enable_cache_manager = True
+    if remote_access:
+        cfg.enable_remote_cache_accessible = True
+    if transfer_backend is not None:
+        cfg.transfer_backend = transfer_backend
+    if listen_port is not None:
+        cfg.listen_ip_info = f"127.0.0.1:{listen_port}"
+    if pool:
+        cfg.mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % pool
+    if timeout_ms:
+        cfg.sync_kv_timeout = timeout_ms
+    dd = LLMDataDist(ROLES[role], cluster_id)
+    dd.init(cfg.generate_options())
+    _S.dd = dd
+    return int(dd.listen_port)
+
+
+# A cluster as the samples describe it: (remote_cluster_id, remote port or None for no
+# remote_ip_info, local port or None for no local_ip_info); every address is 127.0.0.1.
+ClusterSpec = tuple[int, int | None, int | None]
+
+
+def _clusters(specs: Sequence[ClusterSpec]) -> list[LLMClusterInfo]:
+    out = []
+    for remote_id, remote_port, local_port in specs:
+        c = LLMClusterInfo()
+        c.remote_cluster_id = remote_id
+        if local_port is not None:
+            c.append_local_ip_info("127.0.0.1", local_port)
+        if remote_port is not None:
+            c.append_remote_ip_info("127.0.0.1", remote_port)
+        out.append(c)
+    return out
+
+
+def link_clusters(specs: Sequence[ClusterSpec], timeout_ms: int = 5000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    status, per_cluster = _dd().link_clusters(_clusters(specs), timeout_ms)
+    return status, list(per_cluster)
+
+
+def unlink_clusters(specs: Sequence[ClusterSpec], timeout_ms: int = 5000,
+                    force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    status, per_cluster = _dd().unlink_clusters(_clusters(specs), timeout_ms, force=force)
+    return status, list(per_cluster)
+
+
+def comm_link(name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+    """``LLMDataDist.link`` (the rank-table API); returns the comm id."""
+    return int(_dd().link(name, cluster_rank_info, rank_table))
+
+
+def comm_status(comm_id: int) -> RegisterMemStatus:
+    return _dd().query_register_mem_status(comm_id)
+
+
+def comm_unlink(comm_id: int) -> None:
+    _dd().unlink(comm_id)
+
+
+def finalize() -> None:
+    _dd().finalize()
+
+
 def cluster(remote_id: int, port: int, ip: str = "127.0.0.1", local: bool = True) -> LLMClusterInfo:
     c = LLMClusterInfo()
     c.remote_cluster_id = remote_id
@@ -188,6 +271,18 @@ def cache_count() -> int:
 def resources() -> tuple[int, int]:
     """(open file descriptors, threads) of this process, for leak checks."""
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads (for a leak check's failure message)."""
+    names = []
+    for tid in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # it ended meanwhile
+            pass
+    return names
 
 
 def rss_kib() -> int:
@@ -342,3 +437,84 @@ def pull_cache(key: CacheKey | CacheKeyByIdAndIndex, name: str, batch_index: int
 
 def push_cache(key: CacheKeyByIdAndIndex, name: str, batch_index: int = 0, **kwargs: Any) -> None:
     _dd().cache_manager.push_cache(key, cache(name), batch_index, **kwargs)
+
+
+def cpu_cache(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *,
+              seed: int | None = None) -> None:
+    """``Cache.create_cpu_cache`` over guarded host memory (not registered), for ``swap_blocks``."""
+    desc = CacheDesc(num, list(shape), dtype, Placement.HOST)
+    mem = GuardedTensors(num, desc.size, shape[0], seed, False)
+    _S.caches[name] = _Named(Cache.create_cpu_cache(desc, mem.addrs), mem, shape[0], mem.addrs)
+
+
+def swap_blocks(src: str, dst: str, src_to_dst: dict[int, int]) -> None:
+    _dd().cache_manager.swap_blocks(cache(src), cache(dst), src_to_dst)
+
+
+class _Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+def transfer_layers(name: str, key: BlocksCacheKey, src_layers: range, dst_layers: range) -> list[LLMStatusCode]:
+    """``transfer_cache_async`` of cache ``name`` to ``key`` with every layer ready at once (the
+    transfer_cache_async sample); the task's per-config results."""
+    task = _dd().cache_manager.transfer_cache_async(cache(name), _Ready(),
+                                                     [TransferWithCacheKeyConfig(key, src_layers, dst_layers)])
+    return list(task.get_results())
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+_STALE: list[Any] = []
+
+
+def keep_manager() -> None:
+    """Remembers this engine's current CacheManager and a cache of it (see ``stale_manager_calls``)."""
+    _STALE[:] = [_dd().cache_manager, next(iter(_S.caches.values())).cache]
+
+
+def stale_manager_calls() -> dict[str, int | str]:
+    """Every CacheManager operation, on the manager ``keep_manager`` remembered: what each raised
+    (an LLMException's status code; another exception's type name; "ok" when it returned)."""
+    cm, c = _STALE
+    desc = c.cache_desc
+    key, bkey = CacheKey(1, 1), BlocksCacheKey(1, 0)
+    calls: dict[str, Any] = {
+        "allocate_cache": lambda: cm.allocate_cache(desc),
+        "allocate_blocks_cache": lambda: cm.allocate_blocks_cache(desc),
+        "register_cache": lambda: cm.register_cache(desc, list(c.tensor_addrs)),
+        "register_blocks_cache": lambda: cm.register_blocks_cache(desc, list(c.tensor_addrs)),
+        "deallocate_cache": lambda: cm.deallocate_cache(c),
+        "deallocate_blocks_cache": lambda: cm.deallocate_blocks_cache(c),
+        "copy_cache": lambda: cm.copy_cache(c, c),
+        "copy_blocks": lambda: cm.copy_blocks(c, {0: [1]}),
+        "pull_cache": lambda: cm.pull_cache(key, c),
+        "pull_blocks": lambda: cm.pull_blocks(bkey, c, [0], [0]),
+        "push_cache": lambda: cm.push_cache(CacheKeyByIdAndIndex(1, 1), c),
+        "push_blocks": lambda: cm.push_blocks(bkey, c, [0], [0]),
+        "unregister_cache": lambda: cm.unregister_cache(c.cache_id),
+        "remove_cache_key": lambda: cm.remove_cache_key(key),
+        "remap_registered_memory": lambda: cm.remap_registered_memory(MemInfo(Memtype.MEM_TYPE_DEVICE, 0, 0)),
+        "swap_blocks": lambda: cm.swap_blocks(c, c, {0: 1}),
+        "transfer_cache_async": lambda: cm.transfer_cache_async(c, _Ready(), [
+            TransferWithCacheKeyConfig(bkey, range(0, 1), range(0, 1))]),
+    }
+    out: dict[str, int | str] = {}
+    for op, call in calls.items():
+        try:
+            call()
+            out[op] = "ok"
+        except LLMException as e:
+            out[op] = int(e.status_code)
+        except Exception as e:  # noqa: BLE001 (the test wants to see whatever it was)
+            out[op] = type(e).__name__
+    return out
+
+
+def reinit(role: str, cluster_id: int) -> None:
+    """Finalizes this peer's engine and starts a new one (``start``'s defaults, with a pool)."""
+    _dd().finalize()
+    _S.dd = None
+    _S.caches.clear()
+    start(role, cluster_id, pool=1 << 20)
