@@ -17,7 +17,8 @@ metrics route on the management listener) takes, in this order:
 
 Each answer is checked against an oracle that predicts it from the request alone (the server's
 identity and device count are fixed by the first assignment, so no answer depends on what the
-fuzzer sent before): the status code, and for every error the body ``{"error", "error_type"}``
+fuzzer sent before; the body rules are ``role_contract.py``, written from docs/server.md, not the
+server's own validator): the status code, and for every error the body ``{"error", "error_type"}``
 with the documented ``error_type``, ``Connection: close`` and a ``RequestUUID``. No 5xx may
 appear except 503, and 503 only for a well-formed assignment that this instance cannot apply
 (``docs/server.md``, "503"): here that is a ``local`` with a device count other than 1, a
@@ -58,7 +59,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from internals import ROLES, BodyError, client_context, cluster_id, parse_role_request
+import role_contract
+from internals import ROLES, BodyError, client_context, parse_role_request
 from server_util import LOCAL, Certs, Serve, free_block, free_ports, write_config
 
 LOCAL_ID = 0  # instance 0 never dials a peer while it listens (it dials only lower ids)
@@ -204,14 +206,14 @@ def nesting(text: str) -> int:
     return best
 
 
-def unavailable(req: Any, base: int) -> bool:
+def unavailable(req: role_contract.Assignment, base: int) -> bool:
     """The documented 503 cases that can arise once the identity (instance 0) is fixed."""
-    if len(req.local.devices) != 1 or cluster_id(req.local) != LOCAL_ID:
+    if len(req.local.port_ids) != 1 or req.local.instance != LOCAL_ID:
         return True
     for node in (req.local, *req.peers):
-        if ipaddress.ip_address(node.server_ip).version != 4:  # listenIpSource: server_ip
+        if node.server_ip.version != 4:  # listenIpSource: server_ip
             return True
-        if any(base + d.port_id > 65535 for d in node.devices):
+        if any(base + port_id > 65535 for port_id in node.port_ids):
             return True
     return False
 
@@ -244,8 +246,8 @@ def expect_role(fz: Any, role: str, ctype: str | None, data: bytes) -> set[int]:
         sys.setrecursionlimit(limit)
     deep = depth >= 900
     try:
-        req = parse_role_request(role, doc)
-    except BodyError:
+        req = role_contract.read(doc)  # the documented contract, not the server's validator
+    except role_contract.Broken:
         out = {422}
     else:
         out = {503} if unavailable(req, fz.base) else {200}

@@ -19,7 +19,7 @@ from conftest import DECODER_ID, PROMPT_ID, Pair, only
 from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
-from poll import hang_guard
+from poll import hang_guard, wait_until
 from verify import assert_same, check_transfer, rows
 
 KEY = BlocksCacheKey(PROMPT_ID, 0)
@@ -98,6 +98,39 @@ def test_a_sabotaged_handshake_fails_the_link_cleanly(peers: Callable[..., Peer]
     assert victim.call(kv.links) == []
     assert victim.call(kv.rss_kib) - rss < RSS_BOUND_KIB
     honest_pull_works(peers, variant, victim)
+
+
+@only("cpu-tcp")
+def test_a_second_link_attempt_while_one_is_in_progress_is_processing_link(peers: Callable[..., Peer],
+                                                                           variant: Variant, victim: Peer) -> None:
+    """While a link attempt to a cluster is in flight (the server took the hello and went silent),
+    another one to the same cluster answers LLM_PROCESSING_LINK at once; the first fails with
+    LLM_LINK_FAILED at its timeout and leaves nothing behind."""
+    a, port = start_attacker(peers, "silent_after_hello")
+    victim.call(kv.link_in_background, PROMPT_ID, port, 3000, "127.0.0.2")
+    wait_until(lambda: any(o["event"] == "hello" for o in a.call(hostile.observed)), 20, "the first attempt's hello")
+    busy = (LLMStatusCode.LLM_PROCESSING_LINK, [LLMStatusCode.LLM_PROCESSING_LINK])
+    assert victim.call(kv.link, PROMPT_ID, port, 3000, "127.0.0.2") == busy
+    failed = (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+    assert victim.call_within(2 * hang_guard(3000), kv.background_link, hang_guard(3000)) == failed
+    assert victim.call(kv.links) == []
+    honest_pull_works(peers, variant, victim)
+
+
+@only("cpu-tcp")
+def test_a_server_that_cannot_prove_the_secret_learns_nothing_more(peers: Callable[..., Peer],
+                                                                    variant: Variant) -> None:
+    """A victim with a link secret dials a server that answers its hello with a made-up proof: the
+    victim refuses right there (LLM_LINK_FAILED, "link secret differs"), before it sends its own
+    proof (which the server could use to try secrets offline) or anything about its host."""
+    victim = peers("victim", env=variant.env(PDLINK_LINK_SECRET="the-victims-secret"))
+    victim.call(kv.start, "decoder", DECODER_ID, timeout_ms=TIMEOUT_MS)
+    a, port = start_attacker(peers, "ack_random_proof")
+    status, logged = victim.call(kv.link_logged, PROMPT_ID, port, 3000, "127.0.0.2")
+    assert status == LLMStatusCode.LLM_LINK_FAILED
+    assert any("link secret differs" in line for line in logged), logged
+    events = [o["event"] for o in a.call(hostile.observed)]
+    assert "hello" in events and "client_auth" not in events, events
 
 
 @only("cpu-tcp")

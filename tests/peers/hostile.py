@@ -113,7 +113,12 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
     if mode == "ack_other_version":
         conn.sendall(rawwire.ack(cluster=expected, version=rawwire.VERSION + 1))
         return
-    conn.sendall(rawwire.ack(cluster=expected if expected != rawwire.ANY else 1))  # whoever the victim dials
+    if mode == "silent_after_hello":  # a handshake that never progresses
+        _idle(conn)
+        return
+    ack_proof = os.urandom(32) if mode == "ack_random_proof" else bytes(32)  # a secret it does not know
+    conn.sendall(rawwire.ack(cluster=expected if expected != rawwire.ANY else 1, challenge=os.urandom(16),
+                             proof=ack_proof))  # whoever the victim dials
     auth = rawwire.recv_exact(conn, rawwire.CLIENT_AUTH_BYTES)
     boot, gen = auth[32:48], struct.unpack("<Q", auth[56:64])[0]
     srv.observed.append({"event": "client_auth", "channel": channel, "local": local, "hint": boot != bytes(16),

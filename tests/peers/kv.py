@@ -18,6 +18,7 @@ function needs to clean up after the test.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -229,6 +230,22 @@ def link_logged(remote_id: int, port: int, timeout_ms: int = 5000,
     finally:
         logging.getLogger("pdlink").removeHandler(handler)
     return status, records
+
+
+_BACKGROUND: list[Any] = []
+
+
+def link_in_background(remote_id: int, port: int, timeout_ms: int, ip: str = "127.0.0.1") -> None:
+    """Starts ``link`` on a thread of this peer (``background_link`` returns its result)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    _BACKGROUND[:] = [pool, pool.submit(link, remote_id, port, timeout_ms, ip)]
+
+
+def background_link(timeout_s: float) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    pool, future = _BACKGROUND
+    result = future.result(timeout_s)
+    pool.shutdown()
+    return result
 
 
 def unlink(remote_id: int, port: int, force: bool = False, timeout_ms: int | None = None) -> LLMStatusCode:
