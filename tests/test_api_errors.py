@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from pdlink import LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from poll import hang_guard
 
 S = LLMStatusCode
 
@@ -503,9 +504,8 @@ def test_link_clusters_failure_codes(pd):
     d, p = pd.decode, pd.prefill
     sock, dead = unused_port()
     try:
-        t0 = time.monotonic()
-        assert d.eval(f"dd.link_clusters([cluster(1, {dead})], 1000)") == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-        assert time.monotonic() - t0 < 5
+        ret = d.eval(f"dd.link_clusters([cluster(1, {dead})], 1000)", timeout=hang_guard(1000))
+        assert ret == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
     finally:
         sock.close()
     # a listener that accepts but never answers the handshake: bounded by the call's timeout
@@ -513,10 +513,8 @@ def test_link_clusters_failure_codes(pd):
     mute.bind(("127.0.0.1", 0))
     mute.listen(4)
     try:
-        t0 = time.monotonic()
-        ret = d.eval(f"dd.link_clusters([cluster(1, {mute.getsockname()[1]})], 300)")
+        ret = d.eval(f"dd.link_clusters([cluster(1, {mute.getsockname()[1]})], 300)", timeout=hang_guard(300))
         assert ret == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-        assert time.monotonic() - t0 < 2.5
     finally:
         mute.close()
     # the listener is cluster 1: asking it for cluster 5 fails, and leaves no link on either side

@@ -55,11 +55,12 @@ def linked_blocks(pd):
 
 
 def failed(peer, code, timeout=30):
-    """Runs `code` in `peer`, expecting an LLMException; returns (exception, seconds taken)."""
-    t0 = time.monotonic()
+    """Runs `code` in `peer`, expecting an LLMException, and returns it. `timeout` (seconds) is the
+    hang guard: far beyond the configured timeouts, so the assertion is on the status, never on how
+    long the call took (tests/README.md)."""
     with pytest.raises(LLMException) as e:
         peer.exec(code, timeout=timeout)
-    return e.value, time.monotonic() - t0
+    return e.value
 
 
 SRC = [0, 2, 4, 6, 9, 11, 13, 15]  # eight runs per tensor (16 HCCL items): a fault lands mid-batch
@@ -97,9 +98,8 @@ def test_device_and_host_caches_never_mix_across_a_link(pd):
         (pd.prefill, "cm.push_blocks(BlocksCacheKey(2, 1), dc, [0], [5])"),  # local DEVICE -> remote HOST
         (pd.prefill, "cm.push_blocks(BlocksCacheKey(2, 0), hc, [0], [5])"),  # local HOST -> remote DEVICE
     ]:
-        err, took = failed(who, code)
+        err = failed(who, code)
         assert err.status_code == S.LLM_PARAM_INVALID, (code, err)
-        assert took < 5
     assert (pd.prefill.eval(state), pd.decode.eval(state)) == before
     # the refusals did not hurt the link: DEVICE <-> DEVICE and HOST <-> HOST work
     pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), dc, [0, 1], [2, 3])\n"
@@ -127,9 +127,8 @@ def test_a_cpu_peer_cannot_exchange_device_caches(peers, fake_ascend_lib_dir):
             "ascend" if prompt_kind == "ascend" else "cpu", "ascend" if decode_kind == "ascend" else "cpu")
         for who, code in [(d, "cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])"),
                           (p, "cm.push_blocks(BlocksCacheKey(2, 0), cache, [1], [1])")]:
-            err, took = failed(who, code)
+            err = failed(who, code)
             assert err.status_code in (S.LLM_PARAM_INVALID, S.LLM_FEATURE_NOT_ENABLED), (prompt_kind, code, err)
-            assert took < 5
         assert not d.eval("any(a.any() for a in kv)")
         assert p.eval("[a.tobytes() for a in kv]") == p.eval("[a.tobytes() for a in tensors(2, (16, 4096), seed=1)]")
 
@@ -179,15 +178,14 @@ def test_remote_error_mid_batch_fails_the_pull_then_relink_succeeds(make_pd):
     pd = make_pd(timeout=3000, prefill_env={"FAKE_ASCEND_INJECT": "hccl.remote_error:21:5:1"})
     linked_blocks(pd)
     src = pd.prefill.eval("[a.tobytes() for a in kv]")
-    err, took = failed(pd.decode, PULL)
+    err = failed(pd.decode, PULL)
     assert err.status_code == S.LLM_LINK_FAILED, err
     assert "HCCL_E_REMOTE" in str(err), str(err)
-    assert took < 3
     assert pd.prefill.eval("fake.fake_ascend_calls(b'hccl.remote_error')") == 6  # 5 items went, the 6th failed
     assert pd.prefill.eval("[a.tobytes() for a in kv]") == src  # the source is intact
     # the link is poisoned until rebuilt: fast failures, no hang
-    err, took = failed(pd.decode, PULL)
-    assert err.status_code == S.LLM_LINK_FAILED and took < 1, err
+    err = failed(pd.decode, PULL)
+    assert err.status_code == S.LLM_LINK_FAILED, err
     assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000)")[0] == S.LLM_SUCCESS
     pd.link()
     pd.decode.exec(PULL)
@@ -207,8 +205,8 @@ def test_remote_error_during_a_push_is_reported_by_the_pusher(make_pd):
         assert d[DST].tobytes() == s[SRC].tobytes()
     assert pd.decode.eval("fake.fake_ascend_calls(b'hccl.remote_error')") == 0
     # the prompt pulls from the decoder (links are symmetric): now the decoder sends, and fails
-    err, took = failed(pd.prefill, "cm.pull_blocks(BlocksCacheKey(2, 0), cache, [1, 3], [0, 2])")
-    assert err.status_code == S.LLM_LINK_FAILED and took < 3, err
+    err = failed(pd.prefill, "cm.pull_blocks(BlocksCacheKey(2, 0), cache, [1, 3], [0, 2])")
+    assert err.status_code == S.LLM_LINK_FAILED, err
     assert pd.decode.eval("fake.fake_ascend_calls(b'hccl.remote_error')") == 1
 
 
@@ -223,14 +221,12 @@ def test_stalled_peer_times_out_within_sync_kv_timeout(make_pd):
                  decode_env={"HCCL_EXEC_TIMEOUT": "2"})
     linked_blocks(pd)
     src = pd.prefill.eval("[a.tobytes() for a in kv]")
-    err, took = failed(pd.decode, PULL)
+    err = failed(pd.decode, PULL)
     assert err.status_code == S.LLM_TIMEOUT, err
-    assert 0.4 < took < 2.5, took
-    t0 = time.monotonic()
-    assert pd.prefill.eval("[a.tobytes() for a in kv]") == src  # the prompt answers at once
-    assert time.monotonic() - t0 < 2
-    err, took = failed(pd.decode, PULL)
-    assert err.status_code == S.LLM_LINK_FAILED and took < 1, err
+    # the prompt still answers (within its hang guard; its stalled transfer ended with the hang-up)
+    assert pd.prefill.eval("[a.tobytes() for a in kv]", timeout=20) == src
+    err = failed(pd.decode, PULL)
+    assert err.status_code == S.LLM_LINK_FAILED, err
     assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000, force=True)")[0] == S.LLM_SUCCESS
     pd.link()
     pd.decode.exec(PULL)
@@ -247,11 +243,10 @@ def test_stalled_push_times_out_on_the_pusher(make_pd):
     pd.decode.exec(FAKE + BLOCKS.format(fill="zeros", seed="", key="BlocksCacheKey(2, 0)"))
     pd.link()
     push = f"cm.push_blocks(BlocksCacheKey(2, 0), cache, {SRC}, {DST})"
-    err, took = failed(pd.prefill, push)
+    err = failed(pd.prefill, push)
     assert err.status_code == S.LLM_TIMEOUT, err
-    assert 0.4 < took < 2.5, took
-    err, took = failed(pd.prefill, push)
-    assert err.status_code == S.LLM_LINK_FAILED and took < 1, err
+    err = failed(pd.prefill, push)
+    assert err.status_code == S.LLM_LINK_FAILED, err
     assert wait_for(lambda: all(lk["broken"] for lk in pd.decode.eval("dd.links()")), timeout=5)
     assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000, force=True)")[0] == S.LLM_SUCCESS
     pd.link()
@@ -266,8 +261,8 @@ def test_timed_out_pull_never_writes_late(make_pd):
     soon as the call returned."""
     pd = make_pd(timeout=300, prefill_timeout=5000, prefill_env={"FAKE_ASCEND_STREAM_DELAY_US": "1000000"})
     linked_blocks(pd)
-    err, took = failed(pd.decode, PULL)
-    assert err.status_code == S.LLM_TIMEOUT and 0.25 < took < 1, (err, took)
+    err = failed(pd.decode, PULL)
+    assert err.status_code == S.LLM_TIMEOUT, err
     time.sleep(1.5)  # the prompt's delayed send has run (and failed) by now
     assert not pd.decode.eval("any(a.any() for a in kv)")
     assert pd.prefill.eval("fake.fake_ascend_calls(b'HcclBatchSendRecv')") == 1
@@ -291,13 +286,12 @@ def test_peer_killed_after_device_transfers(make_pd, victim):
         (pd.decode, PULL, 1, pd.port) if victim == "prefill"
         else (pd.prefill, "cm.pull_blocks(BlocksCacheKey(2, 0), c2, [2], [2])", 2, 1))
     getattr(pd, victim).kill()
-    err, took = failed(survivor, call)
+    err = failed(survivor, call)
     assert err.status_code in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT), err
-    assert took < 2.5, took
     ret = survivor.eval(f"dd.unlink_clusters([cluster({peer_id}, {port})], 1000)")
     assert ret[0] in (S.LLM_SUCCESS, S.LLM_NOTIFY_PROMPT_UNLINK_FAILED), ret
     assert survivor.eval("dd.links()") == []
-    err, _ = failed(survivor, call)
+    err = failed(survivor, call)
     assert err.status_code == S.LLM_NOT_YET_LINK
 
 
@@ -318,9 +312,9 @@ def test_pull_by_request_key_releases_the_key_only_after_success(make_pd, fault)
     pd.decode.exec("c_dst = cm.allocate_cache(CacheDesc(3, [2, 4096], DataType.DT_INT8))\nwrite_cache(c_dst, 1)")
     pd.link()
     before = pd.decode.eval("[a.tobytes() for a in read_cache(c_dst)]")
-    err, took = failed(pd.decode, "cm.pull_cache(CacheKey(1, 5), c_dst, 1)")
+    err = failed(pd.decode, "cm.pull_cache(CacheKey(1, 5), c_dst, 1)")
     want = S.LLM_LINK_FAILED if "remote_error" in fault else S.LLM_TIMEOUT
-    assert err.status_code == want and took < 2.5, err
+    assert err.status_code == want, err
     time.sleep(0.2)  # a release would travel asynchronously: give it the chance to (wrongly) happen
     assert pd.prefill.eval("dd._engine.cache_count") == 1  # the key still holds the cache
     assert pd.decode.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000, force=True)")[0] == S.LLM_SUCCESS
@@ -331,7 +325,7 @@ def test_pull_by_request_key_releases_the_key_only_after_success(make_pd, fault)
     for g, b, e in zip(got, before, expected):
         assert g[4096:].tobytes() == e[:4096] and g[:4096].tobytes() == b[:4096]  # key slot 0 -> local slot 1
     assert wait_for(lambda: pd.prefill.eval("dd._engine.cache_count") == 0)  # consumed by the pull: freed
-    err, _ = failed(pd.decode, "cm.pull_cache(CacheKey(1, 5), c_dst, 0)")
+    err = failed(pd.decode, "cm.pull_cache(CacheKey(1, 5), c_dst, 0)")
     assert err.status_code == S.LLM_KV_CACHE_NOT_EXIST
 
 
@@ -380,17 +374,14 @@ def test_device_channel_setup_failure_fails_the_link_cleanly(make_pd):
     pd = make_pd(prefill_env={"FAKE_ASCEND_INJECT": "HcclCommInitRootInfo:4:0:1", **hccl}, decode_env=hccl)
     pd.prefill.exec(FAKE + BLOCKS.format(fill="tensors", seed=", seed=1", key="BlocksCacheKey(1, 0)"))
     pd.decode.exec(FAKE + BLOCKS.format(fill="zeros", seed="", key="None"))
-    t0 = time.monotonic()
-    ret = pd.decode.eval(f"dd.link_clusters([cluster(1, {pd.port})], 5000)")
-    took = time.monotonic() - t0
+    ret = pd.decode.eval(f"dd.link_clusters([cluster(1, {pd.port})], 5000)", timeout=50)  # hang guard
     assert ret[0] != S.LLM_SUCCESS and ret[1] == [ret[0]], ret
     assert ret[0] in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT), ret
-    assert took < 3, took
     assert pd.prefill.eval("fake.fake_ascend_calls(b'HcclCommInitRootInfo')") == 1
     assert pd.decode.eval("dd.links()") == []
     # the prompt's end is marked broken (as after any peer failure) until replaced or unlinked
     assert wait_for(lambda: all(lk["broken"] for lk in pd.prefill.eval("dd.links()")))
-    err, _ = failed(pd.decode, PULL)
+    err = failed(pd.decode, PULL)
     assert err.status_code == S.LLM_NOT_YET_LINK
     pd.link()
     assert [(lk["peer_cluster_id"], lk["broken"]) for lk in pd.prefill.eval("dd.links()")] == [(2, False)]

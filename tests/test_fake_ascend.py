@@ -539,9 +539,8 @@ def test_sync_with_timeout_expires_and_keeps_the_work(fk, monkeypatch):
     d = fk.malloc(1000)
     monkeypatch.setenv("FAKE_ASCEND_STREAM_DELAY_US", "300000")
     fk.check(fk.aclrtMemcpyAsync(d, 1000, data, 1000, H2D, s))
-    t0 = time.monotonic()
+    # the copy takes 300 ms: a 50 ms wait can only end in the timeout, and the work stays queued
     assert fk.aclrtSynchronizeStreamWithTimeout(s, 50) == ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
-    assert time.monotonic() - t0 < 0.25
     fk.check(fk.aclrtSynchronizeStreamWithTimeout(s, -1))
     monkeypatch.delenv("FAKE_ASCEND_STREAM_DELAY_US")
     assert fk.download(d, 1000) == data
@@ -577,13 +576,10 @@ def test_hccl_local_checks_and_rendezvous(fk, monkeypatch):
     root, comm = fk.root_info(), vp()
     assert fk.HcclCommInitRootInfo(3, C.byref(root), 0, C.byref(comm)) == HCCL_E_NOT_SUPPORT
     assert fk.HcclCommInitRootInfo(2, C.byref(root), 2, C.byref(comm)) == HCCL_E_PARA
-    t0 = time.monotonic()
     assert fk.HcclCommInitRootInfo(2, C.byref(root), 0, C.byref(comm)) == HCCL_E_TIMEOUT  # nobody joins
-    assert 0.25 < time.monotonic() - t0 < 3
-    fk.fake_ascend_inject(b"HcclCommInitRootInfo", HCCL_E_TIMEOUT, 0, 1)
-    t0 = time.monotonic()
-    assert fk.HcclCommInitRootInfo(2, C.byref(root), 0, C.byref(comm)) == HCCL_E_TIMEOUT
-    assert time.monotonic() - t0 < 0.1  # injected: no waiting
+    # an injected failure is returned as injected (another code than the wait would give)
+    fk.fake_ascend_inject(b"HcclCommInitRootInfo", HCCL_E_REMOTE, 0, 1)
+    assert fk.HcclCommInitRootInfo(2, C.byref(root), 0, C.byref(comm)) == HCCL_E_REMOTE
 
     blob = bytearray(bytes(root))
     blob[20:120] = b"no-such-listener".ljust(100, b"\0")  # RootBlob.name
@@ -707,10 +703,8 @@ def test_hccl_exec_timeout_when_the_sender_stalls(fk, peers, stream, monkeypatch
          "send = [fk.upload(pattern(300 + i, n)) for i, n in enumerate([1000, 2000, 3000])]")
     peer.send("fk.check(fk.batch(comm, 0, list(zip(send, [1000, 2000, 3000]))))\n"
               "_ = [fk.aclrtSynchronizeStream(None), fk.async_error(comm)]")
-    t0 = time.monotonic()
     fk.check(fk.batch(comm, 1, recvs=list(zip(recvs, sizes)), stream=stream))
     assert fk.aclrtSynchronizeStreamWithTimeout(stream, 10000) == ACL_ERROR_RT_INTERNAL_ERROR
-    assert 0.4 < time.monotonic() - t0 < 5
     assert fk.async_error(comm) == HCCL_E_TIMEOUT
     assert fk.download(recvs[0], 1000) == pattern(300, 1000)
     assert fk.download(recvs[1], 2000) == bytes(2000)

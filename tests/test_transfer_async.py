@@ -138,9 +138,8 @@ def test_blocking_synchronizer_times_out_then_completes(pd):
     pd.prefill.exec("gate = threading.Event()\nsync = Sync(gate=gate)\n"
                     "task = cm.transfer_cache_async(c_kv, sync, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), "
                     "range(0, 2), range(0, 2))], [2, 3], [2, 3])\n"
-                    "t0 = time.monotonic(); first = task.synchronize(300); waited = time.monotonic() - t0")
-    first, waited = pd.prefill.eval("(first, waited)")
-    assert first == S.LLM_TIMEOUT and 0.25 <= waited < 10
+                    "first = task.synchronize(300)")
+    assert pd.prefill.eval("first") == S.LLM_TIMEOUT  # the gate is shut: only the timeout can end it
     assert pd.prefill.eval("task.get_results(0)") == [S.LLM_TIMEOUT]
     assert pd.prefill.eval("task.synchronize(0)") == S.LLM_TIMEOUT
     assert not any(d.any() for d in pd.decode.eval("kv"))  # nothing moved while layer 0 is pending

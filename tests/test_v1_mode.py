@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from backend_env import peer_env
 from pdlink import LLMException
 from pdlink import LLMStatusCode as S
 from peer import wait_for  # the peer releases pulled keys asynchronously
+from poll import hang_guard
 
 PROMPT_ID, DECODER_ID = 1, 2
 
@@ -386,10 +386,8 @@ def test_check_link_status(peers, backend):
     # a frozen peer: bounded by llm.SyncKvCacheWaitTime (300 ms)
     v1.prefill.signal(signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
-        with llm_error(S.LLM_TIMEOUT):
-            d.exec(f"dd.check_link_status({PROMPT_ID})")
-        assert 0.25 < time.monotonic() - t0 < 3.0
+        with llm_error(S.LLM_TIMEOUT):  # the peer cannot answer: only the timeout ends the call
+            d.exec(f"dd.check_link_status({PROMPT_ID})", timeout=hang_guard(300))
     finally:
         v1.prefill.signal(signal.SIGCONT)
     v1.prefill.kill()
