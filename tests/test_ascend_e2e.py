@@ -125,10 +125,13 @@ def test_a_cpu_peer_cannot_exchange_device_caches(peers, fake_ascend_lib_dir):
             S.LLM_SUCCESS, [S.LLM_SUCCESS])
         assert (p.eval("dd._engine.backend"), d.eval("dd._engine.backend")) == (
             "ascend" if prompt_kind == "ascend" else "cpu", "ascend" if decode_kind == "ascend" else "cpu")
-        for who, code in [(d, "cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])"),
-                          (p, "cm.push_blocks(BlocksCacheKey(2, 0), cache, [1], [1])")]:
+        # an Ascend requester finds no device channel on a CPU peer (FEATURE_NOT_ENABLED); a CPU
+        # requester is told by the Ascend peer that its cache is in device memory (PARAM_INVALID)
+        for who, kind, code in [(d, decode_kind, "cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])"),
+                                (p, prompt_kind, "cm.push_blocks(BlocksCacheKey(2, 0), cache, [1], [1])")]:
             err = failed(who, code)
-            assert err.status_code in (S.LLM_PARAM_INVALID, S.LLM_FEATURE_NOT_ENABLED), (prompt_kind, code, err)
+            want = S.LLM_FEATURE_NOT_ENABLED if kind == "ascend" else S.LLM_PARAM_INVALID
+            assert err.status_code == want, (prompt_kind, code, err)
         assert not d.eval("any(a.any() for a in kv)")
         assert p.eval("[a.tobytes() for a in kv]") == p.eval("[a.tobytes() for a in tensors(2, (16, 4096), seed=1)]")
 
@@ -286,10 +289,12 @@ def test_peer_killed_after_device_transfers(make_pd, victim):
         (pd.decode, PULL, 1, pd.port) if victim == "prefill"
         else (pd.prefill, "cm.pull_blocks(BlocksCacheKey(2, 0), c2, [2], [2])", 2, 1))
     getattr(pd, victim).kill()
+    # the dead peer's sockets are closed by the kernel: the request or its answer meets the end of
+    # the stream (never a wait), and the link is known broken
     err = failed(survivor, call)
-    assert err.status_code in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT), err
+    assert err.status_code == S.LLM_LINK_FAILED, err
     ret = survivor.eval(f"dd.unlink_clusters([cluster({peer_id}, {port})], 1000)")
-    assert ret[0] in (S.LLM_SUCCESS, S.LLM_NOTIFY_PROMPT_UNLINK_FAILED), ret
+    assert ret == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), ret  # a broken link unlinks locally
     assert survivor.eval("dd.links()") == []
     err = failed(survivor, call)
     assert err.status_code == S.LLM_NOT_YET_LINK
@@ -376,7 +381,7 @@ def test_device_channel_setup_failure_fails_the_link_cleanly(make_pd):
     pd.decode.exec(FAKE + BLOCKS.format(fill="zeros", seed="", key="None"))
     ret = pd.decode.eval(f"dd.link_clusters([cluster(1, {pd.port})], 5000)", timeout=50)  # hang guard
     assert ret[0] != S.LLM_SUCCESS and ret[1] == [ret[0]], ret
-    assert ret[0] in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT), ret
+    assert ret == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), ret  # every link failure is LINK_FAILED
     assert pd.prefill.eval("fake.fake_ascend_calls(b'HcclCommInitRootInfo')") == 1
     assert pd.decode.eval("dd.links()") == []
     # the prompt's end is marked broken (as after any peer failure) until replaced or unlinked

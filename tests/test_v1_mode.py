@@ -393,7 +393,7 @@ def test_check_link_status(peers, backend):
     v1.prefill.kill()
     with pytest.raises(LLMException) as e:
         d.exec(f"dd.check_link_status({PROMPT_ID})")
-    assert e.value.status_code in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT)
+    assert e.value.status_code == S.LLM_LINK_FAILED  # the dead peer's sockets are closed: no waiting
     # the dead peer's link is cleaned up by unlinking, after which it is simply not linked
     assert d.eval(f"dd.unlink_clusters([{v1.cluster()}], 1000)")[0] == S.LLM_SUCCESS
     with llm_error(S.LLM_NOT_YET_LINK):
