@@ -94,13 +94,19 @@ def cycles(n):
 def rss_kib():
     return int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1])
 """ % port)
+    def quiet() -> bool:
+        """Both engines at rest: no link, no handshake, no engine thread still running."""
+        idle = {"live_links": 0, "handshakes": 0, "threads": 0}
+        return all({k: st[k] for k in idle} == idle
+                   for st in (p.eval("dd._engine.stats()"), d.eval("engines[0].stats()")))
+
     d.exec("cycles(500)", timeout=120)  # warm-up: allocator pools, thread stacks
-    time.sleep(0.2)
+    wait_until(quiet, 30, "both engines at rest after the warm-up")
     before = (d.eval("rss_kib()"), d.eval("resources()"), p.eval("rss_kib()"), p.eval("resources()"))
     t0 = time.monotonic()
     d.exec("cycles(9500)", timeout=300)
     took = time.monotonic() - t0
-    time.sleep(0.5)  # the prefill's handshake threads finish
+    wait_until(quiet, 30, "both engines at rest after the cycles")  # the prefill's handshake threads end
     after = (d.eval("rss_kib()"), d.eval("resources()"), p.eval("rss_kib()"), p.eval("resources()"))
     assert after[1] == before[1] and after[3] == before[3], (before, after)  # fds and threads
     assert after[0] - before[0] < 4096 and after[2] - before[2] < 4096, (before, after)  # < 4 MiB RSS growth
