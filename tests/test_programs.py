@@ -22,7 +22,6 @@ loopback addresses with free ports instead of fixed ones, and guarded test memor
 from __future__ import annotations
 
 import functools
-import json
 import socket
 import struct
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 
 from backend_env import Variant
+from comm_util import free_port, rank_table
 from conftest import only
 from pdlink import (
     BlocksCacheKey,
@@ -129,19 +129,6 @@ def test_unlink_needs_the_remote_id_and_one_remote_ip_but_no_local_ip(peers: Cal
 # ---------------------------------------------------------------------------- 2. sticky status
 
 
-def rank_table(ips: tuple[str, ...]) -> str:
-    servers = [{"server_id": f"host{i}", "device": [{"device_id": "0", "device_ip": ip, "rank_id": str(i)}]}
-               for i, ip in enumerate(ips)]
-    return json.dumps({"version": "1.2", "server_count": str(len(servers)), "server_list": servers,
-                       "status": "completed"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def comm_programs(peers: Callable[..., Peer], variant: Variant, pool: int | None = None) -> tuple[Peer, Peer]:
     """A PROMPT (cluster 1) and a DECODER (cluster 2) for the rank-table samples: CacheManager mode
     without a listen address, each rank's endpoint at PDLINK_LINK_PORT_BASE (comm.py)."""
@@ -153,7 +140,7 @@ def comm_programs(peers: Callable[..., Peer], variant: Variant, pool: int | None
 
 
 def comm_link(p: Peer, d: Peer) -> tuple[int, int]:
-    table = rank_table(("127.0.0.1", "127.0.0.2"))
+    table = rank_table()
     return p.call(kv.comm_link, "link", {1: 0, 2: 1}, table), d.call(kv.comm_link, "link", {1: 0, 2: 1}, table)
 
 
@@ -173,9 +160,9 @@ def test_register_mem_status_stays_ok_after_the_peer_linked_pulled_and_unlinked_
     p, d = comm_programs(peers, variant)
     p.call(kv.register_blocks, "kv", 1, (2, 1024), F32, seed=1, key=BlocksCacheKey(1, 0))
     d.call(kv.register_blocks, "kv", 1, (2, 1024), F32, seed=None)
-    p_comm = p.call(kv.comm_link, "link", {1: 0, 2: 1}, rank_table(("127.0.0.1", "127.0.0.2")))
+    p_comm = p.call(kv.comm_link, "link", {1: 0, 2: 1}, rank_table())
     assert p.call(kv.comm_status, p_comm) == RegisterMemStatus.PREPARING  # D has not called link() yet
-    d_comm = d.call(kv.comm_link, "link", {1: 0, 2: 1}, rank_table(("127.0.0.1", "127.0.0.2")))
+    d_comm = d.call(kv.comm_link, "link", {1: 0, 2: 1}, rank_table())
     wait_ok(d, d_comm)
     moved((p, "kv"), (d, "kv"), lambda: d.call(kv.pull_blocks, BlocksCacheKey(1, 0), "kv", [0, 1], [0, 1]),
           rows([(0, 0), (1, 1)]))
@@ -227,7 +214,7 @@ def test_hixl_links_are_one_way_and_may_go_both_ways(peers: Callable[..., Peer],
     refused(S.LLM_NOT_YET_LINK, (p, "kv"), lambda: p.call(kv.pull_blocks, BlocksCacheKey(1, 0), "kv", [0], [0]))
     refused(S.LLM_NOT_YET_LINK, (d, "kv"), lambda: p.call(kv.push_blocks, BlocksCacheKey(1, 0), "kv", [0], [0]))
     # the rank-table API is not there with this backend
-    for call in (lambda: p.call(kv.comm_link, "c", {0: 0, 1: 1}, rank_table(("127.0.0.1", "127.0.0.2"))),
+    for call in (lambda: p.call(kv.comm_link, "c", {0: 0, 1: 1}, rank_table()),
                  lambda: p.call(kv.comm_status, 1), lambda: p.call(kv.comm_unlink, 1)):
         with pytest.raises(LLMException) as e:
             call()

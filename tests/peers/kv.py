@@ -124,7 +124,7 @@ def start(role: str, cluster_id: int, *, listen: bool = False, timeout_ms: int |
 
 def start_program(role: str, cluster_id: int, *, listen_port: int | None = None, local_comm_res: bool = True,
                   transfer_backend: str | None = None, cache_manager: bool = False, remote_access: bool = False,
-                  pool: int | None = None, timeout_ms: int | None = None) -> int:
+                  pool: int | None = None, timeout_ms: int | None = None, link_total_time: int | None = None) -> int:
     """An engine set up the way the official llm_datadist samples do it (LLMConfig, then
     ``generate_options()``): ``local_comm_res = ""`` (which turns CacheManager mode and remote
     access on), or ``enable_cache_manager`` / ``enable_remote_cache_accessible`` themselves;
@@ -147,6 +147,8 @@ def start_program(role: str, cluster_id: int, *, listen_port: int | None = None,
         cfg.mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % pool
     if timeout_ms:
         cfg.sync_kv_timeout = timeout_ms
+    if link_total_time is not None:
+        cfg.link_total_time = link_total_time
     dd = LLMDataDist(ROLES[role], cluster_id)
     dd.init(cfg.generate_options())
     _S.dd = dd
@@ -365,12 +367,12 @@ def _device(placement: Placement) -> bool:
 
 def register_blocks(name: str, num: int, shape: Shape, dtype: DataType = DataType.DT_FLOAT16, *,
                     seed: int | None, key: BlocksCacheKey | None = None,
-                    placement: Placement = Placement.DEVICE) -> int:
+                    placement: Placement = Placement.DEVICE, remote_accessible: bool | None = None) -> int:
     """A blocks cache over guarded memory (``shape[0]`` blocks per tensor), filled with
     ``verify.pattern(.., seed)`` or zeros; returns its cache id."""
     desc = CacheDesc(num, list(shape), dtype, placement)
     mem = GuardedTensors(num, desc.size, shape[0], seed, _device(placement))
-    c = _dd().cache_manager.register_blocks_cache(desc, mem.addrs, key)
+    c = _dd().cache_manager.register_blocks_cache(desc, mem.addrs, key, remote_accessible)
     _S.caches[name] = _Named(c, mem, shape[0], mem.addrs)
     return int(c.cache_id)
 
