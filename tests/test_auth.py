@@ -8,19 +8,18 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 import pytest
 
 import rawwire
-from backend_env import peer_env
+from backend_env import Variant, peer_env
 from internals import core as _core
-from pdlink import LLMException, LLMStatusCode
-from peer import wait_for
-
-SETUP = """
-kv = tensors(2, (8, 256), seed={seed})
-cache = cm.register_blocks_cache(CacheDesc(2, [8, 256], DataType.DT_FLOAT16), addrs(kv), {key})
-"""
+from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
+from peer import Peer
+from peers import kv
+from poll import wait_until
+from verify import assert_same, check_transfer, rows
 
 
 @pytest.mark.parametrize("key_len", [0, 1, 32, 64, 65, 200])
@@ -30,44 +29,66 @@ def test_hmac_matches_python(key_len, msg_len):
     assert _core._hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
 
 
-def pair(peers, transport, p_secret, d_secret):
-    env_p = peer_env(transport, **({"PDLINK_LINK_SECRET": p_secret} if p_secret else {}))
-    env_d = peer_env(transport, **({"PDLINK_LINK_SECRET": d_secret} if d_secret else {}))
-    p, d = peers("prefill", env=env_p), peers("decode", env=env_d)
-    p.exec("dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(options(listen='127.0.0.1:0')); cm = dd.cache_manager\n"
-           + SETUP.format(seed=1, key="BlocksCacheKey(1, 0)"))
-    d.exec("dd = LLMDataDist(LLMRole.DECODER, 2); dd.init(options()); cm = dd.cache_manager\n"
-           + SETUP.format(seed=2, key="None"))
-    return p, d, p.eval("dd.listen_port")
+SHAPE = (8, 256)
+KEY = BlocksCacheKey(1, 0)
 
 
-def test_same_secret_links_and_moves_bytes(peers, transport):
-    p, d, port = pair(peers, transport, "s3cret-A", "s3cret-A")
-    assert d.eval(f"dd.link_clusters([cluster(1, {port})])")[0] == LLMStatusCode.LLM_SUCCESS
-    d.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [1, 2], [1, 2])")
-    assert d.eval("[a[1:3].tobytes() for a in kv]") == p.eval("[a[1:3].tobytes() for a in kv]")
+def pair(peers: Callable[..., Peer], variant: Variant | None, p_secret: str | None,
+         d_secret: str | None) -> tuple[Peer, Peer, int]:
+    """A listening PROMPT (cluster 1, blocks cache "kv" under KEY) and a DECODER (cluster 2, "kv"),
+    not linked, each with its secret (None: none); on ``variant``'s path (None: loopback TCP)."""
+    def env(secret: str | None) -> dict[str, str]:
+        extra = {"PDLINK_LINK_SECRET": secret} if secret else {}
+        return variant.env(**extra) if variant else peer_env("tcp", **extra)
+
+    p, d = peers("prefill", env=env(p_secret)), peers("decode", env=env(d_secret))
+    port = p.call(kv.start, "prompt", 1, listen=True)
+    p.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    d.call(kv.start, "decoder", 2)
+    d.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    return p, d, port
 
 
-def test_secret_as_an_init_option(peers):
+def pulled(p: Peer, d: Peer, blocks: list[int]) -> None:
+    """The decoder pulls ``blocks`` to the same blocks: exactly those bytes move (verify.py)."""
+    check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d.call(kv.snapshot, "kv"),
+                   lambda: d.call(kv.pull_blocks, KEY, "kv", blocks, blocks), rows([(b, b) for b in blocks]))
+
+
+OK = (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+FAILED = (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
+
+
+def test_same_secret_links_and_moves_bytes(peers: Callable[..., Peer], variant: Variant) -> None:
+    p, d, port = pair(peers, variant, "s3cret-A", "s3cret-A")
+    assert d.call(kv.link, 1, port) == OK
+    pulled(p, d, [1, 2])
+
+
+def test_secret_as_an_init_option(peers: Callable[..., Peer]) -> None:
     p, d = peers("prefill"), peers("decode")
-    p.exec("o = options(listen='127.0.0.1:0'); o['pdlink.LinkSecret'] = 'opt-secret'\n"
-           "dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(o)")
-    d.exec("o = options(); o['pdlink.LinkSecret'] = 'opt-secret'\ndd = LLMDataDist(LLMRole.DECODER, 2); dd.init(o)")
-    assert d.eval(f"dd.link_clusters([cluster(1, {p.eval('dd.listen_port')})])")[0] == LLMStatusCode.LLM_SUCCESS
+    port = p.call(kv.start, "prompt", 1, listen=True, extra={"pdlink.LinkSecret": "opt-secret"})
+    d.call(kv.start, "decoder", 2, extra={"pdlink.LinkSecret": "opt-secret"})
+    assert d.call(kv.link, 1, port) == OK
+    assert [link["authenticated"] for link in d.call(kv.links)] == [True]
 
 
 @pytest.mark.parametrize("p_secret, d_secret", [("server-only", None), (None, "client-only"), ("one", "two")])
-def test_mismatched_secrets_are_refused_on_both_sides(peers, p_secret, d_secret):
-    p, d, port = pair(peers, "tcp", p_secret, d_secret)
-    assert d.eval(f"dd.link_clusters([cluster(1, {port})], 2000)") == (
-        LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
-    assert d.eval("dd.links()") == [] and p.eval("dd.links()") == []
-    # and the refused peer never got to touch memory: nothing was pulled
-    assert d.eval("kv[0].tobytes()") != p.eval("kv[0].tobytes()")
+def test_mismatched_secrets_are_refused_on_both_sides(peers: Callable[..., Peer], p_secret: str | None,
+                                                      d_secret: str | None) -> None:
+    p, d, port = pair(peers, None, p_secret, d_secret)
+    assert d.call(kv.link, 1, port, 2000) == FAILED
+    assert d.call(kv.links) == [] and p.call(kv.links) == []
+    # and the refused peer cannot touch memory: a pull finds no link and moves nothing
+    before = d.call(kv.snapshot, "kv")
+    with pytest.raises(LLMException) as e:
+        d.call(kv.pull_blocks, KEY, "kv", [0], [0])
+    assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+    assert_same(d.call(kv.snapshot, "kv"), before, "the refused decoder's cache")
 
 
-def test_forged_or_replayed_proofs_are_refused_and_the_engine_keeps_serving(peers):
-    p, d, port = pair(peers, "tcp", "the-secret", "the-secret")
+def test_forged_or_replayed_proofs_are_refused_and_the_engine_keeps_serving(peers: Callable[..., Peer]) -> None:
+    p, d, port = pair(peers, None, "the-secret", "the-secret")
     # no proof knowledge: zeros
     h = rawwire.handshake(port, secret=b"")
     h.sock.close()
@@ -91,42 +112,38 @@ def test_forged_or_replayed_proofs_are_refused_and_the_engine_keeps_serving(peer
     assert h.status == 0, h.message
     h.sock.close()
     # a real decoder still links and pulls
-    assert d.eval(f"dd.link_clusters([cluster(1, {port})])")[0] == LLMStatusCode.LLM_SUCCESS
-    d.exec("cm.pull_blocks(BlocksCacheKey(1, 0), cache, [4], [4])")
-    assert d.eval("kv[1][4].tobytes()") == p.eval("kv[1][4].tobytes()")
+    assert d.call(kv.link, 1, port) == OK
+    pulled(p, d, [4])
 
 
-def test_connection_flood_does_not_stop_existing_links(peers):
-    p, d, port = pair(peers, "tcp", None, None)
-    assert d.eval(f"dd.link_clusters([cluster(1, {port})])")[0] == LLMStatusCode.LLM_SUCCESS
+def test_connection_flood_does_not_stop_existing_links(peers: Callable[..., Peer]) -> None:
+    p, d, port = pair(peers, None, None, None)
+    assert d.call(kv.link, 1, port) == OK
     flood = []
     try:
         for _ in range(200):  # silent connections: each holds a handshake slot until it times out
             flood.append(socket.create_connection(("127.0.0.1", port)))
-        for block in range(8):  # the established link is served throughout
-            d.exec(f"cm.pull_blocks(BlocksCacheKey(1, 0), cache, [{block}], [{block}])")
-        assert d.eval("[a.tobytes() for a in kv]") == p.eval("[a.tobytes() for a in kv]")
+        pulled(p, d, list(range(8)))  # the established link is served throughout
     finally:
         for s in flood:
             s.close()
     # once the flood is gone, new links are accepted again: as soon as the server's handshake
     # threads have seen their connections close (quick, but not instant on a loaded machine or
     # under a sanitizer), so the first attempts may still find every handshake slot taken
-    d.exec(f"dd.unlink_clusters([cluster(1, {port})])")
-    assert wait_for(lambda: d.eval(f"dd.link_clusters([cluster(1, {port})], 2000)")[0] == LLMStatusCode.LLM_SUCCESS,
-                    timeout=15)
+    assert d.call(kv.unlink, 1, port) == LLMStatusCode.LLM_SUCCESS
+    wait_until(lambda: d.call(kv.link, 1, port, 2000) == OK, 15, "a new link accepted after the flood")
 
 
-def test_sealed_frames_follow_the_documented_scheme(peers):
+def test_sealed_frames_follow_the_documented_scheme(peers: Callable[..., Peer]) -> None:
     """A raw client that knows the secret makes a whole link (both channels) and speaks sealed frames
     computed from the documented scheme (tests/rawwire.py: transcript, session key, per-direction
     sequence numbers): its ping is answered with a response whose tag checks out; the same ping
     sent again (a replay) is not answered and drops the link."""
-    p, _d, port = pair(peers, "tcp", "the-secret", None)
+    p, _d, port = pair(peers, None, "the-secret", None)
     fwd = rawwire.handshake(port, channel=0, nonce=77, secret=b"the-secret")
     rev = rawwire.handshake(port, channel=1, nonce=77, secret=b"the-secret")
     assert (fwd.status, rev.status) == (0, 0) and fwd.key and rev.key and fwd.key != rev.key
-    assert wait_for(lambda: [link["authenticated"] for link in p.eval("dd.links()")] == [True])
+    wait_until(lambda: [link["authenticated"] for link in p.call(kv.links)] == [True], 20, "the raw link installed")
     sealer = rawwire.Sealer(fwd.key, requester=True)
     ping = sealer.seal(rawwire.request(rawwire.OP_PING, b""))
     fwd.sock.sendall(ping)
@@ -136,7 +153,8 @@ def test_sealed_frames_follow_the_documented_scheme(peers):
     assert sealer.check(answer[:20], answer[20:])
     fwd.sock.sendall(ping)  # replayed: its tag was for frame 0, the acceptor expects frame 1
     assert fwd.sock.recv(64) == b""  # closed without an answer
-    assert wait_for(lambda: "failed its authentication" in p.eval("dd.links()")[0]["broken_reason"])
+    wait_until(lambda: "failed its authentication" in p.call(kv.links)[0]["broken_reason"], 20,
+               "the link dropped for the replay")
     fwd.sock.close()
     rev.sock.close()
 
@@ -170,11 +188,9 @@ def test_payload_integrity_option_reaches_the_engine():
     assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
-def test_a_secret_without_libcrypto_fails_init_naming_what_is_missing(peers):
+def test_a_secret_without_libcrypto_fails_init_naming_what_is_missing(peers: Callable[..., Peer]) -> None:
     """libcrypto is loaded at run time: where it cannot be, an engine with a secret does not start
     (and says what to install); one without a secret does not need it."""
-    from peers import kv
-
     p = peers("prefill", env=peer_env("tcp", PDLINK_LIBCRYPTO="/nonexistent/libcrypto.so.3"))
     with pytest.raises(LLMException) as e:
         p.call(kv.start, "prompt", 1, listen=True, extra={"pdlink.LinkSecret": "s"})
