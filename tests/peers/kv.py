@@ -79,6 +79,17 @@ def _dd() -> LLMDataDist:
     return _S.dd
 
 
+def engine() -> LLMDataDist:
+    """This peer's LLMDataDist (for other peer modules, e.g. peers/connectors.py)."""
+    return _dd()
+
+
+def adopt(dd: LLMDataDist) -> None:
+    """Makes an LLMDataDist initialised elsewhere (a connector's own set-up) this peer's engine."""
+    assert _S.dd is None, "this peer already has an engine"
+    _S.dd = dd
+
+
 def _named(name: str) -> _Named:
     assert name in _S.caches, f"no cache named {name!r} in this peer (have: {sorted(_S.caches)})"
     return _S.caches[name]
