@@ -30,7 +30,8 @@ from pdlink.transfer import transfer_cache_async
 
 __all__ = [
     "BodyError", "ClientError", "DEFAULT_CONFIG_JSON", "DeviceMemory", "ManagementClient", "NodeSpec", "NotReady",
-    "PushType", "ROLES", "Response", "RoleRejected", "backend_info", "backend_name", "cache_count", "client_context",
+    "PushType", "ROLES", "Response", "RoleRejected", "backend_info", "backend_name", "cache_count", "cache_manager",
+    "client_context",
     "cluster_id", "core", "data_type_module", "direct_access_permitted", "engine", "handle_llm_status", "ip_to_int",
     "itemsize", "open_backend", "parse_engine_options", "parse_rank_table", "parse_role_request", "pools",
     "raise_if_false", "raise_if_true", "register_mem_status_from_int", "role_body", "role_to_option", "server_config",
@@ -38,6 +39,16 @@ __all__ = [
 ]
 
 core = _core  # the native module
+
+
+def cache_manager(native_engine: Any, remote_accessible: bool = True) -> Any:
+    """pdlink's CacheManager over a bare native engine (several engines in one process, which one
+    LLMDataDist per process does not allow; the load tests)."""
+    from types import SimpleNamespace
+
+    from pdlink.cache_manager import CacheManager
+
+    return CacheManager(SimpleNamespace(_is_call_linked=False), native_engine, remote_accessible, {})
 
 
 def engine(dd: Any) -> Any:
