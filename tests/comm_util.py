@@ -1,11 +1,16 @@
 """Helpers for the rank-table link API (``LLMDataDist.link``): HCCL rank tables naming loopback
-devices, and a free port to put PDLINK_LINK_PORT_BASE on (comm.py: a rank's endpoint is its
-``device_ip`` at that base plus its ``device_id``)."""
+devices, a free port to put PDLINK_LINK_PORT_BASE on (comm.py: a rank's endpoint is its
+``device_ip`` at that base plus its ``device_id``), and the status poll."""
 
 from __future__ import annotations
 
 import json
 import socket
+
+from pdlink import RegisterMemStatus
+from peer import Peer
+from peers import kv
+from poll import wait_until
 
 
 def free_port() -> int:
@@ -25,3 +30,13 @@ def rank_table(version: str = "1.2", super_pod: bool = True, ips: tuple[str, ...
         table["super_pod_list"] = [{"super_pod_id": "0",
                                     "server_list": [{"server_id": s["server_id"]} for s in servers]}]
     return json.dumps(table)
+
+
+def wait_ok(peer: Peer, comm_id: int, limit: float = 20.0) -> None:
+    """Polls ``query_register_mem_status`` in ``peer`` until OK (PREPARING meanwhile, nothing else)."""
+    def ok() -> bool:
+        status = peer.call(kv.comm_status, comm_id)
+        assert status in (RegisterMemStatus.PREPARING, RegisterMemStatus.OK), status
+        return bool(status == RegisterMemStatus.OK)
+
+    wait_until(ok, limit, f"comm {comm_id} OK")

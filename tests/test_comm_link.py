@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from backend_env import peer_env
-from comm_util import free_port, rank_table
+from comm_util import free_port, rank_table, wait_ok
 from internals import parse_rank_table
 from pdlink import BlocksCacheKey, DataType, LLMException, LLMStatusCode, RegisterMemStatus
 from peer import Peer
@@ -30,15 +30,6 @@ def start(peers: Callable[..., Peer], role: str, cid: int, base: int, backend: s
     p = peers(f"cluster{cid}", env=peer_env(backend, PDLINK_LINK_PORT_BASE=str(base)))
     p.call(kv.start_program, role, cid, local_comm_res=False, cache_manager=True, **options)
     return p
-
-
-def wait_ok(p: Peer, comm_id: int, limit: float = 20.0) -> None:
-    def ok() -> bool:
-        st = p.call(kv.comm_status, comm_id)
-        assert st in (RegisterMemStatus.PREPARING, RegisterMemStatus.OK), st
-        return bool(st == RegisterMemStatus.OK)
-
-    wait_until(ok, limit, f"comm {comm_id} OK")
 
 
 def test_vllm_cmgr_flow_link_poll_pull_unlink(peers: Callable[..., Peer], backend: str) -> None:

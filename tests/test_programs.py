@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from backend_env import Variant
-from comm_util import free_port, rank_table
+from comm_util import free_port, rank_table, wait_ok
 from conftest import only
 from pdlink import (
     BlocksCacheKey,
@@ -142,15 +142,6 @@ def comm_programs(peers: Callable[..., Peer], variant: Variant, pool: int | None
 def comm_link(p: Peer, d: Peer) -> tuple[int, int]:
     table = rank_table()
     return p.call(kv.comm_link, "link", {1: 0, 2: 1}, table), d.call(kv.comm_link, "link", {1: 0, 2: 1}, table)
-
-
-def wait_ok(peer: Peer, comm_id: int) -> None:
-    def ok() -> bool:
-        status = peer.call(kv.comm_status, comm_id)
-        assert status in (RegisterMemStatus.PREPARING, RegisterMemStatus.OK), status
-        return bool(status == RegisterMemStatus.OK)
-
-    wait_until(ok, 20, f"comm {comm_id} OK")
 
 
 @only("cpu-tcp", "ascend-fake")
