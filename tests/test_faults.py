@@ -15,7 +15,7 @@ import pytest
 
 import rawwire
 from backend_env import Variant
-from conftest import DECODER_ID, PROMPT_ID, Pair
+from conftest import DECODER_ID, PROMPT_ID, Pair, only
 from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode
 from peer import Peer
 from peers import kv, workers
@@ -228,6 +228,7 @@ KILLED_OUTCOMES: dict[str, tuple[object, ...]] = {
 }
 
 
+@only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-cma", "ascend-fake"))  # seconds each: the default run keeps one
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_peer_killed_during_a_large_transfer_then_restarted(peers: Callable[..., Peer], variant: Variant,
                                                             op: str) -> None:

@@ -52,8 +52,9 @@ S = LLMStatusCode
 OK = (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 SAMPLE_SHAPE = (3, 10)  # the push/switch/hixl samples: CacheDesc(2, [3, 10], DT_FLOAT)
 F32 = DataType.DT_FLOAT
-# Replays run on every data path; the default run keeps one (the others are heavy: CI runs them).
-replay_paths = only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-cma", "ascend-fake"))
+# Replays and the link-rule cases run on every data path; the default run keeps one (the others are
+# heavy: CI runs them), which keeps the default suite within its time budget.
+replay_paths = every_path = only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-cma", "ascend-fake"))
 
 
 def reader(peer: Peer, name: str) -> Callable[[], Snapshot]:
@@ -189,6 +190,7 @@ def test_hixl_backend_init_rules(peers: Callable[..., Peer]) -> None:
     assert p.call(kv.start_program, "prompt", 0, transfer_backend="hixl", listen_port=0) > 0
 
 
+@every_path
 def test_hixl_links_are_one_way_and_may_go_both_ways(peers: Callable[..., Peer], variant: Variant) -> None:
     p, p_port = program(peers, variant, "prompt", "prompt", 0, listen_port=0, transfer_backend="hixl")
     d, d_port = program(peers, variant, "decoder", "decoder", 1, listen_port=0, transfer_backend="hixl")
@@ -258,6 +260,7 @@ def test_a_peer_cannot_use_the_link_this_side_dialled_one_way(peers: Callable[..
     assert links_of(victim) == [(1, True, False)]  # the link itself is intact
 
 
+@every_path
 def test_hixl_both_sides_link_at_the_same_time(peers: Callable[..., Peer], variant: Variant) -> None:
     p, p_port = program(peers, variant, "prompt", "prompt", 0, listen_port=0, transfer_backend="hixl")
     d, d_port = program(peers, variant, "decoder", "decoder", 1, listen_port=0, transfer_backend="hixl")
@@ -276,6 +279,7 @@ def test_hixl_both_sides_link_at_the_same_time(peers: Callable[..., Peer], varia
 # ---------------------------------------------------------------------------- 4. cross-linking
 
 
+@every_path
 def test_linking_back_to_a_peer_that_linked_is_already_linked(peers: Callable[..., Peer], variant: Variant) -> None:
     """Default backend: B links to A, then A to B: one symmetric link, the second call
     LLM_ALREADY_LINK; both sides read and write over it."""
@@ -292,6 +296,7 @@ def test_linking_back_to_a_peer_that_linked_is_already_linked(peers: Callable[..
           rows([(3, 2)]))
 
 
+@every_path
 def test_cross_linking_at_the_same_time_breaks_no_link(peers: Callable[..., Peer], variant: Variant) -> None:
     """A links to B while B links to A: each call SUCCESS or LLM_ALREADY_LINK, no link broken,
     transfers both ways byte-exact; one unlink takes everything down on both sides."""
