@@ -82,6 +82,20 @@ def program(peers: Callable[..., Peer], variant: Variant, name: str, role: str, 
     return p, p.call(kv.start_program, role, cluster_id, **options)
 
 
+def push_programs(peers: Callable[..., Peer], variant: Variant, backend: str | None,
+                  **options: Any) -> tuple[Peer, int, Peer, int]:
+    """PROMPT cluster 0 and DECODER cluster 1, both listening (the push/transfer samples' pair)."""
+    p, p_port = program(peers, variant, "prompt", "prompt", 0, listen_port=0, transfer_backend=backend, **options)
+    d, d_port = program(peers, variant, "decoder", "decoder", 1, listen_port=0, transfer_backend=backend, **options)
+    return p, p_port, d, d_port
+
+
+def small_blocks(p: Peer, d: Peer) -> None:
+    """Blocks caches of 4 blocks per tensor, keyed BlocksCacheKey(own id, 0): for the link rules."""
+    p.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=1, key=BlocksCacheKey(0, 0))
+    d.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=2, key=BlocksCacheKey(1, 0))
+
+
 def both(*calls: Callable[[], Any]) -> list[Any]:
     """Runs the calls at the same time (two processes past the same barrier); their results."""
     with ThreadPoolExecutor(len(calls)) as pool:
@@ -192,10 +206,8 @@ def test_hixl_backend_init_rules(peers: Callable[..., Peer]) -> None:
 
 @every_path
 def test_hixl_links_are_one_way_and_may_go_both_ways(peers: Callable[..., Peer], variant: Variant) -> None:
-    p, p_port = program(peers, variant, "prompt", "prompt", 0, listen_port=0, transfer_backend="hixl")
-    d, d_port = program(peers, variant, "decoder", "decoder", 1, listen_port=0, transfer_backend="hixl")
-    p.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=1, key=BlocksCacheKey(0, 0))
-    d.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=2, key=BlocksCacheKey(1, 0))
+    p, p_port, d, d_port = push_programs(peers, variant, "hixl")
+    small_blocks(p, d)
     assert d.call(kv.link_clusters, [(0, p_port, d_port)]) == OK
     assert d.call(kv.link_clusters, [(0, p_port, d_port)]) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
     # the side that linked reads and writes
@@ -262,10 +274,8 @@ def test_a_peer_cannot_use_the_link_this_side_dialled_one_way(peers: Callable[..
 
 @every_path
 def test_hixl_both_sides_link_at_the_same_time(peers: Callable[..., Peer], variant: Variant) -> None:
-    p, p_port = program(peers, variant, "prompt", "prompt", 0, listen_port=0, transfer_backend="hixl")
-    d, d_port = program(peers, variant, "decoder", "decoder", 1, listen_port=0, transfer_backend="hixl")
-    p.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=1, key=BlocksCacheKey(0, 0))
-    d.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=2, key=BlocksCacheKey(1, 0))
+    p, p_port, d, d_port = push_programs(peers, variant, "hixl")
+    small_blocks(p, d)
     assert both(lambda: p.call(kv.link_clusters, [(1, d_port, p_port)]),
                 lambda: d.call(kv.link_clusters, [(0, p_port, d_port)])) == [OK, OK]
     assert links_of(p) == [(1, False, False), (1, True, False)]  # its own link, and the peer's
@@ -283,10 +293,8 @@ def test_hixl_both_sides_link_at_the_same_time(peers: Callable[..., Peer], varia
 def test_linking_back_to_a_peer_that_linked_is_already_linked(peers: Callable[..., Peer], variant: Variant) -> None:
     """Default backend: B links to A, then A to B: one symmetric link, the second call
     LLM_ALREADY_LINK; both sides read and write over it."""
-    a, a_port = program(peers, variant, "a", "prompt", 0, listen_port=0)
-    b, b_port = program(peers, variant, "b", "decoder", 1, listen_port=0)
-    a.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=1, key=BlocksCacheKey(0, 0))
-    b.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=2, key=BlocksCacheKey(1, 0))
+    a, a_port, b, b_port = push_programs(peers, variant, None)
+    small_blocks(a, b)
     assert b.call(kv.link_clusters, [(0, a_port, b_port)]) == OK
     assert a.call(kv.link_clusters, [(1, b_port, a_port)]) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
     assert links_of(a) == [(1, False, False)] and links_of(b) == [(0, True, False)]
@@ -300,10 +308,8 @@ def test_linking_back_to_a_peer_that_linked_is_already_linked(peers: Callable[..
 def test_cross_linking_at_the_same_time_breaks_no_link(peers: Callable[..., Peer], variant: Variant) -> None:
     """A links to B while B links to A: each call SUCCESS or LLM_ALREADY_LINK, no link broken,
     transfers both ways byte-exact; one unlink takes everything down on both sides."""
-    a, a_port = program(peers, variant, "a", "prompt", 0, listen_port=0)
-    b, b_port = program(peers, variant, "b", "decoder", 1, listen_port=0)
-    a.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=1, key=BlocksCacheKey(0, 0))
-    b.call(kv.register_blocks, "kv", 2, (4, 16), F32, seed=2, key=BlocksCacheKey(1, 0))
+    a, a_port, b, b_port = push_programs(peers, variant, None)
+    small_blocks(a, b)
     results = both(lambda: a.call(kv.link_clusters, [(1, b_port, a_port)]),
                    lambda: b.call(kv.link_clusters, [(0, a_port, b_port)]))
     assert all(r in (OK, (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])) for r in results), results
@@ -411,14 +417,6 @@ def test_sample_pull_from_cache_to_blocks(peers: Callable[..., Peer], variant: V
     p.call(kv.deallocate, "kv")
     for side in (p, d):
         side.call(kv.finalize)
-
-
-def push_programs(peers: Callable[..., Peer], variant: Variant, backend: str | None,
-                  **options: Any) -> tuple[Peer, int, Peer, int]:
-    """The push/transfer samples' pair: PROMPT cluster 0 and DECODER cluster 1, both listening."""
-    p, p_port = program(peers, variant, "prompt", "prompt", 0, listen_port=0, transfer_backend=backend, **options)
-    d, d_port = program(peers, variant, "decoder", "decoder", 1, listen_port=0, transfer_backend=backend, **options)
-    return p, p_port, d, d_port
 
 
 def sample_blocks(p: Peer, d: Peer) -> None:
