@@ -204,7 +204,7 @@ class CommManager:
         if comm.failed:
             return RegisterMemStatus.FAILED
         comm.link_seq, linked = self._engine.linked_since(comm.link_seq)
-        comm.seen.update(linked)
+        comm.seen.update(cid for cid in linked if cid in comm.peers)  # bounded by the members, whoever links
         up = {link["peer_cluster_id"] for link in self._engine.links() if not link["broken"]}
         if all(cid in up or cid in comm.seen for cid in comm.peers):
             comm.ok = True
