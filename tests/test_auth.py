@@ -14,12 +14,13 @@ import pytest
 
 import rawwire
 from backend_env import Variant, peer_env
+from conftest import pulled
 from internals import core as _core
 from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv
 from poll import wait_until
-from verify import assert_same, check_transfer, rows
+from verify import assert_same
 
 
 @pytest.mark.parametrize("key_len", [0, 1, 32, 64, 65, 200])
@@ -47,12 +48,6 @@ def pair(peers: Callable[..., Peer], variant: Variant | None, p_secret: str | No
     d.call(kv.start, "decoder", 2)
     d.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
     return p, d, port
-
-
-def pulled(p: Peer, d: Peer, blocks: list[int]) -> None:
-    """The decoder pulls ``blocks`` to the same blocks: exactly those bytes move (verify.py)."""
-    check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d.call(kv.snapshot, "kv"),
-                   lambda: d.call(kv.pull_blocks, KEY, "kv", blocks, blocks), rows([(b, b) for b in blocks]))
 
 
 OK = (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
@@ -184,7 +179,7 @@ def test_payload_integrity_option_reaches_the_engine():
     # the engine itself refuses integrity without a secret, whoever asks
     e = _core.Engine("cpu")
     with pytest.raises(LLMException) as err:
-        e.initialize(3, 0, "", 0, 1000, 0, 16, 0, 16, 1000, payload_integrity=True)
+        e.initialize(3, 0, "", 0, 1000, 0, 16, 0, 16, payload_integrity=True)
     assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 

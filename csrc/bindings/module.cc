@@ -182,11 +182,12 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("max_handshakes", &EngineLimits::max_handshakes)
       .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
       .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
+      .def_readwrite("handshake_timeout_ms", &EngineLimits::handshake_timeout_ms)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) + ", max_handshakes=" +
                std::to_string(l.max_handshakes) + ", max_handshakes_per_source=" +
                std::to_string(l.max_handshakes_per_source) + ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
-               ")";
+               ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) + ")";
       });
 
   py::class_<Engine>(m, "Engine")
@@ -200,7 +201,7 @@ PYBIND11_MODULE(_core, m) {
           "initialize",
           [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
              int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
-             uint32_t host_page_shift, int64_t handshake_timeout_ms, int transport, const std::string& link_secret,
+             uint32_t host_page_shift, int transport, const std::string& link_secret,
              bool hccl_one_sided, const EngineLimits& limits, bool payload_integrity, bool one_way_links) {
             EngineConfig c;
             c.cluster_id = cluster_id;
@@ -210,7 +211,6 @@ PYBIND11_MODULE(_core, m) {
             c.sync_timeout_ms = sync_timeout_ms;
             c.device_pool = {device_pool_bytes, device_page_shift};
             c.host_pool = {host_pool_bytes, host_page_shift};
-            c.handshake_timeout_ms = handshake_timeout_ms;
             if (transport < 0 || transport > 2) throw py::value_error("transport must be 0 (auto), 1 (tcp) or 2 (cma)");
             c.transport = static_cast<Transport>(transport);
             c.link_secret = link_secret;
@@ -218,7 +218,7 @@ PYBIND11_MODULE(_core, m) {
             c.one_sided = hccl_one_sided;
             c.one_way_links = one_way_links;
             if (limits.max_links == 0 || limits.max_handshakes == 0 || limits.max_handshakes_per_source == 0 ||
-                limits.pin_timeout_ms < 0) {
+                limits.pin_timeout_ms < 0 || limits.handshake_timeout_ms <= 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
             c.limits = limits;
@@ -226,7 +226,7 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
           py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
-          py::arg("host_pool_bytes"), py::arg("host_page_shift"), py::arg("handshake_timeout_ms"),
+          py::arg("host_pool_bytes"), py::arg("host_page_shift"),
           py::arg("transport") = 0, py::arg("link_secret") = "", py::arg("hccl_one_sided") = false,
           py::arg("limits") = EngineLimits(), py::arg("payload_integrity") = false, py::arg("one_way_links") = false,
           py::call_guard<py::gil_scoped_release>())

@@ -65,6 +65,9 @@ struct EngineLimits {
   // How long the serving side keeps the caches of a direct or IPC access pinned while the peer
   // sends nothing; 0: max(2 x sync_timeout_ms, 5 s). The peer's late copy then fails (pin epoch).
   int64_t pin_timeout_ms = 0;
+  // How long an incoming connection may take over its handshake (hello to authentication) before
+  // it is dropped and its slot and thread are freed.
+  int64_t handshake_timeout_ms = 5000;
 };
 
 struct EngineConfig {
@@ -73,7 +76,6 @@ struct EngineConfig {
   std::string listen_ip;  // empty = do not listen (pure client)
   uint16_t listen_port = 0;  // 0 = pick a free port
   int64_t sync_timeout_ms = 1000;       // bounds each pull and push
-  int64_t handshake_timeout_ms = 5000;  // bounds an incoming connection's hello
   PoolConfig device_pool;
   PoolConfig host_pool;
   Transport transport = Transport::kAuto;

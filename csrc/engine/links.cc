@@ -295,7 +295,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     std::lock_guard<std::mutex> lock(mu_);
     handshaking_.erase(tracked);
   };
-  Deadline deadline = Deadline::afterMs(config_.handshake_timeout_ms);
+  Deadline deadline = Deadline::afterMs(config_.limits.handshake_timeout_ms);
   const std::string from = sock.peer();
   const bool local = sock.isUnix();
   bool acked = false;  // once our HelloAck is out, a refusal is sent as an AuthResult

@@ -43,6 +43,7 @@ class EngineLimits:
     max_handshakes: int
     max_handshakes_per_source: int
     pin_timeout_ms: int  # 0: max(2 x sync_timeout_ms, 5 s)
+    handshake_timeout_ms: int  # an incoming connection's handshake, hello to authentication
     def __init__(self) -> None: ...
 
 class Engine:
@@ -58,7 +59,6 @@ class Engine:
         device_page_shift: int,
         host_pool_bytes: int,
         host_page_shift: int,
-        handshake_timeout_ms: int,
         transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
         link_secret: str = "",  # non-empty: links must authenticate, every frame sealed (needs libcrypto)
         hccl_one_sided: bool = False,  # Ascend: HcclBatchGet/Put when both ends enable it

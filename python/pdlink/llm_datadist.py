@@ -75,6 +75,7 @@ LIMIT_OPTIONS = {
     "pdlink.MaxHandshakes": ("PDLINK_MAX_HANDSHAKES", "max_handshakes"),
     "pdlink.MaxHandshakesPerSource": ("PDLINK_MAX_HANDSHAKES_PER_SOURCE", "max_handshakes_per_source"),
     "pdlink.PinTimeoutMs": ("PDLINK_PIN_TIMEOUT_MS", "pin_timeout_ms"),
+    "pdlink.HandshakeTimeoutMs": ("PDLINK_HANDSHAKE_TIMEOUT_MS", "handshake_timeout_ms"),
 }
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
@@ -407,7 +408,7 @@ class LLMDataDist:
             else:
                 engine = _core.Engine(_core.open_backend(cfg.pop("backend"), cfg.pop("device_id")))
                 cfg["limits"] = engine_limits(_core, cfg["limits"])
-                engine.initialize(self._cluster_id, int(self._role), handshake_timeout_ms=5000, **cfg)
+                engine.initialize(self._cluster_id, int(self._role), **cfg)
                 self._engine = engine
                 self._engines = [engine]
                 self._v1 = False
@@ -437,7 +438,7 @@ class LLMDataDist:
                 engine.initialize(self._cluster_id, int(self._role), listen_ip=ip, listen_port=port,
                                   sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
                                   device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
-                                  host_page_shift=_V1_DEFAULT_PAGE_SHIFT, handshake_timeout_ms=5000,
+                                  host_page_shift=_V1_DEFAULT_PAGE_SHIFT,
                                   transport=cfg["transport"], link_secret=cfg["link_secret"],
                                   payload_integrity=cfg["payload_integrity"], hccl_one_sided=cfg["hccl_one_sided"],
                                   limits=engine_limits(core, cfg["limits"]))

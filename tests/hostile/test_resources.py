@@ -8,6 +8,7 @@ keep pulling byte-exact within its timeout throughout. Resource counts are polle
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from collections.abc import Callable
 
@@ -36,11 +37,6 @@ def linked(make_pair: Callable[..., Pair], options: dict[str, str] | None = None
     return pair
 
 
-def honest_pull(pair: Pair, block: int) -> None:
-    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
-                   lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", [block], [block]), rows([(block, block)]))
-
-
 def stat(peer: Peer, name: str) -> int:
     return peer.call(kv.stats)[name]
 
@@ -52,12 +48,12 @@ def unix_name(peers: Callable[..., Peer], pair: Pair) -> str | None:
 
 def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
     limits = internals.core.EngineLimits()
-    assert (limits.max_links, limits.max_handshakes, limits.max_handshakes_per_source, limits.pin_timeout_ms) == (
-        512, 64, 8, 0)
+    assert (limits.max_links, limits.max_handshakes, limits.max_handshakes_per_source, limits.pin_timeout_ms,
+            limits.handshake_timeout_ms) == (512, 64, 8, 0, 5000)
 
 
 @pytest.mark.parametrize("option, value", [("pdlink.MaxLinks", "0"), ("pdlink.MaxHandshakes", "-1"),
-                                           ("pdlink.PinTimeoutMs", "soon")])
+                                           ("pdlink.PinTimeoutMs", "soon"), ("pdlink.HandshakeTimeoutMs", "0")])
 def test_a_bad_limit_option_is_refused(peers: Callable[..., Peer], option: str, value: str) -> None:
     p = peers("p")
     with pytest.raises(Exception) as e:
@@ -77,7 +73,7 @@ def test_dead_links_leave_tombstones_not_threads_or_descriptors(peers: Callable[
     results = a.call(hostile.many_links, pair.port, 18, 100, unix)
     assert [r[0] for r in results] == [0] * 18, results
     wait_until(lambda: stat(pair.prefill, "live_links") == 19, 20, "19 live links (18 raw, 1 honest)")
-    honest_pull(pair, 1)
+    pair.pulled([1])
     a.call(hostile.close_all)
     wait_until(lambda: stat(pair.prefill, "live_links") == 1, 20, "only the honest link left alive")
     wait_until(lambda: (lambda r: r[0] <= base_fds and r[1] <= base_threads)(pair.prefill.call(kv.resources)), 20,
@@ -85,7 +81,7 @@ def test_dead_links_leave_tombstones_not_threads_or_descriptors(peers: Callable[
     assert stat(pair.prefill, "tombstones") == 18
     dead = [link for link in pair.prefill.call(kv.links) if link["broken"]]
     assert sorted(link["peer_cluster_id"] for link in dead) == list(range(100, 118))
-    honest_pull(pair, 2)
+    pair.pulled([2])
     # more dead links than the bound: the oldest tombstones are forgotten
     results = a.call(hostile.many_links, pair.port, 10, 200, unix)
     assert [r[0] for r in results] == [0] * 10, results
@@ -107,12 +103,25 @@ def test_links_that_never_finish_a_handshake_leave_nothing(peers: Callable[..., 
     a = peers("attacker")
     assert a.call(hostile.silent_connections, pair.port, 40) == 40
     wait_until(lambda: stat(pair.prefill, "handshakes") == 40, 20, "40 handshakes waiting")
-    honest_pull(pair, 3)
+    pair.pulled([3])
     a.call(hostile.close_all)
     wait_until(lambda: stat(pair.prefill, "handshakes") == 0, 20, "no handshake left")
     wait_until(lambda: (lambda r: r[0] <= base_fds and r[1] <= base_threads)(pair.prefill.call(kv.resources)), 20,
                "descriptors and threads back")
     assert stat(pair.prefill, "tombstones") == 0 and stat(pair.prefill, "live_links") == 1
+
+
+def test_a_handshake_that_stalls_is_dropped_at_the_handshake_timeout(make_pair: Callable[..., Pair]) -> None:
+    """A connection that sends part of a hello and then nothing holds its handshake slot until
+    pdlink.HandshakeTimeoutMs (300 ms here), then the victim closes it and the slot is free."""
+    pair = linked(make_pair, {"pdlink.HandshakeTimeoutMs": "300"})
+    with socket.create_connection(("127.0.0.1", pair.port)) as stalled:
+        stalled.sendall(rawwire.hello()[:10])
+        wait_until(lambda: stat(pair.prefill, "handshakes") == 1, 20, "the stalled handshake counted")
+        stalled.settimeout(hang_guard(300))
+        assert stalled.recv(100) == b""  # closed by the victim; a hang would raise socket.timeout
+    wait_until(lambda: stat(pair.prefill, "handshakes") == 0, 20, "the slot freed")
+    pair.pulled([2])
 
 
 def test_a_handshake_flood_from_one_source_does_not_lock_others_out(peers: Callable[..., Peer],
@@ -127,7 +136,7 @@ def test_a_handshake_flood_from_one_source_does_not_lock_others_out(peers: Calla
     wait_until(lambda: stat(pair.prefill, "handshakes_refused") >= 52, 20, "the flood past 8 slots dropped")
     assert stat(pair.prefill, "handshakes") == 8
     pair.link()  # from 127.0.0.1, during the flood
-    honest_pull(pair, 4)
+    pair.pulled([4])
     a.call(hostile.close_all)
 
 
@@ -153,7 +162,7 @@ def test_max_links_refuses_newcomers_and_frees_with_them(peers: Callable[..., Pe
     assert [r[0] for r in results] == [0, 0, 0], results
     status, message = peers("attacker2").call(hostile.link_raw, pair.port, 120, b"", unix)
     assert status == S.LLM_LINK_FAILED and "the most it may have" in message, message
-    honest_pull(pair, 5)
+    pair.pulled([5])
     a.call(hostile.close_all)
     wait_until(lambda: stat(pair.prefill, "live_links") == 1, 20, "the attacker's links reaped")
     assert peers("attacker3").call(hostile.link_raw, pair.port, 121, b"", unix) == (0, "")
@@ -220,7 +229,7 @@ def test_a_healthy_link_cannot_be_taken_over_by_a_newcomer(peers: Callable[..., 
     pair = linked(make_pair)
     status, message = peers("attacker").call(hostile.link_raw, pair.port, DECODER_ID, b"", unix_name(peers, pair))
     assert status == S.LLM_LINK_FAILED and "already has a healthy link" in message, message
-    honest_pull(pair, 6)
+    pair.pulled([6])
     assert [(link["peer_cluster_id"], link["broken"]) for link in pair.prefill.call(kv.links)] == [(DECODER_ID, False)]
 
 
@@ -291,7 +300,7 @@ def test_out_of_descriptors_the_listener_backs_off_and_recovers(peers: Callable[
         a.call(hostile.silent_connections, pair.port, 12)
         wait_until(lambda: stat(pair.prefill, "listener_backoffs") >= 1, 20, "the listener backed off")
         assert pair.prefill.call(kv.can_open_a_file) is False  # the process really is out of descriptors
-        honest_pull(pair, 10)  # established links keep working
+        pair.pulled([10])  # established links keep working
     finally:
         a.call(hostile.close_all)
         pair.prefill.call(kv.restore_descriptors, old)

@@ -26,7 +26,7 @@ def start_engines(count: int, first_id: int) -> None:
     cfg = internals.parse_engine_options({})  # PDLINK_BACKEND / PDLINK_TRANSPORT of this peer
     for i in range(count):
         e = internals.core.Engine(internals.open_backend(cfg["backend"], 0))
-        e.initialize(first_id + i, DECODER, "", 0, 30000, 0, 16, 0, 16, 5000, transport=cfg["transport"])
+        e.initialize(first_id + i, DECODER, "", 0, 30000, 0, 16, 0, 16, transport=cfg["transport"])
         cm = internals.cache_manager(e)
         desc = CacheDesc(2, list(SHAPE), DataType.DT_UINT8, Placement.DEVICE)
         mem = GuardedTensors(2, desc.size, SHAPE[0], None, device_memory_is_remote())

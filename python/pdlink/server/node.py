@@ -376,7 +376,7 @@ class Node:
                         if kv.link_secret else {})
                 engine.initialize(plan.cluster_id, ROLES[plan.role], listen_ip=ip, listen_port=port,
                                   sync_timeout_ms=kv.sync_kv_timeout_ms, device_pool_bytes=0, device_page_shift=16,
-                                  host_pool_bytes=0, host_page_shift=16, handshake_timeout_ms=5000,
+                                  host_pool_bytes=0, host_page_shift=16,
                                   transport=_TRANSPORTS[kv.transport], **auth)
                 engines.append(engine)
         except BaseException:
