@@ -47,8 +47,8 @@ class Variant:
     """One cell of the matrix.
 
     ``id``: the test id; ``backend``: the engine's backend; ``path``: how DEVICE cache bytes move
-    between two such peers; ``link_transport``: what ``links()`` reports; ``transport``: the legacy
-    name (the ``transport`` fixture of tests not yet converted); ``serving_loop``: every transfer
+    between two such peers; ``link_transport``: what ``links()`` reports; ``kind``: the short name
+    ``peer_env`` takes ("cma", "tcp", "ascend"); ``serving_loop``: every transfer
     goes through the peer's serving thread, so a frozen peer makes a pull time out (false for cma,
     where a cached-layout read is a kernel copy that needs nothing from the peer)."""
 
@@ -56,7 +56,7 @@ class Variant:
     backend: str
     path: str
     link_transport: str
-    transport: str
+    kind: str
     serving_loop: bool
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -79,8 +79,7 @@ VARIANTS = (
     Variant("cpu-tcp", "cpu", "tcp", "tcp", "tcp", serving_loop=True),
     Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True),
 )
-BY_TRANSPORT = {v.transport: v for v in VARIANTS}
-TRANSPORTS = tuple(BY_TRANSPORT)
+BY_KIND = {v.kind: v for v in VARIANTS}
 BACKENDS = ("cpu", "ascend")
 
 
@@ -88,18 +87,8 @@ def peer_env(kind: Variant | str, **extra: str) -> dict[str, str]:
     """Environment variables for a peer process of that kind (plus ``extra``)."""
     if isinstance(kind, Variant):
         return kind.env(**extra)
-    if kind in BY_TRANSPORT:
-        return BY_TRANSPORT[kind].env(**extra)
+    if kind in BY_KIND:
+        return BY_KIND[kind].env(**extra)
     if kind == "cpu":
         return {"PDLINK_BACKEND": "cpu", **{k: str(v) for k, v in extra.items()}}
-    raise ValueError(f"unknown kind {kind!r}; one of {TRANSPORTS + BACKENDS}")
-
-
-def link_transport(transport: str) -> str:
-    """Legacy: the transport ``dd.links()`` reports for a link between two peers of that kind."""
-    return BY_TRANSPORT[transport].link_transport
-
-
-def backend_name(transport: str) -> str:
-    """Legacy: the backend of a peer of that kind."""
-    return BY_TRANSPORT[transport].backend
+    raise ValueError(f"unknown kind {kind!r}; one of {tuple(BY_KIND) + BACKENDS}")

@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir, link_transport, peer_env  # noqa: E402
+from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir  # noqa: E402
 from internals import direct_access_permitted  # noqa: E402
 from pdlink import BlocksCacheKey, LLMStatusCode  # noqa: E402
 from peer import Peer  # noqa: E402
 from peers import kv  # noqa: E402
+from verify import Snapshot, check_transfer, rows  # noqa: E402
 
 PROMPT_ID, DECODER_ID = 1, 2
+PROMPT_KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
 
 CMA_AVAILABLE = direct_access_permitted()
 
@@ -63,12 +65,6 @@ def only(*ids: str, heavy: tuple[str, ...] = ()) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("variant", params, indirect=True)
 
 
-@pytest.fixture
-def transport(variant: Variant) -> str:
-    """Legacy name of the variant ("cma", "tcp", "ascend") for tests not yet converted."""
-    return variant.transport
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     """Tests of one engine's memory and local copies, and flows whose links do not depend on the
@@ -94,6 +90,28 @@ def peers() -> Iterator[Callable[..., Peer]]:
         p.close()
 
 
+def reader(peer: Peer, name: str = "kv") -> Callable[[], Snapshot]:
+    """Reads cache ``name`` of ``peer`` (peers.kv) whole: one side of ``verify.check_transfer``."""
+    return lambda: peer.call(kv.snapshot, name)
+
+
+def moved(src: tuple[Peer, str], dst: tuple[Peer, str], action: Callable[[], object],
+          expect: Callable[[Snapshot, Snapshot], Snapshot]) -> object:
+    """``action`` moves bytes from cache ``src`` = (peer, name) to ``dst``: the whole destination is
+    what ``expect`` says and the source is unchanged (verify.check_transfer). Returns what ``action``
+    returned."""
+    return check_transfer(reader(*src), reader(*dst), action, expect)
+
+
+def pulled(prefill: Peer, decode: Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int] | None = None,
+           key: BlocksCacheKey = PROMPT_KEY, name: str = "kv") -> None:
+    """The decoder pulls ``src_blocks`` of the prompt's blocks cache ``key`` into ``dst_blocks`` (the
+    same blocks unless given) of its cache ``name``: exactly those rows move."""
+    dst = list(src_blocks if dst_blocks is None else dst_blocks)
+    moved((prefill, name), (decode, name), lambda: decode.call(kv.pull_blocks, key, name, list(src_blocks), dst),
+          rows(list(zip(src_blocks, dst))))
+
+
 class Pair:
     """A listening PROMPT engine (cluster 1) and a DECODER engine (cluster 2) in two peer
     processes, not linked yet; their engines run ``tests/peers/kv.py``.
@@ -104,7 +122,7 @@ class Pair:
     to the prompt (e.g. ``{"pdlink.MaxLinks": "4"}``).
     """
 
-    KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
+    KEY = PROMPT_KEY
 
     def __init__(self, peers: Callable[..., Peer], variant: Variant, remote: bool = True,
                  timeout: int | None = None, pool: int | None = 1 << 22,
@@ -129,6 +147,10 @@ class Pair:
     def unlink(self, force: bool = False) -> LLMStatusCode:
         return self.decode.call(kv.unlink, PROMPT_ID, self.port, force)
 
+    def pulled(self, src_blocks: Sequence[int], dst_blocks: Sequence[int] | None = None) -> None:
+        """``pulled`` from the prompt's usual blocks cache ("kv", ``KEY``) into the decoder's."""
+        pulled(self.prefill, self.decode, src_blocks, dst_blocks, self.KEY)
+
 
 @pytest.fixture
 def make_pair(peers: Callable[..., Peer], variant: Variant) -> Callable[..., Pair]:
@@ -138,40 +160,3 @@ def make_pair(peers: Callable[..., Peer], variant: Variant) -> Callable[..., Pai
 @pytest.fixture
 def pair(make_pair: Callable[..., Pair]) -> Pair:
     return make_pair()
-
-
-class PD:
-    """Legacy (tests not yet converted): ``Pair`` over source strings. Each side's namespace has
-    `dd` (the LLMDataDist) and `cm` (its cache manager); `port` is the prompt's listen port; `env`
-    the environment of both peers."""
-
-    def __init__(self, peers: Callable[..., Peer], transport: str, remote: bool = True, timeout: int | None = None,
-                 pool: int = 1 << 22, prefill_env: dict[str, str] | None = None,
-                 decode_env: dict[str, str] | None = None, prefill_timeout: int | None = None):
-        self.transport = transport
-        self.env = env = peer_env(transport)
-        self.prefill = p = peers("prefill", env={**env, **(prefill_env or {})})
-        self.decode = d = peers("decode", env={**env, **(decode_env or {})})
-        extra = f"remote={remote}, pool={pool}"
-        p.exec(f"dd = LLMDataDist(LLMRole.PROMPT, {PROMPT_ID}); dd.init(options(listen='127.0.0.1:0', {extra}, "
-               f"timeout={prefill_timeout or timeout})); cm = dd.cache_manager")
-        d.exec(f"dd = LLMDataDist(LLMRole.DECODER, {DECODER_ID}); dd.init(options({extra}, timeout={timeout})); "
-               "cm = dd.cache_manager")
-        self.port = p.eval("dd.listen_port")
-
-    def link(self) -> None:
-        ret = self.decode.eval(f"dd.link_clusters([cluster({PROMPT_ID}, {self.port})], 5000)")
-        assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
-        for side in (self.prefill, self.decode):
-            assert {link["transport"] for link in side.eval("dd.links()")} == {link_transport(self.transport)}
-            assert side.eval("dd._engine.backend") == peer_env(self.transport)["PDLINK_BACKEND"]
-
-
-@pytest.fixture
-def make_pd(peers: Callable[..., Peer], transport: str) -> Callable[..., PD]:
-    return lambda **kw: PD(peers, transport, **kw)
-
-
-@pytest.fixture
-def pd(make_pd: Callable[..., PD]) -> PD:
-    return make_pd()

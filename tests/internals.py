@@ -29,13 +29,13 @@ from pdlink.status import handle_llm_status, raise_if_false, raise_if_true
 from pdlink.transfer import transfer_cache_async
 
 __all__ = [
-    "BodyError", "ClientError", "DEFAULT_CONFIG_JSON", "DeviceMemory", "ManagementClient", "NodeSpec", "NotReady",
-    "PushType", "ROLES", "Response", "RoleRejected", "backend_info", "backend_name", "cache_count", "cache_manager",
-    "client_context",
-    "cluster_id", "core", "data_type_module", "direct_access_permitted", "engine", "handle_llm_status", "ip_to_int",
-    "itemsize", "open_backend", "parse_engine_options", "parse_rank_table", "parse_role_request", "pools",
-    "raise_if_false", "raise_if_true", "register_mem_status_from_int", "role_body", "role_to_option", "server_config",
-    "server_context", "transfer_cache_async", "validation_utils",
+    "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
+    "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
+    "direct_access_permitted", "engine", "handle_llm_status", "invalidate", "ip_to_int", "itemsize",
+    "ManagementClient", "manager_role", "native_engines", "NodeSpec", "NotReady", "open_backend",
+    "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
+    "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",
+    "ROLES", "server_config", "server_context", "transfer_cache_async", "validation_utils",
 ]
 
 core = _core  # the native module
@@ -54,6 +54,26 @@ def cache_manager(native_engine: Any, remote_accessible: bool = True) -> Any:
 def engine(dd: Any) -> Any:
     """The native engine under an ``LLMDataDist``."""
     return dd._engine
+
+
+def native_engines(dd: Any) -> list[Any]:
+    """The native engines under a v1 (KvCacheManager mode) ``LLMDataDist``, one per device."""
+    return list(dd._engines)
+
+
+def manager_role(km: Any) -> int:
+    """The role a ``KvCacheManager`` enforces (what ``switch_role`` updates)."""
+    return int(km._role)
+
+
+def device_cache_ids(km: Any, cache: Any) -> list[int]:
+    """The ids of the per-device caches behind a ``KvCacheManager``'s cache."""
+    return [int(d.cache_id) for d in km._live[cache.cache_id][1]]
+
+
+def invalidate(km: Any) -> None:
+    """What ``LLMDataDist.finalize`` does to its ``KvCacheManager`` (for a manager built without one)."""
+    km._invalidate()
 
 
 def cache_count(dd: Any) -> int:

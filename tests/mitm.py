@@ -23,6 +23,7 @@ from collections.abc import Callable
 import rawwire
 from internals import core
 from poll import wait_until
+from relay import close_quietly
 
 CHUNK = core.LIMITS["payload_chunk_bytes"]  # a sealed payload's chunk (csrc/core/limits.h)
 TIMEOUT_S = 30.0  # no proxy thread waits longer for a byte
@@ -114,7 +115,7 @@ class Channel:
         except (OSError, ConnectionError):
             pass
         finally:
-            _close(self.upstream)
+            close_quietly(self.upstream)
 
     def _read_request(self) -> Request:
         head = rawwire.recv_exact(self.client, 20)
@@ -147,7 +148,7 @@ class Channel:
         finally:
             self.verdict.set()
             self.closed.set()
-            _close(self.client)
+            close_quietly(self.client)
 
 
 class Proxy:
@@ -186,15 +187,7 @@ class Proxy:
                           "a FORWARD channel through the proxy")
 
     def close(self) -> None:
-        _close(self._listener)
+        close_quietly(self._listener)
         for ch in self.channels:
-            _close(ch.client)
-            _close(ch.upstream)
-
-
-def _close(s: socket.socket) -> None:
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    s.close()
+            close_quietly(ch.client)
+            close_quietly(ch.upstream)

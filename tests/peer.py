@@ -16,9 +16,6 @@ hangs it; the peer is killed then, since its state is unknown. Teardown kills th
 
 State that must outlive one call (the engine, caches, worker threads) lives in the peer module's
 own globals (``tests/peers/kv.py`` keeps one engine per process).
-
-Legacy: ``exec``/``eval`` run source strings in a namespace prepared by ``PRELUDE``. Tests not yet
-converted to functions use them; new tests must not (tests/README.md).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import multiprocessing as mp
 import os
 import signal
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from poll import wait_until
@@ -36,98 +33,6 @@ _CTX = mp.get_context("spawn")
 DEFAULT_CALL_TIMEOUT = 30.0
 
 R = TypeVar("R")
-
-PRELUDE = """
-import os
-import numpy as np
-from llm_datadist import *
-from llm_datadist import LLMDataDist, LLMRole, LLMConfig, LLMClusterInfo, CacheDesc, CacheKey, \\
-    CacheKeyByIdAndIndex, BlocksCacheKey, Cache, DataType, Placement, LLMException, LLMStatusCode
-
-# On the Ascend backend DEVICE caches must be device memory, which the host cannot touch: test data
-# then lives in DeviceArrays (tests/device_array.py), read and written through backend copies.
-# PDLINK_TEST_DEVICE_ARRAYS=1 uses them on the CPU backend too (a check of the helpers themselves).
-DEVICE_DATA = os.environ.get("PDLINK_BACKEND") == "ascend" or os.environ.get("PDLINK_TEST_DEVICE_ARRAYS") == "1"
-if DEVICE_DATA:
-    from device_array import DeviceArray
-
-def _on_device(a, host):
-    return DeviceArray.from_host(a) if DEVICE_DATA and not host else a
-
-def tensors(n, shape, seed, dtype=np.float16, host=False):
-    # n tensors with a deterministic, seed-dependent pattern; device memory on a device backend
-    # unless host=True (for HOST-placement caches)
-    out = []
-    for i in range(n):
-        a = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
-        out.append(_on_device(((a * 31 + i * 7 + seed * 1009) % 2039).astype(dtype), host))
-    return out
-
-def zeros(n, shape, dtype=np.float16, host=False):
-    if DEVICE_DATA and not host:
-        return [DeviceArray.zeros(shape, dtype) for _ in range(n)]
-    return [np.zeros(shape, dtype=dtype) for _ in range(n)]
-
-def addrs(arrays):
-    return [a.addr if DEVICE_DATA and isinstance(a, DeviceArray) else a.ctypes.data for a in arrays]
-
-def options(listen=None, timeout=None, remote=True, pool=None, host_pool=None):
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    if remote:
-        cfg.enable_remote_cache_accessible = True
-    if listen:
-        cfg.listen_ip_info = listen
-    if timeout:
-        cfg.sync_kv_timeout = timeout
-    if pool:
-        cfg.mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % pool
-    if host_pool:
-        cfg.host_mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % host_pool
-    return cfg.generate_options()
-
-def cluster(remote_id, port, ip="127.0.0.1"):
-    c = LLMClusterInfo()
-    c.remote_cluster_id = remote_id
-    c.append_local_ip_info("127.0.0.1", 0)
-    c.append_remote_ip_info(ip, port)
-    return c
-
-def _through_backend(cache):
-    # DEVICE memory of a device backend is reached through backend copies, never a host pointer
-    return DEVICE_DATA and int(cache.cache_desc.placement) == int(Placement.DEVICE)
-
-def read_cache(cache):
-    # a copy of every tensor of a pdlink cache, as numpy uint8 arrays
-    import ctypes
-    size = cache.cache_desc.size
-    if _through_backend(cache):
-        from internals import open_backend
-        backend, out = open_backend(), []
-        for a in cache.tensor_addrs:
-            buf = np.empty(size, dtype=np.uint8)
-            backend.copy(buf.ctypes.data, int(Placement.HOST), a, int(Placement.DEVICE), size)
-            out.append(buf)
-        return out
-    return [np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8).copy() for a in cache.tensor_addrs]
-
-def resources():
-    # (open file descriptors, threads) of this process: for leak checks
-    import os
-    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
-
-def write_cache(cache, seed):
-    import ctypes
-    size = cache.cache_desc.size
-    for i, a in enumerate(cache.tensor_addrs):
-        data = ((np.arange(size, dtype=np.int64) * 13 + i * 5 + seed * 101) % 251).astype(np.uint8)
-        if _through_backend(cache):
-            from internals import open_backend
-            open_backend().copy(a, int(Placement.DEVICE), data.ctypes.data, int(Placement.HOST), size)
-        else:
-            np.frombuffer((ctypes.c_uint8 * size).from_address(a), dtype=np.uint8)[:] = data
-"""
 
 
 class RemoteTraceback(Exception):
@@ -158,26 +63,13 @@ def _answer_error(conn: Any, e: BaseException) -> None:
 
 
 def _main(conn: Any) -> None:
-    ns: dict[str, Any] = {}
-    prelude_done = False
     while True:
         try:
-            kind, payload = conn.recv()
+            fn, args, kwargs = conn.recv()
         except EOFError:
             return
         try:
-            if kind == "call":
-                fn, args, kwargs = payload
-                result = fn(*args, **kwargs)
-            else:  # legacy source strings
-                if not prelude_done:
-                    exec(PRELUDE, ns)
-                    prelude_done = True
-                if kind == "exec":
-                    exec(payload, ns)
-                    result = None
-                else:
-                    result = eval(payload, ns)
+            result = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - shipped back to the test
             _answer_error(conn, e)
             continue
@@ -190,7 +82,9 @@ def _main(conn: Any) -> None:
 class Peer:
     """One peer process; ``close()`` (or the ``peers`` fixture's teardown) kills it."""
 
-    def __init__(self, name: str = "peer", env: dict[str, str] | None = None):
+    def __init__(self, name: str = "peer", env: Mapping[str, str | None] | None = None):
+        """``env``: variables the peer gets on top of this process's environment; a value of None
+        leaves that variable out of the peer's environment."""
         self.name = name
         parent, child = _CTX.Pipe()
         self._conn = parent
@@ -198,7 +92,10 @@ class Peer:
         saved: dict[str, str | None] = {}
         for k, v in (env or {}).items():  # spawn copies os.environ at start
             saved[k] = os.environ.get(k)
-            os.environ[k] = v
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:
             self.proc = _CTX.Process(target=_main, args=(child,), name=name, daemon=True)
             self.proc.start()
@@ -226,7 +123,7 @@ class Peer:
         """``call`` bounded by ``seconds`` instead (a hang guard: make it a generous multiple of the
         timeout the call itself is configured with, and assert on what the call returns)."""
         what = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
-        return self._request(("call", (fn, args, kwargs)), seconds, what)
+        return self._request((fn, args, kwargs), seconds, what)
 
     def _request(self, message: Any, timeout: float, what: str) -> Any:
         if self._broken:
@@ -248,14 +145,6 @@ class Peer:
 
     # legacy source-string interface (tests/README.md: not for new tests)
 
-    def exec(self, code: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-        """Run statements in the peer's legacy namespace."""
-        self._request(("exec", code), timeout, code.strip()[:200])
-
-    def eval(self, expr: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
-        """Evaluate an expression in the peer's legacy namespace and return its (pickled) value."""
-        return self._request(("eval", expr), timeout, expr.strip()[:200])
-
     # ------------------------------------------------------------------ process control
 
     def freeze(self) -> None:
@@ -267,13 +156,6 @@ class Peer:
 
     def thaw(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
-
-    def signal(self, sig: int) -> None:
-        """Legacy spelling: ``freeze()`` for SIGSTOP, else the signal as is."""
-        if sig == signal.SIGSTOP:
-            self.freeze()
-        else:
-            os.kill(self.pid, sig)
 
     def thread_states(self) -> list[str]:
         states = []
@@ -307,12 +189,3 @@ class Peer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def wait_for(fn: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """Legacy: poll ``fn`` until it returns a truthy value or ``timeout`` passes; returns the last
-    value (new tests use ``poll.wait_until``, which fails with a message)."""
-    try:
-        return wait_until(fn, timeout, "condition")
-    except AssertionError:
-        return fn()

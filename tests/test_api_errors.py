@@ -1,81 +1,161 @@
 """Error paths of the public API (spec 3, 6, 8, 10), cross-process wherever a peer is involved.
 
-Every failure is checked by exception *type*, and ``LLMException`` by ``status_code``. After
-errors on a link, a correct transfer is run to show that the link is still usable.
+Every failure is checked by exception *type*, and ``LLMException`` by ``status_code``. A refused
+transfer changes no byte of any cache on either side (tensors, guards, the rest of a pool); after
+errors on a link, a correct transfer is run to show that the link is still usable, with the whole
+destination checked. Calls with wrong arguments are made in the peer by ``peers/api_errors.py``,
+which passes the test's arguments through unchanged (``Named("blk")`` stands for the peer's cache).
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
-from pdlink import LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from conftest import DECODER_ID, PROMPT_ID, Pair, moved
+from pdlink import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
+from peer import Peer
+from peers import api_errors, kv
+from peers.api_errors import Named
 from poll import hang_guard, wait_until
+from verify import Snapshot, assert_same, nothing, rows
 
 S = LLMStatusCode
+KEY = Pair.KEY  # BlocksCacheKey(1, 0): the prompt's blocks cache
+DKEY = BlocksCacheKey(DECODER_ID, 0)  # the decoder's
+SHAPE = (8, 64)  # 8 blocks of 64 float16 (128 B) per tensor
+BLK, C = Named("blk"), Named("c")
+CACHES = ("blk", "c")  # what setup_both registers on each side
+
+# a call to make in a peer: function, positional and keyword arguments
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def cm(method: str, *args: Any, **kwargs: Any) -> Call:
+    """``cache_manager.<method>(...)`` in the peer, arguments as given (``Named``: a cache)."""
+    return api_errors.manager, (method, *args), kwargs
+
+
+def dd(method: str, *args: Any, **kwargs: Any) -> Call:
+    """``LLMDataDist.<method>(...)`` on the peer's engine, arguments as given."""
+    return api_errors.datadist, ("kv", method, *args), kwargs
+
+
+def new(fn: Callable[..., Any], *args: Any) -> Call:
+    """``fn(*args)`` (a constructor) in the peer."""
+    return fn, args, {}
+
+
+def run(peer: Peer, call: Call) -> Any:
+    fn, args, kwargs = call
+    return peer.call(fn, *args, **kwargs)
+
+
+def describe(call: Call) -> str:
+    fn, args, kwargs = call
+    return f"{getattr(fn, '__name__', fn)}{args}{kwargs or ''}"
 
 
 @contextmanager
-def llm_error(code, op=None):
+def llm_error(code: LLMStatusCode, op: str | None = None) -> Iterator[pytest.ExceptionInfo[LLMException]]:
     """Expect an ``LLMException`` with ``status_code == code`` (and, for native failures, a
     message that starts with ``"<op> failed, error code is <code>"``)."""
     with pytest.raises(LLMException) as info:
         yield info
+    assert type(info.value) is LLMException, type(info.value)
     assert info.value.status_code == code, f"{info.value.status_code}: {info.value}"
     if op is not None:
         assert str(info.value).startswith(f"{op} failed, error code is {code}"), str(info.value)
 
 
-def engine(peers, name, role="PROMPT", cluster_id=1, **opts):
-    """A peer holding an initialised ``dd`` / ``cm`` (options(...) keyword arguments in ``opts``)."""
-    p = peers(name)
-    args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
-    p.exec(f"dd = LLMDataDist(LLMRole.{role}, {cluster_id}); dd.init(options({args})); cm = dd.cache_manager")
-    return p
+@contextmanager
+def exactly(error: type[Exception]) -> Iterator[None]:
+    """Expect an exception of exactly this class (not a subclass)."""
+    with pytest.raises(error) as info:
+        yield
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
 
 
-def unused_port():
+class Untouched:
+    """Every byte of the named caches of these peers (each tensor with its guards, or the whole pool
+    of a pool-allocated cache), as they are now. ``check`` asserts that a refused call changed none
+    of it: ``verify.nothing``, for every cache on either side."""
+
+    def __init__(self, caches: dict[Peer, Sequence[str]]):
+        self.caches = caches
+        self.before: dict[Peer, dict[str, Snapshot]] = {
+            peer: peer.call(api_errors.snapshots, names) for peer, names in caches.items()}
+
+    def check(self, what: str) -> None:
+        for peer, names in self.caches.items():
+            after = peer.call(api_errors.snapshots, names)
+            for name in names:
+                before = self.before[peer][name]  # a refused call's expectation: all of it as it was
+                assert_same(after[name], nothing(dst0=before, src0=before), f"{peer.name}'s cache {name} after {what}")
+
+    def refuses(self, peer: Peer, call: Call, error: type[Exception]) -> None:
+        """``call`` in ``peer`` raises exactly ``error`` and changes nothing."""
+        with exactly(error):
+            run(peer, call)
+        self.check(describe(call))
+
+    def refuses_llm(self, peer: Peer, call: Call, code: LLMStatusCode, op: str | None = None) -> None:
+        """``call`` in ``peer`` raises ``LLMException(code)`` (naming ``op``) and changes nothing."""
+        with llm_error(code, op):
+            run(peer, call)
+        self.check(describe(call))
+
+
+def both(pair: Pair, decode_extra: Sequence[str] = ()) -> Untouched:
+    return Untouched({pair.prefill: CACHES, pair.decode: (*CACHES, *decode_extra)})
+
+
+def unused_port() -> tuple[socket.socket, int]:
     """A port bound (so nobody else gets it) but not listening: connecting is refused."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     return s, s.getsockname()[1]
 
 
-BLOCKS = """
-kv = tensors(4, (8, 64), seed={seed})
-blk = cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv), {key})
-"""
-CONTIG = """
-ct = tensors(2, ({batch}, 32), seed={seed})
-c = cm.register_cache(CacheDesc(2, [{batch}, 32], DataType.DT_FLOAT16), addrs(ct))
-"""
-
-
-def setup_both(pd, link=True):
-    """Prompt: blocks cache id 1 (model 0) + contiguous cache id 2 (batch 2).
-    Decoder: blocks cache id 1 (model 0) + contiguous cache id 2 (batch 3)."""
-    pd.prefill.exec(BLOCKS.format(seed=1, key="BlocksCacheKey(1, 0)") + CONTIG.format(batch=2, seed=3))
-    pd.decode.exec(BLOCKS.format(seed=2, key="BlocksCacheKey(2, 0)") + CONTIG.format(batch=3, seed=4))
-    assert pd.prefill.eval("(blk.cache_id, c.cache_id)") == (1, 2)
+def setup_both(pair: Pair, link: bool = True) -> None:
+    """Prompt: blocks cache id 1 (key (1, 0), seed 1) + contiguous cache id 2 (batch 2, seed 3).
+    Decoder: blocks cache id 1 (key (2, 0), seed 2) + contiguous cache id 2 (batch 3, seed 4).
+    Blocks are 128 B, contiguous slots 64 B."""
+    for side, seeds, batch, key in ((pair.prefill, (1, 3), 2, KEY), (pair.decode, (2, 4), 3, DKEY)):
+        ids = (side.call(kv.register_blocks, "blk", 4, SHAPE, seed=seeds[0], key=key),
+               side.call(kv.register, "c", 2, (batch, 32), seed=seeds[1]))
+        assert ids == (1, 2), (side.name, ids)
     if link:
-        pd.link()
+        pair.link()
 
 
-def assert_good_pull(pd):
+def assert_good_pull(pair: Pair) -> None:
     """A correct pull over the link moves exact bytes (the link is still usable)."""
-    pd.decode.exec("cm.pull_blocks(BlocksCacheKey(1, 0), blk, [6], [7])")
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    assert all(d[7].tobytes() == s[6].tobytes() for s, d in zip(src, dst))
+    moved((pair.prefill, "blk"), (pair.decode, "blk"),
+          lambda: pair.decode.call(kv.pull_blocks, KEY, "blk", [6], [7]), rows([(6, 7)]))
 
 
 # ---------------------------------------------------------------------------- before init / lifecycle
 
 
-def test_calls_before_init_raise_plain_runtime_error():
+def test_calls_before_init_raise_plain_runtime_error() -> None:
     dd = LLMDataDist(LLMRole.PROMPT, 1)  # never initialised: no engine in this process
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: dd.cache_manager,
         lambda: dd.listen_port,
         lambda: dd.links(),
@@ -94,7 +174,7 @@ def test_calls_before_init_raise_plain_runtime_error():
     assert LLMDataDist.llm_engine_instance is None
 
 
-def test_constructor_type_and_range_errors():
+def test_constructor_type_and_range_errors() -> None:
     with pytest.raises(TypeError):
         LLMDataDist(LLMRole.PROMPT, "1")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
@@ -108,45 +188,51 @@ def test_constructor_type_and_range_errors():
     assert LLMDataDist(LLMRole.DECODER, 2**64 - 1).cluster_id == 2**64 - 1
 
 
-def test_init_lifecycle_single_instance_per_process(peers):
-    p = engine(peers, "life", listen="127.0.0.1:0", pool=1 << 20)
-    port = p.eval("dd.listen_port")
+def test_init_lifecycle_single_instance_per_process(peers: Callable[..., Peer]) -> None:
+    p = peers("life")
+    p.call(api_errors.create, "first", "prompt", 1)
+    p.call(api_errors.datadist, "first", "init", kv.options("127.0.0.1:0", pool=1 << 20))
+    port = p.call(api_errors.attribute, "first", "listen_port")
     assert port > 0
     # init again on the same object: a no-op (same listener, same cache manager)
-    p.exec("cm0 = cm; dd.init(options(listen='127.0.0.1:0', pool=1 << 20))")
-    assert p.eval("dd.listen_port") == port and p.eval("dd.cache_manager is cm0")
+    p.call(api_errors.keep_manager, "first")
+    p.call(api_errors.datadist, "first", "init", kv.options("127.0.0.1:0", pool=1 << 20))
+    assert p.call(api_errors.attribute, "first", "listen_port") == port
+    assert p.call(api_errors.manager_is_kept, "first")
     # a second engine in the same process is refused, whatever its options
-    p.exec("dd2 = LLMDataDist(LLMRole.DECODER, 2)")
+    p.call(api_errors.create, "second", "decoder", 2)
     with llm_error(S.LLM_FAILED):
-        p.exec("dd2.init(options(pool=1 << 20))")
+        p.call(api_errors.datadist, "second", "init", kv.options(pool=1 << 20))
     with pytest.raises(RuntimeError, match="not initialized"):
-        p.eval("dd2.cache_manager")
-    assert p.eval("LLMDataDist.llm_engine_instance is dd")
+        p.call(api_errors.attribute, "second", "cache_manager")
+    assert p.call(api_errors.instance) == "first"
     # finalize twice is a no-op; afterwards every call raises RuntimeError, and the old manager
     # LLM_ENGINE_FINALIZED (test_lifecycle.py has every operation)
-    p.exec("dd.finalize(); dd.finalize()")
-    assert p.eval("LLMDataDist.llm_engine_instance is None")
-    for expr in ("dd.listen_port", "dd.cache_manager"):
+    p.call(api_errors.datadist, "first", "finalize")
+    p.call(api_errors.datadist, "first", "finalize")
+    assert p.call(api_errors.instance) is None
+    for attr in ("listen_port", "cache_manager"):
         with pytest.raises(RuntimeError) as e:
-            p.eval(expr)
-        assert type(e.value) is RuntimeError and str(e.value) == "llm datadist is not initialized"
+            p.call(api_errors.attribute, "first", attr)
+        assert type(e.value) is RuntimeError and str(e.value) == "llm datadist is not initialized", e.value
     with llm_error(S.LLM_ENGINE_FINALIZED):
-        p.eval("cm0.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_INT8))")
+        p.call(api_errors.allocate_in_kept, "first")
     # now the second instance may start, and the first one's listener is gone
-    p.exec("dd2.init(options(pool=1 << 20)); cm2 = dd2.cache_manager")
-    ret = p.eval(f"dd2.link_clusters([cluster(1, {port})], 500)")
+    p.call(api_errors.datadist, "second", "init", kv.options(pool=1 << 20))
+    ret = p.call(api_errors.datadist, "second", "link_clusters", [kv.cluster(PROMPT_ID, port)], 500)
     assert ret == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-    assert p.eval("cm2.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_INT8)).cache_id") == 1
+    assert p.call(api_errors.allocate_in, "second") == 1
 
 
-def test_bad_init_options(peers):
+def test_bad_init_options(peers: Callable[..., Peer]) -> None:
     p = peers("opts")
-    p.exec("dd = LLMDataDist(LLMRole.PROMPT, 1)\n"
-           "def opts(**kw):\n"
-           "    o = options(pool=1 << 20)\n"
-           "    o.update(kw)\n"
-           "    return o\n")
-    invalid = [
+    p.call(api_errors.create, "fresh", "prompt", 1)
+    base = kv.options(pool=1 << 20)
+
+    def init(options: Any) -> None:
+        p.call(api_errors.datadist, "fresh", "init", options)
+
+    invalid: list[dict[str, str]] = [
         {"llm.EnableCacheManager": "true"},
         {"llm.EnableRemoteCacheAccessible": "yes"},
         {"llm.EnableSwitchRole": "2"},
@@ -171,339 +257,326 @@ def test_bad_init_options(peers):
         {"llm.HostMemPoolConfig": '{"memory_size": %d}' % (21 * 1024**3)},
         {"ge.flowGraphMemMaxSize": "12MB"},
     ]
-    for bad in invalid:
-        with llm_error(S.LLM_PARAM_INVALID):
-            p.exec(f"dd.init(opts(**{bad!r}))")
-        assert p.eval("LLMDataDist.llm_engine_instance is None"), bad
     # KvCacheManager (v1) mode: a PROMPT needs llm.listenIpInfo, one per device, and a device id
-    v1_invalid = [
+    v1_invalid: list[dict[str, str]] = [
         {"llm.EnableCacheManager": "0"},
         {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0;127.0.0.1:0"},
         {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0", "ge.exec.deviceId": "x"},
         {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0", "ge.exec.deviceId": ""},
         {"llm.EnableCacheManager": "0", "llm.listenIpInfo": "127.0.0.1:0", "ge.flowGraphMemMaxSize": "0"},
     ]
-    for bad in v1_invalid:
+    for bad in invalid + v1_invalid:
         with llm_error(S.LLM_PARAM_INVALID):
-            p.exec(f"dd.init(opts(**{bad!r}))")
-        assert p.eval("LLMDataDist.llm_engine_instance is None"), bad
-    with pytest.raises(TypeError):
-        p.exec("dd.init([('llm.EnableCacheManager', '1')])")
-    with pytest.raises(TypeError):
-        p.exec("dd.init(opts(**{'llm.SyncKvCacheWaitTime': 1000}))")  # values must be str
-    with pytest.raises(TypeError):
-        p.exec("dd.init({1: '1'})")
+            init({**base, **bad})
+        assert p.call(api_errors.instance) is None, bad
+    with exactly(TypeError):
+        init([("llm.EnableCacheManager", "1")])
+    with exactly(TypeError):
+        init({**base, "llm.SyncKvCacheWaitTime": 1000})  # values must be str
+    with exactly(TypeError):
+        init({1: "1"})
     with pytest.raises(RuntimeError, match="not initialized"):
-        p.eval("dd.cache_manager")
+        p.call(api_errors.attribute, "fresh", "cache_manager")
     # none of the failures left a half-initialised engine behind: a correct init works
-    p.exec("dd.init(opts(**{'llm.SyncKvCacheWaitTime': '250', 'llm.listenIpInfo': '127.0.0.1:0'}))")
-    assert p.eval("dd.listen_port") > 0
+    init({**base, "llm.SyncKvCacheWaitTime": "250", "llm.listenIpInfo": "127.0.0.1:0"})
+    assert p.call(api_errors.attribute, "fresh", "listen_port") > 0
 
 
 # ---------------------------------------------------------------------------- argument checking
 
+F16, I8 = DataType.DT_FLOAT16, DataType.DT_INT8
+CONTIG_DESC = CacheDesc(2, [3, 32], F16)  # the decoder's contiguous cache
+BLOCKS_DESC = CacheDesc(4, [8, 64], F16)  # either side's blocks cache
+SMALL = CacheDesc(1, [1, 16], I8)
 
-def test_wrong_types_and_ranges_raise_type_and_value_errors(pd):
-    setup_both(pd, link=False)
-    d = pd.decode
+
+def test_wrong_types_and_ranges_raise_type_and_value_errors(pair: Pair) -> None:
+    setup_both(pair, link=False)
+    d = pair.decode
+    ct, blk = d.call(kv.tensor_addresses, "c"), d.call(kv.tensor_addresses, "blk")
     type_errors = [
-        "cm.register_cache('desc', addrs(ct))",
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), [str(a) for a in addrs(ct)])",
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), addrs(ct)[0])",
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), addrs(ct), [5])",
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), addrs(ct), remote_accessible=1)",
-        "cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv), CacheKey(1, 0))",
-        "cm.allocate_cache(None)",
-        "cm.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_INT8), [CacheKeyByIdAndIndex(1, 1)])",
-        "cm.allocate_blocks_cache(CacheDesc(1, [1, 16], DataType.DT_INT8), CacheKey(1, 0))",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, ['0'], [1])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1.0])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [True], [1])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, 0, 1)",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), 'blk', [0], [1])",
-        "cm.pull_blocks((1, 0), blk, [0], [1])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], src_layer_range=[0, 1])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], tensor_num_per_layer='2')",
-        "cm.pull_cache(CacheKey(1, 0), c, 0)",  # remote-accessible mode takes CacheKeyByIdAndIndex only
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, '0')",
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, size=1.0)",
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), None, 0)",
-        "cm.push_blocks(CacheKeyByIdAndIndex(1, 1, 0), blk, [0], [0])",
-        "cm.push_cache(BlocksCacheKey(1, 0), c, 0)",
-        "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), c, None)",
-        "cm.copy_blocks(blk, {0: 1})",
-        "cm.copy_blocks(blk, {'0': [1]})",
-        "cm.copy_cache(c, c, '1')",
-        "cm.remove_cache_key(BlocksCacheKey(1, 0))",
-        "cm.deallocate_cache(1)",
-        "cm.unregister_cache('1')",
-        "CacheKeyByIdAndIndex('1', 1, 0)",
-        "CacheKey(1, '7')",
-        "BlocksCacheKey(1, '0')",
-        "dd.link_clusters(cluster(1, 1), 1000)",
-        "dd.link_clusters([LLMClusterInfo()], 1000)",  # remote_cluster_id is None
-        "dd.link_clusters([cluster(1, 1)], '1000')",
-        "dd.link_clusters([cluster(1, 1), 'x'], 1000)",
-        "dd.unlink_clusters([cluster(1, 1)], 1000, force='yes')",
-        "dd.unlink_clusters([LLMClusterInfo()], 1000, force=True)",
+        cm("register_cache", "desc", ct),
+        cm("register_cache", CONTIG_DESC, [str(a) for a in ct]),
+        cm("register_cache", CONTIG_DESC, ct[0]),
+        cm("register_cache", CONTIG_DESC, ct, [5]),
+        cm("register_cache", CONTIG_DESC, ct, remote_accessible=1),
+        cm("register_blocks_cache", BLOCKS_DESC, blk, CacheKey(1, 0)),
+        cm("allocate_cache", None),
+        cm("allocate_cache", SMALL, [CacheKeyByIdAndIndex(1, 1)]),
+        cm("allocate_blocks_cache", SMALL, CacheKey(1, 0)),
+        cm("pull_blocks", KEY, BLK, ["0"], [1]),
+        cm("pull_blocks", KEY, BLK, [0], [1.0]),
+        cm("pull_blocks", KEY, BLK, [True], [1]),
+        cm("pull_blocks", KEY, BLK, 0, 1),
+        cm("pull_blocks", KEY, "blk", [0], [1]),
+        cm("pull_blocks", (1, 0), BLK, [0], [1]),
+        cm("pull_blocks", KEY, BLK, [0], [1], src_layer_range=[0, 1]),
+        cm("pull_blocks", KEY, BLK, [0], [1], tensor_num_per_layer="2"),
+        cm("pull_cache", CacheKey(1, 0), C, 0),  # remote-accessible mode takes CacheKeyByIdAndIndex only
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, "0"),
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, size=1.0),
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), None, 0),
+        cm("push_blocks", CacheKeyByIdAndIndex(1, 1, 0), BLK, [0], [0]),
+        cm("push_cache", KEY, C, 0),
+        cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), C, None),
+        cm("copy_blocks", BLK, {0: 1}),
+        cm("copy_blocks", BLK, {"0": [1]}),
+        cm("copy_cache", C, C, "1"),
+        cm("remove_cache_key", KEY),
+        cm("deallocate_cache", 1),
+        cm("unregister_cache", "1"),
+        new(CacheKeyByIdAndIndex, "1", 1, 0),
+        new(CacheKey, 1, "7"),
+        new(BlocksCacheKey, 1, "0"),
+        dd("link_clusters", kv.cluster(1, 1), 1000),
+        dd("link_clusters", [LLMClusterInfo()], 1000),  # remote_cluster_id is None
+        dd("link_clusters", [kv.cluster(1, 1)], "1000"),
+        dd("link_clusters", [kv.cluster(1, 1), "x"], 1000),
+        dd("unlink_clusters", [kv.cluster(1, 1)], 1000, force="yes"),
+        dd("unlink_clusters", [LLMClusterInfo()], 1000, force=True),
+        new(api_errors.set_remote_cluster_id, "1"),
     ]
-    for code in type_errors:
-        with pytest.raises(TypeError):
-            d.exec(code)
     value_errors = [
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 2**32)",
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, -1)",
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, size=2**63)",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], tensor_num_per_layer=-1)",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], tensor_num_per_layer=2**32)",
-        "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 2**32)",
-        "cm.copy_cache(c, c, 0, 2**32)",
-        "cm.unregister_cache(2**63)",
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), [-1, 1])",
-        "CacheKeyByIdAndIndex(1, 1, 2**32)",
-        "CacheKeyByIdAndIndex(-1, 1, 0)",
-        "CacheKey(1, 2**64)",
-        "CacheDesc(-1, [1], DataType.DT_INT8)",
-        "dd.link_clusters([cluster(1, 1)], 2**31)",
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 2**32),
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, -1),
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, size=2**63),
+        cm("pull_blocks", KEY, BLK, [0], [1], tensor_num_per_layer=-1),
+        cm("pull_blocks", KEY, BLK, [0], [1], tensor_num_per_layer=2**32),
+        cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 2**32),
+        cm("copy_cache", C, C, 0, 2**32),
+        cm("unregister_cache", 2**63),
+        cm("register_cache", CONTIG_DESC, [-1, 1]),
+        new(CacheKeyByIdAndIndex, 1, 1, 2**32),
+        new(CacheKeyByIdAndIndex, -1, 1, 0),
+        new(CacheKey, 1, 2**64),
+        new(CacheDesc, -1, [1], I8),
+        dd("link_clusters", [kv.cluster(1, 1)], 2**31),
+        new(api_errors.set_remote_cluster_id, -1),  # the cluster id setter range-checks too
     ]
-    for code in value_errors:
-        with pytest.raises(ValueError):
-            d.exec(code)
-    with pytest.raises(ValueError):  # the cluster id setter range-checks too
-        d.exec("LLMClusterInfo().remote_cluster_id = -1")
-    with pytest.raises(TypeError):
-        d.exec("LLMClusterInfo().remote_cluster_id = '1'")
-    # none of this touched the local caches
-    assert [a.tobytes() for a in d.eval("kv")] == [a.tobytes() for a in d.eval("tensors(4, (8, 64), seed=2)")]
+    # none of this touches a cache, on either side
+    untouched = both(pair)
+    for call in type_errors:
+        untouched.refuses(d, call, TypeError)
+    for call in value_errors:
+        untouched.refuses(d, call, ValueError)
 
 
-def test_semantic_errors_raise_param_invalid_and_leave_the_link_usable(pd):
-    setup_both(pd)
-    d = pd.decode
-    before = d.eval("[a.copy() for a in kv]"), d.eval("[a.copy() for a in ct]")
+def test_semantic_errors_raise_param_invalid_and_leave_the_link_usable(pair: Pair) -> None:
+    setup_both(pair)
+    d = pair.decode
+    ct = d.call(kv.tensor_addresses, "c")
     python_checks = [
         # layer ranges
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], src_layer_range=range(0, 2, 2))",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], dst_layer_range=range(1, 1))",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], src_layer_range=range(2, 1))",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], src_layer_range=range(0, 2), "
-        "dst_layer_range=range(0, 1))",
-        "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0], [1], src_layer_range=range(0, 3, 2))",
-        "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, src_layer_range=range(-1, 1))",
+        cm("pull_blocks", KEY, BLK, [0], [1], src_layer_range=range(0, 2, 2)),
+        cm("pull_blocks", KEY, BLK, [0], [1], dst_layer_range=range(1, 1)),
+        cm("pull_blocks", KEY, BLK, [0], [1], src_layer_range=range(2, 1)),
+        cm("pull_blocks", KEY, BLK, [0], [1], src_layer_range=range(0, 2), dst_layer_range=range(0, 1)),
+        cm("push_blocks", KEY, BLK, [0], [1], src_layer_range=range(0, 3, 2)),
+        cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, src_layer_range=range(-1, 1)),
         # tensor_num_per_layer
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], tensor_num_per_layer=0)",
-        "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0], [1], tensor_num_per_layer=0)",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1], src_layer_range=range(0, 1), "
-        "dst_layer_range=range(0, 1), tensor_num_per_layer=3)",
-        "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0], [1], range(0, 1), range(0, 1), tensor_num_per_layer=3)",
+        cm("pull_blocks", KEY, BLK, [0], [1], tensor_num_per_layer=0),
+        cm("push_blocks", KEY, BLK, [0], [1], tensor_num_per_layer=0),
+        cm("pull_blocks", KEY, BLK, [0], [1], src_layer_range=range(0, 1), dst_layer_range=range(0, 1),
+           tensor_num_per_layer=3),
+        cm("push_blocks", KEY, BLK, [0], [1], range(0, 1), range(0, 1), tensor_num_per_layer=3),
         # block lists
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [], [])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0, 1], [2])",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [], [2])",  # a BlocksCacheKey source needs src_blocks
-        "cm.pull_blocks(CacheKeyByIdAndIndex(1, 2, 0), blk, [0], [1])",  # contiguous source: src_blocks empty
-        "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0], [])",
-        "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0, 1], [1])",
+        cm("pull_blocks", KEY, BLK, [], []),
+        cm("pull_blocks", KEY, BLK, [0], []),
+        cm("pull_blocks", KEY, BLK, [0, 1], [2]),
+        cm("pull_blocks", KEY, BLK, [], [2]),  # a BlocksCacheKey source needs src_blocks
+        cm("pull_blocks", CacheKeyByIdAndIndex(1, 2, 0), BLK, [0], [1]),  # contiguous source: src_blocks empty
+        cm("push_blocks", KEY, BLK, [0], []),
+        cm("push_blocks", KEY, BLK, [0, 1], [1]),
         # cache kinds
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), blk, 0)",
-        "cm.pull_blocks(BlocksCacheKey(1, 0), c, [0], [1])",
-        "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), blk, 0)",
-        "cm.push_blocks(BlocksCacheKey(1, 0), c, [0], [1])",
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), BLK, 0),
+        cm("pull_blocks", KEY, C, [0], [1]),
+        cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), BLK, 0),
+        cm("push_blocks", KEY, C, [0], [1]),
         # addresses
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), addrs(ct)[:1])",
-        "cm.register_cache(CacheDesc(2, [3, 32], DataType.DT_FLOAT16), [addrs(ct)[0], 0])",
-        "cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), [])",
+        cm("register_cache", CONTIG_DESC, ct[:1]),
+        cm("register_cache", CONTIG_DESC, [ct[0], 0]),
+        cm("register_blocks_cache", BLOCKS_DESC, []),
         # sizes and keywords
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, size=0)",
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, size=-2)",
-        "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, size=16)",
-        "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, layer_range=range(0, 1))",
-        "dd.link_clusters([cluster(1, 1)], 0)",
-        "dd.unlink_clusters([cluster(1, 1)], -5)",
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, size=0),
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, size=-2),
+        cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, size=16),
+        cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, layer_range=range(0, 1)),
+        dd("link_clusters", [kv.cluster(1, 1)], 0),
+        dd("unlink_clusters", [kv.cluster(1, 1)], -5),
     ]
-    for code in python_checks:
-        with llm_error(S.LLM_PARAM_INVALID):
-            d.exec(code)
     native_checks = [
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 3)"),  # local batch size is 3
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 2**32 - 1)"),
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0, size=32 * 2 + 1)"),  # > stride
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [8])"),  # local block out of range
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0, 1], [1, 2**40])"),
-        ("push_blocks", "cm.push_blocks(BlocksCacheKey(1, 0), blk, [8], [0])"),
-        ("push_cache", "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 3)"),
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 3)),  # local batch size is 3
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 2**32 - 1)),
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0, size=32 * 2 + 1)),  # > stride
+        ("pull_blocks", cm("pull_blocks", KEY, BLK, [0], [8])),  # local block out of range
+        ("pull_blocks", cm("pull_blocks", KEY, BLK, [0, 1], [1, 2**40])),
+        ("push_blocks", cm("push_blocks", KEY, BLK, [8], [0])),
+        ("push_cache", cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 3)),
     ]
-    for op, code in native_checks:
-        with llm_error(S.LLM_PARAM_INVALID, op):
-            d.exec(code)
-    after = d.eval("kv"), d.eval("ct")
-    for b, a in zip(before, after):
-        assert [x.tobytes() for x in a] == [x.tobytes() for x in b]
-    assert pd.prefill.eval("[a.tobytes() for a in kv] == [a.tobytes() for a in tensors(4, (8, 64), seed=1)]")
-    assert_good_pull(pd)
+    untouched = both(pair)
+    for call in python_checks:
+        untouched.refuses_llm(d, call, S.LLM_PARAM_INVALID)
+    for op, call in native_checks:
+        untouched.refuses_llm(d, call, S.LLM_PARAM_INVALID, op)
+    assert_good_pull(pair)
 
 
-def test_non_remote_mode_key_rules_and_push_refused(make_pd):
-    pd = make_pd(remote=False)
-    pd.prefill.exec("src = cm.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_INT8), "
-                    "[CacheKey(1, 5), CacheKey(1, 2**64 - 1, 0, 9)])\nwrite_cache(src, 2)")
-    pd.decode.exec("dst = cm.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_INT8))\n"
-                   "kv = tensors(2, (4, 64), seed=1, dtype=np.int8)\n"
-                   "blk = cm.register_blocks_cache(CacheDesc(2, [4, 64], DataType.DT_INT8), addrs(kv), "
-                   "BlocksCacheKey(2, 0))")
-    pd.link()
-    d = pd.decode
-    for code in [
-        "cm.pull_cache(CacheKey(1, 5, 0, 9), dst, 0)",  # both req_id and prefix_id valid
-        "cm.pull_cache(CacheKey(1, 2**64 - 1), dst, 0)",  # neither
-        "cm.pull_blocks(CacheKey(1, 5, 0, 9), blk, [], [0])",
-        "cm.pull_blocks(CacheKey(1, 2**64 - 1), blk, [], [0])",
+def test_non_remote_mode_key_rules_and_push_refused(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)
+    pair.prefill.call(kv.allocate, "src", 1, (2, 64), I8, seed=2, keys=[CacheKey(1, 5), CacheKey(1, 2**64 - 1, 0, 9)])
+    pair.decode.call(kv.allocate, "dst", 1, (2, 64), I8)
+    pair.decode.call(kv.register_blocks, "blk", 2, (4, 64), I8, seed=1, key=DKEY)
+    pair.link()
+    d, dst = pair.decode, Named("dst")
+    untouched = Untouched({pair.prefill: ["src"], d: ["dst", "blk"]})
+    for call in [
+        cm("pull_cache", CacheKey(1, 5, 0, 9), dst, 0),  # both req_id and prefix_id valid
+        cm("pull_cache", CacheKey(1, 2**64 - 1), dst, 0),  # neither
+        cm("pull_blocks", CacheKey(1, 5, 0, 9), BLK, [], [0]),
+        cm("pull_blocks", CacheKey(1, 2**64 - 1), BLK, [], [0]),
         # push needs enable_remote_cache_accessible
-        "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0], [0])",
-        "cm.push_cache(CacheKeyByIdAndIndex(1, 1, 0), dst, 0)",
+        cm("push_blocks", KEY, BLK, [0], [0]),
+        cm("push_cache", CacheKeyByIdAndIndex(1, 1, 0), dst, 0),
     ]:
-        with llm_error(S.LLM_PARAM_INVALID):
-            d.exec(code)
-    with pytest.raises(TypeError):  # request keys are CacheKey / CacheKeyByIdAndIndex only
-        d.exec("cm.pull_cache(BlocksCacheKey(1, 0), dst, 0)")
+        untouched.refuses_llm(d, call, S.LLM_PARAM_INVALID)
+    # request keys are CacheKey / CacheKeyByIdAndIndex only
+    untouched.refuses(d, cm("pull_cache", KEY, dst, 0), TypeError)
     # an unknown request key, then the real one: the errors consumed nothing
-    with llm_error(S.LLM_KV_CACHE_NOT_EXIST, "pull_cache"):
-        d.exec("cm.pull_cache(CacheKey(1, 6), dst, 0)")
-    with llm_error(S.LLM_KV_CACHE_NOT_EXIST, "pull_cache"):
-        d.exec("cm.pull_cache(CacheKey(1, 5, model_id=1), dst, 0)")  # model_id is part of the key
-    d.exec("cm.pull_cache(CacheKey(1, 5), dst, 1)\ncm.pull_cache(CacheKey(1, 2**64 - 1, 0, 9), dst, 0)")
-    src, dst = pd.prefill.eval("read_cache(src)"), d.eval("read_cache(dst)")
-    assert dst[0][64:].tobytes() == src[0][:64].tobytes() and dst[0][:64].tobytes() == src[0][64:].tobytes()
+    untouched.refuses_llm(d, cm("pull_cache", CacheKey(1, 6), dst, 0), S.LLM_KV_CACHE_NOT_EXIST, "pull_cache")
+    untouched.refuses_llm(d, cm("pull_cache", CacheKey(1, 5, model_id=1), dst, 0),  # model_id is part of the key
+                          S.LLM_KV_CACHE_NOT_EXIST, "pull_cache")
+    # key i names slot i of the source: slot 0 into slot 1, then slot 1 into slot 0
+    moved((pair.prefill, "src"), (d, "dst"), lambda: d.call(kv.pull_cache, CacheKey(1, 5), "dst", 1), rows([(0, 1)]))
+    moved((pair.prefill, "src"), (d, "dst"), lambda: d.call(kv.pull_cache, CacheKey(1, 2**64 - 1, 0, 9), "dst", 0),
+          rows([(1, 0)]))
 
 
-def test_duplicate_cache_keys_are_rejected(peers):
-    p = engine(peers, "dup", pool=1 << 20)
-    desc = "CacheDesc(1, [2, 64], DataType.DT_INT8)"
-    p.exec(f"a = cm.allocate_cache({desc}, [CacheKey(1, 5)])\n"
-           "buf = zeros(1, (2, 64), np.int8)\nbuf2 = zeros(1, (4, 64), np.int8)\n"
-           f"r = cm.register_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8), addrs(buf2), BlocksCacheKey(1, 3))")
-    for code in [
-        f"cm.allocate_cache({desc}, [CacheKey(1, 7), CacheKey(1, 7)])",  # duplicated in the call
-        f"cm.allocate_cache({desc}, [CacheKey(1, 5)])",  # already bound to cache a
-        f"cm.allocate_cache({desc}, [CacheKey(9, 5)])",  # cluster_id is not part of the key
-        f"cm.allocate_cache({desc}, [CacheKey(1, 8), CacheKey(1, 9), CacheKey(1, 10)])",  # more keys than slots
-        f"cm.allocate_cache({desc}, [CacheKey(1, 2**64 - 1, 0, 4), CacheKey(1, 11, 0, 4)])",  # same prefix
-        f"cm.register_cache({desc}, addrs(buf), [CacheKey(1, 5)])",
-        f"cm.register_cache({desc}, addrs(buf), [CacheKey(1, 12), CacheKey(1, 12)])",
-        "cm.register_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8), addrs(buf2), BlocksCacheKey(1, 3))",
-        "cm.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8), BlocksCacheKey(7, 3))",
+def test_duplicate_cache_keys_are_rejected(peers: Callable[..., Peer]) -> None:
+    p = peers("dup")
+    p.call(kv.start, "prompt", 1, pool=1 << 20)
+    desc, blocks_desc = CacheDesc(1, [2, 64], I8), CacheDesc(1, [4, 64], I8)
+    p.call(kv.allocate, "a", 1, (2, 64), I8, keys=[CacheKey(1, 5)])
+    buf = p.call(api_errors.buffer, "buf", 1, 2 * 64, 2)  # memory not registered yet
+    p.call(kv.register_blocks, "r", 1, (4, 64), I8, seed=None, key=BlocksCacheKey(1, 3))
+    r = p.call(kv.tensor_addresses, "r")
+    for call in [
+        cm("allocate_cache", desc, [CacheKey(1, 7), CacheKey(1, 7)]),  # duplicated in the call
+        cm("allocate_cache", desc, [CacheKey(1, 5)]),  # already bound to cache a
+        cm("allocate_cache", desc, [CacheKey(9, 5)]),  # cluster_id is not part of the key
+        cm("allocate_cache", desc, [CacheKey(1, 8), CacheKey(1, 9), CacheKey(1, 10)]),  # more keys than slots
+        cm("allocate_cache", desc, [CacheKey(1, 2**64 - 1, 0, 4), CacheKey(1, 11, 0, 4)]),  # same prefix
+        cm("register_cache", desc, buf, [CacheKey(1, 5)]),
+        cm("register_cache", desc, buf, [CacheKey(1, 12), CacheKey(1, 12)]),
+        cm("register_blocks_cache", blocks_desc, r, BlocksCacheKey(1, 3)),
+        cm("allocate_blocks_cache", blocks_desc, BlocksCacheKey(7, 3)),
     ]:
         with llm_error(S.LLM_PARAM_INVALID):
-            p.exec(code)
+            run(p, call)
     # the rejected keys were not half-registered: they can be used now
-    p.exec(f"b = cm.allocate_cache({desc}, [CacheKey(1, 7), CacheKey(1, 8)])\n"
-           f"g = cm.register_cache({desc}, addrs(buf), [CacheKey(1, 12)])")
+    p.call(kv.allocate, "b", 1, (2, 64), I8, keys=[CacheKey(1, 7), CacheKey(1, 8)])
+    run(p, cm("register_cache", desc, buf, [CacheKey(1, 12)]))
     # a different model_id is a different key
-    p.exec(f"m = cm.allocate_cache({desc}, [CacheKey(1, 5, 1)])\n"
-           "m2 = cm.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8), BlocksCacheKey(1, 4))")
+    p.call(kv.allocate, "m", 1, (2, 64), I8, keys=[CacheKey(1, 5, 1)])
+    p.call(kv.allocate, "m2", 1, (4, 64), I8, keys=[BlocksCacheKey(1, 4)], blocks=True)
     # after removing a key it can be bound again
-    p.exec(f"cm.remove_cache_key(CacheKey(1, 5))\nc = cm.allocate_cache({desc}, [CacheKey(1, 5)])")
+    p.call(kv.remove_cache_key, CacheKey(1, 5))
+    p.call(kv.allocate, "c", 1, (2, 64), I8, keys=[CacheKey(1, 5)])
 
 
 # ---------------------------------------------------------------------------- remote lookups
 
 
-def test_unknown_remote_keys_give_kv_cache_not_exist(pd):
-    setup_both(pd)
-    d, p = pd.decode, pd.prefill
-    before_d, before_p = d.eval("kv"), p.eval("kv")
-    for op, code in [
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 9), blk, [0], [1])"),
-        ("pull_blocks", "cm.pull_blocks(CacheKeyByIdAndIndex(1, 99, 0), blk, [], [1])"),
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 99, 0), c, 0)"),
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 2), c, 0)"),  # remote batch is 2
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 2**32 - 1), c, 0)"),
-        ("push_blocks", "cm.push_blocks(BlocksCacheKey(1, 9), blk, [0], [1])"),
-        ("push_cache", "cm.push_cache(CacheKeyByIdAndIndex(1, 99, 0), c, 0)"),
-        ("push_cache", "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 2), c, 0)"),
+def test_unknown_remote_keys_give_kv_cache_not_exist(pair: Pair) -> None:
+    setup_both(pair)
+    d, p = pair.decode, pair.prefill
+    untouched = both(pair)
+    for op, call in [
+        ("pull_blocks", cm("pull_blocks", BlocksCacheKey(1, 9), BLK, [0], [1])),
+        ("pull_blocks", cm("pull_blocks", CacheKeyByIdAndIndex(1, 99, 0), BLK, [], [1])),
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 99, 0), C, 0)),
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 2), C, 0)),  # remote batch is 2
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 2**32 - 1), C, 0)),
+        ("push_blocks", cm("push_blocks", BlocksCacheKey(1, 9), BLK, [0], [1])),
+        ("push_cache", cm("push_cache", CacheKeyByIdAndIndex(1, 99, 0), C, 0)),
+        ("push_cache", cm("push_cache", CacheKeyByIdAndIndex(1, 2, 2), C, 0)),
     ]:
-        with llm_error(S.LLM_KV_CACHE_NOT_EXIST, op):
-            d.exec(code)
+        untouched.refuses_llm(d, call, S.LLM_KV_CACHE_NOT_EXIST, op)
     # the message names the op and the code, as llm_datadist formats it
     with pytest.raises(LLMException) as e:
-        d.exec("cm.pull_blocks(BlocksCacheKey(1, 9), blk, [0], [1])")
+        d.call(kv.pull_blocks, BlocksCacheKey(1, 9), "blk", [0], [1])
     assert str(e.value).startswith("pull_blocks failed, error code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST")
-    assert d.eval("[a.tobytes() for a in kv]") == [a.tobytes() for a in before_d]
-    assert p.eval("[a.tobytes() for a in kv]") == [a.tobytes() for a in before_p]
+    untouched.check("pull_blocks of an unknown key")
     # the link survived: the correct calls work, in both directions
-    assert_good_pull(pd)
-    d.exec("cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 1), c, 2)")
-    assert all(x[2].tobytes() == y[1].tobytes() for x, y in zip(d.eval("ct"), p.eval("ct")))
-    p.exec("cm.push_blocks(BlocksCacheKey(2, 0), blk, [3], [0])")
-    assert all(x[0].tobytes() == y[3].tobytes() for x, y in zip(d.eval("kv"), p.eval("kv")))
+    assert_good_pull(pair)
+    moved((p, "c"), (d, "c"), lambda: d.call(kv.pull_cache, CacheKeyByIdAndIndex(1, 2, 1), "c", 2), rows([(1, 2)]))
+    moved((p, "blk"), (d, "blk"), lambda: p.call(kv.push_blocks, DKEY, "blk", [3], [0]), rows([(3, 0)]))
 
 
-def test_remote_out_of_range_accesses_are_refused(pd):
-    setup_both(pd)
-    d, p = pd.decode, pd.prefill
+def test_remote_out_of_range_accesses_are_refused(pair: Pair) -> None:
+    setup_both(pair)
+    d, p = pair.decode, pair.prefill
     # the decoder also gets a contiguous cache whose slot (128 B) is larger than the prompt's (64 B)
-    d.exec("wide = zeros(2, (2, 64))\n"
-           "cw = cm.register_cache(CacheDesc(2, [2, 64], DataType.DT_FLOAT16), addrs(wide))")
-    before_d, before_p = d.eval("kv"), p.eval("kv")
-    for op, code in [
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [10_000], [1])"),
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [8], [1])"),
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [-1], [1])"),
-        ("pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [2, 10_000], [1, 3])"),
-        ("push_blocks", "cm.push_blocks(BlocksCacheKey(1, 0), blk, [1], [10_000])"),
-        ("push_blocks", "cm.push_blocks(BlocksCacheKey(1, 0), blk, [1, 2], [3, -1])"),
+    d.call(kv.register, "wide", 2, (2, 64), seed=None)
+    wide = Named("wide")
+    untouched = both(pair, decode_extra=["wide"])
+    for op, call in [
+        ("pull_blocks", cm("pull_blocks", KEY, BLK, [10_000], [1])),
+        ("pull_blocks", cm("pull_blocks", KEY, BLK, [8], [1])),
+        ("pull_blocks", cm("pull_blocks", KEY, BLK, [-1], [1])),
+        ("pull_blocks", cm("pull_blocks", KEY, BLK, [2, 10_000], [1, 3])),
+        ("push_blocks", cm("push_blocks", KEY, BLK, [1], [10_000])),
+        ("push_blocks", cm("push_blocks", KEY, BLK, [1, 2], [3, -1])),
         # the remote slot is smaller than what is asked for
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 1), cw, 0)"),
-        ("pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 1), cw, 1, size=65)"),
-        ("push_cache", "cm.push_cache(CacheKeyByIdAndIndex(1, 2, 0), cw, 0)"),
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 1), wide, 0)),
+        ("pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 1), wide, 1, size=65)),
+        ("push_cache", cm("push_cache", CacheKeyByIdAndIndex(1, 2, 0), wide, 0)),
         # a remote slot of 64 B cannot fill one 128 B block
-        ("pull_blocks", "cm.pull_blocks(CacheKeyByIdAndIndex(1, 2, 0), blk, [], [0], src_layer_range=range(0, 1))"),
-        ("pull_blocks", "cm.pull_blocks(CacheKeyByIdAndIndex(1, 2, 0), blk, [], [0])"),  # 4 tensors here, 2 there
+        ("pull_blocks", cm("pull_blocks", CacheKeyByIdAndIndex(1, 2, 0), BLK, [], [0], src_layer_range=range(0, 1))),
+        ("pull_blocks", cm("pull_blocks", CacheKeyByIdAndIndex(1, 2, 0), BLK, [], [0])),  # 4 tensors here, 2 there
     ]:
-        with llm_error(S.LLM_PARAM_INVALID, op):
-            d.exec(code)
-    assert d.eval("[a.tobytes() for a in kv]") == [a.tobytes() for a in before_d]  # nothing written locally
-    assert not d.eval("any(a.any() for a in wide)")
-    assert p.eval("[a.tobytes() for a in kv]") == [a.tobytes() for a in before_p]  # nor remotely
-    assert p.eval("[a.tobytes() for a in ct] == [a.tobytes() for a in tensors(2, (2, 32), seed=3)]")
-    assert_good_pull(pd)
-    d.exec("cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 1), cw, 1, size=64)")  # exactly the remote slot
-    src, dst = p.eval("ct"), d.eval("wide")
-    assert all(w[1, :32].tobytes() == s[1].tobytes() and not w[1, 32:].any() for s, w in zip(src, dst))
+        untouched.refuses_llm(d, call, S.LLM_PARAM_INVALID, op)
+    assert_good_pull(pair)
+    # exactly the remote slot: its 64 B into the first half of the 128 B slot 1
+    moved((p, "c"), (d, "wide"), lambda: d.call(kv.pull_cache, CacheKeyByIdAndIndex(1, 2, 1), "wide", 1, size=64),
+          rows([(1, 1)], nbytes=64))
 
 
 # ---------------------------------------------------------------------------- links
 
 
-def test_transfers_need_a_link(pd):
-    setup_both(pd, link=False)
-    d, p = pd.decode, pd.prefill
-    for who, op, code in [
-        (d, "pull_blocks", "cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1])"),
-        (d, "pull_cache", "cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), c, 0)"),
-        (d, "push_blocks", "cm.push_blocks(BlocksCacheKey(1, 0), blk, [0], [1])"),
-        (p, "push_cache", "cm.push_cache(CacheKeyByIdAndIndex(2, 2, 0), c, 0)"),
+def test_transfers_need_a_link(pair: Pair) -> None:
+    setup_both(pair, link=False)
+    d, p = pair.decode, pair.prefill
+    untouched = both(pair)
+    for who, op, call in [
+        (d, "pull_blocks", cm("pull_blocks", KEY, BLK, [0], [1])),
+        (d, "pull_cache", cm("pull_cache", CacheKeyByIdAndIndex(1, 2, 0), C, 0)),
+        (d, "push_blocks", cm("push_blocks", KEY, BLK, [0], [1])),
+        (p, "push_cache", cm("push_cache", CacheKeyByIdAndIndex(2, 2, 0), C, 0)),
     ]:
-        with llm_error(S.LLM_NOT_YET_LINK, op):
-            who.exec(code)
-    pd.link()
-    with llm_error(S.LLM_NOT_YET_LINK, "pull_blocks"):  # linked, but to cluster 1 only
-        d.exec("cm.pull_blocks(BlocksCacheKey(3, 0), blk, [0], [1])")
-    assert_good_pull(pd)
-    assert d.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    with llm_error(S.LLM_NOT_YET_LINK, "pull_blocks"):
-        d.exec("cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1])")
-    with llm_error(S.LLM_NOT_YET_LINK, "push_blocks"):  # the non-forced unlink removed the far end too
-        p.exec("cm.push_blocks(BlocksCacheKey(2, 0), blk, [0], [1])")
-    pd.link()  # and a fresh link works again
-    assert_good_pull(pd)
+        untouched.refuses_llm(who, call, S.LLM_NOT_YET_LINK, op)
+    pair.link()
+    # linked, but to cluster 1 only
+    untouched.refuses_llm(d, cm("pull_blocks", BlocksCacheKey(3, 0), BLK, [0], [1]), S.LLM_NOT_YET_LINK, "pull_blocks")
+    assert_good_pull(pair)
+    assert d.call(kv.unlink_clusters, [(PROMPT_ID, pair.port, 0)], 2000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    untouched = both(pair)
+    untouched.refuses_llm(d, cm("pull_blocks", KEY, BLK, [0], [1]), S.LLM_NOT_YET_LINK, "pull_blocks")
+    # the non-forced unlink removed the far end too
+    untouched.refuses_llm(p, cm("push_blocks", DKEY, BLK, [0], [1]), S.LLM_NOT_YET_LINK, "push_blocks")
+    pair.link()  # and a fresh link works again
+    assert_good_pull(pair)
 
 
-def test_link_clusters_failure_codes(pd):
-    d, p = pd.decode, pd.prefill
+def peer_ids(peer: Peer) -> list[int]:
+    return [link["peer_cluster_id"] for link in peer.call(kv.links)]
+
+
+def test_link_clusters_failure_codes(pair: Pair) -> None:
+    d, p = pair.decode, pair.prefill
     sock, dead = unused_port()
     try:
-        ret = d.eval(f"dd.link_clusters([cluster(1, {dead})], 1000)", timeout=hang_guard(1000))
+        ret = d.call_within(hang_guard(1000), kv.link, PROMPT_ID, dead, 1000)
         assert ret == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
     finally:
         sock.close()
@@ -512,160 +585,154 @@ def test_link_clusters_failure_codes(pd):
     mute.bind(("127.0.0.1", 0))
     mute.listen(4)
     try:
-        ret = d.eval(f"dd.link_clusters([cluster(1, {mute.getsockname()[1]})], 300)", timeout=hang_guard(300))
+        ret = d.call_within(hang_guard(300), kv.link, PROMPT_ID, mute.getsockname()[1], 300)
         assert ret == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
     finally:
         mute.close()
     # the listener is cluster 1: asking it for cluster 5 fails, and leaves no link on either side
-    assert d.eval(f"dd.link_clusters([cluster(5, {pd.port})], 2000)") == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-    assert d.eval("dd.links()") == [] and p.eval("dd.links()") == []
-    d.exec("b = cm.allocate_blocks_cache(CacheDesc(1, [1, 64], DataType.DT_INT8))")
+    assert d.call(kv.link, 5, pair.port, 2000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+    assert d.call(kv.links) == [] and p.call(kv.links) == []
+    d.call(kv.allocate, "b", 1, (1, 64), I8, blocks=True)
+    untouched = Untouched({d: ["b"]})  # the prompt has no cache here
     for cid in (5, 1):
-        with llm_error(S.LLM_NOT_YET_LINK, "pull_blocks"):
-            d.exec(f"cm.pull_blocks(BlocksCacheKey({cid}, 0), b, [0], [0])")
-    pd.link()
-    assert [lk["peer_cluster_id"] for lk in d.eval("dd.links()")] == [1]
-    assert [lk["peer_cluster_id"] for lk in p.eval("dd.links()")] == [2]
+        untouched.refuses_llm(d, cm("pull_blocks", BlocksCacheKey(cid, 0), Named("b"), [0], [0]),
+                              S.LLM_NOT_YET_LINK, "pull_blocks")
+    pair.link()
+    assert peer_ids(d) == [1] and peer_ids(p) == [2]
     # re-linking an existing peer: a per-cluster code, not an exception
-    assert d.eval(f"dd.link_clusters([cluster(1, {pd.port})], 2000)") == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
+    assert d.call(kv.link, PROMPT_ID, pair.port, 2000) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
     # mixed results: overall is the last failing cluster's code
     sock, dead = unused_port()
     try:
-        ret = d.eval(f"dd.link_clusters([cluster(1, {pd.port}), cluster(7, {dead})], 1000)")
+        ret = d.call(kv.link_clusters, [(PROMPT_ID, pair.port, 0), (7, dead, 0)], 1000)
     finally:
         sock.close()
     assert ret == (S.LLM_LINK_FAILED, [S.LLM_ALREADY_LINK, S.LLM_LINK_FAILED])
     # more than 16 clusters in one call
-    ret = d.eval(f"dd.link_clusters([cluster(100 + i, {pd.port}) for i in range(17)], 1000)")
-    assert ret == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [])
-    ret = d.eval(f"dd.unlink_clusters([cluster(100 + i, {pd.port}) for i in range(17)], 1000)")
-    assert ret == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [])
+    many = [(100 + i, pair.port, 0) for i in range(17)]
+    assert d.call(kv.link_clusters, many, 1000) == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [])
+    assert d.call(kv.unlink_clusters, many, 1000) == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [])
     # a remote ip is required (exactly one) for a link (raised) and a non-forced unlink (the
     # cluster's status, as upstream's engine answers it)
     with llm_error(S.LLM_PARAM_INVALID):
-        d.exec("c = LLMClusterInfo(); c.remote_cluster_id = 1; c.append_local_ip_info('127.0.0.1', 0)\n"
-               "dd.link_clusters([c], 1000)")
-    d.exec(f"c = cluster(1, {pd.port}); c.append_remote_ip_info('127.0.0.1', {pd.port})")
-    assert d.eval("dd.unlink_clusters([c], 1000)") == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID])
-    assert [lk["peer_cluster_id"] for lk in d.eval("dd.links()")] == [1]  # the link is untouched
+        d.call(kv.link_clusters, [(PROMPT_ID, None, 0)], 1000)
+    two_ips = kv.cluster(PROMPT_ID, pair.port)
+    two_ips.append_remote_ip_info("127.0.0.1", pair.port)
+    assert run(d, dd("unlink_clusters", [two_ips], 1000)) == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID])
+    assert peer_ids(d) == [1]  # the link is untouched
 
 
-def test_unlink_clusters(pd):
-    setup_both(pd, link=False)
-    d, p = pd.decode, pd.prefill
-    assert d.eval(f"dd.unlink_clusters([cluster(7, {pd.port})], 1000)") == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
-    pd.link()
-    links = d.eval("dd.links()")
+def test_unlink_clusters(pair: Pair) -> None:
+    setup_both(pair, link=False)
+    d, p = pair.decode, pair.prefill
+    assert d.call(kv.unlink_clusters, [(7, pair.port, 0)], 1000) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+    pair.link()
+    links = d.call(kv.links)
     assert len(links) == 1 and links[0]["peer_cluster_id"] == 1 and links[0]["initiator"] is True
-    links = p.eval("dd.links()")
+    links = p.call(kv.links)
     assert len(links) == 1 and links[0]["peer_cluster_id"] == 2 and links[0]["initiator"] is False
     # non-forced: both ends go
-    ret = d.eval(f"dd.unlink_clusters([cluster(1, {pd.port}), cluster(7, {pd.port})], 2000)")
+    ret = d.call(kv.unlink_clusters, [(PROMPT_ID, pair.port, 0), (7, pair.port, 0)], 2000)
     assert ret == (S.LLM_NOT_YET_LINK, [S.LLM_SUCCESS, S.LLM_NOT_YET_LINK])
-    assert d.eval("dd.links()") == []
-    assert p.eval("dd.links()") == []  # the peer dropped its end before acknowledging
-    assert d.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 1000)") == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
-    # forced: only the local end goes; a forced unlink needs no remote ip
-    pd.link()
-    d.exec("c = LLMClusterInfo(); c.remote_cluster_id = 1")
-    ret = d.eval("dd.unlink_clusters([c], 1000, force=True)")
-    assert ret == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    assert d.eval("dd.links()") == []
+    assert d.call(kv.links) == []
+    assert p.call(kv.links) == []  # the peer dropped its end before acknowledging
+    assert d.call(kv.unlink_clusters, [(PROMPT_ID, pair.port, 0)], 1000) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+    # forced: only the local end goes; a forced unlink needs no remote ip (nor a local one)
+    pair.link()
+    assert d.call(kv.unlink_clusters, [(PROMPT_ID, None, None)], 1000, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert d.call(kv.links) == []
     # the peer was not told: its end sees the channels close and stays, broken, until replaced
-    wait_until(lambda: [(lk["peer_cluster_id"], lk["broken"]) for lk in p.eval("dd.links()")] == [(2, True)], 20,
+    wait_until(lambda: [(lk["peer_cluster_id"], lk["broken"]) for lk in p.call(kv.links)] == [(2, True)], 20,
                "the prompt's end broken, still listed")
-    with llm_error(S.LLM_NOT_YET_LINK, "pull_blocks"):
-        d.exec("cm.pull_blocks(BlocksCacheKey(1, 0), blk, [0], [1])")
+    both(pair).refuses_llm(d, cm("pull_blocks", KEY, BLK, [0], [1]), S.LLM_NOT_YET_LINK, "pull_blocks")
     # the client re-links: the server replaces its stale end, and transfers work again
-    pd.link()
-    assert [lk["peer_cluster_id"] for lk in p.eval("dd.links()")] == [2]
-    assert_good_pull(pd)
-    p.exec("cm.push_blocks(BlocksCacheKey(2, 0), blk, [5], [6])")
-    assert all(x[6].tobytes() == y[5].tobytes() for x, y in zip(d.eval("kv"), p.eval("kv")))
+    pair.link()
+    assert peer_ids(p) == [2]
+    assert_good_pull(pair)
+    moved((p, "blk"), (d, "blk"), lambda: p.call(kv.push_blocks, DKEY, "blk", [5], [6]), rows([(5, 6)]))
     # the server side may unlink too (non-forced): both ends go
-    p.exec("c = LLMClusterInfo(); c.remote_cluster_id = 2; c.append_local_ip_info('127.0.0.1', 0); "
-           "c.append_remote_ip_info('127.0.0.1', 1)")
-    assert p.eval("dd.unlink_clusters([c], 2000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    assert p.eval("dd.links()") == []
-    assert d.eval("dd.links()") == []
+    assert p.call(kv.unlink_clusters, [(DECODER_ID, 1, 0)], 2000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert p.call(kv.links) == []
+    assert d.call(kv.links) == []
 
 
 # ---------------------------------------------------------------------------- switch_role
 
+LISTEN_ANY = {"llm.listenIpInfo": "127.0.0.1:0"}
 
-def test_switch_role(pd):
-    setup_both(pd)
-    d, p = pd.decode, pd.prefill
-    for who, role in ((d, "PROMPT"), (p, "DECODER")):
+
+def test_switch_role(pair: Pair) -> None:
+    setup_both(pair)
+    d, p = pair.decode, pair.prefill
+    for who, role in ((d, LLMRole.PROMPT), (p, LLMRole.DECODER)):
         with llm_error(S.LLM_EXIST_LINK, "switch_role"):
-            who.exec(f"dd.switch_role(LLMRole.{role}, {{'llm.listenIpInfo': '127.0.0.1:0'}})")
+            run(who, dd("switch_role", role, LISTEN_ANY))
         with llm_error(S.LLM_EXIST_LINK, "switch_role"):
-            who.exec(f"dd.switch_role(LLMRole.{role})")
-    assert d.eval("dd.role") == LLMRole.DECODER and p.eval("dd.role") == LLMRole.PROMPT
-    assert p.eval("dd.listen_port") == pd.port and d.eval("dd.listen_port") == 0
-    assert_good_pull(pd)  # the refused switches did not disturb the link
-    assert d.eval(f"dd.unlink_clusters([cluster(1, {pd.port})], 2000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    assert p.eval("dd.links()") == []
+            run(who, dd("switch_role", role))
+    assert d.call(kv.role_and_port) == (LLMRole.DECODER, 0)
+    assert p.call(kv.role_and_port) == (LLMRole.PROMPT, pair.port)
+    assert_good_pull(pair)  # the refused switches did not disturb the link
+    assert d.call(kv.unlink_clusters, [(PROMPT_ID, pair.port, 0)], 2000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert p.call(kv.links) == []
     # argument errors
-    with pytest.raises(TypeError):
-        d.exec("dd.switch_role(0)")
-    with pytest.raises(TypeError):
-        d.exec("dd.switch_role('PROMPT')")
-    with pytest.raises(TypeError):
-        d.exec("dd.switch_role(LLMRole.PROMPT, {'llm.listenIpInfo': 1})")
-    with pytest.raises(TypeError):
-        d.exec("dd.switch_role(LLMRole.PROMPT, [('llm.listenIpInfo', '127.0.0.1:0')])")
+    for call in [
+        dd("switch_role", 0),
+        dd("switch_role", "PROMPT"),
+        dd("switch_role", LLMRole.PROMPT, {"llm.listenIpInfo": 1}),
+        dd("switch_role", LLMRole.PROMPT, [("llm.listenIpInfo", "127.0.0.1:0")]),
+    ]:
+        with exactly(TypeError):
+            run(d, call)
     for bad in ("127.0.0.1", "127.0.0.1:99999", "host:80"):
         with llm_error(S.LLM_PARAM_INVALID):
-            d.exec(f"dd.switch_role(LLMRole.PROMPT, {{'llm.listenIpInfo': {bad!r}}})")
-    assert d.eval("dd.role") == LLMRole.DECODER and d.eval("dd.listen_port") == 0
+            run(d, dd("switch_role", LLMRole.PROMPT, {"llm.listenIpInfo": bad}))
+    assert d.call(kv.role_and_port) == (LLMRole.DECODER, 0)
     # swap roles: the decoder starts a listener, the prompt stops its own
-    d.exec("dd.switch_role(LLMRole.PROMPT, {'llm.listenIpInfo': '127.0.0.1:0'})")
-    p.exec("dd.switch_role(LLMRole.DECODER)")
-    new_port = d.eval("dd.listen_port")
-    assert new_port > 0 and d.eval("dd.role") == LLMRole.PROMPT
-    assert p.eval("dd.listen_port") == 0 and p.eval("dd.role") == LLMRole.DECODER
+    run(d, dd("switch_role", LLMRole.PROMPT, LISTEN_ANY))
+    run(p, dd("switch_role", LLMRole.DECODER))
+    new_role, new_port = d.call(kv.role_and_port)
+    assert new_role == LLMRole.PROMPT and new_port > 0
+    assert p.call(kv.role_and_port) == (LLMRole.DECODER, 0)
     # nobody listens on the old port any more; the new listener accepts
-    assert d.eval(f"dd.link_clusters([cluster(1, {pd.port})], 1000)") == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-    assert p.eval(f"dd.link_clusters([cluster(2, {new_port})], 2000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    p.exec("cm.pull_blocks(BlocksCacheKey(2, 0), blk, [4], [2])")  # the caches survived the switch
-    assert all(x[2].tobytes() == y[4].tobytes() for x, y in zip(p.eval("kv"), d.eval("kv")))
+    assert d.call(kv.link, PROMPT_ID, pair.port, 1000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+    assert p.call(kv.link, DECODER_ID, new_port, 2000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    # the caches survived the switch
+    moved((d, "blk"), (p, "blk"), lambda: p.call(kv.pull_blocks, DKEY, "blk", [4], [2]), rows([(4, 2)]))
 
 
-def test_dead_peer_breaks_the_link_until_unlinked(pd, peers):
-    setup_both(pd)
-    p = pd.prefill
-    pd.decode.kill()
-    wait_until(lambda: all(lk["broken"] for lk in p.eval("dd.links()")), 20, "the prompt saw the link break")
-    links = p.eval("dd.links()")
+def test_dead_peer_breaks_the_link_until_unlinked(pair: Pair, peers: Callable[..., Peer]) -> None:
+    setup_both(pair)
+    p = pair.prefill
+    pair.decode.kill()
+    wait_until(lambda: all(lk["broken"] for lk in p.call(kv.links)), 20, "the prompt saw the link break")
+    links = p.call(kv.links)
     assert len(links) == 1 and links[0]["peer_cluster_id"] == 2 and links[0]["broken"] is True
     # a known-broken link fails at once (LINK_FAILED, never the TIMEOUT a wait for the dead peer
-    # would end in), under a hang guard
+    # would end in), under a hang guard; the source is left as it was
+    untouched = Untouched({p: CACHES})
     with llm_error(S.LLM_LINK_FAILED, "push_blocks"):
-        p.exec("cm.push_blocks(BlocksCacheKey(2, 0), blk, [0], [0])", timeout=hang_guard(1000))
+        p.call_within(hang_guard(1000), kv.push_blocks, DKEY, "blk", [0], [0])
+    untouched.check("a push over the broken link")
     # the survivor unlinks (the peer is gone, the local end is freed anyway), then a new decoder links
-    assert p.eval("dd.unlink_clusters([cluster(2, 1)], 1000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    assert p.eval("dd.links()") == []
-    q = peers("decode2", env=pd.env)
-    q.exec("dd = LLMDataDist(LLMRole.DECODER, 2); dd.init(options(pool=1 << 20)); cm = dd.cache_manager\n"
-           "kv = zeros(4, (8, 64))\n"
-           "blk = cm.register_blocks_cache(CacheDesc(4, [8, 64], DataType.DT_FLOAT16), addrs(kv))")
-    assert q.eval(f"dd.link_clusters([cluster(1, {pd.port})], 2000)") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    q.exec("cm.pull_blocks(BlocksCacheKey(1, 0), blk, [3], [3])")
-    assert all(x[3].tobytes() == y[3].tobytes() for x, y in zip(q.eval("kv"), p.eval("kv")))
+    assert p.call(kv.unlink_clusters, [(DECODER_ID, 1, 0)], 1000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert p.call(kv.links) == []
+    q = peers("decode2", env=pair.variant.env())
+    q.call(kv.start, "decoder", DECODER_ID, pool=1 << 20)
+    q.call(kv.register_blocks, "blk", 4, SHAPE, seed=None)
+    assert q.call(kv.link, PROMPT_ID, pair.port, 2000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    moved((p, "blk"), (q, "blk"), lambda: q.call(kv.pull_blocks, KEY, "blk", [3], [3]), rows([(3, 3)]))
 
 
-def test_failed_switch_role_keeps_the_old_listener(pd):
-    p = pd.prefill
+def test_failed_switch_role_keeps_the_old_listener(pair: Pair) -> None:
+    p = pair.prefill
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     try:
-        with pytest.raises(LLMException) as e:
-            p.exec(f"dd.switch_role(LLMRole.DECODER, {{'llm.listenIpInfo': '127.0.0.1:{busy.getsockname()[1]}'}})")
+        # the port is taken: "cannot listen on 127.0.0.1:<port>: Address already in use"
+        with llm_error(S.LLM_FAILED, "switch_role"):
+            run(p, dd("switch_role", LLMRole.DECODER, {"llm.listenIpInfo": f"127.0.0.1:{busy.getsockname()[1]}"}))
     finally:
         busy.close()
-    assert e.value.status_code != S.LLM_SUCCESS and str(e.value).startswith("switch_role failed"), str(e.value)
-    assert p.eval("dd.role") == LLMRole.PROMPT  # the failed call changed nothing ...
-    assert p.eval("dd.listen_port") == pd.port  # ... so the old listener is still there
-    pd.link()
+    assert p.call(kv.role_and_port) == (LLMRole.PROMPT, pair.port)  # the failed call changed nothing, so
+    pair.link()  # the old listener is still there

@@ -20,6 +20,7 @@ from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, LLMRole, LL
 from peer import Peer
 from peers import kv, workers
 from poll import hang_guard, wait_until
+from relay import DOWN, UP, Relay
 from verify import assert_same, check_transfer, rows
 
 KEY = Pair.KEY
@@ -39,11 +40,6 @@ def failed_pull(pair: Pair, timeout_ms: int, blocks: tuple[int, ...] = (0, 1)) -
     with pytest.raises(LLMException) as e:
         pair.decode.call_within(hang_guard(timeout_ms), kv.pull_blocks, KEY, "kv", list(blocks), list(blocks))
     return e.value
-
-
-def pulled_exactly(pair: Pair, blocks: list[int]) -> None:
-    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
-                   lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", blocks, blocks), rows([(b, b) for b in blocks]))
 
 
 def link_is_broken(peer: Peer) -> bool:
@@ -82,7 +78,7 @@ def test_frozen_peer_times_out_then_relink_works(make_pair: Callable[..., Pair])
     assert_same(pair.prefill.call(kv.snapshot, "kv"), source, "source after the failed pulls")
     assert pair.unlink(force=True) == LLMStatusCode.LLM_SUCCESS
     pair.link()
-    pulled_exactly(pair, [3])
+    pair.pulled([3])
 
 
 def test_link_to_silent_listener_times_out(peers: Callable[..., Peer]) -> None:
@@ -146,7 +142,7 @@ def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pai
     h.sock.close()
     assert (h.stage, h.status) == ("auth", LLMStatusCode.LLM_LINK_FAILED), h.message
     pair.link()
-    pulled_exactly(pair, [5])
+    pair.pulled([5])
     assert [link["peer_cluster_id"] for link in pair.prefill.call(kv.links)] == [DECODER_ID]
     stalled.close()
 
@@ -193,19 +189,20 @@ def test_hostile_frames_on_an_established_link_only_drop_that_link(pair: Pair) -
     # and the engine still serves a real decoder
     pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
     pair.link()
-    pulled_exactly(pair, [1])
+    pair.pulled([1])
     fwd.close()
     rev.close()
 
 
 BIG = (64, 256 * 1024)  # 64 blocks of 256 KiB per tensor: 2 x 16 MiB
+BIG_KEY = BlocksCacheKey(PROMPT_ID, 1)
 
 
 def start_prefill(peers: Callable[..., Peer], variant: Variant) -> tuple[Peer, int]:
     p = peers("prefill", env=variant.env())
     port = p.call(kv.start, "prompt", PROMPT_ID, listen=True)
     p.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
-    p.call(kv.register_blocks, "big", 2, BIG, DataType.DT_UINT8, seed=7, key=BlocksCacheKey(PROMPT_ID, 1))
+    p.call(kv.register_blocks, "big", 2, BIG, DataType.DT_UINT8, seed=7, key=BIG_KEY)
     return p, port
 
 
@@ -217,24 +214,21 @@ def test_peer_killed_before_link(make_pair: Callable[..., Pair]) -> None:
     assert pair.decode.call(kv.links) == []
 
 
-# What a transfer loop interrupted by the peer's death ends with, per data path: a stream (or an
-# HCCL transfer) broken by the death fails the transfer in flight; with direct memory access a copy
-# already under way may complete, and the next request finds the peer gone, unless the loop had
-# finished its remaining copies first.
-KILLED_OUTCOMES: dict[str, tuple[object, ...]] = {
-    "tcp": (LLMStatusCode.LLM_LINK_FAILED,),
-    "hccl": (LLMStatusCode.LLM_LINK_FAILED,),
-    "cma": ("ok", LLMStatusCode.LLM_LINK_FAILED),
-}
+# A transfer loop that the peer's death interrupts never ends "ok": it runs until a transfer fails
+# (UNBOUNDED transfers would take hours). What fails, per data path: on tcp and HCCL the transfer
+# in flight, whose stream the death breaks; with direct memory access (cma) a copy already under
+# way may still complete (the kernel copies from the dead process's pages until they are gone),
+# and the next transfer finds the peer gone. Either way the loop's outcome is LLM_LINK_FAILED.
+UNBOUNDED = 1 << 30
 
 
 @only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-cma", "ascend-fake"))  # seconds each: the default run keeps one
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_peer_killed_during_a_large_transfer_then_restarted(peers: Callable[..., Peer], variant: Variant,
                                                             op: str) -> None:
-    """Kill the prefill while transfers run back to back: the decoder gets an error (or, with direct
-    memory access, may finish a copy already under way), never a hang; its resources are released;
-    a restarted prefill with the same cluster id links again and serves correct bytes."""
+    """Kill the prefill while 32 MiB transfers run back to back (once the first has completed): the
+    decoder's loop ends with LLM_LINK_FAILED, never a hang; its resources are released; a restarted
+    prefill with the same cluster id links again and serves correct bytes."""
     p, port = start_prefill(peers, variant)
     d = peers("decode", env=variant.env())
     d.call(kv.start, "decoder", DECODER_ID, timeout_ms=10000)
@@ -242,13 +236,12 @@ def test_peer_killed_during_a_large_transfer_then_restarted(peers: Callable[...,
     d.call(kv.register_blocks, "big", 2, BIG, DataType.DT_UINT8, seed=8)
     assert d.call(kv.link, PROMPT_ID, port)[0] == LLMStatusCode.LLM_SUCCESS
     baseline = d.call(kv.resources)
-    d.call(workers.start_transfer_loop, op, BlocksCacheKey(PROMPT_ID, 1), "big", list(range(64)),
-           list(range(63, -1, -1)), 50)
+    d.call(workers.start_transfer_loop, op, BIG_KEY, "big", list(range(64)), list(range(63, -1, -1)), UNBOUNDED)
     # the loop is under way (its first transfer completed) when the peer dies
     wait_until(lambda: d.call(workers.transfers_done) >= 1, 30, "the first transfer of the loop done")
     p.kill()
     outcome = d.call_within(hang_guard(10000), workers.join_transfer_loop, hang_guard(10000) / 2)
-    assert outcome in KILLED_OUTCOMES[variant.path], outcome
+    assert outcome == LLMStatusCode.LLM_LINK_FAILED, outcome
     # unlinking the dead peer succeeds (non-force: there is nobody left to tell), and the serving
     # thread and sockets of that link are gone
     wait_until(lambda: link_is_broken(d), 10, "the decoder saw the link break")
@@ -259,8 +252,99 @@ def test_peer_killed_during_a_large_transfer_then_restarted(peers: Callable[...,
     p2, port2 = start_prefill(peers, variant)
     assert d.call(kv.link, PROMPT_ID, port2)[0] == LLMStatusCode.LLM_SUCCESS
     check_transfer(lambda: p2.call(kv.snapshot, "big"), lambda: d.call(kv.snapshot, "big"),
-                   lambda: d.call(kv.pull_blocks, BlocksCacheKey(PROMPT_ID, 1), "big", [0, 5], [0, 5]),
-                   rows([(0, 0), (5, 5)]))
+                   lambda: d.call(kv.pull_blocks, BIG_KEY, "big", [0, 5], [0, 5]), rows([(0, 0), (5, 5)]))
+
+
+# On tcp a fault can be made to land while a transfer's bytes are on the wire: the decoder links
+# through a relay (tests/relay.py) that lets HELD_AFTER bytes of the transfer through and then holds
+# the rest. Once the relay holds, the transfer is in flight and cannot have completed (MOVED bytes
+# are far more than the relay, the kernel's socket buffers and the relay's chunk can hold between
+# them: the test asserts that the relay forwarded fewer).
+HELD_AFTER = 1 << 20
+MOVED_BLOCKS = list(range(48))  # of "big": 2 tensors x 48 x 256 KiB = 24 MiB; blocks 48-63 untouched
+MOVED_BYTES = 2 * len(MOVED_BLOCKS) * BIG[1]
+
+
+def relayed_decoder(peers: Callable[..., Peer], variant: Variant, relay: Relay, timeout_ms: int) -> Peer:
+    d = peers("decode", env=variant.env())
+    d.call(kv.start, "decoder", DECODER_ID, timeout_ms=timeout_ms)
+    d.call(kv.register_blocks, "big", 2, BIG, DataType.DT_UINT8, seed=8)
+    assert d.call(kv.link, PROMPT_ID, relay.port)[0] == LLMStatusCode.LLM_SUCCESS
+    assert {link["transport"] for link in d.call(kv.links)} == {"tcp"}
+    return d
+
+
+def start_held_transfer(d: Peer, relay: Relay, op: str) -> int:
+    """Starts one pull (or push) of MOVED_BLOCKS in the decoder and returns once its bytes are seen
+    flowing and held at the relay: the direction they flow in."""
+    direction = DOWN if op == "pull" else UP
+    relay.hold_after(direction, HELD_AFTER)
+    d.call(workers.start_transfer_loop, op, BIG_KEY, "big", MOVED_BLOCKS, MOVED_BLOCKS, 1)
+    assert relay.wait_held(direction) >= HELD_AFTER
+    return direction
+
+
+@only("cpu-tcp")
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_peer_killed_while_the_transfer_bytes_flow(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
+    """The prefill dies while 24 MiB of one pull (or push) are on the wire and held at the relay:
+    that very transfer fails with LLM_LINK_FAILED (none completed); the pushing decoder's source is
+    unchanged; a retry against a restarted prefill moves exactly the requested blocks, and every other
+    byte and guard of the destination is as before the failed transfer."""
+    p, port = start_prefill(peers, variant)
+    with Relay(port) as relay:
+        d = relayed_decoder(peers, variant, relay, timeout_ms=10000)
+        decoder0 = d.call(kv.snapshot, "big")
+        direction = start_held_transfer(d, relay, op)
+        p.kill()
+        relay.release()  # what the prefill sent before it died goes on to the decoder, then the end
+        outcome = d.call_within(hang_guard(10000), workers.join_transfer_loop, hang_guard(10000) / 2)
+        assert outcome == LLMStatusCode.LLM_LINK_FAILED, outcome
+        assert d.call(workers.transfers_done) == 0
+        assert relay.forwarded[direction] < MOVED_BYTES, relay.forwarded
+    assert d.call(kv.unlink, PROMPT_ID, relay.port) == LLMStatusCode.LLM_SUCCESS
+    p2, port2 = start_prefill(peers, variant)  # the same seeds: the same source bytes
+    assert d.call(kv.link, PROMPT_ID, port2)[0] == LLMStatusCode.LLM_SUCCESS
+    moves = [(b, b) for b in MOVED_BLOCKS]
+    if op == "pull":
+        # the failed pull may have landed part of its blocks; the retry lands all of them, and what it
+        # leaves is exactly the destination before the failed pull with those blocks replaced
+        prompt0 = p2.call(kv.snapshot, "big")
+        d.call(kv.pull_blocks, BIG_KEY, "big", MOVED_BLOCKS, MOVED_BLOCKS)
+        assert_same(d.call(kv.snapshot, "big"), decoder0.with_rows(prompt0, moves), "destination after the retry")
+        assert_same(p2.call(kv.snapshot, "big"), prompt0, "source of the retried pull")
+    else:
+        assert_same(d.call(kv.snapshot, "big"), decoder0, "source of the failed push")
+        check_transfer(lambda: d.call(kv.snapshot, "big"), lambda: p2.call(kv.snapshot, "big"),
+                       lambda: d.call(kv.push_blocks, BIG_KEY, "big", MOVED_BLOCKS, MOVED_BLOCKS), rows(moves))
+
+
+@only("cpu-tcp")
+def test_peer_frozen_while_the_pull_bytes_flow(peers: Callable[..., Peer], variant: Variant) -> None:
+    """The prefill is frozen while a 24 MiB pull is on the wire (held at the relay, then let go):
+    what was in the socket buffers arrives, the rest never does, and the pull ends with LLM_TIMEOUT
+    within sync_kv_timeout; the prefill's cache is unchanged, and after a forced unlink and a new link
+    the same pull moves exact bytes."""
+    p, port = start_prefill(peers, variant)
+    prompt0 = p.call(kv.snapshot, "big")
+    with Relay(port) as relay:
+        d = relayed_decoder(peers, variant, relay, timeout_ms=3000)
+        decoder0 = d.call(kv.snapshot, "big")
+        direction = start_held_transfer(d, relay, "pull")
+        p.freeze()
+        try:
+            relay.release()
+            outcome = d.call_within(hang_guard(3000), workers.join_transfer_loop, hang_guard(3000) / 2)
+            assert outcome == LLMStatusCode.LLM_TIMEOUT, outcome
+            assert relay.forwarded[direction] < MOVED_BYTES, relay.forwarded
+        finally:
+            p.thaw()
+        assert d.call(kv.unlink, PROMPT_ID, relay.port, True) == LLMStatusCode.LLM_SUCCESS
+    assert_same(p.call(kv.snapshot, "big"), prompt0, "source of the timed-out pull")
+    assert d.call(kv.link, PROMPT_ID, port)[0] == LLMStatusCode.LLM_SUCCESS
+    d.call(kv.pull_blocks, BIG_KEY, "big", MOVED_BLOCKS, MOVED_BLOCKS)
+    assert_same(d.call(kv.snapshot, "big"), decoder0.with_rows(prompt0, [(b, b) for b in MOVED_BLOCKS]),
+                "destination after the retry")
 
 
 @pytest.mark.parametrize("force", [False, True])

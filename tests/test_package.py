@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import fresh_import
+
 NAMES = ["LLMDataDist", "LLMRole", "LLMConfig", "LlmConfig", "LLMClusterInfo", "LLMStatusCode", "LLMException",
          "Status", "DataType", "Placement", "RegisterMemStatus", "Memtype", "MemInfo", "CacheDesc", "CacheKey",
          "CacheKeyByIdAndIndex", "BlocksCacheKey", "Cache", "KvCache", "LayerSynchronizer", "TransferConfig",
@@ -33,10 +35,8 @@ def test_llm_datadist_drop_in_names_are_pdlinks():
 
 
 def test_import_is_light_and_sets_uc_memory_default():
-    code = ("import sys, os; os.environ.pop('AUTO_USE_UC_MEMORY', None); import llm_datadist, pdlink; "
-            "print(os.environ['AUTO_USE_UC_MEMORY'], 'numpy' in sys.modules, 'pdlink._core' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["0", "False", "False"]
+    out = fresh_import.run(fresh_import.uc_memory_default)
+    assert out == {"AUTO_USE_UC_MEMORY": "0", "numpy": False, "pdlink._core": False}
 
 
 def test_stub_matches_native_module():
@@ -73,37 +73,4 @@ def test_public_methods_have_docstrings():
 
 
 def test_module_surface_submodules_and_lazy_names():
-    code = """
-import sys
-import llm_datadist
-assert 'pdlink.kv_cache_manager' not in sys.modules and 'pdlink.tensor' not in sys.modules
-from llm_datadist import KvCacheManager, TensorDesc, Tensor, CacheTask
-import pdlink
-assert KvCacheManager is pdlink.KvCacheManager and TensorDesc is pdlink.TensorDesc and CacheTask is pdlink.CacheTask
-from llm_datadist.v2.llm_types import RegisterMemStatus, Cache, Memtype, MemInfo
-from llm_datadist.v2.cache_manager import CacheManager
-from llm_datadist.v2.llm_datadist import LLMDataDist
-from llm_datadist import v2_list
-assert 'LLMDataDist' in v2_list and all(hasattr(llm_datadist, n) for n in v2_list)
-from llm_datadist.status import LLMStatusCode, LLMException, Status, code_2_status, handle_llm_status
-from llm_datadist.status import raise_if_false, raise_if_true
-from llm_datadist.configs import LLMRole, LLMClusterInfo, LlmConfig
-from llm_datadist.data_type import DataType
-assert code_2_status(12345) is LLMStatusCode.LLM_FAILED
-assert Status(LLMStatusCode.LLM_SUCCESS).is_ok() and not Status(LLMStatusCode.LLM_TIMEOUT).is_ok()
-try:
-    handle_llm_status(int(LLMStatusCode.LLM_TIMEOUT), "pull_cache", "slow peer")
-except LLMException as e:
-    assert e.status_code is LLMStatusCode.LLM_TIMEOUT and str(e).startswith("pull_cache failed")
-else:
-    raise AssertionError("handle_llm_status did not raise")
-try:
-    llm_datadist.Nope
-except AttributeError:
-    pass
-else:
-    raise AssertionError("unknown attribute did not raise")
-print("ok")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "ok", out.stderr
+    assert fresh_import.run(fresh_import.module_surface) == "ok"

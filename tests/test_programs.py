@@ -32,7 +32,7 @@ import pytest
 
 from backend_env import Variant
 from comm_util import free_port, rank_table, wait_ok
-from conftest import only
+from conftest import moved, only
 from pdlink import (
     BlocksCacheKey,
     CacheKey,
@@ -46,7 +46,7 @@ from pdlink import (
 from peer import Peer
 from peers import hostile, kv
 from poll import wait_until
-from verify import Snapshot, assert_same, check_transfer, nothing, rows
+from verify import assert_same, nothing, rows
 
 S = LLMStatusCode
 OK = (S.LLM_SUCCESS, [S.LLM_SUCCESS])
@@ -55,15 +55,6 @@ F32 = DataType.DT_FLOAT
 # Replays and the link-rule cases run on every data path; the default run keeps one (the others are
 # heavy: CI runs them), which keeps the default suite within its time budget.
 replay_paths = every_path = only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-cma", "ascend-fake"))
-
-
-def reader(peer: Peer, name: str) -> Callable[[], Snapshot]:
-    return lambda: peer.call(kv.snapshot, name)
-
-
-def moved(src: tuple[Peer, str], dst: tuple[Peer, str], action: Callable[[], object],
-          expect: Callable[[Snapshot, Snapshot], Snapshot]) -> object:
-    return check_transfer(reader(*src), reader(*dst), action, expect)
 
 
 def refused(code: LLMStatusCode, dst: tuple[Peer, str], action: Callable[[], object]) -> None:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import fresh_import
 from internals import DEFAULT_CONFIG_JSON, ManagementClient
 from internals import server_config as C
 from server_util import LOCAL, Certs, Serve, write_config
@@ -340,13 +341,7 @@ def _run(args, env=None, timeout=30):
 
 
 def test_import_pdlink_stays_light():
-    code = ("import sys, pdlink, pdlink.client, pdlink.cli, pdlink.server, pdlink.server.config, "
-            "pdlink.server.validation, pdlink.server.tls\n"
-            "heavy = [m for m in ('starlette', 'uvicorn', 'prometheus_client', 'anyio', 'h11') if m in sys.modules]\n"
-            "print(heavy)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert fresh_import.run(fresh_import.server_modules_stay_light, timeout=30) == []
 
 
 def test_check_config_honours_env_and_reports_errors(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import internals
-from conftest import DECODER_ID, PROMPT_ID, Pair, only
+from conftest import DECODER_ID, PROMPT_ID, Pair, moved, only
 from pdlink import (
     BlocksCacheKey,
     CacheKey,
@@ -21,10 +21,9 @@ from pdlink import (
     LLMStatusCode,
     Placement,
 )
-from peer import Peer
 from peers import kv, workers
 from poll import hang_guard, wait_until
-from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
+from verify import Copy, assert_same, nothing, rows
 
 KEY = Pair.KEY  # BlocksCacheKey(1, 0): the prompt's blocks cache
 SHAPE = (8, 64)  # 8 blocks of 64 float16 per tensor
@@ -34,17 +33,6 @@ def setup_blocks(pair: Pair, decoder_key: BlocksCacheKey | None = None) -> None:
     pair.prefill.call(kv.register_blocks, "kv", 4, SHAPE, seed=1, key=KEY)
     pair.decode.call(kv.register_blocks, "kv", 4, SHAPE, seed=2, key=decoder_key)
     pair.link()
-
-
-def reader(peer: Peer, name: str) -> Callable[[], Snapshot]:
-    return lambda: peer.call(kv.snapshot, name)
-
-
-def moved(src: tuple[Peer, str], dst: tuple[Peer, str], action: Callable[[], object],
-          expect: Callable[[Snapshot, Snapshot], Snapshot]) -> None:
-    """``action`` moves bytes from cache ``src`` = (peer, name) to ``dst``: the whole destination is
-    what ``expect`` says, the source unchanged (verify.check_transfer)."""
-    check_transfer(reader(*src), reader(*dst), action, expect)
 
 
 def pulls(pair: Pair, src_blocks: Sequence[int], dst_blocks: Sequence[int], **kw: object) -> Callable[[], None]:

@@ -1,378 +1,402 @@
 """Layer-wise ``transfer_cache_async`` (spec 7.8-7.11, 8.5, 10.5) across two real processes.
 
 Every transfer kind (keyed or raw addresses; cache->cache, blocks->blocks, cache->blocks), the
-layer loop's stop rules, ``CacheTask`` timeouts and every validation rule; data is checked byte
-for byte. The prefill pushes into the decoder (the decoder dials, links are symmetric).
+layer loop's stop rules, ``CacheTask`` timeouts and every validation rule. The prefill pushes into
+the decoder (the decoder dials, links are symmetric); every push checks the whole destination
+(moved bytes equal the source, every other byte and the guards unchanged) and the source unchanged
+(tests/verify.py). Peer-side code: tests/peers/transfer_async.py.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
+from conftest import DECODER_ID, PROMPT_ID, Pair
 from internals import transfer_cache_async
-from pdlink import Cache, CacheDesc, DataType, LayerSynchronizer, LLMException, LLMStatusCode, TransferConfig
+from pdlink import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LayerSynchronizer,
+    LLMException,
+    LLMStatusCode,
+    Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from peer import Peer
+from peers import kv
+from peers import transfer_async as ta
+from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
 
 S = LLMStatusCode
+R = TypeVar("R")
 
-SYNC = """
-import threading, time
-class Sync(LayerSynchronizer):
-    # records each call; waits for `gate` (if any) first; returns False at layer `fail_at`
-    def __init__(self, fail_at=None, gate=None):
-        self.calls, self.fail_at, self.gate = [], fail_at, gate
-    def synchronize_layer(self, layer_index, timeout_in_millis):
-        self.calls.append((layer_index, timeout_in_millis))
-        if self.gate is not None and not self.gate.wait(20):
-            return False
-        return layer_index != self.fail_at
-"""
+DST_KEY = BlocksCacheKey(DECODER_ID, 0)  # the decoder's blocks cache, the push target
+SHAPE = (8, 64)  # 8 blocks of 64 float16 (128 bytes) per tensor
+TASK_GUARD_S = 60  # bounds waiting for a task: reaching it means a hang, not a slow machine
+Outcome = tuple[LLMStatusCode, list[LLMStatusCode | None], list[tuple[int, int | None]]]
 
 
-def blocks(name, n, num_blocks=8, width=64, key="None", seed=None):
-    """Peer code: `name` = n arrays (num_blocks, width) fp16 (patterned with `seed`, else zeros),
-    registered as blocks cache `c_<name>`."""
-    fill = f"tensors({n}, ({num_blocks}, {width}), seed={seed})" if seed else f"zeros({n}, ({num_blocks}, {width}))"
-    return (f"{name} = {fill}\nc_{name} = cm.register_blocks_cache(CacheDesc({n}, [{num_blocks}, {width}], "
-            f"DataType.DT_FLOAT16), addrs({name}), {key})\n")
+def keyed(src_layers: range, dst_layers: range, key: BlocksCacheKey | CacheKeyByIdAndIndex = DST_KEY,
+          src_batch_index: int = 0) -> TransferWithCacheKeyConfig:
+    return TransferWithCacheKeyConfig(key, src_layers, dst_layers, src_batch_index)
 
 
-def contig(name, n, batch, width=64, seed=None):
-    """Peer code: `name` = n arrays (batch, width) fp16, registered as contiguous cache `c_<name>`."""
-    fill = f"tensors({n}, ({batch}, {width}), seed={seed})" if seed else f"zeros({n}, ({batch}, {width}))"
-    return (f"{name} = {fill}\nc_{name} = cm.register_cache(CacheDesc({n}, [{batch}, {width}], "
-            f"DataType.DT_FLOAT16), addrs({name}))\n")
+def setup_blocks(pair: Pair, num: int, seed: int) -> None:
+    """`num` tensors of SHAPE: the prefill's "kv" patterned with `seed` (key BlocksCacheKey(1, 0)),
+    the decoder's "kv" zeros (key DST_KEY); linked."""
+    pair.prefill.call(kv.register_blocks, "kv", num, SHAPE, seed=seed, key=Pair.KEY)
+    pair.decode.call(kv.register_blocks, "kv", num, SHAPE, seed=None, key=DST_KEY)
+    pair.link()
 
 
-def setup(pd, prefill_code, decode_code):
-    pd.prefill.exec(SYNC + prefill_code)
-    pd.decode.exec(decode_code)
-    pd.link()
+def snapshot(peer: Peer, name: str) -> Snapshot:
+    return peer.call(kv.snapshot, name)
 
 
-def run(pd, call, sync="Sync()"):
-    """Start `cm.transfer_cache_async(...)` on the prefill (`call` = its argument list after the
-    synchronizer); return (synchronize(), get_results(), synchronizer calls)."""
-    pd.prefill.exec(f"sync = {sync}\ntask = cm.transfer_cache_async({call.format(sync='sync')})")
-    return pd.prefill.eval("(task.synchronize(), task.get_results(), sync.calls)", timeout=60)
+def pushed(pair: Pair, src: str, dst: str, action: Callable[[], R],
+           expect: Callable[[Snapshot, Snapshot], Snapshot]) -> R:
+    """``action`` pushes the prefill's cache `src` into the decoder's cache `dst`: the whole
+    destination is what `expect` says, the source unchanged (verify.check_transfer). Returns
+    what `action` returned."""
+    out: list[R] = []
+    check_transfer(lambda: snapshot(pair.prefill, src), lambda: snapshot(pair.decode, dst),
+                   lambda: out.append(action()), expect)
+    return out[0]
 
 
-def bytes_of(arrays):
-    return [a.tobytes() for a in arrays]
+def run(pair: Pair, src: str, configs: list[Any], *rest: Any, fail_at: int | None = None) -> Callable[[], Outcome]:
+    """Starts ``transfer_cache_async(src, <a recording synchronizer>, configs, *rest)`` on the
+    prefill (the synchronizer answers False at layer `fail_at`) and waits for it: (synchronize(),
+    get_results(), the synchronizer's calls)."""
+    return lambda: pair.prefill.call_within(TASK_GUARD_S, ta.run, src, configs, *rest, fail_at=fail_at)
+
+
+def blocks_of(slot_blocks: list[int], block: int, tensors: int = 2) -> Callable[[Snapshot, Snapshot], Snapshot]:
+    """``expect`` of a contiguous source slot 0 cut into `block`-byte chunks, chunk j into block
+    ``slot_blocks[j]`` of each tensor (the last chunk may be short)."""
+    def expect(dst0: Snapshot, src0: Snapshot) -> Snapshot:
+        copies = [Copy(t, j * block, t, d * block, min(block, src0.row_bytes - j * block))
+                  for t in range(tensors) for j, d in enumerate(slot_blocks)]
+        return dst0.with_bytes(src0, copies)
+    return expect
 
 
 # ---------------------------------------------------------------------------- keyed (remote accessible)
 
 
-def test_official_sample_blocks_cache_key(pd):
+def test_official_sample_blocks_cache_key(pair: Pair) -> None:
     """transfer_cache_async_sample.py: a blocks cache pushed with
     TransferWithCacheKeyConfig(BlocksCacheKey(D_ID, 0), range(0, 1), range(0, 1)), then get_results()."""
-    setup(pd, blocks("kv", 4, key="BlocksCacheKey(1, 0)", seed=1), blocks("kv", 4, key="BlocksCacheKey(2, 0)"))
-    pd.prefill.exec("task = cm.transfer_cache_async(c_kv, Sync(), "
-                    "[TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(0, 1))])")
-    assert pd.prefill.eval("task.get_results()") == [S.LLM_SUCCESS]
-    assert pd.prefill.eval("task.synchronize()") == S.LLM_SUCCESS
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    # Without block indices a source pushes one slot; a blocks source's slot is block 0.
-    for t in (0, 1):
-        assert dst[t][0].tobytes() == src[t][0].tobytes()
-        assert not dst[t][1:].any()
-    assert not dst[2].any() and not dst[3].any()  # layer 1 was not asked for
+    setup_blocks(pair, 4, seed=1)
+
+    def push() -> tuple[list[LLMStatusCode | None], LLMStatusCode]:
+        pair.prefill.call(ta.new_sync)
+        pair.prefill.call(ta.transfer, "kv", ta.SYNC, [keyed(range(0, 1), range(0, 1))])
+        return pair.prefill.call_within(TASK_GUARD_S, ta.get_results), pair.prefill.call(ta.synchronize)
+
+    # Without block indices a source pushes one slot; a blocks source's slot is block 0. Layer 1
+    # (tensors 2, 3) was not asked for.
+    assert pushed(pair, "kv", "kv", push, rows([(0, 0)], tensors=[(0, 0), (1, 1)])) == (
+        [S.LLM_SUCCESS], S.LLM_SUCCESS)
 
 
-def test_two_configs_to_two_layers_of_one_destination_and_layer_order(pd):
-    setup(pd, blocks("kv", 6, key="BlocksCacheKey(1, 0)", seed=2), blocks("kv", 6, key="BlocksCacheKey(2, 0)"))
+def test_two_configs_to_two_layers_of_one_destination_and_layer_order(pair: Pair) -> None:
+    setup_blocks(pair, 6, seed=2)
     # source layer 0 -> destination layer 2, source layer 2 -> destination layer 0; nobody wants layer 1
-    ret, results, calls = run(pd, "c_kv, {sync}, ["
-                                  "TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(2, 3)), "
-                                  "TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(2, 3), range(0, 1))], "
-                                  "[0, 1, 5], [3, 4, 0], 128")  # 128 = the block size: accepted
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS])
-    assert calls == [(0, None), (2, None)]
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for s, d in ((0, 4), (1, 5), (4, 0), (5, 1)):
-        for sb, db in ((0, 3), (1, 4), (5, 0)):
-            assert dst[d][db].tobytes() == src[s][sb].tobytes()
-        assert not dst[d][[1, 2, 5, 6, 7]].any()
-    assert not dst[2].any() and not dst[3].any()
+    configs = [keyed(range(0, 1), range(2, 3)), keyed(range(2, 3), range(0, 1))]
+    outcome = pushed(pair, "kv", "kv", run(pair, "kv", configs, [0, 1, 5], [3, 4, 0], 128),  # 128 = the block size
+                     rows([(0, 3), (1, 4), (5, 0)], tensors=[(0, 4), (1, 5), (4, 0), (5, 1)]))
+    assert outcome == (S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS], [(0, None), (2, None)])
 
 
-def test_cache_to_cache_by_id_and_index_and_cache_to_blocks(pd):
-    setup(pd, contig("ct", 4, 2, seed=3) + contig("one", 2, 1, width=256, seed=4),
-          contig("ct", 4, 3) + blocks("kv", 2, key="BlocksCacheKey(2, 0)"))
-    # whole slot 1 of both layers -> slot 2 of the decoder's cache id 1
-    ret, results, _ = run(pd, "c_ct, {sync}, [TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, 1, 2), "
-                              "range(0, 2), range(0, 2), 1)]")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    src, dst = pd.prefill.eval("ct"), pd.decode.eval("ct")
-    for s, d in zip(src, dst):
-        assert d[2].tobytes() == s[1].tobytes() and not d[:2].any()
+def test_cache_to_cache_by_id_and_index_and_cache_to_blocks(pair: Pair) -> None:
+    pair.prefill.call(kv.register, "ct", 4, (2, 64), seed=3)
+    pair.prefill.call(kv.register, "one", 2, (1, 256), seed=4)
+    ct_id = pair.decode.call(kv.register, "ct", 4, (3, 64), seed=None)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=None, key=DST_KEY)
+    pair.link()
+    # whole slot 1 of both layers -> slot 2 of the decoder's cache
+    config = keyed(range(0, 2), range(0, 2), CacheKeyByIdAndIndex(DECODER_ID, ct_id, 2), src_batch_index=1)
+    outcome = pushed(pair, "ct", "ct", run(pair, "ct", [config]), rows([(1, 2)]))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
     # a 512-byte slot cut into 128-byte blocks, into blocks 6, 7, 0, 1 of the decoder's blocks cache
-    ret, results, _ = run(pd, "c_one, {sync}, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), "
-                              "range(0, 1), range(0, 1))], None, [6, 7, 0, 1], 128")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    src, dst = pd.prefill.eval("one"), pd.decode.eval("kv")
-    for s, d in zip(src, dst):
-        chunks = s[0].reshape(4, 64)
-        assert [d[b].tobytes() for b in (6, 7, 0, 1)] == bytes_of(chunks)
-        assert not d[2:6].any()
+    outcome = pushed(pair, "one", "kv", run(pair, "one", [keyed(range(0, 1), range(0, 1))], None, [6, 7, 0, 1], 128),
+                     blocks_of([6, 7, 0, 1], 128))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
-def test_synchronizer_false_stops_the_transfer(pd):
-    setup(pd, blocks("kv", 6, key="BlocksCacheKey(1, 0)", seed=5), blocks("kv", 6, key="BlocksCacheKey(2, 0)"))
-    ret, results, calls = run(pd, "c_kv, {sync}, ["
-                                  "TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 3), range(0, 3)), "
-                                  "TransferWithCacheKeyConfig(BlocksCacheKey(9, 0), range(2, 3), range(2, 3))], "
-                                  "[1], [1]", sync="Sync(fail_at=1)")
+def test_synchronizer_false_stops_the_transfer(pair: Pair) -> None:
+    setup_blocks(pair, 6, seed=5)
+    configs = [keyed(range(0, 3), range(0, 3)), keyed(range(2, 3), range(2, 3), BlocksCacheKey(9, 0))]
+    # only layer 0 of block 1 moves: layer 1 is refused by the synchronizer
+    outcome = pushed(pair, "kv", "kv", run(pair, "kv", configs, [1], [1], fail_at=1),
+                     rows([(1, 1)], tensors=[(0, 0), (1, 1)]))
     # the config holding layer 1 is marked PARAM_INVALID; cluster 9's config never transferred
-    assert (ret, results) == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID, None])
-    assert calls == [(0, None), (1, None)]
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    assert dst[0][1].tobytes() == src[0][1].tobytes() and dst[1][1].tobytes() == src[1][1].tobytes()
-    assert not any(d.any() for d in dst[2:])
+    assert outcome == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID, None], [(0, None), (1, None)])
 
 
-def test_blocking_synchronizer_times_out_then_completes(pd):
-    setup(pd, blocks("kv", 4, key="BlocksCacheKey(1, 0)", seed=6), blocks("kv", 4, key="BlocksCacheKey(2, 0)"))
-    pd.prefill.exec("gate = threading.Event()\nsync = Sync(gate=gate)\n"
-                    "task = cm.transfer_cache_async(c_kv, sync, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), "
-                    "range(0, 2), range(0, 2))], [2, 3], [2, 3])\n"
-                    "first = task.synchronize(300)")
-    assert pd.prefill.eval("first") == S.LLM_TIMEOUT  # the gate is shut: only the timeout can end it
-    assert pd.prefill.eval("task.get_results(0)") == [S.LLM_TIMEOUT]
-    assert pd.prefill.eval("task.synchronize(0)") == S.LLM_TIMEOUT
-    assert not any(d.any() for d in pd.decode.eval("kv"))  # nothing moved while layer 0 is pending
-    pd.prefill.exec("gate.set()")
-    assert pd.prefill.eval("(task.synchronize(), task.get_results(), sync.calls)") == (
+def test_blocking_synchronizer_times_out_then_completes(pair: Pair) -> None:
+    setup_blocks(pair, 4, seed=6)
+    src0, dst0 = snapshot(pair.prefill, "kv"), snapshot(pair.decode, "kv")
+    pair.prefill.call(ta.new_sync, gated=True)
+    pair.prefill.call(ta.transfer, "kv", ta.SYNC, [keyed(range(0, 2), range(0, 2))], [2, 3], [2, 3])
+    assert pair.prefill.call(ta.synchronize, 300) == S.LLM_TIMEOUT  # the gate is shut: only the timeout can end it
+    assert pair.prefill.call(ta.get_results, 0) == [S.LLM_TIMEOUT]
+    assert pair.prefill.call(ta.synchronize, 0) == S.LLM_TIMEOUT
+    assert_same(snapshot(pair.decode, "kv"), dst0, "destination while layer 0 is pending")  # nothing moved
+    pair.prefill.call(ta.open_gate)
+    assert pair.prefill.call_within(TASK_GUARD_S, ta.outcome) == (
         S.LLM_SUCCESS, [S.LLM_SUCCESS], [(0, None), (1, None)])
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for s, d in zip(src, dst):
-        assert d[2:4].tobytes() == s[2:4].tobytes() and not d[:2].any() and not d[4:].any()
-    for bad, exc in (("'1'", TypeError), ("-1", ValueError), ("2**32", ValueError), ("1.5", TypeError)):
-        for method in ("synchronize", "get_results"):
-            with pytest.raises(exc):
-                pd.prefill.eval(f"task.{method}({bad})")
+    assert_same(snapshot(pair.decode, "kv"), dst0.with_rows(src0, [(2, 2), (3, 3)]), "destination")
+    assert_same(snapshot(pair.prefill, "kv"), src0, "source")
+    bad_timeouts: list[tuple[object, type[Exception]]] = [
+        ("1", TypeError), (-1, ValueError), (2**32, ValueError), (1.5, TypeError)]
+    for bad, exc in bad_timeouts:
+        for method in (ta.synchronize, ta.get_results):
+            with pytest.raises(exc) as info:
+                pair.prefill.call(method, bad)
+            assert type(info.value) is exc, (method.__name__, bad, info.value)
 
 
-def test_failure_mid_way_records_the_code_and_stops(pd):
-    setup(pd, blocks("kv", 6, key="BlocksCacheKey(1, 0)", seed=7), blocks("kv", 6, key="BlocksCacheKey(2, 0)"))
-    ret, results, calls = run(pd, "c_kv, {sync}, ["
-                                  "TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 3), range(0, 3)), "
-                                  "TransferWithCacheKeyConfig(BlocksCacheKey(2, 7), range(1, 2), range(1, 2))], "
-                                  "[2], [2]")
+def test_failure_mid_way_records_the_code_and_stops(pair: Pair) -> None:
+    setup_blocks(pair, 6, seed=7)
+    configs = [keyed(range(0, 3), range(0, 3)), keyed(range(1, 2), range(1, 2), BlocksCacheKey(DECODER_ID, 7))]
+    # layers 0 and 1 (tensors 0-3) went before the failure; layer 2 was never transferred
+    outcome = pushed(pair, "kv", "kv", run(pair, "kv", configs, [2], [2]),
+                     rows([(2, 2)], tensors=[(0, 0), (1, 1), (2, 2), (3, 3)]))
     # model 7 does not exist on cluster 2: its code lands in cluster 2's (shared) slot
-    assert (ret, results) == (S.LLM_KV_CACHE_NOT_EXIST, [S.LLM_KV_CACHE_NOT_EXIST] * 2)
-    assert calls == [(0, None), (1, None)]
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for t in range(4):  # layers 0 and 1 went before the failure
-        assert dst[t][2].tobytes() == src[t][2].tobytes()
-    assert not dst[4].any() and not dst[5].any()  # layer 2 was never transferred
+    assert outcome == (S.LLM_KV_CACHE_NOT_EXIST, [S.LLM_KV_CACHE_NOT_EXIST] * 2, [(0, None), (1, None)])
     # the link is still fine
-    ret, results, _ = run(pd, "c_kv, {sync}, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(2, 3), "
-                              "range(2, 3))], [2], [2]")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    assert pd.decode.eval("kv[4][2].tobytes()") == src[4][2].tobytes()
+    outcome = pushed(pair, "kv", "kv", run(pair, "kv", [keyed(range(2, 3), range(2, 3))], [2], [2]),
+                     rows([(2, 2)], tensors=[(4, 4), (5, 5)]))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
 # ---------------------------------------------------------------------------- raw addresses (TransferConfig)
 
 
-def test_transfer_config_into_raw_addresses(make_pd):
-    pd = make_pd(remote=False)
-    setup(pd, contig("ct", 4, 2, seed=8), contig("ct", 4, 3))
+def test_transfer_config_into_raw_addresses(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)
+    pair.prefill.call(kv.register, "ct", 4, (2, 64), seed=8)
+    pair.decode.call(kv.register, "ct", 4, (3, 64), seed=None)
+    pair.link()
     slot = 64 * 2  # bytes per slot of the decoder's cache
     # every layer of slot 1 -> slot 2 (addresses pre-offset, as llm_datadist requires); layer 1 of
     # slot 0 -> slot 0: two configs to one cluster share its result slot
-    addrs = pd.decode.eval("addrs(ct)")
+    addrs = pair.decode.call(kv.tensor_addresses, "ct")
     all_layers = [a + 2 * slot for a in addrs]
-    ret, results, calls = run(pd, f"c_ct, {{sync}}, [TransferConfig(2, {all_layers}, None, 1), "
-                                  f"TransferConfig(2, {addrs[2:]}, range(1, 2))]")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS])
-    assert calls == [(0, None), (1, None)]
-    src, dst = pd.prefill.eval("ct"), pd.decode.eval("ct")
-    for t, (s, d) in enumerate(zip(src, dst)):
-        assert d[2].tobytes() == s[1].tobytes() and not d[1].any()
-        if t < 2:
-            assert not d[0].any()
-        else:
-            assert d[0].tobytes() == s[0].tobytes()
+    configs = [TransferConfig(DECODER_ID, all_layers, None, 1), TransferConfig(DECODER_ID, addrs[2:], range(1, 2))]
+    outcome = pushed(pair, "ct", "ct", run(pair, "ct", configs),
+                     lambda dst0, src0: dst0.with_rows(src0, [(1, 2)]).with_rows(src0, [(0, 0)],
+                                                                                 tensors=[(2, 2), (3, 3)]))
+    assert outcome == (S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS], [(0, None), (1, None)])
 
 
-def test_transfer_config_with_block_indices(make_pd):
-    pd = make_pd(remote=False)
-    setup(pd, blocks("kv", 4, seed=9) + contig("one", 2, 1, width=256, seed=10),
-          blocks("kv", 4) + blocks("pg", 2, width=80))
-    kv_addrs, pg_addrs = pd.decode.eval("(addrs(kv), addrs(pg))")
+def test_transfer_config_with_block_indices(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)
+    pair.prefill.call(kv.register_blocks, "kv", 4, SHAPE, seed=9)
+    pair.prefill.call(kv.register, "one", 2, (1, 256), seed=10)
+    pair.decode.call(kv.register_blocks, "kv", 4, SHAPE, seed=None)
+    pair.decode.call(kv.register_blocks, "pg", 2, (8, 80), seed=None)
+    pair.link()
+    kv_addrs = pair.decode.call(kv.tensor_addresses, "kv")
+    pg_addrs = pair.decode.call(kv.tensor_addresses, "pg")
     # blocks -> blocks, both layers; dst_block_memory_size omitted (= the source block size)
-    ret, results, _ = run(pd, f"c_kv, {{sync}}, [TransferConfig(2, {kv_addrs})], [0, 1, 5], [3, 4, 0]")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    outcome = pushed(pair, "kv", "kv", run(pair, "kv", [TransferConfig(DECODER_ID, kv_addrs)], [0, 1, 5], [3, 4, 0]),
+                     rows([(0, 3), (1, 4), (5, 0)]))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
     # layer 1 only, with dst_block_memory_size = the block size (128 bytes)
-    ret, results, _ = run(pd, f"c_kv, {{sync}}, [TransferConfig(2, {kv_addrs[2:]}, range(1, 2))], [7], [7], 128")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    src, dst = pd.prefill.eval("kv"), pd.decode.eval("kv")
-    for t, (s, d) in enumerate(zip(src, dst)):
-        for sb, db in ((0, 3), (1, 4), (5, 0)):
-            assert d[db].tobytes() == s[sb].tobytes()
-        assert (d[7].tobytes() == s[7].tobytes()) == (t >= 2)
-        assert not d[[1, 2, 5, 6]].any()
-    # cache -> blocks: a 512-byte slot in 160-byte blocks (the last chunk is 32 bytes)
-    ret, results, _ = run(pd, f"c_one, {{sync}}, [TransferConfig(2, {pg_addrs})], None, [5, 6, 0, 2], 160")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    src, dst = pd.prefill.eval("one"), pd.decode.eval("pg")
-    for s, d in zip(src, dst):
-        s = s[0]
-        assert d[5].tobytes() == s[0:80].tobytes() and d[6].tobytes() == s[80:160].tobytes()
-        assert d[0].tobytes() == s[160:240].tobytes()
-        assert d[2][:16].tobytes() == s[240:256].tobytes() and not d[2][16:].any()
-        assert not d[[1, 3, 4, 7]].any()
+    outcome = pushed(pair, "kv", "kv",
+                     run(pair, "kv", [TransferConfig(DECODER_ID, kv_addrs[2:], range(1, 2))], [7], [7], 128),
+                     rows([(7, 7)], tensors=[(2, 2), (3, 3)]))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    # cache -> blocks: a 512-byte slot in 160-byte blocks 5, 6, 0, 2 (the last chunk is 32 bytes)
+    outcome = pushed(pair, "one", "pg",
+                     run(pair, "one", [TransferConfig(DECODER_ID, pg_addrs)], None, [5, 6, 0, 2], 160),
+                     blocks_of([5, 6, 0, 2], 160))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
-def test_raw_addresses_outside_registered_memory(make_pd):
-    pd = make_pd(remote=False)
-    setup(pd, contig("ct", 2, 1, seed=11), contig("ct", 2, 1) + "other = tensors(2, (1, 64), seed=12)\n")
-    before = pd.decode.eval("(ct, other)")
-    reg, other = pd.decode.eval("(addrs(ct), addrs(other))")
-    size = 128
-    cases = [other,                                # memory the decoder never registered
-             [reg[0] + size - 64, reg[1]],         # a run crossing the end of a registered tensor
-             [reg[0], other[1]]]                   # K fits, V does not
-    for dst in cases:
-        ret, results, _ = run(pd, f"c_ct, {{sync}}, [TransferConfig(2, {dst})]")
-        assert (ret, results) == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID]), dst
-    after = pd.decode.eval("(ct, other)")
-    assert bytes_of(after[1]) == bytes_of(before[1])
-    ct = after[0]
-    assert ct[0].tobytes() == pd.prefill.eval("ct[0].tobytes()")  # the third case's K landed
-    assert not ct[1].any()
+def test_raw_addresses_outside_registered_memory(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(remote=False)
+    pair.prefill.call(kv.register, "ct", 2, (1, 64), seed=11)
+    pair.decode.call(kv.register, "ct", 2, (1, 64), seed=None)
+    size = 128  # bytes per tensor
+    other = pair.decode.call(ta.unregistered, "other", 2, size, 1, 12)  # guarded, never registered
+    pair.link()
+    reg = pair.decode.call(kv.tensor_addresses, "ct")
+    other0 = pair.decode.call(ta.unregistered_snapshot, "other")
+    cases = [(other, nothing),                             # memory the decoder never registered
+             ([reg[0] + size - 64, reg[1]], nothing),      # a run crossing the end of a registered tensor
+             ([reg[0], other[1]], rows([(0, 0)], tensors=[(0, 0)]))]  # K fits (and lands), V does not
+    for dst, expect in cases:
+        outcome = pushed(pair, "ct", "ct", run(pair, "ct", [TransferConfig(DECODER_ID, dst)]), expect)
+        assert outcome[:2] == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID]), dst
+        assert_same(pair.decode.call(ta.unregistered_snapshot, "other"), other0, "memory the decoder never registered")
     # an unlinked cluster, then a correct push over the same link
-    ret, results, _ = run(pd, f"c_ct, {{sync}}, [TransferConfig(9, {reg})]")
-    assert (ret, results) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
-    ret, results, _ = run(pd, f"c_ct, {{sync}}, [TransferConfig(2, {reg})]")
-    assert (ret, results) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-    assert bytes_of(pd.decode.eval("ct")) == bytes_of(pd.prefill.eval("ct"))
+    outcome = pushed(pair, "ct", "ct", run(pair, "ct", [TransferConfig(9, reg)]), nothing)
+    assert outcome[:2] == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+    outcome = pushed(pair, "ct", "ct", run(pair, "ct", [TransferConfig(DECODER_ID, reg)]), rows([(0, 0)]))
+    assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
 # ---------------------------------------------------------------------------- validation
 
 
-VALIDATION_SETUP = SYNC + blocks("kv", 4, seed=1) + contig("ct", 4, 2, seed=2) + contig("odd", 3, 2, seed=3) + """
-kh = tensors(2, (2, 64), seed=4, host=True)
-host = cm.register_cache(CacheDesc(2, [2, 64], DataType.DT_FLOAT16, Placement.HOST), addrs(kh))
-s = Sync()
-K = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
-R = TransferConfig(2, [4096, 8192])
-"""
+K = keyed(range(0, 1), range(0, 1))
+RAW = TransferConfig(DECODER_ID, [4096, 8192])
+SYNC = ta.SYNC
+VALIDATION_CACHES = ("kv", "ct", "odd", "host")
 
 
-def _expect(p, call, exc, code=S.LLM_PARAM_INVALID):
+def setup_validation(p: Peer, remote: bool) -> None:
+    """An unlinked PROMPT engine with a blocks cache "kv", plain caches "ct" and "odd" (3 tensors)
+    and a HOST cache "host", all patterned; a fresh recording synchronizer."""
+    p.call(kv.start, "prompt", PROMPT_ID, remote=remote)
+    p.call(kv.register_blocks, "kv", 4, SHAPE, seed=1)
+    p.call(kv.register, "ct", 4, (2, 64), seed=2)
+    p.call(kv.register, "odd", 3, (2, 64), seed=3)
+    p.call(kv.register, "host", 2, (2, 64), seed=4, placement=Placement.HOST)
+    p.call(ta.new_sync)
+
+
+def caches(p: Peer) -> list[Snapshot]:
+    return [snapshot(p, name) for name in VALIDATION_CACHES]
+
+
+def assert_unchanged(p: Peer, before: list[Snapshot]) -> None:
+    for now, then in zip(caches(p), before):
+        assert_same(now, then, "a cache of the refusing peer")
+
+
+def _expect(p: Peer, args: tuple[Any, ...], exc: type[Exception],
+            code: LLMStatusCode = S.LLM_PARAM_INVALID) -> Exception:
+    """``transfer_cache_async(*args)`` raises exactly `exc` (an LLMException with `code`)."""
     with pytest.raises(exc) as info:
-        p.exec(f"cm.transfer_cache_async({call})")
-    if exc is LLMException:
-        assert info.value.status_code == code, (call, info.value)
-    else:
-        assert type(info.value) is exc, (call, info.value)
-    return info.value
+        p.call(ta.transfer, *args)
+    err = info.value
+    assert type(err) is exc, (args, err)
+    if isinstance(err, LLMException):
+        assert err.status_code == code, (args, err)
+    return err
 
 
-def test_validation_remote_accessible_mode(peers):
+def test_validation_remote_accessible_mode(peers: Callable[..., Peer]) -> None:
     p = peers("v")
-    p.exec("dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(options()); cm = dd.cache_manager\n" + VALIDATION_SETUP)
-    threads = p.eval("threading.active_count()")
-    cases = [
+    setup_validation(p, remote=True)
+    before = caches(p)
+    threads = p.call(ta.active_threads)
+    tensors = [np.zeros(SHAPE, np.float16) for _ in range(4)]  # the arrays themselves, not a Cache
+    cases: list[tuple[tuple[Any, ...], type[Exception]]] = [
         # spec 8.5: the source
-        ("None, s, [K]", TypeError), ("kv, s, [K]", TypeError), ("host, s, [K]", LLMException),
+        ((None, SYNC, [K]), TypeError), ((tensors, SYNC, [K]), TypeError), (("host", SYNC, [K]), LLMException),
         # block index lists and dst_block_memory_size: types, then ranges
-        ("c_kv, s, [K], None, '0'", TypeError), ("c_kv, s, [K], None, [0, '1']", TypeError),
-        ("c_kv, s, [K], [0.5], [0]", TypeError), ("c_kv, s, [K], [True], [0]", TypeError),
-        ("c_kv, s, [K], None, [-1], 128", ValueError), ("c_kv, s, [K], [2**64], [0]", ValueError),
-        ("c_kv, s, [K], [0], [0], '128'", TypeError), ("c_kv, s, [K], [0], [0], -1", ValueError),
+        (("kv", SYNC, [K], None, "0"), TypeError), (("kv", SYNC, [K], None, [0, "1"]), TypeError),
+        (("kv", SYNC, [K], [0.5], [0]), TypeError), (("kv", SYNC, [K], [True], [0]), TypeError),
+        (("kv", SYNC, [K], None, [-1], 128), ValueError), (("kv", SYNC, [K], [2**64], [0]), ValueError),
+        (("kv", SYNC, [K], [0], [0], "128"), TypeError), (("kv", SYNC, [K], [0], [0], -1), ValueError),
         # rule 4: src_block_indices need dst_block_indices of the same length
-        ("c_kv, s, [K], [0]", LLMException), ("c_kv, s, [K], [0, 1], [0]", LLMException),
+        (("kv", SYNC, [K], [0]), LLMException), (("kv", SYNC, [K], [0, 1], [0]), LLMException),
         # rule 5: a contiguous source into blocks needs dst_block_memory_size
-        ("c_ct, s, [K], None, [0]", LLMException),
+        (("ct", SYNC, [K], None, [0]), LLMException),
         # the synchronizer and the configs
-        ("c_kv, None, [K]", TypeError), ("c_kv, object(), [K]", TypeError),
-        ("c_kv, s, None", TypeError), ("c_kv, s, K", TypeError), ("c_kv, s, [K, None]", TypeError),
-        ("c_kv, s, [R]", TypeError), ("c_kv, s, [K, R]", TypeError),
+        (("kv", None, [K]), TypeError), (("kv", object(), [K]), TypeError),
+        (("kv", SYNC, None), TypeError), (("kv", SYNC, K), TypeError), (("kv", SYNC, [K, None]), TypeError),
+        (("kv", SYNC, [RAW]), TypeError), (("kv", SYNC, [K, RAW]), TypeError),
         # rule 6: dst_block_memory_size without dst blocks
-        ("c_kv, s, [K], None, None, 128", LLMException), ("c_kv, s, [K], [], [], 1", LLMException),
+        (("kv", SYNC, [K], None, None, 128), LLMException), (("kv", SYNC, [K], [], [], 1), LLMException),
         # rule 1: two tensors per layer
-        ("c_odd, s, [K]", LLMException),
+        (("odd", SYNC, [K]), LLMException),
         # rule 2: the layer range within the source's layers
-        ("c_kv, s, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(1, 3), range(0, 2))]", LLMException),
+        (("kv", SYNC, [keyed(range(1, 3), range(0, 2))]), LLMException),
         # rule 4: src_batch_index 0 with src blocks
-        ("c_kv, s, [TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, 1), range(0, 1), range(0, 1), 1)], [0], [0]",
+        (("kv", SYNC, [keyed(range(0, 1), range(0, 1), CacheKeyByIdAndIndex(DECODER_ID, 1), 1)], [0], [0]),
          LLMException),
     ]
-    for call, exc in cases:
-        _expect(p, call, exc)
-    msg = str(_expect(p, "c_kv, s, [R]", TypeError))
+    for args, exc in cases:
+        _expect(p, args, exc)
+    msg = str(_expect(p, ("kv", SYNC, [RAW]), TypeError))
     assert msg.startswith("While enable_remote_cache_accessible is True, transfer_configs"), msg
     # 7.9: ranges of unequal length set one at a time are caught here
-    p.exec("K2 = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(0, 1))\n"
-           "K2.src_layer_range = range(0, 2)")
-    _expect(p, "c_kv, s, [K2]", LLMException)
+    k2 = keyed(range(0, 1), range(0, 1))
+    k2.src_layer_range = range(0, 2)
+    _expect(p, ("kv", SYNC, [k2]), LLMException)
     # nothing started, the synchronizer was never asked
-    assert p.eval("(threading.active_count(), s.calls)") == (threads, [])
+    assert (p.call(ta.active_threads), p.call(ta.sync_calls)) == (threads, [])
     # valid calls: bms 0 means "not given"; an empty config list succeeds at once; an unlinked peer
     # is a result, not an exception
-    assert p.eval("cm.transfer_cache_async(c_kv, s, [], None, None, 0).get_results()") == []
-    assert p.eval("cm.transfer_cache_async(c_kv, s, ()).synchronize()") == S.LLM_SUCCESS
-    assert p.eval("cm.transfer_cache_async(c_kv, s, [K], None, None, 0).get_results()") == [S.LLM_NOT_YET_LINK]
-    assert p.eval("cm.transfer_cache_async(c_ct, s, [K], None, [0], 64).get_results()") == [S.LLM_NOT_YET_LINK]
-    p.exec("dd.finalize()")
-    _expect(p, "c_kv, s, [K]", LLMException, S.LLM_ENGINE_FINALIZED)  # a finalized engine's manager
+    p.call(ta.transfer, "kv", SYNC, [], None, None, 0)
+    assert p.call(ta.get_results) == []
+    p.call(ta.transfer, "kv", SYNC, ())
+    assert p.call(ta.synchronize) == S.LLM_SUCCESS
+    p.call(ta.transfer, "kv", SYNC, [K], None, None, 0)
+    assert p.call(ta.get_results) == [S.LLM_NOT_YET_LINK]
+    p.call(ta.transfer, "ct", SYNC, [K], None, [0], 64)
+    assert p.call(ta.get_results) == [S.LLM_NOT_YET_LINK]
+    assert_unchanged(p, before)  # no call touched a source
+    p.call(kv.finalize)
+    _expect(p, ("kv", SYNC, [K]), LLMException, S.LLM_ENGINE_FINALIZED)  # a finalized engine's manager
 
 
-def test_validation_raw_address_mode(peers):
+def test_validation_raw_address_mode(peers: Callable[..., Peer]) -> None:
     p = peers("w")
-    p.exec("dd = LLMDataDist(LLMRole.PROMPT, 1); dd.init(options(remote=False)); cm = dd.cache_manager\n"
-           + VALIDATION_SETUP)
-    cases = [
-        ("c_kv, s, [K]", TypeError), ("c_kv, s, [R, K]", TypeError),
+    setup_validation(p, remote=False)
+    before = caches(p)
+    cases: list[tuple[tuple[Any, ...], type[Exception]]] = [
+        (("kv", SYNC, [K]), TypeError), (("kv", SYNC, [RAW, K]), TypeError),
         # 7.8 / rule 3: two dst_addrs per transferred layer (default range: every layer)
-        ("c_kv, s, [R]", LLMException), ("c_kv, s, [TransferConfig(2, [1, 2, 3], range(0, 2))]", LLMException),
-        ("c_kv, s, [TransferConfig(2, [1, 2, 3, 4], range(0, 1))]", LLMException),
+        (("kv", SYNC, [RAW]), LLMException),
+        (("kv", SYNC, [TransferConfig(DECODER_ID, [1, 2, 3], range(0, 2))]), LLMException),
+        (("kv", SYNC, [TransferConfig(DECODER_ID, [1, 2, 3, 4], range(0, 1))]), LLMException),
         # rule 2
-        ("c_kv, s, [TransferConfig(2, [1, 2, 3, 4], range(1, 3))]", LLMException),
+        (("kv", SYNC, [TransferConfig(DECODER_ID, [1, 2, 3, 4], range(1, 3))]), LLMException),
         # rule 4: src_batch_index 0 with src blocks
-        ("c_kv, s, [TransferConfig(2, [1, 2], range(0, 1), 1)], [0], [0]", LLMException),
+        (("kv", SYNC, [TransferConfig(DECODER_ID, [1, 2], range(0, 1), 1)], [0], [0]), LLMException),
     ]
-    for call, exc in cases:
-        _expect(p, call, exc)
-    assert p.eval("s.calls") == []
-    assert p.eval("cm.transfer_cache_async(c_kv, s, [TransferConfig(2, [1, 2, 3, 4])]).get_results()") == [
-        S.LLM_NOT_YET_LINK]
+    for args, exc in cases:
+        _expect(p, args, exc)
+    assert p.call(ta.sync_calls) == []
+    p.call(ta.transfer, "kv", SYNC, [TransferConfig(DECODER_ID, [1, 2, 3, 4])])
+    assert p.call(ta.get_results) == [S.LLM_NOT_YET_LINK]
+    assert_unchanged(p, before)  # no call touched a source
 
 
 # ---------------------------------------------------------------------------- the algorithm alone
 
 
 class _Sync(LayerSynchronizer):
-    def __init__(self, action=None):
-        self.calls = []
+    def __init__(self, action: Callable[[int], bool] | None = None) -> None:
+        self.calls: list[int] = []
         self.action = action
 
-    def synchronize_layer(self, layer_index, timeout_in_millis):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         self.calls.append(layer_index)
         if self.action is not None:
             return self.action(layer_index)
         return True
 
 
-def _cache(num_tensors=4, shape=(2, 64), blocks=False):
+def _cache(num_tensors: int = 4, shape: tuple[int, ...] = (2, 64), blocks: bool = False) -> Cache:
     addrs = [4096 * (i + 1) for i in range(num_tensors)]
     return Cache(1, CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16), addrs, is_blocks_cache=blocks)
 
 
-def test_timeout_code_is_a_parameter_and_exceptions_read_as_timeouts():
+def test_timeout_code_is_a_parameter_and_exceptions_read_as_timeouts() -> None:
     """The v1 KvCacheManager passes LLM_WAIT_PROCESS_TIMEOUT; a synchronizer that raises ends the
     thread and every answer is the timeout code (as upstream)."""
-    calls = []
+    calls: list[dict[str, Any]] = []
     gate = threading.Event()
 
-    def blocked(layer):
+    def blocked(layer: int) -> bool:
         gate.wait(10)
         return True
 
@@ -384,7 +408,7 @@ def test_timeout_code_is_a_parameter_and_exceptions_read_as_timeouts():
     gate.set()
     assert task.get_results() == [S.LLM_SUCCESS] and len(calls) == 4
 
-    def boom(layer):
+    def boom(layer: int) -> bool:
         raise ZeroDivisionError("layer not ready")
 
     task = transfer_cache_async(lambda *a, **k: None, _cache(), False, _Sync(boom),
@@ -394,12 +418,12 @@ def test_timeout_code_is_a_parameter_and_exceptions_read_as_timeouts():
     assert task.get_results() == [S.LLM_TIMEOUT, S.LLM_TIMEOUT]
 
 
-def test_runs_sent_to_the_engine():
+def test_runs_sent_to_the_engine() -> None:
     """Raw cache -> blocks: one native call per tensor, consecutive chunks coalesced, absolute remote
     addresses; a config the engine would refuse fails at its first layer with PARAM_INVALID."""
-    sent = []
+    sent: list[tuple[Any, ...]] = []
 
-    def fn(op, is_push, key, cache, mode, **kw):
+    def fn(op: str, is_push: bool, key: Any, cache: Cache, mode: int, **kw: Any) -> None:
         sent.append((op, is_push, key, mode, kw))
 
     cache = _cache(shape=(1, 32))  # 64-byte slots
@@ -423,14 +447,14 @@ def test_runs_sent_to_the_engine():
     assert task.get_results() == [S.LLM_PARAM_INVALID] and sent == []
 
 
-def test_configs_are_not_mutated():
+def test_configs_are_not_mutated() -> None:
     cfg = TransferConfig(2, [1, 2, 3, 4])
     task = transfer_cache_async(lambda *a, **k: None, _cache(), False, _Sync(), [cfg], remote_cache_accessible=False)
     assert task.get_results() == [S.LLM_SUCCESS]
     assert cfg.src_layer_range is None
 
 
-def test_cache_task_is_exported():
+def test_cache_task_is_exported() -> None:
     import llm_datadist
     import pdlink
     from pdlink import CacheTask

@@ -1,12 +1,11 @@
 """Tests for pdlink._utils validation helpers and pdlink.data_type."""
 
 import os
-import subprocess
-import sys
 from enum import Enum
 
 import pytest
 
+import fresh_import
 from internals import itemsize
 from internals import validation_utils as u
 from pdlink import DataType, LLMException, LLMStatusCode
@@ -254,17 +253,6 @@ def test_numpy_maps():
 def test_import_does_not_pull_numpy():
     env = dict(os.environ)
     env["PYTHONPATH"] = _PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
-    base = subprocess.run(
-        [sys.executable, "-c", "import sys, pdlink; print('numpy' in sys.modules)"],
-        capture_output=True, text=True, env=env, check=True,
-    )
-    if base.stdout.strip() == "True":
+    if fresh_import.run(fresh_import.pdlink_imports_numpy, env) is True:
         pytest.skip("the pdlink package itself imports numpy")
-    code = (
-        "import sys\n"
-        "import pdlink.status, pdlink._utils, pdlink.data_type, pdlink.configs, pdlink.llm_types\n"
-        "from pdlink.data_type import *\n"
-        "print('numpy' in sys.modules)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert res.stdout.strip() == "False"
+    assert fresh_import.run(fresh_import.light_modules_import_numpy, env) is False

@@ -23,7 +23,7 @@ from pdlink import BlocksCacheKey, LLMStatusCode, Placement
 from peer import Peer
 from peers import hostile, kv
 from poll import wait_until
-from verify import assert_same, check_transfer, rows
+from verify import assert_same
 
 KEY = Pair.KEY
 SHAPE = (16, 4096)
@@ -42,11 +42,6 @@ def victim(pair: Pair) -> Pair:
     pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
     pair.link()
     return pair
-
-
-def honest_pull(pair: Pair, block: int) -> None:
-    check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
-                   lambda: pair.decode.call(kv.pull_blocks, KEY, "kv", [block], [block]), rows([(block, block)]))
 
 
 def attacker_links(peers: Callable[..., Peer], pair: Pair) -> Peer:
@@ -82,7 +77,7 @@ def test_a_frame_over_the_request_bounds_drops_only_that_link(peers: Callable[..
     rss = victim.prefill.call(kv.rss_kib)
     a = attacker_links(peers, victim)
     assert a.call(hostile.exchange, OVERSIZED[frame]()) == "closed"
-    honest_pull(victim, 3)  # during: the attacker's process is still there
+    victim.pulled([3])  # during: the attacker's process is still there
     a.call(hostile.close)
     assert victim.prefill.call(kv.rss_kib) - rss < RSS_BOUND_KIB
     # the link's serving thread is gone; the broken link entity keeps its two sockets (shut down,
@@ -99,7 +94,7 @@ def test_a_frame_over_the_request_bounds_drops_only_that_link(peers: Callable[..
     except AssertionError as e:
         raise AssertionError(f"{e}; last (descriptors, threads): {seen[-1]}, threads now: "
                              f"{victim.prefill.call(kv.thread_names)}") from None
-    honest_pull(victim, 4)
+    victim.pulled([4])
 
 
 def test_a_request_at_the_bounds_is_served_within_them(peers: Callable[..., Peer], victim: Pair) -> None:
@@ -128,7 +123,7 @@ def test_a_request_at_the_bounds_is_served_within_them(peers: Callable[..., Peer
                                 struct.pack("<QQ", 0, 64) * runs)
     refused = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, past))
     assert refused[:1] == (S.LLM_PARAM_INVALID,) and "tensor index 2 out of range" in refused[1], refused[:2]
-    honest_pull(victim, 5)
+    victim.pulled([5])
 
 
 def test_a_body_announced_but_never_sent_costs_no_memory(peers: Callable[..., Peer], victim: Pair) -> None:
@@ -143,11 +138,11 @@ def test_a_body_announced_but_never_sent_costs_no_memory(peers: Callable[..., Pe
         a.call(hostile.send, struct.pack("<IBBHIQ", rawwire.REQUEST_MAGIC, rawwire.OP_READ, 0, 0,
                                          4 * 1024 * 1024, 0) + b"\x04")
         attackers.append(a)
-    honest_pull(victim, 6)
+    victim.pulled([6])
     assert victim.prefill.call(kv.rss_kib) - rss < 16 * 1024  # 8 x 4 MiB announced
     for a in attackers:
         a.call(hostile.close)
-    honest_pull(victim, 7)
+    victim.pulled([7])
 
 
 @only("cpu-tcp", "ascend-fake")
@@ -175,7 +170,7 @@ def test_flags_for_paths_the_link_did_not_negotiate_are_refused_without_addresse
         answer = a.call(hostile.exchange, frame)
         assert isinstance(answer, tuple) and answer[0] == code and answer[2] == b"", (answer, code)
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"")) == (0, "", b"")
-    honest_pull(victim, 2)
+    victim.pulled([2])
 
 
 @only("cpu-tcp", "ascend-fake")
@@ -214,7 +209,7 @@ def test_a_same_host_peer_is_told_only_registered_addresses(peers: Callable[...,
     write = a.call(hostile.exchange, rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(
         model=1, runs=((0, 32),)), flags=rawwire.FLAG_DIRECT))
     assert write[:1] == (S.LLM_PARAM_INVALID,) and "not remote accessible" in write[1], write
-    honest_pull(victim, 1)
+    victim.pulled([1])
     a.call(hostile.close)
     assert victim.unlink() == S.LLM_SUCCESS
     wait_until(lambda: victim.prefill.call(kv.ptrace_grant_active) is False, 20,
@@ -232,7 +227,7 @@ def test_writes_are_checked_like_reads(peers: Callable[..., Peer], victim: Pair)
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(), payload_len=65)
                   + b"\xee" * 65) == "closed"
     assert_same(victim.prefill.call(kv.snapshot, "kv"), before, "the victim's cache")
-    honest_pull(victim, 8)
+    victim.pulled([8])
 
 
 @only("cpu-cma")

@@ -10,13 +10,13 @@ cannot cancel out.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from typing import Any
 
 import numpy as np
 
 from internals import DeviceMemory
+from peers import fake_ascend
 from verify import GUARD_BYTES, Snapshot, guard_pattern, pattern
 
 
@@ -26,25 +26,14 @@ def device_memory_is_remote() -> bool:
     return os.environ.get("PDLINK_BACKEND") == "ascend"
 
 
-@functools.lru_cache(maxsize=1)
-def _fake_acl() -> Any:
-    # the fake libascendcl.so pdlink loaded: dlopen of the same path returns the same library
-    lib = ctypes.CDLL(os.path.join(os.environ["PDLINK_ASCEND_LIB_DIR"], "libascendcl.so"))
-    for name in ("fake_acl_peek", "fake_acl_poke"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return lib
-
-
 def direct_read(addr: int, nbytes: int, device: bool) -> np.ndarray:
     """A copy of [addr, +nbytes); ``device``: DEVICE memory of a device backend."""
     out = np.empty(nbytes, dtype=np.uint8)
     if nbytes == 0:
         return out
     if device:
-        rc = _fake_acl().fake_acl_peek(addr, out.ctypes.data, nbytes)
-        assert rc == 0, f"fake_acl_peek({addr:#x}, {nbytes}): not inside one live device allocation"
+        assert fake_ascend.peek(addr, out.ctypes.data, nbytes), \
+            f"fake_acl_peek({addr:#x}, {nbytes}): not inside one live device allocation"
     else:
         ctypes.memmove(out.ctypes.data, addr, nbytes)
     return out
@@ -55,8 +44,8 @@ def direct_write(addr: int, data: np.ndarray, device: bool) -> None:
     if data.size == 0:
         return
     if device:
-        rc = _fake_acl().fake_acl_poke(addr, data.ctypes.data, data.size)
-        assert rc == 0, f"fake_acl_poke({addr:#x}, {data.size}): not inside one live device allocation"
+        assert fake_ascend.poke(addr, data.ctypes.data, data.size), \
+            f"fake_acl_poke({addr:#x}, {data.size}): not inside one live device allocation"
     else:
         ctypes.memmove(addr, data.ctypes.data, data.size)
 

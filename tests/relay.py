@@ -1,0 +1,137 @@
+"""A gated byte relay between two peers, for faults that must land while a transfer's bytes flow.
+
+A loopback TCP relay in the test process: every connection a dialler makes to ``relay.port`` is
+relayed to the acceptor at ``target_port``, byte for byte (it knows nothing of the wire format).
+It counts what it forwarded in each direction and can hold one direction after a budget of bytes,
+so a test can *see* a transfer in flight, and know it cannot have completed, when it kills or
+freezes a peer::
+
+    relay = Relay(prompt_port)
+    decode.call(kv.link, PROMPT_ID, relay.port)          # over tcp: a same-host path would route around it
+    relay.hold_after(DOWN, 1 << 20)                       # let 1 MiB of the acceptor's answers through
+    ...start a 32 MiB pull in the background...
+    relay.wait_held()                                     # the pull's bytes are flowing, and stopped here
+    prompt.kill()
+    relay.release()                                       # what was sent before the death goes on; then EOF
+
+When one side of a connection ends, the relay forwards what it had already read and closes the
+other side: a dead peer looks to the survivor exactly as a dead peer does on a direct connection.
+Everything is bounded: no relay thread waits longer than ``TIMEOUT_S`` for anything.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from poll import wait_until
+
+UP, DOWN = 0, 1  # dialler -> acceptor, acceptor -> dialler
+TIMEOUT_S = 30.0
+_CHUNK = 1 << 16
+
+
+class Relay:
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.forwarded = [0, 0]  # bytes forwarded per direction, over all connections
+        self._cond = threading.Condition()
+        self._budget: list[int | None] = [None, None]  # bytes still allowed through; None: unlimited
+        self._held = [False, False]  # a pump is waiting for budget
+        self._socks: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
+
+    # ------------------------------------------------------------------ control (test thread)
+
+    def hold_after(self, direction: int, nbytes: int) -> None:
+        """From now on at most ``nbytes`` more bytes go through in ``direction``; then it holds."""
+        with self._cond:
+            self._budget[direction] = nbytes
+            self._cond.notify_all()
+
+    def wait_held(self, direction: int = DOWN) -> int:
+        """Waits until ``direction`` has used its budget and has more to send (a transfer is in
+        flight and stopped at the relay); returns the bytes forwarded that way so far."""
+        wait_until(lambda: self._held[direction], TIMEOUT_S, "the relay holding bytes in flight")
+        return self.forwarded[direction]
+
+    def release(self) -> None:
+        """Lifts every hold."""
+        with self._cond:
+            self._budget = [None, None]
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        close_quietly(self._listener)
+        for s in self._socks:
+            close_quietly(s)
+
+    def __enter__(self) -> Relay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        self.close()
+
+    # ------------------------------------------------------------------ threads
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=TIMEOUT_S)
+            except OSError:
+                close_quietly(client)
+                continue
+            self._socks += [client, upstream]
+            for direction, src, dst in ((UP, client, upstream), (DOWN, upstream, client)):
+                src.settimeout(TIMEOUT_S)
+                threading.Thread(target=self._pump, args=(direction, src, dst), name=f"relay-{direction}",
+                                 daemon=True).start()
+
+    def _take(self, direction: int, want: int) -> int:
+        """Waits for budget in ``direction``; how many of ``want`` bytes may go now (0: timed out)."""
+        with self._cond:
+            while self._budget[direction] == 0:
+                self._held[direction] = True
+                if not self._cond.wait(TIMEOUT_S):
+                    return 0
+            self._held[direction] = False
+            budget = self._budget[direction]
+            n = want if budget is None else min(want, budget)
+            if budget is not None:
+                self._budget[direction] = budget - n
+            return n
+
+    def _pump(self, direction: int, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(_CHUNK):
+                view = memoryview(data)
+                while view:
+                    n = self._take(direction, len(view))
+                    if n == 0:
+                        return
+                    dst.sendall(view[:n])
+                    view = view[n:]
+                    with self._cond:
+                        self.forwarded[direction] += n
+        except OSError:
+            pass
+        finally:
+            # the other side learns of the end as it would without the relay
+            close_quietly(dst)
+            close_quietly(src)
+
+
+def close_quietly(s: socket.socket) -> None:
+    """Shuts ``s`` down both ways (the peer sees the end at once) and closes it; never raises."""
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
