@@ -371,3 +371,22 @@ def test_unlink_toward_a_frozen_peer_releases_the_local_end(make_pair: Callable[
     assert ret == LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
     assert pair.decode.call(kv.links) == []
     assert failed_pull(pair, 1000).status_code == LLMStatusCode.LLM_NOT_YET_LINK
+
+
+@only("cpu-cma")
+def test_on_cma_a_frozen_peer_still_serves_a_cached_layout_read(make_pair: Callable[..., Pair]) -> None:
+    """What the cma path promises with a frozen peer: once the decoder has the prompt's layout (its
+    first pull), a pull of registered blocks is a kernel copy from the prompt's memory that needs
+    nothing from the prompt's threads, so it succeeds byte-exact while every thread of the prompt is
+    stopped; the peer's freeze is no error on this path."""
+    pair = linked(make_pair, timeout=500)
+    pair.pulled([0])  # the layout is now cached
+    source, dst0 = pair.prefill.call(kv.snapshot, "kv"), pair.decode.call(kv.snapshot, "kv")
+    pair.prefill.freeze()  # (the source is read before and after: a frozen peer answers no call)
+    try:
+        pair.decode.call(kv.pull_blocks, KEY, "kv", [1, 2, 3], [1, 2, 3])
+        assert all(state in ("T", "t") for state in pair.prefill.thread_states())  # frozen throughout
+    finally:
+        pair.prefill.thaw()
+    assert_same(pair.decode.call(kv.snapshot, "kv"), dst0.with_rows(source, [(1, 1), (2, 2), (3, 3)]), "destination")
+    assert_same(pair.prefill.call(kv.snapshot, "kv"), source, "source")
