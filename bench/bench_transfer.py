@@ -11,7 +11,9 @@ and moves them), for each pdlink transport (direct memory access "cma" and loopb
   * scale: registering a cache is O(tensors); pulls of 1k / 10k / 100k block pairs.
 
 In the same run: the ceilings (numpy memcpy of the same bytes; a raw loopback TCP stream of the
-same bytes between the same two processes) and, when installed, the peers on the same work
+same bytes between the same two processes, from Python; the same pull in C, bench/tcp_ceiling.c,
+over one stream, which is what a pdlink tcp link uses, and over two, with the CPU seconds both
+sides spend per GB, beside pdlink's own) and, when installed, the peers on the same work
 (Mooncake Transfer Engine over TCP, NIXL/UCX with default transports and with UCX_TLS=tcp). A
 peer that is not installed is skipped with a message; point PDLINK_BENCH_MOONCAKE_PYTHON /
 PDLINK_BENCH_NIXL_PYTHON at an interpreter that has it.
@@ -123,7 +125,7 @@ def target_main(conn: Any, cfg: dict[str, Any]) -> None:
     raw.bind(("127.0.0.1", 0))
     raw.listen(1)
     stream = np.ascontiguousarray(np.concatenate([a.reshape(-1) for a in caches["bulk"][1]]))
-    conn.send({"port": dd.listen_port, "raw_port": raw.getsockname()[1]})
+    conn.send({"port": dd.listen_port, "raw_port": raw.getsockname()[1], "pid": os.getpid()})
     while True:
         cmd = conn.recv()
         if cmd == "raw":  # the socket ceiling: stream the same bytes, reps times
@@ -143,6 +145,13 @@ def target_main(conn: Any, cfg: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- initiator process
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU time of a process (every thread), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -204,13 +213,15 @@ def run_initiator(transport: str, cfg: dict[str, Any], info: dict[str, Any]) -> 
     # 64 MiB in 256 KiB blocks, and in 4 KiB blocks
     for name in ("bulk", "small"):
         src, dst = reversed_blocks(name)
+        cpu0 = cpu_seconds() + cpu_seconds(info["pid"])
         t = timed(pull(name, src, dst), reps)
+        cpu = cpu_seconds() + cpu_seconds(info["pid"]) - cpu0  # both processes, warm-up included
         verify(name, src, dst, by_name[name]["model"] * 100)
         c = by_name[name]
         nbytes = c["tensors"] * c["blocks"] * c["block"]
         res[f"pull_{name}"] = {**summary([nbytes / x / 1e9 for x in t]), "bytes": nbytes,
                                "us_per_block": statistics.median(t) / (c["tensors"] * c["blocks"]) * 1e6,
-                               "block": c["block"]}
+                               "block": c["block"], "cpu_s_per_gb": cpu / (nbytes * (reps + 1) / 1e9)}
     # push the pulled bulk cache into the target's push cache, then read it back to verify
     src, dst = reversed_blocks("bulk")
     bulk_cache = caches["bulk"][0]
@@ -327,6 +338,25 @@ def raw_tcp(info: dict[str, Any], cfg: dict[str, Any], nbytes: int) -> dict[str,
     return summary([nbytes / t / 1e9 for t in times[1:]])
 
 
+def c_tcp_ceiling(nbytes: int, reps: int, streams: int) -> dict[str, Any] | None:
+    """bench/tcp_ceiling.c, built with the system's C compiler: the same pull over loopback TCP in C
+    (GB/s summary, CPU seconds per GB of both sides); None, with a message, without a compiler."""
+    import shutil
+    import tempfile
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("  skipped the C TCP ceiling: no C compiler (set CC)")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "tcp_ceiling")
+        subprocess.run([cc, "-O2", "-pthread", "-o", exe, os.path.join(HERE, "tcp_ceiling.c")], check=True)
+        out = subprocess.run([exe, str(nbytes), str(reps), str(streams)], capture_output=True, text=True,
+                             timeout=600, check=True).stdout
+    r = json.loads(out)
+    return {**summary(r["gbps"]), "streams": streams, "cpu_s_per_gb": r["cpu_s_per_gb"]}
+
+
 def memcpy_ceiling(nbytes: int, reps: int) -> dict[str, float]:
     src = pattern((nbytes,), 1)
     dst = np.empty_like(src)
@@ -376,13 +406,21 @@ def report(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     total_mib = cfg["total"] / MIB
     lines.append(f"pdlink benchmark: {total_mib:.0f} MiB per transfer, {cfg['reps']} repetitions, median [min..max]")
     lines.append(f"  ceiling numpy memcpy ({total_mib:.0f} MiB)      : {fmt(memcpy)}")
-    lines.append(f"  ceiling raw loopback TCP ({total_mib:.0f} MiB)  : {fmt(rawtcp)}")
+    lines.append(f"  ceiling raw loopback TCP ({total_mib:.0f} MiB)  : {fmt(rawtcp)} (Python recv_into)")
+    c_tcp = results.get("c_tcp") or {}
+    for streams, c in c_tcp.items():
+        if c:
+            lines.append(f"  ceiling C loopback TCP, {streams} stream{'s' if int(streams) > 1 else ' '} : {fmt(c)}, "
+                         f"{c['cpu_s_per_gb']:.3f} CPU s/GB")
     for tr, r in runs.items():
         ceiling = memcpy if tr == "cma" else rawtcp
         cname = "memcpy" if tr == "cma" else "raw TCP"
         b = r["pull_bulk"]
+        vs_c = ""
+        if tr == "tcp" and c_tcp.get(1):
+            vs_c = f", {b['median'] / c_tcp[1]['median']:.2f}x C TCP 1 stream"
         lines.append(f"  pdlink {tr:<4} pull {cfg['block'] // KIB} KiB blocks : {fmt(b)} = "
-                     f"{b['median'] / ceiling['median']:.2f}x {cname}")
+                     f"{b['median'] / ceiling['median']:.2f}x {cname}{vs_c}; {b['cpu_s_per_gb']:.3f} CPU s/GB")
         p = r["push_bulk"]
         lines.append(f"  pdlink {tr:<4} push {cfg['block'] // KIB} KiB blocks : {fmt(p)} = "
                      f"{p['median'] / ceiling['median']:.2f}x {cname}")
@@ -490,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         tconn.send("stop")
         tconn.recv()
         target.join(30)
+    if "tcp" in cfg["transports"]:
+        results["c_tcp"] = {s: c_tcp_ceiling(cfg["total"], cfg["reps"], s) for s in (1, 2)}
     if not args.no_peers and not args.smoke:
         print("peers (same work, same machine, same run):")
         results["peers"]["Mooncake TE tcp"] = run_peer("Mooncake TE tcp", "mooncake_peer.py",

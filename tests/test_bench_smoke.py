@@ -19,7 +19,12 @@ def test_benchmark_smoke_runs_and_verifies(tmp_path):
     for run in results["pdlink"].values():  # every kind of measurement produced a number
         for key in ("pull_bulk", "push_bulk", "pull_small", "lat_4k_us", "link_ms", "switch_role_ms", "sweep"):
             assert key in run, key
-    assert "pdlink benchmark" in (tmp_path / "results.txt").read_text()
+        assert run["pull_bulk"]["cpu_s_per_gb"] >= 0  # /proc tick resolution: tiny smoke runs may read 0
+    # the C ceiling ran (one stream, what a tcp link uses, and two) and is reported beside pdlink's tcp pull
+    assert {k: (c["streams"], c["median"] > 0, c["cpu_s_per_gb"] > 0) for k, c in results["c_tcp"].items()} == {
+        "1": (1, True, True), "2": (2, True, True)}
+    text = (tmp_path / "results.txt").read_text()
+    assert "pdlink benchmark" in text and "x C TCP 1 stream" in text
 
 
 def test_authentication_benchmark_smoke_runs_and_verifies(tmp_path):
