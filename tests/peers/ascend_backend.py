@@ -15,6 +15,7 @@ import numpy as np
 import internals
 from pdlink import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement
 from pdlink.device import DeviceMemory, backend_info, open_backend
+from peers import fake_ascend
 
 
 def info() -> dict[str, dict[str, Any]]:
@@ -93,7 +94,9 @@ def device_memory_accounting(lib_dir: str) -> dict[str, int]:
 
 def local_copies_between_placements() -> dict[str, Any]:
     """swap_blocks in (HOST -> DEVICE) and out (DEVICE -> HOST), copy_blocks inside DEVICE memory;
-    whether every tensor came back as expected, and the engine's backend."""
+    whether every tensor of the device cache and of the host destination is, byte for byte, what
+    it was with exactly the moved blocks replaced (the device one read through the fake, around
+    pdlink), and the engine's backend."""
     cfg = LLMConfig()
     cfg.enable_cache_manager = True
     cfg.mem_pool_cfg = '{"memory_size": 4194304, "page_shift": 12}'
@@ -112,15 +115,27 @@ def local_copies_between_placements() -> dict[str, Any]:
     def view(a: int) -> np.ndarray:
         return np.frombuffer(memoryview((ctypes.c_uint8 * 2048).from_address(a)), dtype=np.uint8)
 
+    def device(a: int) -> np.ndarray:
+        out = np.empty((8, 256), dtype=np.uint8)
+        read = fake_ascend.peek(a, out.ctypes.data, out.nbytes)
+        assert read, "the device cache is not in the fake's device memory"
+        return out
+
     for t, a in enumerate(host_in.tensor_addrs):
         view(a)[:] = (np.arange(2048) * 7 + t) % 251
+        view(host_out.tensor_addrs[t])[:] = (np.arange(2048) * 3 + t + 1) % 253  # not what moves in
+    src = [view(a).reshape(8, 256).copy() for a in host_in.tensor_addrs]
+    dev_expected = [device(a) for a in dev.tensor_addrs]
+    out_expected = [view(a).reshape(8, 256).copy() for a in host_out.tensor_addrs]
     cm.swap_blocks(host_in, dev, {0: 3, 5: 1})
     cm.copy_blocks(dev, {3: [6]})
     cm.swap_blocks(dev, host_out, {3: 0, 1: 1, 6: 2})
-    ok = all(
-        (view(o)[0:256] == view(i)[0:256]).all() and (view(o)[256:512] == view(i)[1280:1536]).all()
-        and (view(o)[512:768] == view(i)[0:256]).all()
-        for i, o in zip(host_in.tensor_addrs, host_out.tensor_addrs))
+    for t in range(2):
+        dev_expected[t][[3, 1, 6]] = src[t][[0, 5, 0]]
+        out_expected[t][[0, 1, 2]] = src[t][[0, 5, 0]]
+    ok = all(np.array_equal(device(a), e) for a, e in zip(dev.tensor_addrs, dev_expected)) and all(
+        np.array_equal(view(a).reshape(8, 256), e) for a, e in zip(host_out.tensor_addrs, out_expected)) and all(
+        np.array_equal(view(a).reshape(8, 256), s) for a, s in zip(host_in.tensor_addrs, src))
     out = {"ok": bool(ok), "backend": internals.backend_name(dd)}
     dd.finalize()
     return out

@@ -45,7 +45,8 @@ def call_counts(*fns: str) -> dict[str, int]:
 
 def inject(fn: str, rc: int, after_n: int = 0, times: int = 1) -> None:
     """Calls of ``fn`` fail with ``rc`` after ``after_n`` calls let through, ``times`` times."""
-    assert lib().fake_ascend_inject(fn.encode(), rc, after_n, times) == 0
+    rc_set = lib().fake_ascend_inject(fn.encode(), rc, after_n, times)
+    assert rc_set == 0, f"fake_ascend_inject({fn!r}) refused"
 
 
 def bytes_in_use(device: int = 0) -> int:

@@ -72,8 +72,10 @@ def cycles(port: int, n: int) -> None:
     """The first engine links to the prompt and unlinks again, ``n`` times."""
     e = _ENGINES[0][0]
     for _ in range(n):
-        assert e.link([(1, "127.0.0.1", port)], 5000)[0][0] == 0
-        assert e.unlink([1], 5000, False)[0][0] == 0
+        linked = e.link([(1, "127.0.0.1", port)], 5000)[0][0]
+        assert linked == 0, linked
+        unlinked = e.unlink([1], 5000, False)[0][0]
+        assert unlinked == 0, unlinked
 
 
 def first_engine_stats() -> dict[str, int]:

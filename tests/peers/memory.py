@@ -32,8 +32,8 @@ def direct_read(addr: int, nbytes: int, device: bool) -> np.ndarray:
     if nbytes == 0:
         return out
     if device:
-        assert fake_ascend.peek(addr, out.ctypes.data, nbytes), \
-            f"fake_acl_peek({addr:#x}, {nbytes}): not inside one live device allocation"
+        read = fake_ascend.peek(addr, out.ctypes.data, nbytes)
+        assert read, f"fake_acl_peek({addr:#x}, {nbytes}): not inside one live device allocation"
     else:
         ctypes.memmove(out.ctypes.data, addr, nbytes)
     return out
@@ -44,8 +44,8 @@ def direct_write(addr: int, data: np.ndarray, device: bool) -> None:
     if data.size == 0:
         return
     if device:
-        assert fake_ascend.poke(addr, data.ctypes.data, data.size), \
-            f"fake_acl_poke({addr:#x}, {data.size}): not inside one live device allocation"
+        written = fake_ascend.poke(addr, data.ctypes.data, data.size)
+        assert written, f"fake_acl_poke({addr:#x}, {data.size}): not inside one live device allocation"
     else:
         ctypes.memmove(addr, data.ctypes.data, data.size)
 
