@@ -1,5 +1,5 @@
 // Serving a peer's requests and making this side's: admission, planning and the commit rule,
-// once for every data path; the paths themselves move the bytes (engine/path.h, transport/*/).
+// once for every data path; the paths themselves move the bytes (transport/path.h, transport/*/).
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -9,7 +9,7 @@
 #include "core/log.h"
 #include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
-#include "engine/path.h"
+#include "transport/path.h"
 #include "transport/cma/cma_path.h"
 #include "transport/device/hccl_path.h"
 #include "transport/device/ipc_path.h"
@@ -205,8 +205,10 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
                                    : "the addressed cache is in host memory; a device cache cannot be moved to "
                                      "or from it over this link (use placement DEVICE on both sides)"));
   }
-  ServeCall call{*link, s, h, r, payload.value(), deadline, *state};
-  return serverFor(h.flags).serve(call);
+  ServeCall call{*link, s, h, r.addrs, r.tensors, r.base, r.runs, payload.value(), deadline, false, state->exported};
+  Status served = serverFor(h.flags).serve(call);
+  if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
+  return served;
 }
 
 PathServer& Engine::serverFor(uint8_t flags) {
@@ -250,7 +252,9 @@ Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
   if (!local.ok()) return local.status();
   TransferPlan p;
   p.local = local.value();
-  const CacheLayout& L = p.local->layout;
+  p.local_addrs = local.value()->addrs;
+  p.local_placement = local.value()->layout.placement;
+  const CacheLayout& L = local.value()->layout;
   const uint64_t stride = L.stride();
   if (stride == 0) return Status(Code::kParamInvalid, "local cache has zero-sized slots");
   // Tensor mapping.
@@ -355,6 +359,8 @@ std::vector<TransferPlan> Engine::split(const TransferPlan& p) {
     const size_t last = std::min<size_t>(p.remote.runs.size(), first + runs_per_request);
     TransferPlan c;
     c.local = p.local;
+    c.local_addrs = p.local_addrs;
+    c.local_placement = p.local_placement;
     c.local_tensors = p.local_tensors;
     c.local_runs.assign(p.local_runs.begin() + first, p.local_runs.begin() + last);
     c.remote.target = p.remote.target;
@@ -392,7 +398,7 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
 
 Status Engine::transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
                             const char* what) {
-  if (!(device_transport_ && p.local->layout.placement == Placement::kDevice)) {
+  if (!(device_transport_ && p.local_placement == Placement::kDevice)) {
     return link->hostPath().transfer(*link, p, is_push, deadline, what);
   }
   // DEVICE memory: the link's device paths in order; one that cannot take this transfer (and moved

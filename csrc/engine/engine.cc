@@ -1,6 +1,6 @@
 // Engine lifecycle, threads, listeners and roles, and the cache registry calls.
 // Links and their handshake are in linking.cc and handshake.cc, serving and transfers in data_path.cc
-// (the data paths themselves under transport/, engine/path.h).
+// (the data paths themselves under transport/, transport/path.h).
 #include "engine/engine.h"
 
 #include "core/log.h"
@@ -30,7 +30,7 @@ Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
       ipc_(caps.device_transport && hasFeature(caps, "ipc")),
       one_sided_(caps.device_transport && hasFeature(caps, "one_sided")),
       stream_server_(std::make_unique<StreamServer>()),
-      cma_server_(std::make_unique<CmaServer>(registry_)),
+      cma_server_(std::make_unique<CmaServer>([this] { return registry_.pinEpoch(); })),
       hccl_server_(std::make_unique<HcclServer>()),
       one_sided_server_(std::make_unique<OneSidedServer>()),
       ipc_server_(std::make_unique<IpcServer>(*backend_)),

@@ -33,10 +33,10 @@
 
 #include "backends/backend.h"
 #include "core/status.h"
-#include "engine/link.h"
+#include "transport/link.h"
 #include "engine/link_table.h"
 #include "engine/mem_pool.h"
-#include "engine/path.h"
+#include "transport/path.h"
 #include "engine/registry.h"
 #include "transport/listener.h"
 #include "transport/socket.h"
@@ -224,7 +224,11 @@ class Engine {
   // exactly as the link's serving thread does (it calls this on the link's in channel); no
   // exception escapes. Public so that the fuzzer drives the real serving loop over an in-memory
   // stream (csrc/fuzz). `state` must outlive the call; its pins are released when it is destroyed.
-  using ServeState = pdlink::ServeState;  // engine/path.h
+  struct ServeState {
+    std::vector<std::shared_ptr<CacheEntry>> pinned;  // what a direct or IPC access of the peer uses
+    std::vector<std::string> exported;                // IPC keys exported for it
+    bool unlinked = false;                            // the peer unlinked
+  };
   Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
 
  private:
@@ -233,7 +237,7 @@ class Engine {
   static std::vector<TransferPlan> split(const TransferPlan& p);
   Status transfer(const TransferSpec& spec, bool is_push);
   // One request of a transfer (requires the out mutex), on the link's path for the local cache's
-  // memory: its host path, or its device paths in order (engine/path.h).
+  // memory: its host path, or its device paths in order (transport/path.h).
   Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
                       const char* what);
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
@@ -306,7 +310,7 @@ class Engine {
   const bool device_transport_;
   const bool ipc_;
   const bool one_sided_;
-  // The data paths (engine/path.h): the serving side of each, and the requesting side of the
+  // The data paths (transport/path.h): the serving side of each, and the requesting side of the
   // device paths (a link's host path is its own object, Link::hostPath).
   std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
   std::unique_ptr<DataPath> hccl_path_, one_sided_path_, ipc_path_;

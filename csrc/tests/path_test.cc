@@ -1,4 +1,4 @@
-// The data-path conformance suite and unit tests of the path interface (engine/path.h), in one
+// The data-path conformance suite and unit tests of the path interface (transport/path.h), in one
 // process over loopback: what every host path must do, run on each (the stream over tcp, cma).
 //
 // Usage: path_test [--transport tcp|cma|all]   (default all; cma is skipped, with a message, where
@@ -27,7 +27,7 @@
 #include "backends/backend.h"
 #include "core/limits.h"
 #include "engine/engine.h"
-#include "engine/path.h"
+#include "transport/path.h"
 #include "transport/cma/cma.h"
 #include "transport/cma/cma_path.h"
 #include "transport/device/hccl_path.h"

@@ -18,7 +18,7 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   std::vector<iovec> local;
   for (uint32_t t : p.local_tensors) {
     for (const wire::Run& r : p.local_runs) {
-      local.push_back({reinterpret_cast<void*>(p.local->addrs[t] + r.offset), static_cast<size_t>(r.length)});
+      local.push_back({reinterpret_cast<void*>(p.local_addrs[t] + r.offset), static_cast<size_t>(r.length)});
     }
   }
   const wire::Target& target = p.remote.target;
@@ -137,14 +137,13 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
 Status CmaServer::serve(ServeCall& call) {
   // Checked like any access; answer where the bytes are and keep them alive until the next frame
   // (the pin epoch lets the requester detect a pin that lapsed meanwhile).
-  const Resolved& r = call.resolved;
   wire::DirectAnswer answer;
-  answer.pin_epoch = registry_.pinEpoch();
-  for (const Segment& piece : pieces(r.addrs, r.tensors, r.base, r.runs)) {  // bounded: kMaxRequestPieces
+  answer.pin_epoch = pin_epoch_();
+  for (const Segment& piece : pieces(call.addrs, call.tensors, call.base, call.runs)) {  // bounded: kMaxRequestPieces
     answer.addrs.push_back(piece.addr);
     answer.lengths.push_back(piece.length);
   }
-  call.state.pinned = r.keep;
+  call.pin = true;
   return sendAnswer(call.stream, wire::encode(answer), call.deadline);
 }
 

@@ -10,8 +10,9 @@
 #include <cstdint>
 #include <map>
 
-#include "engine/path.h"
-#include "engine/registry.h"
+#include <functional>
+
+#include "transport/path.h"
 
 namespace pdlink {
 
@@ -34,11 +35,12 @@ class CmaPath : public DataPath {
 // epoch, and keeps them pinned until the peer's next frame.
 class CmaServer : public PathServer {
  public:
-  explicit CmaServer(Registry& registry) : registry_(registry) {}
+  // `pin_epoch`: the serving engine's current pin epoch (Registry::pinEpoch).
+  explicit CmaServer(std::function<uint64_t()> pin_epoch) : pin_epoch_(std::move(pin_epoch)) {}
   Status serve(ServeCall& call) override;
 
  private:
-  Registry& registry_;
+  std::function<uint64_t()> pin_epoch_;
 };
 
 }  // namespace pdlink

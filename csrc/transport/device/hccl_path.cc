@@ -8,7 +8,7 @@ namespace pdlink {
 namespace {
 
 std::vector<Segment> localPieces(const TransferPlan& p) {
-  return pieces(p.local->addrs, p.local_tensors, 0, p.local_runs);
+  return pieces(p.local_addrs, p.local_tensors, 0, p.local_runs);
 }
 
 }  // namespace
@@ -43,9 +43,10 @@ Status HcclPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline de
 
 Status HcclServer::serve(ServeCall& call) {
   DeviceChannel* channel = call.link.inDevice();
-  if (!channel) return sendResponse(call.stream, Status(Code::kFailed, "no device channel on this link"), call.deadline);
-  const Resolved& r = call.resolved;
-  const std::vector<Segment> segments = pieces(r.addrs, r.tensors, r.base, r.runs);
+  if (!channel) {
+    return sendResponse(call.stream, Status(Code::kFailed, "no device channel on this link"), call.deadline);
+  }
+  const std::vector<Segment> segments = pieces(call.addrs, call.tensors, call.base, call.runs);
   PDLINK_RETURN_IF_ERROR(sendResponse(call.stream, Status::OK(), call.deadline));
   const bool is_write = call.header.op == wire::Op::kWrite;
   Status moved = is_write ? channel->recv(segments, call.deadline) : channel->send(segments, call.deadline);
@@ -111,9 +112,8 @@ Status OneSidedServer::serve(ServeCall& call) {
   // The addresses of exactly the checked ranges, each inside memory this side's channel prepared;
   // kept pinned until the peer's next frame.
   DeviceChannel* channel = call.link.inDevice();
-  const Resolved& r = call.resolved;
   std::string list;
-  for (const Segment& piece : pieces(r.addrs, r.tensors, r.base, r.runs)) {  // bounded: kMaxRequestPieces
+  for (const Segment& piece : pieces(call.addrs, call.tensors, call.base, call.runs)) {  // bounded: kMaxRequestPieces
     if (!channel || !channel->prepared(piece.addr, piece.length)) {
       return sendResponse(call.stream,
                           Status(Code::kFeatureNotEnabled, "not in the memory prepared for one-sided access"),
@@ -121,7 +121,7 @@ Status OneSidedServer::serve(ServeCall& call) {
     }
     list.append(reinterpret_cast<const char*>(&piece.addr), 8);
   }
-  call.state.pinned = r.keep;
+  call.pin = true;
   return sendAnswer(call.stream, list, call.deadline);
 }
 

@@ -9,7 +9,7 @@
 //    checked ranges, inside memory both channels prepared; only this side moves the bytes.
 #pragma once
 
-#include "engine/path.h"
+#include "transport/path.h"
 
 namespace pdlink {
 

@@ -49,7 +49,7 @@ Status IpcPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
     }
     imported.push_back(answer.keys[i]);
     remote_bases.push_back(base.value());
-    local_bases.push_back(p.local->addrs[p.local_tensors[i]]);
+    local_bases.push_back(p.local_addrs[p.local_tensors[i]]);
   }
   std::vector<DeviceCopy> copies;
   if (copied.ok()) copies = ipcCopies(local_bases, p.local_runs, remote_bases, p.remote.runs, is_push);
@@ -70,18 +70,18 @@ Status IpcPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
 Status IpcServer::serve(ServeCall& call) {
   // One export per tensor, spanning its runs [lo, hi): the requester checks the span against its
   // own request and places its runs inside it itself.
-  const Resolved& r = call.resolved;
-  call.state.pinned = r.keep;
-  const IpcSpan span = ipcSpan(r.runs);
+  call.pin = true;
+  const IpcSpan span = ipcSpan(call.runs);
   wire::IpcAnswer answer;
-  for (uint32_t t : r.tensors) {
-    auto key = backend_.exportMemory(r.addrs[t] + r.base + span.lo, span.length);
+  for (uint32_t t : call.tensors) {
+    auto key = backend_.exportMemory(call.addrs[t] + call.base + span.lo, span.length);
     if (key.ok() && (key.value().empty() || key.value().size() > limits::kIpcKeyBytes ||
                      key.value().find('\0') != std::string::npos)) {
       key = Status(Code::kFailed, "IPC key of an unexpected form");
     }
-    if (!key.ok()) return sendResponse(call.stream, key.status(), call.deadline);  // exported so far: closed at the next frame
-    call.state.exported.push_back(key.value());
+    // (what was exported so far is closed at the peer's next frame)
+    if (!key.ok()) return sendResponse(call.stream, key.status(), call.deadline);
+    call.exported.push_back(key.value());
     answer.keys.push_back(key.value());
     answer.spans.push_back(span.length);
   }

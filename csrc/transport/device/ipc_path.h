@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "backends/backend.h"
-#include "engine/path.h"
+#include "transport/path.h"
 
 namespace pdlink {
 

@@ -20,7 +20,7 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
     wire::RequestHeader h{wire::Op::kWrite, static_cast<uint32_t>(body.size()), p.payload};
     std::string head = wire::encode(h);
     std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
-    st = movePayload(s, true, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline, std::move(iov));
+    st = movePayload(s, true, p.local_addrs, p.local_tensors, 0, p.local_runs, deadline, std::move(iov));
     if (!st.ok()) return failTransfer(link, st, what);
     return awaitResponse(link, deadline, what, &rh);
   }
@@ -32,20 +32,20 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
                                                             " bytes, expected " + std::to_string(p.payload)),
                         what);
   }
-  st = movePayload(s, false, p.local->addrs, p.local_tensors, 0, p.local_runs, deadline);
+  st = movePayload(s, false, p.local_addrs, p.local_tensors, 0, p.local_runs, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
   commitPull(link, p, body, deadline);
   return Status::OK();
 }
 
 Status StreamServer::serve(ServeCall& call) {
-  const Resolved& r = call.resolved;
   if (call.header.op == wire::Op::kWrite) {
-    PDLINK_RETURN_IF_ERROR(movePayload(call.stream, false, r.addrs, r.tensors, r.base, r.runs, call.deadline));
+    PDLINK_RETURN_IF_ERROR(
+        movePayload(call.stream, false, call.addrs, call.tensors, call.base, call.runs, call.deadline));
     return sendResponse(call.stream, Status::OK(), call.deadline);
   }
   std::string head = wire::encode(wire::ResponseHeader{0, 0, call.payload});
-  return movePayload(call.stream, true, r.addrs, r.tensors, r.base, r.runs, call.deadline,
+  return movePayload(call.stream, true, call.addrs, call.tensors, call.base, call.runs, call.deadline,
                      {{head.data(), head.size()}});
 }
 

@@ -5,7 +5,7 @@
 // through a channel (transport/device).
 #pragma once
 
-#include "engine/path.h"
+#include "transport/path.h"
 
 namespace pdlink {
 

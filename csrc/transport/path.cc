@@ -1,5 +1,5 @@
-// What every data path's requesting side shares (declared in engine/path.h).
-#include "engine/path.h"
+// What every data path's requesting side shares (declared in transport/path.h).
+#include "transport/path.h"
 
 #include "transport/frames.h"
 

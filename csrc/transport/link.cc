@@ -1,10 +1,10 @@
-#include "engine/link.h"
+#include "transport/link.h"
 
 #include <unistd.h>
 
 #include <algorithm>
 
-#include "engine/path.h"
+#include "transport/path.h"
 
 namespace pdlink {
 

@@ -1,6 +1,7 @@
 // The data-path interface: how the bytes of one transfer move between this process and a linked
-// peer. The engine keeps roles, links, the registry, admission and the commit rule once for every
-// path; a path only moves bytes the engine has already checked (docs/architecture.md, "Data paths").
+// peer. The engine (csrc/engine) keeps roles, links, the registry, admission and the commit rule
+// once for every path and decides which path a link uses; a path only moves bytes the engine has
+// already checked (docs/architecture.md, "Data paths"). Nothing here knows the engine.
 //
 // A path has two halves:
 //  - DataPath, the requesting side: one object per link and path, chosen when the link is made
@@ -16,19 +17,21 @@
 #include <string>
 #include <vector>
 
+#include "backends/backend.h"
 #include "core/deadline.h"
 #include "core/status.h"
-#include "engine/link.h"
-#include "engine/registry.h"
+#include "transport/link.h"
 #include "transport/stream.h"
 #include "transport/wire.h"
 
 namespace pdlink {
 
-// Byte runs for both sides of one request (Engine::plan): the local cache, its tensors and runs,
-// and the body the peer resolves on its side.
+// Byte runs for both sides of one request (Engine::plan): the local cache's tensors and runs, and
+// the body the peer resolves on its side.
 struct TransferPlan {
-  std::shared_ptr<CacheEntry> local;
+  std::shared_ptr<const void> local;  // the local cache, kept registered until the transfer is over
+  std::vector<uint64_t> local_addrs;  // its tensors' addresses
+  Placement local_placement = Placement::kHost;
   std::vector<uint32_t> local_tensors;
   std::vector<wire::Run> local_runs;
   wire::TransferBody remote;  // target, block size, remote tensors and runs
@@ -63,25 +66,24 @@ class DataPath {
   virtual Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) = 0;
 };
 
-// What the serving side keeps between two frames of one link: the caches a direct or IPC access of
-// the peer uses, pinned until the peer's next frame (or the pin bound), and the IPC keys exported
-// for it.
-struct ServeState {
-  std::vector<std::shared_ptr<CacheEntry>> pinned;
-  std::vector<std::string> exported;
-  bool unlinked = false;  // the peer unlinked
-};
-
 // One read or write the engine admitted (Engine::admitAccess) and resolved in its registry, for the
-// path its flags name.
+// path its flags name: exactly the checked ranges, addrs[t] + base + run.offset for every t of
+// `tensors` and every run. A path touches nothing else.
 struct ServeCall {
   Link& link;
-  Stream& stream;            // the link's in channel: the answer goes here
+  Stream& stream;  // the link's in channel: the answer goes here
   const wire::RequestHeader& header;
-  const Resolved& resolved;  // exactly the checked ranges; a path touches nothing else
-  uint64_t payload = 0;      // bytes the request moves
+  const std::vector<uint64_t>& addrs;
+  const std::vector<uint32_t>& tensors;
+  uint64_t base;
+  const std::vector<wire::Run>& runs;
+  uint64_t payload;  // bytes the request moves
   Deadline deadline;
-  ServeState& state;
+  // Out: the peer may use the ranges until its next frame (addresses handed out): the engine keeps
+  // the caches pinned until then, or until the pin bound.
+  bool pin = false;
+  // Out: IPC exports made for the peer, closed at its next frame (or the pin bound).
+  std::vector<std::string>& exported;
 };
 
 // The serving side of a path, one per engine.

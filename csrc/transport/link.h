@@ -31,7 +31,7 @@
 
 namespace pdlink {
 
-class DataPath;  // engine/path.h
+class DataPath;  // transport/path.h
 
 // What `Engine::links()` reports of one link (or of a dead link's tombstone, engine/link_table.h).
 struct LinkInfo {
@@ -71,7 +71,7 @@ class Link {
   pid_t peerPid() const { return direct_state_.pid; }
   uint64_t peerPublishedAddr() const { return direct_state_.published_addr; }
 
-  // The data paths of this side's requests (engine/path.h), chosen when the link is made (before
+  // The data paths of this side's requests (transport/path.h), chosen when the link is made (before
   // it is shared): the one for host memory (cma on a proven same-host link whose probe read
   // succeeded, else the stream), and, on a device backend, the ones for DEVICE memory in the order
   // they are tried. Owned by the link (host path) or by the engine (device paths), which outlives it.
