@@ -33,6 +33,7 @@
 #include "transport/device/hccl_path.h"
 #include "transport/device/ipc_path.h"
 #include "transport/tcp/stream_path.h"
+#include "test_engines.h"
 
 using namespace pdlink;
 
@@ -113,41 +114,22 @@ CacheLayout blocksLayout(uint64_t blocks = kBlocks, uint64_t block_bytes = kBloc
 }
 
 std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, Transport transport) {
-  auto e = std::make_unique<Engine>(makeCpuBackend());
   EngineConfig c;
   c.cluster_id = id;
   if (listen) c.listen_ip = "127.0.0.1";
   c.sync_timeout_ms = kTimeoutMs;
   c.transport = transport;
-  Status st = e->initialize(c);
-  if (!st.ok()) {
-    std::fprintf(stderr, "FAIL: initialize engine %llu: %s\n", static_cast<unsigned long long>(id),
-                 st.toString().c_str());
-    std::exit(1);
-  }
-  return e;
+  return testing::startEngine(c);
 }
 
 int64_t reg(Engine& e, const Guarded& g, const CacheLayout& L, std::optional<uint64_t> model, bool remote) {
-  auto r = e.registerCache(L, g.addrs(), {}, model, remote);
-  if (!r.ok()) {
-    std::fprintf(stderr, "FAIL: register: %s\n", r.status().toString().c_str());
-    std::exit(1);
-  }
-  return r.value()->id;
+  return testing::registerOrExit(e, L, g.addrs(), {}, model, remote);
 }
 
+// A pull or push of remote_blocks[i] of P's blocks cache `model` <-> local_blocks[i].
 TransferSpec blocksSpec(int64_t local, uint64_t model, std::vector<int64_t> remote_blocks,
                         std::vector<int64_t> local_blocks) {
-  TransferSpec s;
-  s.peer_cluster_id = kP;
-  s.target.kind = wire::TargetKind::kBlocks;
-  s.target.model_id = model;
-  s.local_cache_id = local;
-  s.mode = TransferSpec::Mode::kBlocksToBlocks;
-  s.remote_blocks = std::move(remote_blocks);
-  s.local_blocks = std::move(local_blocks);
-  return s;
+  return testing::blocksSpec(kP, model, local, std::move(local_blocks), std::move(remote_blocks));
 }
 
 // ---------------------------------------------------------------- conformance, one host path
