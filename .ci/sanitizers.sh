@@ -7,9 +7,10 @@
 #     (libasan preloaded into Python; leak detection off there, since Python itself leaks at exit).
 #  2. TSan: the same with PDLINK_SANITIZE=thread, running the concurrency-heavy test files; and
 #     csrc/tests/concurrency_test (engines in one process, threads pulling, pushing, linking,
-#     unlinking and re-registering at once) over TCP and over direct memory access.
+#     unlinking and re-registering at once) over TCP and over direct memory access; and
+#     csrc/tests/path_test, the data-path conformance suite (every host path, the interface's units).
 #  3. ASan + LeakSanitizer: concurrency_test's link/pull/unlink/finalize loop (no leak; descriptors
-#     and threads back where they started) and its stress run, both transports.
+#     and threads back where they started) and its stress run, both transports; path_test.
 # STRESS_SECONDS (default 15) sets the length of each stress run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +61,7 @@ run() {
   shift
   "$@" >"$log" 2>&1 || rc=$?
   echo "$name: exit $rc, $((SECONDS - start)) s"
-  grep -E '^(stress|cycles): |^[0-9]+ (passed|failed)' "$log" | tail -n 3 || true
+  grep -E '^(stress|cycles): |^path_test: |^[0-9]+ (passed|failed)' "$log" | tail -n 3 || true
   if [ "$rc" -ne 0 ]; then
     echo "FAILED: $name (exit $rc). Log tail:"
     tail -n 40 "$log"
@@ -129,6 +130,9 @@ run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread F
 step "TSan: concurrency_test"
 configure "$CI_OUT/tsan" -DPDLINK_SANITIZE=thread -DPDLINK_BUILD_TESTS=ON
 build "$CI_OUT/tsan" concurrency_test
+build "$CI_OUT/tsan" path_test
+run "tsan-path-conformance" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
+  "$CI_OUT/tsan/path_test"
 for transport in tcp cma; do
   run "tsan-stress-$transport" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
     "$CI_OUT/tsan/concurrency_test" stress --transport "$transport" --seconds "$STRESS_SECONDS"
@@ -141,6 +145,10 @@ run "tsan-stress-tcp-sealed" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_s
 step "ASan+LSan: concurrency_test"
 configure "$CI_OUT/asan" -DPDLINK_SANITIZE=address,undefined -DPDLINK_BUILD_TESTS=ON
 build "$CI_OUT/asan" concurrency_test
+build "$CI_OUT/asan" path_test
+# the data-path conformance suite (csrc/tests/path_test.cc): every host path, the interface's units
+run "asan-path-conformance" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" "$CI_OUT/asan/path_test"
 for transport in tcp cma; do
   run "lsan-cycles-$transport" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \

@@ -143,7 +143,7 @@ std::shared_ptr<Backend> makeCpuBackend();
 
 // The backend of that name for that device: "cpu", "ascend", or "auto" (Ascend when its libraries
 // load and report a device, else CPU). kFeatureNotEnabled, naming the reason, when the named
-// backend cannot be used here (backends/registry.cc).
+// backend cannot be used here (backends/open_backend.cc).
 Result<std::shared_ptr<Backend>> openBackend(const std::string& name, int32_t device_id);
 
 }  // namespace pdlink

@@ -12,7 +12,7 @@
 #include "bindings/status_bridge.h"
 #include "engine/engine.h"
 #include "core/limits.h"
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
 #include "transport/wire.h"
 
 namespace py = pybind11;

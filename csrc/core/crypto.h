@@ -1,7 +1,7 @@
 // Crypto: HMAC-SHA256 from the system's libcrypto (OpenSSL 3), loaded at run time on first use.
 //
 // pdlink needs it only for links with a secret (the handshake's proofs, the session keys and the
-// tag of every frame, engine/link.h); an engine without a secret never loads it, so the wheel links
+// tag of every frame, transport/link.h); an engine without a secret never loads it, so the wheel links
 // no crypto library. The library is looked up as $PDLINK_LIBCRYPTO when set (a path; no fallback),
 // else as "libcrypto.so.3", then "libcrypto.so". When it cannot be loaded, every function returns
 // kFeatureNotEnabled naming what is missing and where it looked.

@@ -1,11 +1,15 @@
 // Engine lifecycle, threads, listeners and roles, and the cache registry calls.
-// Links are in links.cc, serving and transfers in data_path.cc.
+// Links and their handshake are in linking.cc and handshake.cc, serving and transfers in data_path.cc
+// (the data paths themselves under transport/, transport/path.h).
 #include "engine/engine.h"
-
 
 #include "core/log.h"
 #include "engine/engine_internal.h"
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
+#include "transport/cma/cma_path.h"
+#include "transport/device/hccl_path.h"
+#include "transport/device/ipc_path.h"
+#include "transport/tcp/stream_path.h"
 
 namespace pdlink {
 
@@ -24,7 +28,15 @@ Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
     : backend_(std::move(backend)),
       device_transport_(caps.device_transport),
       ipc_(caps.device_transport && hasFeature(caps, "ipc")),
-      one_sided_(caps.device_transport && hasFeature(caps, "one_sided")) {}
+      one_sided_(caps.device_transport && hasFeature(caps, "one_sided")),
+      stream_server_(std::make_unique<StreamServer>()),
+      cma_server_(std::make_unique<CmaServer>([this] { return registry_.pinEpoch(); })),
+      hccl_server_(std::make_unique<HcclServer>()),
+      one_sided_server_(std::make_unique<OneSidedServer>()),
+      ipc_server_(std::make_unique<IpcServer>(*backend_)),
+      hccl_path_(std::make_unique<HcclPath>()),
+      one_sided_path_(std::make_unique<OneSidedPath>()),
+      ipc_path_(std::make_unique<IpcPath>(*backend_)) {}
 
 Engine::~Engine() { finalize(); }
 

@@ -33,9 +33,10 @@
 
 #include "backends/backend.h"
 #include "core/status.h"
-#include "engine/link.h"
+#include "transport/link.h"
 #include "engine/link_table.h"
 #include "engine/mem_pool.h"
+#include "transport/path.h"
 #include "engine/registry.h"
 #include "transport/listener.h"
 #include "transport/socket.h"
@@ -231,25 +232,20 @@ class Engine {
   Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
 
  private:
-  struct Plan;  // byte runs for both sides of one transfer (engine_internal.h)
   Engine(std::shared_ptr<Backend> backend, const Capabilities& caps);
-  Result<Plan> plan(const TransferSpec& spec, bool is_push);
-  static std::vector<Plan> split(const Plan& p);
+  Result<TransferPlan> plan(const TransferSpec& spec, bool is_push);
+  static std::vector<TransferPlan> split(const TransferPlan& p);
   Status transfer(const TransferSpec& spec, bool is_push);
-  // One request of a transfer (requires the out mutex), on the path the link and the local cache
-  // call for: a device path, direct copies, or the stream.
-  Status transferPart(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
+  // One request of a transfer (requires the out mutex), on the link's path for the local cache's
+  // memory: its host path, or its device paths in order (transport/path.h).
+  Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
+                      const char* what);
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
-  Status failTransfer(const std::shared_ptr<Link>& link, const Status& st, const char* what);
-  // Reads the response to a request on `link`'s out channel: a transport failure poisons the link
-  // (failTransfer); a refusal by the peer comes back as the peer's status, the link intact.
-  Status awaitResponse(const std::shared_ptr<Link>& link, Deadline deadline, const char* what, wire::ResponseHeader* rh);
-  // Sends header + body on the out channel, then awaitResponse.
-  Status request(const std::shared_ptr<Link>& link, const wire::RequestHeader& header, const std::string& body,
-                 Deadline deadline, const char* what, wire::ResponseHeader* rh);
-  // request() of a read (pull) or write (push) of `body` (an encoded TransferBody) with these flags.
-  Status requestAccess(const std::shared_ptr<Link>& link, const std::string& body, bool is_push, uint8_t flags,
-                       Deadline deadline, const char* what, wire::ResponseHeader* rh);
+  // The paths of this side's requests on a new link (before it is shared): `direct` (cma) when
+  // chooseTransport allowed it, else the stream; the device paths of this engine's backend.
+  void choosePaths(Link& link, bool direct);
+  // The serving side of the path a request's flags name (admitted by admitAccess).
+  PathServer& serverFor(uint8_t flags);
 
   Result<std::unique_ptr<Listener>> startListener(const std::string& ip, uint16_t port);
   // The AF_UNIX listener same-host diallers are redirected to, under a random abstract name
@@ -295,20 +291,10 @@ class Engine {
     return set > 0 ? set : std::max<int64_t>(2 * config_.sync_timeout_ms, 5000);
   }
   Status admitAccess(const Link& link, const wire::RequestHeader& h) const;
-  Status directTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
-  // DEVICE caches of a backend with device transport: the request on the socket, the bytes over
-  // the link's device channel (created on first use by ensureDeviceChannel; requires the out mutex).
-  Status deviceTransfer(const std::shared_ptr<Link>& link, Plan& p, bool is_push, Deadline deadline, const char* what);
+  // The device channel of this side's requests on `link`, created on first use (requires the out
+  // mutex): a rendezvous the peer accepts, then both join. The peer's refusal (no device channels
+  // there) comes back as its status, the link intact.
   Status ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what);
-  // Same-host DEVICE transfer through IPC: the peer exports the checked regions, this side maps
-  // them and copies device to device. kFeatureNotEnabled when the peer cannot (then HCCL is used).
-  Status ipcTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body, bool is_push,
-                     Deadline deadline, const char* what);
-  Status serveIpc(Stream& s, const Resolved& r, Deadline deadline, std::vector<std::string>* exported);
-  // One-sided HCCL: the peer answers with the addresses of memory its channel prepared.
-  // kFeatureNotEnabled when that is not possible (then the two-sided transfer is used).
-  Status oneSidedTransfer(const std::shared_ptr<Link>& link, Plan& p, const std::string& body,
-                          const std::vector<Segment>& local, bool is_push, Deadline deadline, const char* what);
   // The DEVICE memory a device channel prepares for one-sided access: the device pool and every
   // registered DEVICE cache's tensors.
   std::vector<Segment> preparedRegions() const;
@@ -324,6 +310,10 @@ class Engine {
   const bool device_transport_;
   const bool ipc_;
   const bool one_sided_;
+  // The data paths (transport/path.h): the serving side of each, and the requesting side of the
+  // device paths (a link's host path is its own object, Link::hostPath).
+  std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
+  std::unique_ptr<DataPath> hccl_path_, one_sided_path_, ipc_path_;
   EngineConfig config_;
   wire::HostHint hint_;  // set by initialize()
   Registry registry_;

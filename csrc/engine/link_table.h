@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/link.h"
+#include "transport/link.h"
 
 namespace pdlink {
 

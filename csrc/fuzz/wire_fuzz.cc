@@ -31,6 +31,7 @@
 #include <string>
 
 #include "engine/engine_internal.h"
+#include "transport/device/ipc_path.h"
 #include "fuzz/fuzz_fixture.h"
 #include "fuzz/memory_stream.h"
 
@@ -166,14 +167,14 @@ void fuzzIpcAnswer(const uint8_t* p, size_t n) {
   if (!wire::decode(ans, ans_len, tensors, &a).ok()) return;
   FUZZ_CHECK(a.keys.size() == tensors && a.spans.size() == tensors);
   for (const std::string& k : a.keys) FUZZ_CHECK(!k.empty() && k.size() <= limits::kIpcKeyBytes);
-  if (!detail::checkIpcAnswer(a, runs).ok()) return;
+  if (!checkIpcAnswer(a, runs).ok()) return;
   std::vector<uint64_t> local(tensors), remote(tensors);
   for (size_t i = 0; i < tensors; ++i) {
     local[i] = (uint64_t{1} << 40) * (i + 1);
     remote[i] = (uint64_t{1} << 44) * (i + 1);
   }
   for (bool push : {false, true}) {
-    std::vector<DeviceCopy> copies = detail::ipcCopies(local, runs, remote, runs, push);
+    std::vector<DeviceCopy> copies = ipcCopies(local, runs, remote, runs, push);
     FUZZ_CHECK(copies.size() == tensors * nruns);
     for (size_t c = 0; c < copies.size(); ++c) {
       const size_t i = c / nruns;

@@ -41,6 +41,7 @@
 
 #include "backends/backend.h"
 #include "engine/engine.h"
+#include "test_engines.h"
 
 using namespace pdlink;
 
@@ -105,7 +106,6 @@ std::string secret;            // --secret: authenticated links (every frame sea
 bool payload_integrity = false;  // --integrity 1: payloads sealed too
 
 std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, uint64_t pool_bytes = 0) {
-  auto e = std::make_unique<Engine>(makeCpuBackend());
   EngineConfig c;
   c.cluster_id = id;
   if (listen) c.listen_ip = "127.0.0.1";
@@ -115,23 +115,12 @@ std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, uint64_t pool_bytes
   c.transport = transport;
   c.link_secret = secret;
   c.payload_integrity = payload_integrity;
-  Status st = e->initialize(c);
-  if (!st.ok()) {
-    std::fprintf(stderr, "FAIL: initialize engine %llu: %s\n", static_cast<unsigned long long>(id),
-                 st.toString().c_str());
-    std::exit(1);
-  }
-  return e;
+  return testing::startEngine(c);
 }
 
 int64_t registerOrDie(Engine& e, const CacheLayout& L, const Buffers& b, std::vector<RequestKey> keys,
                       std::optional<uint64_t> model, bool remote) {
-  auto r = e.registerCache(L, b.addrs(), keys, model, remote);
-  if (!r.ok()) {
-    std::fprintf(stderr, "FAIL: register: %s\n", r.status().toString().c_str());
-    std::exit(1);
-  }
-  return r.value()->id;
+  return testing::registerOrExit(e, L, b.addrs(), keys, model, remote);
 }
 
 Status linkTo(Engine& e, uint64_t peer, uint16_t port) {
@@ -139,18 +128,7 @@ Status linkTo(Engine& e, uint64_t peer, uint16_t port) {
   return st.empty() ? Status(Code::kFailed, "no status") : st[0];
 }
 
-TransferSpec blocksSpec(uint64_t peer, uint64_t model, int64_t local, std::vector<int64_t> local_blocks,
-                        std::vector<int64_t> remote_blocks) {
-  TransferSpec s;
-  s.peer_cluster_id = peer;
-  s.target.kind = wire::TargetKind::kBlocks;
-  s.target.model_id = model;
-  s.local_cache_id = local;
-  s.mode = TransferSpec::Mode::kBlocksToBlocks;
-  s.local_blocks = std::move(local_blocks);
-  s.remote_blocks = std::move(remote_blocks);
-  return s;
-}
+using testing::blocksSpec;
 
 TransferSpec keySpec(uint64_t peer, wire::TargetKind kind, uint64_t id, int64_t local) {
   TransferSpec s;

@@ -1,5 +1,5 @@
 // AuthStream: an authenticated link's channel. Every frame carries a 16-byte tag, HMAC-SHA256 under
-// the channel's session key (derived from the handshake, engine/engine_helpers.cc sessionKey) over
+// the channel's session key (derived from the handshake, engine/handshake.cc, deriveSession) over
 // the frame's direction, its sequence number and its bytes. Each side counts the frames it sends and
 // receives on the channel and never sends a counter, so a frame injected, replayed, reordered,
 // dropped or cut short fails the check, and the link is dropped. A transfer's payload (tensor

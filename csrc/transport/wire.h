@@ -58,7 +58,7 @@ enum class Channel : uint8_t { kForward = 0, kReverse = 1 };
 
 // Link authentication (challenge-response). Each side sends a fresh random challenge; each proves
 // it knows the shared link secret with HMAC-SHA256 over both challenges and the link's identity
-// (engine_helpers.cc linkProof). No secret ever crosses the wire. Without a secret a proof is all
+// (engine/handshake.cc, handshakeProof). No secret ever crosses the wire. Without a secret a proof is all
 // zeros, which a side that has a secret rejects.
 constexpr size_t kChallengeBytes = 16;
 constexpr size_t kProofBytes = 32;

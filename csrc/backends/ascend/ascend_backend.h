@@ -1,5 +1,5 @@
 // The Ascend backend (see ascend_backend.cc for how it binds device contexts). Created through
-// openBackend("ascend", device) (backends/registry.cc), one per device per process.
+// openBackend("ascend", device) (backends/open_backend.cc), one per device per process.
 #pragma once
 
 #include <memory>

@@ -10,11 +10,24 @@
 #include "core/limits.h"
 #include "core/log.h"
 #include "engine/engine_internal.h"
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
 
 namespace pdlink {
 
 using namespace detail;  // NOLINT: this file is part of the engine
+
+Status detail::linkDown(uint64_t peer, const std::string& reason) {
+  return Status(Code::kLinkFailed, "the link to " + clusterName(peer) + " is down (" + reason +
+                                       "); call unlink_clusters, then link_clusters again");
+}
+
+Status detail::linkDown(const Link& link) { return linkDown(link.peer(), link.brokenReason()); }
+
+Status detail::linkError(const PeerAddress& peer, const Status& st) {
+  Code code = st.code() == Code::kParamInvalid ? Code::kParamInvalid : Code::kLinkFailed;
+  return Status(code, "cannot link to " + clusterName(peer.cluster_id) + " at " + peer.ip + ":" +
+                          std::to_string(peer.port) + ": " + st.message());
+}
 
 struct Engine::Dialled {
   Socket fwd, rev;
@@ -119,7 +132,7 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   }
   link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant));
   link->setPeerAddress(where);
-  if (direct) link->enableDirect();
+  choosePaths(*link, direct);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
@@ -127,16 +140,18 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   }
   spawn([this, link] { serve(link); });
   bool channel = false;
-  if (device_transport_ && !(link->ipcPossible() && ipc_)) {
-    // Set up this direction's device channel now rather than on the first pull: HCCL's
-    // communicator setup takes seconds on real hardware. (A same-host link uses IPC, and sets a
-    // channel up only if the peer turns IPC down.) A peer without device channels (a CPU
-    // backend) still links; its device transfers are refused then.
-    {
-      std::lock_guard<std::mutex> out(link->outMutex());
-      st = ensureDeviceChannel(link, deadline, "link to");
-      channel = link->outDevice() != nullptr;
-    }
+  std::unique_lock<std::mutex> out(link->outMutex());
+  // Set up this direction's device channel now rather than on the first pull when the link's first
+  // device path needs one: HCCL's communicator setup takes seconds on real hardware. (A same-host
+  // link uses IPC, and sets a channel up only if the peer turns IPC down.) A peer without device
+  // channels (a CPU backend) still links; its device transfers are refused then.
+  const bool wants_channel = !link->devicePaths().empty() && link->devicePaths().front()->caps().device_channel;
+  if (wants_channel) {
+    st = ensureDeviceChannel(link, deadline, "link to");
+    channel = link->outDevice() != nullptr;
+  }
+  out.unlock();
+  if (wants_channel) {
     if (!st.ok() && st.code() != Code::kFeatureNotEnabled) {
       (void)unlinkOne(peer_id, 1000, true);
       return linkError(peer, st);
@@ -542,7 +557,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
     if (session.key) link->authenticate(std::move(session.key), pending->session_key, session.integrity);
     link->setPeerProcess(pid, pending->published_addr, pending->grant);
-    if (direct) link->enableDirect();
+    choosePaths(*link, direct);
     // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
     // mutex under mu_ cannot deadlock.
     out_lock = std::unique_lock<std::mutex>(link->outMutex());
@@ -614,7 +629,7 @@ Status Engine::ping(uint64_t cluster_id, int64_t timeout_ms) {
   wire::ResponseHeader rh;
   Status remote;
   if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
-  if (!st.ok()) return failTransfer(link, st, "link check with");
+  if (!st.ok()) return failTransfer(*link, st, "link check with");
   return remote;
 }
 

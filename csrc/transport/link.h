@@ -17,19 +17,21 @@
 
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "backends/backend.h"
 #include "core/status.h"
 #include "transport/auth_stream.h"
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
 
 namespace pdlink {
+
+class DataPath;  // transport/path.h
 
 // What `Engine::links()` reports of one link (or of a dead link's tombstone, engine/link_table.h).
 struct LinkInfo {
@@ -45,11 +47,8 @@ struct LinkInfo {
 
 class Link {
  public:
-  Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)
-      : peer_(peer_cluster_id), initiator_(initiator), out_(std::move(out)), in_(std::move(in)) {
-    out_.setReceiveSpin(kSpinUs);
-    in_.setReceiveSpin(kSpinUs);
-  }
+  Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator);
+  ~Link();
   // Both ends wait for the next frame spinning this long before they sleep (transport/socket.h):
   // a requester for its reply, the serving thread for the next request of a busy peer.
   static constexpr int kSpinUs = 50;
@@ -69,30 +68,28 @@ class Link {
   bool sameHost() const { return direct_state_.pid != 0; }
   bool inProcess() const;  // the peer is another engine of this process
 
-  // Same-host fast path for this side's requests: copy the peer's memory directly (transport/cma.h).
-  // Enabled after a probe read of the proven peer succeeded.
-  struct Direct {
-    pid_t pid = 0;
-    uint64_t published_addr = 0;
-    std::map<uint64_t, wire::CacheDescriptor> descriptors;  // model_id -> layout; guarded by out mutex
-  };
-  void enableDirect() { direct_ = sameHost(); }  // before the link is shared
-  bool direct() const { return direct_; }
-  Direct& directState() { return direct_state_; }  // requires outMutex()
-  // "cma" (direct copies), "unix" (a same-host stream) or "tcp".
-  const char* transport() const { return direct_ ? "cma" : out_.isUnix() ? "unix" : "tcp"; }
+  pid_t peerPid() const { return direct_state_.pid; }
+  uint64_t peerPublishedAddr() const { return direct_state_.published_addr; }
+
+  // The data paths of this side's requests (transport/path.h), chosen when the link is made (before
+  // it is shared): the one for host memory (cma on a proven same-host link whose probe read
+  // succeeded, else the stream), and, on a device backend, the ones for DEVICE memory in the order
+  // they are tried. Owned by the link (host path) or by the engine (device paths), which outlives it.
+  void setPaths(std::unique_ptr<DataPath> host, std::vector<DataPath*> device);
+  DataPath& hostPath() { return *host_path_; }  // requires outMutex()
+  const std::vector<DataPath*>& devicePaths() const { return device_paths_; }  // requires outMutex()
+  // A device path the peer turned down for good (IPC with a runtime that cannot share memory).
+  void dropDevicePath(const DataPath* path);  // requires outMutex()
+  // What links() reports: the host path's name ("cma", "unix" for a same-host stream, "tcp").
+  const char* transport() const;
 
   // Device channels (Backend::DeviceChannel), one per direction like the sockets: `out` carries
   // the bytes of this side's requests (this side created it, rank 0), `in` those of the peer's
   // requests (set and used only by the serving thread). Created on first use, dropped on failure.
-  DeviceChannel* outDevice() { return out_device_.get(); }  // requires outMutex()
+  DeviceChannel* outDevice() const { return out_device_.get(); }  // requires outMutex()
   void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
-  DeviceChannel* inDevice() { return in_device_.get(); }
+  DeviceChannel* inDevice() const { return in_device_.get(); }
   void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
-  // Same-host IPC for DEVICE memory (Backend::importMemory): possible on a proven same-host link;
-  // switched off for the link once the peer refuses it (its runtime has no IPC).
-  bool ipcPossible() const { return sameHost() && !ipc_refused_; }  // requires outMutex()
-  void refuseIpc() { ipc_refused_ = true; }                          // requires outMutex()
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -130,13 +127,17 @@ class Link {
   Socket in_;
   std::unique_ptr<AuthStream> out_auth_, in_auth_;  // set before the link is shared, then constant
   std::mutex out_mu_;  // held for a whole request/response exchange on out_
-  bool direct_ = false;  // set before the link is shared, then constant
-  Direct direct_state_;
+  struct PeerProcess {
+    pid_t pid = 0;
+    uint64_t published_addr = 0;
+  };
+  PeerProcess direct_state_;  // set before the link is shared, then constant
+  std::unique_ptr<DataPath> host_path_;  // set before the link is shared
+  std::vector<DataPath*> device_paths_;  // guarded by out_mu_
   std::shared_ptr<cma::Grant> grant_;  // set before the link is shared; dropped by breakLink under state_mu_
   std::string peer_address_;
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
-  bool ipc_refused_ = false;  // guarded by out_mu_
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_
   std::string broken_reason_;  // guarded by state_mu_

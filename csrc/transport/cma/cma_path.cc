@@ -1,0 +1,150 @@
+// The cma path (transport/cma/cma_path.h).
+#include "transport/cma/cma_path.h"
+
+#include "core/limits.h"
+#include "transport/cma/cma.h"
+#include "transport/frames.h"
+
+namespace pdlink {
+
+CmaPath::CmaPath(pid_t pid, uint64_t published_addr) : pid_(pid), published_addr_(published_addr) {
+  caps_.name = "cma";
+  caps_.request_flags = wire::kFlagDirect;
+  caps_.one_sided = true;
+}
+
+Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) {
+  Stream& s = link.out();
+  std::vector<iovec> local;
+  for (uint32_t t : p.local_tensors) {
+    for (const wire::Run& r : p.local_runs) {
+      local.push_back({reinterpret_cast<void*>(p.local_addrs[t] + r.offset), static_cast<size_t>(r.length)});
+    }
+  }
+  const wire::Target& target = p.remote.target;
+  std::string body;  // encoded only when a frame carries it; the cached-read path sends none
+  auto encoded = [&]() -> const std::string& {
+    if (body.empty()) body = wire::encode(p.remote);
+    return body;
+  };
+  // The peer's published words (Registry::Published): generation, then pin epoch.
+  void* const generation_word = reinterpret_cast<void*>(published_addr_);
+  void* const pin_epoch_word = reinterpret_cast<void*>(published_addr_ + 8);
+
+  // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
+  // round trip. The peer's registry generation is read before and after the data (in the same
+  // ordered copy), so a layout that changed meanwhile is detected and the read redone the checked way.
+  if (!is_push && target.kind == wire::TargetKind::kBlocks) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto it = descriptors_.find(target.model_id);
+      if (it == descriptors_.end()) {
+        const std::string& b = encoded();
+        wire::ResponseHeader rh;
+        Status st = request(link, wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0}, b,
+                            deadline, what, &rh);
+        if (!st.ok() && link.broken()) return st;
+        if (!st.ok()) break;  // refused: the checked round trip below gives the peer's own answer
+        std::string payload;
+        st = readAnswer(s, rh.payload_len, wire::kMaxDescriptorBytes, deadline, &payload, "cache descriptor");
+        wire::CacheDescriptor desc;
+        if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
+        if (!st.ok()) return failTransfer(link, st, what);
+        it = descriptors_.emplace(target.model_id, std::move(desc)).first;
+      }
+      const wire::CacheDescriptor& c = it->second;
+      bool fits = p.remote.block_size == 0 || p.remote.block_size == c.stride;
+      for (uint32_t t : p.remote.tensors) fits = fits && t < c.addrs.size();
+      for (const wire::Run& r : p.remote.runs) {
+        uint64_t end = 0;
+        fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
+      }
+      if (!fits) break;  // the checked way reports the peer's own error
+      uint64_t g1 = 0, g2 = 0;
+      std::vector<iovec> lv{{&g1, 8}}, rv{{generation_word, 8}};
+      size_t k = 0;
+      for (uint32_t t : p.remote.tensors) {
+        for (const wire::Run& r : p.remote.runs) {
+          lv.push_back(local[k++]);
+          rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
+        }
+      }
+      lv.push_back({&g2, 8});
+      rv.push_back({generation_word, 8});
+      Status st = cma::copy(pid_, false, lv, rv);
+      if (st.ok() && g1 == c.generation && g2 == c.generation) return Status::OK();
+      if (!st.ok() && st.code() == Code::kLinkFailed) return failTransfer(link, st, what);
+      descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
+    }
+  }
+
+  // Checked round trip: the peer validates and pins the target and answers with its addresses.
+  // The pin lasts until this side's next frame, or until it expires on the peer: the peer's pin
+  // epoch, read again after the copy, tells. A lapsed pin fails the transfer (a read may have
+  // seen memory that was freed meanwhile, a write may have landed in it).
+  encoded();
+  wire::ResponseHeader rh;
+  Status st = requestAccess(link, body, is_push, wire::kFlagDirect, deadline, what, &rh);
+  if (!st.ok()) return st;
+  std::string payload;
+  wire::DirectAnswer answer;
+  if (rh.payload_len != wire::directAnswerBytes(local.size())) {
+    st = Status(Code::kLinkFailed, "peer answered a direct access of " + std::to_string(rh.payload_len) +
+                                       " bytes, expected " + std::to_string(wire::directAnswerBytes(local.size())));
+  } else {
+    st = readAnswer(s, rh.payload_len, rh.payload_len, deadline, &payload, "direct-access answer");
+    if (st.ok()) {
+      st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(), &answer);
+    }
+  }
+  for (size_t i = 0; st.ok() && i < local.size(); ++i) {
+    if (answer.lengths[i] != local[i].iov_len) {
+      st = Status(Code::kLinkFailed, "peer answered a range of the wrong length");
+    }
+  }
+  if (!st.ok()) return failTransfer(link, st, what);
+  std::vector<iovec> remote_iov(local.size());
+  for (size_t i = 0; i < local.size(); ++i) {
+    remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
+  }
+  // The addresses are the peer's, applied to the peer's pid (proven by the kernel): at worst they
+  // make this side copy the peer's own memory.
+  uint64_t epoch_after = 0;
+  Status copied;
+  if (is_push) {
+    copied = cma::copy(pid_, true, local, remote_iov);
+    if (copied.ok()) {
+      auto epoch = cma::readWord(pid_, reinterpret_cast<uint64_t>(pin_epoch_word));
+      copied = epoch.status();
+      if (epoch.ok()) epoch_after = epoch.value();
+    }
+  } else {  // the epoch word rides in the same ordered read, after the data
+    local.push_back({&epoch_after, 8});
+    remote_iov.push_back({pin_epoch_word, 8});
+    copied = cma::copy(pid_, false, local, remote_iov);
+  }
+  if (copied.ok() && epoch_after != answer.pin_epoch) {
+    copied = Status(Code::kFailed, "the peer released its pin before the copy finished (pin expired); retry");
+  }
+  // Unpin on the peer; for a completed read by request key this is also the release of the key.
+  finishPinned(link, p, copied.ok(), is_push, body, deadline);
+  if (!copied.ok()) {
+    if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
+    return Status(copied.code(), std::string(what) + " " + clusterName(link.peer()) + ": " + copied.message());
+  }
+  return Status::OK();
+}
+
+Status CmaServer::serve(ServeCall& call) {
+  // Checked like any access; answer where the bytes are and keep them alive until the next frame
+  // (the pin epoch lets the requester detect a pin that lapsed meanwhile).
+  wire::DirectAnswer answer;
+  answer.pin_epoch = pin_epoch_();
+  for (const Segment& piece : pieces(call.addrs, call.tensors, call.base, call.runs)) {  // bounded: kMaxRequestPieces
+    answer.addrs.push_back(piece.addr);
+    answer.lengths.push_back(piece.length);
+  }
+  call.pin = true;
+  return sendAnswer(call.stream, wire::encode(answer), call.deadline);
+}
+
+}  // namespace pdlink

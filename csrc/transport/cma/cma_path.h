@@ -1,0 +1,46 @@
+// The cma path: direct reads and writes of a same-host peer's memory (transport/cma/cma.h), on a
+// link the kernel proved to join two processes of this host (Link::sameHost) and whose probe read
+// succeeded. The peer checks and pins every access as usual and answers with its addresses
+// (DirectAnswer); a read of a blocks cache whose layout this side has cached needs no round trip
+// at all: one ordered process_vm_readv between two reads of the peer's registry generation.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+
+#include <functional>
+
+#include "transport/path.h"
+
+namespace pdlink {
+
+class CmaPath : public DataPath {
+ public:
+  // `pid`: the peer's process (SO_PEERCRED); `published_addr`: where its registry publishes its
+  // generation and pin epoch (Registry::Published), both in that process.
+  CmaPath(pid_t pid, uint64_t published_addr);
+  const PathCaps& caps() const override { return caps_; }
+  Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
+
+ private:
+  PathCaps caps_;
+  const pid_t pid_;
+  const uint64_t published_addr_;
+  std::map<uint64_t, wire::CacheDescriptor> descriptors_;  // model_id -> the peer's layout; out mutex
+};
+
+// Answers a checked direct access with the addresses of exactly the resolved ranges and the pin
+// epoch, and keeps them pinned until the peer's next frame.
+class CmaServer : public PathServer {
+ public:
+  // `pin_epoch`: the serving engine's current pin epoch (Registry::pinEpoch).
+  explicit CmaServer(std::function<uint64_t()> pin_epoch) : pin_epoch_(std::move(pin_epoch)) {}
+  Status serve(ServeCall& call) override;
+
+ private:
+  std::function<uint64_t()> pin_epoch_;
+};
+
+}  // namespace pdlink

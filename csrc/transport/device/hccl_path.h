@@ -1,0 +1,50 @@
+// The device paths over a link's device channels (Backend::DeviceChannel; on Ascend, HCCL).
+// DEVICE memory of a device backend never travels in a link's stream: the request and the answer
+// do, the bytes go over the channel of their direction (Link::outDevice for this side's requests,
+// Link::inDevice for the peer's), which the engine sets up on first use
+// (Engine::ensureDeviceChannel).
+//  - HcclPath: two-sided (HcclBatchSendRecv): after the peer accepted the request, both sides
+//    post their half; works for any DEVICE memory.
+//  - OneSidedPath: one-sided (HcclBatchGet/Put): the peer answers with the addresses of the
+//    checked ranges, inside memory both channels prepared; only this side moves the bytes.
+#pragma once
+
+#include "transport/path.h"
+
+namespace pdlink {
+
+class HcclPath : public DataPath {
+ public:
+  HcclPath();
+  const PathCaps& caps() const override { return caps_; }
+  bool usable(const Link& link) const override;
+  Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
+
+ private:
+  PathCaps caps_;
+};
+
+class HcclServer : public PathServer {
+ public:
+  Status serve(ServeCall& call) override;
+};
+
+class OneSidedPath : public DataPath {
+ public:
+  OneSidedPath();
+  const PathCaps& caps() const override { return caps_; }
+  // A channel whose runtime has one-sided access (memory registered after the link may still not
+  // be prepared: then transfer() is kFeatureNotEnabled and the two-sided path takes it).
+  bool usable(const Link& link) const override;
+  Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
+
+ private:
+  PathCaps caps_;
+};
+
+class OneSidedServer : public PathServer {
+ public:
+  Status serve(ServeCall& call) override;
+};
+
+}  // namespace pdlink

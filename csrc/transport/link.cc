@@ -1,0 +1,58 @@
+#include "transport/link.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "transport/path.h"
+
+namespace pdlink {
+
+Link::Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)
+    : peer_(peer_cluster_id), initiator_(initiator), out_(std::move(out)), in_(std::move(in)) {
+  out_.setReceiveSpin(kSpinUs);
+  in_.setReceiveSpin(kSpinUs);
+}
+
+Link::~Link() = default;
+
+void Link::setPaths(std::unique_ptr<DataPath> host, std::vector<DataPath*> device) {
+  host_path_ = std::move(host);
+  device_paths_ = std::move(device);
+}
+
+void Link::dropDevicePath(const DataPath* path) {
+  device_paths_.erase(std::remove(device_paths_.begin(), device_paths_.end(), path), device_paths_.end());
+}
+
+const char* Link::transport() const {
+  if (host_path_) return host_path_->caps().name;
+  return out_.isUnix() ? "unix" : "tcp";
+}
+
+bool Link::inProcess() const { return direct_state_.pid != 0 && direct_state_.pid == ::getpid(); }
+
+bool Link::broken() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return broken_;
+}
+
+std::string Link::brokenReason() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return broken_reason_;
+}
+
+void Link::breakLink(const std::string& reason) {
+  std::shared_ptr<cma::Grant> grant;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (broken_) return;
+    broken_ = true;
+    broken_reason_ = reason;
+    grant = std::move(grant_);  // a broken link copies nothing more: its peer needs no access to us
+  }
+  out_.shutdown();
+  in_.shutdown();
+}
+
+}  // namespace pdlink

@@ -1,0 +1,72 @@
+// What every data path's requesting side shares (declared in transport/path.h).
+#include "transport/path.h"
+
+#include "transport/frames.h"
+
+namespace pdlink {
+
+std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
+
+bool usesKeyCommit(wire::TargetKind kind) {
+  return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex;
+}
+
+Status failTransfer(Link& link, const Status& st, const char* what) {
+  link.breakLink(st.message());
+  Code code = st.code() == Code::kTimeout ? Code::kTimeout : Code::kLinkFailed;
+  return Status(code, std::string(what) + " " + clusterName(link.peer()) + " failed: " + st.message() +
+                          "; the link is now unusable: call unlink_clusters, then link_clusters again");
+}
+
+Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::ResponseHeader* rh) {
+  Status remote;
+  Status st = readResponse(link.out(), deadline, rh, &remote);
+  if (!st.ok()) return failTransfer(link, st, what);
+  if (!remote.ok()) {  // the peer refused this request; the link itself is fine
+    return Status(remote.code(), std::string(what) + " " + clusterName(link.peer()) + ": " + remote.message());
+  }
+  return Status::OK();
+}
+
+Status request(Link& link, const wire::RequestHeader& header, const std::string& body, Deadline deadline,
+               const char* what, wire::ResponseHeader* rh) {
+  std::string head = wire::encode(header);
+  std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
+  Status st = link.out().sendFrame(iov, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  return awaitResponse(link, deadline, what, rh);
+}
+
+Status requestAccess(Link& link, const std::string& body, bool is_push, uint8_t flags, Deadline deadline,
+                     const char* what, wire::ResponseHeader* rh) {
+  wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(body.size()), 0, flags};
+  return request(link, h, body, deadline, what, rh);
+}
+
+void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline deadline) {
+  std::string head = wire::encode(wire::RequestHeader{op, static_cast<uint32_t>(body.size()), 0});
+  std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
+  if (!link.out().sendFrame(iov, deadline).ok()) link.breakLink("could not confirm a completed transfer to the peer");
+}
+
+void commitPull(Link& link, const TransferPlan& p, const std::string& body, Deadline deadline) {
+  if (usesKeyCommit(p.remote.target.kind) && p.commit) finishAccess(link, wire::Op::kCommit, body, deadline);
+}
+
+void finishPinned(Link& link, const TransferPlan& p, bool completed, bool is_push, const std::string& body,
+                  Deadline deadline) {
+  const bool commit = completed && !is_push && usesKeyCommit(p.remote.target.kind) && p.commit;
+  finishAccess(link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
+}
+
+std::vector<Segment> pieces(const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors, uint64_t base,
+                            const std::vector<wire::Run>& runs) {
+  std::vector<Segment> out;
+  out.reserve(tensors.size() * runs.size());  // bounded by the caller: limits::kMaxRequestPieces
+  for (uint32_t t : tensors) {
+    for (const wire::Run& r : runs) out.push_back({addrs[t] + base + r.offset, r.length});
+  }
+  return out;
+}
+
+}  // namespace pdlink
