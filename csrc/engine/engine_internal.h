@@ -1,5 +1,6 @@
-// Internal helpers shared by the engine's source files (engine.cc, linking.cc, handshake.cc, data_path.cc).
-// Not part of the engine's interface; nothing outside csrc/engine includes this.
+// Internal helpers shared by the engine's source files (engine.cc, linking.cc, handshake.cc,
+// data_path.cc). Not part of the engine's interface; outside csrc/engine only the fuzz target
+// includes it (it drives the engine's own serving loop and handshake).
 #pragma once
 
 #include <cstddef>
@@ -13,9 +14,9 @@
 #include "core/status.h"
 #include "engine/engine.h"
 #include "engine/handshake.h"
+#include "transport/frames.h"
 #include "transport/link.h"
 #include "transport/path.h"
-#include "transport/frames.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
 
@@ -30,5 +31,7 @@ Status linkDown(uint64_t peer, const std::string& reason);
 constexpr int64_t kProbeTimeoutMs = 500;
 // Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.
 constexpr uint32_t kMaxRendezvousBytes = 8192;
+// kLinkFailed (kParamInvalid stays) for a link_clusters entry, naming the peer's address.
 Status linkError(const PeerAddress& peer, const Status& st);
+
 }  // namespace pdlink::detail
