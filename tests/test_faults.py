@@ -222,7 +222,8 @@ def test_peer_killed_before_link(make_pair: Callable[..., Pair]) -> None:
 UNBOUNDED = 1 << 30
 
 
-@only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-cma", "ascend-fake"))  # seconds each: the default run keeps one
+# seconds each: heavy; the default run interrupts a tcp transfer with the relay tests below
+@only("cpu-tcp", "cpu-cma", "ascend-fake", heavy=("cpu-tcp", "cpu-cma", "ascend-fake"))
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_peer_killed_during_a_large_transfer_then_restarted(peers: Callable[..., Peer], variant: Variant,
                                                             op: str) -> None:

@@ -663,11 +663,13 @@ def chunked(data: bytes, cuts: list[int]) -> bytes:
 
 # ------------------------------------------------------------------------------------- 1. role posts
 
-def test_role_posts(fz):
-    """Mutated controller bodies, roles and content types; exact statuses; documented 503s only."""
+@pytest.mark.parametrize("examples", [300, pytest.param(1200, marks=pytest.mark.heavy)], ids=["default", "long"])
+def test_role_posts(fz, examples):
+    """Mutated controller bodies, roles and content types; exact statuses; documented 503s only
+    (the default run takes 300 examples, the heavy one 1200; both reach every answer the route has)."""
     seen: Counter = Counter()
 
-    @fuzz(600)
+    @fuzz(examples)
     @given(role=ROLE_SEGMENTS, ctype=CONTENT_TYPES, data=body_bytes(), chunks=st.none() | st.lists(
         st.integers(0, 2**20), max_size=4))
     # what this fuzzing found (see the regression tests at the end)
