@@ -30,7 +30,7 @@ const char* Link::transport() const {
   return out_.isUnix() ? "unix" : "tcp";
 }
 
-bool Link::inProcess() const { return direct_state_.pid != 0 && direct_state_.pid == ::getpid(); }
+bool Link::inProcess() const { return peer_process_.pid != 0 && peer_process_.pid == ::getpid(); }
 
 bool Link::broken() const {
   std::lock_guard<std::mutex> lock(state_mu_);

@@ -60,16 +60,16 @@ class Link {
   // proven link may use cma or IPC, and addresses a peer sends are applied to that pid only.
   // `grant` keeps this process readable by same-host peers until the link breaks (cma::Grant).
   void setPeerProcess(pid_t pid, uint64_t published_addr, std::shared_ptr<cma::Grant> grant) {
-    direct_state_.pid = pid;
-    direct_state_.published_addr = published_addr;
+    peer_process_.pid = pid;
+    peer_process_.published_addr = published_addr;
     grant_ = std::move(grant);
   }
   // The kernel proved the peer runs on this host (see setPeerProcess).
-  bool sameHost() const { return direct_state_.pid != 0; }
+  bool sameHost() const { return peer_process_.pid != 0; }
   bool inProcess() const;  // the peer is another engine of this process
 
-  pid_t peerPid() const { return direct_state_.pid; }
-  uint64_t peerPublishedAddr() const { return direct_state_.published_addr; }
+  pid_t peerPid() const { return peer_process_.pid; }
+  uint64_t peerPublishedAddr() const { return peer_process_.published_addr; }
 
   // The data paths of this side's requests (transport/path.h), chosen when the link is made (before
   // it is shared): the one for host memory (cma on a proven same-host link whose probe read
@@ -131,7 +131,7 @@ class Link {
     pid_t pid = 0;
     uint64_t published_addr = 0;
   };
-  PeerProcess direct_state_;  // set before the link is shared, then constant
+  PeerProcess peer_process_;  // set before the link is shared, then constant
   std::unique_ptr<DataPath> host_path_;  // set before the link is shared
   std::vector<DataPath*> device_paths_;  // guarded by out_mu_
   std::shared_ptr<cma::Grant> grant_;  // set before the link is shared; dropped by breakLink under state_mu_
