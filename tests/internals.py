@@ -19,7 +19,7 @@ from pdlink.comm import parse_rank_table
 from pdlink.configs import ip_to_int, role_to_option
 from pdlink.data_type import itemsize
 from pdlink.device import DeviceMemory, backend_info, open_backend
-from pdlink.llm_datadist import parse_engine_options
+from pdlink.llm_datadist import LIMIT_OPTIONS, parse_engine_options
 from pdlink.llm_types import PushType, register_mem_status_from_int
 from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
@@ -31,7 +31,7 @@ from pdlink.transfer import transfer_cache_async
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
-    "direct_access_permitted", "engine", "handle_llm_status", "invalidate", "ip_to_int", "itemsize",
+    "direct_access_permitted", "engine", "handle_llm_status", "invalidate", "LIMIT_OPTIONS", "ip_to_int", "itemsize",
     "ManagementClient", "manager_role", "native_engines", "NodeSpec", "NotReady", "open_backend",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
     "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",

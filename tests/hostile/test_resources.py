@@ -52,6 +52,18 @@ def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
             limits.handshake_timeout_ms) == (512, 64, 8, 0, 5000)
 
 
+@pytest.mark.parametrize("option", sorted(internals.LIMIT_OPTIONS))
+def test_each_limit_reaches_the_engine_from_its_option_or_its_variable(monkeypatch: pytest.MonkeyPatch,
+                                                                      option: str) -> None:
+    env, field = internals.LIMIT_OPTIONS[option]
+    monkeypatch.setenv(env, "7")
+    assert internals.parse_engine_options({})["limits"] == {field: 7}  # the variable, when the option is absent
+    assert internals.parse_engine_options({option: "9"})["limits"] == {field: 9}  # the option wins
+    limits = internals.core.EngineLimits()
+    setattr(limits, field, 9)  # and the engine has the field
+    assert getattr(limits, field) == 9
+
+
 @pytest.mark.parametrize("option, value", [("pdlink.MaxLinks", "0"), ("pdlink.MaxHandshakes", "-1"),
                                            ("pdlink.PinTimeoutMs", "soon"), ("pdlink.HandshakeTimeoutMs", "0")])
 def test_a_bad_limit_option_is_refused(peers: Callable[..., Peer], option: str, value: str) -> None:
