@@ -10,7 +10,8 @@
 #     unlinking and re-registering at once) over TCP and over direct memory access; and
 #     csrc/tests/path_test, the data-path conformance suite (every host path, the interface's units).
 #  3. ASan + LeakSanitizer: concurrency_test's link/pull/unlink/finalize loop (no leak; descriptors
-#     and threads back where they started) and its stress run, both transports; path_test.
+#     and threads back where they started) and its stress run, both transports; path_test; and
+#     csrc/tests/unit_test (the wire decoders, the registry and the memory pool, each on its own).
 # STRESS_SECONDS (default 15) sets the length of each stress run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ run() {
   shift
   "$@" >"$log" 2>&1 || rc=$?
   echo "$name: exit $rc, $((SECONDS - start)) s"
-  grep -E '^(stress|cycles): |^path_test: |^[0-9]+ (passed|failed)' "$log" | tail -n 3 || true
+  grep -E '^(stress|cycles): |^(path|unit)_test: |^[0-9]+ (passed|failed)' "$log" | tail -n 3 || true
   if [ "$rc" -ne 0 ]; then
     echo "FAILED: $name (exit $rc). Log tail:"
     tail -n 40 "$log"
@@ -146,6 +147,9 @@ step "ASan+LSan: concurrency_test"
 configure "$CI_OUT/asan" -DPDLINK_SANITIZE=address,undefined -DPDLINK_BUILD_TESTS=ON
 build "$CI_OUT/asan" concurrency_test
 build "$CI_OUT/asan" path_test
+build "$CI_OUT/asan" unit_test
+run "asan-unit" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" "$CI_OUT/asan/unit_test"
 # the data-path conformance suite (csrc/tests/path_test.cc): every host path, the interface's units
 run "asan-path-conformance" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" "$CI_OUT/asan/path_test"

@@ -10,10 +10,11 @@ and moves them), for each pdlink transport (direct memory access "cma" and loopb
   * GB/s against block size (4 KiB .. 4 MiB) for the plot;
   * scale: registering a cache is O(tensors); pulls of 1k / 10k / 100k block pairs.
 
-In the same run: the ceilings (numpy memcpy of the same bytes; a raw loopback TCP stream of the
-same bytes between the same two processes, from Python; the same pull in C, bench/tcp_ceiling.c,
-over one stream, which is what a pdlink tcp link uses, and over two, with the CPU seconds both
-sides spend per GB, beside pdlink's own) and, when installed, the peers on the same work
+In the same run: the ceilings, numpy memcpy of the same bytes, and loopback TCP in C with the CPU
+seconds both sides spend per GB beside pdlink's own: the same pull in bench/tcp_ceiling.c (blocking,
+and busy-polling as pdlink's sockets do) and iperf3's steady stream, each over one stream (what a
+pdlink tcp link uses; pdlink's tcp figures are held to the best of these) and over two. Then, when
+installed, the peers on the same work
 (Mooncake Transfer Engine over TCP, NIXL/UCX with default transports and with UCX_TLS=tcp). A
 peer that is not installed is skipped with a message; point PDLINK_BENCH_MOONCAKE_PYTHON /
 PDLINK_BENCH_NIXL_PYTHON at an interpreter that has it.
@@ -33,10 +34,12 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -120,25 +123,11 @@ def target_main(conn: Any, cfg: dict[str, Any]) -> None:
     os.environ["PDLINK_TRANSPORT"] = "auto"  # accepts whatever the initiator asks for
     dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
     dd.init(options("127.0.0.1:0"))
-    caches = register(dd.cache_manager, cache_plan(cfg), PROMPT_ID, fill=True)
-    raw = socket.socket()
-    raw.bind(("127.0.0.1", 0))
-    raw.listen(1)
-    stream = np.ascontiguousarray(np.concatenate([a.reshape(-1) for a in caches["bulk"][1]]))
-    conn.send({"port": dd.listen_port, "raw_port": raw.getsockname()[1], "pid": os.getpid()})
+    _served = register(dd.cache_manager, cache_plan(cfg), PROMPT_ID, fill=True)  # alive while registered
+    conn.send({"port": dd.listen_port, "pid": os.getpid()})
     while True:
         cmd = conn.recv()
-        if cmd == "raw":  # the socket ceiling: stream the same bytes, reps times
-            s, _ = raw.accept()
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reps = int.from_bytes(s.recv(4), "little")
-            view = memoryview(stream)
-            for _ in range(reps):
-                s.sendall(view)
-                s.recv(1)  # the reader's "got it": one rep at a time, like a pull
-            s.close()
-            conn.send("ok")
-        elif cmd == "stop":
+        if cmd == "stop":
             dd.finalize()
             conn.send("ok")
             return
@@ -278,10 +267,8 @@ def run_initiator(transport: str, cfg: dict[str, Any], info: dict[str, Any]) -> 
         ret, _ = dd.link_clusters([peer], 5000)
         assert ret == LLMStatusCode.LLM_SUCCESS, ret
         res["scale"] = scale_test(cm, caches, by_name, cfg)
-    # the socket ceiling, from this process (same CPUs, same bytes)
+    # the memory ceiling, from this process (same CPUs, same bytes)
     if transport == cfg["transports"][0]:
-        bulk = by_name["bulk"]
-        res["raw_tcp"] = raw_tcp(info, cfg, nbytes=bulk["tensors"] * bulk["blocks"] * cfg["block"])
         res["memcpy"] = memcpy_ceiling(by_name["bulk"]["tensors"] * by_name["bulk"]["blocks"] * cfg["block"], reps)
     dd.finalize()
     return res
@@ -316,45 +303,65 @@ def scale_test(cm: Any, caches: dict[str, Any], plan: dict[str, dict[str, Any]],
     return out
 
 
-def raw_tcp(info: dict[str, Any], cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
-    s = socket.create_connection(("127.0.0.1", info["raw_port"]))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    reps = cfg["reps"] + 1
-    s.sendall(reps.to_bytes(4, "little"))
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        got = 0
-        while got < nbytes:
-            n = s.recv_into(view[got:], nbytes - got)
-            if n == 0:
-                raise ConnectionError("raw stream closed")
-            got += n
-        times.append(time.perf_counter() - t0)
-        s.send(b"k")
-    s.close()
-    return summary([nbytes / t / 1e9 for t in times[1:]])
-
-
-def c_tcp_ceiling(nbytes: int, reps: int, streams: int) -> dict[str, Any] | None:
-    """bench/tcp_ceiling.c, built with the system's C compiler: the same pull over loopback TCP in C
-    (GB/s summary, CPU seconds per GB of both sides); None, with a message, without a compiler."""
-    import shutil
-    import tempfile
-
+def tcp_ceilings(nbytes: int, reps: int, smoke: bool) -> list[dict[str, Any]]:
+    """The C-level loopback TCP ceilings, each a GB/s summary with its CPU seconds per GB (both
+    sides): bench/tcp_ceiling.c (the same pull in C, blocking and busy-polling, one stream and two)
+    and iperf3 (a steady stream, one and two), each skipped with a message where its tool is
+    missing."""
+    out = []
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        print("  skipped the C TCP ceiling: no C compiler (set CC)")
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "tcp_ceiling")
-        subprocess.run([cc, "-O2", "-pthread", "-o", exe, os.path.join(HERE, "tcp_ceiling.c")], check=True)
-        out = subprocess.run([exe, str(nbytes), str(reps), str(streams)], capture_output=True, text=True,
-                             timeout=600, check=True).stdout
-    r = json.loads(out)
-    return {**summary(r["gbps"]), "streams": streams, "cpu_s_per_gb": r["cpu_s_per_gb"]}
+        print("  skipped bench/tcp_ceiling.c: no C compiler (set CC)")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            exe = os.path.join(tmp, "tcp_ceiling")
+            subprocess.run([cc, "-O2", "-pthread", "-o", exe, os.path.join(HERE, "tcp_ceiling.c")], check=True)
+            for mode in ("block", "spin"):
+                for streams in (1, 2):
+                    r = json.loads(subprocess.run([exe, str(nbytes), str(reps), str(streams), mode], check=True,
+                                                  capture_output=True, text=True, timeout=600).stdout)
+                    out.append({"tool": "C", "mode": mode, "streams": streams, **summary(r["gbps"]),
+                                "cpu_s_per_gb": r["cpu_s_per_gb"]})
+    exe = shutil.which("iperf3")
+    if exe is None:
+        print("  skipped iperf3: not installed (apt-get install iperf3)")
+        return out
+    for streams in (1, 2):
+        out.append(iperf3(exe, streams, seconds=1 if smoke else 5))
+    return out
+
+
+def iperf3(exe: str, streams: int, seconds: int) -> dict[str, Any]:
+    """One iperf3 run over loopback (`-P streams`): the GB/s of each 0.5 s interval after the first
+    second (slow start), and the CPU seconds per GB of client and server."""
+    with socket.socket() as probe:  # a free port (released just before the server takes it)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port), "--forceflush"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None
+        deadline = time.monotonic() + 30
+        while "Server listening" not in server.stdout.readline():  # iperf3 says so once it listens
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the iperf3 server did not start")
+        omit = 0 if seconds <= 1 else 1
+        run = subprocess.run([exe, "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds + omit), "-O", str(omit),
+                              "-i", "0.5", "-P", str(streams), "-J"], capture_output=True, text=True,
+                             timeout=60 + seconds, check=True)
+    finally:
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    r = json.loads(run.stdout)
+    gbps = [iv["sum"]["bits_per_second"] / 8e9 for iv in r["intervals"] if not iv["sum"].get("omitted")]
+    end = r["end"]
+    cpu = end["cpu_utilization_percent"]
+    moved_gb = end["sum_received"]["bytes"] / 1e9
+    cpu_s = (cpu["host_total"] + cpu["remote_total"]) / 100 * end["sum_received"]["seconds"]
+    return {"tool": "iperf3", "mode": "stream", "streams": streams, **summary(gbps), "cpu_s_per_gb": cpu_s / moved_gb}
 
 
 def memcpy_ceiling(nbytes: int, reps: int) -> dict[str, float]:
@@ -398,32 +405,39 @@ def fmt(s: dict[str, float], unit: str = "GB/s", digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} {unit} [{s['min']:.{digits}f}..{s['max']:.{digits}f}]"
 
 
+def best_one_stream(ceilings: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The one-stream ceiling with the highest median: what a pdlink tcp link (one stream) is held to."""
+    one = [c for c in ceilings if c["streams"] == 1]
+    return max(one, key=lambda c: c["median"]) if one else None
+
+
 def report(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = []
     runs = results["pdlink"]
     first = runs[cfg["transports"][0]]
-    memcpy, rawtcp = first["memcpy"], first["raw_tcp"]
+    memcpy = first["memcpy"]
     total_mib = cfg["total"] / MIB
     lines.append(f"pdlink benchmark: {total_mib:.0f} MiB per transfer, {cfg['reps']} repetitions, median [min..max]")
     lines.append(f"  ceiling numpy memcpy ({total_mib:.0f} MiB)      : {fmt(memcpy)}")
-    lines.append(f"  ceiling raw loopback TCP ({total_mib:.0f} MiB)  : {fmt(rawtcp)} (Python recv_into)")
-    c_tcp = results.get("c_tcp") or {}
-    for streams, c in c_tcp.items():
-        if c:
-            lines.append(f"  ceiling C loopback TCP, {streams} stream{'s' if int(streams) > 1 else ' '} : {fmt(c)}, "
-                         f"{c['cpu_s_per_gb']:.3f} CPU s/GB")
+    ceilings = results.get("tcp_ceilings") or []
+    for c in ceilings:
+        label = f"{c['tool']} {c['mode']}, {c['streams']} stream{'s' if c['streams'] > 1 else ''}"
+        lines.append(f"  ceiling TCP {label:<26}: {fmt(c)}, {c['cpu_s_per_gb']:.3f} CPU s/GB")
+    tcp_ceiling = best_one_stream(ceilings)
     for tr, r in runs.items():
-        ceiling = memcpy if tr == "cma" else rawtcp
-        cname = "memcpy" if tr == "cma" else "raw TCP"
+        if tr == "cma":
+            ceiling, cname = memcpy, "memcpy"
+        elif tcp_ceiling is not None:
+            ceiling, cname = tcp_ceiling, f"the best 1-stream TCP ceiling ({tcp_ceiling['tool']} {tcp_ceiling['mode']})"
+        else:
+            ceiling, cname = None, ""
         b = r["pull_bulk"]
-        vs_c = ""
-        if tr == "tcp" and c_tcp.get(1):
-            vs_c = f", {b['median'] / c_tcp[1]['median']:.2f}x C TCP 1 stream"
-        lines.append(f"  pdlink {tr:<4} pull {cfg['block'] // KIB} KiB blocks : {fmt(b)} = "
-                     f"{b['median'] / ceiling['median']:.2f}x {cname}{vs_c}; {b['cpu_s_per_gb']:.3f} CPU s/GB")
+        vs = f" = {b['median'] / ceiling['median']:.2f}x {cname}" if ceiling else ""
+        lines.append(f"  pdlink {tr:<4} pull {cfg['block'] // KIB} KiB blocks : {fmt(b)}{vs}; "
+                     f"{b['cpu_s_per_gb']:.3f} CPU s/GB")
         p = r["push_bulk"]
-        lines.append(f"  pdlink {tr:<4} push {cfg['block'] // KIB} KiB blocks : {fmt(p)} = "
-                     f"{p['median'] / ceiling['median']:.2f}x {cname}")
+        vs = f" = {p['median'] / ceiling['median']:.2f}x {cname}" if ceiling else ""
+        lines.append(f"  pdlink {tr:<4} push {cfg['block'] // KIB} KiB blocks : {fmt(p)}{vs}")
         s = r["pull_small"]
         lines.append(f"  pdlink {tr:<4} pull 4 KiB blocks   : {fmt(s)}, {s['us_per_block']:.3f} us/block")
         lat = r["lat_4k_us"]
@@ -462,7 +476,10 @@ def plot(results: dict[str, Any], cfg: dict[str, Any], path: str) -> str | None:
         ax.plot([x / KIB for x in xs], [r["sweep"][x] for x in xs], marker="o", label=f"pdlink {tr} pull")
     first = results["pdlink"][cfg["transports"][0]]
     ax.axhline(first["memcpy"]["median"], color="gray", linestyle="--", label="numpy memcpy (ceiling)")
-    ax.axhline(first["raw_tcp"]["median"], color="black", linestyle=":", label="raw loopback TCP (ceiling)")
+    tcp = best_one_stream(results.get("tcp_ceilings") or [])
+    if tcp is not None:
+        ax.axhline(tcp["median"], color="black", linestyle=":",
+                   label=f"loopback TCP, 1 stream, {tcp['tool']} {tcp['mode']} (ceiling)")
     for name, r in results["peers"].items():
         if r is not None:
             ax.plot([cfg["block"] / KIB], [r["read"]["median"]], marker="s", linestyle="none", label=f"{name} read")
@@ -514,22 +531,18 @@ def main(argv: list[str] | None = None) -> int:
             iconn, ichild = ctx.Pipe()
             proc = ctx.Process(target=initiator_main, args=(ichild, tr, cfg, info))
             proc.start()
-            if tr == cfg["transports"][0]:
-                tconn.send("raw")  # the target serves the raw stream while the initiator reads it
             status, value = iconn.recv()
             proc.join(60)
             if status != "ok":
                 print(f"pdlink {tr}: FAILED\n{value}")
                 return 1
-            if tr == cfg["transports"][0]:
-                assert tconn.recv() == "ok"
             results["pdlink"][tr] = value
     finally:
         tconn.send("stop")
         tconn.recv()
         target.join(30)
     if "tcp" in cfg["transports"]:
-        results["c_tcp"] = {s: c_tcp_ceiling(cfg["total"], cfg["reps"], s) for s in (1, 2)}
+        results["tcp_ceilings"] = tcp_ceilings(cfg["total"], cfg["reps"], args.smoke)
     if not args.no_peers and not args.smoke:
         print("peers (same work, same machine, same run):")
         results["peers"]["Mooncake TE tcp"] = run_peer("Mooncake TE tcp", "mooncake_peer.py",

@@ -1,7 +1,7 @@
 /* The loopback TCP ceiling for bench/bench_transfer.py, in C: what one process can pull from
  * another over 127.0.0.1 with nothing but send/recv, the way a pull moves bytes.
  *
- *   tcp_ceiling BYTES REPS STREAMS
+ *   tcp_ceiling BYTES REPS STREAMS [block|spin]
  *
  * A reader (this process) and a server (a forked child) connect STREAMS sockets over loopback.
  * Each repetition is one "pull": the reader sends one request byte on every stream, the server
@@ -9,6 +9,13 @@
  * times from the first request until the last byte arrived. One warm-up repetition is not
  * reported. Prints one JSON object: the GB/s of every repetition, and the CPU seconds both
  * processes spent per GB moved (user + system, from getrusage).
+ *
+ * How the bytes are moved (the last argument):
+ *   block  blocking send() and recv(): the textbook stream (the default);
+ *   spin   what pdlink's sockets do: non-blocking sends that wait in poll() when the socket buffer is
+ *          full, and receives that busy-poll (MSG_DONTWAIT) instead of sleeping, so the reader's
+ *          CPU is awake when the next segment lands. pdlink spins 50 us before it sleeps; this spins
+ *          throughout, the most one stream gets this way.
  *
  * Each process lands or sends from its own buffer, made after the fork and touched before timing, in
  * huge pages where the kernel gives them (numpy asks for them for its large arrays, which is where
@@ -19,7 +26,9 @@
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <errno.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -37,6 +46,7 @@
 static size_t g_share;   /* bytes per stream per repetition */
 static long g_reps;      /* repetitions, warm-up included */
 static char *g_buf;      /* what the server sends / where the reader lands it */
+static int g_spin;       /* the "spin" mode */
 
 static void die(const char *what) {
   perror(what);
@@ -58,7 +68,12 @@ static double cpu_seconds(int who) {
 
 static void send_all(int fd, const char *p, size_t n) {
   while (n > 0) {
-    ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+    ssize_t k = send(fd, p, n, MSG_NOSIGNAL | (g_spin ? MSG_DONTWAIT : 0));
+    if (k < 0 && g_spin && errno == EAGAIN) {
+      struct pollfd q = {.fd = fd, .events = POLLOUT};
+      poll(&q, 1, -1);
+      continue;
+    }
     if (k <= 0) die("send");
     p += k;
     n -= (size_t)k;
@@ -67,7 +82,8 @@ static void send_all(int fd, const char *p, size_t n) {
 
 static void recv_all(int fd, char *p, size_t n) {
   while (n > 0) {
-    ssize_t k = recv(fd, p, n, 0);
+    ssize_t k = recv(fd, p, n, g_spin ? MSG_DONTWAIT : 0);
+    if (k < 0 && g_spin && errno == EAGAIN) continue;
     if (k <= 0) die("recv");
     p += k;
     n -= (size_t)k;
@@ -105,10 +121,16 @@ static void *land(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 4) {
-    fprintf(stderr, "usage: %s BYTES REPS STREAMS\n", argv[0]);
+  if (argc != 4 && argc != 5) {
+    fprintf(stderr, "usage: %s BYTES REPS STREAMS [block|spin]\n", argv[0]);
     return 2;
   }
+  const char *mode = argc == 5 ? argv[4] : "block";
+  if (strcmp(mode, "block") != 0 && strcmp(mode, "spin") != 0) {
+    fprintf(stderr, "the mode is block or spin, not %s\n", mode);
+    return 2;
+  }
+  g_spin = strcmp(mode, "spin") == 0;
   size_t bytes = strtoull(argv[1], NULL, 10);
   long reps = strtol(argv[2], NULL, 10);
   int streams = atoi(argv[3]);
@@ -182,7 +204,7 @@ int main(int argc, char **argv) {
   }
   /* the server's CPU includes its warm-up repetition: scaled to the timed ones */
   double server_cpu = cpu_seconds(RUSAGE_CHILDREN) * (double)reps / (double)g_reps;
-  printf("{\"streams\": %d, \"bytes\": %zu, \"gbps\": [", streams, bytes);
+  printf("{\"streams\": %d, \"mode\": \"%s\", \"bytes\": %zu, \"gbps\": [", streams, mode, bytes);
   for (long r = 1; r < g_reps; r++) printf("%s%.4f", r > 1 ? ", " : "", gbps[r]);
   printf("], \"cpu_s_per_gb\": %.4f}\n", (reader_cpu + server_cpu) / ((double)bytes * (double)reps / 1e9));
   return 0;

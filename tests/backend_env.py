@@ -7,9 +7,15 @@ Every data-movement test runs once per ``Variant`` (the ``variant`` fixture, con
 * ``cpu-tcp``: CPU backend, loopback TCP;
 * ``ascend-fake``: the Ascend backend on the fake vendor libraries (tests/fake_ascend), built once
   per test session. DEVICE bytes move over HCCL (the fake's local sockets); the link's control
-  connection (and HOST caches) use TCP.
+  connection (and HOST caches) use TCP;
+* ``ascend-ipc``: the same backend on a same-host link: DEVICE bytes move by IPC (the requester
+  maps the server's exported memory), HOST bytes by cma;
+* ``ascend-onesided``: the same backend with one-sided HCCL (``PDLINK_HCCL_ONE_SIDED=1`` on both
+  sides): DEVICE bytes move by HcclBatchGet/Put into memory the server prepared, over TCP.
 
-A new data path is one more ``Variant`` here (and nothing else in the tests). ``peer_env`` is the
+The last two are ``heavy``: the default run puts them through their own files, the heavy run
+through the whole shared suite as well. A new data path is one more ``Variant`` here (and nothing
+else in the tests). ``peer_env`` is the
 environment for a peer process of a variant (or of a legacy transport name: "cma", "tcp",
 "ascend"; or of a backend: "cpu", "ascend"). Tests of one engine, or of links that do not depend on
 the CPU data path, use the ``backend`` fixture: ``cpu`` (PDLINK_TRANSPORT left at auto) or
@@ -47,10 +53,15 @@ class Variant:
     """One cell of the matrix.
 
     ``id``: the test id; ``backend``: the engine's backend; ``path``: how DEVICE cache bytes move
-    between two such peers; ``link_transport``: what ``links()`` reports; ``kind``: the short name
-    ``peer_env`` takes ("cma", "tcp", "ascend"); ``serving_loop``: every transfer
-    goes through the peer's serving thread, so a frozen peer makes a pull time out (false for cma,
-    where a cached-layout read is a kernel copy that needs nothing from the peer)."""
+    between two such peers; ``link_transport``: what ``links()`` reports as ``transport`` (the
+    path of HOST memory); ``kind``: the short name ``peer_env`` takes ("cma", "tcp", "ascend",
+    "ascend-ipc", "ascend-onesided"); ``serving_loop``: every transfer goes through the peer's
+    serving thread, so a frozen peer makes a pull time out (false for cma, where a cached-layout
+    read is a kernel copy that needs nothing from the peer); ``device_paths``: what ``links()``
+    reports as ``device_paths`` (tried in this order); ``extra_env``: what else its peers set;
+    ``heavy``: the shared suite runs on it with the heavy tests only (``pytest -m heavy``), to keep
+    the default run in its budget; its own test file (test_ascend_ipc.py, test_ascend_onesided.py)
+    runs by default."""
 
     id: str
     backend: str
@@ -58,11 +69,14 @@ class Variant:
     link_transport: str
     kind: str
     serving_loop: bool
+    device_paths: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+    heavy: bool = False
 
     def env(self, **extra: str) -> dict[str, str]:
         if self.backend == "ascend":
             env = {"PDLINK_BACKEND": "ascend", "PDLINK_ASCEND_LIB_DIR": fake_ascend_dir(),
-                   "PDLINK_TRANSPORT": self.link_transport, **HCCL_TIMEOUTS}
+                   "PDLINK_TRANSPORT": self.link_transport, **HCCL_TIMEOUTS, **dict(self.extra_env)}
         else:
             env = {"PDLINK_BACKEND": "cpu", "PDLINK_TRANSPORT": self.link_transport}
         env.update({k: str(v) for k, v in extra.items()})
@@ -77,7 +91,11 @@ class Variant:
 VARIANTS = (
     Variant("cpu-cma", "cpu", "cma", "cma", "cma", serving_loop=False),
     Variant("cpu-tcp", "cpu", "tcp", "tcp", "tcp", serving_loop=True),
-    Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True),
+    Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True, device_paths=("hccl",)),
+    Variant("ascend-ipc", "ascend", "ipc", "cma", "ascend-ipc", serving_loop=True, device_paths=("ipc", "hccl"),
+            heavy=True),
+    Variant("ascend-onesided", "ascend", "hccl-one-sided", "tcp", "ascend-onesided", serving_loop=True,
+            device_paths=("hccl-one-sided", "hccl"), extra_env=(("PDLINK_HCCL_ONE_SIDED", "1"),), heavy=True),
 )
 BY_KIND = {v.kind: v for v in VARIANTS}
 BACKENDS = ("cpu", "ascend")

@@ -42,13 +42,14 @@ def fake_ascend_lib_dir() -> str:
     pytest.fail(f"building the fake Ascend libraries (tests/fake_ascend/build.py) failed: {error}", pytrace=False)
 
 
-@pytest.fixture(params=VARIANTS, ids=[v.id for v in VARIANTS])
+@pytest.fixture(params=[pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.heavy else []) for v in VARIANTS])
 def variant(request: pytest.FixtureRequest) -> Variant:
     """Each data-movement test runs on every backend x data path (backend_env.VARIANTS): the CPU
     backend over direct memory access (cma) and over loopback TCP, and the Ascend backend over the
-    fake vendor libraries. Peers get their environment from ``variant.env()``."""
+    fake vendor libraries, by HCCL, by IPC and by one-sided HCCL (those two with the heavy tests).
+    Peers get their environment from ``variant.env()``."""
     v: Variant = request.param
-    if v.path == "cma" and not CMA_AVAILABLE:
+    if v.link_transport == "cma" and not CMA_AVAILABLE:
         pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
     if v.backend == "ascend":
         request.getfixturevalue("fake_ascend_lib_dir")
@@ -58,10 +59,11 @@ def variant(request: pytest.FixtureRequest) -> Variant:
 def only(*ids: str, heavy: tuple[str, ...] = ()) -> pytest.MarkDecorator:
     """Runs a test on these cells of the matrix only (a case that exists on one path), e.g.
     ``@only("cpu-cma")``; the cells keep their skip rules (cma not permitted here). Cells named in
-    `heavy` run only with the heavy tests (``pytest -m heavy``), for a case that is slow there."""
+    `heavy` run only with the heavy tests (``pytest -m heavy``), for a case that is slow there, as
+    do the cells that are heavy themselves (Variant.heavy)."""
     chosen = [v for v in VARIANTS if v.id in ids]
     assert len(chosen) == len(ids) and set(heavy) <= set(ids), f"unknown variant in {ids} / {heavy}"
-    params = [pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.id in heavy else []) for v in chosen]
+    params = [pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.id in heavy or v.heavy else []) for v in chosen]
     return pytest.mark.parametrize("variant", params, indirect=True)
 
 
@@ -137,11 +139,12 @@ class Pair:
         self.decode.call(kv.start, "decoder", DECODER_ID, remote=remote, pool=pool, timeout_ms=timeout)
 
     def link(self) -> None:
-        """Links decode to prefill; both report the variant's transport and backend."""
+        """Links decode to prefill; both report the variant's transport, device paths and backend."""
         ret = self.decode.call(kv.link, PROMPT_ID, self.port)
         assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
         for side in (self.prefill, self.decode):
-            assert {link["transport"] for link in side.call(kv.links)} == {self.variant.link_transport}
+            assert {(link["transport"], tuple(link["device_paths"])) for link in side.call(kv.links)} == {
+                (self.variant.link_transport, self.variant.device_paths)}
             assert side.call(kv.backend) == self.variant.backend
 
     def unlink(self, force: bool = False) -> LLMStatusCode:

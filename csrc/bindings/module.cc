@@ -323,6 +323,7 @@ PYBIND11_MODULE(_core, m) {
                d["transport"] = l.transport;
                d["authenticated"] = l.authenticated;
                d["payload_integrity"] = l.payload_integrity;
+               d["device_paths"] = l.device_paths;
                out.append(d);
              }
              return out;

@@ -6,8 +6,9 @@ namespace pdlink {
 
 namespace {
 LinkInfo infoOf(const Link& l) {
-  return LinkInfo{l.peer(),      l.peerAddress(),       l.initiator(),         l.broken(),
-                  l.brokenReason(), l.transport(), l.authenticated(), l.payloadIntegrity()};
+  return LinkInfo{l.peer(),          l.peerAddress(),   l.initiator(),        l.broken(),
+                  l.brokenReason(), l.transport(),     l.authenticated(),    l.payloadIntegrity(),
+                  l.devicePathNames()};
 }
 }  // namespace
 

@@ -25,6 +25,10 @@ MemPool::~MemPool() {
 }
 
 Result<uint64_t> MemPool::allocate(uint64_t bytes) {
+  if (bytes > size_) {  // also keeps the rounding below from wrapping around
+    return Status(Code::kOutOfMemory, "memory pool exhausted: need " + std::to_string(bytes) + " bytes, the pool has " +
+                                          std::to_string(size_));
+  }
   uint64_t need = (bytes + page_ - 1) / page_ * page_;
   if (need == 0) need = page_;
   std::lock_guard<std::mutex> lock(mu_);

@@ -36,6 +36,9 @@
 #include "test_engines.h"
 
 using namespace pdlink;
+using testing::check;
+using testing::checkCode;
+using testing::failures;
 
 namespace {
 
@@ -45,19 +48,6 @@ constexpr uint64_t kBlocks = 16, kBlockBytes = 256;
 constexpr uint64_t kGuard = 64;
 constexpr int64_t kTimeoutMs = 20000;  // generous: sanitizers slow everything down
 
-int failures = 0;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    ++failures;
-  }
-}
-
-void checkCode(const Status& st, Code want, const std::string& what) {
-  check(st.code() == want, what + ": expected code " + std::to_string(static_cast<int>(want)) + ", got " +
-                               st.toString());
-}
 
 uint8_t guardByte(uint64_t i) { return static_cast<uint8_t>(0xA5 ^ (i * 29)); }
 

@@ -1,17 +1,35 @@
-// What the native test programs (concurrency_test, path_test) share: engines that start or end
-// the program, registrations that cannot fail quietly, and transfer specs of blocks caches.
+// What the native test programs (concurrency_test, path_test, unit_test) share: checks that count
+// failures, engines that start or end the program, registrations that cannot fail quietly, and
+// transfer specs of blocks caches. Single-threaded checks: concurrency_test keeps its own counter.
 #pragma once
 
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "backends/backend.h"
 #include "engine/engine.h"
 
 namespace pdlink::testing {
+
+inline int failures = 0;  // the checks that failed; a program exits 1 when any did
+
+// Counts and prints a failed check.
+inline void check(bool ok, const std::string& what) {
+  if (!ok) {
+    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+    ++failures;
+  }
+}
+
+// `st` has exactly the code `want`.
+inline void checkCode(const Status& st, Code want, const std::string& what) {
+  check(st.code() == want, what + ": expected code " + std::to_string(static_cast<int>(want)) + ", got " +
+                               st.toString());
+}
 
 // A CPU engine initialised with `config`; exits the program (status 1) when it cannot start.
 inline std::unique_ptr<Engine> startEngine(const EngineConfig& config) {

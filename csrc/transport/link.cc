@@ -16,13 +16,30 @@ Link::Link(uint64_t peer_cluster_id, Socket out, Socket in, bool initiator)
 
 Link::~Link() = default;
 
+namespace {
+std::vector<std::string> namesOf(const std::vector<DataPath*>& paths) {
+  std::vector<std::string> names;
+  for (const DataPath* p : paths) names.emplace_back(p->caps().name);
+  return names;
+}
+}  // namespace
+
 void Link::setPaths(std::unique_ptr<DataPath> host, std::vector<DataPath*> device) {
   host_path_ = std::move(host);
   device_paths_ = std::move(device);
+  std::lock_guard<std::mutex> lock(state_mu_);
+  device_path_names_ = namesOf(device_paths_);
 }
 
 void Link::dropDevicePath(const DataPath* path) {
   device_paths_.erase(std::remove(device_paths_.begin(), device_paths_.end(), path), device_paths_.end());
+  std::lock_guard<std::mutex> lock(state_mu_);
+  device_path_names_ = namesOf(device_paths_);
+}
+
+std::vector<std::string> Link::devicePathNames() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return device_path_names_;
 }
 
 const char* Link::transport() const {

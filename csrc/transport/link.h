@@ -43,6 +43,7 @@ struct LinkInfo {
   std::string transport;
   bool authenticated = false;      // every frame is sealed under a session key (a link secret)
   bool payload_integrity = false;  // and so is every payload
+  std::vector<std::string> device_paths;  // the paths of this side's DEVICE-memory requests, in the order tried
 };
 
 class Link {
@@ -80,6 +81,8 @@ class Link {
   const std::vector<DataPath*>& devicePaths() const { return device_paths_; }  // requires outMutex()
   // A device path the peer turned down for good (IPC with a runtime that cannot share memory).
   void dropDevicePath(const DataPath* path);  // requires outMutex()
+  // The names of devicePaths(), for links(): readable without outMutex() (a transfer may hold it).
+  std::vector<std::string> devicePathNames() const;
   // What links() reports: the host path's name ("cma", "unix" for a same-host stream, "tcp").
   const char* transport() const;
 
@@ -141,6 +144,7 @@ class Link {
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_
   std::string broken_reason_;  // guarded by state_mu_
+  std::vector<std::string> device_path_names_;  // guarded by state_mu_; follows device_paths_
 };
 
 }  // namespace pdlink

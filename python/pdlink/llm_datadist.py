@@ -334,8 +334,9 @@ class LLMDataDist:
 
     def links(self) -> list[dict[str, Any]]:
         """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
-        broken, broken_reason, transport, authenticated, payload_integrity); in v1 multi-device
-        mode each also has ``device_index``."""
+        broken, broken_reason, transport: the path of HOST memory, authenticated,
+        payload_integrity, device_paths: the paths of DEVICE memory, in the order tried); in v1
+        multi-device mode each also has ``device_index``."""
         engine = self._live_engine()
         if len(self._engines) == 1:
             return engine.links()

@@ -1,0 +1,462 @@
+// Unit tests of the pieces under the data paths, each on its own, in one process:
+//   - the wire decoders (transport/wire.h): every frame round-trips; a short, long, bad-magic,
+//     unknown-op or unknown-flag frame, a count past its limit or past the bytes that are there,
+//     and an answer of the wrong size are refused with kLinkFailed, before anything is allocated
+//     for them;
+//   - the registry (engine/registry.h): ids, key binding that changes nothing when refused,
+//     resolve of every target kind against its bounds with the exact code, the write check, raw
+//     addresses inside one tensor only, describe and its generation, unregister, and the reference
+//     counting that returns a pool-allocated cache's memory once its id and keys are gone;
+//   - the memory pool (engine/mem_pool.h): page-aligned, disjoint allocations, kOutOfMemory at the
+//     end and for sizes past the pool (none wraps around), release that merges neighbours.
+//
+// Usage: unit_test. Exit status 0 when every check passed, 1 otherwise (the failures are printed).
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/backend.h"
+#include "core/limits.h"
+#include "engine/mem_pool.h"
+#include "engine/registry.h"
+#include "test_engines.h"
+#include "transport/wire.h"
+
+using namespace pdlink;
+using testing::check;
+using testing::checkCode;
+
+namespace {
+
+const uint8_t* bytes(const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); }
+
+// ---------------------------------------------------------------- wire decoders
+
+void requestHeaderCases() {
+  wire::RequestHeader h{wire::Op::kWrite, 123, 456789, wire::kFlagDirect};
+  std::string f = wire::encode(h);
+  check(f.size() == wire::kRequestHeaderBytes, "request header: encoded size");
+  wire::RequestHeader got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: round trip");
+  check(got.op == h.op && got.body_len == h.body_len && got.payload_len == h.payload_len && got.flags == h.flags,
+        "request header: fields round-trip");
+  checkCode(wire::decode(bytes(f), f.size() - 1, &got), Code::kLinkFailed, "request header: one byte short");
+  std::string bad = f;
+  bad[0] ^= 1;
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "request header: bad magic");
+  for (uint8_t op : {uint8_t{0}, static_cast<uint8_t>(wire::kMaxOp + 1), uint8_t{255}}) {
+    bad = f;
+    bad[4] = static_cast<char>(op);
+    checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed,
+              "request header: op " + std::to_string(op));
+  }
+  bad = f;
+  bad[5] = static_cast<char>(0x80);
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "request header: an unknown flag");
+  // one-sided only together with device, and nothing else
+  for (uint8_t flags : {wire::kFlagOneSided, static_cast<uint8_t>(wire::kFlagOneSided | wire::kFlagDirect),
+                        wire::kKnownFlags}) {
+    f = wire::encode(wire::RequestHeader{wire::Op::kRead, 0, 0, flags});
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
+              "request header: flags " + std::to_string(flags));
+  }
+  f = wire::encode(wire::RequestHeader{wire::Op::kRead, 0, 0, wire::kFlagDevice | wire::kFlagOneSided});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: device | one-sided");
+  f = wire::encode(wire::RequestHeader{wire::Op::kRead, wire::kMaxBodyBytes + 1, 0, 0});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "request header: body past the limit");
+  f = wire::encode(wire::RequestHeader{wire::Op::kRead, wire::kMaxBodyBytes, 0, 0});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: body at the limit");
+}
+
+void responseHeaderCases() {
+  wire::ResponseHeader h{static_cast<uint32_t>(Code::kKvCacheNotExist), 17, 0};
+  std::string f = wire::encode(h);
+  wire::ResponseHeader got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: round trip");
+  check(got.status == h.status && got.message_len == 17, "response header: fields round-trip");
+  f = wire::encode(wire::ResponseHeader{999999, 0, 0});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: an unknown status code");
+  f = wire::encode(wire::ResponseHeader{1, wire::kMaxMessageBytes + 1, 0});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: text past the limit");
+}
+
+wire::TransferBody body(wire::TargetKind kind, std::vector<uint32_t> tensors, std::vector<wire::Run> runs) {
+  wire::TransferBody b;
+  b.target.kind = kind;
+  b.target.model_id = 7;
+  b.target.req_id = 11;
+  b.target.prefix_id = 13;
+  b.target.cache_id = 17;
+  b.target.batch_index = 19;
+  b.block_size = 256;
+  b.tensors = std::move(tensors);
+  b.runs = std::move(runs);
+  return b;
+}
+
+void transferBodyCases() {
+  wire::TransferBody b = body(wire::TargetKind::kPrefixKey, {0, 3}, {{0, 256}, {1024, 512}});
+  std::string f = wire::encode(b);
+  wire::TransferBody got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "transfer body: round trip");
+  check(got.target.kind == b.target.kind && got.target.model_id == 7 && got.target.req_id == 11 &&
+            got.target.prefix_id == 13 && got.target.cache_id == 17 && got.target.batch_index == 19 &&
+            got.block_size == 256 && got.tensors == b.tensors && got.runs.size() == 2 && got.runs[1].offset == 1024 &&
+            got.runs[1].length == 512,
+        "transfer body: fields round-trip");
+  auto payload = got.payloadBytes();
+  check(payload.ok() && payload.value() == 2 * (256 + 512), "transfer body: payload bytes");
+  // every truncation, and one byte too many
+  for (size_t n = 0; n < f.size(); ++n) {
+    wire::TransferBody t;
+    if (wire::decode(bytes(f), n, &t).code() != Code::kLinkFailed) {
+      check(false, "transfer body: truncated to " + std::to_string(n) + " bytes is refused");
+      break;
+    }
+  }
+  std::string longer = f + '\0';
+  checkCode(wire::decode(bytes(longer), longer.size(), &got), Code::kLinkFailed, "transfer body: a trailing byte");
+  std::string bad = f;
+  bad[0] = 6;
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "transfer body: target kind 6");
+  // counts past the limits are refused (the encoder writes what it is given)
+  std::vector<uint32_t> many(limits::kMaxRequestTensors + 1, 0);
+  f = wire::encode(body(wire::TargetKind::kBlocks, many, {{0, 1}}));
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "transfer body: tensors past the limit");
+  std::vector<wire::Run> runs(limits::kMaxRequestPieces / 2 + 1, wire::Run{0, 1});
+  f = wire::encode(body(wire::TargetKind::kBlocks, {0, 1}, runs));
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "transfer body: pieces past the limit");
+  runs.resize(limits::kMaxRequestPieces / 2);
+  f = wire::encode(body(wire::TargetKind::kBlocks, {0, 1}, runs));
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "transfer body: pieces at the limit");
+  // a count that claims more than the bytes that follow: refused before it is allocated
+  f = wire::encode(body(wire::TargetKind::kBlocks, {0}, {{0, 1}}));
+  bad = f;
+  const size_t tensor_count_at = 1 + 8 * 6;  // kind, then six u64 fields
+  bad[tensor_count_at] = bad[tensor_count_at + 1] = bad[tensor_count_at + 2] = static_cast<char>(0xFF);
+  bad[tensor_count_at + 3] = 0x7F;
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "transfer body: a huge tensor count");
+  // a payload that would overflow 64 bits
+  wire::TransferBody huge = body(wire::TargetKind::kRaw, {0, 1}, {{0, std::numeric_limits<uint64_t>::max() / 2 + 1}});
+  checkCode(huge.payloadBytes().status(), Code::kParamInvalid, "transfer body: payload overflowing 64 bits");
+}
+
+void descriptorAndAnswerCases() {
+  wire::CacheDescriptor d{5, 4096, 256, {0x1000, 0x9000}};
+  std::string f = wire::encode(d);
+  wire::CacheDescriptor got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "descriptor: round trip");
+  check(got.generation == 5 && got.tensor_size == 4096 && got.stride == 256 && got.addrs == d.addrs,
+        "descriptor: fields round-trip");
+  checkCode(wire::decode(bytes(f), f.size() - 1, &got), Code::kLinkFailed, "descriptor: one byte short");
+  for (const wire::CacheDescriptor& bad :
+       {wire::CacheDescriptor{5, 4096, 0, {1}}, wire::CacheDescriptor{5, 4096, 8192, {1}},
+        wire::CacheDescriptor{5, 4096, 256, {}},
+        wire::CacheDescriptor{5, 4096, 256, std::vector<uint64_t>(limits::kMaxRequestTensors + 1, 1)}}) {
+    f = wire::encode(bad);
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
+              "descriptor: stride " + std::to_string(bad.stride) + ", " + std::to_string(bad.addrs.size()) +
+                  " addresses");
+  }
+  check(f.size() > wire::kMaxDescriptorBytes, "descriptor: one past the tensor limit is longer than the most read");
+
+  wire::DirectAnswer a{9, {0x10, 0x20, 0x30}, {1, 2, 3}};
+  f = wire::encode(a);
+  check(f.size() == wire::directAnswerBytes(3), "direct answer: encoded size");
+  wire::DirectAnswer da;
+  checkCode(wire::decode(bytes(f), f.size(), 3, &da), Code::kSuccess, "direct answer: round trip");
+  check(da.pin_epoch == 9 && da.addrs == a.addrs && da.lengths == a.lengths, "direct answer: fields round-trip");
+  checkCode(wire::decode(bytes(f), f.size(), 2, &da), Code::kLinkFailed, "direct answer: more pieces than asked");
+  checkCode(wire::decode(bytes(f), f.size(), 4, &da), Code::kLinkFailed, "direct answer: fewer pieces than asked");
+  checkCode(wire::decode(bytes(f), f.size(), limits::kMaxRequestPieces + 1, &da), Code::kLinkFailed,
+            "direct answer: an expectation past the limit");
+
+  std::vector<uint64_t> addrs;
+  std::string list(24, '\x01');
+  checkCode(wire::decodeAddresses(bytes(list), list.size(), 3, &addrs), Code::kSuccess, "address list: 3 of 3");
+  check(addrs.size() == 3 && addrs[0] == 0x0101010101010101ULL, "address list: values");
+  checkCode(wire::decodeAddresses(bytes(list), list.size() - 1, 3, &addrs), Code::kLinkFailed,
+            "address list: one byte short");
+
+  wire::IpcAnswer ipc{{"key-a", std::string(limits::kIpcKeyBytes, 'k')}, {4096, 8192}};
+  f = wire::encode(ipc);
+  check(f.size() == 2 * wire::kIpcEntryBytes, "IPC answer: encoded size");
+  wire::IpcAnswer gi;
+  checkCode(wire::decode(bytes(f), f.size(), 2, &gi), Code::kSuccess, "IPC answer: round trip");
+  check(gi.keys == ipc.keys && gi.spans == ipc.spans, "IPC answer: a short key and a full-length key round-trip");
+  checkCode(wire::decode(bytes(f), f.size(), 1, &gi), Code::kLinkFailed, "IPC answer: more tensors than asked");
+  std::string empty_key = f;
+  for (size_t i = 0; i < limits::kIpcKeyBytes; ++i) empty_key[wire::kIpcEntryBytes + i] = '\0';
+  checkCode(wire::decode(bytes(empty_key), empty_key.size(), 2, &gi), Code::kLinkFailed, "IPC answer: an empty key");
+}
+
+// ---------------------------------------------------------------- registry
+
+constexpr uint64_t kSlots = 4, kStride = 256;
+
+CacheEntry userCache(std::vector<uint8_t>* mem, uint32_t tensors, bool blocks, std::optional<uint64_t> model,
+                     bool remote = true) {
+  mem->assign(uint64_t{tensors} * kSlots * kStride, 0);
+  CacheEntry e;
+  e.layout = CacheLayout{tensors, kSlots * kStride, kSlots, blocks, Placement::kHost};
+  for (uint32_t t = 0; t < tensors; ++t) e.addrs.push_back(reinterpret_cast<uint64_t>(mem->data()) + t * kSlots * kStride);
+  e.blocks_model = model;
+  e.remote_accessible = remote;
+  return e;
+}
+
+RequestKey reqKey(uint64_t req, uint64_t model) { return RequestKey{req, kInvalidId, model}; }
+
+wire::TransferBody blocksBody(uint64_t model, std::vector<uint32_t> tensors, std::vector<wire::Run> runs) {
+  wire::TransferBody b;
+  b.target.kind = wire::TargetKind::kBlocks;
+  b.target.model_id = model;
+  b.block_size = kStride;
+  b.tensors = std::move(tensors);
+  b.runs = std::move(runs);
+  return b;
+}
+
+void registryCases() {
+  Registry reg;
+  std::vector<uint8_t> m1, m2, m3, m4;
+  auto a = reg.add(userCache(&m1, 2, false, std::nullopt), {reqKey(1, 0), RequestKey{}, reqKey(2, 0)});
+  auto b = reg.add(userCache(&m2, 2, true, 7), {});
+  check(a.ok() && b.ok() && a.value()->id == 1 && b.value()->id == 2, "registry: ids count from 1 in call order");
+  const uint64_t gen0 = reg.published()->generation.load();
+
+  // refused adds change nothing, and do not use up an id
+  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), {reqKey(9, 0), reqKey(2, 0)}).status(),
+            Code::kParamInvalid, "registry: a key already bound");
+  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), {reqKey(9, 0), reqKey(9, 0)}).status(),
+            Code::kParamInvalid, "registry: a key repeated in one call");
+  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), std::vector<RequestKey>(kSlots + 1, RequestKey{})).status(),
+            Code::kParamInvalid, "registry: more keys than slots");
+  checkCode(reg.add(userCache(&m3, 1, true, 7), {}).status(), Code::kParamInvalid,
+            "registry: a second blocks cache under one model");
+  check(reg.size() == 2, "registry: refused adds added nothing");
+  wire::TransferBody by_key;
+  by_key.target.kind = wire::TargetKind::kRequestKey;
+  by_key.target.req_id = 9;
+  by_key.tensors = {0};
+  by_key.runs = {{0, 1}};
+  checkCode(reg.resolve(by_key, false).status(), Code::kKvCacheNotExist,
+            "registry: a key of a refused add was not bound");
+  auto c = reg.add(userCache(&m3, 1, false, std::nullopt, /*remote=*/false), {});
+  check(c.ok() && c.value()->id == 3, "registry: the next id after refusals is 3");
+
+  // request keys: the slot's bytes, bounded by the stride; padding keys consume a slot
+  by_key.target.req_id = 2;
+  by_key.runs = {{16, kStride - 16}};
+  auto r = reg.resolve(by_key, false);
+  check(r.ok() && r.value().base == 2 * kStride && r.value().addrs == a.value()->addrs,
+        "registry: request key 2 is slot 2 (the padding key took slot 1)");
+  by_key.runs = {{16, kStride - 15}};
+  checkCode(reg.resolve(by_key, false).status(), Code::kParamInvalid, "registry: a run one byte past the slot");
+  by_key.runs = {{0, 0}};
+  checkCode(reg.resolve(by_key, false).status(), Code::kParamInvalid, "registry: an empty run");
+  by_key.runs = {{std::numeric_limits<uint64_t>::max(), 2}};
+  checkCode(reg.resolve(by_key, false).status(), Code::kParamInvalid, "registry: a run that wraps around");
+  by_key.runs = {{0, 1}};
+  by_key.tensors = {2};
+  checkCode(reg.resolve(by_key, false).status(), Code::kParamInvalid, "registry: tensor 2 of 2");
+  by_key.tensors = {0};
+  by_key.target.model_id = 1;
+  checkCode(reg.resolve(by_key, false).status(), Code::kKvCacheNotExist, "registry: the key under another model");
+
+  // id + batch index
+  wire::TransferBody by_id = by_key;
+  by_id.target.kind = wire::TargetKind::kIdIndex;
+  by_id.target.cache_id = 1;
+  by_id.target.batch_index = kSlots - 1;
+  r = reg.resolve(by_id, false);
+  check(r.ok() && r.value().base == (kSlots - 1) * kStride, "registry: id and the last batch index");
+  by_id.target.batch_index = kSlots;
+  checkCode(reg.resolve(by_id, false).status(), Code::kKvCacheNotExist, "registry: a batch index past the cache");
+  by_id.target.batch_index = 0;
+  by_id.target.cache_id = 3;
+  checkCode(reg.resolve(by_id, true).status(), Code::kParamInvalid, "registry: a write into a cache not remote accessible");
+  check(reg.resolve(by_id, false).ok(), "registry: a read of a cache not remote accessible");
+
+  // blocks: the whole tensor, the block size checked
+  r = reg.resolve(blocksBody(7, {0, 1}, {{3 * kStride, kStride}, {0, kStride}}), true);
+  check(r.ok() && r.value().base == 0 && r.value().tensors.size() == 2 && r.value().runs.size() == 2,
+        "registry: blocks 3 and 0 of both tensors");
+  checkCode(reg.resolve(blocksBody(7, {0}, {{kSlots * kStride - 1, 2}}), false).status(), Code::kParamInvalid,
+            "registry: a run past the blocks cache");
+  wire::TransferBody wrong_size = blocksBody(7, {0}, {{0, kStride}});
+  wrong_size.block_size = kStride * 2;
+  checkCode(reg.resolve(wrong_size, false).status(), Code::kParamInvalid, "registry: a different block size");
+  checkCode(reg.resolve(blocksBody(8, {0}, {{0, 1}}), false).status(), Code::kKvCacheNotExist,
+            "registry: an unknown model");
+
+  // raw addresses: inside one registered tensor only
+  const uint64_t t1 = b.value()->addrs[1];
+  wire::TransferBody raw;
+  raw.target.kind = wire::TargetKind::kRaw;
+  raw.tensors = {0};
+  raw.runs = {{t1 + 8, kSlots * kStride - 8}};
+  r = reg.resolve(raw, false);
+  check(r.ok() && r.value().keep.size() == 1 && r.value().keep[0]->id == 2, "registry: a raw range inside a tensor");
+  raw.runs = {{t1 + 8, kSlots * kStride - 7}};
+  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range one byte past its tensor");
+  raw.runs = {{b.value()->addrs[0] + kSlots * kStride - 4, 8}};
+  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range across two tensors");
+  raw.runs = {{reinterpret_cast<uint64_t>(&gen0), 8}};
+  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range outside every cache");
+  raw.runs = {{c.value()->addrs[0], 8}};
+  checkCode(reg.resolve(raw, true).status(), Code::kParamInvalid, "registry: a raw write into a read-only cache");
+  raw.tensors = {0, 1};
+  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw transfer of two tensors");
+
+  // describe, and the generation a same-host peer watches
+  auto d = reg.describe(7);
+  check(d.ok() && d.value().stride == kStride && d.value().tensor_size == kSlots * kStride &&
+            d.value().addrs == b.value()->addrs && d.value().generation == reg.published()->generation.load(),
+        "registry: describe a blocks cache");
+  checkCode(reg.describe(8).status(), Code::kKvCacheNotExist, "registry: describe an unknown model");
+  check(reg.published()->generation.load() == gen0, "registry: adds and resolves leave the generation alone");
+
+  // unregister: keys and indexes go, the generation moves
+  checkCode(reg.unregister(1), Code::kSuccess, "registry: unregister cache 1");
+  check(reg.published()->generation.load() > gen0, "registry: unregister bumps the generation");
+  by_key.target.model_id = 0;
+  checkCode(reg.resolve(by_key, false).status(), Code::kKvCacheNotExist, "registry: keys of an unregistered cache");
+  raw.tensors = {0};
+  raw.runs = {{a.value()->addrs[0], 8}};
+  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: raw addresses of an unregistered cache");
+  checkCode(reg.unregister(1), Code::kParamInvalid, "registry: unregister twice");
+  auto again = reg.add(userCache(&m4, 1, false, std::nullopt), {reqKey(1, 0)});
+  check(again.ok() && again.value()->id == 4, "registry: a freed key binds again, under a new id");
+  checkCode(reg.unregister(2), Code::kSuccess, "registry: unregister the blocks cache");
+  checkCode(reg.describe(7).status(), Code::kKvCacheNotExist, "registry: describe after unregister");
+}
+
+void poolLifetimeCases() {
+  auto backend = makeCpuBackend();
+  auto pool = MemPool::create(backend, Placement::kHost, 64 * 1024, 12);
+  check(pool.ok(), "registry pool: create");
+  if (!pool.ok()) return;
+  std::shared_ptr<MemPool> p = pool.value();
+  Registry reg;
+  auto owned = [&](std::vector<RequestKey> keys) {
+    CacheEntry e;
+    e.layout = CacheLayout{2, kSlots * kStride, kSlots, false, Placement::kHost};
+    for (int t = 0; t < 2; ++t) e.addrs.push_back(p->allocate(e.layout.tensor_size).value());
+    e.owned = true;
+    e.pool = p;
+    return reg.add(std::move(e), keys);
+  };
+  int64_t id = 0;
+  {  // the test's own reference ends here
+    auto a = owned({reqKey(5, 0)});
+    check(a.ok() && p->used() == 2 * 4096, "registry pool: an allocated cache holds two pages");
+    if (!a.ok()) return;
+    id = a.value()->id;
+  }
+  checkCode(reg.unregister(id), Code::kParamInvalid, "registry pool: unregister of an allocated cache");
+  checkCode(reg.deallocate(id, /*expect_blocks=*/true), Code::kParamInvalid, "registry pool: the wrong deallocate");
+  checkCode(reg.deallocate(id, false), Code::kSuccess, "registry pool: deallocate");
+  check(p->used() == 2 * 4096 && reg.size() == 1, "registry pool: a bound request key keeps the memory");
+  // a transfer that resolved it keeps it alive past the key's release
+  wire::TransferBody by_key;
+  by_key.target.kind = wire::TargetKind::kRequestKey;
+  by_key.target.req_id = 5;
+  by_key.tensors = {0, 1};
+  by_key.runs = {{0, kStride}};
+  {
+    auto in_flight = reg.resolve(by_key, false);
+    check(in_flight.ok(), "registry pool: resolve by the request key");
+    reg.commitRead(by_key.target, {0});
+    check(reg.size() == 1, "registry pool: one tensor of two read: the key stays");
+    reg.commitRead(by_key.target, {1});
+    check(reg.size() == 0, "registry pool: both tensors read: the cache leaves the registry");
+    check(p->used() == 2 * 4096, "registry pool: the in-flight transfer still holds the memory");
+  }
+  check(p->used() == 0, "registry pool: the memory is back in the pool when the transfer ends");
+
+  // removeKey and deallocate, in either order, free it once
+  int64_t bid = 0;
+  {
+    auto b = owned({reqKey(6, 0)});
+    if (!b.ok()) return check(false, "registry pool: a second allocated cache");
+    bid = b.value()->id;
+  }
+  reg.removeKey(reqKey(6, 0));
+  check(p->used() == 2 * 4096, "registry pool: the id reference keeps the memory");
+  checkCode(reg.deallocate(bid, false), Code::kSuccess, "registry pool: deallocate after removeKey");
+  checkCode(reg.deallocate(bid, false), Code::kSuccess, "registry pool: a second deallocate is a no-op");
+  check(p->used() == 0 && reg.size() == 0, "registry pool: freed once");
+}
+
+// ---------------------------------------------------------------- memory pool
+
+void memPoolCases() {
+  auto backend = makeCpuBackend();
+  checkCode(MemPool::create(backend, Placement::kHost, 0, 12).status(), Code::kParamInvalid, "pool: size 0");
+  checkCode(MemPool::create(backend, Placement::kHost, 4096, 9).status(), Code::kParamInvalid, "pool: page_shift 9");
+  checkCode(MemPool::create(backend, Placement::kHost, 4096, 31).status(), Code::kParamInvalid, "pool: page_shift 31");
+  auto created = MemPool::create(backend, Placement::kHost, 16 * 4096, 12);
+  check(created.ok(), "pool: create 16 pages");
+  if (!created.ok()) return;
+  std::shared_ptr<MemPool> pool = created.value();
+  check(pool->capacity() == 16 * 4096 && pool->used() == 0, "pool: capacity and use");
+
+  std::vector<uint64_t> got;
+  for (uint64_t bytes : {uint64_t{1}, uint64_t{4096}, uint64_t{4097}, uint64_t{0}}) {
+    auto a = pool->allocate(bytes);
+    check(a.ok(), "pool: allocate " + std::to_string(bytes));
+    if (a.ok()) got.push_back(a.value());
+  }
+  check(pool->used() == (1 + 1 + 2 + 1) * 4096, "pool: sizes rounded up to whole pages (0 takes one)");
+  std::set<uint64_t> distinct(got.begin(), got.end());
+  bool aligned = true, inside = true;
+  for (uint64_t a : got) {
+    aligned = aligned && (a - pool->base()) % 4096 == 0;
+    inside = inside && a >= pool->base() && a < pool->base() + pool->capacity();
+  }
+  check(distinct.size() == got.size() && aligned && inside, "pool: distinct, page-aligned, inside the region");
+  check(got.size() == 4 && got[3] - got[2] >= 2 * 4096, "pool: the 2-page allocation does not overlap the next");
+
+  checkCode(pool->allocate(12 * 4096).status(), Code::kOutOfMemory, "pool: more than is free");
+  for (uint64_t huge : {uint64_t{17} * 4096, std::numeric_limits<uint64_t>::max(),
+                        std::numeric_limits<uint64_t>::max() - 4094}) {
+    checkCode(pool->allocate(huge).status(), Code::kOutOfMemory, "pool: allocate " + std::to_string(huge));
+  }
+  check(pool->used() == 5 * 4096, "pool: refused allocations took nothing");
+  auto rest = pool->allocate(11 * 4096);
+  check(rest.ok() && pool->used() == pool->capacity(), "pool: exactly what is left");
+  if (!rest.ok() || got.size() != 4) return;
+  checkCode(pool->allocate(1).status(), Code::kOutOfMemory, "pool: full");
+
+  // release in an order that needs merges on both sides; then the whole region is one range again
+  pool->release(got[1]);
+  pool->release(got[3]);
+  pool->release(got[2]);  // between the two freed ranges
+  pool->release(got[0]);
+  pool->release(rest.value());
+  pool->release(rest.value());      // twice: a no-op
+  pool->release(pool->base() - 1);  // not an allocation: a no-op
+  check(pool->used() == 0, "pool: everything released");
+  auto whole = pool->allocate(pool->capacity());
+  check(whole.ok() && whole.value() == pool->base(), "pool: released neighbours merged back into one range");
+}
+
+}  // namespace
+
+int main() {
+  requestHeaderCases();
+  responseHeaderCases();
+  transferBodyCases();
+  descriptorAndAnswerCases();
+  registryCases();
+  poolLifetimeCases();
+  memPoolCases();
+  std::fprintf(stderr, testing::failures ? "unit_test: %d failure(s)\n" : "unit_test: every check passed\n",
+               testing::failures);
+  return testing::failures ? 1 : 0;
+}
