@@ -57,8 +57,7 @@ class Variant:
     path of HOST memory); ``kind``: the short name ``peer_env`` takes ("cma", "tcp", "ascend",
     "ascend-ipc", "ascend-onesided"); ``serving_loop``: every transfer goes through the peer's
     serving thread, so a frozen peer makes a pull time out (false for cma, where a cached-layout
-    read is a kernel copy that needs nothing from the peer); ``device_paths``: what ``links()``
-    reports as ``device_paths`` (tried in this order); ``extra_env``: what else its peers set;
+    read is a kernel copy that needs nothing from the peer); ``extra_env``: what else its peers set;
     ``heavy``: the shared suite runs on it with the heavy tests only (``pytest -m heavy``), to keep
     the default run in its budget; its own test file (test_ascend_ipc.py, test_ascend_onesided.py)
     runs by default."""
@@ -69,9 +68,18 @@ class Variant:
     link_transport: str
     kind: str
     serving_loop: bool
-    device_paths: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     heavy: bool = False
+
+    def device_paths(self, env: dict[str, str]) -> tuple[str, ...]:
+        """What ``links()`` reports as ``device_paths`` on a peer of this variant with environment
+        ``env`` (the engine tries them in this order): on the Ascend backend, IPC on a same-host
+        link, one-sided HCCL where this peer enables it, then two-sided HCCL; nothing on CPU."""
+        if self.backend != "ascend":
+            return ()
+        ipc = ("ipc",) if env.get("PDLINK_TRANSPORT", self.link_transport) == "cma" else ()
+        one_sided = ("hccl-one-sided",) if env.get("PDLINK_HCCL_ONE_SIDED") == "1" else ()
+        return (*ipc, *one_sided, "hccl")
 
     def env(self, **extra: str) -> dict[str, str]:
         if self.backend == "ascend":
@@ -91,11 +99,10 @@ class Variant:
 VARIANTS = (
     Variant("cpu-cma", "cpu", "cma", "cma", "cma", serving_loop=False),
     Variant("cpu-tcp", "cpu", "tcp", "tcp", "tcp", serving_loop=True),
-    Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True, device_paths=("hccl",)),
-    Variant("ascend-ipc", "ascend", "ipc", "cma", "ascend-ipc", serving_loop=True, device_paths=("ipc", "hccl"),
-            heavy=True),
+    Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True),
+    Variant("ascend-ipc", "ascend", "ipc", "cma", "ascend-ipc", serving_loop=True, heavy=True),
     Variant("ascend-onesided", "ascend", "hccl-one-sided", "tcp", "ascend-onesided", serving_loop=True,
-            device_paths=("hccl-one-sided", "hccl"), extra_env=(("PDLINK_HCCL_ONE_SIDED", "1"),), heavy=True),
+            extra_env=(("PDLINK_HCCL_ONE_SIDED", "1"),), heavy=True),
 )
 BY_KIND = {v.kind: v for v in VARIANTS}
 BACKENDS = ("cpu", "ascend")

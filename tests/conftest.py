@@ -131,20 +131,22 @@ class Pair:
                  prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
                  prefill_timeout: int | None = None, prefill_options: dict[str, str] | None = None):
         self.variant = variant
-        self.prefill = peers("prefill", env=variant.env(**(prefill_env or {})))
-        self.decode = peers("decode", env=variant.env(**(decode_env or {})))
+        self._env = {"prefill": variant.env(**(prefill_env or {})), "decode": variant.env(**(decode_env or {}))}
+        self.prefill = peers("prefill", env=self._env["prefill"])
+        self.decode = peers("decode", env=self._env["decode"])
         self.timeout = timeout
         self.port = self.prefill.call(kv.start, "prompt", PROMPT_ID, listen=True, remote=remote, pool=pool,
                                       timeout_ms=prefill_timeout or timeout, extra=prefill_options)
         self.decode.call(kv.start, "decoder", DECODER_ID, remote=remote, pool=pool, timeout_ms=timeout)
 
     def link(self) -> None:
-        """Links decode to prefill; both report the variant's transport, device paths and backend."""
+        """Links decode to prefill; both report the variant's transport and backend, and the device
+        paths their own settings give (Variant.device_paths)."""
         ret = self.decode.call(kv.link, PROMPT_ID, self.port)
         assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
-        for side in (self.prefill, self.decode):
+        for name, side in (("prefill", self.prefill), ("decode", self.decode)):
             assert {(link["transport"], tuple(link["device_paths"])) for link in side.call(kv.links)} == {
-                (self.variant.link_transport, self.variant.device_paths)}
+                (self.variant.link_transport, self.variant.device_paths(self._env[name]))}
             assert side.call(kv.backend) == self.variant.backend
 
     def unlink(self, force: bool = False) -> LLMStatusCode:
