@@ -52,9 +52,9 @@ def fake_ascend_dir() -> str:
 class Variant:
     """One cell of the matrix.
 
-    ``id``: the test id; ``backend``: the engine's backend; ``path``: how DEVICE cache bytes move
-    between two such peers; ``link_transport``: what ``links()`` reports as ``transport`` (the
-    path of HOST memory); ``kind``: the short name ``peer_env`` takes ("cma", "tcp", "ascend",
+    ``id``: the test id; ``backend``: the engine's backend; ``link_transport``: what ``links()``
+    reports as ``transport`` (the path of HOST memory; "cma": a proven same-host link, see
+    ``same_host``); ``kind``: the short name ``peer_env`` takes ("cma", "tcp", "ascend",
     "ascend-ipc", "ascend-onesided"); ``serving_loop``: every transfer goes through the peer's
     serving thread, so a frozen peer makes a pull time out (false for cma, where a cached-layout
     read is a kernel copy that needs nothing from the peer); ``extra_env``: what else its peers set;
@@ -64,12 +64,17 @@ class Variant:
 
     id: str
     backend: str
-    path: str
     link_transport: str
     kind: str
     serving_loop: bool
     extra_env: tuple[tuple[str, str], ...] = ()
     heavy: bool = False
+
+    @property
+    def same_host(self) -> bool:
+        """Its links are proven same-host links (AF_UNIX channels a raw attacker reaches through
+        the acceptor's redirect; direct or IPC access)."""
+        return self.link_transport == "cma"
 
     def device_paths(self, env: dict[str, str]) -> tuple[str, ...]:
         """What ``links()`` reports as ``device_paths`` on a peer of this variant with environment
@@ -97,11 +102,11 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("cpu-cma", "cpu", "cma", "cma", "cma", serving_loop=False),
-    Variant("cpu-tcp", "cpu", "tcp", "tcp", "tcp", serving_loop=True),
-    Variant("ascend-fake", "ascend", "hccl", "tcp", "ascend", serving_loop=True),
-    Variant("ascend-ipc", "ascend", "ipc", "cma", "ascend-ipc", serving_loop=True, heavy=True),
-    Variant("ascend-onesided", "ascend", "hccl-one-sided", "tcp", "ascend-onesided", serving_loop=True,
+    Variant("cpu-cma", "cpu", "cma", "cma", serving_loop=False),
+    Variant("cpu-tcp", "cpu", "tcp", "tcp", serving_loop=True),
+    Variant("ascend-fake", "ascend", "tcp", "ascend", serving_loop=True),
+    Variant("ascend-ipc", "ascend", "cma", "ascend-ipc", serving_loop=True, heavy=True),
+    Variant("ascend-onesided", "ascend", "tcp", "ascend-onesided", serving_loop=True,
             extra_env=(("PDLINK_HCCL_ONE_SIDED", "1"),), heavy=True),
 )
 BY_KIND = {v.kind: v for v in VARIANTS}

@@ -42,14 +42,19 @@ def fake_ascend_lib_dir() -> str:
     pytest.fail(f"building the fake Ascend libraries (tests/fake_ascend/build.py) failed: {error}", pytrace=False)
 
 
-@pytest.fixture(params=[pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.heavy else []) for v in VARIANTS])
+def _cell(v: Variant, heavy: bool = False) -> Any:
+    """One parameter of the matrix: heavy when asked, or when the cell is (Variant.heavy)."""
+    return pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if heavy or v.heavy else [])
+
+
+@pytest.fixture(params=[_cell(v) for v in VARIANTS])
 def variant(request: pytest.FixtureRequest) -> Variant:
     """Each data-movement test runs on every backend x data path (backend_env.VARIANTS): the CPU
     backend over direct memory access (cma) and over loopback TCP, and the Ascend backend over the
     fake vendor libraries, by HCCL, by IPC and by one-sided HCCL (those two with the heavy tests).
     Peers get their environment from ``variant.env()``."""
     v: Variant = request.param
-    if v.link_transport == "cma" and not CMA_AVAILABLE:
+    if v.same_host and not CMA_AVAILABLE:
         pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
     if v.backend == "ascend":
         request.getfixturevalue("fake_ascend_lib_dir")
@@ -63,8 +68,7 @@ def only(*ids: str, heavy: tuple[str, ...] = ()) -> pytest.MarkDecorator:
     do the cells that are heavy themselves (Variant.heavy)."""
     chosen = [v for v in VARIANTS if v.id in ids]
     assert len(chosen) == len(ids) and set(heavy) <= set(ids), f"unknown variant in {ids} / {heavy}"
-    params = [pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.id in heavy or v.heavy else []) for v in chosen]
-    return pytest.mark.parametrize("variant", params, indirect=True)
+    return pytest.mark.parametrize("variant", [_cell(v, v.id in heavy) for v in chosen], indirect=True)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -34,6 +34,7 @@ def test_benchmark_smoke_runs_and_verifies(tmp_path):
     text = (tmp_path / "results.txt").read_text()
     assert "pdlink benchmark" in text and "x the best 1-stream TCP ceiling" in text
 
+
 def test_authentication_benchmark_smoke_runs_and_verifies(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_auth.py"), "--smoke", "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -151,7 +151,7 @@ def test_hostile_frames_on_an_established_link_only_drop_that_link(pair: Pair) -
     """A peer that passes the handshake and then sends out-of-range or malformed requests."""
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
     h = rawwire.handshake(pair.port, cluster=9, nonce=77)
-    if pair.variant.link_transport == "cma":
+    if pair.variant.same_host:
         # an engine forced to direct memory access refuses a peer that is not (proven) on its host
         assert h.status == LLMStatusCode.LLM_LINK_FAILED and "cma" in h.message, h.message
         return

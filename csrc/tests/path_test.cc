@@ -48,7 +48,6 @@ constexpr uint64_t kBlocks = 16, kBlockBytes = 256;
 constexpr uint64_t kGuard = 64;
 constexpr int64_t kTimeoutMs = 20000;  // generous: sanitizers slow everything down
 
-
 uint8_t guardByte(uint64_t i) { return static_cast<uint8_t>(0xA5 ^ (i * 29)); }
 
 // Tensors of `bytes` each, with guard bytes before and after, filled with a seed's pattern.

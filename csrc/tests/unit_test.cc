@@ -211,13 +211,11 @@ CacheEntry userCache(std::vector<uint8_t>* mem, uint32_t tensors, bool blocks, s
 
 RequestKey reqKey(uint64_t req, uint64_t model) { return RequestKey{req, kInvalidId, model}; }
 
+// A read or write of blocks cache `model` (the registry's block size, kStride).
 wire::TransferBody blocksBody(uint64_t model, std::vector<uint32_t> tensors, std::vector<wire::Run> runs) {
-  wire::TransferBody b;
-  b.target.kind = wire::TargetKind::kBlocks;
+  wire::TransferBody b = body(wire::TargetKind::kBlocks, std::move(tensors), std::move(runs));
   b.target.model_id = model;
   b.block_size = kStride;
-  b.tensors = std::move(tensors);
-  b.runs = std::move(runs);
   return b;
 }
 

@@ -49,7 +49,7 @@ def attacker_links(peers: Callable[..., Peer], pair: Pair) -> Peer:
     """An attacker with a raw link to the victim: over TCP, or, to a victim that only takes
     same-host links, over the AF_UNIX socket it redirects to once the attacker claims its host."""
     a = peers("attacker")
-    unix = a.call(hostile.redirect_name, pair.port) if pair.variant.link_transport == "cma" else None
+    unix = a.call(hostile.redirect_name, pair.port) if pair.variant.same_host else None
     assert a.call(hostile.link_raw, pair.port, 9, b"", unix) == (0, "")
     return a
 
@@ -109,7 +109,7 @@ def test_a_request_at_the_bounds_is_served_within_them(peers: Callable[..., Peer
     rss = victim.prefill.call(kv.rss_kib)
     indexes = b"".join(struct.pack("<I", t % 2) for t in range(tensors))
     body = rawwire.counted_body(tensors, runs, indexes, struct.pack("<QQ", 0, 64) * runs)
-    direct = victim.variant.link_transport == "cma"
+    direct = victim.variant.same_host
     answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body,
                                                       flags=rawwire.FLAG_DIRECT if direct else 0))
     if victim.variant.device_memory:  # a stream read of device memory is refused as such
@@ -134,7 +134,7 @@ def test_a_body_announced_but_never_sent_costs_no_memory(peers: Callable[..., Pe
     attackers = []
     for i in range(8):
         a = peers(f"attacker{i}")
-        unix = a.call(hostile.redirect_name, victim.port) if victim.variant.link_transport == "cma" else None
+        unix = a.call(hostile.redirect_name, victim.port) if victim.variant.same_host else None
         assert a.call(hostile.link_raw, victim.port, 20 + i, b"", unix) == (0, "")
         a.call(hostile.send, struct.pack("<IBBHIQ", rawwire.REQUEST_MAGIC, rawwire.OP_READ, 0, 0,
                                          4 * 1024 * 1024, 0) + b"\x04")

@@ -44,7 +44,7 @@ def stat(peer: Peer, name: str) -> int:
 
 def unix_name(peers: Callable[..., Peer], pair: Pair) -> str | None:
     """How a raw attacker reaches a victim that only takes same-host links."""
-    return peers("spy").call(hostile.redirect_name, pair.port) if pair.variant.link_transport == "cma" else None
+    return peers("spy").call(hostile.redirect_name, pair.port) if pair.variant.same_host else None
 
 
 def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
@@ -196,7 +196,7 @@ def test_a_raw_read_of_many_runs_does_not_stall_an_honest_pull(peers: Callable[.
     runs = internals.core.LIMITS["max_request_pieces"]
     body = rawwire.counted_body(1, runs, struct.pack("<I", 0), struct.pack("<QQ", base + 8, 1) * runs)
     body = bytes([rawwire.KIND_RAW]) + body[1:]
-    flags = rawwire.FLAG_DIRECT if pair.variant.link_transport == "cma" else 0
+    flags = rawwire.FLAG_DIRECT if pair.variant.same_host else 0
     a = peers("attacker")
     assert a.call(hostile.link_raw, pair.port, 9, b"", unix_name(peers, pair)) == (0, "")
     a.call(hostile.start_request_loop, rawwire.request(rawwire.OP_READ, body, flags=flags))
@@ -289,7 +289,7 @@ def test_a_dialler_keeps_its_own_link_when_the_peer_dials_back(peers: Callable[.
     b.call(kv.register_blocks, "kv", 2, SHAPE, seed=4, key=BlocksCacheKey(2, 0))
     a.call(kv.register_blocks, "kv", 2, SHAPE, seed=None)
     assert a.call(kv.link, 2, b_port)[0] == S.LLM_SUCCESS
-    unix = peers("spy").call(hostile.redirect_name, a_port) if variant.link_transport == "cma" else None
+    unix = peers("spy").call(hostile.redirect_name, a_port) if variant.same_host else None
     assert peers("attacker").call(hostile.link_raw, a_port, 2, b"", unix) == (0, "")
     links = a.call(kv.links)
     assert sorted((link["initiator"], link["broken"]) for link in links) == [(False, False), (True, False)]
