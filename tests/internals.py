@@ -21,6 +21,7 @@ from pdlink.data_type import itemsize
 from pdlink.device import DeviceMemory, backend_info, open_backend
 from pdlink.llm_datadist import LIMIT_OPTIONS, parse_engine_options
 from pdlink.llm_types import PushType, register_mem_status_from_int
+from pdlink.native import open_engine
 from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
 from pdlink.server.tls import client_context, server_context
@@ -32,7 +33,7 @@ __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
     "direct_access_permitted", "engine", "handle_llm_status", "invalidate", "LIMIT_OPTIONS", "ip_to_int", "itemsize",
-    "ManagementClient", "manager_role", "native_engines", "NodeSpec", "NotReady", "open_backend",
+    "ManagementClient", "manager_role", "native_engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
     "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",
     "ROLES", "server_config", "server_context", "transfer_cache_async", "validation_utils",
@@ -85,6 +86,6 @@ def backend_name(dd: Any) -> str:
     return str(dd._engine.backend)
 
 
-def pools(dd: Any) -> list[dict[str, int]]:
+def pools(dd: Any) -> list[dict[str, Any]]:
     """The engine's memory pools: placement, base, capacity, used."""
     return list(dd._engine.pools())

@@ -177,9 +177,10 @@ def test_payload_integrity_option_reaches_the_engine():
     assert cfg["payload_integrity"] is True and cfg["link_secret"] == "s"
     assert parse_engine_options({})["payload_integrity"] is False
     # the engine itself refuses integrity without a secret, whoever asks
-    e = _core.Engine("cpu")
+    from internals import open_engine
+
     with pytest.raises(LLMException) as err:
-        e.initialize(3, 0, "", 0, 1000, 0, 16, 0, 16, payload_integrity=True)
+        open_engine(backend="cpu", device_id=0, cluster_id=3, role="MIX", payload_integrity=True)
     assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 

@@ -30,8 +30,6 @@ StatusList toList(const std::vector<Status>& in) {
   return out;
 }
 
-Placement toPlacement(int p) { return p == 0 ? Placement::kHost : Placement::kDevice; }
-
 py::dict capabilitiesDict(const Capabilities& c) {
   py::dict d;
   d["device_memory"] = c.device_memory;
@@ -43,16 +41,6 @@ py::dict capabilitiesDict(const Capabilities& c) {
   return d;
 }
 
-CacheLayout makeLayout(uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement) {
-  CacheLayout l;
-  l.num_tensors = num_tensors;
-  l.tensor_size = tensor_size;
-  l.num_slots = num_slots;
-  l.is_blocks = is_blocks;
-  l.placement = toPlacement(placement);
-  return l;
-}
-
 std::vector<RequestKey> makeKeys(const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys) {
   std::vector<RequestKey> out;
   for (auto& [req, prefix, model] : keys) out.push_back(RequestKey{req, prefix, model});
@@ -61,31 +49,118 @@ std::vector<RequestKey> makeKeys(const std::vector<std::tuple<uint64_t, uint64_t
 
 std::pair<int64_t, std::vector<uint64_t>> handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
 
-TransferSpec makeSpec(uint64_t peer, int target_kind, uint64_t model_id, uint64_t req_id, uint64_t prefix_id,
-                      int64_t cache_id, uint64_t batch_index, int64_t local_cache_id, int mode, uint64_t local_slot,
-                      int64_t size, std::vector<int64_t> local_blocks, std::vector<int64_t> remote_blocks,
-                      std::vector<uint32_t> local_tensors, std::vector<uint32_t> remote_tensors,
-                      const std::vector<std::pair<uint64_t, uint64_t>>& local_runs,
-                      const std::vector<std::pair<uint64_t, uint64_t>>& remote_runs) {
-  TransferSpec s;
-  s.peer_cluster_id = peer;
-  s.target.kind = static_cast<wire::TargetKind>(target_kind);
-  s.target.model_id = model_id;
-  s.target.req_id = req_id;
-  s.target.prefix_id = prefix_id;
-  s.target.cache_id = cache_id;
-  s.target.batch_index = batch_index;
-  s.local_cache_id = local_cache_id;
-  s.mode = static_cast<TransferSpec::Mode>(mode);
-  s.local_slot = local_slot;
-  s.size = size;
-  s.local_blocks = std::move(local_blocks);
-  s.remote_blocks = std::move(remote_blocks);
-  s.local_tensors = std::move(local_tensors);
-  s.remote_tensors = std::move(remote_tensors);
-  for (auto& [o, n] : local_runs) s.local_runs.push_back({o, n});
-  for (auto& [o, n] : remote_runs) s.remote_runs.push_back({o, n});
-  return s;
+using RunPairs = std::vector<std::pair<uint64_t, uint64_t>>;
+
+RunPairs runPairs(const std::vector<wire::Run>& runs) {
+  RunPairs out;
+  out.reserve(runs.size());
+  for (const wire::Run& r : runs) out.emplace_back(r.offset, r.length);
+  return out;
+}
+
+std::vector<wire::Run> wireRuns(const RunPairs& pairs) {
+  std::vector<wire::Run> out;
+  out.reserve(pairs.size());
+  for (auto& [offset, length] : pairs) out.push_back({offset, length});
+  return out;
+}
+
+// The enums and plain structs of the engine's interface (engine/engine.h, transport/wire.h),
+// bound once: Python reads their values from here and never re-types them.
+void bindTypes(py::module_& m) {
+  py::enum_<Role>(m, "Role")
+      .value("PROMPT", Role::kPrompt)
+      .value("DECODER", Role::kDecoder)
+      .value("MIX", Role::kMix);
+  py::enum_<Placement>(m, "Placement").value("HOST", Placement::kHost).value("DEVICE", Placement::kDevice);
+  py::enum_<Transport>(m, "Transport")
+      .value("AUTO", Transport::kAuto)
+      .value("TCP", Transport::kTcp)
+      .value("CMA", Transport::kCma);
+  py::enum_<wire::TargetKind>(m, "TargetKind")
+      .value("REQUEST_KEY", wire::TargetKind::kRequestKey)
+      .value("PREFIX_KEY", wire::TargetKind::kPrefixKey)
+      .value("ID_INDEX", wire::TargetKind::kIdIndex)
+      .value("BLOCKS", wire::TargetKind::kBlocks)
+      .value("RAW", wire::TargetKind::kRaw);
+  py::enum_<TransferSpec::Mode>(m, "TransferMode")
+      .value("SLOT_TO_SLOT", TransferSpec::Mode::kSlotToSlot)
+      .value("BLOCKS_TO_BLOCKS", TransferSpec::Mode::kBlocksToBlocks)
+      .value("SLOT_TO_BLOCKS", TransferSpec::Mode::kSlotToBlocks)
+      .value("EXPLICIT", TransferSpec::Mode::kExplicit);
+
+  // What peers may make an engine spend (engine/engine.h EngineLimits); the defaults come from C++.
+  py::class_<EngineLimits>(m, "EngineLimits")
+      .def(py::init<>())
+      .def_readwrite("max_links", &EngineLimits::max_links)
+      .def_readwrite("max_handshakes", &EngineLimits::max_handshakes)
+      .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
+      .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
+      .def_readwrite("handshake_timeout_ms", &EngineLimits::handshake_timeout_ms)
+      .def("__repr__", [](const EngineLimits& l) {
+        return "EngineLimits(max_links=" + std::to_string(l.max_links) + ", max_handshakes=" +
+               std::to_string(l.max_handshakes) + ", max_handshakes_per_source=" +
+               std::to_string(l.max_handshakes_per_source) + ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
+               ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) + ")";
+      });
+  py::class_<PoolConfig>(m, "PoolConfig")
+      .def(py::init([](uint64_t bytes, uint32_t page_shift) { return PoolConfig{bytes, page_shift}; }),
+           py::arg("bytes") = 0, py::arg("page_shift") = PoolConfig{}.page_shift)
+      .def_readwrite("bytes", &PoolConfig::bytes)
+      .def_readwrite("page_shift", &PoolConfig::page_shift);
+  py::class_<EngineConfig>(m, "EngineConfig")
+      .def(py::init<>())
+      .def_readwrite("cluster_id", &EngineConfig::cluster_id)
+      .def_readwrite("role", &EngineConfig::role)
+      .def_readwrite("listen_ip", &EngineConfig::listen_ip)
+      .def_readwrite("listen_port", &EngineConfig::listen_port)
+      .def_readwrite("sync_timeout_ms", &EngineConfig::sync_timeout_ms)
+      .def_readwrite("device_pool", &EngineConfig::device_pool)
+      .def_readwrite("host_pool", &EngineConfig::host_pool)
+      .def_readwrite("transport", &EngineConfig::transport)
+      .def_readwrite("link_secret", &EngineConfig::link_secret)
+      .def_readwrite("payload_integrity", &EngineConfig::payload_integrity)
+      .def_readwrite("hccl_one_sided", &EngineConfig::one_sided)
+      .def_readwrite("one_way_links", &EngineConfig::one_way_links)
+      .def_readwrite("limits", &EngineConfig::limits);
+  py::class_<CacheLayout>(m, "CacheLayout")
+      .def(py::init([](uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks,
+                       Placement placement) { return CacheLayout{num_tensors, tensor_size, num_slots, is_blocks, placement}; }),
+           py::arg("num_tensors"), py::arg("tensor_size"), py::arg("num_slots"), py::arg("is_blocks"),
+           py::arg("placement"))
+      .def_readwrite("num_tensors", &CacheLayout::num_tensors)
+      .def_readwrite("tensor_size", &CacheLayout::tensor_size)
+      .def_readwrite("num_slots", &CacheLayout::num_slots)
+      .def_readwrite("is_blocks", &CacheLayout::is_blocks)
+      .def_readwrite("placement", &CacheLayout::placement);
+  py::class_<wire::Target>(m, "Target")
+      .def(py::init<>())
+      .def_readwrite("kind", &wire::Target::kind)
+      .def_readwrite("model_id", &wire::Target::model_id)
+      .def_readwrite("req_id", &wire::Target::req_id)
+      .def_readwrite("prefix_id", &wire::Target::prefix_id)
+      .def_readwrite("cache_id", &wire::Target::cache_id)
+      .def_readwrite("batch_index", &wire::Target::batch_index)
+      .def("__repr__", [](const wire::Target& t) { return "Target(" + t.describe() + ")"; });
+  // One pull or push (engine/engine.h TransferSpec): runs are (offset, length) pairs.
+  py::class_<TransferSpec>(m, "TransferSpec")
+      .def(py::init<>())
+      .def_readwrite("peer_cluster_id", &TransferSpec::peer_cluster_id)
+      .def_readwrite("target", &TransferSpec::target)
+      .def_readwrite("local_cache_id", &TransferSpec::local_cache_id)
+      .def_readwrite("mode", &TransferSpec::mode)
+      .def_readwrite("local_slot", &TransferSpec::local_slot)
+      .def_readwrite("size", &TransferSpec::size)
+      .def_readwrite("local_blocks", &TransferSpec::local_blocks)
+      .def_readwrite("remote_blocks", &TransferSpec::remote_blocks)
+      .def_readwrite("local_tensors", &TransferSpec::local_tensors)
+      .def_readwrite("remote_tensors", &TransferSpec::remote_tensors)
+      .def_property(
+          "local_runs", [](const TransferSpec& s) { return runPairs(s.local_runs); },
+          [](TransferSpec& s, const RunPairs& r) { s.local_runs = wireRuns(r); })
+      .def_property(
+          "remote_runs", [](const TransferSpec& s) { return runPairs(s.remote_runs); },
+          [](TransferSpec& s, const RunPairs& r) { s.remote_runs = wireRuns(r); });
 }
 
 }  // namespace
@@ -107,6 +182,7 @@ PYBIND11_MODULE(_core, m) {
     limits["link_log_entries"] = limits::kLinkLogEntries;
     m.attr("LIMITS") = limits;
   }
+  bindTypes(m);
   // Whether this process currently lets same-host peers read its memory (cma::Grant).
   m.def("ptrace_grant_active", &cma::Grant::active);
   // The links' MAC (libcrypto's, core/crypto.h), exposed so tests can check it against Python's.
@@ -152,21 +228,21 @@ PYBIND11_MODULE(_core, m) {
       .def("capabilities", [](const Backend& b) { return capabilitiesDict(b.capabilities()); })
       .def(
           "allocate",
-          [](Backend& b, int placement, size_t bytes) {
-            return reinterpret_cast<uint64_t>(valueOrThrow(b.allocate(toPlacement(placement), bytes), "allocate"));
+          [](Backend& b, Placement placement, size_t bytes) {
+            return reinterpret_cast<uint64_t>(valueOrThrow(b.allocate(placement, bytes), "allocate"));
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
           "release",
-          [](Backend& b, int placement, uint64_t addr, size_t bytes) {
-            b.release(toPlacement(placement), reinterpret_cast<void*>(addr), bytes);
+          [](Backend& b, Placement placement, uint64_t addr, size_t bytes) {
+            b.release(placement, reinterpret_cast<void*>(addr), bytes);
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
           "copy",
-          [](Backend& b, uint64_t dst, int dst_placement, uint64_t src, int src_placement, size_t n) {
-            throwIfError(b.copy(reinterpret_cast<void*>(dst), toPlacement(dst_placement),
-                                reinterpret_cast<const void*>(src), toPlacement(src_placement), n),
+          [](Backend& b, uint64_t dst, Placement dst_placement, uint64_t src, Placement src_placement, size_t n) {
+            throwIfError(b.copy(reinterpret_cast<void*>(dst), dst_placement, reinterpret_cast<const void*>(src),
+                                src_placement, n),
                          "copy");
           },
           py::call_guard<py::gil_scoped_release>());
@@ -174,21 +250,6 @@ PYBIND11_MODULE(_core, m) {
       "open_backend",
       [](const std::string& name, int32_t device_id) { return valueOrThrow(openBackend(name, device_id), "init"); },
       py::arg("name"), py::arg("device_id") = 0, py::call_guard<py::gil_scoped_release>());
-
-  // What peers may make an engine spend (engine/engine.h EngineLimits); the defaults come from C++.
-  py::class_<EngineLimits>(m, "EngineLimits")
-      .def(py::init<>())
-      .def_readwrite("max_links", &EngineLimits::max_links)
-      .def_readwrite("max_handshakes", &EngineLimits::max_handshakes)
-      .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
-      .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
-      .def_readwrite("handshake_timeout_ms", &EngineLimits::handshake_timeout_ms)
-      .def("__repr__", [](const EngineLimits& l) {
-        return "EngineLimits(max_links=" + std::to_string(l.max_links) + ", max_handshakes=" +
-               std::to_string(l.max_handshakes) + ", max_handshakes_per_source=" +
-               std::to_string(l.max_handshakes_per_source) + ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
-               ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) + ")";
-      });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](std::shared_ptr<Backend> backend) { return std::make_unique<Engine>(std::move(backend)); }),
@@ -199,41 +260,19 @@ PYBIND11_MODULE(_core, m) {
            py::arg("backend") = "cpu")
       .def(
           "initialize",
-          [](Engine& e, uint64_t cluster_id, int role, const std::string& listen_ip, uint16_t listen_port,
-             int64_t sync_timeout_ms, uint64_t device_pool_bytes, uint32_t device_page_shift, uint64_t host_pool_bytes,
-             uint32_t host_page_shift, int transport, const std::string& link_secret,
-             bool hccl_one_sided, const EngineLimits& limits, bool payload_integrity, bool one_way_links) {
-            EngineConfig c;
-            c.cluster_id = cluster_id;
-            c.role = static_cast<Role>(role);
-            c.listen_ip = listen_ip;
-            c.listen_port = listen_port;
-            c.sync_timeout_ms = sync_timeout_ms;
-            c.device_pool = {device_pool_bytes, device_page_shift};
-            c.host_pool = {host_pool_bytes, host_page_shift};
-            if (transport < 0 || transport > 2) throw py::value_error("transport must be 0 (auto), 1 (tcp) or 2 (cma)");
-            c.transport = static_cast<Transport>(transport);
-            c.link_secret = link_secret;
-            c.payload_integrity = payload_integrity;
-            c.one_sided = hccl_one_sided;
-            c.one_way_links = one_way_links;
-            if (limits.max_links == 0 || limits.max_handshakes == 0 || limits.max_handshakes_per_source == 0 ||
-                limits.pin_timeout_ms < 0 || limits.handshake_timeout_ms <= 0) {
+          [](Engine& e, const EngineConfig& c) {
+            const EngineLimits& l = c.limits;
+            if (l.max_links == 0 || l.max_handshakes == 0 || l.max_handshakes_per_source == 0 || l.pin_timeout_ms < 0 ||
+                l.handshake_timeout_ms <= 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
-            c.limits = limits;
             throwIfError(e.initialize(c), "init");
           },
-          py::arg("cluster_id"), py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
-          py::arg("sync_timeout_ms"), py::arg("device_pool_bytes"), py::arg("device_page_shift"),
-          py::arg("host_pool_bytes"), py::arg("host_page_shift"),
-          py::arg("transport") = 0, py::arg("link_secret") = "", py::arg("hccl_one_sided") = false,
-          py::arg("limits") = EngineLimits(), py::arg("payload_integrity") = false, py::arg("one_way_links") = false,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("config"), py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("initialized", &Engine::initialized)
       .def_property_readonly("cluster_id", &Engine::clusterId)
-      .def_property_readonly("role", [](const Engine& e) { return static_cast<int>(e.role()); })
+      .def_property_readonly("role", &Engine::role)
       .def_property_readonly("listen_port", &Engine::listenPort)
       .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
       .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
@@ -256,7 +295,7 @@ PYBIND11_MODULE(_core, m) {
              py::list out;
              for (const Engine::PoolInfo& p : e.pools()) {
                py::dict d;
-               d["placement"] = static_cast<int>(p.placement);
+               d["placement"] = p.placement;
                d["base"] = p.base;
                d["capacity"] = p.capacity;
                d["used"] = p.used;
@@ -266,8 +305,8 @@ PYBIND11_MODULE(_core, m) {
            })
       .def(
           "switch_role",
-          [](Engine& e, int role, const std::string& ip, uint16_t port) {
-            throwIfError(e.switchRole(static_cast<Role>(role), ip, port), "switch_role");
+          [](Engine& e, Role role, const std::string& ip, uint16_t port) {
+            throwIfError(e.switchRole(role, ip, port), "switch_role");
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
@@ -330,23 +369,21 @@ PYBIND11_MODULE(_core, m) {
            })
       .def(
           "register_cache",
-          [](Engine& e, uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement,
-             const std::vector<uint64_t>& addrs, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys,
-             std::optional<uint64_t> blocks_model, bool remote_accessible, const std::string& op) {
-            auto r = e.registerCache(makeLayout(num_tensors, tensor_size, num_slots, is_blocks, placement), addrs,
-                                     makeKeys(keys), blocks_model, remote_accessible);
+          [](Engine& e, const CacheLayout& layout, const std::vector<uint64_t>& addrs,
+             const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys, std::optional<uint64_t> blocks_model,
+             bool remote_accessible, const std::string& op) {
+            auto r = e.registerCache(layout, addrs, makeKeys(keys), blocks_model, remote_accessible);
             return handle(valueOrThrow(std::move(r), op.c_str()));
           },
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("layout"), py::arg("addrs"), py::arg("keys"), py::arg("blocks_model"), py::arg("remote_accessible"),
+          py::arg("op") = "register_cache", py::call_guard<py::gil_scoped_release>())
       .def(
           "allocate_cache",
-          [](Engine& e, uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, int placement,
-             const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys, std::optional<uint64_t> blocks_model,
-             const std::string& op) {
-            auto r = e.allocateCache(makeLayout(num_tensors, tensor_size, num_slots, is_blocks, placement),
-                                     makeKeys(keys), blocks_model);
-            return handle(valueOrThrow(std::move(r), op.c_str()));
+          [](Engine& e, const CacheLayout& layout, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys,
+             std::optional<uint64_t> blocks_model, const std::string& op) {
+            return handle(valueOrThrow(e.allocateCache(layout, makeKeys(keys), blocks_model), op.c_str()));
           },
+          py::arg("layout"), py::arg("keys"), py::arg("blocks_model"), py::arg("op") = "allocate_cache",
           py::call_guard<py::gil_scoped_release>())
       .def(
           "deallocate_cache",
@@ -362,29 +399,19 @@ PYBIND11_MODULE(_core, m) {
           [](Engine& e, uint64_t req, uint64_t prefix, uint64_t model) { e.removeCacheKey(RequestKey{req, prefix, model}); },
           py::call_guard<py::gil_scoped_release>())
       .def(
-          "transfer",
-          [](Engine& e, bool is_push, const std::string& op, uint64_t peer, int target_kind, uint64_t model_id,
-             uint64_t req_id, uint64_t prefix_id, int64_t cache_id, uint64_t batch_index, int64_t local_cache_id,
-             int mode, uint64_t local_slot, int64_t size, std::vector<int64_t> local_blocks,
-             std::vector<int64_t> remote_blocks, std::vector<uint32_t> local_tensors,
-             std::vector<uint32_t> remote_tensors, const std::vector<std::pair<uint64_t, uint64_t>>& local_runs,
-             const std::vector<std::pair<uint64_t, uint64_t>>& remote_runs) {
-            TransferSpec s = makeSpec(peer, target_kind, model_id, req_id, prefix_id, cache_id, batch_index,
-                                      local_cache_id, mode, local_slot, size, std::move(local_blocks),
-                                      std::move(remote_blocks), std::move(local_tensors), std::move(remote_tensors),
-                                      local_runs, remote_runs);
-            throwIfError(is_push ? e.push(s) : e.pull(s), op.c_str());
-          },
-          py::call_guard<py::gil_scoped_release>())
+          "pull", [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.pull(spec), op.c_str()); },
+          py::arg("spec"), py::arg("op") = "pull", py::call_guard<py::gil_scoped_release>())
+      .def(
+          "push", [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.push(spec), op.c_str()); },
+          py::arg("spec"), py::arg("op") = "push", py::call_guard<py::gil_scoped_release>())
       .def(
           "copy_local",
-          [](Engine& e, const std::vector<uint64_t>& dst, int dst_placement, const std::vector<uint64_t>& src,
-             int src_placement, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& runs,
+          [](Engine& e, const std::vector<uint64_t>& dst, Placement dst_placement, const std::vector<uint64_t>& src,
+             Placement src_placement, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& runs,
              const std::string& op) {
             std::vector<Engine::CopyRun> rs;
             for (auto& [d, s, n] : runs) rs.push_back({d, s, n});
-            throwIfError(e.copyLocal(dst, toPlacement(dst_placement), src, toPlacement(src_placement), rs),
-                         op.c_str());
+            throwIfError(e.copyLocal(dst, dst_placement, src, src_placement, rs), op.c_str());
           },
           py::call_guard<py::gil_scoped_release>());
 }

@@ -6,6 +6,7 @@ block releases the GIL.
 """
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
@@ -22,17 +23,59 @@ _Handle = tuple[int, list[int]]  # (cache_id, tensor addresses)
 def ascend_info() -> dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
 def _map_vendor_code(lib: str, rc: int) -> int: ...  # "acl" or "hccl" return code -> LLMStatusCode value
 
+class _Enum:
+    """A bound C++ enum (pybind11): members by name, ``value`` its number."""
+
+    __members__: dict[str, Any]
+    def __init__(self, value: int) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+    def __int__(self) -> int: ...
+    def __index__(self) -> int: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+class Role(_Enum):
+    PROMPT: ClassVar[Role]
+    DECODER: ClassVar[Role]
+    MIX: ClassVar[Role]
+
+class Placement(_Enum):
+    HOST: ClassVar[Placement]
+    DEVICE: ClassVar[Placement]
+
+class Transport(_Enum):  # AUTO: direct memory access on one host, else TCP
+    AUTO: ClassVar[Transport]
+    TCP: ClassVar[Transport]
+    CMA: ClassVar[Transport]
+
+class TargetKind(_Enum):  # how the serving side finds the cache a transfer addresses
+    REQUEST_KEY: ClassVar[TargetKind]
+    PREFIX_KEY: ClassVar[TargetKind]
+    ID_INDEX: ClassVar[TargetKind]
+    BLOCKS: ClassVar[TargetKind]
+    RAW: ClassVar[TargetKind]  # run offsets are absolute addresses inside one registered tensor
+
+class TransferMode(_Enum):
+    SLOT_TO_SLOT: ClassVar[TransferMode]
+    BLOCKS_TO_BLOCKS: ClassVar[TransferMode]
+    SLOT_TO_BLOCKS: ClassVar[TransferMode]  # pull only
+    EXPLICIT: ClassVar[TransferMode]  # local_runs[i] <-> remote_runs[i]
+
 class Backend:
-    """A process-wide backend: memory of a placement (0 HOST, 1 DEVICE) and copies between them."""
+    """A process-wide backend: memory of a placement and copies between them."""
 
     @property
     def name(self) -> str: ...
     @property
     def device_id(self) -> int: ...
     def capabilities(self) -> dict[str, object]: ...  # device_memory, host_memory, device_transport, features
-    def allocate(self, placement: int, nbytes: int) -> int: ...
-    def release(self, placement: int, addr: int, nbytes: int) -> None: ...
-    def copy(self, dst: int, dst_placement: int, src: int, src_placement: int, nbytes: int) -> None: ...
+    def allocate(self, placement: Placement, nbytes: int) -> int: ...
+    def release(self, placement: Placement, addr: int, nbytes: int) -> None: ...
+    def copy(self, dst: int, dst_placement: Placement, src: int, src_placement: Placement, nbytes: int) -> None: ...
 
 def open_backend(name: str, device_id: int = 0) -> Backend: ...  # "auto", "cpu" or "ascend"
 
@@ -46,33 +89,76 @@ class EngineLimits:
     handshake_timeout_ms: int  # an incoming connection's handshake, hello to authentication
     def __init__(self) -> None: ...
 
+class PoolConfig:
+    bytes: int  # 0: no pool
+    page_shift: int
+    def __init__(self, bytes: int = 0, page_shift: int = 16) -> None: ...
+
+class EngineConfig:
+    """An engine's settings (csrc/engine/engine.h EngineConfig); defaults from C++."""
+
+    cluster_id: int
+    role: Role
+    listen_ip: str  # empty: do not listen
+    listen_port: int  # 0: a free port
+    sync_timeout_ms: int  # bounds each pull and push
+    device_pool: PoolConfig
+    host_pool: PoolConfig
+    transport: Transport
+    link_secret: str  # non-empty: links must authenticate, every frame sealed (needs libcrypto)
+    payload_integrity: bool  # with a link secret: payloads sealed too
+    hccl_one_sided: bool  # Ascend: HcclBatchGet/Put when both ends enable it
+    one_way_links: bool  # llm_datadist's "hixl" transfer backend: only the dialler uses a link
+    limits: EngineLimits
+    def __init__(self) -> None: ...
+
+class CacheLayout:
+    num_tensors: int
+    tensor_size: int  # bytes per tensor
+    num_slots: int  # shape[0]: batch slots, or blocks of a blocks cache
+    is_blocks: bool
+    placement: Placement
+    def __init__(self, num_tensors: int, tensor_size: int, num_slots: int, is_blocks: bool,
+                 placement: Placement) -> None: ...
+
+class Target:
+    """The remote cache a transfer addresses (resolved by the peer)."""
+
+    kind: TargetKind
+    model_id: int
+    req_id: int
+    prefix_id: int
+    cache_id: int
+    batch_index: int
+    def __init__(self) -> None: ...
+
+class TransferSpec:
+    """One pull or push; runs are (offset, length) pairs."""
+
+    peer_cluster_id: int
+    target: Target
+    local_cache_id: int
+    mode: TransferMode
+    local_slot: int  # SLOT_TO_SLOT
+    size: int  # SLOT_TO_SLOT: bytes per tensor, -1: the local slot size
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    local_tensors: list[int]  # local_tensors[i] <-> remote_tensors[i]; empty: every tensor
+    remote_tensors: list[int]
+    local_runs: list[tuple[int, int]]  # EXPLICIT
+    remote_runs: list[tuple[int, int]]  # EXPLICIT
+    def __init__(self) -> None: ...
+
 class Engine:
     def __init__(self, backend: Backend | str = "cpu") -> None: ...
-    def initialize(
-        self,
-        cluster_id: int,
-        role: int,
-        listen_ip: str,
-        listen_port: int,
-        sync_timeout_ms: int,
-        device_pool_bytes: int,
-        device_page_shift: int,
-        host_pool_bytes: int,
-        host_page_shift: int,
-        transport: int = 0,  # 0 auto (direct memory access on one host, else TCP), 1 tcp, 2 cma
-        link_secret: str = "",  # non-empty: links must authenticate, every frame sealed (needs libcrypto)
-        hccl_one_sided: bool = False,  # Ascend: HcclBatchGet/Put when both ends enable it
-        limits: EngineLimits = ...,
-        payload_integrity: bool = False,  # with a link secret: payloads sealed too
-        one_way_links: bool = False,  # llm_datadist's "hixl" transfer backend: only the dialler uses a link
-    ) -> None: ...
+    def initialize(self, config: EngineConfig) -> None: ...  # ValueError for a limit that is not positive
     def finalize(self) -> None: ...
     @property
     def initialized(self) -> bool: ...
     @property
     def cluster_id(self) -> int: ...
     @property
-    def role(self) -> int: ...
+    def role(self) -> Role: ...
     @property
     def listen_port(self) -> int: ...
     @property
@@ -81,10 +167,10 @@ class Engine:
     def backend_handle(self) -> Backend: ...
     @property
     def cache_count(self) -> int: ...
-    def pools(self) -> list[dict[str, int]]: ...
+    def pools(self) -> list[dict[str, Any]]: ...  # placement, base, capacity, used per memory pool
     # live_links, tombstones, handshakes, threads, handshakes_refused, listener_backoffs, pins_expired
-    def stats(self) -> dict[str, int]: ...  # placement, base, capacity, used per memory pool
-    def switch_role(self, role: int, listen_ip: str, listen_port: int) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def switch_role(self, role: Role, listen_ip: str, listen_port: int) -> None: ...
     def link(
         self, peers: Sequence[tuple[int | None, str, int]], timeout_ms: int
     ) -> list[tuple[int, str, int]]: ...  # (status code, message, peer cluster id) per peer
@@ -96,59 +182,27 @@ class Engine:
     def links(self) -> list[dict[str, int | str | bool | list[str]]]: ...
     def register_cache(
         self,
-        num_tensors: int,
-        tensor_size: int,
-        num_slots: int,
-        is_blocks: bool,
-        placement: int,
+        layout: CacheLayout,
         addrs: Sequence[int],
         keys: Sequence[_Key],
         blocks_model: int | None,
         remote_accessible: bool,
-        op: str,
+        op: str = "register_cache",
     ) -> _Handle: ...
     def allocate_cache(
-        self,
-        num_tensors: int,
-        tensor_size: int,
-        num_slots: int,
-        is_blocks: bool,
-        placement: int,
-        keys: Sequence[_Key],
-        blocks_model: int | None,
-        op: str,
+        self, layout: CacheLayout, keys: Sequence[_Key], blocks_model: int | None, op: str = "allocate_cache"
     ) -> _Handle: ...
     def deallocate_cache(self, cache_id: int, blocks: bool, op: str) -> None: ...
     def unregister_cache(self, cache_id: int) -> None: ...
     def remove_cache_key(self, req_id: int, prefix_id: int, model_id: int) -> None: ...
-    def transfer(
-        self,
-        is_push: bool,
-        op: str,
-        peer: int,
-        target_kind: int,
-        model_id: int,
-        req_id: int,
-        prefix_id: int,
-        cache_id: int,
-        batch_index: int,
-        local_cache_id: int,
-        mode: int,
-        local_slot: int,
-        size: int,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        local_tensors: Sequence[int],
-        remote_tensors: Sequence[int],
-        local_runs: Sequence[tuple[int, int]],
-        remote_runs: Sequence[tuple[int, int]],
-    ) -> None: ...
+    def pull(self, spec: TransferSpec, op: str = "pull") -> None: ...  # op names the call in error messages
+    def push(self, spec: TransferSpec, op: str = "push") -> None: ...
     def copy_local(
         self,
         dst: Sequence[int],
-        dst_placement: int,
+        dst_placement: Placement,
         src: Sequence[int],
-        src_placement: int,
+        src_placement: Placement,
         runs: Sequence[tuple[int, int, int]],
         op: str,
     ) -> None: ...

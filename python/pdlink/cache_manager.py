@@ -37,6 +37,7 @@ from .llm_types import (
     Memtype,
     Placement,
 )
+from .native import core, placement_of
 from .status import LLMException, LLMStatusCode, handle_llm_status
 
 if TYPE_CHECKING:
@@ -49,31 +50,40 @@ logger = logging.getLogger("pdlink")
 
 _NO_ID = 2**64 - 1
 
-# wire::TargetKind and TransferSpec::Mode values of the native core (csrc/transport/wire.h,
-# csrc/engine/engine.h).
-_TARGET_REQUEST_KEY, _TARGET_PREFIX_KEY, _TARGET_ID_INDEX, _TARGET_BLOCKS, _TARGET_RAW = 1, 2, 3, 4, 5
-_MODE_SLOT_TO_SLOT, _MODE_BLOCKS_TO_BLOCKS, _MODE_SLOT_TO_BLOCKS, _MODE_EXPLICIT = 0, 1, 2, 3
-
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 KeyLike = CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
 
 
-def _target(key: KeyLike) -> tuple[int, int, int, int, int, int]:
-    """(kind, model_id, req_id, prefix_id, cache_id, batch_index) addressing a remote cache."""
-    if isinstance(key, BlocksCacheKey):
-        return (_TARGET_BLOCKS, key.model_id, _NO_ID, _NO_ID, 0, 0)
-    if isinstance(key, CacheKeyByIdAndIndex):
-        return (_TARGET_ID_INDEX, 0, _NO_ID, _NO_ID, key.cache_id, key.batch_index)
-    req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
-    raise_if_false(
-        req_ok != prefix_ok,
-        "exactly one of req_id and prefix_id must be valid in a pull key, got {}",
-        key,
-    )
-    if req_ok:
-        return (_TARGET_REQUEST_KEY, key.model_id, key.req_id, _NO_ID, 0, 0)
-    return (_TARGET_PREFIX_KEY, key.model_id, _NO_ID, key.prefix_id, 0, 0)
+def remote_target(key: KeyLike | None) -> Any:
+    """The ``_core.Target`` addressing a remote cache by ``key``; ``None``: raw remote memory."""
+    t = core().Target()
+    kinds = core().TargetKind
+    t.req_id = t.prefix_id = _NO_ID
+    if key is None:
+        t.kind = kinds.RAW
+    elif isinstance(key, BlocksCacheKey):
+        t.kind, t.model_id = kinds.BLOCKS, key.model_id
+    elif isinstance(key, CacheKeyByIdAndIndex):
+        t.kind, t.cache_id, t.batch_index = kinds.ID_INDEX, key.cache_id, key.batch_index
+    else:
+        req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
+        raise_if_false(
+            req_ok != prefix_ok,
+            "exactly one of req_id and prefix_id must be valid in a pull key, got {}",
+            key,
+        )
+        t.model_id = key.model_id
+        if req_ok:
+            t.kind, t.req_id = kinds.REQUEST_KEY, key.req_id
+        else:
+            t.kind, t.prefix_id = kinds.PREFIX_KEY, key.prefix_id
+    return t
+
+
+def transfer_mode(name: str) -> Any:
+    """``_core.TransferMode`` by name: SLOT_TO_SLOT, BLOCKS_TO_BLOCKS, SLOT_TO_BLOCKS, EXPLICIT."""
+    return getattr(core().TransferMode, name)
 
 
 def _layer_tensors(
@@ -153,11 +163,11 @@ class CacheManager:
         return Cache(cache_id, desc, list(addrs), is_blocks_cache=is_blocks)
 
     @staticmethod
-    def _layout(desc: CacheDesc, is_blocks: bool) -> tuple[int, int, int, bool, int]:
+    def _layout(desc: CacheDesc, is_blocks: bool) -> Any:
         shape = desc.shape
         raise_if_false(1 <= len(shape) <= 32, f"shape must have 1..32 dims, got {list(shape)}")
         raise_if_false(shape[0] > 0, f"shape[0] must be > 0, got {list(shape)}")
-        return desc.num_tensors, desc.size, shape[0], is_blocks, int(desc.placement)
+        return core().CacheLayout(desc.num_tensors, desc.size, shape[0], is_blocks, placement_of(desc.placement))
 
     @staticmethod
     def _keys(cache_keys: Sequence[CacheKey]) -> list[tuple[int, int, int]]:
@@ -193,23 +203,25 @@ class CacheManager:
             f"config memory pool firstly: allocating a {desc.placement} cache needs LLMConfig.{which}",
         )
 
-    def _transfer(self, op: str, is_push: bool, key: KeyLike | None, cache: Cache, mode: int, *, slot: int = 0,
+    def _transfer(self, op: str, is_push: bool, key: KeyLike | None, cache: Cache, mode_name: str, *, slot: int = 0,
                   size: int = -1, local_blocks: Sequence[int] = (), remote_blocks: Sequence[int] = (),
                   local_tensors: Sequence[int] = (), remote_tensors: Sequence[int] = (),
                   local_runs: Sequence[tuple[int, int]] = (), remote_runs: Sequence[tuple[int, int]] = (),
                   peer: int | None = None) -> None:
-        """One native transfer. ``key=None`` addresses raw remote memory (``peer`` then names the
-        cluster and ``remote_runs`` hold absolute addresses)."""
-        if key is None:
-            kind, model_id, req_id, prefix_id, cache_id, batch_index = (_TARGET_RAW, 0, _NO_ID, _NO_ID, 0, 0)
-        else:
-            kind, model_id, req_id, prefix_id, cache_id, batch_index = _target(key)
-            peer = key.cluster_id
-        self._live_engine().transfer(
-            is_push, op, peer, kind, model_id, req_id, prefix_id, cache_id, batch_index,
-            cache.cache_id, mode, slot, size, local_blocks, remote_blocks, local_tensors, remote_tensors,
-            local_runs, remote_runs,
-        )
+        """One native transfer (``mode_name``: a ``_core.TransferMode`` name). ``key=None``
+        addresses raw remote memory (``peer`` then names the cluster and ``remote_runs`` hold
+        absolute addresses)."""
+        spec = core().TransferSpec()
+        spec.target = remote_target(key)
+        spec.peer_cluster_id = peer if key is None else key.cluster_id
+        spec.local_cache_id = cache.cache_id
+        spec.mode = transfer_mode(mode_name)
+        spec.local_slot, spec.size = slot, size
+        spec.local_blocks, spec.remote_blocks = local_blocks, remote_blocks
+        spec.local_tensors, spec.remote_tensors = local_tensors, remote_tensors
+        spec.local_runs, spec.remote_runs = local_runs, remote_runs
+        engine = self._live_engine()
+        (engine.push if is_push else engine.pull)(spec, op)
 
     @staticmethod
     def _pull_kwargs(cache: Cache, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -234,7 +246,7 @@ class CacheManager:
         addrs = self._check_addrs(cache_desc, addrs, exact=True)
         keys = self._keys(cache_keys)
         ra = self._remote_accessible(cache_desc, remote_accessible)
-        handle = engine.register_cache(*self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
+        handle = engine.register_cache(self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
         return self._new_cache(cache_desc, handle, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
@@ -247,7 +259,7 @@ class CacheManager:
         addrs = self._check_addrs(cache_desc, addrs, exact=True)
         ra = self._remote_accessible(cache_desc, remote_accessible)
         model = blocks_cache_key.model_id if blocks_cache_key is not None else None
-        handle = engine.register_cache(*self._layout(cache_desc, True), addrs, [], model, ra, "register_blocks_cache")
+        handle = engine.register_cache(self._layout(cache_desc, True), addrs, [], model, ra, "register_blocks_cache")
         return self._new_cache(cache_desc, handle, True)
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -264,7 +276,7 @@ class CacheManager:
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         keys = self._keys(cache_keys)
         self._check_pool(cache_desc)
-        handle = engine.allocate_cache(*self._layout(cache_desc, False), keys, None, "allocate_cache")
+        handle = engine.allocate_cache(self._layout(cache_desc, False), keys, None, "allocate_cache")
         return self._new_cache(cache_desc, handle, False)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
@@ -274,7 +286,7 @@ class CacheManager:
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         self._check_pool(cache_desc)
         model = blocks_cache_key.model_id if blocks_cache_key is not None else None
-        handle = engine.allocate_cache(*self._layout(cache_desc, True), [], model, "allocate_blocks_cache")
+        handle = engine.allocate_cache(self._layout(cache_desc, True), [], model, "allocate_blocks_cache")
         return self._new_cache(cache_desc, handle, True)
 
     def deallocate_cache(self, cache: Cache) -> None:
@@ -316,7 +328,7 @@ class CacheManager:
         raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
         raise_if_true(cache.is_blocks_cache, "pull_cache needs a non-blocks cache; use pull_blocks")
         src_t, dst_t = self._pull_kwargs(cache, kwargs)
-        self._transfer("pull_cache", False, cache_key, cache, _MODE_SLOT_TO_SLOT, slot=batch_index, size=size,
+        self._transfer("pull_cache", False, cache_key, cache, "SLOT_TO_SLOT", slot=batch_index, size=size,
                        local_tensors=dst_t, remote_tensors=src_t)
 
     def pull_blocks(self, src_cache_key: KeyLike, dst_cache: Cache, src_blocks: Sequence[int] = (),
@@ -335,11 +347,11 @@ class CacheManager:
         raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks dst_cache")
         if isinstance(src_cache_key, BlocksCacheKey):
             _check_block_pairs(src_blocks, dst_blocks)
-            mode = _MODE_BLOCKS_TO_BLOCKS
+            mode = "BLOCKS_TO_BLOCKS"
         else:
             raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
             raise_if_false(len(src_blocks) == 0, "src_blocks must be empty when pulling from a contiguous cache key")
-            mode = _MODE_SLOT_TO_BLOCKS
+            mode = "SLOT_TO_BLOCKS"
         src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
         self._transfer("pull_blocks", False, src_cache_key, dst_cache, mode, local_blocks=dst_blocks,
                        remote_blocks=src_blocks, local_tensors=dst_t, remote_tensors=src_t)
@@ -363,7 +375,7 @@ class CacheManager:
         raise_if_false(size == -1, "push_cache only pushes whole slots: size must be -1")
         raise_if_true(src_cache.is_blocks_cache, "push_cache needs a non-blocks src_cache; use push_blocks")
         src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        self._transfer("push_cache", True, dst_cache_key, src_cache, _MODE_SLOT_TO_SLOT, slot=src_batch_index,
+        self._transfer("push_cache", True, dst_cache_key, src_cache, "SLOT_TO_SLOT", slot=src_batch_index,
                        local_tensors=src_t, remote_tensors=dst_t)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int] = (),
@@ -379,7 +391,7 @@ class CacheManager:
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks src_cache")
         _check_block_pairs(src_blocks, dst_blocks)
         src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        self._transfer("push_blocks", True, dst_cache_key, src_cache, _MODE_BLOCKS_TO_BLOCKS,
+        self._transfer("push_blocks", True, dst_cache_key, src_cache, "BLOCKS_TO_BLOCKS",
                        local_blocks=src_blocks, remote_blocks=dst_blocks, local_tensors=src_t, remote_tensors=dst_t)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
@@ -428,7 +440,8 @@ class CacheManager:
         raise_if_false(length > 0 and offset + length <= min(d_stride, s_stride),
                        f"offset {offset} + size {length} exceeds the slot size ({min(d_stride, s_stride)} bytes)")
         runs = [(dst_batch_index * d_stride + offset, src_batch_index * s_stride + offset, length)]
-        engine.copy_local(dst.tensor_addrs, int(dd.placement), src.tensor_addrs, int(sd.placement), runs, "copy_cache")
+        engine.copy_local(dst.tensor_addrs, placement_of(dd.placement), src.tensor_addrs, placement_of(sd.placement),
+                          runs, "copy_cache")
 
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``."""
@@ -444,7 +457,7 @@ class CacheManager:
             for dst in [src, *dsts]:
                 raise_if_false(0 <= dst < num_blocks, f"block index {dst} out of range [0, {num_blocks})")
             runs.extend((dst * stride, src * stride, stride) for dst in dsts)
-        placement = int(cache.cache_desc.placement)
+        placement = placement_of(cache.cache_desc.placement)
         engine.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs, "copy_blocks")
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
@@ -470,8 +483,8 @@ class CacheManager:
             raise_if_false(0 <= s < s_n, f"src block {s} out of range [0, {s_n})")
             raise_if_false(0 <= d < d_n, f"dst block {d} out of range [0, {d_n})")
             runs.append((d * d_block, s * s_block, s_block))
-        engine.copy_local(dst_cache.tensor_addrs, int(dst_desc.placement), src_cache.tensor_addrs,
-                          int(src_desc.placement), runs, "swap_blocks")
+        engine.copy_local(dst_cache.tensor_addrs, placement_of(dst_desc.placement), src_cache.tensor_addrs,
+                          placement_of(src_desc.placement), runs, "swap_blocks")
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
         """Reserved in llm_datadist (DEVICE memory after a UCE fault); not supported by pdlink."""

@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.command == "version":
-        from . import __version__, _core
+        from . import __version__
+        from .native import core
+
+        _core = core()
 
         ascend = _core.ascend_info()
         where = ascend.get("library_dir") or "the loader path"

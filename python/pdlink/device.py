@@ -20,14 +20,15 @@ The backend is chosen as ``LLMDataDist.init`` chooses it: ``backend`` argument, 
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceMemory", "backend_info", "open_backend"]
+from .native import core, placement_of
 
-_HOST, _DEVICE = 0, 1
+__all__ = ["DeviceMemory", "backend_info", "open_backend"]
 
 
 def open_backend(backend: str | None = None, device_id: int = 0) -> Any:
@@ -36,9 +37,7 @@ def open_backend(backend: str | None = None, device_id: int = 0) -> Any:
     Raises ``LLMException(LLM_FEATURE_NOT_ENABLED)`` naming the reason when it cannot be used
     (e.g. the Ascend libraries are missing or lack a required symbol).
     """
-    from . import _core
-
-    return _core.open_backend(backend or os.environ.get("PDLINK_BACKEND") or "auto", device_id)
+    return core().open_backend(backend or os.environ.get("PDLINK_BACKEND") or "auto", device_id)
 
 
 def backend_info(backend: str | None = None, device_id: int = 0) -> dict[str, Any]:
@@ -49,7 +48,6 @@ def backend_info(backend: str | None = None, device_id: int = 0) -> dict[str, An
     ``ipc``, ``one_sided``, ``sync_timeout``, ``error_text``) and ``ascend`` (what the Ascend
     loader found: ``loaded``, ``library_dir``, ``missing_optional`` or ``error``).
     """
-    from . import _core
     from .status import LLMException
 
     info: dict[str, Any] = {"name": None, "error": "", "device_id": device_id}
@@ -60,7 +58,7 @@ def backend_info(backend: str | None = None, device_id: int = 0) -> dict[str, An
     else:
         info["name"] = b.name
         info.update(b.capabilities())
-    info["ascend"] = _core.ascend_info()
+    info["ascend"] = core().ascend_info()
     return info
 
 
@@ -72,11 +70,13 @@ class DeviceMemory:
     through the backend (blocking copies).
     """
 
-    def __init__(self, nbytes: int, device_id: int = 0, backend: str | None = None, placement: int = _DEVICE):
+    def __init__(self, nbytes: int, device_id: int = 0, backend: str | None = None,
+                 placement: str | enum.Enum = "DEVICE"):
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         self._backend = open_backend(backend, device_id)
-        self._placement = int(placement)
+        self._placement = placement_of(placement)
+        self._host = placement_of("HOST")
         self.nbytes = nbytes
         self.addr: int = self._backend.allocate(self._placement, nbytes)
 
@@ -89,14 +89,14 @@ class DeviceMemory:
         src = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray)
                                    else data).view(np.uint8).reshape(-1)
         self._check(offset, src.nbytes)
-        self._backend.copy(self.addr + offset, self._placement, src.ctypes.data, _HOST, src.nbytes)
+        self._backend.copy(self.addr + offset, self._placement, src.ctypes.data, self._host, src.nbytes)
 
     def read(self, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
         """A host copy of ``nbytes`` (default: the rest) from ``addr + offset``, as uint8."""
         n = self.nbytes - offset if nbytes is None else nbytes
         self._check(offset, n)
         out = np.empty(n, dtype=np.uint8)
-        self._backend.copy(out.ctypes.data, _HOST, self.addr + offset, self._placement, n)
+        self._backend.copy(out.ctypes.data, self._host, self.addr + offset, self._placement, n)
         return out
 
     def _check(self, offset: int, n: int) -> None:

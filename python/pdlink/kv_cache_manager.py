@@ -37,7 +37,7 @@ from ._utils import (
     raise_if_false,
     raise_if_true,
 )
-from .cache_manager import _MODE_EXPLICIT, CacheManager, _target
+from .cache_manager import CacheManager, remote_target
 from .configs import LLMRole
 from .llm_types import (
     BlocksCacheKey,
@@ -48,6 +48,7 @@ from .llm_types import (
     KvCache,
     Placement,
 )
+from .native import core, placement_of
 from .status import LLMException, LLMStatusCode
 
 __all__ = ["KvCacheManager"]
@@ -207,8 +208,9 @@ class KvCacheManager:
         for i in devices:
             engine = self._cms[i]._engine
             try:
-                cache_id, _ = engine.register_cache(1, 1, 1, False, int(Placement.DEVICE), [ctypes.addressof(_ID_PAD)],
-                                                    [], None, False, "allocate_cache")
+                layout = core().CacheLayout(1, 1, 1, False, placement_of(Placement.DEVICE))
+                cache_id, _ = engine.register_cache(layout, [ctypes.addressof(_ID_PAD)], [], None, False,
+                                                    "allocate_cache")
                 engine.unregister_cache(cache_id)
             except Exception as e:  # noqa: BLE001
                 logger.error("could not realign cache ids on device %d: %s", i, e)
@@ -326,7 +328,7 @@ class KvCacheManager:
         src_off = _offset("src_cache_offset", kwargs.get("src_cache_offset"))
         dst_off = _offset("dst_cache_offset", kwargs.get("dst_cache_offset"))
         layer_kwargs = {k: v for k, v in kwargs.items() if k in _LAYER_KWARGS}
-        _target(cache_key)  # exactly one of req_id / prefix_id must be valid
+        remote_target(cache_key)  # exactly one of req_id / prefix_id must be valid
         caches = self._entry("[pull_cache]", "kv_cache", kv_cache)
         if src_off < 0 and dst_off < 0:
             fan_out(len(caches), lambda i: self._cms[i].pull_cache(cache_key, caches[i], batch_index, size,
@@ -347,7 +349,7 @@ class KvCacheManager:
         local_runs = [(batch_index * stride + dst_off, length)]
         remote_runs = [(src_off, length)]
         fan_out(len(caches), lambda i: self._cms[i]._transfer(
-            "pull_cache", False, cache_key, caches[i], _MODE_EXPLICIT, local_runs=local_runs,
+            "pull_cache", False, cache_key, caches[i], "EXPLICIT", local_runs=local_runs,
             remote_runs=remote_runs, local_tensors=dst_t, remote_tensors=src_t))
 
     def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache, prompt_blocks: list[int],

@@ -34,6 +34,7 @@ from ._utils import (
 )
 from .configs import LLMClusterInfo, LLMRole, role_to_option
 from .llm_types import Placement, RegisterMemStatus
+from .native import core, open_engine, role_of
 from .status import LLMException, LLMStatusCode, code_2_status
 
 __all__ = ["LLMDataDist"]
@@ -48,7 +49,7 @@ _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 
 # pdlink option: how links move bytes. "auto": direct memory access between processes of one host
 # (cross-memory attach) when permitted, else TCP; "tcp" / "cma" force one.
 TRANSPORT_OPTION = "pdlink.Transport"
-_TRANSPORTS = {"auto": 0, "tcp": 1, "cma": 2}
+_TRANSPORTS = ("auto", "tcp", "cma")  # pdlink.Transport / PDLINK_TRANSPORT values
 # pdlink option: a shared secret every linked engine must prove it knows (challenge-response; the
 # secret never crosses the wire). The environment variable PDLINK_LINK_SECRET works the same.
 SECRET_OPTION = "pdlink.LinkSecret"
@@ -84,9 +85,7 @@ _V1_DEFAULT_PAGE_SHIFT = 16
 
 
 def _core_any_cluster() -> int:
-    from . import _core
-
-    return _core.ANY_CLUSTER
+    return int(core().ANY_CLUSTER)
 
 
 def _int_ip_to_str(ip: int) -> str:
@@ -137,14 +136,6 @@ def _parse_limits(options: dict[str, str]) -> dict[str, int]:
                        f"{option} (or {env}) must be a positive integer, got {raw!r}")
         out[field] = int(raw)
     return out
-
-
-def engine_limits(core: Any, values: dict[str, int]) -> Any:
-    """A ``_core.EngineLimits`` with the engine's defaults, overridden by `values`."""
-    limits = core.EngineLimits()
-    for field, value in values.items():
-        setattr(limits, field, value)
-    return limits
 
 
 def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
@@ -198,7 +189,7 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
         "device_page_shift": dev_shift,
         "host_pool_bytes": host_bytes,
         "host_page_shift": host_shift,
-        "transport": _TRANSPORTS[transport],
+        "transport": transport,
         "link_secret": secret,
         "payload_integrity": integrity == "1",
         "one_way_links": options.get("llm.TransferBackend") == _HIXL_BACKEND,
@@ -401,15 +392,19 @@ class LLMDataDist:
             live = LLMDataDist.llm_engine_instance
             if live is not None and live is not self:
                 raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
-            from . import _core  # the native module loads on first use, keeping `import pdlink` light
             from .cache_manager import CacheManager
 
             if v1:
-                self._init_v1(_core, cfg)
+                self._init_v1(cfg)
             else:
-                engine = _core.Engine(_core.open_backend(cfg.pop("backend"), cfg.pop("device_id")))
-                cfg["limits"] = engine_limits(_core, cfg["limits"])
-                engine.initialize(self._cluster_id, int(self._role), **cfg)
+                engine = open_engine(
+                    backend=cfg.pop("backend"), device_id=cfg.pop("device_id"), cluster_id=self._cluster_id,
+                    role=self._role, listen_ip=cfg["listen_ip"], listen_port=cfg["listen_port"],
+                    sync_timeout_ms=cfg["sync_timeout_ms"],
+                    device_pool=(cfg["device_pool_bytes"], cfg["device_page_shift"]),
+                    host_pool=(cfg["host_pool_bytes"], cfg["host_page_shift"]), transport=cfg["transport"],
+                    link_secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
+                    hccl_one_sided=cfg["hccl_one_sided"], one_way_links=cfg["one_way_links"], limits=cfg["limits"])
                 self._engine = engine
                 self._engines = [engine]
                 self._v1 = False
@@ -426,7 +421,7 @@ class LLMDataDist:
         logger.info("LLMDataDist cluster %d initialised as %s in %s mode (listen ports %s)", self._cluster_id,
                     self._role, "KvCacheManager" if v1 else "CacheManager", [e.listen_port for e in self._engines])
 
-    def _init_v1(self, core: Any, cfg: dict[str, Any]) -> None:
+    def _init_v1(self, cfg: dict[str, Any]) -> None:
         """KvCacheManager mode: one engine per device, all with this cluster id; a PROMPT's engine
         ``i`` listens on the ``i``-th ``llm.listenIpInfo`` entry. Called under the instance lock."""
         from .cache_manager import CacheManager
@@ -435,14 +430,13 @@ class LLMDataDist:
         engines: list[Any] = []
         try:
             for device, (ip, port) in zip(cfg["devices"], cfg["listens"]):
-                engine = core.Engine(core.open_backend(cfg["backend"], device))
-                engine.initialize(self._cluster_id, int(self._role), listen_ip=ip, listen_port=port,
-                                  sync_timeout_ms=cfg["sync_timeout_ms"], device_pool_bytes=cfg["device_pool_bytes"],
-                                  device_page_shift=cfg["device_page_shift"], host_pool_bytes=0,
-                                  host_page_shift=_V1_DEFAULT_PAGE_SHIFT,
-                                  transport=cfg["transport"], link_secret=cfg["link_secret"],
-                                  payload_integrity=cfg["payload_integrity"], hccl_one_sided=cfg["hccl_one_sided"],
-                                  limits=engine_limits(core, cfg["limits"]))
+                engine = open_engine(
+                    backend=cfg["backend"], device_id=device, cluster_id=self._cluster_id, role=self._role,
+                    listen_ip=ip, listen_port=port, sync_timeout_ms=cfg["sync_timeout_ms"],
+                    device_pool=(cfg["device_pool_bytes"], cfg["device_page_shift"]),
+                    host_pool=(0, _V1_DEFAULT_PAGE_SHIFT), transport=cfg["transport"], link_secret=cfg["link_secret"],
+                    payload_integrity=cfg["payload_integrity"], hccl_one_sided=cfg["hccl_one_sided"],
+                    limits=cfg["limits"])
                 engines.append(engine)
         except BaseException:
             for engine in engines:
@@ -708,7 +702,7 @@ class LLMDataDist:
         ip, port = "", 0
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
-        engine.switch_role(int(role), ip, port)
+        engine.switch_role(role_of(role), ip, port)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 
@@ -728,7 +722,7 @@ class LLMDataDist:
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-        self._engine.switch_role(int(role), ip, port)  # LLM_EXIST_LINK while any link remains
+        self._engine.switch_role(role_of(role), ip, port)  # LLM_EXIST_LINK while any link remains
         self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role

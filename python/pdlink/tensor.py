@@ -19,6 +19,7 @@ from typing import Any
 
 from ._utils import check_isinstance, check_list_of
 from .data_type import DataType, itemsize
+from .native import placement_of
 from .status import LLMException, LLMStatusCode
 
 __all__ = ["TensorDesc", "Tensor"]
@@ -165,7 +166,8 @@ class Tensor:
         nbytes = count * itemsize(desc.dtype)
         if self._device_backend is not None:
             host = np.empty(nbytes, dtype=np.uint8)
-            self._device_backend.copy(host.ctypes.data, 0, self._addr, 1, nbytes)  # device -> host
+            self._device_backend.copy(host.ctypes.data, placement_of("HOST"), self._addr, placement_of("DEVICE"),
+                                      nbytes)  # device -> host
             return host.view(storage).reshape(desc.shape)
         buf = (ctypes.c_uint8 * nbytes).from_address(self._addr)
         # ctypes arrays export the buffer protocol; numpy's stubs only list concrete buffer types

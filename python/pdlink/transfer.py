@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, raise_if_false
-from .cache_manager import _MODE_BLOCKS_TO_BLOCKS, _MODE_EXPLICIT, _MODE_SLOT_TO_SLOT
 from .llm_types import BlocksCacheKey, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 from .status import LLMException, LLMStatusCode, code_2_status, handle_llm_status
 
@@ -170,7 +169,7 @@ class _Target:
             self.key = config.cache_key
             self.dst_addrs = []
             self.dst_start = config.dst_layer_range.start
-        self.mode = _MODE_EXPLICIT
+        self.mode = "EXPLICIT"
         self.kwargs: dict[str, Any] = {}
         self.error: str | None = None
 
@@ -203,14 +202,14 @@ class _Target:
                 self.kwargs = {"local_runs": local, "remote_runs": remote}
             else:
                 layout.region(self.batch_index)
-                self.mode = _MODE_SLOT_TO_SLOT
+                self.mode = "SLOT_TO_SLOT"
                 self.kwargs = {"slot": self.batch_index}
             return
         if not is_blocks_key:
             raise _PlanError("dst_block_indices need a BlocksCacheKey destination, got a CacheKeyByIdAndIndex")
         if src_blocks:  # blocks -> blocks: the engine coalesces and checks block sizes on both sides
             layout.pairs(src_blocks, dst_blocks, block_size)
-            self.mode = _MODE_BLOCKS_TO_BLOCKS
+            self.mode = "BLOCKS_TO_BLOCKS"
             self.kwargs = {"local_blocks": list(src_blocks), "remote_blocks": list(dst_blocks)}
         else:  # cache -> blocks: offsets from the start of each remote tensor
             local, remote = _coalesce(layout.chunks(layout.region(self.batch_index), dst_blocks, block_size or 0))
@@ -227,7 +226,7 @@ class _Target:
             for k in range(_TENSORS_PER_LAYER):
                 addr = self.dst_addrs[base + k]
                 remote = [(addr + off, n) for off, n in self.kwargs["remote_runs"]]
-                transfer_fn(_OP, True, None, src_cache, _MODE_EXPLICIT, peer=self.dst_cluster_id,
+                transfer_fn(_OP, True, None, src_cache, "EXPLICIT", peer=self.dst_cluster_id,
                             local_tensors=[first + k], remote_tensors=[0],
                             local_runs=self.kwargs["local_runs"], remote_runs=remote)
             return

@@ -441,8 +441,8 @@ def snapshot(name: str) -> Snapshot:
     if n.memory is not None:
         return n.memory.snapshot(name)
     desc = n.cache.cache_desc
-    placement = int(desc.placement)
-    pool = [p for p in internals.pools(_dd()) if p["placement"] == placement]
+    placement = desc.placement.name
+    pool = [p for p in internals.pools(_dd()) if p["placement"].name == placement]
     assert len(pool) == 1, f"no pool of placement {placement}"
     return pool_snapshot(name, pool[0]["base"], pool[0]["capacity"], n.addrs, desc.size, n.rows,
                          _device(desc.placement))

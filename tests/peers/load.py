@@ -15,7 +15,6 @@ from peers.memory import GuardedTensors, device_memory_is_remote
 from verify import Snapshot
 
 SHAPE = (8, 512)  # 8 blocks of 512 bytes per tensor, 2 tensors
-DECODER = 2       # LLMRole.DECODER
 
 _ENGINES: list[tuple[Any, Any, Any, GuardedTensors]] = []  # (engine, manager, cache, memory)
 _ERRORS: list[str] = []
@@ -25,8 +24,8 @@ def start_engines(count: int, first_id: int) -> None:
     """``count`` engines with cluster ids ``first_id``..., on this peer's backend and transport."""
     cfg = internals.parse_engine_options({})  # PDLINK_BACKEND / PDLINK_TRANSPORT of this peer
     for i in range(count):
-        e = internals.core.Engine(internals.open_backend(cfg["backend"], 0))
-        e.initialize(first_id + i, DECODER, "", 0, 30000, 0, 16, 0, 16, transport=cfg["transport"])
+        e = internals.open_engine(backend=cfg["backend"], device_id=0, cluster_id=first_id + i, role="DECODER",
+                                  sync_timeout_ms=30000, transport=cfg["transport"])
         cm = internals.cache_manager(e)
         desc = CacheDesc(2, list(SHAPE), DataType.DT_UINT8, Placement.DEVICE)
         mem = GuardedTensors(2, desc.size, SHAPE[0], None, device_memory_is_remote())

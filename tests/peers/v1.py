@@ -356,7 +356,7 @@ def snapshot(name: str, dev: int = 0) -> Snapshot:
     n = _named(name)
     if n.memory is not None:
         return n.memory[dev].snapshot(name)
-    pools = [p for p in n.natives[dev].pools() if p["placement"] == int(Placement.DEVICE)]
+    pools = [p for p in n.natives[dev].pools() if p["placement"].name == Placement.DEVICE.name]
     assert len(pools) == 1, "no device pool"
     return pool_snapshot(f"{name} (device {dev})", pools[0]["base"], pools[0]["capacity"], n.addrs[dev],
                          n.desc.size, n.rows, _device(n))
@@ -625,15 +625,9 @@ def bare_start(pools: Sequence[int], cluster_id: int = 9, backend: str = "cpu") 
     bytes each), without an LLMDataDist, made the current engine."""
     from llm_datadist import CacheManager, KvCacheManager
 
-    limits = internals.core.EngineLimits()
-    limits.handshake_timeout_ms = 1000
-    natives = []
-    for pool in pools:
-        e = internals.core.Engine(backend)
-        e.initialize(cluster_id, int(LLMRole.PROMPT), listen_ip="", listen_port=0, sync_timeout_ms=1000,
-                     device_pool_bytes=pool, device_page_shift=12, host_pool_bytes=0, host_page_shift=12,
-                     limits=limits)
-        natives.append(e)
+    natives = [internals.open_engine(backend=backend, device_id=0, cluster_id=cluster_id, role=LLMRole.PROMPT,
+                                     sync_timeout_ms=1000, device_pool=(pool, 12), host_pool=(0, 12),
+                                     limits={"handshake_timeout_ms": 1000}) for pool in pools]
     km = KvCacheManager(None, [CacheManager(None, e, False, {Placement.DEVICE: True}) for e in natives],
                         LLMRole.PROMPT)
     _S.engines["bare"] = _Engine(None, km, natives)

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..native import open_engine, role_of
 from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
 from .validation import ROLES, NodeInfo, RoleRequest
@@ -50,7 +51,6 @@ __all__ = ["Node", "Unavailable", "ObservedEngine", "kv_pattern"]
 
 logger = logging.getLogger("pdlink.server")
 
-ROLE_NAMES = {v: k for k, v in ROLES.items()}
 _LISTENING_ROLES = ("prefill", "flex")
 _OK = (int(LLMStatusCode.LLM_SUCCESS), int(LLMStatusCode.LLM_ALREADY_LINK))
 _SWITCH_ATTEMPTS = 5
@@ -81,39 +81,39 @@ class ObservedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def register_cache(self, num_tensors: int, tensor_size: int, num_slots: int, *args: Any) -> Any:
-        handle = self._engine.register_cache(num_tensors, tensor_size, num_slots, *args)
-        self._geometry[handle[0]] = (num_tensors, tensor_size // max(num_slots, 1))
+    def register_cache(self, layout: Any, *args: Any) -> Any:
+        handle = self._engine.register_cache(layout, *args)
+        self._geometry[handle[0]] = (layout.num_tensors, layout.tensor_size // max(layout.num_slots, 1))
         return handle
 
     def unregister_cache(self, cache_id: int) -> None:
         self._engine.unregister_cache(cache_id)
         self._geometry.pop(cache_id, None)
 
-    def transfer(self, is_push: bool, op: str, peer: int, target_kind: int, model_id: int, req_id: int,
-                 prefix_id: int, cache_id: int, batch_index: int, local_cache_id: int, mode: int, local_slot: int,
-                 size: int, local_blocks: Sequence[int], remote_blocks: Sequence[int], local_tensors: Sequence[int],
-                 remote_tensors: Sequence[int], local_runs: Sequence[tuple[int, int]],
-                 remote_runs: Sequence[tuple[int, int]]) -> None:
+    def pull(self, spec: Any, op: str = "pull") -> None:
+        self._observed(False, spec, op)
+
+    def push(self, spec: Any, op: str = "push") -> None:
+        self._observed(True, spec, op)
+
+    def _observed(self, is_push: bool, spec: Any, op: str) -> None:
         t0 = time.perf_counter()
         try:
-            self._engine.transfer(is_push, op, peer, target_kind, model_id, req_id, prefix_id, cache_id, batch_index,
-                                  local_cache_id, mode, local_slot, size, local_blocks, remote_blocks, local_tensors,
-                                  remote_tensors, local_runs, remote_runs)
+            (self._engine.push if is_push else self._engine.pull)(spec, op)
         except LLMException as e:
             # The binding raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
             self._metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
             raise
         seconds = time.perf_counter() - t0
-        tensors, unit = self._geometry.get(local_cache_id, (0, 0))
-        if local_tensors:
-            tensors = len(local_tensors)
-        if local_runs:
-            per_tensor = sum(length for _, length in local_runs)
-        elif local_blocks:
-            per_tensor = len(local_blocks) * unit
+        tensors, unit = self._geometry.get(spec.local_cache_id, (0, 0))
+        if spec.local_tensors:
+            tensors = len(spec.local_tensors)
+        if spec.local_runs:
+            per_tensor = sum(length for _, length in spec.local_runs)
+        elif spec.local_blocks:
+            per_tensor = len(spec.local_blocks) * unit
         else:
-            per_tensor = size if size > 0 else unit
+            per_tensor = spec.size if spec.size > 0 else unit
         self._metrics.transfer_done(op, "push" if is_push else "pull", tensors * per_tensor, seconds)
 
 
@@ -229,10 +229,9 @@ def _link_state(engine: Any, cid: int) -> tuple[bool, bool]:
 class Node:
     """State of one managed instance; thread-safe. ``metrics`` (optional) receives events."""
 
-    def __init__(self, settings: Settings, metrics: Any = None, backend_module: Any = None):
+    def __init__(self, settings: Settings, metrics: Any = None):
         self.settings = settings
         self._metrics = metrics if metrics is not None else _NullMetrics()
-        self._core = backend_module
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._engines: list[Any] = []
@@ -356,12 +355,7 @@ class Node:
         return plan.listen if plan.role in _LISTENING_ROLES else ()
 
     def _create_engines(self, plan: _Plan) -> None:
-        if self._core is None:
-            from .. import _core
-
-            self._core = _core
         from ..cache_manager import CacheManager
-        from ..llm_datadist import _TRANSPORTS
 
         kv = self.settings.kv
         listen = self._listen_for(plan)
@@ -371,14 +365,11 @@ class Node:
                 ip, port = listen[i] if listen else ("", 0)
                 # The role post's device ids (logical, as strings) pick the NPU on Ascend.
                 dev = plan.device_ids[i] if i < len(plan.device_ids) else str(i)
-                engine = self._core.Engine(self._core.open_backend(kv.backend, int(dev) if dev.isdigit() else i))
-                auth = ({"link_secret": kv.link_secret, "payload_integrity": kv.payload_integrity}
-                        if kv.link_secret else {})
-                engine.initialize(plan.cluster_id, ROLES[plan.role], listen_ip=ip, listen_port=port,
-                                  sync_timeout_ms=kv.sync_kv_timeout_ms, device_pool_bytes=0, device_page_shift=16,
-                                  host_pool_bytes=0, host_page_shift=16,
-                                  transport=_TRANSPORTS[kv.transport], **auth)
-                engines.append(engine)
+                engines.append(open_engine(backend=kv.backend, device_id=int(dev) if dev.isdigit() else i,
+                                           cluster_id=plan.cluster_id, role=ROLES[plan.role], listen_ip=ip,
+                                           listen_port=port, sync_timeout_ms=kv.sync_kv_timeout_ms,
+                                           transport=kv.transport, link_secret=kv.link_secret,
+                                           payload_integrity=bool(kv.link_secret) and kv.payload_integrity))
         except BaseException:
             for engine in engines:
                 engine.finalize()
@@ -422,7 +413,7 @@ class Node:
                 for attempt in range(_SWITCH_ATTEMPTS):
                     self._unlink([link["peer_cluster_id"] for link in engine.links()], [engine])
                     try:
-                        engine.switch_role(ROLES[plan.role], ip, port)
+                        engine.switch_role(role_of(ROLES[plan.role]), ip, port)
                         break
                     except LLMException as e:  # a peer linked in between: unlink again
                         if e.status_code != LLMStatusCode.LLM_EXIST_LINK or attempt == _SWITCH_ATTEMPTS - 1:
@@ -435,7 +426,7 @@ class Node:
                 assert self._engine_role is not None  # set when the engines were created
                 try:
                     self._unlink([link["peer_cluster_id"] for link in self._engines[i].links()], [self._engines[i]])
-                    self._engines[i].switch_role(ROLES[self._engine_role], ip, port)
+                    self._engines[i].switch_role(role_of(ROLES[self._engine_role]), ip, port)
                 except LLMException as e:
                     logger.error("device %d: could not restore role %s: %s", i, self._engine_role, e)
             with self._lock:

@@ -35,8 +35,8 @@ from typing import Any
 __all__ = ["ROLES", "BodyError", "Device", "NodeInfo", "RoleRequest", "parse_role_request", "cluster_id",
            "MAX_PEERS", "MAX_DEVICES"]
 
-# URL role -> pdlink engine role (LLMRole values: PROMPT=1, DECODER=2, MIX=3)
-ROLES: dict[str, int] = {"prefill": 1, "decode": 2, "flex": 3}
+# URL role -> the engine role's name (pdlink._core.Role)
+ROLES: dict[str, str] = {"prefill": "PROMPT", "decode": "DECODER", "flex": "MIX"}
 MAX_PEERS = 256
 MAX_DEVICES = 64
 _NO_CLUSTER = 2**64 - 1  # the native ANY_CLUSTER value; never a real id
