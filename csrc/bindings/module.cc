@@ -134,7 +134,12 @@ void bindTypes(py::module_& m) {
       .def_readwrite("is_blocks", &CacheLayout::is_blocks)
       .def_readwrite("placement", &CacheLayout::placement);
   py::class_<wire::Target>(m, "Target")
-      .def(py::init<>())
+      .def(py::init([](wire::TargetKind kind, uint64_t model_id, uint64_t req_id, uint64_t prefix_id, int64_t cache_id,
+                       uint64_t batch_index) {
+             return wire::Target{kind, model_id, req_id, prefix_id, cache_id, batch_index};
+           }),
+           py::kw_only(), py::arg("kind") = wire::TargetKind::kBlocks, py::arg("model_id") = 0, py::arg("req_id") = 0,
+           py::arg("prefix_id") = 0, py::arg("cache_id") = 0, py::arg("batch_index") = 0)
       .def_readwrite("kind", &wire::Target::kind)
       .def_readwrite("model_id", &wire::Target::model_id)
       .def_readwrite("req_id", &wire::Target::req_id)
@@ -144,7 +149,32 @@ void bindTypes(py::module_& m) {
       .def("__repr__", [](const wire::Target& t) { return "Target(" + t.describe() + ")"; });
   // One pull or push (engine/engine.h TransferSpec): runs are (offset, length) pairs.
   py::class_<TransferSpec>(m, "TransferSpec")
-      .def(py::init<>())
+      .def(py::init([](uint64_t peer_cluster_id, const wire::Target& target, int64_t local_cache_id,
+                       TransferSpec::Mode mode, uint64_t local_slot, int64_t size, std::vector<int64_t> local_blocks,
+                       std::vector<int64_t> remote_blocks, std::vector<uint32_t> local_tensors,
+                       std::vector<uint32_t> remote_tensors, const RunPairs& local_runs, const RunPairs& remote_runs) {
+             TransferSpec s;
+             s.peer_cluster_id = peer_cluster_id;
+             s.target = target;
+             s.local_cache_id = local_cache_id;
+             s.mode = mode;
+             s.local_slot = local_slot;
+             s.size = size;
+             s.local_blocks = std::move(local_blocks);
+             s.remote_blocks = std::move(remote_blocks);
+             s.local_tensors = std::move(local_tensors);
+             s.remote_tensors = std::move(remote_tensors);
+             s.local_runs = wireRuns(local_runs);
+             s.remote_runs = wireRuns(remote_runs);
+             return s;
+           }),
+           // one call builds a whole spec: a pull_blocks pays for one conversion, not one per field
+           py::kw_only(), py::arg("peer_cluster_id") = 0, py::arg("target") = wire::Target{},
+           py::arg("local_cache_id") = 0, py::arg("mode") = TransferSpec::Mode::kSlotToSlot, py::arg("local_slot") = 0,
+           py::arg("size") = -1, py::arg("local_blocks") = std::vector<int64_t>{},
+           py::arg("remote_blocks") = std::vector<int64_t>{}, py::arg("local_tensors") = std::vector<uint32_t>{},
+           py::arg("remote_tensors") = std::vector<uint32_t>{}, py::arg("local_runs") = RunPairs{},
+           py::arg("remote_runs") = RunPairs{})
       .def_readwrite("peer_cluster_id", &TransferSpec::peer_cluster_id)
       .def_readwrite("target", &TransferSpec::target)
       .def_readwrite("local_cache_id", &TransferSpec::local_cache_id)

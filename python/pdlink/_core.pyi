@@ -130,7 +130,8 @@ class Target:
     prefix_id: int
     cache_id: int
     batch_index: int
-    def __init__(self) -> None: ...
+    def __init__(self, *, kind: TargetKind = ..., model_id: int = 0, req_id: int = 0, prefix_id: int = 0,
+                 cache_id: int = 0, batch_index: int = 0) -> None: ...
 
 class TransferSpec:
     """One pull or push; runs are (offset, length) pairs."""
@@ -147,7 +148,11 @@ class TransferSpec:
     remote_tensors: list[int]
     local_runs: list[tuple[int, int]]  # EXPLICIT
     remote_runs: list[tuple[int, int]]  # EXPLICIT
-    def __init__(self) -> None: ...
+    def __init__(self, *, peer_cluster_id: int = 0, target: Target = ..., local_cache_id: int = 0,
+                 mode: TransferMode = ..., local_slot: int = 0, size: int = -1, local_blocks: Sequence[int] = ...,
+                 remote_blocks: Sequence[int] = ..., local_tensors: Sequence[int] = ...,
+                 remote_tensors: Sequence[int] = ..., local_runs: Sequence[tuple[int, int]] = ...,
+                 remote_runs: Sequence[tuple[int, int]] = ...) -> None: ...
 
 class Engine:
     def __init__(self, backend: Backend | str = "cpu") -> None: ...

@@ -57,28 +57,24 @@ KeyLike = CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
 
 def remote_target(key: KeyLike | None) -> Any:
     """The ``_core.Target`` addressing a remote cache by ``key``; ``None``: raw remote memory."""
-    t = core().Target()
-    kinds = core().TargetKind
-    t.req_id = t.prefix_id = _NO_ID
+    c = core()
+    kinds = c.TargetKind
     if key is None:
-        t.kind = kinds.RAW
-    elif isinstance(key, BlocksCacheKey):
-        t.kind, t.model_id = kinds.BLOCKS, key.model_id
-    elif isinstance(key, CacheKeyByIdAndIndex):
-        t.kind, t.cache_id, t.batch_index = kinds.ID_INDEX, key.cache_id, key.batch_index
-    else:
-        req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
-        raise_if_false(
-            req_ok != prefix_ok,
-            "exactly one of req_id and prefix_id must be valid in a pull key, got {}",
-            key,
-        )
-        t.model_id = key.model_id
-        if req_ok:
-            t.kind, t.req_id = kinds.REQUEST_KEY, key.req_id
-        else:
-            t.kind, t.prefix_id = kinds.PREFIX_KEY, key.prefix_id
-    return t
+        return c.Target(kind=kinds.RAW, req_id=_NO_ID, prefix_id=_NO_ID)
+    if isinstance(key, BlocksCacheKey):
+        return c.Target(kind=kinds.BLOCKS, model_id=key.model_id, req_id=_NO_ID, prefix_id=_NO_ID)
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return c.Target(kind=kinds.ID_INDEX, req_id=_NO_ID, prefix_id=_NO_ID, cache_id=key.cache_id,
+                        batch_index=key.batch_index)
+    req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
+    raise_if_false(
+        req_ok != prefix_ok,
+        "exactly one of req_id and prefix_id must be valid in a pull key, got {}",
+        key,
+    )
+    if req_ok:
+        return c.Target(kind=kinds.REQUEST_KEY, model_id=key.model_id, req_id=key.req_id, prefix_id=_NO_ID)
+    return c.Target(kind=kinds.PREFIX_KEY, model_id=key.model_id, req_id=_NO_ID, prefix_id=key.prefix_id)
 
 
 def transfer_mode(name: str) -> Any:
@@ -211,15 +207,11 @@ class CacheManager:
         """One native transfer (``mode_name``: a ``_core.TransferMode`` name). ``key=None``
         addresses raw remote memory (``peer`` then names the cluster and ``remote_runs`` hold
         absolute addresses)."""
-        spec = core().TransferSpec()
-        spec.target = remote_target(key)
-        spec.peer_cluster_id = peer if key is None else key.cluster_id
-        spec.local_cache_id = cache.cache_id
-        spec.mode = transfer_mode(mode_name)
-        spec.local_slot, spec.size = slot, size
-        spec.local_blocks, spec.remote_blocks = local_blocks, remote_blocks
-        spec.local_tensors, spec.remote_tensors = local_tensors, remote_tensors
-        spec.local_runs, spec.remote_runs = local_runs, remote_runs
+        spec = core().TransferSpec(
+            peer_cluster_id=peer if key is None else key.cluster_id, target=remote_target(key),
+            local_cache_id=cache.cache_id, mode=transfer_mode(mode_name), local_slot=slot, size=size,
+            local_blocks=local_blocks, remote_blocks=remote_blocks, local_tensors=local_tensors,
+            remote_tensors=remote_tensors, local_runs=local_runs, remote_runs=remote_runs)
         engine = self._live_engine()
         (engine.push if is_push else engine.pull)(spec, op)
 
