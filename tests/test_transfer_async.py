@@ -423,7 +423,7 @@ def test_runs_sent_to_the_engine() -> None:
     addresses; a config the engine would refuse fails at its first layer with PARAM_INVALID."""
     sent: list[tuple[Any, ...]] = []
 
-    def fn(op: str, is_push: bool, key: Any, cache: Cache, mode: int, **kw: Any) -> None:
+    def fn(op: str, is_push: bool, key: Any, cache: Cache, mode: str, **kw: Any) -> None:
         sent.append((op, is_push, key, mode, kw))
 
     cache = _cache(shape=(1, 32))  # 64-byte slots
@@ -431,7 +431,7 @@ def test_runs_sent_to_the_engine() -> None:
                                 None, [3, 4, 9], 24, remote_cache_accessible=False)
     assert task.get_results() == [S.LLM_SUCCESS]
     assert sent == [
-        ("transfer_cache_async", True, None, 3,
+        ("transfer_cache_async", True, None, "EXPLICIT",
          {"peer": 7, "local_tensors": [2 + k], "remote_tensors": [0], "local_runs": [(0, 48), (48, 16)],
           "remote_runs": [(base + 72, 48), (base + 216, 16)]})
         for k, base in enumerate((1000, 2000))]
