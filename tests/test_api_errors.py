@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair, moved
+from internals import error_class
 from pdlink import (
     BlocksCacheKey,
     CacheDesc,
@@ -77,7 +78,7 @@ def llm_error(code: LLMStatusCode, op: str | None = None) -> Iterator[pytest.Exc
     message that starts with ``"<op> failed, error code is <code>"``)."""
     with pytest.raises(LLMException) as info:
         yield info
-    assert type(info.value) is LLMException, type(info.value)
+    assert type(info.value) is error_class(code), type(info.value)  # LLMException or its subclass for the code
     assert info.value.status_code == code, f"{info.value.status_code}: {info.value}"
     if op is not None:
         assert str(info.value).startswith(f"{op} failed, error code is {code}"), str(info.value)

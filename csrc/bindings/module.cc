@@ -1,6 +1,7 @@
 // pdlink._core: registration of the native engine for the Python layer (python/pdlink).
 // The module mirrors the C++ engine and makes no policy decisions; argument validation that
 // llm_datadist performs in Python stays in Python. Every call that may block releases the GIL.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -64,6 +65,63 @@ std::vector<wire::Run> wireRuns(const RunPairs& pairs) {
   for (auto& [offset, length] : pairs) out.push_back({offset, length});
   return out;
 }
+
+// An int64 index array from numpy (or anything numpy converts), read without one Python object per
+// element; pybind11 converts other dtypes and non-contiguous arrays into a temporary copy.
+using IndexArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+size_t length1d(const py::array& a, const char* name) {
+  if (a.ndim() != 1) throw py::value_error(std::string(name) + " must be one-dimensional");
+  return static_cast<size_t>(a.shape(0));
+}
+
+// Block indices as int64: a Python list of ints is read directly (the common short list, without
+// a numpy conversion), anything else through IndexArray.
+class Indices {
+ public:
+  Indices(py::handle obj, const char* name) {
+    if (PyList_CheckExact(obj.ptr())) {
+      const Py_ssize_t n = PyList_GET_SIZE(obj.ptr());
+      list_.resize(static_cast<size_t>(n));
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        list_[static_cast<size_t>(i)] = PyLong_AsLongLong(PyList_GET_ITEM(obj.ptr(), i));
+        if (PyErr_Occurred()) throw py::error_already_set();
+      }
+      data_ = list_.data();
+      size_ = list_.size();
+    } else {
+      array_ = IndexArray::ensure(obj);
+      if (!array_) throw py::error_already_set();
+      size_ = length1d(array_, name);
+      data_ = array_.data();
+    }
+  }
+  const int64_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  std::vector<int64_t> list_;
+  IndexArray array_;
+  const int64_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// A prepared transfer bound to the engine that posts it (the Python object keeps the engine alive).
+struct BoundPrepared {
+  Engine* engine;
+  std::shared_ptr<PreparedTransfer> prepared;
+  void post(py::handle local, py::handle remote, bool is_push, const char* op) {
+    const Indices l(local, "local blocks"), r(remote, "remote blocks");
+    if (l.size() != r.size()) throw py::value_error("local and remote block arrays differ in length");
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = engine->post(*prepared, l.data(), r.data(), l.size(), is_push);
+    }
+    throwIfError(st, op);
+  }
+};
 
 // The enums and plain structs of the engine's interface (engine/engine.h, transport/wire.h),
 // bound once: Python reads their values from here and never re-types them.
@@ -281,6 +339,20 @@ PYBIND11_MODULE(_core, m) {
       [](const std::string& name, int32_t device_id) { return valueOrThrow(openBackend(name, device_id), "init"); },
       py::arg("name"), py::arg("device_id") = 0, py::call_guard<py::gil_scoped_release>());
 
+  // A prepared transfer (engine/engine.h PreparedTransfer), posted with int64 block-index arrays.
+  py::class_<BoundPrepared>(m, "PreparedTransfer")
+      .def("post", &BoundPrepared::post, py::arg("local"), py::arg("remote"), py::arg("push"), py::arg("op"))
+      .def(
+          "read", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, false, "read"); },
+          py::arg("local"), py::arg("remote"))
+      .def(
+          "write", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, true, "write"); },
+          py::arg("local"), py::arg("remote"))
+      .def_property_readonly("block_size", [](const BoundPrepared& b) { return b.prepared->block_size; })
+      .def_property_readonly("local_blocks", [](const BoundPrepared& b) { return b.prepared->local_blocks; })
+      .def_property_readonly("remote_blocks", [](const BoundPrepared& b) { return b.prepared->remote_blocks; })
+      .def_property_readonly("peer_cluster_id", [](const BoundPrepared& b) { return b.prepared->peer_cluster_id; });
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](std::shared_ptr<Backend> backend) { return std::make_unique<Engine>(std::move(backend)); }),
            py::arg("backend"))
@@ -434,6 +506,47 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "push", [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.push(spec), op.c_str()); },
           py::arg("spec"), py::arg("op") = "push", py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prepare",
+          [](Engine& e, const TransferSpec& spec, uint64_t block_size, uint64_t remote_base, uint64_t remote_bytes,
+             const std::string& op) {
+            Result<std::shared_ptr<PreparedTransfer>> r = Status(Code::kFailed, "");
+            {
+              py::gil_scoped_release unlocked;
+              r = e.prepare(spec, block_size, remote_base, remote_bytes);
+            }
+            return BoundPrepared{&e, valueOrThrow(std::move(r), op.c_str())};
+          },
+          py::arg("spec"), py::arg("block_size") = 0, py::arg("remote_base") = 0, py::arg("remote_bytes") = 0,
+          py::arg("op") = "prepare", py::keep_alive<0, 1>())
+      .def(
+          "transfer_runs",
+          // Descriptor lists: bytes [local_offsets[i], +lengths[i]) of each local tensor <->
+          // [remote[i], +lengths[i]) of the target (absolute addresses for a RAW target).
+          [](Engine& e, const TransferSpec& base, const U64Array& local_offsets, const U64Array& remote,
+             const U64Array& lengths, bool is_push, const std::string& op) {
+            const size_t n = length1d(local_offsets, "local offsets");
+            if (length1d(remote, "remote addresses") != n || length1d(lengths, "lengths") != n) {
+              throw py::value_error("descriptor arrays differ in length");
+            }
+            TransferSpec spec = base;
+            spec.mode = TransferSpec::Mode::kExplicit;
+            spec.local_runs.resize(n);
+            spec.remote_runs.resize(n);
+            const uint64_t *lo = local_offsets.data(), *ro = remote.data(), *len = lengths.data();
+            for (size_t i = 0; i < n; ++i) {
+              spec.local_runs[i] = {lo[i], len[i]};
+              spec.remote_runs[i] = {ro[i], len[i]};
+            }
+            Status st;
+            {
+              py::gil_scoped_release unlocked;
+              st = is_push ? e.push(spec) : e.pull(spec);
+            }
+            throwIfError(st, op.c_str());
+          },
+          py::arg("spec"), py::arg("local_offsets"), py::arg("remote"), py::arg("lengths"), py::arg("push"),
+          py::arg("op") = "transfer")
       .def(
           "copy_local",
           [](Engine& e, const std::vector<uint64_t>& dst, Placement dst_placement, const std::vector<uint64_t>& src,

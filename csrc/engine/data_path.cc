@@ -382,7 +382,118 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   if (!link_r.ok()) return link_r.status();
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
-  std::shared_ptr<Link> link = link_r.value();
+  return execute(link_r.value(), p_r.value(), is_push);
+}
+
+Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& spec, uint64_t block_size,
+                                                          uint64_t remote_base, uint64_t remote_bytes) {
+  const bool raw = spec.target.kind == wire::TargetKind::kRaw;
+  if (!raw && spec.target.kind != wire::TargetKind::kBlocks) {
+    return Status(Code::kParamInvalid, "a prepared transfer addresses a blocks cache by key, or registered memory");
+  }
+  // The generation is read before the cache is looked up: a change in between makes the first
+  // post check again.
+  const uint64_t generation = registry_.published()->generation.load(std::memory_order_acquire);
+  auto local = registry_.get(spec.local_cache_id);
+  if (!local.ok()) return local.status();
+  const CacheLayout& L = local.value()->layout;
+  if (block_size == 0) block_size = L.stride();
+  if (block_size == 0 || L.tensor_size % block_size != 0) {
+    return Status(Code::kParamInvalid, "block size " + std::to_string(block_size) +
+                                           " does not divide the local tensors (" + std::to_string(L.tensor_size) +
+                                           " bytes)");
+  }
+  auto p = std::make_shared<PreparedTransfer>();
+  p->peer_cluster_id = spec.peer_cluster_id;
+  p->target = spec.target;
+  p->local_cache_id = spec.local_cache_id;
+  p->block_size = block_size;
+  p->local_blocks = L.tensor_size / block_size;
+  if (spec.local_tensors.size() != spec.remote_tensors.size()) {
+    return Status(Code::kParamInvalid, "local and remote tensor lists differ in length");
+  }
+  for (uint32_t t : spec.local_tensors) {
+    if (t >= L.num_tensors) return Status(Code::kParamInvalid, "local tensor index " + std::to_string(t) + " out of range");
+  }
+  p->local_tensors = spec.local_tensors;
+  p->remote_tensors = spec.remote_tensors;
+  const size_t tensors = p->local_tensors.empty() ? L.num_tensors : p->local_tensors.size();
+  if (tensors == 0 || tensors > limits::kMaxRequestTensors) {
+    return Status(Code::kParamInvalid, "a prepared transfer moves 1 to " + std::to_string(limits::kMaxRequestTensors) +
+                                           " tensors");
+  }
+  if (raw) {
+    uint64_t end = 0;
+    if (tensors != 1) return Status(Code::kParamInvalid, "a transfer to registered memory moves one tensor");
+    if (remote_bytes < block_size || __builtin_add_overflow(remote_base, remote_bytes, &end)) {
+      return Status(Code::kParamInvalid, "the remote memory is empty, smaller than a block, or wraps");
+    }
+    p->remote_base = remote_base;
+    p->remote_blocks = remote_bytes / block_size;
+  }
+  p->local = local.value();
+  p->generation.store(generation, std::memory_order_release);
+  return p;
+}
+
+Status Engine::post(PreparedTransfer& prep, const int64_t* local, const int64_t* remote, size_t n, bool is_push) {
+  if (n == 0) return Status(Code::kParamInvalid, "the block list is empty");
+  auto link_r = usableLink(prep.peer_cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  // This side: the same cache, unless the registry changed since it was last checked.
+  std::shared_ptr<CacheEntry> entry = prep.local.lock();
+  const uint64_t now = registry_.published()->generation.load(std::memory_order_acquire);
+  if (entry && now != prep.generation.load(std::memory_order_acquire)) {
+    auto current = registry_.get(prep.local_cache_id);
+    if (!current.ok() || current.value() != entry) entry.reset();
+    else prep.generation.store(now, std::memory_order_release);  // re-prepared: still registered
+  }
+  if (!entry) {
+    return Status(Code::kParamInvalid, "the prepared transfer's local cache " + std::to_string(prep.local_cache_id) +
+                                           " is no longer registered; prepare it again");
+  }
+  TransferPlan p;
+  p.local_addrs = entry->addrs;
+  p.local_placement = entry->layout.placement;
+  p.local = std::move(entry);
+  if (prep.local_tensors.empty()) {
+    for (uint32_t t = 0; t < p.local_addrs.size(); ++t) p.local_tensors.push_back(t);
+    p.remote.tensors = p.local_tensors;
+  } else {
+    p.local_tensors = prep.local_tensors;
+    p.remote.tensors = prep.remote_tensors;
+  }
+  p.remote.target = prep.target;
+  const bool raw = prep.target.kind == wire::TargetKind::kRaw;
+  const uint64_t bs = prep.block_size;
+  p.remote.block_size = raw ? 0 : bs;
+  const uint64_t max_remote = raw ? prep.remote_blocks : UINT64_MAX / bs;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t lb = local[i], rb = remote[i];
+    if (lb < 0 || static_cast<uint64_t>(lb) >= prep.local_blocks) {
+      return Status(Code::kParamInvalid, "block index " + std::to_string(lb) + " out of range: local cache has " +
+                                             std::to_string(prep.local_blocks) + " blocks");
+    }
+    if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
+      return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
+    }
+    const uint64_t loff = static_cast<uint64_t>(lb) * bs, roff = (raw ? prep.remote_base : 0) + static_cast<uint64_t>(rb) * bs;
+    if (!p.local_runs.empty() && p.local_runs.back().offset + p.local_runs.back().length == loff &&
+        p.remote.runs.back().offset + p.remote.runs.back().length == roff) {
+      p.local_runs.back().length += bs;
+      p.remote.runs.back().length += bs;
+    } else {
+      p.local_runs.push_back({loff, bs});
+      p.remote.runs.push_back({roff, bs});
+    }
+  }
+  auto payload = p.remote.payloadBytes();
+  if (!payload.ok()) return payload.status();
+  p.payload = payload.value();
+  return execute(link_r.value(), p, is_push);
+}
+
+Status Engine::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push) {
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
@@ -390,7 +501,6 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
     return linkDown(*link);
   }
   Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
-  TransferPlan& p = p_r.value();
   if (p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
   for (TransferPlan& part : split(p)) PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
   return Status::OK();

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -145,6 +146,33 @@ struct TransferSpec {
   std::vector<wire::Run> remote_runs;  // kExplicit
 };
 
+// A prepared block transfer (Engine::prepare, pdlink.Engine.prepare): this side's cache and the
+// peer's memory described once, then posted many times with block-index arrays. Local block i is
+// bytes [i * block_size, +block_size) of each local tensor; remote block j is the same range of the
+// peer's blocks cache published under `target.model_id` (kBlocks, which the peer checks against its
+// own block size), or [remote_base + j * block_size, +block_size) of the peer's registered memory
+// (kRaw, one tensor).
+//
+// Not a pin: it holds the local cache only weakly, with the generation of this side's registry when
+// it was last checked. A post after any registry change re-checks that the same cache is still
+// registered ("re-prepares") and fails with kParamInvalid when it is not; the peer checks its side on
+// every post (its registry, and the cma path's cached descriptor by the peer's generation), so a
+// post after the peer deregistered fails with the peer's code and moves nothing.
+// Threading: one PreparedTransfer may be posted from several threads (its fields are immutable but
+// the generation, which is atomic); posts on one link are serialised like any transfer.
+struct PreparedTransfer {
+  uint64_t peer_cluster_id = 0;
+  wire::Target target;          // kBlocks or kRaw
+  uint64_t remote_base = 0;     // kRaw: the peer's address of remote block 0
+  uint64_t remote_blocks = 0;   // kRaw: the blocks there (the bound on remote indices); kBlocks: 0
+  int64_t local_cache_id = 0;
+  uint64_t block_size = 0;
+  uint64_t local_blocks = 0;    // tensor_size / block_size of the local cache
+  std::vector<uint32_t> local_tensors, remote_tensors;  // pairs; all local tensors i <-> i when empty
+  std::weak_ptr<CacheEntry> local;
+  std::atomic<uint64_t> generation{0};  // of this side's registry when `local` was last checked
+};
+
 class Engine {
  public:
   explicit Engine(std::shared_ptr<Backend> backend);
@@ -212,6 +240,17 @@ class Engine {
   Status pull(const TransferSpec& spec);
   Status push(const TransferSpec& spec);
 
+  // Describes a prepared transfer (see PreparedTransfer): `spec` names the peer, the target (kBlocks
+  // or kRaw), the local cache and the tensor pairs; `block_size` divides the local tensors (0: the
+  // local cache's own block size, its stride); for kRaw, `remote_bytes` is the registered length at
+  // `remote_base`. kParamInvalid for a bad description; nothing is sent to the peer.
+  Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size,
+                                                    uint64_t remote_base, uint64_t remote_bytes);
+  // Moves local block local[i] <-> remote block remote[i] for i < n (coalescing consecutive pairs),
+  // a pull or a push, bounded by the sync timeout. Errors as pull/push; kParamInvalid for an index
+  // out of range or a local cache that is no longer registered.
+  Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push);
+
   // Local copy: for each tensor pair (dst_addrs[t], src_addrs[t]) and each (dst_off, src_off, len).
   struct CopyRun {
     uint64_t dst_offset, src_offset, length;
@@ -236,6 +275,8 @@ class Engine {
   Result<TransferPlan> plan(const TransferSpec& spec, bool is_push);
   static std::vector<TransferPlan> split(const TransferPlan& p);
   Status transfer(const TransferSpec& spec, bool is_push);
+  // Moves a planned transfer over `link` (split into requests within the per-request bounds).
+  Status execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push);
   // One request of a transfer (requires the out mutex), on the link's path for the local cache's
   // memory: its host path, or its device paths in order (transport/path.h).
   Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,

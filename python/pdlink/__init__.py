@@ -1,7 +1,8 @@
 """pdlink: move KV caches between prefill and decode instances.
 
 An open implementation of the ``llm_datadist`` Python API (Huawei Ascend LLM-DataDist) on a
-portable C++ core. ``import pdlink`` is light: the native module and the heavier submodules
+portable C++ core, and pdlink's own engine API (``pdlink.Engine``, docs/native_api.md).
+``import pdlink`` is light: the native module and the heavier submodules
 load on first use of a name that needs them.
 
     from pdlink import LLMDataDist, LLMRole, LLMConfig, CacheDesc, BlocksCacheKey
@@ -44,12 +45,37 @@ _EXPORTS = {
     "TensorDesc": "tensor",
     "Tensor": "tensor",
     "LLMDataDist": "llm_datadist",
+    # pdlink's own engine API (docs/native_api.md)
+    "Engine": "engine",
+    "EngineOptions": "engine",
+    "Limits": "engine",
+    "LinkInfo": "engine",
+    "Pending": "engine",
+    "PreparedTransfer": "engine",
+    "Region": "engine",
+    "RemoteRegion": "engine",
+    "InvalidArgument": "status",
+    "NotFound": "status",
+    "TransferTimeout": "status",
+    "LinkError": "status",
+    "OutOfMemory": "status",
+    "NotSupported": "status",
 }
 
 if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for type checkers
     from .cache_manager import CacheManager  # noqa: F401
     from .configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401
     from .data_type import DataType  # noqa: F401
+    from .engine import (  # noqa: F401
+        Engine,
+        EngineOptions,
+        Limits,
+        LinkInfo,
+        Pending,
+        PreparedTransfer,
+        Region,
+        RemoteRegion,
+    )
     from .kv_cache_manager import KvCacheManager  # noqa: F401
     from .llm_datadist import LLMDataDist  # noqa: F401
     from .llm_types import (  # noqa: F401
@@ -67,7 +93,18 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         TransferConfig,
         TransferWithCacheKeyConfig,
     )
-    from .status import LLMException, LLMStatusCode, Status, code_2_status  # noqa: F401
+    from .status import (  # noqa: F401
+        InvalidArgument,
+        LinkError,
+        LLMException,
+        LLMStatusCode,
+        NotFound,
+        NotSupported,
+        OutOfMemory,
+        Status,
+        TransferTimeout,
+        code_2_status,
+    )
     from .tensor import Tensor, TensorDesc  # noqa: F401
     from .transfer import CacheTask  # noqa: F401
 

@@ -1,12 +1,16 @@
 """Type stubs for the native module ``pdlink._core`` (csrc/bindings/module.cc).
 
-The module mirrors the C++ engine and makes no policy decisions; use ``pdlink.LLMDataDist``.
+The module mirrors the C++ engine and makes no policy decisions; use ``pdlink.Engine`` (or
+``pdlink.LLMDataDist``).
 Failures raise ``pdlink.status.LLMException`` with ``status_code`` set; every method that may
 block releases the GIL.
 """
 
 from collections.abc import Sequence
 from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
 
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
@@ -154,6 +158,22 @@ class TransferSpec:
                  remote_tensors: Sequence[int] = ..., local_runs: Sequence[tuple[int, int]] = ...,
                  remote_runs: Sequence[tuple[int, int]] = ...) -> None: ...
 
+_Indices = npt.NDArray[np.int64] | Sequence[int]
+_U64Array = npt.NDArray[np.uint64] | Sequence[int]
+
+class PreparedTransfer:
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def local_blocks(self) -> int: ...
+    @property
+    def remote_blocks(self) -> int: ...
+    @property
+    def peer_cluster_id(self) -> int: ...
+    def post(self, local: _Indices, remote: _Indices, push: bool, op: str) -> None: ...
+    def read(self, local: _Indices, remote: _Indices) -> None: ...
+    def write(self, local: _Indices, remote: _Indices) -> None: ...
+
 class Engine:
     def __init__(self, backend: Backend | str = "cpu") -> None: ...
     def initialize(self, config: EngineConfig) -> None: ...  # ValueError for a limit that is not positive
@@ -202,6 +222,15 @@ class Engine:
     def remove_cache_key(self, req_id: int, prefix_id: int, model_id: int) -> None: ...
     def pull(self, spec: TransferSpec, op: str = "pull") -> None: ...  # op names the call in error messages
     def push(self, spec: TransferSpec, op: str = "push") -> None: ...
+    # A prepared block transfer (engine/engine.h PreparedTransfer); block_size 0: the local cache's.
+    def prepare(
+        self, spec: TransferSpec, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0, op: str = "prepare"
+    ) -> PreparedTransfer: ...
+    # Descriptor lists: [local_offsets[i], +lengths[i]) of each local tensor <-> [remote[i], +lengths[i]).
+    def transfer_runs(
+        self, spec: TransferSpec, local_offsets: _U64Array, remote: _U64Array, lengths: _U64Array, push: bool,
+        op: str = "transfer",
+    ) -> None: ...
     def copy_local(
         self,
         dst: Sequence[int],

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ._utils import (
+    UINT32_MAX,
     check_dict,
     check_int64,
     check_isinstance,
@@ -119,11 +120,22 @@ def _block_list(name: str, blocks: Any) -> Sequence[int]:
     return blocks
 
 
+def _plain_blocks_call(key: Any, cache: Any, remote_blocks: Any, local_blocks: Any) -> TypeGuard[BlocksCacheKey]:
+    """Whether a pull_blocks / push_blocks call is the common one that passes every check of the
+    general path: a BlocksCacheKey, a live blocks Cache, and two equally long, non-empty lists of
+    ints. The caller then skips those checks (each costs a Python call); any other call takes the
+    general path, which raises the same errors as before."""
+    return (type(key) is BlocksCacheKey and type(cache) is Cache and type(remote_blocks) is list
+            and type(local_blocks) is list and 0 < len(local_blocks) == len(remote_blocks)
+            and cache.is_blocks_cache and cache.cache_id > 0 and bool(cache.tensor_addrs)
+            and all(type(x) is int for x in local_blocks) and all(type(x) is int for x in remote_blocks))
+
+
 def _check_block_pairs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
     """Blocks-to-blocks transfers pair src_blocks[i] with dst_blocks[i]."""
     raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
-    raise_if_false(len(src_blocks) == len(dst_blocks),
-                   f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
+    if len(src_blocks) != len(dst_blocks):
+        raise_if_false(False, f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
 
 
 class CacheManager:
@@ -140,6 +152,10 @@ class CacheManager:
         self._remote_cache_accessible = remote_cache_accessible
         self._has_pool = has_pool
         self._initialized = True
+        # Blocks-to-blocks transfers by BlocksCacheKey, prepared once per (local cache, peer, remote
+        # model, tensor pairs) and posted with the block lists (no spec is built per call). Not
+        # pins: a prepared transfer over a cache that is gone fails like the unprepared call.
+        self._prepared: dict[tuple[Any, ...], Any] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -215,6 +231,32 @@ class CacheManager:
         engine = self._live_engine()
         (engine.push if is_push else engine.pull)(spec, op)
 
+    # At most this many prepared transfers are kept per manager; past it they are prepared again.
+    _PREPARED_MAX = 1024
+
+    def _prepared_for(self, op: str, key: BlocksCacheKey, cache: Cache, local_tensors: Sequence[int] = (),
+                      remote_tensors: Sequence[int] = ()) -> Any:
+        """The prepared blocks transfer between local ``cache`` and the remote blocks cache ``key``
+        (``_core.PreparedTransfer``), made on first use."""
+        engine = self._live_engine()
+        k: tuple[Any, ...] = (cache.cache_id, key.cluster_id, key.model_id)  # what the plain calls look up
+        if local_tensors or remote_tensors:
+            k += (tuple(local_tensors), tuple(remote_tensors))
+        prepared = self._prepared.get(k)
+        if prepared is None:
+            spec = core().TransferSpec(peer_cluster_id=key.cluster_id, target=remote_target(key),
+                                       local_cache_id=cache.cache_id, local_tensors=local_tensors,
+                                       remote_tensors=remote_tensors)
+            prepared = engine.prepare(spec, op=op)
+            if len(self._prepared) >= self._PREPARED_MAX:
+                self._prepared.clear()
+            self._prepared[k] = prepared
+        return prepared
+
+    def _forget_prepared(self, cache_id: int) -> None:
+        for k in [k for k in self._prepared if k[0] == cache_id]:
+            self._prepared.pop(k, None)
+
     @staticmethod
     def _pull_kwargs(cache: Cache, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
         if not kwargs:  # the common call: every tensor, no layer ranges
@@ -259,6 +301,7 @@ class CacheManager:
         engine = self._live_engine()
         check_int64("cache_id", cache_id)
         engine.unregister_cache(cache_id)
+        self._forget_prepared(cache_id)
 
     # ------------------------------------------------------------------ pool allocation
 
@@ -288,6 +331,7 @@ class CacheManager:
         raise_if_true(cache.is_blocks_cache,
                       "deallocate_cache does not accept a blocks cache; use deallocate_blocks_cache")
         engine.deallocate_cache(cache.cache_id, False, "deallocate_cache")
+        self._forget_prepared(cache.cache_id)
         cache._invalidate()
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
@@ -296,6 +340,7 @@ class CacheManager:
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache; use deallocate_cache")
         engine.deallocate_cache(cache.cache_id, True, "deallocate_blocks_cache")
+        self._forget_prepared(cache.cache_id)
         cache._invalidate()
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
@@ -330,6 +375,12 @@ class CacheManager:
         With a ``CacheKey`` / ``CacheKeyByIdAndIndex`` source, ``src_blocks`` must be empty and
         the remote slot is split into consecutive blocks (contiguous -> blocks).
         """
+        if not kwargs and self._initialized and _plain_blocks_call(src_cache_key, dst_cache, src_blocks, dst_blocks):
+            prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
+            if prepared is None:
+                prepared = self._prepared_for("pull_blocks", src_cache_key, dst_cache)
+            prepared.post(dst_blocks, src_blocks, False, "pull_blocks")
+            return
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -339,14 +390,16 @@ class CacheManager:
         raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks dst_cache")
         if isinstance(src_cache_key, BlocksCacheKey):
             _check_block_pairs(src_blocks, dst_blocks)
-            mode = "BLOCKS_TO_BLOCKS"
+            src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
+            self._prepared_for("pull_blocks", src_cache_key, dst_cache, dst_t, src_t).post(
+                dst_blocks, src_blocks, False, "pull_blocks")
+            return
         else:
             raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
             raise_if_false(len(src_blocks) == 0, "src_blocks must be empty when pulling from a contiguous cache key")
-            mode = "SLOT_TO_BLOCKS"
         src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
-        self._transfer("pull_blocks", False, src_cache_key, dst_cache, mode, local_blocks=dst_blocks,
-                       remote_blocks=src_blocks, local_tensors=dst_t, remote_tensors=src_t)
+        self._transfer("pull_blocks", False, src_cache_key, dst_cache, "SLOT_TO_BLOCKS", local_blocks=dst_blocks,
+                       local_tensors=dst_t, remote_tensors=src_t)
 
     # ------------------------------------------------------------------ push
 
@@ -374,6 +427,14 @@ class CacheManager:
                     dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
                     dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
+        if (src_layer_range is None and dst_layer_range is None and self._initialized and self._remote_cache_accessible
+                and type(tensor_num_per_layer) is int and 0 < tensor_num_per_layer <= UINT32_MAX
+                and _plain_blocks_call(dst_cache_key, src_cache, dst_blocks, src_blocks)):
+            prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
+            if prepared is None:
+                prepared = self._prepared_for("push_blocks", dst_cache_key, src_cache)
+            prepared.post(src_blocks, dst_blocks, True, "push_blocks")
+            return
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
@@ -383,8 +444,8 @@ class CacheManager:
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks src_cache")
         _check_block_pairs(src_blocks, dst_blocks)
         src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        self._transfer("push_blocks", True, dst_cache_key, src_cache, "BLOCKS_TO_BLOCKS",
-                       local_blocks=src_blocks, remote_blocks=dst_blocks, local_tensors=src_t, remote_tensors=dst_t)
+        self._prepared_for("push_blocks", dst_cache_key, src_cache, src_t, dst_t).post(
+            src_blocks, dst_blocks, True, "push_blocks")
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],

@@ -23,6 +23,13 @@ __all__ = [
     "handle_llm_status",
     "raise_if_false",
     "raise_if_true",
+    "error_class",
+    "InvalidArgument",
+    "NotFound",
+    "TransferTimeout",
+    "LinkError",
+    "OutOfMemory",
+    "NotSupported",
 ]
 
 logger = logging.getLogger("pdlink")
@@ -105,9 +112,20 @@ class LLMException(RuntimeError):
     Pickling keeps both the message arguments and the status code.
     """
 
+    def __new__(cls, *args: Any, status_code: LLMStatusCode | int = LLMStatusCode.LLM_SUCCESS) -> Any:
+        # ``LLMException(msg, status_code=c)`` is an instance of the class for c (error_class), so
+        # every error of one code is of one class, however it was raised.
+        if cls is LLMException:
+            cls = _ERROR_CLASSES.get(code_2_status(status_code), LLMException)
+        base = OSError if issubclass(cls, OSError) else RuntimeError  # TimeoutError, ConnectionError
+        return base.__new__(cls, *args)
+
     def __init__(self, *args: Any, status_code: LLMStatusCode | int = LLMStatusCode.LLM_SUCCESS) -> None:
         super().__init__(*args)
         self._status_code = status_code
+
+    def __str__(self) -> str:
+        return BaseException.__str__(self)  # not OSError's "[Errno ...]" form for the OSError subclasses
 
     @property
     def status_code(self) -> LLMStatusCode | int:
@@ -117,6 +135,59 @@ class LLMException(RuntimeError):
     def __reduce__(self):
         state = {k: v for k, v in self.__dict__.items() if k != "_status_code"}
         return (_rebuild_llm_exception, (type(self), self.args, self._status_code, state or None))
+
+
+# The native API's exception hierarchy (docs/native_api.md, "Errors"): every error the engine
+# reports is an LLMException of one of these classes, chosen by its status code, and each also
+# inherits the builtin exception that matches (so ``except TimeoutError`` works).
+
+
+class InvalidArgument(LLMException, ValueError):
+    """A call's arguments are wrong (``LLM_PARAM_INVALID``); nothing was changed."""
+
+
+class NotFound(LLMException, LookupError):
+    """What the call names does not exist (``LLM_KV_CACHE_NOT_EXIST``, ``LLM_PREFIX_NOT_EXIST``)."""
+
+
+class TransferTimeout(LLMException, TimeoutError):
+    """The peer did not answer in time (``LLM_TIMEOUT``, ``LLM_WAIT_PROCESS_TIMEOUT``)."""
+
+
+class LinkError(LLMException, ConnectionError):
+    """No usable link (``LLM_NOT_YET_LINK``, ``LLM_LINK_FAILED``, ``LLM_UNLINK_FAILED``, ...)."""
+
+
+class OutOfMemory(LLMException, MemoryError):
+    """A pool or the device has no room (``LLM_OUT_OF_MEMORY``, ``LLM_DEVICE_OUT_OF_MEMORY``, ...)."""
+
+
+class NotSupported(LLMException, NotImplementedError):
+    """The feature is not available here (``LLM_FEATURE_NOT_ENABLED``)."""
+
+
+_ERROR_CLASSES: dict[LLMStatusCode, type[LLMException]] = {
+    LLMStatusCode.LLM_PARAM_INVALID: InvalidArgument,
+    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST: NotFound,
+    LLMStatusCode.LLM_PREFIX_NOT_EXIST: NotFound,
+    LLMStatusCode.LLM_TIMEOUT: TransferTimeout,
+    LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT: TransferTimeout,
+    LLMStatusCode.LLM_NOT_YET_LINK: LinkError,
+    LLMStatusCode.LLM_LINK_FAILED: LinkError,
+    LLMStatusCode.LLM_UNLINK_FAILED: LinkError,
+    LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED: LinkError,
+    LLMStatusCode.LLM_LINK_BUSY: LinkError,
+    LLMStatusCode.LLM_OUT_OF_MEMORY: OutOfMemory,
+    LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY: OutOfMemory,
+    LLMStatusCode.LLM_BLOCKS_OUT_OF_MEMORY: OutOfMemory,
+    LLMStatusCode.LLM_NO_FREE_BLOCK: OutOfMemory,
+    LLMStatusCode.LLM_FEATURE_NOT_ENABLED: NotSupported,
+}
+
+
+def error_class(code: LLMStatusCode | int) -> type[LLMException]:
+    """The exception class for a status code (``LLMException`` itself when no subclass fits)."""
+    return _ERROR_CLASSES.get(code_2_status(code), LLMException)
 
 
 class Status:

@@ -32,8 +32,10 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   void* const pin_epoch_word = reinterpret_cast<void*>(published_addr_ + 8);
 
   // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
-  // round trip. The peer's registry generation is read before and after the data (in the same
-  // ordered copy), so a layout that changed meanwhile is detected and the read redone the checked way.
+  // round trip. The peer's registry generation is read after the data, in the same ordered copy:
+  // it only grows, and is bumped before any of the peer's cache memory is released or any index
+  // changes, so reading the descriptor's own generation there proves nothing changed from the
+  // describe until after the data was read; otherwise the read is redone the checked way.
   if (!is_push && target.kind == wire::TargetKind::kBlocks) {
     for (int attempt = 0; attempt < 2; ++attempt) {
       auto it = descriptors_.find(target.model_id);
@@ -59,8 +61,10 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
         fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
       }
       if (!fits) break;  // the checked way reports the peer's own error
-      uint64_t g1 = 0, g2 = 0;
-      std::vector<iovec> lv{{&g1, 8}}, rv{{generation_word, 8}};
+      uint64_t g = 0;
+      std::vector<iovec> lv, rv;
+      lv.reserve(local.size() + 1);
+      rv.reserve(local.size() + 1);
       size_t k = 0;
       for (uint32_t t : p.remote.tensors) {
         for (const wire::Run& r : p.remote.runs) {
@@ -68,10 +72,10 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
           rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
         }
       }
-      lv.push_back({&g2, 8});
+      lv.push_back({&g, 8});
       rv.push_back({generation_word, 8});
       Status st = cma::copy(pid_, false, lv, rv);
-      if (st.ok() && g1 == c.generation && g2 == c.generation) return Status::OK();
+      if (st.ok() && g == c.generation) return Status::OK();
       if (!st.ok() && st.code() == Code::kLinkFailed) return failTransfer(link, st, what);
       descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
     }

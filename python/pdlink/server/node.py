@@ -96,15 +96,13 @@ class ObservedEngine:
     def push(self, spec: Any, op: str = "push") -> None:
         self._observed(True, spec, op)
 
+    def prepare(self, spec: Any, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0,
+                op: str = "prepare") -> _ObservedPrepared:
+        prepared = self._engine.prepare(spec, block_size, remote_base, remote_bytes, op)
+        tensors = len(spec.local_tensors) or self._geometry.get(spec.local_cache_id, (0, 0))[0]
+        return _ObservedPrepared(prepared, self._metrics, tensors * prepared.block_size)
+
     def _observed(self, is_push: bool, spec: Any, op: str) -> None:
-        t0 = time.perf_counter()
-        try:
-            (self._engine.push if is_push else self._engine.pull)(spec, op)
-        except LLMException as e:
-            # The binding raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
-            self._metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
-            raise
-        seconds = time.perf_counter() - t0
         tensors, unit = self._geometry.get(spec.local_cache_id, (0, 0))
         if spec.local_tensors:
             tensors = len(spec.local_tensors)
@@ -114,7 +112,34 @@ class ObservedEngine:
             per_tensor = len(spec.local_blocks) * unit
         else:
             per_tensor = spec.size if spec.size > 0 else unit
-        self._metrics.transfer_done(op, "push" if is_push else "pull", tensors * per_tensor, seconds)
+        _timed(self._metrics, op, is_push, tensors * per_tensor,
+               lambda: (self._engine.push if is_push else self._engine.pull)(spec, op))
+
+
+class _ObservedPrepared:
+    """A prepared transfer (``ObservedEngine.prepare``) whose posts are reported like transfers."""
+
+    def __init__(self, prepared: Any, metrics: Any, bytes_per_block: int):
+        self._prepared, self._metrics, self._bytes_per_block = prepared, metrics, bytes_per_block
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._prepared, name)
+
+    def post(self, local: Any, remote: Any, push: bool, op: str) -> None:
+        _timed(self._metrics, op, push, len(local) * self._bytes_per_block,
+               lambda: self._prepared.post(local, remote, push, op))
+
+
+def _timed(metrics: Any, op: str, is_push: bool, nbytes: int, move: Any) -> None:
+    """Runs ``move()`` and reports it: bytes and seconds when it succeeds, the code when it fails."""
+    t0 = time.perf_counter()
+    try:
+        move()
+    except LLMException as e:
+        # The binding raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
+        metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
+        raise
+    metrics.transfer_done(op, "push" if is_push else "pull", nbytes, time.perf_counter() - t0)
 
 
 class _NullMetrics:

@@ -1,0 +1,437 @@
+"""pdlink's own engine API: register memory, connect to peers, move descriptor lists or prepared
+block transfers, sync or async.
+
+::
+
+    import numpy as np
+    import pdlink
+
+    kv = np.zeros((256, 4096), np.uint8)
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
+        region = engine.register(kv, block_size=4096)
+        peer = engine.connect("127.0.0.1:26000")                 # the peer's cluster id
+        remote = pdlink.RemoteRegion(key=7, length=1 << 20, block_size=4096)  # what the peer told us
+        job = engine.prepare(peer, region, remote)
+        job.read(np.array([0, 1, 2]), np.array([9, 8, 7]))      # remote block 9 -> local block 0, ...
+        engine.read(peer, [(kv.ctypes.data, 4096)], [(remote_address, 4096)])  # descriptor lists
+
+Errors are ``pdlink.LLMException`` subclasses carrying the status code (``pdlink.errors``). The
+memory a peer may read or write is exactly what was registered: a peer that names anything else
+is refused by this engine, whatever it sends.
+
+Threading: an ``Engine`` may be used from several threads; transfers on one link run one at a time,
+transfers to different peers in parallel. Every blocking call releases the GIL. The async calls
+run on a pool of ``EngineOptions.async_workers`` threads per engine (created on first use).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .native import core, open_engine, placement_of, role_of
+from .status import LLMStatusCode, llm_exception
+
+__all__ = [
+    "Engine", "EngineOptions", "Limits", "LinkInfo", "Pending", "PreparedTransfer", "Region", "RemoteRegion",
+]
+
+T = TypeVar("T")
+Descriptors = np.ndarray | Sequence[tuple[int, int]]
+Indices = np.ndarray | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What peers may make the engine spend. ``None`` keeps the engine's default (the defaults live
+    in C++, ``pdlink._core.EngineLimits``; docs/security.md, "Limits")."""
+
+    max_links: int | None = None
+    max_handshakes: int | None = None
+    max_handshakes_per_source: int | None = None
+    pin_timeout_ms: int | None = None
+    handshake_timeout_ms: int | None = None
+
+    def overrides(self) -> dict[str, int]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an engine starts.
+
+    ``listen``: ``"ip:port"`` to accept links (port 0: any free port), ``None`` to only dial.
+    ``transport``: ``"auto"`` (direct memory access between processes of one host, else TCP),
+    ``"tcp"`` or ``"cma"``. ``secret``: links must prove they know it, and frames are sealed.
+    ``backend``: ``"auto"``, ``"cpu"`` or ``"ascend"``. ``hccl_one_sided``: DEVICE transfers use
+    HCCL's one-sided access where both ends have it. ``timeout_ms`` bounds every transfer,
+    ``connect_timeout_ms`` every connect and disconnect.
+
+    Left at None, ``transport``, ``secret``, ``backend`` and ``hccl_one_sided`` come from the
+    environment variables llm_datadist reads too (``PDLINK_TRANSPORT``, ``PDLINK_LINK_SECRET``,
+    ``PDLINK_BACKEND``, ``PDLINK_HCCL_ONE_SIDED``), else ``"auto"``, no secret, ``"auto"``, off.
+    """
+
+    cluster_id: int
+    role: str | enum.Enum = "MIX"
+    listen: str | None = None
+    transport: str | None = None
+    secret: str | None = None
+    payload_integrity: bool = False
+    backend: str | None = None
+    device_id: int = 0
+    hccl_one_sided: bool | None = None
+    timeout_ms: int = 1000
+    connect_timeout_ms: int = 5000
+    async_workers: int = 4
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_ms", "connect_timeout_ms", "async_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EngineOptions.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.cluster_id, int) or not 0 <= self.cluster_id < 2**64 - 1:
+            raise ValueError(f"EngineOptions.cluster_id must be an int in [0, 2**64 - 1), got {self.cluster_id!r}")
+        role_of(self.role)  # raises ValueError for an unknown role
+
+    def resolved(self) -> EngineOptions:
+        """These options with every None that the environment fills, filled (what the engine uses)."""
+        env = os.environ
+        one_sided = self.hccl_one_sided
+        if one_sided is None:
+            flag = env.get("PDLINK_HCCL_ONE_SIDED") or "0"
+            if flag not in ("0", "1"):
+                raise ValueError(f"PDLINK_HCCL_ONE_SIDED must be '0' or '1', got {flag!r}")
+            one_sided = flag == "1"
+        return dataclasses.replace(
+            self, transport=self.transport or env.get("PDLINK_TRANSPORT") or "auto",
+            secret=self.secret if self.secret is not None else env.get("PDLINK_LINK_SECRET") or None,
+            backend=self.backend or env.get("PDLINK_BACKEND") or "auto", hccl_one_sided=one_sided)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Memory this engine registered: ``length`` bytes at ``address``. ``block_size`` divides it
+    into blocks for prepared transfers; ``key``, when set, publishes it to peers under that number
+    (``RemoteRegion(key=...)``), which lets same-host peers read it with one copy."""
+
+    address: int
+    length: int
+    placement: str
+    block_size: int
+    key: int | None
+    cache_id: int
+
+    def remote(self) -> RemoteRegion:
+        """What a peer needs to address this region (send it out of band; it pickles)."""
+        return RemoteRegion(address=self.address, length=self.length, block_size=self.block_size, key=self.key)
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A peer's registered memory, as the peer described it (``Region.remote()``): by ``key`` when
+    it published one, else by ``address`` and ``length``."""
+
+    length: int
+    block_size: int
+    address: int = 0
+    key: int | None = None
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """One link of this engine (``Engine.links()``)."""
+
+    peer_cluster_id: int
+    peer_address: str
+    initiator: bool
+    broken: bool
+    broken_reason: str
+    transport: str
+    authenticated: bool
+    payload_integrity: bool
+    device_paths: tuple[str, ...]
+
+
+class Pending:
+    """An async call in flight: ``status()`` is ``"PENDING"``, ``"DONE"`` or ``"FAILED"``;
+    ``wait()`` returns the call's result or raises its error."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def status(self) -> str:
+        if not self._future.done():
+            return "PENDING"
+        return "FAILED" if self._future.exception() is not None else "DONE"
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The result; raises the call's exception, or ``TimeoutError`` when ``timeout`` seconds
+        pass first (the call itself goes on and ends within the engine's own timeout)."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the call did not finish within {timeout} s") from None
+
+    def error(self) -> BaseException | None:
+        """The call's exception once done (None when it succeeded or is still running)."""
+        return self._future.exception() if self._future.done() else None
+
+
+class PreparedTransfer:
+    """Local and remote memory described once (``Engine.prepare``); each ``read`` / ``write``
+    moves blocks by index: ``local[i]`` <-> ``remote[i]``. Index arrays (numpy int64, or
+    anything numpy converts) go to C++ without one Python object per element.
+
+    Not a pin: deregistering either side's memory makes the next post fail with
+    ``LLM_PARAM_INVALID`` (here) or the peer's code, and move nothing."""
+
+    def __init__(self, engine: Engine, native: Any) -> None:
+        self._engine = engine
+        self._native = native
+        self.block_size: int = native.block_size
+
+    def read(self, local: Indices, remote: Indices) -> None:
+        """Remote blocks ``remote[i]`` -> local blocks ``local[i]``."""
+        self._native.read(local, remote)
+
+    def write(self, local: Indices, remote: Indices) -> None:
+        """Local blocks ``local[i]`` -> remote blocks ``remote[i]``."""
+        self._native.write(local, remote)
+
+    def read_async(self, local: Indices, remote: Indices) -> Pending:
+        return self._engine._submit(self.read, np.array(local, np.int64), np.array(remote, np.int64))
+
+    def write_async(self, local: Indices, remote: Indices) -> Pending:
+        return self._engine._submit(self.write, np.array(local, np.int64), np.array(remote, np.int64))
+
+
+def _descriptors(descs: Descriptors, what: str) -> np.ndarray:
+    arr = np.asarray(descs, dtype=np.uint64)
+    if arr.ndim != 2 or arr.shape[1] != 2 or arr.shape[0] == 0:
+        raise ValueError(f"{what} must be a non-empty list of (address, length) pairs, got shape {arr.shape}")
+    return arr
+
+
+class Engine:
+    """One pdlink engine (a cluster id, its links, its registered memory).
+
+    ``Engine(EngineOptions(...))`` starts it; ``close()`` (or leaving a ``with`` block) unlinks
+    every peer and frees it. Raises ``LLMException`` subclasses (``pdlink.errors``)."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"options must be EngineOptions, got {type(options).__name__}")
+        self.options = options = options.resolved()
+        ip, port = "", 0
+        if options.listen is not None:
+            ip, port = _split_address(options.listen)
+        self._native = open_engine(
+            backend=str(options.backend), device_id=options.device_id, cluster_id=options.cluster_id,
+            role=options.role, listen_ip=ip, listen_port=port, sync_timeout_ms=options.timeout_ms,
+            transport=str(options.transport), link_secret=options.secret or "",
+            payload_integrity=options.payload_integrity, hccl_one_sided=bool(options.hccl_one_sided),
+            limits=options.limits.overrides())
+        self._regions: dict[int, Region] = {}
+        self._starts = np.zeros(0, np.uint64)  # sorted region starts (descriptor lookup)
+        self._order: list[Region] = []
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Unlinks every peer (telling it when reachable), waits for async calls, frees the engine.
+        Idempotent."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._native.finalize()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def cluster_id(self) -> int:
+        return int(self._native.cluster_id)
+
+    @property
+    def listen_port(self) -> int:
+        """The bound listen port (0: not listening)."""
+        return int(self._native.listen_port)
+
+    @property
+    def backend(self) -> str:
+        return str(self._native.backend)
+
+    def capabilities(self) -> dict[str, Any]:
+        """What this engine's backend can do: ``device_memory``, ``host_memory``,
+        ``device_transport`` and optional ``features``."""
+        caps: dict[str, Any] = self._native.backend_handle.capabilities()
+        return caps
+
+    def links(self) -> list[LinkInfo]:
+        return [LinkInfo(**{**d, "device_paths": tuple(d["device_paths"])}) for d in self._native.links()]
+
+    def stats(self) -> dict[str, int]:
+        """What peers made this engine spend: live links, handshakes, threads, refusals."""
+        stats: dict[str, int] = self._native.stats()
+        return stats
+
+    # ------------------------------------------------------------------ memory
+
+    def register(self, memory: Any = None, *, address: int | None = None, length: int | None = None,
+                 placement: str | enum.Enum = "HOST", block_size: int | None = None, key: int | None = None,
+                 remote_writable: bool = True) -> Region:
+        """Registers memory for transfers: an object with the buffer protocol or
+        ``__array_interface__`` (a numpy array; its whole contiguous buffer), or ``address`` and
+        ``length`` (DEVICE memory of the backend, say). ``block_size`` (default: ``length``) must
+        divide the length. ``key`` publishes the region to peers under that number (unique per
+        engine). ``remote_writable=False`` refuses peers' writes."""
+        if memory is not None:
+            if address is not None or length is not None:
+                raise ValueError("give memory, or address and length, not both")
+            arr = np.asarray(memory)
+            if not arr.flags.c_contiguous:
+                raise ValueError("memory must be C-contiguous")
+            address, length = int(arr.ctypes.data), int(arr.nbytes)
+        if not isinstance(address, int) or address <= 0 or not isinstance(length, int) or length <= 0:
+            raise ValueError(f"address and length must be positive ints, got {address!r}, {length!r}")
+        block = length if block_size is None else block_size
+        if not isinstance(block, int) or block <= 0 or length % block:
+            raise ValueError(f"block_size must be a positive divisor of the length {length}, got {block_size!r}")
+        if key is not None and (not isinstance(key, int) or not 0 <= key < 2**64 - 1):
+            raise ValueError(f"key must be an int in [0, 2**64 - 1), got {key!r}")
+        where = placement_of(placement)
+        layout = core().CacheLayout(1, length, length // block, True, where)
+        cache_id, _ = self._native.register_cache(layout, [address], [], key, remote_writable, "register")
+        region = Region(address, length, where.name, block, key, int(cache_id))
+        with self._lock:
+            self._regions[region.cache_id] = region
+            self._reindex()
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Withdraws a region: peers can no longer reach it, and prepared transfers over it fail
+        on their next post. Transfers already running finish first."""
+        with self._lock:
+            if self._regions.pop(region.cache_id, None) is None:
+                raise ValueError(f"region {region.cache_id} is not registered here")
+            self._reindex()
+        self._native.unregister_cache(region.cache_id)
+
+    def _reindex(self) -> None:
+        self._order = sorted(self._regions.values(), key=lambda r: r.address)
+        self._starts = np.array([r.address for r in self._order], np.uint64)
+
+    # ------------------------------------------------------------------ peers
+
+    def connect(self, address: str, *, cluster_id: int | None = None, timeout_ms: int | None = None) -> int:
+        """Links to the engine listening at ``"ip:port"``; returns its cluster id (checked when
+        ``cluster_id`` is given). Raises ``LinkError`` (a ``ConnectionError``) when it cannot."""
+        ip, port = _split_address(address)
+        timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
+        ((code, message, peer),) = self._native.link([(cluster_id, ip, port)], timeout)
+        if code != LLMStatusCode.LLM_SUCCESS:
+            raise llm_exception(code, "connect", message)
+        return int(peer)
+
+    def disconnect(self, peer: int, *, timeout_ms: int | None = None, force: bool = False) -> None:
+        """Drops the link to ``peer`` (telling it; ``force``: even when it cannot be told)."""
+        timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
+        ((code, message),) = self._native.unlink([peer], timeout, force)
+        if code != LLMStatusCode.LLM_SUCCESS:
+            raise llm_exception(code, "disconnect", message)
+
+    def ping(self, peer: int, *, timeout_ms: int | None = None) -> None:
+        """One round trip to ``peer``; raises when it does not answer in time."""
+        self._native.ping(peer, self.options.timeout_ms if timeout_ms is None else timeout_ms, "ping")
+
+    def connect_async(self, address: str, **kwargs: Any) -> Pending:
+        return self._submit(self.connect, address, **kwargs)
+
+    def disconnect_async(self, peer: int, **kwargs: Any) -> Pending:
+        return self._submit(self.disconnect, peer, **kwargs)
+
+    # ------------------------------------------------------------------ transfers
+
+    def read(self, peer: int, local: Descriptors, remote: Descriptors) -> None:
+        """Copies each remote ``(address, length)`` into the local one at the same index. Local
+        descriptors lie in this engine's regions, remote ones in the peer's."""
+        self._transfer(peer, local, remote, False)
+
+    def write(self, peer: int, local: Descriptors, remote: Descriptors) -> None:
+        """Copies each local ``(address, length)`` into the remote one at the same index."""
+        self._transfer(peer, local, remote, True)
+
+    def read_async(self, peer: int, local: Descriptors, remote: Descriptors) -> Pending:
+        return self._submit(self.read, peer, _descriptors(local, "local"), _descriptors(remote, "remote"))
+
+    def write_async(self, peer: int, local: Descriptors, remote: Descriptors) -> Pending:
+        return self._submit(self.write, peer, _descriptors(local, "local"), _descriptors(remote, "remote"))
+
+    def prepare(self, peer: int, local: Region, remote: RemoteRegion, *,
+                block_size: int | None = None) -> PreparedTransfer:
+        """A prepared block transfer between ``local`` and the peer's ``remote`` region, in blocks
+        of ``block_size`` (default: the local region's). Nothing is sent to the peer until a post."""
+        if local.cache_id not in self._regions:
+            raise ValueError(f"region {local.cache_id} is not registered here")
+        block = local.block_size if block_size is None else block_size
+        c = core()
+        if remote.key is not None:
+            target = c.Target(kind=c.TargetKind.BLOCKS, model_id=remote.key)
+        else:
+            target = c.Target(kind=c.TargetKind.RAW)
+        spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=local.cache_id)
+        native = self._native.prepare(spec, block, remote.address, remote.length)
+        return PreparedTransfer(self, native)
+
+    def _transfer(self, peer: int, local: Descriptors, remote: Descriptors, push: bool) -> None:
+        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
+        if lo.shape != ro.shape:
+            raise ValueError(f"local and remote descriptor lists differ in length ({len(lo)} vs {len(ro)})")
+        if not np.array_equal(lo[:, 1], ro[:, 1]):
+            raise ValueError("a local descriptor and its remote one differ in length")
+        regions, starts = self._order, self._starts
+        which = np.searchsorted(starts, lo[:, 0], side="right").astype(np.int64) - 1
+        if (which < 0).any():
+            raise ValueError("a local descriptor lies outside every registered region")
+        c = core()
+        op = "write" if push else "read"
+        target = c.Target(kind=c.TargetKind.RAW)
+        for w in np.unique(which):  # one native call per local region the descriptors lie in
+            rows = which == w
+            region = regions[int(w)]
+            spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=region.cache_id)
+            self._native.transfer_runs(spec, lo[rows, 0] - np.uint64(region.address), ro[rows, 0], lo[rows, 1],
+                                       push, op)
+
+    def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Pending:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.options.async_workers,
+                                                                   thread_name_prefix="pdlink-async")
+            return Pending(self._pool.submit(fn, *args, **kwargs))
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    ip, sep, port = str(address).rpartition(":")
+    if not sep or not ip or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address must be 'ip:port', got {address!r}")
+    return ip, int(port)

@@ -1,0 +1,124 @@
+"""Peer-side functions for tests of pdlink's own engine API (``pdlink.Engine``): one engine per
+peer process, its regions by name, in guarded memory (tests/peers/memory.py)::
+
+    port = target.call(native.start, 1, listen=True)
+    target.call(native.register, "src", rows=8, row_bytes=256, seed=1, key=7)
+    initiator.call(native.start, 2)
+    initiator.call(native.register, "dst", rows=8, row_bytes=256, seed=None)
+    initiator.call(native.connect, port)
+    initiator.call(native.prepared, "dst", target.call(native.remote, "src"), [0, 1], [5, 4], "read")
+    snapshot = initiator.call(native.snapshot, "dst")      # tests/verify.py
+
+The engine takes its backend, transport and one-sided setting from the peer's environment (the
+matrix cell's, backend_env.Variant.env), as EngineOptions does when they are left at None. On a
+device backend, regions are DEVICE memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import pdlink
+from peers.memory import GuardedTensors, device_memory_is_remote
+from verify import Snapshot
+
+
+@dataclasses.dataclass
+class _Named:
+    memory: GuardedTensors
+    region: pdlink.Region
+
+
+_state: dict[str, Any] = {"engine": None, "regions": {}, "prepared": {}, "pending": {}}
+
+
+def _engine() -> pdlink.Engine:
+    engine = _state["engine"]
+    assert engine is not None, "call native.start first"
+    return engine
+
+
+def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000) -> int:
+    """Starts this peer's engine; returns its listen port (0 when not listening)."""
+    options = pdlink.EngineOptions(cluster_id=cluster_id, listen="127.0.0.1:0" if listen else None,
+                                   timeout_ms=timeout_ms)
+    _state["engine"] = pdlink.Engine(options)
+    return _state["engine"].listen_port
+
+
+def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | None = None) -> int:
+    """A region of ``rows`` blocks of ``row_bytes`` in guarded memory (filled with
+    ``verify.pattern(.., seed)``, zeros for None); returns its address."""
+    device = device_memory_is_remote()
+    memory = GuardedTensors(1, rows * row_bytes, rows, seed, device)
+    region = _engine().register(address=memory.addrs[0], length=rows * row_bytes,
+                                placement="DEVICE" if device else "HOST", block_size=row_bytes, key=key)
+    _state["regions"][name] = _Named(memory, region)
+    return region.address
+
+
+def deregister(name: str) -> None:
+    _engine().deregister(_state["regions"][name].region)
+
+
+def remote(name: str) -> pdlink.RemoteRegion:
+    """What a peer needs to address region ``name`` (it pickles)."""
+    return _state["regions"][name].region.remote()
+
+
+def snapshot(name: str) -> Snapshot:
+    return _state["regions"][name].memory.snapshot(name)
+
+
+def connect(port: int, cluster_id: int | None = None) -> int:
+    return _engine().connect(f"127.0.0.1:{port}", cluster_id=cluster_id)
+
+
+def disconnect(peer: int) -> None:
+    _engine().disconnect(peer)
+
+
+def links() -> list[pdlink.LinkInfo]:
+    return _engine().links()
+
+
+def descriptors(peer: int, name: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
+                op: str) -> None:
+    """``Engine.read`` / ``write`` of descriptor lists: ``local`` as (offset in region ``name``,
+    length), ``remote`` as (absolute address, length)."""
+    base = _state["regions"][name].region.address
+    local_descs = [(base + offset, length) for offset, length in local]
+    getattr(_engine(), op)(peer, local_descs, list(remote))
+
+
+def prepare(tag: str, peer: int, name: str, remote_region: pdlink.RemoteRegion) -> None:
+    """Prepares a transfer between region ``name`` and the peer's region, kept under ``tag``."""
+    _state["prepared"][tag] = _engine().prepare(peer, _state["regions"][name].region, remote_region)
+
+
+def post(tag: str, local: Sequence[int], remote_blocks: Sequence[int], op: str) -> None:
+    """Posts prepared transfer ``tag`` (``op``: "read" or "write") with numpy index arrays."""
+    getattr(_state["prepared"][tag], op)(np.array(local, np.int64), np.array(remote_blocks, np.int64))
+
+
+def post_async(tag: str, local: Sequence[int], remote_blocks: Sequence[int], op: str) -> None:
+    _state["pending"][tag] = getattr(_state["prepared"][tag], op + "_async")(local, remote_blocks)
+
+
+def wait(tag: str) -> tuple[str, str | None, int | None]:
+    """Waits for async call ``tag``: its status, and its error's class name and code (if any)."""
+    pending = _state["pending"].pop(tag)
+    try:
+        pending.wait(30)
+    except pdlink.LLMException:
+        pass
+    error = pending.error()
+    return pending.status(), type(error).__name__ if error else None, getattr(error, "status_code", None)
+
+
+def close() -> None:
+    _engine().close()

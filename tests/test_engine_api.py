@@ -1,0 +1,180 @@
+"""pdlink's own engine API (``pdlink.Engine``, docs/native_api.md) between two processes, on every
+backend and data path: descriptor lists, prepared transfers by key and by address, async calls,
+and what happens when memory goes away under a prepared transfer. Every transfer checks the whole
+destination (moved bytes equal the source, everything else and the guards unchanged) and the
+source unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from backend_env import Variant
+from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotFound
+from peer import Peer
+from peers import native
+from poll import hang_guard
+from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
+
+TARGET, INITIATOR = 1, 2
+ROWS, ROW = 8, 256  # every region: 8 blocks of 256 bytes
+TIMEOUT_MS = 3000  # both engines' transfer timeout (tests/peers/native.py start)
+
+
+class Two:
+    """A listening target engine and an initiator engine (peers running tests/peers/native.py), the
+    target with region "src" (filled, published under key 7) and "sink" (zeros), the initiator
+    with "dst" (filled with another pattern), linked."""
+
+    def __init__(self, peers: Callable[..., Peer], variant: Variant):
+        self.variant = variant
+        self.target = peers("target", env=variant.env())
+        self.initiator = peers("initiator", env=variant.env())
+        port = self.target.call(native.start, TARGET, listen=True)
+        self.src = self.target.call(native.register, "src", ROWS, ROW, seed=1, key=7)
+        self.sink = self.target.call(native.register, "sink", ROWS, ROW, seed=None)
+        self.initiator.call(native.start, INITIATOR)
+        self.initiator.call(native.register, "dst", ROWS, ROW, seed=2)
+        assert self.initiator.call(native.connect, port, TARGET) == TARGET
+        (link,) = self.initiator.call(native.links)
+        assert (link.peer_cluster_id, link.transport, link.initiator) == (TARGET, variant.link_transport, True)
+
+    def read(self, name: str) -> Callable[[], Snapshot]:
+        side = self.initiator if name == "dst" else self.target
+        return lambda: side.call(native.snapshot, name)
+
+
+@pytest.fixture
+def two(peers: Callable[..., Peer], variant: Variant) -> Iterator[Two]:
+    yield Two(peers, variant)
+
+
+def copies(pairs: list[tuple[int, int, int]]) -> Callable[[Snapshot, Snapshot], Snapshot]:
+    """``expect`` for byte ranges (src offset, dst offset, length) of the one tensor of a region."""
+    return lambda dst0, src0: dst0.with_bytes(src0, [Copy(0, s, 0, d, n) for s, d, n in pairs])
+
+
+def test_descriptor_lists_read_and_write_exact_bytes(two: Two) -> None:
+    # three descriptors of different lengths, none at a block boundary, out of order
+    descs = [(700, 5, 100), (0, 1500, 37), (1900, 64, 148)]  # (src offset, dst offset, length)
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.descriptors, TARGET, "dst", [(d, n) for _, d, n in descs], [(two.src + s, n) for s, _, n in descs],
+        "read"), copies(descs))
+    # and back into the target's empty region
+    back = [(5, 33, 100), (1500, 2000, 37)]  # (dst offset in "dst", sink offset, length)
+    check_transfer(two.read("dst"), two.read("sink"), lambda: two.initiator.call(
+        native.descriptors, TARGET, "dst", [(s, n) for s, _, n in back], [(two.sink + d, n) for _, d, n in back],
+        "write"), copies(back))
+
+
+@pytest.mark.parametrize("by", ["key", "address"])
+def test_prepared_transfers_move_blocks_by_index(two: Two, by: str) -> None:
+    remote = two.target.call(native.remote, "src")
+    if by == "address":
+        remote = type(remote)(length=remote.length, block_size=remote.block_size, address=remote.address)
+    two.initiator.call(native.prepare, "p", TARGET, "dst", remote)
+    moves = [(7, 0), (6, 1), (0, 5), (1, 6)]  # (remote block, local block): not all coalesce
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.post, "p", [d for _, d in moves], [s for s, _ in moves], "read"), rows(moves))
+    # posted again with other blocks: the same prepared transfer
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.post, "p", [3], [2], "read"), rows([(2, 3)]))
+    sink = two.target.call(native.remote, "sink")
+    two.initiator.call(native.prepare, "w", TARGET, "dst", sink)
+    check_transfer(two.read("dst"), two.read("sink"), lambda: two.initiator.call(
+        native.post, "w", [0, 1, 2], [4, 5, 6], "write"), rows([(0, 4), (1, 5), (2, 6)]))
+
+
+def test_async_posts_report_done_and_failed(two: Two) -> None:
+    two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+
+    def action() -> tuple[str, str | None, int | None]:
+        two.initiator.call(native.post_async, "p", [2, 3], [4, 5], "read")
+        return two.initiator.call(native.wait, "p")
+    assert check_transfer(two.read("src"), two.read("dst"), action, rows([(4, 2), (5, 3)])) == ("DONE", None, None)
+
+    # a remote block past the region: refused here before anything moves
+    def refused() -> tuple[str, str | None, int | None]:
+        two.initiator.call(native.post_async, "p", [0], [ROWS], "read")
+        return two.initiator.call(native.wait, "p")
+
+    assert check_transfer(two.read("src"), two.read("dst"), refused, nothing) == (
+        "FAILED", "InvalidArgument", LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def test_a_prepared_transfer_is_not_a_pin(two: Two) -> None:
+    """The target withdraws its region under a prepared transfer: the next post fails with the
+    peer's code and moves nothing; republished under the same key, a post by key reaches the new
+    memory (re-prepared through the registry's generation), and a transfer whose local region is
+    gone fails here."""
+    two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+    two.initiator.call(native.post, "p", [0], [0], "read")  # the same-host path now holds the layout
+    two.target.call(native.deregister, "src")
+    with pytest.raises(NotFound) as e:
+        check_transfer(two.read("dst"), two.read("dst"),
+                       lambda: two.initiator.call(native.post, "p", [1], [1], "read"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    two.target.call(native.register, "src2", ROWS, ROW, seed=3, key=7)
+    check_transfer(two.read("src2"), two.read("dst"), lambda: two.initiator.call(
+        native.post, "p", [1, 2], [6, 7], "read"), rows([(6, 1), (7, 2)]))
+    two.initiator.call(native.deregister, "dst")
+    with pytest.raises(InvalidArgument, match="no longer registered; prepare it again") as e2:
+        two.initiator.call(native.post, "p", [1], [1], "read")
+    assert e2.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_outside_the_peers_registered_memory_is_refused(two: Two) -> None:
+    # one byte past the target's region "src" (the guard bytes): refused by the target, nothing moves
+    with pytest.raises(InvalidArgument) as e:
+        check_transfer(two.read("dst"), two.read("dst"), lambda: two.initiator.call(
+            native.descriptors, TARGET, "dst", [(0, 64)], [(two.src + ROWS * ROW - 63, 64)], "read"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    # a local descriptor outside the initiator's own region: refused before anything is sent
+    with pytest.raises(InvalidArgument) as e:
+        check_transfer(two.read("src"), two.read("src"), lambda: two.initiator.call(
+            native.descriptors, TARGET, "dst", [(ROWS * ROW - 8, 64)], [(two.src, 64)], "write"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_after_disconnect_transfers_need_a_link(two: Two) -> None:
+    two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+    two.initiator.call(native.disconnect, TARGET)
+    assert two.initiator.call(native.links) == []
+    with pytest.raises(LinkError) as e:
+        check_transfer(two.read("src"), two.read("dst"),
+                       lambda: two.initiator.call(native.post, "p", [0], [0], "read"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+    assert isinstance(e.value, ConnectionError)
+
+
+def test_a_frozen_peer_gives_a_timeout(two: Two) -> None:
+    if not two.variant.serving_loop:
+        pytest.skip("a cached-layout read on the same host is a kernel copy: a frozen peer does not stop it")
+    two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+    dst0 = two.initiator.call(native.snapshot, "dst")
+    two.target.freeze()
+    with pytest.raises(LLMException) as e:
+        two.initiator.call_within(hang_guard(TIMEOUT_MS), native.post, "p", [0], [0], "read")
+    assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert isinstance(e.value, TimeoutError)
+    assert_same(two.initiator.call(native.snapshot, "dst"), dst0, "destination after a timed-out read")
+
+
+def test_connect_to_nothing_is_a_connection_error(peers: Callable[..., Peer], variant: Variant) -> None:
+    lone = peers("lone", env=variant.env())
+    lone.call(native.start, INITIATOR)
+    port = lone.call(_free_port)
+    with pytest.raises(LinkError) as e:
+        lone.call(native.connect, port)
+    assert e.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert isinstance(e.value, ConnectionError)
+
+
+def _free_port() -> Any:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
