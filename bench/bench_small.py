@@ -250,6 +250,12 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--transports", default="cma,tcp")
     args = ap.parse_args()
+    from pdlink._sysinfo import direct_access_permitted
+
+    transports = args.transports.split(",")
+    if "cma" in transports and not direct_access_permitted():
+        print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
+        transports.remove("cma")
     total = 1 * MIB if args.smoke else 64 * MIB
     reps = 2 if args.smoke else args.reps
     lat_n = 200 if args.smoke else 5000
@@ -261,7 +267,7 @@ def main() -> None:
     target.start()
     info = parent.recv()
     try:
-        for tr in args.transports.split(","):
+        for tr in transports:
             a, b = ctx.Pipe()
             p = ctx.Process(target=initiator_main, args=(b, tr, total, reps, lat_n, info), daemon=True)
             p.start()

@@ -37,7 +37,8 @@ def module_surface() -> str:
     "ok", or an AssertionError."""
     import llm_datadist
 
-    assert "pdlink.kv_cache_manager" not in sys.modules and "pdlink.tensor" not in sys.modules
+    compat = "pdlink.compat.llm_datadist."
+    assert compat + "kv_cache_manager" not in sys.modules and compat + "tensor" not in sys.modules
     from llm_datadist import KvCacheManager, TensorDesc, Tensor, CacheTask  # noqa: F401, I001 - in this order
     import pdlink
 
@@ -81,11 +82,11 @@ def light_modules_import_numpy() -> bool:
     """Whether the modules that must not need numpy (status, _utils, data_type, configs,
     llm_types), and a star-import of data_type, import it."""
     import pdlink.status  # noqa: I001 - in the order the check always had
-    import pdlink._utils
-    import pdlink.data_type
-    import pdlink.configs
-    import pdlink.llm_types  # noqa: F401
-    import star_import_data_type  # noqa: F401 - `from pdlink.data_type import *`
+    import pdlink.compat.llm_datadist._utils
+    import pdlink.compat.llm_datadist.data_type
+    import pdlink.compat.llm_datadist.configs
+    import pdlink.compat.llm_datadist.llm_types  # noqa: F401
+    import star_import_data_type  # noqa: F401 - `from pdlink.compat.llm_datadist.data_type import *`
 
     return "numpy" in sys.modules
 

@@ -11,23 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 from pdlink import _core
-from pdlink import _utils as validation_utils
-from pdlink import data_type as data_type_module
 from pdlink._sysinfo import direct_access_permitted
 from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, Response, RoleRejected, role_body
-from pdlink.comm import parse_rank_table
-from pdlink.configs import ip_to_int, role_to_option
-from pdlink.data_type import itemsize
+from pdlink.compat.llm_datadist import _utils as validation_utils
+from pdlink.compat.llm_datadist import data_type as data_type_module
+from pdlink.compat.llm_datadist.comm import parse_rank_table
+from pdlink.compat.llm_datadist.configs import ip_to_int, role_to_option
+from pdlink.compat.llm_datadist.data_type import itemsize
+from pdlink.compat.llm_datadist.llm_datadist import LIMIT_OPTIONS, parse_engine_options
+from pdlink.compat.llm_datadist.llm_types import PushType, register_mem_status_from_int
+from pdlink.compat.llm_datadist.transfer import transfer_cache_async
 from pdlink.device import DeviceMemory, backend_info, open_backend
-from pdlink.llm_datadist import LIMIT_OPTIONS, parse_engine_options
-from pdlink.llm_types import PushType, register_mem_status_from_int
 from pdlink.native import open_engine
 from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
 from pdlink.server.tls import client_context, server_context
 from pdlink.server.validation import ROLES, BodyError, cluster_id, parse_role_request
 from pdlink.status import error_class, handle_llm_status, raise_if_false, raise_if_true
-from pdlink.transfer import transfer_cache_async
 
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
@@ -48,7 +48,7 @@ def cache_manager(native_engine: Any, remote_accessible: bool = True) -> Any:
     LLMDataDist per process does not allow; the load tests)."""
     from types import SimpleNamespace
 
-    from pdlink.cache_manager import CacheManager
+    from pdlink.compat.llm_datadist.cache_manager import CacheManager
 
     return CacheManager(SimpleNamespace(_is_call_linked=False), native_engine, remote_accessible, {})
 

@@ -1,5 +1,5 @@
 """The body contract of ``POST /v1/role/{role}``, written from docs/server.md ("422 rules", from
-MindIE's ``DmiRole`` validator as ``../shared/spec/mindie_rest_api.md`` 3.1 describes it), not from
+MindIE's ``DmiRole`` validator as ``docs/reference/mindie_rest_api.md`` §3.1 describes it), not from
 the server's code: the REST fuzz (test_server_fuzz.py) grades the server's answers with it, so a
 rule the server gets wrong shows up as a disagreement instead of being copied into the oracle.
 

@@ -1,5 +1,5 @@
-"""``from pdlink.data_type import *`` (only allowed at module level): what
+"""``from pdlink.compat.llm_datadist.data_type import *`` (only allowed at module level): what
 ``fresh_import.light_modules_import_numpy`` imports to check that a star-import of data_type does
 not import numpy."""
 
-from pdlink.data_type import *  # noqa: F403
+from pdlink.compat.llm_datadist.data_type import *  # noqa: F403

@@ -1,4 +1,4 @@
-"""Error paths of the public API (spec 3, 6, 8, 10), cross-process wherever a peer is involved.
+"""Error paths of the public API (llm_datadist_api.md §3, §6, §8, §10), cross-process wherever a peer is involved.
 
 Every failure is checked by exception *type*, and ``LLMException`` by ``status_code``. A refused
 transfer changes no byte of any cache on either side (tensors, guards, the rest of a pool); after

@@ -1,4 +1,5 @@
-"""The benchmark keeps working: a tiny run of bench/bench_transfer.py (no timing is asserted)."""
+"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py and bench_small.py
+(no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,18 @@ def test_authentication_benchmark_smoke_runs_and_verifies(tmp_path):
         for run in modes.values():
             for key in ("pull", "push", "pull_4k_us", "link_ms"):
                 assert key in run, key
+
+
+def test_small_transfer_benchmark_smoke_runs_and_verifies(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_small.py"), "--smoke", "--no-peers",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "small.json").read_text())
+    assert {run["transport"] for run in results["pdlink"]} in ({"cma", "tcp"}, {"tcp"})
+    for run in results["pdlink"]:  # every kind of measurement produced a number (each verified its bytes)
+        for key in ("prepared_256K", "descs_256K", "prepared_4K", "descs_4K"):
+            assert run[key]["median"] > 0 and run[key]["us_per_desc"] > 0, key
+        for key in ("prepared_lat_4k_us", "pull_blocks_lat_4k_us"):
+            assert run[key]["p50"] > 0, key
+    assert results["memcpy"]["blocks_4K"]["us_per_desc"] > 0 and results["import"]["pdlink"]["median"] > 0
+    assert "pdlink small-transfer benchmark" in (tmp_path / "small.txt").read_text()

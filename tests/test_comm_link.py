@@ -1,4 +1,4 @@
-"""Two-sided link() / unlink() / query_register_mem_status with HCCL rank tables (spec 6.7).
+"""Two-sided link() / unlink() / query_register_mem_status with HCCL rank tables (llm_datadist_api.md §6.7).
 
 The connector flows (``backend`` fixture) run on the CPU backend and on the Ascend backend over
 the fake libraries. (The official pull_blocks sample's flow is replayed in test_programs.py.)"""

@@ -1,4 +1,4 @@
-"""Real serving code's call sequences (spec 11), replayed across two processes with byte checks.
+"""Real serving code's call sequences (llm_datadist_api.md §11), replayed across two processes with byte checks.
 
 Each flow keeps the shape of the connector it comes from (tests/peers/connectors.py): the same
 options, key conventions, cluster-id arithmetic and error handling. The v1 (old vllm-ascend) flow

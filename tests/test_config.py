@@ -1,4 +1,4 @@
-"""Tests for pdlink.configs: LLMRole, LLMClusterInfo, LlmConfig/LLMConfig."""
+"""Tests for pdlink.compat.llm_datadist.configs: LLMRole, LLMClusterInfo, LlmConfig/LLMConfig."""
 
 import json
 from enum import IntEnum

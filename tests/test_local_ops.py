@@ -1,4 +1,4 @@
-"""Memory pools, cache ids and local copies (spec 8.2, 8.6, 10.1), byte for byte.
+"""Memory pools, cache ids and local copies (llm_datadist_api.md §8.2, §8.6, §10.1), byte for byte.
 
 Each test runs its own engine in a peer process (one LLMDataDist per process, peers/kv.py; the
 local operations in peers/local_ops.py), on the CPU backend and on the Ascend backend over the fake

@@ -1,12 +1,28 @@
 """The native module's interface: C++ enums and structs bound once, engines opened from typed
-settings (pdlink.native), never from positional numbers."""
+settings (pdlink.native), never from positional numbers; and pdlink.Engine's options,
+registration and exception classes in one process (tests/test_engine_api.py moves bytes between
+two)."""
 
 from __future__ import annotations
 
+import pickle
+
+import numpy as np
 import pytest
 
+import pdlink
 from internals import core, open_engine
-from pdlink import LLMException, LLMRole, Placement
+from pdlink import (
+    InvalidArgument,
+    LinkError,
+    LLMException,
+    LLMRole,
+    NotFound,
+    NotSupported,
+    OutOfMemory,
+    Placement,
+    TransferTimeout,
+)
 from pdlink import LLMStatusCode as S
 from pdlink.native import placement_of, role_of, transport_of
 
@@ -63,3 +79,88 @@ def test_open_engine_refuses_what_the_engine_refuses() -> None:
     with pytest.raises(LLMException) as e:
         open_engine(backend="cpu", device_id=0, cluster_id=7, role="PROMPT", payload_integrity=True)
     assert e.value.status_code == S.LLM_PARAM_INVALID  # payload integrity needs a link secret
+
+
+# ---------------------------------------------------------------- pdlink.Engine, in one process
+
+
+def test_the_readme_example_moves_exact_blocks() -> None:
+    """README.md, "pdlink's own API": two engines (here in one process), a prepared read by key."""
+    kv = np.random.default_rng(5).integers(0, 256, (64, 4096), np.uint8)
+    kv0 = kv.copy()
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0", backend="cpu")) as target:
+        remote = target.register(kv, block_size=4096, key=7).remote()
+        mine = np.zeros((64, 4096), np.uint8)
+        with pdlink.Engine(pdlink.EngineOptions(cluster_id=2, backend="cpu")) as engine:
+            peer = engine.connect(f"127.0.0.1:{target.listen_port}")
+            assert peer == 1
+            job = engine.prepare(peer, engine.register(mine, block_size=4096), remote)
+            job.read(np.array([0, 1, 2]), np.array([9, 8, 7]))
+        expected = np.zeros_like(mine)
+        expected[[0, 1, 2]] = kv0[[9, 8, 7]]
+        assert np.array_equal(mine, expected)  # the whole destination
+        assert np.array_equal(kv, kv0)  # the source
+
+
+def test_engine_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="cluster_id"):
+        pdlink.EngineOptions(cluster_id=-1)
+    with pytest.raises(ValueError, match="timeout_ms"):
+        pdlink.EngineOptions(cluster_id=1, timeout_ms=0)
+    with pytest.raises(ValueError, match="unknown role 'prefill'"):
+        pdlink.EngineOptions(cluster_id=1, role="prefill")
+    with pytest.raises(ValueError, match="address must be 'ip:port'"):
+        pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1", backend="cpu"))
+
+
+def test_engine_options_left_unset_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PDLINK_TRANSPORT", "PDLINK_LINK_SECRET", "PDLINK_BACKEND", "PDLINK_HCCL_ONE_SIDED"):
+        monkeypatch.delenv(name, raising=False)
+    r = pdlink.EngineOptions(cluster_id=1).resolved()
+    assert (r.transport, r.secret, r.backend, r.hccl_one_sided) == ("auto", None, "auto", False)
+    monkeypatch.setenv("PDLINK_TRANSPORT", "tcp")
+    monkeypatch.setenv("PDLINK_LINK_SECRET", "s3cret")
+    monkeypatch.setenv("PDLINK_HCCL_ONE_SIDED", "1")
+    r = pdlink.EngineOptions(cluster_id=1).resolved()
+    assert (r.transport, r.secret, r.hccl_one_sided) == ("tcp", "s3cret", True)
+    assert pdlink.EngineOptions(cluster_id=1, transport="cma", secret="").resolved().transport == "cma"
+    monkeypatch.setenv("PDLINK_HCCL_ONE_SIDED", "yes")
+    with pytest.raises(ValueError, match="PDLINK_HCCL_ONE_SIDED"):
+        pdlink.EngineOptions(cluster_id=1).resolved()
+
+
+def test_registration_is_checked() -> None:
+    buf = np.zeros((4, 1000), np.uint8)
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, backend="cpu")) as engine:
+        with pytest.raises(ValueError, match="block_size"):
+            engine.register(buf, block_size=3000)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            engine.register(buf[:, ::2])
+        with pytest.raises(ValueError, match="not both"):
+            engine.register(buf, address=buf.ctypes.data, length=16)
+        region = engine.register(buf, block_size=1000, key=3)
+        assert (region.length, region.block_size, region.key, region.placement) == (4000, 1000, 3, "HOST")
+        with pytest.raises(InvalidArgument) as e:  # a key is published once per engine
+            engine.register(np.zeros(1000, np.uint8), key=3)
+        assert e.value.status_code == S.LLM_PARAM_INVALID
+        engine.deregister(region)
+        with pytest.raises(ValueError, match="not registered here"):
+            engine.deregister(region)
+
+
+@pytest.mark.parametrize(("code", "cls", "builtin"), [
+    (S.LLM_PARAM_INVALID, InvalidArgument, ValueError),
+    (S.LLM_KV_CACHE_NOT_EXIST, NotFound, LookupError),
+    (S.LLM_TIMEOUT, TransferTimeout, TimeoutError),
+    (S.LLM_LINK_FAILED, LinkError, ConnectionError),
+    (S.LLM_NOT_YET_LINK, LinkError, ConnectionError),
+    (S.LLM_OUT_OF_MEMORY, OutOfMemory, MemoryError),
+    (S.LLM_FEATURE_NOT_ENABLED, NotSupported, NotImplementedError),
+    (S.LLM_EXIST_LINK, LLMException, RuntimeError),
+])
+def test_each_code_has_its_exception_class(code: S, cls: type, builtin: type) -> None:
+    e = LLMException("boom", status_code=code)
+    assert (type(e), e.status_code, str(e)) == (cls, code, "boom")
+    assert isinstance(e, builtin) and isinstance(e, LLMException) and isinstance(e, RuntimeError)
+    restored = pickle.loads(pickle.dumps(e))
+    assert (type(restored), restored.status_code, str(restored)) == (cls, code, "boom")

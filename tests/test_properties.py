@@ -1,12 +1,12 @@
-"""Property tests (hypothesis) of the Python API's argument checks (spec 3.2, docs/compatibility.md).
+"""Property tests (hypothesis) of the Python API's argument checks (llm_datadist_api.md §3.2, docs/compatibility.md).
 
 For arbitrary values, of the right type or not, in range or not, each constructor and setter below
 either accepts them or raises exactly the documented error, in the documented order of checks:
 ``TypeError`` for a wrong type, ``ValueError`` for an int outside its C range,
-``LLMException(LLM_PARAM_INVALID)`` for a semantic problem (and, where spec 5 says so, a plain
+``LLMException(LLM_PARAM_INVALID)`` for a semantic problem (and, where llm_datadist_api.md §5 says so, a plain
 ``RuntimeError`` for an IP string that cannot be parsed). Each test predicts the outcome from those
 rules and checks that exactly that happens; any other exception fails the test.
-Also: ``generate_options()`` carries every property back out (spec 4.1), and ``code_2_status`` is
+Also: ``generate_options()`` carries every property back out (llm_datadist_api.md §4.1), and ``code_2_status`` is
 total over integers.
 """
 
@@ -164,7 +164,7 @@ def test_cache_key(args, kwargs):
                               mostly(ints), max_size=2))
 def test_blocks_cache_key(args, kwargs):
     err, params, cluster_name = expected_key_params(args, kwargs, ("cluster_id", "model_id"))
-    if err is None:  # type-checked as int only, no range check (spec 7.4)
+    if err is None:  # type-checked as int only, no range check (llm_datadist_api.md §7.4)
         err = first(None if is_int(params["cluster_id"]) else TypeError,
                     None if is_int(params.get("model_id", 0)) else TypeError)
     check(err, BlocksCacheKey, *args, **kwargs)
@@ -302,7 +302,7 @@ def expected_config_error(name, v):
                 try:
                     socket.inet_aton(info["ip"])
                 except (OSError, ValueError):
-                    return RuntimeError  # "Can not parse ip str" (spec 5)
+                    return RuntimeError  # "Can not parse ip str" (llm_datadist_api.md §5)
         return None
     raise AssertionError(name)
 
@@ -342,7 +342,7 @@ def test_llm_config_setters(data, name):
 
 # ------------------------------------------------------------------------------------- options
 
-# Emission order of spec 4.1, as option keys.
+# Emission order of llm_datadist_api.md §4.1, as option keys.
 OPTION_ORDER = ["ge.exec.deviceId", "ge.session_device_id", "llm.SyncKvCacheWaitTime", "llm.deployResPath",
                 "llm.BufPoolCfg", "llm.MemPoolConfig", "llm.HostMemPoolConfig", "llm.EnableCacheManager",
                 "llm.EnableRemoteCacheAccessible", "llm.listenIpInfo", "llm.LinkTotalTime", "llm.LinkRetryCount",
@@ -452,7 +452,7 @@ def expected_ip_error(ip, port):
         try:
             return int_error(int.from_bytes(socket.inet_aton(ip), "little"), "uint32")
         except (OSError, ValueError):
-            return RuntimeError  # "Can not parse ip str:..." (spec 5)
+            return RuntimeError  # "Can not parse ip str:..." (llm_datadist_api.md §5)
     return int_error(ip, "uint32")
 
 

@@ -1,4 +1,4 @@
-"""Layer-wise ``transfer_cache_async`` (spec 7.8-7.11, 8.5, 10.5) across two real processes.
+"""Layer-wise ``transfer_cache_async`` (llm_datadist_api.md §7.8-7.11, 8.5, 10.5) across two real processes.
 
 Every transfer kind (keyed or raw addresses; cache->cache, blocks->blocks, cache->blocks), the
 layer loop's stop rules, ``CacheTask`` timeouts and every validation rule. The prefill pushes into
@@ -298,7 +298,7 @@ def test_validation_remote_accessible_mode(peers: Callable[..., Peer]) -> None:
     threads = p.call(ta.active_threads)
     tensors = [np.zeros(SHAPE, np.float16) for _ in range(4)]  # the arrays themselves, not a Cache
     cases: list[tuple[tuple[Any, ...], type[Exception]]] = [
-        # spec 8.5: the source
+        # llm_datadist_api.md §8.5: the source
         ((None, SYNC, [K]), TypeError), ((tensors, SYNC, [K]), TypeError), (("host", SYNC, [K]), LLMException),
         # block index lists and dst_block_memory_size: types, then ranges
         (("kv", SYNC, [K], None, "0"), TypeError), (("kv", SYNC, [K], None, [0, "1"]), TypeError),

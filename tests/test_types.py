@@ -1,4 +1,4 @@
-"""Tests for pdlink.llm_types: enums, CacheDesc, keys, cache handles, transfer configs."""
+"""Tests for pdlink.compat.llm_datadist.llm_types: enums, CacheDesc, keys, cache handles, transfer configs."""
 
 from enum import Enum, IntEnum
 

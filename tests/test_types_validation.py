@@ -1,4 +1,4 @@
-"""Tests for pdlink._utils validation helpers and pdlink.data_type."""
+"""Tests for pdlink.compat.llm_datadist._utils validation helpers and pdlink.compat.llm_datadist.data_type."""
 
 import os
 from enum import Enum

@@ -1,5 +1,5 @@
 """KvCacheManager (v1, legacy) mode across real processes: roles, pulls, switch_role, handles,
-single-process multi-device mode (spec 4.2, 6.1, 6.5, 6.6, 7.6, 7.12, 9, 10.4, 10.7, 11.2).
+single-process multi-device mode (llm_datadist_api.md §4.2, §6.1, §6.5, §6.6, §7.6, §7.12, §9, §10.4, §10.7, §11.2).
 
 Peers run ``tests/peers/v1.py``. Tests taking the ``backend`` fixture (directly or through ``v1``)
 run on the CPU backend and on the Ascend backend over the fake libraries, where caches are device

@@ -76,8 +76,9 @@ size_t length1d(const py::array& a, const char* name) {
   return static_cast<size_t>(a.shape(0));
 }
 
-// Block indices as int64: a Python list of ints is read directly (the common short list, without
-// a numpy conversion), anything else through IndexArray.
+// Block indices as int64: a Python list is read directly (the common short list, without a numpy
+// conversion) and must hold ints only (not bools: TypeError, as for an int beyond int64), anything
+// else goes through IndexArray.
 class Indices {
  public:
   Indices(py::handle obj, const char* name) {
@@ -85,8 +86,13 @@ class Indices {
       const Py_ssize_t n = PyList_GET_SIZE(obj.ptr());
       list_.resize(static_cast<size_t>(n));
       for (Py_ssize_t i = 0; i < n; ++i) {
-        list_[static_cast<size_t>(i)] = PyLong_AsLongLong(PyList_GET_ITEM(obj.ptr(), i));
-        if (PyErr_Occurred()) throw py::error_already_set();
+        PyObject* item = PyList_GET_ITEM(obj.ptr(), i);
+        int overflow = 0;
+        const long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+        if (!PyLong_CheckExact(item) || overflow != 0) {
+          throw py::type_error(std::string(name) + " must be a list of ints within int64");
+        }
+        list_[static_cast<size_t>(i)] = v;
       }
       data_ = list_.data();
       size_ = list_.size();

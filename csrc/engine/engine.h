@@ -1,7 +1,7 @@
 // Engine: one LLM-DataDist instance. It owns the role, the optional listener, the links to peer
 // clusters, the cache registry and the memory pools, and moves cache bytes over its links.
 //
-// Contract (mirrors llm_datadist CacheManager mode, spec sections 6, 8 and 10):
+// Contract (mirrors llm_datadist CacheManager mode, llm_datadist_api.md §6, §8 and §10):
 //  * Links are symmetric once established and keyed by the peer's real cluster id.
 //  * Transfers are one-sided from the caller's view: the peer's serving thread answers them from
 //    its registry; no code of the peer's application runs.

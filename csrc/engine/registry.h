@@ -4,7 +4,7 @@
 // `num_slots` equal slots: batch slots for a contiguous cache, blocks for a blocks cache. Ids count
 // from 1 in call order across register and allocate (serving code relies on this).
 //
-// Indexes (llm_datadist spec 10.1):
+// Indexes (llm_datadist llm_datadist_api.md §10.1):
 //   (req_id, model_id)    -> (cache, slot)   request keys of contiguous caches
 //   (prefix_id, model_id) -> (cache, slot)   prefix keys of contiguous caches
 //   model_id              -> blocks cache    from register/allocate_blocks_cache with a key

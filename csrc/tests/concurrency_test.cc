@@ -216,6 +216,33 @@ int stress(int seconds) {
     });
   }
 
+  // Two threads post one prepared transfer (its generation re-checked as P's churn below changes
+  // P's registry, and D's as the other threads register), each into its own local blocks.
+  std::shared_ptr<PreparedTransfer> prepared;
+  Buffers prepared_local(kTensors, kBlocks * kBlockBytes);
+  {
+    int64_t id = registerOrDie(*D, layout(prepared_local.bytes, kBlocks, true), prepared_local, {}, std::nullopt,
+                               false);
+    auto r = D->prepare(blocksSpec(kP, 0, id, {}, {}), 0, 0, 0);
+    if (!expectOk(r.status(), "prepare")) return 1;
+    prepared = r.value();
+  }
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      std::mt19937_64 rng(100 + w);
+      while (!stop) {
+        const int64_t lb[2] = {w * 8 + static_cast<int64_t>(rng() % 4), w * 8 + 4 + static_cast<int64_t>(rng() % 4)};
+        const int64_t rb[2] = {static_cast<int64_t>(rng() % kBlocks), static_cast<int64_t>(rng() % kBlocks)};
+        if (!expectOk(D->post(*prepared, lb, rb, 2, false), "post prepared")) return;
+        if (!checkBlock(prepared_local, lb[0], 1, rb[0], "post prepared") ||
+            !checkBlock(prepared_local, lb[1], 1, rb[1], "post prepared")) {
+          return;
+        }
+        ++pulls;
+      }
+    });
+  }
+
   threads.emplace_back([&] {  // pusher: push blocks, pull them back
     Buffers out(kTensors, kBlocks * kBlockBytes), back(kTensors, kBlocks * kBlockBytes);
     int64_t out_id = registerOrDie(*D, layout(out.bytes, kBlocks, true), out, {}, std::nullopt, false);

@@ -9,13 +9,13 @@ Everything here is re-exported from ``pdlink``; see pdlink's docs for what diffe
 
 import os as _os
 
-# llm_datadist sets this on import when it is unset (spec 1.1).
+# llm_datadist sets this on import when it is unset (llm_datadist_api.md §1.1).
 _os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
 
-from pdlink.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: E402
-from pdlink.data_type import DataType  # noqa: E402
-from pdlink.llm_datadist import LLMDataDist  # noqa: E402
-from pdlink.llm_types import (  # noqa: E402
+from pdlink.compat.llm_datadist.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: E402
+from pdlink.compat.llm_datadist.data_type import DataType  # noqa: E402
+from pdlink.compat.llm_datadist.llm_datadist import LLMDataDist  # noqa: E402
+from pdlink.compat.llm_datadist.llm_types import (  # noqa: E402
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -30,8 +30,8 @@ from pdlink.llm_types import (  # noqa: E402
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from pdlink.compat.llm_datadist.transfer import CacheTask  # noqa: E402
 from pdlink.status import LLMException, LLMStatusCode, Status  # noqa: E402
-from pdlink.transfer import CacheTask  # noqa: E402
 
 __all__ = [
     "LLMClusterInfo", "LLMStatusCode", "LLMException", "Status", "LLMRole", "LlmConfig", "LLMConfig",
@@ -48,9 +48,10 @@ v2_list = [
     "TransferWithCacheKeyConfig", "CacheTask",
 ]
 
-# Deprecated v1 names upstream imports lazily from llm_datadist_v1 (spec 1.1).
-_LAZY = {"TensorDesc": "pdlink.tensor", "Tensor": "pdlink.tensor", "KvCacheManager": "pdlink.kv_cache_manager",
-         "CacheTask": "pdlink.transfer", "CacheManager": "pdlink.cache_manager"}
+# Deprecated v1 names upstream imports lazily from llm_datadist_v1 (llm_datadist_api.md §1.1).
+_HERE = "pdlink.compat.llm_datadist."
+_LAZY = {"TensorDesc": _HERE + "tensor", "Tensor": _HERE + "tensor", "KvCacheManager": _HERE + "kv_cache_manager",
+         "CacheTask": _HERE + "transfer", "CacheManager": _HERE + "cache_manager"}
 
 
 def __getattr__(name):

@@ -1,2 +1,2 @@
-"""``llm_datadist.configs`` (re-exported from pdlink.configs)."""
-from pdlink.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401
+"""``llm_datadist.configs`` (re-exported from pdlink.compat.llm_datadist.configs)."""
+from pdlink.compat.llm_datadist.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401

@@ -15,36 +15,36 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Public name -> submodule that defines it. Mirrors llm_datadist's eager export list (spec 1.1).
+# Public name -> submodule that defines it. Mirrors llm_datadist's eager export list (llm_datadist_api.md §1.1).
 _EXPORTS = {
     "LLMStatusCode": "status",
     "LLMException": "status",
     "Status": "status",
     "code_2_status": "status",
-    "LLMRole": "configs",
-    "LLMClusterInfo": "configs",
-    "LlmConfig": "configs",
-    "LLMConfig": "configs",
-    "DataType": "data_type",
-    "Placement": "llm_types",
-    "RegisterMemStatus": "llm_types",
-    "Memtype": "llm_types",
-    "MemInfo": "llm_types",
-    "CacheDesc": "llm_types",
-    "CacheKey": "llm_types",
-    "CacheKeyByIdAndIndex": "llm_types",
-    "BlocksCacheKey": "llm_types",
-    "Cache": "llm_types",
-    "KvCache": "llm_types",
-    "LayerSynchronizer": "llm_types",
-    "TransferConfig": "llm_types",
-    "TransferWithCacheKeyConfig": "llm_types",
-    "CacheTask": "transfer",
-    "CacheManager": "cache_manager",
-    "KvCacheManager": "kv_cache_manager",
-    "TensorDesc": "tensor",
-    "Tensor": "tensor",
-    "LLMDataDist": "llm_datadist",
+    "LLMRole": "compat.llm_datadist.configs",
+    "LLMClusterInfo": "compat.llm_datadist.configs",
+    "LlmConfig": "compat.llm_datadist.configs",
+    "LLMConfig": "compat.llm_datadist.configs",
+    "DataType": "compat.llm_datadist.data_type",
+    "Placement": "compat.llm_datadist.llm_types",
+    "RegisterMemStatus": "compat.llm_datadist.llm_types",
+    "Memtype": "compat.llm_datadist.llm_types",
+    "MemInfo": "compat.llm_datadist.llm_types",
+    "CacheDesc": "compat.llm_datadist.llm_types",
+    "CacheKey": "compat.llm_datadist.llm_types",
+    "CacheKeyByIdAndIndex": "compat.llm_datadist.llm_types",
+    "BlocksCacheKey": "compat.llm_datadist.llm_types",
+    "Cache": "compat.llm_datadist.llm_types",
+    "KvCache": "compat.llm_datadist.llm_types",
+    "LayerSynchronizer": "compat.llm_datadist.llm_types",
+    "TransferConfig": "compat.llm_datadist.llm_types",
+    "TransferWithCacheKeyConfig": "compat.llm_datadist.llm_types",
+    "CacheTask": "compat.llm_datadist.transfer",
+    "CacheManager": "compat.llm_datadist.cache_manager",
+    "KvCacheManager": "compat.llm_datadist.kv_cache_manager",
+    "TensorDesc": "compat.llm_datadist.tensor",
+    "Tensor": "compat.llm_datadist.tensor",
+    "LLMDataDist": "compat.llm_datadist.llm_datadist",
     # pdlink's own engine API (docs/native_api.md)
     "Engine": "engine",
     "EngineOptions": "engine",
@@ -63,22 +63,12 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for type checkers
-    from .cache_manager import CacheManager  # noqa: F401
-    from .configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401
-    from .data_type import DataType  # noqa: F401
-    from .engine import (  # noqa: F401
-        Engine,
-        EngineOptions,
-        Limits,
-        LinkInfo,
-        Pending,
-        PreparedTransfer,
-        Region,
-        RemoteRegion,
-    )
-    from .kv_cache_manager import KvCacheManager  # noqa: F401
-    from .llm_datadist import LLMDataDist  # noqa: F401
-    from .llm_types import (  # noqa: F401
+    from .compat.llm_datadist.cache_manager import CacheManager  # noqa: F401
+    from .compat.llm_datadist.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401
+    from .compat.llm_datadist.data_type import DataType  # noqa: F401
+    from .compat.llm_datadist.kv_cache_manager import KvCacheManager  # noqa: F401
+    from .compat.llm_datadist.llm_datadist import LLMDataDist  # noqa: F401
+    from .compat.llm_datadist.llm_types import (  # noqa: F401
         BlocksCacheKey,
         Cache,
         CacheDesc,
@@ -93,6 +83,18 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         TransferConfig,
         TransferWithCacheKeyConfig,
     )
+    from .compat.llm_datadist.tensor import Tensor, TensorDesc  # noqa: F401
+    from .compat.llm_datadist.transfer import CacheTask  # noqa: F401
+    from .engine import (  # noqa: F401
+        Engine,
+        EngineOptions,
+        Limits,
+        LinkInfo,
+        Pending,
+        PreparedTransfer,
+        Region,
+        RemoteRegion,
+    )
     from .status import (  # noqa: F401
         InvalidArgument,
         LinkError,
@@ -105,8 +107,6 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         TransferTimeout,
         code_2_status,
     )
-    from .tensor import Tensor, TensorDesc  # noqa: F401
-    from .transfer import CacheTask  # noqa: F401
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

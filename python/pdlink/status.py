@@ -1,4 +1,4 @@
-"""Status codes, the ``LLMException`` class and the raise helpers (spec 2.2, 3.1).
+"""Status codes, the ``LLMException`` class and the raise helpers (llm_datadist_api.md §2.2, §3.1).
 
 This module is pure Python and has no dependency on the native core, so it can be
 imported (and pickled exceptions can be restored) without building anything.
@@ -40,7 +40,7 @@ _LLM_CODE_BASE = 0x5010B000
 
 
 class LLMStatusCode(NamedIntEnum):
-    """Status codes of the engine. Values are the C++ ``ge::Status`` integers (spec 2.2).
+    """Status codes of the engine. Values are the C++ ``ge::Status`` integers (llm_datadist_api.md §2.2).
 
     ``str(code)`` is ``"LLMStatusCode.NAME"`` on every supported Python version.
     """
@@ -66,7 +66,7 @@ class LLMStatusCode(NamedIntEnum):
     LLM_SEQ_LENOVERLIMIT = _LLM_CODE_BASE + 0x11  # sic: the public name has no underscore
     LLM_NO_FREE_BLOCK = _LLM_CODE_BASE + 0x12
     LLM_BLOCKS_OUT_OF_MEMORY = _LLM_CODE_BASE + 0x13
-    # 0x14..0x17 are C++-only codes without a Python member (spec 2.2).
+    # 0x14..0x17 are C++-only codes without a Python member (llm_datadist_api.md §2.2).
     LLM_EXIST_LINK = _LLM_CODE_BASE + 0x18
     LLM_FEATURE_NOT_ENABLED = _LLM_CODE_BASE + 0x19
     LLM_TIMEOUT = _LLM_CODE_BASE + 0x1A

@@ -1,4 +1,4 @@
-"""Peer-side replays of serving code's llm_datadist use (spec 11): the SGLang fork's connector and
+"""Peer-side replays of serving code's llm_datadist use (llm_datadist_api.md §11): the SGLang fork's connector and
 omni-infer's llmdatadist_manager, each with its options, key conventions, cluster-id arithmetic and
 error handling. The engine and caches live in ``peers.kv``'s state, so ``kv.snapshot`` and friends
 see them.

@@ -1,2 +1,2 @@
-"""``llm_datadist.v2.cache_manager`` (re-exported from pdlink.cache_manager)."""
-from pdlink.cache_manager import CacheManager  # noqa: F401
+"""``llm_datadist.v2.cache_manager`` (re-exported from pdlink.compat.llm_datadist.cache_manager)."""
+from pdlink.compat.llm_datadist.cache_manager import CacheManager  # noqa: F401

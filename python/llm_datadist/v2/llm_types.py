@@ -1,6 +1,6 @@
-"""``llm_datadist.v2.llm_types`` (re-exported from pdlink.llm_types)."""
-from pdlink.llm_types import *  # noqa: F401,F403
-from pdlink.llm_types import (  # noqa: F401
+"""``llm_datadist.v2.llm_types`` (re-exported from pdlink.compat.llm_datadist.llm_types)."""
+from pdlink.compat.llm_datadist.llm_types import *  # noqa: F401,F403
+from pdlink.compat.llm_datadist.llm_types import (  # noqa: F401
     BlocksCacheKey,
     Cache,
     CacheDesc,

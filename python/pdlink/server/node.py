@@ -380,7 +380,7 @@ class Node:
         return plan.listen if plan.role in _LISTENING_ROLES else ()
 
     def _create_engines(self, plan: _Plan) -> None:
-        from ..cache_manager import CacheManager
+        from ..compat.llm_datadist.cache_manager import CacheManager
 
         kv = self.settings.kv
         listen = self._listen_for(plan)
@@ -602,8 +602,8 @@ class Node:
     def _register_test_kv(self, cid: int) -> None:
         import numpy as np
 
-        from ..data_type import DataType
-        from ..llm_types import BlocksCacheKey, CacheDesc
+        from ..compat.llm_datadist.data_type import DataType
+        from ..compat.llm_datadist.llm_types import BlocksCacheKey, CacheDesc
 
         t = self.settings.kv.test_kv
         entries = []
@@ -623,7 +623,7 @@ class Node:
         the first mismatch) when the bytes differ."""
         import numpy as np
 
-        from ..llm_types import BlocksCacheKey
+        from ..compat.llm_datadist.llm_types import BlocksCacheKey
 
         t = self.settings.kv.test_kv
         if not t.enabled:

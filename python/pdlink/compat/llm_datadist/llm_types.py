@@ -1,4 +1,4 @@
-"""Descriptors, keys, cache handles and transfer configs (spec 2.4, 7).
+"""Descriptors, keys, cache handles and transfer configs (llm_datadist_api.md §2.4, §7).
 
 Public names:
     Placement, RegisterMemStatus, Memtype, PushType, register_mem_status_from_int,
@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any, cast
 
-from ._enum import NamedIntEnum
+from ..._enum import NamedIntEnum
+from ...status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from ._utils import (
     INT64_MAX,
     INVALID_ID,
@@ -31,7 +32,6 @@ from ._utils import (
     check_uint64,
 )
 from .data_type import DataType, itemsize
-from .status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 
 __all__ = [
     "Placement",
@@ -99,7 +99,7 @@ class PushType(Enum):
 
 
 class CacheDesc:
-    """Description of a cache: ``num_tensors`` tensors sharing one shape and dtype (spec 7.1).
+    """Description of a cache: ``num_tensors`` tensors sharing one shape and dtype (llm_datadist_api.md §7.1).
 
     Validation (in this order):
       * ``num_tensors``: uint32 (``TypeError`` / ``ValueError``);
@@ -285,7 +285,7 @@ def _collect_key_params(
 
 
 class CacheKey:
-    """Key of one request's slot in a contiguous cache (spec 7.2).
+    """Key of one request's slot in a contiguous cache (llm_datadist_api.md §7.2).
 
     ``CacheKey(*args, **kwargs)``; positional order ``(cluster_id, req_id, model_id=0,
     prefix_id=2**64-1)``; keywords ``prompt_cluster_id | cluster_id, req_id, model_id,
@@ -355,7 +355,7 @@ class CacheKey:
 
 
 class CacheKeyByIdAndIndex:
-    """Key addressing a remote cache by its id and batch slot (spec 7.3).
+    """Key addressing a remote cache by its id and batch slot (llm_datadist_api.md §7.3).
 
     ``cluster_id`` uint64, ``cache_id`` int64, ``batch_index`` uint32
     (``TypeError`` / ``ValueError``).
@@ -403,7 +403,7 @@ class CacheKeyByIdAndIndex:
 
 
 class BlocksCacheKey:
-    """Key of a blocks (paged) cache (spec 7.4).
+    """Key of a blocks (paged) cache (llm_datadist_api.md §7.4).
 
     ``BlocksCacheKey(*args, **kwargs)``; positional order ``(cluster_id, model_id=0)``;
     keywords ``prompt_cluster_id | cluster_id, model_id``; at most 2 params. The cluster id
@@ -456,7 +456,7 @@ def _as_addr_list(name: str, addrs: Any) -> list[int]:
 
 
 class Cache:
-    """Handle of a v2 cache (spec 7.5). Created by the CacheManager; users should not
+    """Handle of a v2 cache (llm_datadist_api.md §7.5). Created by the CacheManager; users should not
     construct it directly (``Cache(cache_id, cache_desc, tensor_addrs, is_blocks_cache=False)``).
 
     After deallocation/unregistration the manager calls ``_invalidate()``, which sets
@@ -531,7 +531,7 @@ class Cache:
 
 
 class KvCache:
-    """Handle of a v1 (KvCacheManager) cache (spec 7.6).
+    """Handle of a v1 (KvCacheManager) cache (llm_datadist_api.md §7.6).
 
     ``KvCache(cache_id, cache_desc, per_device_tensor_addrs, kv_cache_manager=None)``; created by
     ``KvCacheManager.allocate_cache`` / ``allocate_blocks_cache`` (users should not construct it,
@@ -631,7 +631,7 @@ class KvCache:
 
 
 class MemInfo:
-    """A memory region for ``remap_registered_memory`` (spec 7.7).
+    """A memory region for ``remap_registered_memory`` (llm_datadist_api.md §7.7).
 
     ``mem_type`` must be a ``Memtype``; ``addr`` and ``size`` ints (``TypeError`` otherwise).
     """
@@ -667,7 +667,7 @@ class MemInfo:
 
 
 class TransferConfig:
-    """Push target given as raw remote addresses, for ``transfer_cache_async`` (spec 7.8).
+    """Push target given as raw remote addresses, for ``transfer_cache_async`` (llm_datadist_api.md §7.8).
 
     ``dst_cluster_id`` uint64; ``dst_addrs`` list/tuple of uint64; ``src_layer_range`` None or
     a ``range`` with step 1 and ``0 <= start < stop`` (``LLMException`` otherwise);
@@ -740,7 +740,7 @@ class TransferConfig:
 
 
 class TransferWithCacheKeyConfig:
-    """Push target given as a remote cache key, remote-accessible mode (spec 7.9).
+    """Push target given as a remote cache key, remote-accessible mode (llm_datadist_api.md §7.9).
 
     * ``cache_key``: ``BlocksCacheKey`` or ``CacheKeyByIdAndIndex`` (``TypeError``; None rejected);
     * ``src_layer_range`` / ``dst_layer_range``: required ``range`` objects (None ->
@@ -839,7 +839,7 @@ class TransferWithCacheKeyConfig:
 
 
 class LayerSynchronizer(ABC):
-    """User hook for layer-wise ``transfer_cache_async`` (spec 7.10)."""
+    """User hook for layer-wise ``transfer_cache_async`` (llm_datadist_api.md §7.10)."""
 
     @abstractmethod
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:

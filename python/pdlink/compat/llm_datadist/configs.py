@@ -1,4 +1,4 @@
-"""``LLMRole``, ``LLMClusterInfo`` and ``LlmConfig`` / ``LLMConfig`` (spec 2.1, 4, 5).
+"""``LLMRole``, ``LLMClusterInfo`` and ``LlmConfig`` / ``LLMConfig`` (llm_datadist_api.md §2.1, §4, §5).
 
 Public names:
     LLMRole, LLMClusterInfo, LlmConfig, LLMConfig (alias of LlmConfig),
@@ -11,7 +11,8 @@ import json
 import logging
 import socket
 
-from ._enum import NamedIntEnum
+from ..._enum import NamedIntEnum
+from ...status import raise_if_false
 from ._utils import (
     UINT32_MAX,
     check_dict,
@@ -22,7 +23,6 @@ from ._utils import (
     check_uint32,
     check_uint64,
 )
-from .status import raise_if_false
 
 __all__ = [
     "LLMRole",
@@ -80,7 +80,7 @@ def ip_to_int(ip: str | int) -> int:
 
 
 class LLMClusterInfo:
-    """Description of one remote cluster for ``link_clusters`` / ``unlink_clusters`` (spec 5).
+    """Description of one remote cluster for ``link_clusters`` / ``unlink_clusters`` (llm_datadist_api.md §5).
 
     Takes no constructor arguments. ``remote_role_type`` is informational only.
     """
@@ -148,7 +148,7 @@ class LLMClusterInfo:
 
 
 class LlmConfig:
-    """Engine configuration builder (spec 4.1). ``LLMConfig`` is the same class.
+    """Engine configuration builder (llm_datadist_api.md §4.1). ``LLMConfig`` is the same class.
 
     Set properties, then call ``generate_options()`` (same as ``gen_options()``) to get the
     option dict. The dict is the same object on every call (``options``); each call adds or

@@ -1,4 +1,4 @@
-"""``DataType`` enum (spec 2.3), element sizes, and lazy numpy compatibility maps.
+"""``DataType`` enum (llm_datadist_api.md §2.3), element sizes, and lazy numpy compatibility maps.
 
 Importing this module does not import numpy. The compatibility names
 ``dtype_to_np_dtype``, ``np_dtype_to_dtype`` and ``valid_np_dtypes`` are built on first
@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from .status import LLMException, LLMStatusCode
+from ...status import LLMException, LLMStatusCode
 
 # The lazy numpy maps are deliberately not in __all__, so that a star-import does not
 # import numpy.
@@ -37,7 +37,7 @@ class DataType(Enum):
     DT_BF16 = 27
 
 
-# [INF] Bytes per element for a CPU implementation (spec 2.3). DT_STRING has no fixed size.
+# [INF] Bytes per element for a CPU implementation (llm_datadist_api.md §2.3). DT_STRING has no fixed size.
 _ITEMSIZE: dict[DataType, int] = {
     DataType.DT_FLOAT: 4,
     DataType.DT_FLOAT16: 2,

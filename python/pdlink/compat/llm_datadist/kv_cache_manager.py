@@ -1,4 +1,4 @@
-"""``KvCacheManager``: llm_datadist's v1 ("KvCacheManager mode") cache API (spec section 9).
+"""``KvCacheManager``: llm_datadist's v1 ("KvCacheManager mode") cache API (llm_datadist_api.md §9).
 
 v1 runs on the same native engine as CacheManager mode. What is v1-specific lives here:
 
@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ...native import core, placement_of
+from ...status import LLMException, LLMStatusCode
 from ._utils import (
     check_dict,
     check_int32,
@@ -48,8 +50,6 @@ from .llm_types import (
     KvCache,
     Placement,
 )
-from .native import core, placement_of
-from .status import LLMException, LLMStatusCode
 
 __all__ = ["KvCacheManager"]
 
@@ -107,7 +107,7 @@ def _offset(name: str, value: Any) -> int:
 
 
 class KvCacheManager:
-    """Allocates, moves and frees the KV caches of a v1-mode ``LLMDataDist`` (spec 9).
+    """Allocates, moves and frees the KV caches of a v1-mode ``LLMDataDist`` (llm_datadist_api.md §9).
 
     Obtain it from ``LLMDataDist.kv_cache_manager``; do not construct it yourself.
     Threading: methods may be called from several threads (llm_datadist documents most v1
@@ -413,7 +413,7 @@ class KvCacheManager:
         ``KvCache.create_cpu_cache`` handle with one address list per device; the DEVICE side
         must be a live cache of this manager."""
         self._check_live()
-        # A None cache raises AttributeError here, as llm_datadist does (spec 3.2).
+        # A None cache raises AttributeError here, as llm_datadist does (llm_datadist_api.md §3.2).
         src_desc, dst_desc = src.cache_desc, dst.cache_desc
         check_isinstance("src", src, KvCache, allow_none=False)
         check_isinstance("dst", dst, KvCache, allow_none=False)
@@ -441,7 +441,7 @@ class KvCacheManager:
         """Push ``src_cache`` layer by layer into raw remote addresses (``TransferConfig`` only).
 
         PROMPT only; single device only (``LLM_FEATURE_NOT_ENABLED`` in multi-device mode); the
-        returned ``CacheTask`` reports ``LLM_WAIT_PROCESS_TIMEOUT`` on timeout (spec 9).
+        returned ``CacheTask`` reports ``LLM_WAIT_PROCESS_TIMEOUT`` on timeout (llm_datadist_api.md §9).
         """
         from .transfer import transfer_cache_async
 

@@ -1,4 +1,4 @@
-"""Argument validation helpers shared by the pure-Python layer (spec 3.2).
+"""Argument validation helpers shared by the pure-Python layer (llm_datadist_api.md §3.2).
 
 Error conventions:
 
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
-from .status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
+from ...status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 
 __all__ = [
     "UINT8_MAX",
@@ -248,7 +248,7 @@ def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) 
 
 
 def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) -> range | None:
-    """Validate a layer range (spec 7.8/7.9).
+    """Validate a layer range (llm_datadist_api.md §7.8/7.9).
 
     * ``None`` is accepted when ``allow_none`` (else ``TypeError``); any non-``range`` -> ``TypeError``.
     * ``step`` must be 1 and ``0 <= start < stop`` -> ``LLMException(LLM_PARAM_INVALID)`` otherwise.

@@ -1,7 +1,7 @@
-"""``CacheManager``: llm_datadist's v2 ("CacheManager mode") cache API (spec section 8).
+"""``CacheManager``: llm_datadist's v2 ("CacheManager mode") cache API (llm_datadist_api.md §8).
 
 This layer validates arguments exactly as llm_datadist does (``TypeError`` / ``ValueError`` /
-``LLMException(LLM_PARAM_INVALID)``, spec 3.2), turns keys and layer ranges into the native
+``LLMException(LLM_PARAM_INVALID)``, llm_datadist_api.md §3.2), turns keys and layer ranges into the native
 engine's terms, and calls ``pdlink._core.Engine``. Byte movement, bounds checks, key
 indexes and reference counting live in the C++ core; native failures become ``LLMException``
 in the binding (one place). No per-block Python objects are created: block lists go to the
@@ -14,6 +14,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from ...native import core, placement_of
+from ...status import LLMException, LLMStatusCode, handle_llm_status
 from ._utils import (
     UINT32_MAX,
     check_dict,
@@ -38,8 +40,6 @@ from .llm_types import (
     Memtype,
     Placement,
 )
-from .native import core, placement_of
-from .status import LLMException, LLMStatusCode, handle_llm_status
 
 if TYPE_CHECKING:
     from .llm_types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
@@ -122,13 +122,13 @@ def _block_list(name: str, blocks: Any) -> Sequence[int]:
 
 def _plain_blocks_call(key: Any, cache: Any, remote_blocks: Any, local_blocks: Any) -> TypeGuard[BlocksCacheKey]:
     """Whether a pull_blocks / push_blocks call is the common one that passes every check of the
-    general path: a BlocksCacheKey, a live blocks Cache, and two equally long, non-empty lists of
-    ints. The caller then skips those checks (each costs a Python call); any other call takes the
-    general path, which raises the same errors as before."""
+    general path: a BlocksCacheKey, a live blocks Cache, and two equally long, non-empty lists
+    (whose elements the native post checks are ints: TypeError otherwise, and the caller then takes
+    the general path). The caller skips those checks (each costs a Python call); any other call
+    takes the general path, which raises the same errors as before."""
     return (type(key) is BlocksCacheKey and type(cache) is Cache and type(remote_blocks) is list
             and type(local_blocks) is list and 0 < len(local_blocks) == len(remote_blocks)
-            and cache.is_blocks_cache and cache.cache_id > 0 and bool(cache.tensor_addrs)
-            and all(type(x) is int for x in local_blocks) and all(type(x) is int for x in remote_blocks))
+            and cache.is_blocks_cache and cache.cache_id > 0 and bool(cache.tensor_addrs))
 
 
 def _check_block_pairs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
@@ -139,7 +139,7 @@ def _check_block_pairs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> 
 
 
 class CacheManager:
-    """Registers, allocates and moves KV caches of one ``LLMDataDist`` (spec 8).
+    """Registers, allocates and moves KV caches of one ``LLMDataDist`` (llm_datadist_api.md §8).
 
     Obtain it from ``LLMDataDist.cache_manager``; do not construct it yourself.
     Threading: methods may be called from several threads; transfers on one link are
@@ -379,8 +379,11 @@ class CacheManager:
             prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
             if prepared is None:
                 prepared = self._prepared_for("pull_blocks", src_cache_key, dst_cache)
-            prepared.post(dst_blocks, src_blocks, False, "pull_blocks")
-            return
+            try:
+                prepared.post(dst_blocks, src_blocks, False, "pull_blocks")
+                return
+            except TypeError:
+                pass  # an element is not an int: the checks below raise llm_datadist's own error
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -433,8 +436,11 @@ class CacheManager:
             prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
             if prepared is None:
                 prepared = self._prepared_for("push_blocks", dst_cache_key, src_cache)
-            prepared.post(src_blocks, dst_blocks, True, "push_blocks")
-            return
+            try:
+                prepared.post(src_blocks, dst_blocks, True, "push_blocks")
+                return
+            except TypeError:
+                pass  # an element is not an int: the checks below raise llm_datadist's own error
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
@@ -452,7 +458,8 @@ class CacheManager:
                              src_block_indices: Sequence[int] | None = None,
                              dst_block_indices: Sequence[int] | None = None,
                              dst_block_memory_size: int | None = None) -> CacheTask:
-        """Push ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer (spec 8.5, 10.5).
+        """Push ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer
+        (llm_datadist_api.md §8.5, §10.5).
 
         Configs are ``TransferWithCacheKeyConfig`` with ``enable_remote_cache_accessible`` and
         ``TransferConfig`` (raw remote addresses) without. Returns a ``CacheTask`` at once; see
@@ -516,7 +523,7 @@ class CacheManager:
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
         """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST); accepts ``create_cpu_cache`` handles."""
         engine = self._live_engine()
-        # A None cache raises AttributeError here, as llm_datadist does (spec 3.2).
+        # A None cache raises AttributeError here, as llm_datadist does (llm_datadist_api.md §3.2).
         src_desc, dst_desc = src_cache.cache_desc, dst_cache.cache_desc
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)

@@ -1,4 +1,4 @@
-"""``LLMDataDist``: one KV-transfer engine per process (llm_datadist spec section 6).
+"""``LLMDataDist``: one KV-transfer engine per process (llm_datadist llm_datadist_api.md §6).
 
 CacheManager mode (v2) runs on pdlink's native engine: links are real TCP connections to the
 peer's listener (``llm.listenIpInfo``), transfers are served by the peer's C++ threads, and
@@ -23,6 +23,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ...native import core, open_engine, role_of
+from ...status import LLMException, LLMStatusCode, code_2_status
 from ._utils import (
     check_dict,
     check_int32,
@@ -34,8 +36,6 @@ from ._utils import (
 )
 from .configs import LLMClusterInfo, LLMRole, role_to_option
 from .llm_types import Placement, RegisterMemStatus
-from .native import core, open_engine, role_of
-from .status import LLMException, LLMStatusCode, code_2_status
 
 __all__ = ["LLMDataDist"]
 
@@ -139,7 +139,7 @@ def _parse_limits(options: dict[str, str]) -> dict[str, int]:
 
 
 def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
-    """Validate llm_datadist options and derive the native engine's settings (spec 4.2).
+    """Validate llm_datadist options and derive the native engine's settings (llm_datadist_api.md §4.2).
 
     Flags must be exactly "0" or "1"; ``llm.SyncKvCacheWaitTime`` a positive integer (ms).
     Returns a dict with the engine's keyword arguments plus ``cache_manager`` and
@@ -270,7 +270,7 @@ def _combine_device_results(count: int, per_device: list[list[tuple[Any, ...]]])
 
 
 class LLMDataDist:
-    """One llm_datadist engine. At most one may be initialised per process (spec 6).
+    """One llm_datadist engine. At most one may be initialised per process (llm_datadist_api.md §6).
 
     ``role`` is a label in CacheManager mode: any role may listen, link, pull and push.
     Threading: methods are safe to call from several threads, except ``init``/``finalize``,
@@ -358,7 +358,7 @@ class LLMDataDist:
     # ------------------------------------------------------------------ lifecycle
 
     def init(self, options: dict[str, str]) -> None:
-        """Start the engine with ``LLMConfig.generate_options()`` output (spec 6.1)."""
+        """Start the engine with ``LLMConfig.generate_options()`` output (llm_datadist_api.md §6.1)."""
         if self._is_initialized:
             return
         check_dict("options", options, str, str)
@@ -485,7 +485,7 @@ class LLMDataDist:
         for c in clusters:
             # [INF] remote_cluster_id=None is accepted when the remote ip names the peer: the id is
             # then learned in the handshake. Current llm_datadist raises TypeError, but the SGLang
-            # fork's connector (spec 11.3) was written for a release that accepted it.
+            # fork's connector (llm_datadist_api.md §11.3) was written for a release that accepted it.
             if c.remote_cluster_id is not None or len(c.remote_ip_info_list) != 1:
                 check_uint64("remote_cluster_id", c.remote_cluster_id)
             if linking:

@@ -1,4 +1,4 @@
-"""Deprecated v1 ``TensorDesc`` / ``Tensor`` (spec 7.12).
+"""Deprecated v1 ``TensorDesc`` / ``Tensor`` (llm_datadist_api.md §7.12).
 
 ``KvCacheManager.get_cache_tensors`` returns ``Tensor`` objects that **view** the memory of a
 live KV cache: ``numpy()`` gives an array over the cache bytes, so writes through it land in
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...native import placement_of
+from ...status import LLMException, LLMStatusCode
 from ._utils import check_isinstance, check_list_of
 from .data_type import DataType, itemsize
-from .native import placement_of
-from .status import LLMException, LLMStatusCode
 
 __all__ = ["TensorDesc", "Tensor"]
 
@@ -66,7 +66,7 @@ class TensorDesc:
 
 
 class Tensor:
-    """A tensor over a numpy array or over KV-cache memory (deprecated v1 API, spec 7.12).
+    """A tensor over a numpy array or over KV-cache memory (deprecated v1 API, llm_datadist_api.md §7.12).
 
     ``Tensor(data, tensor_desc=None)``:
       * ``data``: a C-contiguous ``numpy.ndarray`` (kept, not copied) or another ``Tensor``

@@ -1,6 +1,7 @@
-"""Layer-wise asynchronous push: ``transfer_cache_async`` and ``CacheTask`` (spec 7.10, 7.11, 8.5, 10.5).
+"""Layer-wise asynchronous push: ``transfer_cache_async`` and ``CacheTask``
+(llm_datadist_api.md §7.10, §7.11, §8.5, §10.5).
 
-``transfer_cache_async`` validates its arguments the way llm_datadist does (spec 10.5 rules 1-6,
+``transfer_cache_async`` validates its arguments the way llm_datadist does (llm_datadist_api.md §10.5 rules 1-6,
 raising ``TypeError`` / ``ValueError`` / ``LLMException(LLM_PARAM_INVALID)`` before anything
 starts), then runs the layer loop on a background thread:
 
@@ -26,15 +27,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...status import LLMException, LLMStatusCode, code_2_status, handle_llm_status
 from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, raise_if_false
 from .llm_types import BlocksCacheKey, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
-from .status import LLMException, LLMStatusCode, code_2_status, handle_llm_status
 
 __all__ = ["CacheTask", "transfer_cache_async"]
 
 logger = logging.getLogger("pdlink")
 
-# llm_datadist hard-codes two tensors (K, V) per layer for layer-wise transfers (spec 10.5 rule 1).
+# llm_datadist hard-codes two tensors (K, V) per layer for layer-wise transfers (llm_datadist_api.md §10.5 rule 1).
 _TENSORS_PER_LAYER = 2
 _OP = "transfer_cache_async"
 
@@ -57,7 +58,7 @@ def _join_seconds(timeout_in_millis: int | None) -> float | None:
 
 
 class CacheTask:
-    """Handle of one ``transfer_cache_async`` call (spec 7.11). Users do not construct it.
+    """Handle of one ``transfer_cache_async`` call (llm_datadist_api.md §7.11). Users do not construct it.
 
     Both methods wait for the worker thread (``timeout_in_millis``: uint32 milliseconds, None =
     wait for ever). If it is still running (or died of an unexpected exception, e.g. raised by the
@@ -240,7 +241,7 @@ class _Target:
 
 
 class _TransferJob(threading.Thread):
-    """Runs the layer loop of spec 10.5 once. Not a daemon thread, as upstream: the interpreter
+    """Runs the layer loop of llm_datadist_api.md §10.5 once. Not a daemon thread, as upstream: the interpreter
     lets an in-flight push finish before the atexit ``finalize``."""
 
     def __init__(self, transfer_fn: Callable[..., None], src_cache: Any, layer_synchronizer: LayerSynchronizer,
@@ -312,7 +313,7 @@ def transfer_cache_async(
     remote_cache_accessible: bool,
     timeout_code: LLMStatusCode = LLMStatusCode.LLM_TIMEOUT,
 ) -> CacheTask:
-    """Validate (spec 10.5), then push ``src_cache`` layer by layer on a new thread.
+    """Validate (llm_datadist_api.md §10.5), then push ``src_cache`` layer by layer on a new thread.
 
     * ``transfer_fn``: runs one native transfer, with ``CacheManager._transfer``'s signature
       (``(op, is_push, key, cache, mode, *, slot, local_blocks, remote_blocks, local_tensors,

@@ -1,5 +1,5 @@
 """Two-sided links from an HCCL rank table: ``LLMDataDist.link`` / ``unlink`` /
-``query_register_mem_status`` (llm_datadist spec 6.7, CacheManager mode).
+``query_register_mem_status`` (llm_datadist llm_datadist_api.md §6.7, CacheManager mode).
 
 Every member of a communicator calls ``link(comm_name, cluster_rank_info, rank_table)`` with
 the same arguments. pdlink has no HCCL, so the rank table is used as an address book: each
@@ -22,9 +22,9 @@ import threading
 import time
 from typing import Any
 
+from ...status import LLMException, LLMStatusCode, handle_llm_status
 from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
 from .llm_types import RegisterMemStatus
-from .status import LLMException, LLMStatusCode, handle_llm_status
 
 logger = logging.getLogger("pdlink")
 
