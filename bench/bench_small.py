@@ -9,7 +9,8 @@ it), for each pdlink transport ("cma": direct memory access, "tcp": loopback):
   * descriptor throughput: 64 MiB as 256 KiB and as 4 KiB descriptors, block order reversed so
     nothing coalesces, posted as one prepared index array and as one descriptor list
     (``Engine.read``); with the per-descriptor cost of the 4 KiB case;
-  * the ceiling: numpy copying the same 4 KiB blocks (reversed) in this process, per descriptor;
+  * the ceilings: numpy copying the same 4 KiB blocks (reversed) in this process, per descriptor;
+    and one 4 KiB process_vm_readv in C (bench/cma_ceiling.c), what the same-host path cannot beat;
   * ``import pdlink``: median wall time of a fresh interpreter, beside ``import numpy``.
 
 NIXL (UCX backend, default transports) runs the same: the prepared 4 KiB READ and both
@@ -26,9 +27,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -175,6 +178,24 @@ def memcpy_ceiling(total: int, reps: int) -> dict[str, Any]:
             "whole": summary(whole)}
 
 
+def cma_ceiling(calls: int) -> dict[str, float] | None:
+    """bench/cma_ceiling.c: the kernel's cost of one 4 KiB process_vm_readv, alone and with the
+    generation word pdlink's cma path reads in the same call (p50, us); None without a compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("  skipped bench/cma_ceiling.c: no C compiler (set CC)")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "cma_ceiling")
+        subprocess.run([cc, "-O2", "-o", exe, os.path.join(HERE, "cma_ceiling.c")], check=True)
+        r = subprocess.run([exe, str(4 * KIB), str(calls)], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        print(f"  bench/cma_ceiling.c failed: {r.stderr.strip()}")
+        return None
+    out: dict[str, float] = json.loads(r.stdout)
+    return out
+
+
 def import_time(module: str, n: int) -> dict[str, float]:
     xs = []
     for _ in range(n):
@@ -193,11 +214,17 @@ def report(results: dict[str, Any]) -> str:
     ceil = results["memcpy"]
     lines.append(f"  ceiling memcpy 4 KiB blocks    : {fmt(ceil['blocks_4K'])}, "
                  f"{ceil['blocks_4K']['us_per_desc']:.3f} us/desc; whole buffer {fmt(ceil['whole'])}")
+    cma = results.get("cma_ceiling")
+    if cma:
+        lines.append(f"  ceiling one 4 KiB process_vm_readv: p50 {cma['block_us']:.2f} us; with the generation word "
+                     f"{cma['block_and_word_us']:.2f} us (bench/cma_ceiling.c)")
     nixl = results["peers"].get("NIXL/UCX default")
     for r in results["pdlink"]:
         tr = r["transport"]
         p, d = r["prepared_lat_4k_us"], r["pull_blocks_lat_4k_us"]
         line = f"  pdlink {tr:<4} prepared 4 KiB READ : p50 {p['p50']:.1f} us, p99 {p['p99']:.1f} us"
+        if cma and tr == "cma":
+            line += f"  ({p['p50'] / cma['block_and_word_us']:.2f}x the kernel's)"
         if nixl:
             line += f"  ({p['p50'] / nixl['lat_us']['p50']:.2f}x NIXL's p50)"
         lines.append(line)
@@ -280,6 +307,8 @@ def main() -> None:
         parent.send("stop")
         target.join(30)
     results["memcpy"] = memcpy_ceiling(total, reps)
+    if "cma" in transports:
+        results["cma_ceiling"] = cma_ceiling(lat_n * 4)
     if not args.no_peers:
         nixl = run_nixl(total, reps, lat_n)
         if nixl:
