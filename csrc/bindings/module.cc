@@ -96,6 +96,10 @@ class Indices {
       }
       data_ = list_.data();
       size_ = list_.size();
+    } else if (IndexArray::check_(obj)) {  // already int64 and C-contiguous: no conversion call
+      array_ = py::reinterpret_borrow<IndexArray>(obj);
+      size_ = length1d(array_, name);
+      data_ = array_.data();
     } else {
       array_ = IndexArray::ensure(obj);
       if (!array_) throw py::error_already_set();

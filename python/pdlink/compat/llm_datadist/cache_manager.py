@@ -253,6 +253,19 @@ class CacheManager:
             self._prepared[k] = prepared
         return prepared
 
+    def _post_plain(self, op: str, key: BlocksCacheKey, cache: Cache, local_blocks: list[int],
+                    remote_blocks: list[int], push: bool) -> bool:
+        """Posts a call that ``_plain_blocks_call`` accepted on its prepared transfer. False when a
+        block index is not an int (nothing moved): the general path then raises llm_datadist's error."""
+        prepared = self._prepared.get((cache.cache_id, key.cluster_id, key.model_id))
+        if prepared is None:
+            prepared = self._prepared_for(op, key, cache)
+        try:
+            prepared.post(local_blocks, remote_blocks, push, op)
+        except TypeError:
+            return False
+        return True
+
     def _forget_prepared(self, cache_id: int) -> None:
         for k in [k for k in self._prepared if k[0] == cache_id]:
             self._prepared.pop(k, None)
@@ -375,15 +388,9 @@ class CacheManager:
         With a ``CacheKey`` / ``CacheKeyByIdAndIndex`` source, ``src_blocks`` must be empty and
         the remote slot is split into consecutive blocks (contiguous -> blocks).
         """
-        if not kwargs and self._initialized and _plain_blocks_call(src_cache_key, dst_cache, src_blocks, dst_blocks):
-            prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
-            if prepared is None:
-                prepared = self._prepared_for("pull_blocks", src_cache_key, dst_cache)
-            try:
-                prepared.post(dst_blocks, src_blocks, False, "pull_blocks")
-                return
-            except TypeError:
-                pass  # an element is not an int: the checks below raise llm_datadist's own error
+        if (not kwargs and self._initialized and _plain_blocks_call(src_cache_key, dst_cache, src_blocks, dst_blocks)
+                and self._post_plain("pull_blocks", src_cache_key, dst_cache, dst_blocks, src_blocks, False)):
+            return
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -432,15 +439,9 @@ class CacheManager:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         if (src_layer_range is None and dst_layer_range is None and self._initialized and self._remote_cache_accessible
                 and type(tensor_num_per_layer) is int and 0 < tensor_num_per_layer <= UINT32_MAX
-                and _plain_blocks_call(dst_cache_key, src_cache, dst_blocks, src_blocks)):
-            prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
-            if prepared is None:
-                prepared = self._prepared_for("push_blocks", dst_cache_key, src_cache)
-            try:
-                prepared.post(src_blocks, dst_blocks, True, "push_blocks")
-                return
-            except TypeError:
-                pass  # an element is not an int: the checks below raise llm_datadist's own error
+                and _plain_blocks_call(dst_cache_key, src_cache, dst_blocks, src_blocks)
+                and self._post_plain("push_blocks", dst_cache_key, src_cache, src_blocks, dst_blocks, True)):
+            return
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
