@@ -253,8 +253,8 @@ class CacheManager:
             self._prepared[k] = prepared
         return prepared
 
-    def _post_plain(self, op: str, key: BlocksCacheKey, cache: Cache, local_blocks: list[int],
-                    remote_blocks: list[int], push: bool) -> bool:
+    def _post_plain(self, op: str, key: BlocksCacheKey, cache: Cache, local_blocks: Sequence[int],
+                    remote_blocks: Sequence[int], push: bool) -> bool:
         """Posts a call that ``_plain_blocks_call`` accepted on its prepared transfer. False when a
         block index is not an int (nothing moved): the general path then raises llm_datadist's error."""
         prepared = self._prepared.get((cache.cache_id, key.cluster_id, key.model_id))
