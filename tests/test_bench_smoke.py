@@ -1,5 +1,5 @@
-"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py and bench_small.py
-(no timing is asserted)."""
+"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py
+and bench_pull_blocks.py (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,12 @@ def test_small_transfer_benchmark_smoke_runs_and_verifies(tmp_path):
             assert run[key]["p50"] > 0, key
     assert results["memcpy"]["blocks_4K"]["us_per_desc"] > 0 and results["import"]["pdlink"]["median"] > 0
     assert "pdlink small-transfer benchmark" in (tmp_path / "small.txt").read_text()
+
+
+def test_pull_blocks_benchmark_runs_and_verifies():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_pull_blocks.py"), "smoke"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split(" p50 ")[0] for line in lines if " p50 " in line] in (
+        ["smoke cma pull_blocks 4 KiB", "smoke tcp pull_blocks 4 KiB"], ["smoke tcp pull_blocks 4 KiB"]), r.stdout

@@ -164,3 +164,19 @@ def test_each_code_has_its_exception_class(code: S, cls: type, builtin: type) ->
     assert isinstance(e, builtin) and isinstance(e, LLMException) and isinstance(e, RuntimeError)
     restored = pickle.loads(pickle.dumps(e))
     assert (type(restored), restored.status_code, str(restored)) == (cls, code, "boom")
+
+
+def test_switch_role_moves_the_listener_and_needs_no_links() -> None:
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, role="PROMPT", listen="127.0.0.1:0", backend="cpu")) as a, \
+            pdlink.Engine(pdlink.EngineOptions(cluster_id=2, role="DECODER", backend="cpu")) as b:
+        assert (a.role, b.role, b.listen_port) == ("PROMPT", "DECODER", 0)
+        assert b.connect(f"127.0.0.1:{a.listen_port}") == 1
+        with pytest.raises(LLMException) as e:  # links are open
+            b.switch_role("PROMPT", listen="127.0.0.1:0")
+        assert e.value.status_code == S.LLM_EXIST_LINK
+        assert b.role == "DECODER"
+        b.disconnect(1)
+        b.switch_role("PROMPT", listen="127.0.0.1:0")
+        a.switch_role("DECODER")
+        assert (a.role, a.listen_port, b.role, b.listen_port > 0) == ("DECODER", 0, "PROMPT", True)
+        assert a.connect(f"127.0.0.1:{b.listen_port}") == 2  # the roles are reversed, the link works

@@ -272,6 +272,18 @@ class Engine:
         return int(self._native.cluster_id)
 
     @property
+    def role(self) -> str:
+        """``"PROMPT"``, ``"DECODER"`` or ``"MIX"``."""
+        return str(self._native.role.name)
+
+    def switch_role(self, role: str | enum.Enum, listen: str | None = None) -> None:
+        """Changes the role while the engine runs, with no link open (``LLM_EXIST_LINK``
+        otherwise: disconnect first). ``listen``: ``"ip:port"`` to listen there (moving the
+        listener if it is elsewhere), ``None`` to stop listening."""
+        ip, port = _split_address(listen) if listen is not None else ("", 0)
+        self._native.switch_role(role_of(role), ip, port)
+
+    @property
     def listen_port(self) -> int:
         """The bound listen port (0: not listening)."""
         return int(self._native.listen_port)
