@@ -15,7 +15,8 @@ block transfers, sync or async.
         job.read(np.array([0, 1, 2]), np.array([9, 8, 7]))      # remote block 9 -> local block 0, ...
         engine.read(peer, [(kv.ctypes.data, 4096)], [(remote_address, 4096)])  # descriptor lists
 
-Errors are ``pdlink.LLMException`` subclasses carrying the status code (``pdlink.errors``). The
+Errors are ``pdlink.LLMException`` subclasses carrying the status code (``pdlink.InvalidArgument``,
+``pdlink.LinkError``, ...; docs/native_api.md, "Errors"). The
 memory a peer may read or write is exactly what was registered: a peer that names anything else
 is refused by this engine, whatever it sends.
 
@@ -229,7 +230,7 @@ class Engine:
     """One pdlink engine (a cluster id, its links, its registered memory).
 
     ``Engine(EngineOptions(...))`` starts it; ``close()`` (or leaving a ``with`` block) unlinks
-    every peer and frees it. Raises ``LLMException`` subclasses (``pdlink.errors``)."""
+    every peer and frees it. Raises ``LLMException`` subclasses (docs/native_api.md, "Errors")."""
 
     def __init__(self, options: EngineOptions) -> None:
         if not isinstance(options, EngineOptions):
