@@ -150,9 +150,19 @@ def test_after_disconnect_transfers_need_a_link(two: Two) -> None:
 
 
 def test_a_frozen_peer_gives_a_timeout(two: Two) -> None:
-    if not two.variant.serving_loop:
-        pytest.skip("a cached-layout read on the same host is a kernel copy: a frozen peer does not stop it")
+    """Through the peer's serving thread, a frozen peer is a timeout and nothing moves. On the
+    same-host path a prepared read by key is one kernel copy with no round trip: the frozen peer's
+    bytes arrive all the same (the docs' claim, docs/native_api.md "Memory")."""
     two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+    if not two.variant.serving_loop:
+        two.initiator.call(native.post, "p", [0], [0], "read")  # the layout is fetched once
+        src0, dst0 = two.target.call(native.snapshot, "src"), two.initiator.call(native.snapshot, "dst")
+        two.target.freeze()
+        two.initiator.call_within(hang_guard(TIMEOUT_MS), native.post, "p", [1, 2], [6, 7], "read")
+        two.target.thaw()
+        assert_same(two.initiator.call(native.snapshot, "dst"), rows([(6, 1), (7, 2)])(dst0, src0), "destination")
+        assert_same(two.target.call(native.snapshot, "src"), src0, "source")
+        return
     dst0 = two.initiator.call(native.snapshot, "dst")
     two.target.freeze()
     with pytest.raises(LLMException) as e:
