@@ -1,10 +1,11 @@
-"""The per-call cost of ``pull_blocks``: one 4 KiB block per call through ``llm_datadist`` only, so
+"""The per-call cost of ``pull_blocks`` (one 4 KiB block per call), and of ``pull_cache`` (one 4 KiB
+slot by ``CacheKeyByIdAndIndex``, a call that is not prepared), through ``llm_datadist`` only, so
 the same script runs on any pdlink version (an A/B between two virtualenvs, run alternately).
 
-Two processes on one host; p50 of 5000 calls after 500 warm-up calls, for cma and tcp. The pulled
-block is verified once.
+Two processes on one host; p50 of 5000 calls after 500 warm-up calls, for cma and tcp. What each
+call pulled is verified once.
 
-    python bench/bench_pull_blocks.py LABEL      # prints "LABEL cma pull_blocks 4 KiB p50 X us", and tcp
+    python bench/bench_pull_blocks.py LABEL      # "LABEL cma pull_blocks 4 KiB p50 X us", pull_cache, and tcp
 """
 
 from __future__ import annotations
@@ -37,21 +38,44 @@ def target(conn: Any) -> None:
     data = content()
     dd.cache_manager.register_blocks_cache(CacheDesc(1, [BLOCKS, BLOCK], DataType.DT_UINT8), [data.ctypes.data],
                                            BlocksCacheKey(TARGET_ID, 0))
-    conn.send(dd.listen_port)
+    slots = content()
+    plain = dd.cache_manager.register_cache(CacheDesc(1, [BLOCKS, BLOCK], DataType.DT_UINT8), [slots.ctypes.data])
+    conn.send((dd.listen_port, plain.cache_id))
     conn.recv()
     dd.finalize()
 
 
-def initiator(conn: Any, transport: str, port: int) -> None:
+def initiator(conn: Any, transport: str, port: int, slot_cache: int) -> None:
     try:
-        conn.send(f"p50 {measure(transport, port):.2f} us")
+        conn.send([f"{op} 4 KiB p50 {us:.2f} us" for op, us in measure(transport, port, slot_cache)])
     except Exception as e:  # noqa: BLE001 - reported by the parent (cma not permitted here, say)
-        conn.send(f"failed: {type(e).__name__}: {e}")
+        conn.send([f"failed: {type(e).__name__}: {e}"])
 
 
-def measure(transport: str, port: int) -> float:
+def p50(call: Any) -> float:
+    for _ in range(500):
+        call()
+    times = []
+    for _ in range(5000):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e6
+
+
+def measure(transport: str, port: int, slot_cache: int) -> list[tuple[str, float]]:
     os.environ["PDLINK_TRANSPORT"] = transport
-    from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole
+    from llm_datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        CacheKeyByIdAndIndex,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+    )
 
     dd = LLMDataDist(LLMRole.DECODER, INITIATOR_ID)
     cfg = LLMConfig()
@@ -69,18 +93,17 @@ def measure(transport: str, port: int) -> float:
         raise RuntimeError(f"link_clusters over {transport}: {ret}")
     cm, key = dd.cache_manager, BlocksCacheKey(TARGET_ID, 0)
     src, dst = [3], [3]
-    for _ in range(500):
-        cm.pull_blocks(key, cache, src, dst)
+    blocks_us = p50(lambda: cm.pull_blocks(key, cache, src, dst))
     if not np.array_equal(mine[3], content()[3]):
         raise AssertionError(f"{transport}: the pulled block differs")
-    times = []
-    for _ in range(5000):
-        t0 = time.perf_counter()
-        cm.pull_blocks(key, cache, src, dst)
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    slots = np.zeros((BLOCKS, BLOCK), np.uint8)
+    plain = cm.register_cache(CacheDesc(1, [BLOCKS, BLOCK], DataType.DT_UINT8), [slots.ctypes.data])
+    slot_key = CacheKeyByIdAndIndex(TARGET_ID, slot_cache, 5)
+    cache_us = p50(lambda: cm.pull_cache(slot_key, plain, 2))
+    if not np.array_equal(slots[2], content()[5]):
+        raise AssertionError(f"{transport}: the pulled slot differs")
     dd.finalize()
-    return times[len(times) // 2] * 1e6
+    return [("pull_blocks", blocks_us), ("pull_cache", cache_us)]
 
 
 def main() -> None:
@@ -89,13 +112,14 @@ def main() -> None:
     a, b = ctx.Pipe()
     t = ctx.Process(target=target, args=(b,), daemon=True)
     t.start()
-    port = a.recv()
+    port, slot_cache = a.recv()
     try:
         for transport in ("cma", "tcp"):
             x, y = ctx.Pipe()
-            p = ctx.Process(target=initiator, args=(y, transport, port), daemon=True)
+            p = ctx.Process(target=initiator, args=(y, transport, port, slot_cache), daemon=True)
             p.start()
-            print(f"{label} {transport} pull_blocks 4 KiB {x.recv()}", flush=True)
+            for line in x.recv():
+                print(f"{label} {transport} {line}", flush=True)
             p.join(30)
     finally:
         a.send("stop")
