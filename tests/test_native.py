@@ -6,6 +6,8 @@ two)."""
 from __future__ import annotations
 
 import pickle
+import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,3 +182,47 @@ def test_switch_role_moves_the_listener_and_needs_no_links() -> None:
         a.switch_role("DECODER")
         assert (a.role, a.listen_port, b.role, b.listen_port > 0) == ("DECODER", 0, "PROMPT", True)
         assert a.connect(f"127.0.0.1:{b.listen_port}") == 2  # the roles are reversed, the link works
+
+
+def test_bad_posts_and_descriptors_are_refused_and_move_nothing() -> None:
+    src = np.random.default_rng(7).integers(0, 256, (8, 256), np.uint8)
+    src0 = src.copy()
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0", backend="cpu")) as target, \
+            pdlink.Engine(pdlink.EngineOptions(cluster_id=2, backend="cpu")) as engine:
+        remote = target.register(src, block_size=256, key=4).remote()
+        dst = np.full((8, 256), 9, np.uint8)
+        region = engine.register(dst, block_size=256)
+        peer = engine.connect(f"127.0.0.1:{target.listen_port}")
+        job = engine.prepare(peer, region, remote)
+        refused: list[tuple[Any, Any, type[Exception], str]] = [
+            ([8], [0], InvalidArgument, "block index 8 out of range: local cache has 8 blocks"),
+            ([-1], [0], InvalidArgument, "block index -1 out of range"),
+            ([0], [-2], InvalidArgument, "remote block index -2 out of range"),
+            ([], [], InvalidArgument, "the block list is empty"),
+            ([0, 1], [0], ValueError, "differ in length"),
+            (np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), ValueError, "one-dimensional"),
+            ([True], [0], TypeError, "ints within int64"),
+            ([2**63], [0], TypeError, "ints within int64"),
+        ]
+        for local, rem, exc, text in refused:
+            with pytest.raises(exc, match=re.escape(text)):
+                job.read(local, rem)
+        with pytest.raises(InvalidArgument) as e:  # past the peer's region: the peer refuses
+            job.read([0], [8])
+        assert e.value.status_code == S.LLM_PARAM_INVALID
+        bad_descriptors: list[tuple[Any, Any, str]] = [
+            ([(dst.ctypes.data, 16, 0)], [(remote.address, 16)], "list of \\(address, length\\) pairs"),
+            ([], [], "non-empty"),
+            ([(dst.ctypes.data, 16)], [(remote.address, 16), (remote.address, 16)], "differ in length"),
+            ([(dst.ctypes.data, 16)], [(remote.address, 32)], "differ in length"),
+            ([(dst.ctypes.data - 4096, 16)], [(remote.address, 16)], "outside every registered region"),
+        ]
+        for local_d, remote_d, text in bad_descriptors:
+            with pytest.raises(ValueError, match=text):
+                engine.read(peer, local_d, remote_d)
+        with pytest.raises(InvalidArgument):  # runs past the end of the local region
+            engine.read(peer, [(dst.ctypes.data + 8 * 256 - 8, 16)], [(remote.address, 16)])
+        assert np.array_equal(dst, np.full((8, 256), 9, np.uint8))  # nothing moved
+        assert np.array_equal(src, src0)
+        job.read([0], [3])  # and the transfer still works
+        assert np.array_equal(dst[0], src0[3]) and np.array_equal(dst[1:], np.full((7, 256), 9, np.uint8))

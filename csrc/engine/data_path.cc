@@ -247,6 +247,23 @@ Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
   return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
 }
 
+namespace {
+
+// Adds the range pair (local offset, remote offset, length) to a plan, merged into the last pair
+// when it continues it on both sides (consecutive blocks move as one range).
+void appendRun(TransferPlan& p, uint64_t local_offset, uint64_t remote_offset, uint64_t length) {
+  if (!p.local_runs.empty() && p.local_runs.back().offset + p.local_runs.back().length == local_offset &&
+      p.remote.runs.back().offset + p.remote.runs.back().length == remote_offset) {
+    p.local_runs.back().length += length;
+    p.remote.runs.back().length += length;
+  } else {
+    p.local_runs.push_back({local_offset, length});
+    p.remote.runs.push_back({remote_offset, length});
+  }
+}
+
+}  // namespace
+
 Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
   auto local = registry_.get(spec.local_cache_id);
   if (!local.ok()) return local.status();
@@ -327,16 +344,7 @@ Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
       if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
         return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
       }
-      uint64_t loff = static_cast<uint64_t>(lb) * stride, roff = static_cast<uint64_t>(rb) * stride;
-      // Coalesce runs that are consecutive on both sides into one range.
-      if (!p.local_runs.empty() && p.local_runs.back().offset + p.local_runs.back().length == loff &&
-          p.remote.runs.back().offset + p.remote.runs.back().length == roff) {
-        p.local_runs.back().length += stride;
-        p.remote.runs.back().length += stride;
-      } else {
-        p.local_runs.push_back({loff, stride});
-        p.remote.runs.push_back({roff, stride});
-      }
+      appendRun(p, static_cast<uint64_t>(lb) * stride, static_cast<uint64_t>(rb) * stride, stride);
     }
   }
   if (p.remote.tensors.size() > limits::kMaxRequestTensors) {
@@ -477,15 +485,7 @@ Status Engine::post(PreparedTransfer& prep, const int64_t* local, const int64_t*
     if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
       return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
     }
-    const uint64_t loff = static_cast<uint64_t>(lb) * bs, roff = (raw ? prep.remote_base : 0) + static_cast<uint64_t>(rb) * bs;
-    if (!p.local_runs.empty() && p.local_runs.back().offset + p.local_runs.back().length == loff &&
-        p.remote.runs.back().offset + p.remote.runs.back().length == roff) {
-      p.local_runs.back().length += bs;
-      p.remote.runs.back().length += bs;
-    } else {
-      p.local_runs.push_back({loff, bs});
-      p.remote.runs.push_back({roff, bs});
-    }
+    appendRun(p, static_cast<uint64_t>(lb) * bs, (raw ? prep.remote_base : 0) + static_cast<uint64_t>(rb) * bs, bs);
   }
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
