@@ -22,7 +22,7 @@ TAG_BYTES = 16
 HELLO_SAME_HOST, HELLO_PAYLOAD_INTEGRITY = 1, 2
 AUTH_PAYLOAD_INTEGRITY = 1
 
-OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE, OP_DEVICE_CHANNEL = range(1, 9)
+OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE, OP_DEVICE_CHANNEL, OP_NOTIFY = range(1, 10)
 FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED = 1, 2, 4
 KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW = range(1, 6)
 ANY = 2**64 - 1
@@ -231,6 +231,11 @@ def counted_body(tensor_count: int, run_count: int, tensor_bytes: bytes = b"", r
     """A body whose counts say one thing and whose bytes may say another (for bounds tests)."""
     return (body_header(model=model) + struct.pack("<I", tensor_count) + tensor_bytes + struct.pack("<I", run_count)
             + run_bytes)
+
+
+def notify_body(name: bytes, message: bytes) -> bytes:
+    """A kNotify body: u32 name length, the name, the message."""
+    return struct.pack("<I", len(name)) + name + message
 
 
 def response(status: int = 0, message: bytes = b"", payload: bytes = b"", payload_len: int | None = None) -> bytes:

@@ -1,8 +1,8 @@
 """pdlink's own engine API (``pdlink.Engine``, docs/native_api.md) between two processes, on every
 backend and data path: descriptor lists, prepared transfers by key and by address, async calls,
-and what happens when memory goes away under a prepared transfer. Every transfer checks the whole
-destination (moved bytes equal the source, everything else and the guards unchanged) and the
-source unchanged."""
+notifications and their limits, and what happens when memory goes away under a prepared
+transfer. Every transfer checks the whole destination (moved bytes equal the source, everything
+else and the guards unchanged) and the source unchanged."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+import internals
 from backend_env import Variant
-from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotFound
+from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotFound, Notification, TransferTimeout
 from peer import Peer
 from peers import native
 from poll import hang_guard
@@ -21,6 +22,7 @@ from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
 TARGET, INITIATOR = 1, 2
 ROWS, ROW = 8, 256  # every region: 8 blocks of 256 bytes
 TIMEOUT_MS = 3000  # both engines' transfer timeout (tests/peers/native.py start)
+LIMITS = internals.core.LIMITS
 
 
 class Two:
@@ -170,6 +172,73 @@ def test_a_frozen_peer_gives_a_timeout(two: Two) -> None:
     assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
     assert isinstance(e.value, TimeoutError)
     assert_same(two.initiator.call(native.snapshot, "dst"), dst0, "destination after a timed-out read")
+
+
+def test_a_notification_sent_after_a_write_finds_the_bytes_in_place(two: Two) -> None:
+    """The target watches for a notification and snapshots its region the moment one is visible:
+    the initiator's write, completed before it notified, is all there (on every data path)."""
+    sink0, dst0 = two.target.call(native.snapshot, "sink"), two.initiator.call(native.snapshot, "dst")
+    two.target.call(native.watch, "sink")
+    descs = [(0, 256, 512), (1024, 1792, 256)]  # (dst offset, sink offset, length)
+    two.initiator.call(native.descriptors, TARGET, "dst", [(d, n) for d, _, n in descs],
+                       [(two.sink + t, n) for _, t, n in descs], "write")
+    two.initiator.call(native.notify, TARGET, b"kv ready\x00\xff", "req-17")
+    got, seen = two.target.call(native.watched)
+    assert got == [Notification(INITIATOR, b"req-17", b"kv ready\x00\xff")]
+    assert_same(seen, copies(descs)(sink0, dst0), "the target's region when the notification arrived")
+    assert two.target.call(native.notifications) == []  # taken: a second call gets only newer ones
+    # the other way too (links are symmetric), several in order, text sent as UTF-8
+    for i in range(3):
+        two.target.call(native.notify, INITIATOR, f"décodé {i}")
+    assert two.initiator.call(native.notifications) == [
+        Notification(TARGET, b"", f"décodé {i}".encode()) for i in range(3)]
+
+
+def test_notifications_past_the_receivers_limits_are_refused_and_nothing_is_dropped(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """Limits.max_notifications_per_link (2 here) unread from one peer, then LLM_LINK_BUSY; once the
+    receiver took them, more are accepted. max_notification_bytes (40 here) bounds the bytes
+    unread. Oversized fields are the caller's error and cost nothing."""
+    target, initiator = peers("target", env=variant.env()), peers("initiator", env=variant.env())
+    port = target.call(native.start, TARGET, listen=True,
+                       limits={"max_notifications_per_link": 2, "max_notification_bytes": 40})
+    initiator.call(native.start, INITIATOR)
+    initiator.call(native.connect, port, TARGET)
+    initiator.call(native.notify, TARGET, b"one")
+    initiator.call(native.notify, TARGET, b"two")
+    with pytest.raises(LinkError) as e:
+        initiator.call(native.notify, TARGET, b"three")
+    assert e.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+    assert "retry after it took them" in str(e.value)
+    assert target.call(native.stats)["notifications_refused"] == 1
+    assert [n.message for n in target.call(native.notifications)] == [b"one", b"two"]
+    initiator.call(native.notify, TARGET, b"three")  # the link survived the refusal
+    with pytest.raises(LinkError) as e:  # 5 + 36 bytes > 40
+        initiator.call(native.notify, TARGET, b"x" * 32, b"four")
+    assert e.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+    assert [n.message for n in target.call(native.notifications)] == [b"three"]
+    for name, message in [(b"n" * (LIMITS["max_notify_name_bytes"] + 1), b""),
+                          (b"", b"m" * (LIMITS["max_notify_message_bytes"] + 1))]:
+        with pytest.raises(InvalidArgument) as bad:
+            initiator.call(native.notify, TARGET, message, name)
+        assert bad.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(TypeError):
+        initiator.call(native.notify, TARGET, 17)
+    with pytest.raises(LinkError) as e:
+        initiator.call(native.notify, 99, b"nobody")
+    assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+    assert target.call(native.stats)["notifications"] == 0
+    initiator.call(native.notify, TARGET, b"m" * 40)  # at the byte limit: accepted
+    assert [len(n.message) for n in target.call(native.notifications)] == [40]
+
+
+def test_a_frozen_peer_gives_a_notification_timeout(two: Two) -> None:
+    two.target.freeze()
+    with pytest.raises(TransferTimeout) as e:
+        two.initiator.call_within(hang_guard(TIMEOUT_MS), native.notify, TARGET, b"anyone?")
+    two.target.thaw()
+    assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert isinstance(e.value, TimeoutError)
 
 
 def test_connect_to_nothing_is_a_connection_error(peers: Callable[..., Peer], variant: Variant) -> None:

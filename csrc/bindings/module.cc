@@ -165,12 +165,21 @@ void bindTypes(py::module_& m) {
       .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
       .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
       .def_readwrite("handshake_timeout_ms", &EngineLimits::handshake_timeout_ms)
+      .def_readwrite("max_notifications_per_link", &EngineLimits::max_notifications_per_link)
+      .def_readwrite("max_notification_bytes", &EngineLimits::max_notification_bytes)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) + ", max_handshakes=" +
                std::to_string(l.max_handshakes) + ", max_handshakes_per_source=" +
                std::to_string(l.max_handshakes_per_source) + ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
-               ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) + ")";
+               ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) +
+               ", max_notifications_per_link=" + std::to_string(l.max_notifications_per_link) +
+               ", max_notification_bytes=" + std::to_string(l.max_notification_bytes) + ")";
       });
+  // Received notifications (Engine::takeNotifications): name and message are the bytes sent.
+  py::class_<Notification>(m, "Notification")
+      .def_readonly("peer", &Notification::peer)
+      .def_property_readonly("name", [](const Notification& n) { return py::bytes(n.name); })
+      .def_property_readonly("message", [](const Notification& n) { return py::bytes(n.message); });
   py::class_<PoolConfig>(m, "PoolConfig")
       .def(py::init([](uint64_t bytes, uint32_t page_shift) { return PoolConfig{bytes, page_shift}; }),
            py::arg("bytes") = 0, py::arg("page_shift") = PoolConfig{}.page_shift)
@@ -278,6 +287,8 @@ PYBIND11_MODULE(_core, m) {
     limits["read_chunk_bytes"] = limits::kReadChunkBytes;
     limits["payload_chunk_bytes"] = limits::kPayloadChunkBytes;
     limits["link_log_entries"] = limits::kLinkLogEntries;
+    limits["max_notify_name_bytes"] = limits::kMaxNotifyNameBytes;
+    limits["max_notify_message_bytes"] = limits::kMaxNotifyMessageBytes;
     m.attr("LIMITS") = limits;
   }
   bindTypes(m);
@@ -375,7 +386,7 @@ PYBIND11_MODULE(_core, m) {
           [](Engine& e, const EngineConfig& c) {
             const EngineLimits& l = c.limits;
             if (l.max_links == 0 || l.max_handshakes == 0 || l.max_handshakes_per_source == 0 || l.pin_timeout_ms < 0 ||
-                l.handshake_timeout_ms <= 0) {
+                l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
             throwIfError(e.initialize(c), "init");
@@ -400,6 +411,8 @@ PYBIND11_MODULE(_core, m) {
              d["handshakes_refused"] = s.handshakes_refused;
              d["listener_backoffs"] = s.listener_backoffs;
              d["pins_expired"] = s.pins_expired;
+             d["notifications"] = s.notifications;
+             d["notifications_refused"] = s.notifications_refused;
              return d;
            })
       .def("pools",
@@ -443,6 +456,13 @@ PYBIND11_MODULE(_core, m) {
             throwIfError(e.ping(cluster_id, timeout_ms), op.c_str());
           },
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "notify",
+          [](Engine& e, uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms,
+             const std::string& op) { throwIfError(e.notify(cluster_id, name, message, timeout_ms), op.c_str()); },
+          py::arg("cluster_id"), py::arg("name"), py::arg("message"), py::arg("timeout_ms"), py::arg("op"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("take_notifications", &Engine::takeNotifications)
       .def(
           "start_comm_listener",
           [](Engine& e, const std::string& ip, uint16_t port) {

@@ -35,6 +35,10 @@ constexpr size_t kPayloadChunkBytes = 256u << 10;
 // The engine remembers this many of the latest link installations (Engine::linkedSince), so that
 // a status poll learns of a link that came and went between two polls.
 constexpr size_t kLinkLogEntries = 1024;
+// A notification (Engine::notify, wire::NotifyBody): its name and its message. Both sides refuse
+// longer ones; how many a receiver keeps unread is an engine limit (EngineLimits).
+constexpr uint32_t kMaxNotifyNameBytes = 4u << 10;
+constexpr uint32_t kMaxNotifyMessageBytes = 64u << 10;
 // An AF_UNIX abstract socket name offered for a same-host link (sun_path minus the leading NUL).
 constexpr size_t kUnixNameBytes = 64;
 

@@ -65,6 +65,9 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
     return Status(Code::kLinkFailed, "oversized device channel request");
   }
+  if (h.op == wire::Op::kNotify && h.body_len > wire::kMaxNotifyBodyBytes) {
+    return Status(Code::kLinkFailed, "oversized notification");
+  }
   if (h.op == wire::Op::kRead && h.payload_len != 0) return Status(Code::kLinkFailed, "a payload on a read");
   return Status::OK();
 }
@@ -131,6 +134,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
 
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
   if (h.op == wire::Op::kDeviceChannel) return serveDeviceChannel(link, s, body, deadline);
+  if (h.op == wire::Op::kNotify) return serveNotify(*link, s, body, deadline);
   if (h.op == wire::Op::kUnlink) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -138,6 +138,10 @@ void Engine::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
   pending_.clear();
   registry_.clear();
+  {
+    std::lock_guard<std::mutex> inbox(notify_mu_);  // unread notifications go with the links
+    inbox_ = Inbox{};
+  }
   device_pool_.reset();
   host_pool_.reset();
   initialized_ = false;
@@ -182,6 +186,11 @@ EngineStats Engine::stats() const {
   }
   s.handshakes_refused = handshakes_refused_.load();
   s.pins_expired = pins_expired_.load();
+  {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    s.notifications = inbox_.queue.size();
+    s.notifications_refused = inbox_.refused;
+  }
   {
     std::lock_guard<std::mutex> lock(threads_->mu);
     s.threads = threads_->running;

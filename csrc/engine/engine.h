@@ -70,6 +70,11 @@ struct EngineLimits {
   // How long an incoming connection may take over its handshake (hello to authentication) before
   // it is dropped and its slot and thread are freed.
   int64_t handshake_timeout_ms = 5000;
+  // Notifications received and not yet taken (Engine::takeNotifications): at most this many from
+  // one peer (hixl's 4096 per link), and at most this many bytes of names and messages from all of
+  // them. A notification past either bound is refused with kLinkBusy; nothing is dropped.
+  uint32_t max_notifications_per_link = 4096;
+  uint64_t max_notification_bytes = uint64_t{16} << 20;
 };
 
 struct EngineConfig {
@@ -119,6 +124,15 @@ struct EngineStats {
   uint64_t handshakes_refused = 0;  // connections dropped for want of a handshake slot
   uint64_t listener_backoffs = 0;   // times a listener paused for want of descriptors
   uint64_t pins_expired = 0;        // pins released before the peer's next frame
+  size_t notifications = 0;         // notifications received and not yet taken
+  uint64_t notifications_refused = 0;  // notifications refused because a queue bound was reached
+};
+
+// A notification a peer sent (Engine::notify): its cluster id and the bytes it sent.
+struct Notification {
+  uint64_t peer = 0;
+  std::string name;
+  std::string message;
 };
 
 // A pull or push, described from the caller's side. The engine turns it into byte runs (coalescing
@@ -211,6 +225,17 @@ class Engine {
   uint64_t linkedSince(uint64_t after, std::vector<uint64_t>* peers) const;
   // One round trip on the link (check_link_status). kNotYetLink / kLinkFailed / kTimeout.
   Status ping(uint64_t cluster_id, int64_t timeout_ms);
+  // Sends a notification (a name and a message, both bytes, at most limits::kMaxNotifyNameBytes and
+  // kMaxNotifyMessageBytes, else kParamInvalid) over this side's link to the peer and waits for its
+  // acknowledgement, within timeout_ms: OK once the peer queued it. kLinkBusy when the peer holds
+  // as many unread notifications as its limits allow (EngineLimits): retry after it took them.
+  // Otherwise as ping (kNotYetLink, kLinkFailed, kTimeout). It travels on the link's request
+  // channel behind every transfer this side already completed on that link, so a notification sent
+  // after a write returned arrives after the written bytes are in place.
+  Status notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms);
+  // Takes every notification received and not yet taken, in arrival order (per peer, the order it
+  // sent them), leaving none. Thread-safe; never blocks on a link.
+  std::vector<Notification> takeNotifications();
   // A second listener, the rendezvous endpoint of two-sided link() calls; idempotent for the same
   // address. Returns the bound port.
   Result<uint16_t> startCommListener(const std::string& ip, uint16_t port);
@@ -341,6 +366,9 @@ class Engine {
   std::vector<Segment> preparedRegions() const;
   Status serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
                             Deadline deadline);
+  // A kNotify frame: queued within the limits and acknowledged (a refusal keeps the link); a
+  // malformed body drops the link.
+  Status serveNotify(const Link& link, Stream& s, const std::string& body, Deadline deadline);
   // Starts an engine thread (detached; finalize waits for every one). Throws std::system_error when
   // the system has no thread to give.
   void spawn(std::function<void()> fn);
@@ -400,6 +428,16 @@ class Engine {
   Slots slots_;  // guarded by mu_
   std::atomic<uint64_t> handshakes_refused_{0};
   std::atomic<uint64_t> pins_expired_{0};
+
+  // Notifications received and not yet taken, with what the limits count. notify_mu_ is a leaf.
+  struct Inbox {
+    std::deque<Notification> queue;
+    std::map<uint64_t, size_t> per_peer;  // unread notifications from each peer
+    uint64_t bytes = 0;                   // of their names and messages
+    uint64_t refused = 0;
+  };
+  mutable std::mutex notify_mu_;
+  Inbox inbox_;  // guarded by notify_mu_
 
   struct Threads {
     std::mutex mu;

@@ -49,7 +49,8 @@ enum Mode : uint8_t {
   kModeDirectAnswer = 9, // u16 expected pieces, then a DirectAnswer (a requester reads it)
   kModeAddresses = 10,   // u16 expected count, then an address list (a requester reads it)
   kModeIpcAnswer = 11,   // u8 tensors, u8 runs, runs (2 x u16), then an IpcAnswer: the requester's check
-  kModeCount = 12,
+  kModeNotify = 12,      // NotifyBody (the serving side reads it)
+  kModeCount = 13,
 };
 
 // kModeServe: the first byte's bit 0 says whether the link is same-host (proven); then steps, each

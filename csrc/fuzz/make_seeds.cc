@@ -51,6 +51,12 @@ std::string frame(wire::Op op, const wire::TransferBody& b, uint8_t flags = 0) {
          std::string(static_cast<size_t>(h.payload_len), '\x22');
 }
 
+std::string notifyFrame(const wire::NotifyBody& b) {
+  std::string encoded = wire::encode(b);
+  return std::string(1, static_cast<char>(kStepFrame)) +
+         wire::encode(wire::RequestHeader{wire::Op::kNotify, static_cast<uint32_t>(encoded.size()), 0}) + encoded;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -135,6 +141,8 @@ int main(int argc, char** argv) {
   seed("ipc-answer", kModeIpcAnswer,
        std::string("\x01\x01\x10\x00\x1f\x00\x40\x00\x0f\x00", 10) + wire::encode(ipc));
 
+  seed("notify", kModeNotify, wire::encode(wire::NotifyBody{"req-1", "kv ready"}));
+
   // Transfer bodies that the fixture accepts, one per target kind.
   using K = wire::TargetKind;
   wire::TransferBody blocks = body(K::kBlocks, {0, 2}, {{32, 64}, {160, 32}});
@@ -160,7 +168,7 @@ int main(int argc, char** argv) {
   seed("body-raw", kModeBody, wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}})));
 
   // A session through the serving loop: read and commit by key (which frees the pooled slot's key),
-  // a direct read, device flags, a describe, a write, local removals, and reads after them. Served
+  // a direct read, device flags, a describe, a write, a notification, local removals, and reads after them. Served
   // on a link that is not same-host (first byte 0: the direct read and describe must be refused)
   // and on one that is (1).
   std::string s;
@@ -172,6 +180,7 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, blocks, wire::kFlagDevice | wire::kFlagOneSided);      // HCCL one-sided
   s += frame(wire::Op::kDescribe, blocks7);
   s += frame(wire::Op::kWrite, reqkey);
+  s += notifyFrame(wire::NotifyBody{"req-11", "written"});
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
   s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};
   s += std::string{static_cast<char>(kStepUnregister), 1};

@@ -15,6 +15,7 @@
 //  * the serving loop, on a link that is not same-host, never sends an address of the caches (no
 //    8-byte window of its output lies inside a registered tensor), and never changes a cache that
 //    is not remote accessible;
+//  * notifications a peer queues stay within the engine's limit;
 //  * an IPC answer the requester accepts leads only to copies inside the spans the server exported.
 // A violation prints what was wrong and aborts, so libFuzzer keeps the input.
 //
@@ -129,6 +130,14 @@ void fuzzDescriptor(const uint8_t* p, size_t n) {
   FUZZ_CHECK(!d.addrs.empty() && d.addrs.size() <= limits::kMaxRequestTensors && d.stride > 0 &&
              d.stride <= d.tensor_size && n <= wire::kMaxDescriptorBytes);
   std::string e = wire::encode(d);
+  FUZZ_CHECK(e.size() == n && prefixIs(e, p, n));  // the decoder takes exactly its bytes
+}
+
+void fuzzNotify(const uint8_t* p, size_t n) {
+  wire::NotifyBody b;
+  if (!wire::decode(p, n, &b).ok()) return;
+  FUZZ_CHECK(b.name.size() <= limits::kMaxNotifyNameBytes && b.message.size() <= limits::kMaxNotifyMessageBytes);
+  std::string e = wire::encode(b);
   FUZZ_CHECK(e.size() == n && prefixIs(e, p, n));  // the decoder takes exactly its bytes
 }
 
@@ -351,6 +360,7 @@ void fuzzServe(const uint8_t* p, size_t n) {
     if (!same_host) checkNoAddresses(fx, in.output(), input);
     stream.clear();
     FUZZ_CHECK(protectedBytes(fx) == before);
+    FUZZ_CHECK(fx.engine.stats().notifications <= EngineLimits{}.max_notifications_per_link);
   };
   auto id = [](uint8_t v) { return static_cast<int64_t>(v % 7); };  // 0 and 6 name no cache
   size_t i = 1;
@@ -405,6 +415,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case kModeDirectAnswer: fuzzDirectAnswer(p, n); break;
     case kModeAddresses: fuzzAddresses(p, n); break;
     case kModeIpcAnswer: fuzzIpcAnswer(p, n); break;
+    case kModeNotify: fuzzNotify(p, n); break;
   }
   return 0;
 }

@@ -3,6 +3,7 @@
 //     unknown-op or unknown-flag frame, a count past its limit or past the bytes that are there,
 //     and an answer of the wrong size are refused with kLinkFailed, before anything is allocated
 //     for them;
+//     (notification bodies too: NUL bytes kept, each field at and one past its limit);
 //   - the registry (engine/registry.h): ids, key binding that changes nothing when refused,
 //     resolve of every target kind against its bounds with the exact code, the write check, raw
 //     addresses inside one tensor only, describe and its generation, unregister, and the reference
@@ -82,6 +83,33 @@ void responseHeaderCases() {
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: an unknown status code");
   f = wire::encode(wire::ResponseHeader{1, wire::kMaxMessageBytes + 1, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: text past the limit");
+}
+
+void notifyBodyCases() {
+  wire::NotifyBody b{"req-7", std::string("done\0with a NUL", 15)};
+  std::string f = wire::encode(b);
+  wire::NotifyBody got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "notify body: round trip");
+  check(got.name == b.name && got.message == b.message, "notify body: fields round-trip (bytes, NUL included)");
+  for (size_t n = 0; n < 4 + b.name.size(); ++n) {  // a short count, or a name cut short
+    if (wire::decode(bytes(f), n, &got).code() != Code::kLinkFailed) {
+      check(false, "notify body: truncated to " + std::to_string(n) + " bytes is refused");
+      break;
+    }
+  }
+  checkCode(wire::decode(bytes(f), 4 + b.name.size(), &got), Code::kSuccess, "notify body: an empty message");
+  check(got.name == b.name && got.message.empty(), "notify body: the empty message");
+  const std::string name_max(limits::kMaxNotifyNameBytes, 'n'), message_max(limits::kMaxNotifyMessageBytes, 'm');
+  f = wire::encode(wire::NotifyBody{name_max, message_max});
+  check(f.size() == wire::kMaxNotifyBodyBytes, "notify body: the largest is kMaxNotifyBodyBytes");
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "notify body: both fields at their limit");
+  f = wire::encode(wire::NotifyBody{name_max + "n", ""});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "notify body: a name one past its limit");
+  f = wire::encode(wire::NotifyBody{"", message_max + "m"});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "notify body: a message one past its limit");
+  f = wire::encode(wire::NotifyBody{"abc", ""});
+  f[0] = 4;  // a name longer than the bytes that follow
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "notify body: a count past the bytes");
 }
 
 wire::TransferBody body(wire::TargetKind kind, std::vector<uint32_t> tensors, std::vector<wire::Run> runs) {
@@ -450,6 +478,7 @@ int main() {
   requestHeaderCases();
   responseHeaderCases();
   transferBodyCases();
+  notifyBodyCases();
   descriptorAndAnswerCases();
   registryCases();
   poolLifetimeCases();

@@ -380,4 +380,25 @@ Status decode(const uint8_t* p, size_t n, uint64_t expected_tensors, IpcAnswer* 
   return Status::OK();
 }
 
+std::string encode(const NotifyBody& b) {
+  Writer w;
+  w.put(static_cast<uint32_t>(b.name.size()));
+  w.bytes(b.name);
+  w.bytes(b.message);
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, NotifyBody* out) {
+  Reader r(p, n);
+  uint32_t name_len = 0;
+  if (!r.get(&name_len) || name_len > limits::kMaxNotifyNameBytes || name_len > r.left() ||
+      r.left() - name_len > limits::kMaxNotifyMessageBytes) {
+    return malformed("notification");
+  }
+  const char* c = reinterpret_cast<const char*>(p) + 4;
+  out->name.assign(c, name_len);
+  out->message.assign(c + name_len, n - 4 - name_len);
+  return Status::OK();
+}
+
 }  // namespace pdlink::wire

@@ -148,8 +148,9 @@ enum class Op : uint8_t {
   kDescribe = 6,  // a kBlocks target's layout for direct reads (same-host) -> Response + CacheDescriptor
   kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
   kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
+  kNotify = 9,         // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
 };
-constexpr uint8_t kMaxOp = 8;
+constexpr uint8_t kMaxOp = 9;
 
 // kRead/kWrite with kFlagDirect (same-host links only): the server checks the access as usual but
 // answers with a DirectAnswer (the absolute address of every piece, and its pin epoch) instead of
@@ -277,5 +278,16 @@ struct IpcAnswer {
 constexpr size_t kIpcEntryBytes = limits::kIpcKeyBytes + 8;
 std::string encode(const IpcAnswer& a);
 Status decode(const uint8_t* p, size_t n, uint64_t expected_tensors, IpcAnswer* out);
+
+// kNotify body: u32 name length, the name, then the message (the rest of the body). The name is at
+// most limits::kMaxNotifyNameBytes, the message limits::kMaxNotifyMessageBytes; both are bytes.
+struct NotifyBody {
+  std::string name;
+  std::string message;
+};
+constexpr uint32_t kMaxNotifyBodyBytes = 4 + limits::kMaxNotifyNameBytes + limits::kMaxNotifyMessageBytes;
+std::string encode(const NotifyBody& b);
+// kLinkFailed for a short body or a field past its bound.
+Status decode(const uint8_t* p, size_t n, NotifyBody* out);
 
 }  // namespace pdlink::wire

@@ -42,7 +42,8 @@ from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, llm_exception
 
 __all__ = [
-    "Engine", "EngineOptions", "Limits", "LinkInfo", "Pending", "PreparedTransfer", "Region", "RemoteRegion",
+    "Engine", "EngineOptions", "Limits", "LinkInfo", "Notification", "Pending", "PreparedTransfer", "Region",
+    "RemoteRegion",
 ]
 
 T = TypeVar("T")
@@ -60,6 +61,8 @@ class Limits:
     max_handshakes_per_source: int | None = None
     pin_timeout_ms: int | None = None
     handshake_timeout_ms: int | None = None
+    max_notifications_per_link: int | None = None
+    max_notification_bytes: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -146,6 +149,16 @@ class RemoteRegion:
     block_size: int
     address: int = 0
     key: int | None = None
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A notification a peer sent with ``Engine.notify``: its cluster id, then the name and the
+    message exactly as sent (bytes)."""
+
+    peer: int
+    name: bytes
+    message: bytes
 
 
 @dataclass(frozen=True)
@@ -376,6 +389,28 @@ class Engine:
         """One round trip to ``peer``; raises when it does not answer in time."""
         self._native.ping(peer, self.options.timeout_ms if timeout_ms is None else timeout_ms, "ping")
 
+    def notify(self, peer: int, message: bytes | str, *, name: bytes | str = b"",
+               timeout_ms: int | None = None) -> None:
+        """Sends ``message`` (and ``name``; bytes, or text sent as UTF-8) to ``peer`` and returns
+        once the peer queued it. It follows every transfer this engine completed on the link, so a
+        notification sent after ``write`` returned reaches the peer after the written bytes.
+
+        Raises ``InvalidArgument`` for a name over ``LIMITS["max_notify_name_bytes"]`` or a message
+        over ``LIMITS["max_notify_message_bytes"]``; ``LinkError`` with ``LLM_LINK_BUSY`` when the
+        peer holds as many unread notifications as its limits allow (``Limits.
+        max_notifications_per_link``, ``max_notification_bytes``: retry after it took them);
+        otherwise as ``ping``."""
+        self._native.notify(peer, _notify_bytes(name, "name"), _notify_bytes(message, "message"),
+                            self.options.timeout_ms if timeout_ms is None else timeout_ms, "notify")
+
+    def notify_async(self, peer: int, message: bytes | str, **kwargs: Any) -> Pending:
+        return self._submit(self.notify, peer, message, **kwargs)
+
+    def notifications(self) -> list[Notification]:
+        """Takes every notification peers sent to this engine and nobody took yet, in arrival order
+        (each peer's in the order it sent them); a second call returns only newer ones."""
+        return [Notification(n.peer, n.name, n.message) for n in self._native.take_notifications()]
+
     def connect_async(self, address: str, **kwargs: Any) -> Pending:
         return self._submit(self.connect, address, **kwargs)
 
@@ -441,6 +476,14 @@ class Engine:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.options.async_workers,
                                                                    thread_name_prefix="pdlink-async")
             return Pending(self._pool.submit(fn, *args, **kwargs))
+
+
+def _notify_bytes(value: bytes | str, what: str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"a notification's {what} must be bytes or str, got {type(value).__name__}")
 
 
 def _split_address(address: str) -> tuple[str, int]:

@@ -1,5 +1,5 @@
 """Bounded resources: every resource a peer can make an engine spend (links, handshakes, threads,
-descriptors, lock time, pins) has a bound, an init option and a default; dead links are reaped;
+descriptors, lock time, pins, notifications) has a bound, an init option and a default; dead links are reaped;
 nobody takes over another peer's cluster id. The attackers are plain socket programs on
 127.0.0.2 (tests/peers/hostile.py); the victim is the prefill of a pair whose honest decoder must
 keep pulling byte-exact within its timeout throughout. Resource counts are polled, never timed.
@@ -50,7 +50,8 @@ def unix_name(peers: Callable[..., Peer], pair: Pair) -> str | None:
 def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
     limits = internals.core.EngineLimits()
     assert (limits.max_links, limits.max_handshakes, limits.max_handshakes_per_source, limits.pin_timeout_ms,
-            limits.handshake_timeout_ms) == (512, 64, 8, 0, 5000)
+            limits.handshake_timeout_ms, limits.max_notifications_per_link,
+            limits.max_notification_bytes) == (512, 64, 8, 0, 5000, 4096, 16 << 20)
 
 
 @pytest.mark.parametrize("option", sorted(internals.LIMIT_OPTIONS))
@@ -179,6 +180,40 @@ def test_max_links_refuses_newcomers_and_frees_with_them(peers: Callable[..., Pe
     a.call(hostile.close_all)
     wait_until(lambda: stat(pair.prefill, "live_links") == 1, 20, "the attacker's links reaped")
     assert peers("attacker3").call(hostile.link_raw, pair.port, 121, b"", unix) == (0, "")
+
+
+def test_notifications_a_peer_floods_are_bounded_per_link_and_in_bytes(peers: Callable[..., Peer],
+                                                                     make_pair: Callable[..., Pair]) -> None:
+    """pdlink.MaxNotificationsPerLink (3 here) unread notifications from one link, then LLM_LINK_BUSY
+    for each further one, the link intact; a second link has its own count, and
+    pdlink.MaxNotificationBytes (64 here) bounds them all. A notification that is oversized or
+    malformed drops only its link. The honest decoder pulls byte-exact throughout."""
+    pair = linked(make_pair, {"pdlink.MaxNotificationsPerLink": "3", "pdlink.MaxNotificationBytes": "64"})
+    unix = unix_name(peers, pair)
+    frame = rawwire.request(rawwire.OP_NOTIFY, rawwire.notify_body(b"n", b"0123456789"))  # 11 bytes
+    a, b = peers("attacker"), peers("attacker2")
+    assert a.call(hostile.link_raw, pair.port, 9, b"", unix) == (0, "")
+    assert [a.call(hostile.exchange, frame)[0] for _ in range(5)] == [0, 0, 0, S.LLM_LINK_BUSY, S.LLM_LINK_BUSY]
+    assert b.call(hostile.link_raw, pair.port, 10, b"", unix) == (0, "")
+    assert [b.call(hostile.exchange, frame)[0] for _ in range(3)] == [0, 0, S.LLM_LINK_BUSY]  # 55, then 66 > 64
+    assert (stat(pair.prefill, "notifications"), stat(pair.prefill, "notifications_refused")) == (5, 3)
+    pair.pulled([1])
+    limits = internals.core.LIMITS
+    bad = {
+        "a body announced past the bound": struct.pack(
+            "<IBBHIQ", rawwire.REQUEST_MAGIC, rawwire.OP_NOTIFY, 0, 0,
+            4 + limits["max_notify_name_bytes"] + limits["max_notify_message_bytes"] + 1, 0),
+        "a message one past its limit": rawwire.request(
+            rawwire.OP_NOTIFY, rawwire.notify_body(b"", b"m" * (limits["max_notify_message_bytes"] + 1))),
+        "a name longer than the body": rawwire.request(rawwire.OP_NOTIFY, struct.pack("<I", 100) + b"x"),
+        "a payload": rawwire.request(rawwire.OP_NOTIFY, rawwire.notify_body(b"n", b""), payload_len=8),
+    }
+    for i, (what, frame) in enumerate(bad.items()):
+        assert a.call(hostile.link_raw, pair.port, 20 + i, b"", unix) == (0, ""), what
+        assert a.call(hostile.exchange, frame) == "closed", what
+        a.call(hostile.close)
+    assert stat(pair.prefill, "notifications") == 5  # nothing of them was queued
+    pair.pulled([2])
 
 
 def test_a_raw_read_of_many_runs_does_not_stall_an_honest_pull(peers: Callable[..., Peer],

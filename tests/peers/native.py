@@ -17,6 +17,7 @@ device backend, regions are DEVICE memory.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 
 import pdlink
 from peers.memory import GuardedTensors, device_memory_is_remote
+from poll import wait_until
 from verify import Snapshot
 
 
@@ -42,10 +44,11 @@ def _engine() -> pdlink.Engine:
     return engine
 
 
-def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000) -> int:
-    """Starts this peer's engine; returns its listen port (0 when not listening)."""
+def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits: dict[str, int] | None = None) -> int:
+    """Starts this peer's engine (``limits``: ``pdlink.Limits`` fields); returns its listen port (0
+    when not listening)."""
     options = pdlink.EngineOptions(cluster_id=cluster_id, listen="127.0.0.1:0" if listen else None,
-                                   timeout_ms=timeout_ms)
+                                   timeout_ms=timeout_ms, limits=pdlink.Limits(**(limits or {})))
     _state["engine"] = pdlink.Engine(options)
     return _state["engine"].listen_port
 
@@ -118,6 +121,36 @@ def wait(tag: str) -> tuple[str, str | None, int | None]:
         pass
     error = pending.error()
     return pending.status(), type(error).__name__ if error else None, getattr(error, "status_code", None)
+
+
+def notify(peer: int, message: bytes | str, name: bytes | str = b"") -> None:
+    _engine().notify(peer, message, name=name)
+
+
+def notifications() -> list[pdlink.Notification]:
+    return _engine().notifications()
+
+
+def stats() -> dict[str, int]:
+    return _engine().stats()
+
+
+def watch(name: str) -> None:
+    """Starts a thread that takes notifications until one arrives and, at once, snapshots region
+    ``name``: what was in place when the notification became visible (``watched``)."""
+    def run() -> None:
+        got = wait_until(_engine().notifications, 30, "a notification")
+        _state["watched"] = (got, snapshot(name))
+
+    _state["watched"] = None
+    _state["watcher"] = threading.Thread(target=run, daemon=True)
+    _state["watcher"].start()
+
+
+def watched() -> tuple[list[pdlink.Notification], Snapshot]:
+    _state["watcher"].join(40)
+    assert _state["watched"] is not None, "the watcher saw no notification"
+    return _state["watched"]
 
 
 def close() -> None:

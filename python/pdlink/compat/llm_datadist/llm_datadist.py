@@ -77,6 +77,8 @@ LIMIT_OPTIONS = {
     "pdlink.MaxHandshakesPerSource": ("PDLINK_MAX_HANDSHAKES_PER_SOURCE", "max_handshakes_per_source"),
     "pdlink.PinTimeoutMs": ("PDLINK_PIN_TIMEOUT_MS", "pin_timeout_ms"),
     "pdlink.HandshakeTimeoutMs": ("PDLINK_HANDSHAKE_TIMEOUT_MS", "handshake_timeout_ms"),
+    "pdlink.MaxNotificationsPerLink": ("PDLINK_MAX_NOTIFICATIONS_PER_LINK", "max_notifications_per_link"),
+    "pdlink.MaxNotificationBytes": ("PDLINK_MAX_NOTIFICATION_BYTES", "max_notification_bytes"),
 }
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
