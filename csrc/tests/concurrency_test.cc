@@ -14,9 +14,11 @@
 //             to the pool after the transfer, never during it;
 //           - 1 thread on P registers and unregisters a prefix-keyed cache over and over while 1
 //             thread on D pulls by that key (LLM_SUCCESS or LLM_KV_CACHE_NOT_EXIST only);
-//           - 1 thread runs a third engine E (cluster 3) that links to P, pulls, pings and unlinks
-//             (force and non-force in turn), while D re-links (LLM_ALREADY_LINK) and lists links.
-//           At the end P holds no keyed cache, and every count adds up.
+//           - 1 thread runs a third engine E (cluster 3) that links to P, pulls, pings, notifies
+//             and unlinks (force and non-force in turn), while D re-links (LLM_ALREADY_LINK) and
+//             lists links, and 1 thread on P takes the notifications as they come.
+//           At the end P holds no keyed cache, it took every notification E sent, and every count
+//           adds up.
 //   cycles  N times (default 100): a fresh engine links to P, pulls, unlinks (force and non-force
 //           in turn) and is finalized and destroyed. Afterwards P's open descriptors, threads,
 //           links and caches are back at their starting values; LeakSanitizer checks memory at exit.
@@ -193,6 +195,7 @@ int stress(int seconds) {
 
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> pulls{0}, pushes{0}, keyed{0}, prefixed{0}, prefix_absent{0}, relinks{0};
+  std::atomic<uint64_t> notified{0}, taken{0};
   std::vector<std::thread> threads;
 
   for (int w = 0; w < 3; ++w) {  // pullers
@@ -344,6 +347,8 @@ int stress(int seconds) {
         return;
       }
       if (!expectOk(E->ping(kP, kTimeoutMs), "E pings P")) return;
+      if (!expectOk(E->notify(kP, "e", std::to_string(i), kTimeoutMs), "E notifies P")) return;
+      ++notified;
       Status again = linkTo(*D, kP, port);
       if (again.code() != Code::kAlreadyLink) fail("D re-links: expected LLM_ALREADY_LINK, got " + again.toString());
       if (D->links().size() != 1) fail("D lists " + std::to_string(D->links().size()) + " links, expected 1");
@@ -353,11 +358,25 @@ int stress(int seconds) {
     }
   });
 
+  threads.emplace_back([&] {  // P's application takes notifications while E sends them
+    while (!stop) {
+      for (const Notification& n : P->takeNotifications()) {
+        if (n.peer != kE || n.name != "e") fail("P took a notification from " + std::to_string(n.peer));
+        ++taken;
+      }
+      std::this_thread::yield();
+    }
+  });
+
   std::this_thread::sleep_for(std::chrono::seconds(seconds));
   stop = true;
   q_cv.notify_all();
   for (auto& t : threads) t.join();
 
+  taken += P->takeNotifications().size();
+  if (taken != notified) {
+    fail("P took " + std::to_string(taken.load()) + " notifications, E sent " + std::to_string(notified.load()));
+  }
   // Keys published but not pulled yet: take them, so that P ends with no keyed cache.
   Buffers local(kTensors, kSlotBytes);
   int64_t id = registerOrDie(*D, layout(kSlotBytes, 1, false), local, {}, std::nullopt, false);
@@ -374,7 +393,7 @@ int stress(int seconds) {
     fail("P holds " + std::to_string(P->cacheCount()) + " caches after the run, expected " +
          std::to_string(p_baseline) + " (a keyed cache was not released)");
   }
-  if (pulls == 0 || pushes == 0 || keyed == 0 || relinks == 0 || prefixed + prefix_absent == 0) {
+  if (pulls == 0 || pushes == 0 || keyed == 0 || relinks == 0 || notified == 0 || prefixed + prefix_absent == 0) {
     fail("some thread made no progress");
   }
   std::printf("stress: %llu block pulls, %llu push+pull rounds, %llu keyed pulls, %llu prefix pulls (%llu absent), "
