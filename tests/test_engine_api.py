@@ -89,6 +89,32 @@ def test_prepared_transfers_move_blocks_by_index(two: Two, by: str) -> None:
         native.post, "w", [0, 1, 2], [4, 5, 6], "write"), rows([(0, 4), (1, 5), (2, 6)]))
 
 
+def test_regions_of_several_tensors_move_every_tensors_blocks(two: Two) -> None:
+    """A region of 3 tensors (a KV cache's layers) published by key: a prepared post moves the
+    indexed blocks of every tensor; a descriptor into one tensor moves only there."""
+    layers = two.target.call(native.register, "layers", ROWS, ROW, seed=3, key=9, tensors=3)
+    two.initiator.call(native.register, "mine", ROWS, ROW, seed=4, tensors=3)
+    remote = two.target.call(native.remote, "layers")
+    assert (remote.tensors, remote.key) == (3, 9)
+    two.initiator.call(native.prepare, "p", TARGET, "mine", remote)
+    moves = [(2, 0), (3, 1), (7, 4)]  # (remote block, local block)
+    check_transfer(lambda: two.target.call(native.snapshot, "layers"),
+                   lambda: two.initiator.call(native.snapshot, "mine"),
+                   lambda: two.initiator.call(native.post, "p", [d for _, d in moves], [s for s, _ in moves], "read"),
+                   rows(moves))
+    # 100 bytes from the target's tensor 2 into the initiator's tensor 1 only
+    check_transfer(lambda: two.target.call(native.snapshot, "layers"),
+                   lambda: two.initiator.call(native.snapshot, "mine"),
+                   lambda: two.initiator.call(native.descriptors, TARGET, "mine", [(300, 100)],
+                                              [(layers[2] + 40, 100)], "read", 1),
+                   lambda dst0, src0: dst0.with_bytes(src0, [Copy(2, 40, 1, 300, 100)]))
+    with pytest.raises(ValueError, match="has 3 tensors, the remote one 1"):
+        two.initiator.call(native.prepare, "q", TARGET, "mine", two.target.call(native.remote, "src"))
+    by_address = type(remote)(length=remote.length, block_size=remote.block_size, address=remote.address, tensors=3)
+    with pytest.raises(ValueError, match="reached by its key"):
+        two.initiator.call(native.prepare, "q", TARGET, "mine", by_address)
+
+
 def test_async_posts_report_done_and_failed(two: Two) -> None:
     two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
 

@@ -148,6 +148,16 @@ def test_registration_is_checked() -> None:
         engine.deregister(region)
         with pytest.raises(ValueError, match="not registered here"):
             engine.deregister(region)
+        layers = [np.zeros((4, 1000), np.uint8) for _ in range(3)]  # a region of several tensors
+        region = engine.register(layers, block_size=1000)
+        assert (region.addresses, region.length, region.tensors) == (tuple(a.ctypes.data for a in layers), 4000, 3)
+        assert region.remote().tensors == 3
+        with pytest.raises(ValueError, match="one size"):
+            engine.register([np.zeros(1000, np.uint8), np.zeros(2000, np.uint8)])
+        with pytest.raises(ValueError, match="non-empty list"):
+            engine.register([])
+        with pytest.raises(ValueError, match="positive ints"):
+            engine.register(address=[buf.ctypes.data, 0], length=1000)
 
 
 @pytest.mark.parametrize(("code", "cls", "builtin"), [

@@ -124,31 +124,45 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class Region:
-    """Memory this engine registered: ``length`` bytes at ``address``. ``block_size`` divides it
-    into blocks for prepared transfers; ``key``, when set, publishes it to peers under that number
+    """Memory this engine registered: one tensor, or several (the layers of a KV cache, say) of
+    ``length`` bytes each, at ``addresses``. ``block_size`` divides each tensor into blocks for
+    prepared transfers, where block ``i`` means bytes ``[i * block_size, +block_size)`` of every
+    tensor. ``key``, when set, publishes the region to peers under that number
     (``RemoteRegion(key=...)``), which lets same-host peers read it with one copy."""
 
-    address: int
+    addresses: tuple[int, ...]
     length: int
     placement: str
     block_size: int
     key: int | None
     cache_id: int
 
+    @property
+    def address(self) -> int:
+        """The first tensor's address."""
+        return self.addresses[0]
+
+    @property
+    def tensors(self) -> int:
+        return len(self.addresses)
+
     def remote(self) -> RemoteRegion:
         """What a peer needs to address this region (send it out of band; it pickles)."""
-        return RemoteRegion(address=self.address, length=self.length, block_size=self.block_size, key=self.key)
+        return RemoteRegion(address=self.address, length=self.length, block_size=self.block_size, key=self.key,
+                            tensors=self.tensors)
 
 
 @dataclass(frozen=True)
 class RemoteRegion:
     """A peer's registered memory, as the peer described it (``Region.remote()``): by ``key`` when
-    it published one, else by ``address`` and ``length``."""
+    it published one, else by ``address`` and ``length`` (one tensor). ``tensors``: how many tensors
+    of ``length`` bytes the region has."""
 
     length: int
     block_size: int
     address: int = 0
     key: int | None = None
+    tensors: int = 1
 
 
 @dataclass(frozen=True)
@@ -259,8 +273,8 @@ class Engine:
             payload_integrity=options.payload_integrity, hccl_one_sided=bool(options.hccl_one_sided),
             limits=options.limits.overrides())
         self._regions: dict[int, Region] = {}
-        self._starts = np.zeros(0, np.uint64)  # sorted region starts (descriptor lookup)
-        self._order: list[Region] = []
+        self._starts = np.zeros(0, np.uint64)  # sorted tensor starts (descriptor lookup)
+        self._order: list[tuple[int, Region, int]] = []  # (tensor start, its region, its index there)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -322,32 +336,38 @@ class Engine:
 
     # ------------------------------------------------------------------ memory
 
-    def register(self, memory: Any = None, *, address: int | None = None, length: int | None = None,
+    def register(self, memory: Any = None, *, address: int | Sequence[int] | None = None, length: int | None = None,
                  placement: str | enum.Enum = "HOST", block_size: int | None = None, key: int | None = None,
                  remote_writable: bool = True) -> Region:
         """Registers memory for transfers: an object with the buffer protocol or
-        ``__array_interface__`` (a numpy array; its whole contiguous buffer), or ``address`` and
-        ``length`` (DEVICE memory of the backend, say). ``block_size`` (default: ``length``) must
-        divide the length. ``key`` publishes the region to peers under that number (unique per
-        engine). ``remote_writable=False`` refuses peers' writes."""
+        ``__array_interface__`` (a numpy array; its whole contiguous buffer), or a list of them of
+        equal size (a region of several tensors); or ``address`` (an int, or a list of them) and
+        ``length`` per tensor (DEVICE memory of the backend, say). ``block_size`` (default:
+        ``length``) must divide the length. ``key`` publishes the region to peers under that number
+        (unique per engine). ``remote_writable=False`` refuses peers' writes."""
         if memory is not None:
             if address is not None or length is not None:
                 raise ValueError("give memory, or address and length, not both")
-            arr = np.asarray(memory)
-            if not arr.flags.c_contiguous:
-                raise ValueError("memory must be C-contiguous")
-            address, length = int(arr.ctypes.data), int(arr.nbytes)
-        if not isinstance(address, int) or address <= 0 or not isinstance(length, int) or length <= 0:
-            raise ValueError(f"address and length must be positive ints, got {address!r}, {length!r}")
+            arrays = [np.asarray(m) for m in memory] if isinstance(memory, (list, tuple)) else [np.asarray(memory)]
+            if not arrays or any(not a.flags.c_contiguous for a in arrays):
+                raise ValueError("memory must be C-contiguous (an array, or a non-empty list of arrays)")
+            if len({a.nbytes for a in arrays}) != 1:
+                raise ValueError(f"the tensors of a region must have one size, got {[a.nbytes for a in arrays]}")
+            addresses, length = [int(a.ctypes.data) for a in arrays], int(arrays[0].nbytes)
+        else:
+            addresses = list(address) if isinstance(address, (list, tuple)) else [address]  # type: ignore[list-item]
+        if (not addresses or any(not isinstance(a, int) or a <= 0 for a in addresses) or not isinstance(length, int)
+                or length <= 0):
+            raise ValueError(f"addresses and length must be positive ints, got {address!r}, {length!r}")
         block = length if block_size is None else block_size
         if not isinstance(block, int) or block <= 0 or length % block:
             raise ValueError(f"block_size must be a positive divisor of the length {length}, got {block_size!r}")
         if key is not None and (not isinstance(key, int) or not 0 <= key < 2**64 - 1):
             raise ValueError(f"key must be an int in [0, 2**64 - 1), got {key!r}")
         where = placement_of(placement)
-        layout = core().CacheLayout(1, length, length // block, True, where)
-        cache_id, _ = self._native.register_cache(layout, [address], [], key, remote_writable, "register")
-        region = Region(address, length, where.name, block, key, int(cache_id))
+        layout = core().CacheLayout(len(addresses), length, length // block, True, where)
+        cache_id, _ = self._native.register_cache(layout, addresses, [], key, remote_writable, "register")
+        region = Region(tuple(addresses), length, where.name, block, key, int(cache_id))
         with self._lock:
             self._regions[region.cache_id] = region
             self._reindex()
@@ -363,8 +383,10 @@ class Engine:
         self._native.unregister_cache(region.cache_id)
 
     def _reindex(self) -> None:
-        self._order = sorted(self._regions.values(), key=lambda r: r.address)
-        self._starts = np.array([r.address for r in self._order], np.uint64)
+        # every tensor of every region, by address: where a local descriptor lies
+        self._order = sorted(((a, r, t) for r in self._regions.values() for t, a in enumerate(r.addresses)),
+                             key=lambda e: e[0])
+        self._starts = np.array([a for a, _, _ in self._order], np.uint64)
 
     # ------------------------------------------------------------------ peers
 
@@ -440,6 +462,10 @@ class Engine:
         of ``block_size`` (default: the local region's). Nothing is sent to the peer until a post."""
         if local.cache_id not in self._regions:
             raise ValueError(f"region {local.cache_id} is not registered here")
+        if local.tensors != remote.tensors:
+            raise ValueError(f"the local region has {local.tensors} tensors, the remote one {remote.tensors}")
+        if remote.key is None and remote.tensors > 1:
+            raise ValueError("a region of several tensors is reached by its key (register it with key=...)")
         block = local.block_size if block_size is None else block_size
         c = core()
         if remote.key is not None:
@@ -463,12 +489,12 @@ class Engine:
         c = core()
         op = "write" if push else "read"
         target = c.Target(kind=c.TargetKind.RAW)
-        for w in np.unique(which):  # one native call per local region the descriptors lie in
+        for w in np.unique(which):  # one native call per local tensor the descriptors lie in
             rows = which == w
-            region = regions[int(w)]
-            spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=region.cache_id)
-            self._native.transfer_runs(spec, lo[rows, 0] - np.uint64(region.address), ro[rows, 0], lo[rows, 1],
-                                       push, op)
+            start, region, tensor = regions[int(w)]
+            spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=region.cache_id,
+                                  local_tensors=[tensor], remote_tensors=[0])
+            self._native.transfer_runs(spec, lo[rows, 0] - np.uint64(start), ro[rows, 0], lo[rows, 1], push, op)
 
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Pending:
         with self._lock:

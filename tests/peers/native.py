@@ -53,15 +53,18 @@ def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits:
     return _state["engine"].listen_port
 
 
-def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | None = None) -> int:
-    """A region of ``rows`` blocks of ``row_bytes`` in guarded memory (filled with
-    ``verify.pattern(.., seed)``, zeros for None); returns its address."""
+def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | None = None,
+             tensors: int = 1) -> int | list[int]:
+    """A region of ``tensors`` tensors of ``rows`` blocks of ``row_bytes`` in guarded memory
+    (filled with ``verify.pattern(.., seed)``, zeros for None); returns its address (one tensor)
+    or their addresses."""
     device = device_memory_is_remote()
-    memory = GuardedTensors(1, rows * row_bytes, rows, seed, device)
-    region = _engine().register(address=memory.addrs[0], length=rows * row_bytes,
-                                placement="DEVICE" if device else "HOST", block_size=row_bytes, key=key)
+    memory = GuardedTensors(tensors, rows * row_bytes, rows, seed, device)
+    region = _engine().register(address=memory.addrs[0] if tensors == 1 else list(memory.addrs),
+                                length=rows * row_bytes, placement="DEVICE" if device else "HOST",
+                                block_size=row_bytes, key=key)
     _state["regions"][name] = _Named(memory, region)
-    return region.address
+    return region.address if tensors == 1 else list(region.addresses)
 
 
 def deregister(name: str) -> None:
@@ -90,10 +93,10 @@ def links() -> list[pdlink.LinkInfo]:
 
 
 def descriptors(peer: int, name: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
-                op: str) -> None:
-    """``Engine.read`` / ``write`` of descriptor lists: ``local`` as (offset in region ``name``,
-    length), ``remote`` as (absolute address, length)."""
-    base = _state["regions"][name].region.address
+                op: str, tensor: int = 0) -> None:
+    """``Engine.read`` / ``write`` of descriptor lists: ``local`` as (offset in tensor ``tensor``
+    of region ``name``, length), ``remote`` as (absolute address, length)."""
+    base = _state["regions"][name].region.addresses[tensor]
     local_descs = [(base + offset, length) for offset, length in local]
     getattr(_engine(), op)(peer, local_descs, list(remote))
 
