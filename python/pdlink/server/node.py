@@ -34,6 +34,7 @@ and ``pdlink.lastError`` says why, so a controller posts again.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import threading
@@ -42,17 +43,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ..native import open_engine, role_of
-from ..status import LLMException, LLMStatusCode, code_2_status
+from ..engine import Engine, EngineOptions, Region, RemoteRegion
+from ..status import LLMException, LLMStatusCode
 from .config import Settings
 from .validation import ROLES, NodeInfo, RoleRequest
 
-__all__ = ["Node", "Unavailable", "ObservedEngine", "kv_pattern"]
+__all__ = ["Node", "Unavailable", "kv_pattern"]
 
 logger = logging.getLogger("pdlink.server")
 
 _LISTENING_ROLES = ("prefill", "flex")
-_OK = (int(LLMStatusCode.LLM_SUCCESS), int(LLMStatusCode.LLM_ALREADY_LINK))
 _SWITCH_ATTEMPTS = 5
 
 
@@ -68,83 +68,49 @@ def kv_pattern(np: Any, cluster: int, device: int, num_tensors: int, num_blocks:
     return [(((base * 2654435761 + t * 97 + salt) >> 7) & 0xFF).astype(np.uint8) for t in range(num_tensors)]
 
 
-class ObservedEngine:
-    """A native engine that reports transfers to the server's metrics: bytes moved, latency and
-    failures by status code. Everything else is forwarded. It wraps only the engines of this
-    server, so no other user of ``pdlink`` pays for it."""
-
-    def __init__(self, engine: Any, metrics: Any):
-        self._engine = engine
-        self._metrics = metrics
-        self._geometry: dict[int, tuple[int, int]] = {}  # cache id -> (num_tensors, bytes per slot/block)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def register_cache(self, layout: Any, *args: Any) -> Any:
-        handle = self._engine.register_cache(layout, *args)
-        self._geometry[handle[0]] = (layout.num_tensors, layout.tensor_size // max(layout.num_slots, 1))
-        return handle
-
-    def unregister_cache(self, cache_id: int) -> None:
-        self._engine.unregister_cache(cache_id)
-        self._geometry.pop(cache_id, None)
-
-    def pull(self, spec: Any, op: str = "pull") -> None:
-        self._observed(False, spec, op)
-
-    def push(self, spec: Any, op: str = "push") -> None:
-        self._observed(True, spec, op)
-
-    def prepare(self, spec: Any, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0,
-                op: str = "prepare") -> _ObservedPrepared:
-        prepared = self._engine.prepare(spec, block_size, remote_base, remote_bytes, op)
-        tensors = len(spec.local_tensors) or self._geometry.get(spec.local_cache_id, (0, 0))[0]
-        return _ObservedPrepared(prepared, self._metrics, tensors * prepared.block_size)
-
-    def _observed(self, is_push: bool, spec: Any, op: str) -> None:
-        tensors, unit = self._geometry.get(spec.local_cache_id, (0, 0))
-        if spec.local_tensors:
-            tensors = len(spec.local_tensors)
-        if spec.local_runs:
-            per_tensor = sum(length for _, length in spec.local_runs)
-        elif spec.local_blocks:
-            per_tensor = len(spec.local_blocks) * unit
-        else:
-            per_tensor = spec.size if spec.size > 0 else unit
-        _timed(self._metrics, op, is_push, tensors * per_tensor,
-               lambda: (self._engine.push if is_push else self._engine.pull)(spec, op))
-
-
-class _ObservedPrepared:
-    """A prepared transfer (``ObservedEngine.prepare``) whose posts are reported like transfers."""
-
-    def __init__(self, prepared: Any, metrics: Any, bytes_per_block: int):
-        self._prepared, self._metrics, self._bytes_per_block = prepared, metrics, bytes_per_block
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._prepared, name)
-
-    def post(self, local: Any, remote: Any, push: bool, op: str) -> None:
-        _timed(self._metrics, op, push, len(local) * self._bytes_per_block,
-               lambda: self._prepared.post(local, remote, push, op))
-
-
-def _timed(metrics: Any, op: str, is_push: bool, nbytes: int, move: Any) -> None:
-    """Runs ``move()`` and reports it: bytes and seconds when it succeeds, the code when it fails."""
+def _timed(metrics: Any, op: str, is_push: bool, nbytes: int, move: Any) -> float:
+    """Runs ``move()`` and reports it to the metrics: bytes and seconds when it succeeds (returns
+    the seconds), the code when it fails."""
     t0 = time.perf_counter()
     try:
         move()
     except LLMException as e:
-        # The binding raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
+        # pdlink raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
         metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
         raise
-    metrics.transfer_done(op, "push" if is_push else "pull", nbytes, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    metrics.transfer_done(op, "push" if is_push else "pull", nbytes, seconds)
+    return seconds
+
+
+def _address(listen: tuple[tuple[str, int], ...], i: int) -> str | None:
+    """Device ``i``'s ``"ip:port"`` in ``listen``, None when it does not listen."""
+    return f"{listen[i][0]}:{listen[i][1]}" if listen else None
+
+
+def _disconnect(engine: Engine, cid: int, timeout_ms: int, force: bool) -> None:
+    """Drops the link to ``cid`` if there is one; other failures are logged (the link is gone
+    locally either way)."""
+    try:
+        engine.disconnect(cid, timeout_ms=timeout_ms, force=force)
+    except LLMException as e:
+        if e.status_code != LLMStatusCode.LLM_NOT_YET_LINK:
+            logger.info("unlinking %d: %s", cid, e)
 
 
 class _NullMetrics:
     def __getattr__(self, name: str) -> Any:
         return lambda *a, **k: None
+
+
+@dataclass(frozen=True)
+class _TestKv:
+    """One device's test KV cache: the pattern it serves and the arrays pulls land in."""
+
+    src: list[Any]
+    dst: list[Any]
+    src_region: Region
+    dst_region: Region
 
 
 @dataclass(frozen=True)
@@ -206,20 +172,21 @@ class _LinkJob:
                     linked[i] = True
                     continue
                 if broken:  # a dead entity from earlier: drop it locally before linking again
-                    engine.unlink([cid], kv.link_timeout_ms, True)
+                    _disconnect(engine, cid, kv.link_timeout_ms, True)
                 if not self.dial:
                     last[i] = "the peer did not link in (a listening node waits for peers that dial it)"
                     continue
                 ip, port = self.peer.addresses[i]
                 try:
-                    code, msg, _ = engine.link([(cid, ip, port)], kv.link_timeout_ms)[0]
-                except LLMException as e:
-                    code, msg = int(e.status_code), str(e)
-                if code in _OK:
+                    engine.connect(f"{ip}:{port}", cluster_id=cid, timeout_ms=kv.link_timeout_ms)
                     linked[i] = True
-                elif code != int(LLMStatusCode.LLM_PROCESSING_LINK):
-                    last_code = code_2_status(code).name
-                    last[i] = f"{last_code}: {msg}"
+                except LLMException as e:
+                    code = cast(LLMStatusCode, e.status_code)
+                    if code == LLMStatusCode.LLM_ALREADY_LINK:  # the peer linked in meanwhile
+                        linked[i] = True
+                    elif code != LLMStatusCode.LLM_PROCESSING_LINK:
+                        last_code = code.name
+                        last[i] = f"{last_code}: {e}"
             if all(linked):
                 self.state = "ok"
                 with node._lock:
@@ -239,12 +206,12 @@ class _LinkJob:
             logger.info("peer %d linked on %d device(s)", cid, len(engines))
 
 
-def _link_state(engine: Any, cid: int) -> tuple[bool, bool]:
+def _link_state(engine: Engine, cid: int) -> tuple[bool, bool]:
     """(a live link to ``cid`` exists, a broken one exists)."""
     live = broken = False
     for link in engine.links():
-        if link["peer_cluster_id"] == cid:
-            if link["broken"]:
+        if link.peer_cluster_id == cid:
+            if link.broken:
                 broken = True
             else:
                 live = True
@@ -259,8 +226,7 @@ class Node:
         self._metrics = metrics if metrics is not None else _NullMetrics()
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self._engines: list[Any] = []
-        self._managers: list[Any] = []
+        self._engines: list[Engine] = []
         self._cluster_id: int | None = None  # of the engines, once created
         self._identity: int | None = None  # cluster id of the accepted posts
         self._role: str | None = None  # the latest accepted role
@@ -278,7 +244,7 @@ class Node:
         self._last_error: str | None = None
         self._stopping = False
         self._kv_lock = threading.Lock()
-        self._test_kv: list[dict[str, Any]] = []
+        self._test_kv: list[_TestKv] = []
         self._worker = threading.Thread(target=self._run, daemon=True, name="pdlink-role-worker")
         self._worker.start()
 
@@ -380,29 +346,26 @@ class Node:
         return plan.listen if plan.role in _LISTENING_ROLES else ()
 
     def _create_engines(self, plan: _Plan) -> None:
-        from ..compat.llm_datadist.cache_manager import CacheManager
-
         kv = self.settings.kv
         listen = self._listen_for(plan)
-        engines: list[Any] = []
+        engines: list[Engine] = []
         try:
             for i in range(kv.device_count):
-                ip, port = listen[i] if listen else ("", 0)
                 # The role post's device ids (logical, as strings) pick the NPU on Ascend.
                 dev = plan.device_ids[i] if i < len(plan.device_ids) else str(i)
-                engines.append(open_engine(backend=kv.backend, device_id=int(dev) if dev.isdigit() else i,
-                                           cluster_id=plan.cluster_id, role=ROLES[plan.role], listen_ip=ip,
-                                           listen_port=port, sync_timeout_ms=kv.sync_kv_timeout_ms,
-                                           transport=kv.transport, link_secret=kv.link_secret,
-                                           payload_integrity=bool(kv.link_secret) and kv.payload_integrity))
+                # Every setting comes from the server's configuration, none from the environment.
+                engines.append(Engine(EngineOptions(
+                    cluster_id=plan.cluster_id, role=ROLES[plan.role], listen=_address(listen, i),
+                    transport=kv.transport, secret=kv.link_secret,
+                    payload_integrity=bool(kv.link_secret) and kv.payload_integrity, backend=kv.backend,
+                    device_id=int(dev) if dev.isdigit() else i, hccl_one_sided=False,
+                    timeout_ms=kv.sync_kv_timeout_ms, connect_timeout_ms=kv.link_timeout_ms)))
         except BaseException:
             for engine in engines:
-                engine.finalize()
+                engine.close()
             raise
-        observed = [ObservedEngine(e, self._metrics) for e in engines]
-        managers = [CacheManager(None, e, True, {}) for e in observed]
         with self._lock:
-            self._engines, self._managers = observed, managers
+            self._engines = engines
             self._cluster_id = plan.cluster_id
             self._engine_role, self._listening, self._device_ids = plan.role, listen, plan.device_ids
         self._metrics.role_switch(plan.role)
@@ -417,7 +380,8 @@ class Node:
             return
         timeout = self.settings.kv.link_timeout_ms
         for engine in self._engines if engines is None else engines:
-            engine.unlink(list(cids), timeout, False)
+            for cid in cids:
+                _disconnect(engine, cid, timeout, False)
 
     def _stop_jobs(self, cids: Sequence[int]) -> None:
         with self._lock:
@@ -434,11 +398,10 @@ class Node:
         switched: list[int] = []
         try:
             for i, engine in enumerate(self._engines):
-                ip, port = listen[i] if listen else ("", 0)
                 for attempt in range(_SWITCH_ATTEMPTS):
-                    self._unlink([link["peer_cluster_id"] for link in engine.links()], [engine])
+                    self._unlink([link.peer_cluster_id for link in engine.links()], [engine])
                     try:
-                        engine.switch_role(role_of(ROLES[plan.role]), ip, port)
+                        engine.switch_role(ROLES[plan.role], _address(listen, i))
                         break
                     except LLMException as e:  # a peer linked in between: unlink again
                         if e.status_code != LLMStatusCode.LLM_EXIST_LINK or attempt == _SWITCH_ATTEMPTS - 1:
@@ -447,11 +410,10 @@ class Node:
         except BaseException:
             old = self._listening
             for i in switched:  # best effort: put the switched engines back
-                ip, port = old[i] if old else ("", 0)
                 assert self._engine_role is not None  # set when the engines were created
                 try:
-                    self._unlink([link["peer_cluster_id"] for link in self._engines[i].links()], [self._engines[i]])
-                    self._engines[i].switch_role(role_of(ROLES[self._engine_role]), ip, port)
+                    self._unlink([link.peer_cluster_id for link in self._engines[i].links()], [self._engines[i]])
+                    self._engines[i].switch_role(ROLES[self._engine_role], _address(old, i))
                 except LLMException as e:
                     logger.error("device %d: could not restore role %s: %s", i, self._engine_role, e)
             with self._lock:
@@ -511,9 +473,9 @@ class Node:
             cid = peer.cluster_id
             per_device = []
             for dev_links in links:
-                mine = [link for link in dev_links if link["peer_cluster_id"] == cid]
-                per_device.append(next((link for link in mine if not link["broken"]), mine[0] if mine else None))
-            live = bool(links) and all(link is not None and not link["broken"] for link in per_device)
+                mine = [link for link in dev_links if link.peer_cluster_id == cid]
+                per_device.append(next((link for link in mine if not link.broken), mine[0] if mine else None))
+            live = bool(links) and all(link is not None and not link.broken for link in per_device)
             job = jobs.get(cid)
             if live:
                 state, reason = "ok", ""
@@ -524,7 +486,7 @@ class Node:
             elif job is not None and job.state == "failed":
                 state, reason = "failed", job.reason
             else:
-                broken = [link["broken_reason"] for link in per_device if link is not None and link["broken"]]
+                broken = [link.broken_reason for link in per_device if link is not None and link.broken]
                 state = "failed"
                 reason = f"link lost: {broken[0]}" if broken else "link lost: the peer unlinked or is gone"
             views.append({"target": cid, "state": state, "reason": reason, "server_ip": peer.server_ip,
@@ -577,8 +539,8 @@ class Node:
             }
         for i, engine in enumerate(engines):
             ext["devices"][i]["links"] = [
-                {"target": link["peer_cluster_id"], "address": link["peer_address"], "initiator": link["initiator"],
-                 "broken": link["broken"], "transport": link["transport"]} for link in engine.links()]
+                {"target": link.peer_cluster_id, "address": link.peer_address, "initiator": link.initiator,
+                 "broken": link.broken, "transport": link.transport} for link in engine.links()]
         resource = {
             "availSlotsNum": model.max_batch_size, "availBlockNum": blocks, "waitingRequestNum": 0,
             "runningRequestNum": 0, "swappedRequestNum": 0, "freeNpuBlockNums": blocks, "freeCpuBlockNums": 0,
@@ -602,18 +564,14 @@ class Node:
     def _register_test_kv(self, cid: int) -> None:
         import numpy as np
 
-        from ..compat.llm_datadist.data_type import DataType
-        from ..compat.llm_datadist.llm_types import BlocksCacheKey, CacheDesc
-
         t = self.settings.kv.test_kv
         entries = []
-        for i, cm in enumerate(self._managers):
+        for i, engine in enumerate(self._engines):
             src = kv_pattern(np, cid, i, t.num_tensors, t.num_blocks, t.block_bytes)
             dst = [np.zeros((t.num_blocks, t.block_bytes), dtype=np.uint8) for _ in range(t.num_tensors)]
-            desc = CacheDesc(t.num_tensors, [t.num_blocks, t.block_bytes], DataType.DT_UINT8)
-            src_cache = cm.register_blocks_cache(desc, [a.ctypes.data for a in src], BlocksCacheKey(cid, 0))
-            dst_cache = cm.register_blocks_cache(desc, [a.ctypes.data for a in dst])
-            entries.append({"src": src, "dst": dst, "src_cache": src_cache, "dst_cache": dst_cache})
+            # published under key 0: what an llm_datadist peer names BlocksCacheKey(cid, 0)
+            entries.append(_TestKv(src, dst, engine.register(src, block_size=t.block_bytes, key=0),
+                                   engine.register(dst, block_size=t.block_bytes)))
         self._test_kv = entries
 
     def test_pull(self, target: int) -> dict[str, Any]:
@@ -623,33 +581,34 @@ class Node:
         the first mismatch) when the bytes differ."""
         import numpy as np
 
-        from ..compat.llm_datadist.llm_types import BlocksCacheKey
-
         t = self.settings.kv.test_kv
         if not t.enabled:
             raise Unavailable("KvTransferConfig.testKv is not enabled")
         with self._kv_lock:
             with self._lock:
-                entries, managers = list(self._test_kv), list(self._managers)
+                entries, engines = list(self._test_kv), list(self._engines)
             if not entries:
                 raise Unavailable("no engine yet: assign a role first")
-            src_blocks = list(range(t.num_blocks - 1, -1, -1))
-            dst_blocks = list(range(t.num_blocks))
-            t0 = time.perf_counter()
-            for cm, entry in zip(managers, entries):
-                for a in entry["dst"]:
+            src_blocks = np.arange(t.num_blocks - 1, -1, -1, dtype=np.int64)
+            dst_blocks = np.arange(t.num_blocks, dtype=np.int64)
+            nbytes = t.num_tensors * t.num_blocks * t.block_bytes
+            remote = RemoteRegion(length=t.num_blocks * t.block_bytes, block_size=t.block_bytes, key=0,
+                                  tensors=t.num_tensors)
+            seconds = 0.0
+            for engine, entry in zip(engines, entries):
+                for a in entry.dst:
                     a[:] = 0
-                cm.pull_blocks(BlocksCacheKey(target, 0), entry["dst_cache"], src_blocks, dst_blocks)
-            seconds = time.perf_counter() - t0
+                job = engine.prepare(target, entry.dst_region, remote)
+                seconds += _timed(self._metrics, "pull_blocks", False, nbytes,
+                                  functools.partial(job.read, dst_blocks, src_blocks))
             for i, entry in enumerate(entries):
                 expected = kv_pattern(np, target, i, t.num_tensors, t.num_blocks, t.block_bytes)
-                for k, (got, want) in enumerate(zip(entry["dst"], expected)):
+                for k, (got, want) in enumerate(zip(entry.dst, expected)):
                     if not np.array_equal(got, want[src_blocks]):
                         raise ValueError(f"device {i} tensor {k}: pulled bytes differ from instance {target}'s "
                                          "test pattern")
-        moved = len(entries) * t.num_tensors * t.num_blocks * t.block_bytes
-        return {"result": "ok", "target": target, "devices": len(entries), "bytes": moved, "seconds": seconds,
-                "verified": True}
+        return {"result": "ok", "target": target, "devices": len(entries), "bytes": len(entries) * nbytes,
+                "seconds": seconds, "verified": True}
 
     # ------------------------------------------------------------------ shutdown
 
@@ -664,6 +623,6 @@ class Node:
         self._stop_jobs(list(self._jobs))
         for engine in self._engines:
             try:
-                engine.finalize()
+                engine.close()
             except LLMException as e:
-                logger.error("finalize: %s", e)
+                logger.error("closing an engine: %s", e)
