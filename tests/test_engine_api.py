@@ -92,7 +92,8 @@ def test_prepared_transfers_move_blocks_by_index(two: Two, by: str) -> None:
 def test_regions_of_several_tensors_move_every_tensors_blocks(two: Two) -> None:
     """A region of 3 tensors (a KV cache's layers) published by key: a prepared post moves the
     indexed blocks of every tensor; a descriptor into one tensor moves only there."""
-    layers = two.target.call(native.register, "layers", ROWS, ROW, seed=3, key=9, tensors=3)
+    two.target.call(native.register, "layers", ROWS, ROW, seed=3, key=9, tensors=3)
+    layers = two.target.call(native.addresses, "layers")
     two.initiator.call(native.register, "mine", ROWS, ROW, seed=4, tensors=3)
     remote = two.target.call(native.remote, "layers")
     assert (remote.tensors, remote.key) == (3, 9)

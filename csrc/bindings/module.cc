@@ -96,15 +96,13 @@ class Indices {
       }
       data_ = list_.data();
       size_ = list_.size();
-    } else if (IndexArray::check_(obj)) {  // already int64 and C-contiguous: no conversion call
-      array_ = py::reinterpret_borrow<IndexArray>(obj);
-      size_ = length1d(array_, name);
-      data_ = array_.data();
     } else {
-      array_ = IndexArray::ensure(obj);
-      if (!array_) throw py::error_already_set();
-      size_ = length1d(array_, name);
-      data_ = array_.data();
+      // Already int64 and C-contiguous: borrowed, no conversion call; anything else converted once.
+      IndexArray a = IndexArray::check_(obj) ? py::reinterpret_borrow<IndexArray>(obj) : IndexArray::ensure(obj);
+      if (!a) throw py::error_already_set();
+      size_ = length1d(a, name);
+      data_ = a.data();
+      keep_ = std::move(a);
     }
   }
   const int64_t* data() const { return data_; }
@@ -112,7 +110,9 @@ class Indices {
 
  private:
   std::vector<int64_t> list_;
-  IndexArray array_;
+  // The array data_ points into. Not an IndexArray member: a default-constructed array_t allocates
+  // an empty numpy array, which cost more than the rest of a small post.
+  py::object keep_;
   const int64_t* data_ = nullptr;
   size_t size_ = 0;
 };

@@ -464,16 +464,26 @@ Status Engine::post(PreparedTransfer& prep, const int64_t* local, const int64_t*
     return Status(Code::kParamInvalid, "the prepared transfer's local cache " + std::to_string(prep.local_cache_id) +
                                            " is no longer registered; prepare it again");
   }
-  TransferPlan p;
-  p.local_addrs = entry->addrs;
+  // Posts are the small, frequent transfers: each thread reuses one plan, whose vectors keep their
+  // capacity, so a post of a few blocks allocates nothing (no path keeps a reference to the plan).
+  thread_local TransferPlan p;
+  struct Release {  // the plan must not keep the local cache registered past this post
+    TransferPlan& plan;
+    ~Release() { plan.local.reset(); }
+  } release{p};
+  p.local_addrs.assign(entry->addrs.begin(), entry->addrs.end());
   p.local_placement = entry->layout.placement;
   p.local = std::move(entry);
+  p.local_runs.clear();
+  p.remote.runs.clear();
+  p.commit = true;
   if (prep.local_tensors.empty()) {
+    p.local_tensors.clear();
     for (uint32_t t = 0; t < p.local_addrs.size(); ++t) p.local_tensors.push_back(t);
-    p.remote.tensors = p.local_tensors;
+    p.remote.tensors.assign(p.local_tensors.begin(), p.local_tensors.end());
   } else {
-    p.local_tensors = prep.local_tensors;
-    p.remote.tensors = prep.remote_tensors;
+    p.local_tensors.assign(prep.local_tensors.begin(), prep.local_tensors.end());
+    p.remote.tensors.assign(prep.remote_tensors.begin(), prep.remote_tensors.end());
   }
   p.remote.target = prep.target;
   const bool raw = prep.target.kind == wire::TargetKind::kRaw;

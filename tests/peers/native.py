@@ -54,17 +54,22 @@ def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits:
 
 
 def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | None = None,
-             tensors: int = 1) -> int | list[int]:
+             tensors: int = 1) -> int:
     """A region of ``tensors`` tensors of ``rows`` blocks of ``row_bytes`` in guarded memory
-    (filled with ``verify.pattern(.., seed)``, zeros for None); returns its address (one tensor)
-    or their addresses."""
+    (filled with ``verify.pattern(.., seed)``, zeros for None); returns its (first tensor's)
+    address."""
     device = device_memory_is_remote()
     memory = GuardedTensors(tensors, rows * row_bytes, rows, seed, device)
     region = _engine().register(address=memory.addrs[0] if tensors == 1 else list(memory.addrs),
                                 length=rows * row_bytes, placement="DEVICE" if device else "HOST",
                                 block_size=row_bytes, key=key)
     _state["regions"][name] = _Named(memory, region)
-    return region.address if tensors == 1 else list(region.addresses)
+    return region.address
+
+
+def addresses(name: str) -> list[int]:
+    """Region ``name``'s tensors' addresses."""
+    return list(_state["regions"][name].region.addresses)
 
 
 def deregister(name: str) -> None:

@@ -15,7 +15,9 @@ CmaPath::CmaPath(pid_t pid, uint64_t published_addr) : pid_(pid), published_addr
 
 Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) {
   Stream& s = link.out();
-  std::vector<iovec> local;
+  // Reused per thread (cleared here, kept in capacity): a small read allocates nothing.
+  thread_local std::vector<iovec> local, lv, rv;
+  local.clear();
   for (uint32_t t : p.local_tensors) {
     for (const wire::Run& r : p.local_runs) {
       local.push_back({reinterpret_cast<void*>(p.local_addrs[t] + r.offset), static_cast<size_t>(r.length)});
@@ -62,9 +64,8 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
       }
       if (!fits) break;  // the checked way reports the peer's own error
       uint64_t g = 0;
-      std::vector<iovec> lv, rv;
-      lv.reserve(local.size() + 1);
-      rv.reserve(local.size() + 1);
+      lv.clear();
+      rv.clear();
       size_t k = 0;
       for (uint32_t t : p.remote.tensors) {
         for (const wire::Run& r : p.remote.runs) {

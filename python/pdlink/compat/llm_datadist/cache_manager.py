@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 from ...native import core, placement_of
 from ...status import LLMException, LLMStatusCode, handle_llm_status
@@ -120,17 +120,6 @@ def _block_list(name: str, blocks: Any) -> Sequence[int]:
     return blocks
 
 
-def _plain_blocks_call(key: Any, cache: Any, remote_blocks: Any, local_blocks: Any) -> TypeGuard[BlocksCacheKey]:
-    """Whether a pull_blocks / push_blocks call is the common one that passes every check of the
-    general path: a BlocksCacheKey, a live blocks Cache, and two equally long, non-empty lists
-    (whose elements the native post checks are ints: TypeError otherwise, and the caller then takes
-    the general path). The caller skips those checks (each costs a Python call); any other call
-    takes the general path, which raises the same errors as before."""
-    return (type(key) is BlocksCacheKey and type(cache) is Cache and type(remote_blocks) is list
-            and type(local_blocks) is list and 0 < len(local_blocks) == len(remote_blocks)
-            and cache.is_blocks_cache and cache.cache_id > 0 and bool(cache.tensor_addrs))
-
-
 def _check_block_pairs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
     """Blocks-to-blocks transfers pair src_blocks[i] with dst_blocks[i]."""
     raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
@@ -156,6 +145,7 @@ class CacheManager:
         # model, tensor pairs) and posted with the block lists (no spec is built per call). Not
         # pins: a prepared transfer over a cache that is gone fails like the unprepared call.
         self._prepared: dict[tuple[Any, ...], Any] = {}
+        self._specs: dict[tuple[Any, ...], Any] = {}  # slot transfers' TransferSpecs, by what built them
 
     # ------------------------------------------------------------------ helpers
 
@@ -223,15 +213,28 @@ class CacheManager:
         """One native transfer (``mode_name``: a ``_core.TransferMode`` name). ``key=None``
         addresses raw remote memory (``peer`` then names the cluster and ``remote_runs`` hold
         absolute addresses)."""
-        spec = core().TransferSpec(
-            peer_cluster_id=peer if key is None else key.cluster_id, target=remote_target(key),
-            local_cache_id=cache.cache_id, mode=transfer_mode(mode_name), local_slot=slot, size=size,
-            local_blocks=local_blocks, remote_blocks=remote_blocks, local_tensors=local_tensors,
-            remote_tensors=remote_tensors, local_runs=local_runs, remote_runs=remote_runs)
+        # A transfer of whole slots is described by a few small values, and its spec (several
+        # microseconds to build) is kept for the next call with the same ones; keys are immutable
+        # values. Specs are only read by the engine, so one may serve several threads at once.
+        k = None
+        if not (local_blocks or remote_blocks or local_runs or remote_runs):
+            k = (key, cache.cache_id, mode_name, slot, size, tuple(local_tensors), tuple(remote_tensors), peer)
+        spec = self._specs.get(k) if k is not None else None
+        if spec is None:
+            spec = core().TransferSpec(
+                peer_cluster_id=peer if key is None else key.cluster_id, target=remote_target(key),
+                local_cache_id=cache.cache_id, mode=transfer_mode(mode_name), local_slot=slot, size=size,
+                local_blocks=local_blocks, remote_blocks=remote_blocks, local_tensors=local_tensors,
+                remote_tensors=remote_tensors, local_runs=local_runs, remote_runs=remote_runs)
+            if k is not None:
+                if len(self._specs) >= self._PREPARED_MAX:
+                    self._specs.clear()
+                self._specs[k] = spec
         engine = self._live_engine()
         (engine.push if is_push else engine.pull)(spec, op)
 
-    # At most this many prepared transfers are kept per manager; past it they are prepared again.
+    # At most this many prepared transfers (and as many slot specs) are kept per manager; past it they
+    # are made again.
     _PREPARED_MAX = 1024
 
     def _prepared_for(self, op: str, key: BlocksCacheKey, cache: Cache, local_tensors: Sequence[int] = (),
@@ -253,22 +256,11 @@ class CacheManager:
             self._prepared[k] = prepared
         return prepared
 
-    def _post_plain(self, op: str, key: BlocksCacheKey, cache: Cache, local_blocks: Sequence[int],
-                    remote_blocks: Sequence[int], push: bool) -> bool:
-        """Posts a call that ``_plain_blocks_call`` accepted on its prepared transfer. False when a
-        block index is not an int (nothing moved): the general path then raises llm_datadist's error."""
-        prepared = self._prepared.get((cache.cache_id, key.cluster_id, key.model_id))
-        if prepared is None:
-            prepared = self._prepared_for(op, key, cache)
-        try:
-            prepared.post(local_blocks, remote_blocks, push, op)
-        except TypeError:
-            return False
-        return True
-
     def _forget_prepared(self, cache_id: int) -> None:
         for k in [k for k in self._prepared if k[0] == cache_id]:
             self._prepared.pop(k, None)
+        for k in [k for k in self._specs if k[1] == cache_id]:
+            self._specs.pop(k, None)
 
     @staticmethod
     def _pull_kwargs(cache: Cache, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -388,9 +380,21 @@ class CacheManager:
         With a ``CacheKey`` / ``CacheKeyByIdAndIndex`` source, ``src_blocks`` must be empty and
         the remote slot is split into consecutive blocks (contiguous -> blocks).
         """
-        if (not kwargs and self._initialized and _plain_blocks_call(src_cache_key, dst_cache, src_blocks, dst_blocks)
-                and self._post_plain("pull_blocks", src_cache_key, dst_cache, dst_blocks, src_blocks, False)):
-            return
+        # The common call, a BlocksCacheKey and two equally long lists for a cache already prepared
+        # with that key, posts at once: the checks of the general path passed when it was prepared
+        # and every one of them still holds (keys are immutable, an unregistered cache's prepared
+        # transfers are forgotten); the native post checks that the elements are ints (TypeError
+        # otherwise, and the general path then raises llm_datadist's error). push_blocks does the same.
+        if (not kwargs and type(src_cache_key) is BlocksCacheKey and type(dst_cache) is Cache
+                and type(src_blocks) is list and type(dst_blocks) is list and self._initialized
+                and 0 < len(dst_blocks) == len(src_blocks)):
+            prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
+            if prepared is not None:
+                try:
+                    prepared.post(dst_blocks, src_blocks, False, "pull_blocks")
+                    return
+                except TypeError:
+                    pass
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -437,11 +441,17 @@ class CacheManager:
                     dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
                     dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
-        if (src_layer_range is None and dst_layer_range is None and self._initialized and self._remote_cache_accessible
-                and type(tensor_num_per_layer) is int and 0 < tensor_num_per_layer <= UINT32_MAX
-                and _plain_blocks_call(dst_cache_key, src_cache, dst_blocks, src_blocks)
-                and self._post_plain("push_blocks", dst_cache_key, src_cache, src_blocks, dst_blocks, True)):
-            return
+        if (src_layer_range is None and dst_layer_range is None and type(dst_cache_key) is BlocksCacheKey
+                and type(src_cache) is Cache and type(src_blocks) is list and type(dst_blocks) is list
+                and self._initialized and self._remote_cache_accessible and type(tensor_num_per_layer) is int
+                and 0 < tensor_num_per_layer <= UINT32_MAX and 0 < len(dst_blocks) == len(src_blocks)):
+            prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
+            if prepared is not None:  # the common call (see pull_blocks)
+                try:
+                    prepared.post(src_blocks, dst_blocks, True, "push_blocks")
+                    return
+                except TypeError:
+                    pass
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
