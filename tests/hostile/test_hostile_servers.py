@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import pytest
 
+import pdlink
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
 from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
 from peer import Peer
-from peers import hostile, kv
+from peers import hostile, kv, native
 from poll import hang_guard, wait_until
 from verify import assert_same, check_transfer, rows
 
@@ -328,3 +329,35 @@ def test_a_pin_that_lapsed_during_a_direct_copy_fails_it(peers: Callable[..., Pe
         assert_same(victim.call(kv.snapshot, "kv"), expected, "the victim's cache")
     else:
         assert_same(victim.call(kv.snapshot, "kv"), before, "the pushing victim's cache")
+
+
+# Answers to a notification: a payload on success, text on success, a payload on an error, none.
+NOTIFY_MODES = {
+    "read_wrong_length": LLMStatusCode.LLM_LINK_FAILED,  # success, with 8 payload bytes
+    "resp_text_on_success": LLMStatusCode.LLM_LINK_FAILED,
+    "resp_payload_on_error": LLMStatusCode.LLM_LINK_FAILED,
+    "stall": LLMStatusCode.LLM_TIMEOUT,
+}
+
+
+@only("cpu-tcp")
+@pytest.mark.parametrize("mode", sorted(NOTIFY_MODES))
+def test_a_lying_answer_to_a_notification_fails_it_and_breaks_the_link(peers: Callable[..., Peer], variant: Variant,
+                                                                       mode: str) -> None:
+    """pdlink.Engine.notify against a server that answers it wrongly (or not at all): the exact
+    status within the timeout, the link marked broken, and the engine then notifies an honest peer."""
+    a, port = start_attacker(peers, mode)
+    v = peers("victim", env=variant.env())
+    v.call(native.start, DECODER_ID, timeout_ms=TIMEOUT_MS)
+    assert v.call(native.connect, port, None, "127.0.0.2") == PROMPT_ID
+    with pytest.raises(LLMException) as e:
+        v.call_within(hang_guard(TIMEOUT_MS), native.notify, PROMPT_ID, b"hello")
+    assert e.value.status_code == NOTIFY_MODES[mode]
+    assert asked(a, rawwire.OP_NOTIFY)
+    assert [link.broken for link in v.call(native.links)] == [True]
+    v.call(native.disconnect, PROMPT_ID)
+    honest = peers("honest", env=variant.env())
+    honest_port = honest.call(native.start, PROMPT_ID, listen=True)
+    v.call(native.connect, honest_port, PROMPT_ID)
+    v.call(native.notify, PROMPT_ID, b"hello")
+    assert honest.call(native.notifications) == [pdlink.Notification(DECODER_ID, b"", b"hello")]

@@ -85,8 +85,8 @@ def snapshot(name: str) -> Snapshot:
     return _state["regions"][name].memory.snapshot(name)
 
 
-def connect(port: int, cluster_id: int | None = None) -> int:
-    return _engine().connect(f"127.0.0.1:{port}", cluster_id=cluster_id)
+def connect(port: int, cluster_id: int | None = None, host: str = "127.0.0.1") -> int:
+    return _engine().connect(f"{host}:{port}", cluster_id=cluster_id)
 
 
 def disconnect(peer: int) -> None:
