@@ -23,7 +23,7 @@ from collections.abc import Callable
 import rawwire
 from internals import core
 from poll import wait_until
-from relay import close_quietly
+from relay import Conn, shut_quietly
 
 CHUNK = core.LIMITS["payload_chunk_bytes"]  # a sealed payload's chunk (csrc/core/limits.h)
 TIMEOUT_S = 30.0  # no proxy thread waits longer for a byte
@@ -73,6 +73,7 @@ class Channel:
     def __init__(self, proxy: Proxy, client: socket.socket, upstream: socket.socket):
         self.proxy = proxy
         self.client, self.upstream = client, upstream
+        self.conn = Conn(client, upstream)  # closes both once _up and _down have ended
         self.kind = -1  # 0 FORWARD, 1 REVERSE (from its Hello)
         self.authenticated = False  # the verdict carried a tag
         self.integrity = False  # the verdict agreed to payload integrity
@@ -114,8 +115,6 @@ class Channel:
                     self.send_upstream(data)
         except (OSError, ConnectionError):
             pass
-        finally:
-            close_quietly(self.upstream)
 
     def _read_request(self) -> Request:
         head = rawwire.recv_exact(self.client, 20)
@@ -148,7 +147,6 @@ class Channel:
         finally:
             self.verdict.set()
             self.closed.set()
-            close_quietly(self.client)
 
 
 class Proxy:
@@ -166,20 +164,21 @@ class Proxy:
         self.channels: list[Channel] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
         while True:
             try:
                 client, _ = self._listener.accept()
-            except OSError:
+            except OSError:  # close() shut the listener down
+                self._listener.close()
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=TIMEOUT_S)
             upstream.settimeout(None)
             ch = Channel(self, client, upstream)
             self.channels.append(ch)
-            threading.Thread(target=ch._up, daemon=True).start()
-            threading.Thread(target=ch._down, daemon=True).start()
+            ch.conn.start(ch._up, ch._down)
 
     def forward(self) -> Channel:
         """The FORWARD channel of the (first) link made through the proxy."""
@@ -187,7 +186,7 @@ class Proxy:
                           "a FORWARD channel through the proxy")
 
     def close(self) -> None:
-        close_quietly(self._listener)
+        shut_quietly(self._listener)
+        self._acceptor.join(TIMEOUT_S)
         for ch in self.channels:
-            close_quietly(ch.client)
-            close_quietly(ch.upstream)
+            ch.conn.close()

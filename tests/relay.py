@@ -17,12 +17,19 @@ freezes a peer::
 When one side of a connection ends, the relay forwards what it had already read and closes the
 other side: a dead peer looks to the survivor exactly as a dead peer does on a direct connection.
 Everything is bounded: no relay thread waits longer than ``TIMEOUT_S`` for anything.
+
+No thread closes a socket another thread may be blocked on: CPython's ``close`` clears the
+descriptor while a blocked ``recv`` on another thread reads it (a data race ThreadSanitizer
+reports, and the number may be reused). Other threads only shut a socket down, which wakes the
+blocked call; the thread that uses it last closes it (:class:`Conn`).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
+from functools import partial
 
 from poll import wait_until
 
@@ -38,10 +45,11 @@ class Relay:
         self._cond = threading.Condition()
         self._budget: list[int | None] = [None, None]  # bytes still allowed through; None: unlimited
         self._held = [False, False]  # a pump is waiting for budget
-        self._socks: list[socket.socket] = []
+        self._conns: list[Conn] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
+        self._acceptor.start()
 
     # ------------------------------------------------------------------ control (test thread)
 
@@ -64,15 +72,17 @@ class Relay:
             self._cond.notify_all()
 
     def close(self) -> None:
-        close_quietly(self._listener)
-        for s in self._socks:
-            close_quietly(s)
+        """Ends every connection and the listener, and waits (bounded) for the relay's threads."""
+        self.release()
+        shut_quietly(self._listener)
+        self._acceptor.join(TIMEOUT_S)
+        for conn in self._conns:
+            conn.close()
 
     def __enter__(self) -> Relay:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
         self.close()
 
     # ------------------------------------------------------------------ threads
@@ -81,18 +91,18 @@ class Relay:
         while True:
             try:
                 client, _ = self._listener.accept()
-            except OSError:
+            except OSError:  # close() shut the listener down
+                self._listener.close()
                 return
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=TIMEOUT_S)
             except OSError:
                 close_quietly(client)
                 continue
-            self._socks += [client, upstream]
-            for direction, src, dst in ((UP, client, upstream), (DOWN, upstream, client)):
-                src.settimeout(TIMEOUT_S)
-                threading.Thread(target=self._pump, args=(direction, src, dst), name=f"relay-{direction}",
-                                 daemon=True).start()
+            client.settimeout(TIMEOUT_S)
+            conn = Conn(client, upstream)
+            self._conns.append(conn)
+            conn.start(partial(self._pump, UP, client, upstream), partial(self._pump, DOWN, upstream, client))
 
     def _take(self, direction: int, want: int) -> int:
         """Waits for budget in ``direction``; how many of ``want`` bytes may go now (0: timed out)."""
@@ -122,16 +132,58 @@ class Relay:
                         self.forwarded[direction] += n
         except OSError:
             pass
+        # returning ends the connection: the other side learns of it as it would without the relay
+
+
+class Conn:
+    """Two sockets served by two threads (one reading each). When either thread ends, both
+    sockets are shut down, which wakes the other thread; the last of the two to end closes them."""
+
+    def __init__(self, a: socket.socket, b: socket.socket):
+        self.socks = (a, b)
+        self._threads: list[threading.Thread] = []
+        self._live = 2
+        self._lock = threading.Lock()
+
+    def start(self, *work: Callable[[], None]) -> None:
+        for fn in work:
+            t = threading.Thread(target=self._run, args=(fn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
         finally:
-            # the other side learns of the end as it would without the relay
-            close_quietly(dst)
-            close_quietly(src)
+            self.shut()
+            with self._lock:
+                self._live -= 1
+                last = self._live == 0
+            if last:
+                for s in self.socks:
+                    s.close()
+
+    def shut(self) -> None:
+        for s in self.socks:
+            shut_quietly(s)
+
+    def close(self) -> None:
+        """Ends the connection from another thread and waits (bounded) for its threads."""
+        self.shut()
+        for t in self._threads:
+            t.join(TIMEOUT_S)
 
 
-def close_quietly(s: socket.socket) -> None:
-    """Shuts ``s`` down both ways (the peer sees the end at once) and closes it; never raises."""
+def shut_quietly(s: socket.socket) -> None:
+    """Shuts ``s`` down both ways (the peer sees the end at once, a blocked call on it returns);
+    never raises. Safe from any thread, unlike close."""
     try:
         s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def close_quietly(s: socket.socket) -> None:
+    """Shuts ``s`` down and closes it, for a socket no other thread uses; never raises."""
+    shut_quietly(s)
     s.close()
