@@ -3,13 +3,15 @@ slot by ``CacheKeyByIdAndIndex``, a call that is not prepared), through ``llm_da
 the same script runs on any pdlink version (an A/B between two virtualenvs, run alternately).
 
 Two processes on one host; p50 of 5000 calls after 500 warm-up calls, for cma and tcp. What each
-call pulled is verified once.
+call pulled is verified once. The cma rows end with the floor under them: the same 4 KiB read by a
+bare ``process_vm_readv`` from Python (through ctypes, so it includes a ctypes call's cost).
 
-    python bench/bench_pull_blocks.py LABEL      # "LABEL cma pull_blocks 4 KiB p50 X us", pull_cache, and tcp
+    python bench/bench_pull_blocks.py LABEL   # "LABEL cma pull_blocks 4 KiB p50 X us", pull_cache, the floor, tcp
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import sys
@@ -40,14 +42,17 @@ def target(conn: Any) -> None:
                                            BlocksCacheKey(TARGET_ID, 0))
     slots = content()
     plain = dd.cache_manager.register_cache(CacheDesc(1, [BLOCKS, BLOCK], DataType.DT_UINT8), [slots.ctypes.data])
-    conn.send((dd.listen_port, plain.cache_id))
+    conn.send((dd.listen_port, plain.cache_id, os.getpid(), data.ctypes.data))
     conn.recv()
     dd.finalize()
 
 
-def initiator(conn: Any, transport: str, port: int, slot_cache: int) -> None:
+def initiator(conn: Any, transport: str, port: int, slot_cache: int, floor: tuple[int, int] | None) -> None:
     try:
-        conn.send([f"{op} 4 KiB p50 {us:.2f} us" for op, us in measure(transport, port, slot_cache)])
+        rows = measure(transport, port, slot_cache)
+        if floor is not None:
+            rows.append(("process_vm_readv", syscall_floor(*floor)))
+        conn.send([f"{op} 4 KiB p50 {us:.2f} us" for op, us in rows])
     except Exception as e:  # noqa: BLE001 - reported by the parent (cma not permitted here, say)
         conn.send([f"failed: {type(e).__name__}: {e}"])
 
@@ -106,17 +111,40 @@ def measure(transport: str, port: int, slot_cache: int) -> list[tuple[str, float
     return [("pull_blocks", blocks_us), ("pull_cache", cache_us)]
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def syscall_floor(pid: int, remote_addr: int) -> float:
+    """p50 of one bare process_vm_readv of block 3 (4 KiB) from the target, verified once."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    readv = libc.process_vm_readv
+    readv.restype = ctypes.c_ssize_t
+    mine = np.zeros(BLOCK, np.uint8)
+    local, remote = _Iovec(mine.ctypes.data, BLOCK), _Iovec(remote_addr + 3 * BLOCK, BLOCK)
+
+    def call() -> None:
+        if readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != BLOCK:
+            raise OSError(ctypes.get_errno(), "process_vm_readv")
+
+    us = p50(call)
+    if not np.array_equal(mine, content()[3]):
+        raise AssertionError("process_vm_readv: the block read differs")
+    return us
+
+
 def main() -> None:
     label = sys.argv[1] if len(sys.argv) > 1 else "pdlink"
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     t = ctx.Process(target=target, args=(b,), daemon=True)
     t.start()
-    port, slot_cache = a.recv()
+    port, slot_cache, pid, addr = a.recv()
     try:
         for transport in ("cma", "tcp"):
             x, y = ctx.Pipe()
-            p = ctx.Process(target=initiator, args=(y, transport, port, slot_cache), daemon=True)
+            floor = (pid, addr) if transport == "cma" else None
+            p = ctx.Process(target=initiator, args=(y, transport, port, slot_cache, floor), daemon=True)
             p.start()
             for line in x.recv():
                 print(f"{label} {transport} {line}", flush=True)
