@@ -108,8 +108,19 @@ def server_modules_stay_light() -> list[str]:
     return [m for m in HEAVY_SERVER_MODULES if m in sys.modules]
 
 
+def which_drop_ins() -> dict[str, Any]:
+    """Where ``import hixl`` and ``import llm_datadist`` come from, and whether pdlink's own hixl is
+    still reachable by its full name."""
+    import hixl
+    import llm_datadist
+    import pdlink.compat.hixl as ours
+
+    return {"hixl": hixl.__file__, "llm_datadist": llm_datadist.__file__, "ours": ours.Hixl.__module__}
+
+
 CHECKS: dict[str, Callable[[], Any]] = {f.__name__: f for f in (
-    uc_memory_default, module_surface, pdlink_imports_numpy, light_modules_import_numpy, server_modules_stay_light)}
+    uc_memory_default, module_surface, pdlink_imports_numpy, light_modules_import_numpy, server_modules_stay_light,
+    which_drop_ins)}
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -73,3 +73,15 @@ def test_pull_blocks_benchmark_runs_and_verifies():
     tcp = ["smoke tcp pull_blocks 4 KiB", "smoke tcp pull_cache 4 KiB"]
     cma = ["smoke cma pull_blocks 4 KiB", "smoke cma pull_cache 4 KiB", "smoke cma process_vm_readv 4 KiB"]
     assert rows in ([*cma, *tcp], tcp), r.stdout
+
+
+def test_hixl_benchmark_runs_and_verifies(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_hixl.py"), "--smoke", "--no-peers",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "hixl.json").read_text())
+    for run in results["hixl"]:
+        assert run["lat_4k_us"]["p50"] > 0
+        for label in ("256K", "4K"):
+            assert run[f"read_{label}"]["median"] > 0 and run[f"read_{label}"]["us_per_desc"] > 0
+    assert "pdlink hixl benchmark" in (tmp_path / "hixl.txt").read_text()

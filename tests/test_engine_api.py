@@ -167,6 +167,64 @@ def test_outside_the_peers_registered_memory_is_refused(two: Two) -> None:
     assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
+def test_a_descriptor_list_is_all_or_nothing(two: Two) -> None:
+    """Descriptors into two local regions, as three parallel lists (read_batch): one request. One
+    remote range past the target's region, or one local range past its region, and neither region
+    changes; the same list without it moves every byte."""
+    two.initiator.call(native.register, "dst2", ROWS, ROW, seed=5)
+    dst2 = lambda: two.initiator.call(native.snapshot, "dst2")  # noqa: E731
+    good = [("dst", 10, 100), ("dst2", 300, 64)]
+    remote = [two.src + 700, two.src + 1200]
+    for local, rem in (
+            (good + [("dst2", 0, 64)], remote + [two.src + ROWS * ROW - 63]),  # remote one byte past
+            (good + [("dst2", ROWS * ROW - 8, 64)], remote + [two.src]),  # local past "dst2"
+    ):
+        before, before2 = two.read("dst")(), dst2()
+        with pytest.raises(InvalidArgument) as e:
+            two.initiator.call(native.batch, TARGET, local, rem, "read")
+        assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert_same(two.read("dst")(), before, "dst after a refused list")
+        assert_same(dst2(), before2, "dst2 after a refused list")
+    src0, d0, d20 = two.read("src")(), two.read("dst")(), dst2()
+    two.initiator.call(native.batch, TARGET, good, remote, "read")
+    assert_same(two.read("dst")(), d0.with_bytes(src0, [Copy(0, 700, 0, 10, 100)]), "dst")
+    assert_same(dst2(), d20.with_bytes(src0, [Copy(0, 1200, 0, 300, 64)]), "dst2")
+    assert_same(two.read("src")(), src0, "the source")
+
+
+def test_reads_by_address_follow_the_peers_registrations(two: Two) -> None:
+    """A read by address (on a same-host link served from the peer's cached memory table): once the
+    target withdraws the region the same read is refused and moves nothing; a region registered
+    afterwards is read at once (the table is fetched again)."""
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.batch, TARGET, [("dst", 0, 256)], [two.src + 256], "read"), copies([(256, 0, 256)]))
+    two.target.call(native.deregister, "src")
+    with pytest.raises(InvalidArgument) as e:
+        check_transfer(two.read("dst"), two.read("dst"), lambda: two.initiator.call(
+            native.batch, TARGET, [("dst", 0, 256)], [two.src + 256], "read"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    src3 = two.target.call(native.register, "src3", ROWS, ROW, seed=6)
+    check_transfer(two.read("src3"), two.read("dst"), lambda: two.initiator.call(
+        native.batch, TARGET, [("dst", 512, 300)], [src3 + 40], "read"), copies([(40, 512, 300)]))
+
+
+def test_memory_maps_list_what_is_registered(two: Two) -> None:
+    """remote_memory: the target's regions as (address, length), sorted, and what covers() accepts;
+    a registration adds a range, a release changes the generation. local_memory: this engine's own."""
+    m = two.initiator.call(native.remote_memory, TARGET)
+    assert m.ranges == tuple(sorted([(two.src, ROWS * ROW), (two.sink, ROWS * ROW)]))
+    assert m.covers([two.src, two.sink + 8], [ROWS * ROW, 64])
+    assert not m.covers([two.src + ROWS * ROW - 8], [16]) and not m.covers([two.src], [0])
+    more = two.target.call(native.register, "more", ROWS, ROW, seed=None)
+    m2 = two.initiator.call(native.remote_memory, TARGET)
+    assert (more, ROWS * ROW) in m2.ranges and len(m2.ranges) == 3
+    two.target.call(native.deregister, "more")
+    m3 = two.initiator.call(native.remote_memory, TARGET)
+    assert m3.generation > m2.generation and m3.ranges == m.ranges
+    mine = two.initiator.call(native.local_memory)
+    assert mine.ranges == ((two.initiator.call(native.addresses, "dst")[0], ROWS * ROW),)
+
+
 def test_after_disconnect_transfers_need_a_link(two: Two) -> None:
     two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
     two.initiator.call(native.disconnect, TARGET)
@@ -180,8 +238,8 @@ def test_after_disconnect_transfers_need_a_link(two: Two) -> None:
 
 def test_a_frozen_peer_gives_a_timeout(two: Two) -> None:
     """Through the peer's serving thread, a frozen peer is a timeout and nothing moves. On the
-    same-host path a prepared read by key is one kernel copy with no round trip: the frozen peer's
-    bytes arrive all the same (the docs' claim, docs/native_api.md "Memory")."""
+    same-host path a prepared read by key, and a read by address, is one kernel copy with no round
+    trip: the frozen peer's bytes arrive all the same (docs/architecture.md, "Data paths")."""
     two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
     if not two.variant.serving_loop:
         two.initiator.call(native.post, "p", [0], [0], "read")  # the layout is fetched once
@@ -191,6 +249,14 @@ def test_a_frozen_peer_gives_a_timeout(two: Two) -> None:
         two.target.thaw()
         assert_same(two.initiator.call(native.snapshot, "dst"), rows([(6, 1), (7, 2)])(dst0, src0), "destination")
         assert_same(two.target.call(native.snapshot, "src"), src0, "source")
+        # a read by address, from the peer's memory table fetched by a first read, likewise
+        two.initiator.call(native.batch, TARGET, [("dst", 0, 8)], [two.src], "read")
+        dst1 = two.initiator.call(native.snapshot, "dst")
+        two.target.freeze()
+        two.initiator.call_within(hang_guard(TIMEOUT_MS), native.batch, TARGET, [("dst", 1000, 300)], [two.src + 77],
+                                  "read")
+        two.target.thaw()
+        assert_same(two.initiator.call(native.snapshot, "dst"), copies([(77, 1000, 300)])(dst1, src0), "destination")
         return
     dst0 = two.initiator.call(native.snapshot, "dst")
     two.target.freeze()

@@ -39,6 +39,24 @@ def test_import_is_light_and_sets_uc_memory_default():
     assert out == {"AUTO_USE_UC_MEMORY": "0", "numpy": False, "pdlink._core": False}
 
 
+def test_cann_packages_on_pythonpath_win_and_ours_stay_reachable(tmp_path):
+    """Where CANN is installed its set_env.sh puts its python/site-packages on PYTHONPATH, ahead of
+    the virtualenv's site-packages where pdlink installs its drop-ins: CANN's hixl and llm_datadist
+    are imported then, and pdlink's stay reachable as pdlink.compat.* (docs/hixl.md)."""
+    cann = tmp_path / "cann-site-packages"
+    for name in ("hixl", "llm_datadist"):
+        (cann / name).mkdir(parents=True)
+        (cann / name / "__init__.py").write_text("# stands in for CANN's package\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(cann), os.environ.get("PYTHONPATH")) if p))
+    out = fresh_import.run(fresh_import.which_drop_ins, env)
+    assert out["hixl"] == str(cann / "hixl" / "__init__.py")
+    assert out["llm_datadist"] == str(cann / "llm_datadist" / "__init__.py")
+    assert out["ours"] == "pdlink.compat.hixl.hixl"
+    ours = fresh_import.run(fresh_import.which_drop_ins)  # without CANN: pdlink's own
+    assert ours["hixl"].endswith(os.path.join("hixl", "__init__.py")) and str(cann) not in ours["hixl"]
+    assert "site-packages" in ours["hixl"] and "site-packages" in ours["llm_datadist"]
+
+
 def test_stub_matches_native_module():
     from internals import core as _core
 

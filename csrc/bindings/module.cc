@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "backends/ascend/ascend_api.h"
 #include "backends/backend.h"
@@ -68,7 +69,6 @@ std::vector<wire::Run> wireRuns(const RunPairs& pairs) {
 
 // An int64 index array from numpy (or anything numpy converts), read without one Python object per
 // element; pybind11 converts other dtypes and non-contiguous arrays into a temporary copy.
-using IndexArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
 size_t length1d(const py::array& a, const char* name) {
@@ -76,46 +76,61 @@ size_t length1d(const py::array& a, const char* name) {
   return static_cast<size_t>(a.shape(0));
 }
 
-// Block indices as int64: a Python list is read directly (the common short list, without a numpy
-// conversion) and must hold ints only (not bools: TypeError, as for an int beyond int64), anything
-// else goes through IndexArray.
-class Indices {
+// Integers as T (int64_t: block indices; uint64_t: addresses and lengths): a Python list is read
+// directly (the common short list, without a numpy conversion) and must hold ints only (not bools:
+// TypeError, as for an int outside T), anything else goes through a numpy array of T.
+template <typename T>
+class Ints {
  public:
-  Indices(py::handle obj, const char* name) {
+  using Array = py::array_t<T, py::array::c_style | py::array::forcecast>;
+  Ints(py::handle obj, const char* name) {
     if (PyList_CheckExact(obj.ptr())) {
       const Py_ssize_t n = PyList_GET_SIZE(obj.ptr());
       list_.resize(static_cast<size_t>(n));
       for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* item = PyList_GET_ITEM(obj.ptr(), i);
-        int overflow = 0;
-        const long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-        if (!PyLong_CheckExact(item) || overflow != 0) {
-          throw py::type_error(std::string(name) + " must be a list of ints within int64");
+        if (!PyLong_CheckExact(item) || !read(item, &list_[static_cast<size_t>(i)])) {
+          throw py::type_error(std::string(name) + " must be a list of ints within " +
+                               (std::is_signed_v<T> ? "int64" : "uint64"));
         }
-        list_[static_cast<size_t>(i)] = v;
       }
       data_ = list_.data();
       size_ = list_.size();
     } else {
-      // Already int64 and C-contiguous: borrowed, no conversion call; anything else converted once.
-      IndexArray a = IndexArray::check_(obj) ? py::reinterpret_borrow<IndexArray>(obj) : IndexArray::ensure(obj);
+      // Already T and C-contiguous: borrowed, no conversion call; anything else converted once.
+      Array a = Array::check_(obj) ? py::reinterpret_borrow<Array>(obj) : Array::ensure(obj);
       if (!a) throw py::error_already_set();
       size_ = length1d(a, name);
       data_ = a.data();
       keep_ = std::move(a);
     }
   }
-  const int64_t* data() const { return data_; }
+  const T* data() const { return data_; }
   size_t size() const { return size_; }
 
  private:
-  std::vector<int64_t> list_;
-  // The array data_ points into. Not an IndexArray member: a default-constructed array_t allocates
-  // an empty numpy array, which cost more than the rest of a small post.
+  static bool read(PyObject* item, T* out) {
+    if constexpr (std::is_signed_v<T>) {
+      int overflow = 0;
+      *out = PyLong_AsLongLongAndOverflow(item, &overflow);
+      return overflow == 0;
+    } else {
+      *out = PyLong_AsUnsignedLongLong(item);
+      if (*out == static_cast<T>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();  // negative, or past 2**64
+        return false;
+      }
+      return true;
+    }
+  }
+  std::vector<T> list_;
+  // The array data_ points into. Not an Array member: a default-constructed array_t allocates an
+  // empty numpy array, which cost more than the rest of a small post.
   py::object keep_;
-  const int64_t* data_ = nullptr;
+  const T* data_ = nullptr;
   size_t size_ = 0;
 };
+using Indices = Ints<int64_t>;
 
 // A prepared transfer bound to the engine that posts it (the Python object keeps the engine alive).
 struct BoundPrepared {
@@ -229,7 +244,8 @@ void bindTypes(py::module_& m) {
       .def(py::init([](uint64_t peer_cluster_id, const wire::Target& target, int64_t local_cache_id,
                        TransferSpec::Mode mode, uint64_t local_slot, int64_t size, std::vector<int64_t> local_blocks,
                        std::vector<int64_t> remote_blocks, std::vector<uint32_t> local_tensors,
-                       std::vector<uint32_t> remote_tensors, const RunPairs& local_runs, const RunPairs& remote_runs) {
+                       std::vector<uint32_t> remote_tensors, const RunPairs& local_runs, const RunPairs& remote_runs,
+                       bool local_absolute, int64_t timeout_ms) {
              TransferSpec s;
              s.peer_cluster_id = peer_cluster_id;
              s.target = target;
@@ -243,6 +259,8 @@ void bindTypes(py::module_& m) {
              s.remote_tensors = std::move(remote_tensors);
              s.local_runs = wireRuns(local_runs);
              s.remote_runs = wireRuns(remote_runs);
+             s.local_absolute = local_absolute;
+             s.timeout_ms = timeout_ms;
              return s;
            }),
            // one call builds a whole spec: a pull_blocks pays for one conversion, not one per field
@@ -251,10 +269,13 @@ void bindTypes(py::module_& m) {
            py::arg("size") = -1, py::arg("local_blocks") = std::vector<int64_t>{},
            py::arg("remote_blocks") = std::vector<int64_t>{}, py::arg("local_tensors") = std::vector<uint32_t>{},
            py::arg("remote_tensors") = std::vector<uint32_t>{}, py::arg("local_runs") = RunPairs{},
-           py::arg("remote_runs") = RunPairs{})
+           py::arg("remote_runs") = RunPairs{}, py::arg("local_absolute") = false,
+           py::arg("timeout_ms") = 0)
       .def_readwrite("peer_cluster_id", &TransferSpec::peer_cluster_id)
       .def_readwrite("target", &TransferSpec::target)
       .def_readwrite("local_cache_id", &TransferSpec::local_cache_id)
+      .def_readwrite("local_absolute", &TransferSpec::local_absolute)
+      .def_readwrite("timeout_ms", &TransferSpec::timeout_ms)
       .def_readwrite("mode", &TransferSpec::mode)
       .def_readwrite("local_slot", &TransferSpec::local_slot)
       .def_readwrite("size", &TransferSpec::size)
@@ -550,23 +571,39 @@ PYBIND11_MODULE(_core, m) {
           py::arg("spec"), py::arg("block_size") = 0, py::arg("remote_base") = 0, py::arg("remote_bytes") = 0,
           py::arg("op") = "prepare", py::keep_alive<0, 1>())
       .def(
-          "transfer_runs",
-          // Descriptor lists: bytes [local_offsets[i], +lengths[i]) of each local tensor <->
-          // [remote[i], +lengths[i]) of the target (absolute addresses for a RAW target).
-          [](Engine& e, const TransferSpec& base, const U64Array& local_offsets, const U64Array& remote,
-             const U64Array& lengths, bool is_push, const std::string& op) {
-            const size_t n = length1d(local_offsets, "local offsets");
-            if (length1d(remote, "remote addresses") != n || length1d(lengths, "lengths") != n) {
-              throw py::value_error("descriptor arrays differ in length");
+          "describe_memory",
+          [](Engine& e, uint64_t cluster_id, int64_t timeout_ms, const std::string& op) {
+            Result<wire::RawTable> r = Status(Code::kFailed, "");
+            {
+              py::gil_scoped_release unlocked;
+              r = e.describeMemory(cluster_id, timeout_ms);
             }
+            wire::RawTable t = valueOrThrow(std::move(r), op.c_str());
+            std::vector<std::pair<uint64_t, uint64_t>> ranges;
+            ranges.reserve(t.ranges.size());
+            for (const wire::Run& run : t.ranges) ranges.emplace_back(run.offset, run.length);
+            return py::make_tuple(t.generation, ranges);
+          },
+          py::arg("cluster_id"), py::arg("timeout_ms"), py::arg("op") = "describe_memory")
+      .def(
+          "transfer_runs",
+          // Descriptor lists: bytes [local[i], +lengths[i]) of each local tensor (offsets; absolute
+          // addresses for a local_absolute spec) <-> [remote[i], +lengths[i]) of the target
+          // (absolute addresses for a RAW target). Lists of ints or uint64 arrays; timeout_ms > 0
+          // replaces the spec's.
+          [](Engine& e, const TransferSpec& base, py::handle local, py::handle remote, py::handle lengths,
+             bool is_push, const std::string& op, int64_t timeout_ms) {
+            const Ints<uint64_t> lo(local, "local offsets"), ro(remote, "remote addresses"), len(lengths, "lengths");
+            const size_t n = lo.size();
+            if (ro.size() != n || len.size() != n) throw py::value_error("descriptor arrays differ in length");
             TransferSpec spec = base;
             spec.mode = TransferSpec::Mode::kExplicit;
+            if (timeout_ms > 0) spec.timeout_ms = timeout_ms;
             spec.local_runs.resize(n);
             spec.remote_runs.resize(n);
-            const uint64_t *lo = local_offsets.data(), *ro = remote.data(), *len = lengths.data();
             for (size_t i = 0; i < n; ++i) {
-              spec.local_runs[i] = {lo[i], len[i]};
-              spec.remote_runs[i] = {ro[i], len[i]};
+              spec.local_runs[i] = {lo.data()[i], len.data()[i]};
+              spec.remote_runs[i] = {ro.data()[i], len.data()[i]};
             }
             Status st;
             {
@@ -576,7 +613,7 @@ PYBIND11_MODULE(_core, m) {
             throwIfError(st, op.c_str());
           },
           py::arg("spec"), py::arg("local_offsets"), py::arg("remote"), py::arg("lengths"), py::arg("push"),
-          py::arg("op") = "transfer")
+          py::arg("op") = "transfer", py::arg("timeout_ms") = 0)
       .def(
           "copy_local",
           [](Engine& e, const std::vector<uint64_t>& dst, Placement dst_placement, const std::vector<uint64_t>& src,

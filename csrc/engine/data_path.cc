@@ -53,10 +53,12 @@ Status Engine::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeS
 }
 
 Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const {
-  // Only reads and writes take flags or a payload; which flags depends on what this link and this
-  // engine negotiated. A frame outside that is a protocol violation: the link is dropped.
+  // Only reads and writes take flags or a payload (and a describe for direct reads kFlagDirect);
+  // which flags depends on what this link and this engine negotiated (admitAccess). A frame
+  // outside that is a protocol violation: the link is dropped.
   const bool access = h.op == wire::Op::kRead || h.op == wire::Op::kWrite;
-  if (!access && (h.flags != 0 || h.payload_len != 0)) {
+  const bool direct_describe = h.op == wire::Op::kDescribe && h.flags == wire::kFlagDirect;
+  if (!access && ((h.flags != 0 && !direct_describe) || h.payload_len != 0)) {
     return Status(Code::kLinkFailed, "flags or payload on a frame that takes none");
   }
   if ((h.op == wire::Op::kPing || h.op == wire::Op::kUnlink) && h.body_len != 0) {
@@ -163,13 +165,24 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kDescribe) {
     // With device memory in play the checked round trip decides (it knows each cache's placement).
     const Status admitted = admitAccess(*link, h);
+    // A kRaw target without kFlagDirect asks for the table only (Engine::describeMemory: a peer that
+    // can read every registered range learns nothing it could not probe); for direct reads the
+    // same-host conditions apply.
+    const bool direct = h.flags & wire::kFlagDirect || tb.target.kind != wire::TargetKind::kRaw;
+    Status usable = !admitted.ok() ? admitted
+                    : direct && !link->sameHost() ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
+                    : direct && device_transport_ ? Status(Code::kParamInvalid, "no direct reads here")
+                                                  : Status::OK();
+    if (usable.ok() && tb.target.kind == wire::TargetKind::kRaw) {
+      Result<wire::RawTable> t = registry_.describeRaw();
+      if (!t.ok()) return sendResponse(s, t.status(), deadline);
+      return sendAnswer(s, wire::encode(t.value()), deadline);
+    }
     Result<wire::CacheDescriptor> d =
-        !admitted.ok() ? Result<wire::CacheDescriptor>(admitted)
-        : !link->sameHost() ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
-        : device_transport_ ? Status(Code::kParamInvalid, "no direct reads here")
+        !usable.ok() ? Result<wire::CacheDescriptor>(usable)
         : tb.target.kind == wire::TargetKind::kBlocks
             ? registry_.describe(tb.target.model_id)
-            : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks target"));
+            : Result<wire::CacheDescriptor>(Status(Code::kParamInvalid, "describe needs a blocks or raw target"));
     if (!d.ok()) return sendResponse(s, d.status(), deadline);
     return sendAnswer(s, wire::encode(d.value()), deadline);
   }
@@ -268,7 +281,50 @@ void appendRun(TransferPlan& p, uint64_t local_offset, uint64_t remote_offset, u
 
 }  // namespace
 
+Result<TransferPlan> Engine::planAbsolute(const TransferSpec& spec) {
+  if (spec.mode != TransferSpec::Mode::kExplicit) {
+    return Status(Code::kParamInvalid, "absolute local addresses need an explicit (descriptor list) transfer");
+  }
+  if (spec.local_runs.size() != spec.remote_runs.size() || spec.local_runs.empty()) {
+    return Status(Code::kParamInvalid, "local and remote run lists must be non-empty and of equal length");
+  }
+  for (size_t i = 0; i < spec.local_runs.size(); ++i) {
+    if (spec.local_runs[i].length != spec.remote_runs[i].length) {
+      return Status(Code::kParamInvalid, "descriptor " + std::to_string(i) + ": local and remote lengths differ");
+    }
+  }
+  // The same resolution a peer's raw request gets, against this engine's own registry (every cache,
+  // remote accessible or not): each range inside one registered tensor, or nothing moves.
+  wire::TransferBody local;
+  local.target.kind = wire::TargetKind::kRaw;
+  local.tensors = {0};
+  local.runs = spec.local_runs;
+  auto resolved = registry_.resolve(local, false);
+  if (!resolved.ok()) return Status(Code::kParamInvalid, "local " + resolved.status().message());
+  auto keep = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(resolved.value().keep));
+  const Placement placement = keep->front()->layout.placement;
+  for (const auto& entry : *keep) {
+    if (entry->layout.placement != placement) {
+      return Status(Code::kParamInvalid, "the local ranges lie in both HOST and DEVICE memory: transfer each separately");
+    }
+  }
+  TransferPlan p;
+  p.local = std::move(keep);
+  p.local_addrs = {0};  // runs are absolute: tensor 0 at address 0
+  p.local_placement = placement;
+  p.local_tensors = {0};
+  p.local_runs = spec.local_runs;
+  p.remote.target = spec.target;
+  p.remote.tensors = {0};
+  p.remote.runs = spec.remote_runs;
+  auto payload = p.remote.payloadBytes();
+  if (!payload.ok()) return payload.status();
+  p.payload = payload.value();
+  return p;
+}
+
 Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
+  if (spec.local_absolute) return planAbsolute(spec);
   auto local = registry_.get(spec.local_cache_id);
   if (!local.ok()) return local.status();
   TransferPlan p;
@@ -386,6 +442,29 @@ std::vector<TransferPlan> Engine::split(const TransferPlan& p) {
   return out;
 }
 
+Result<wire::RawTable> Engine::describeMemory(uint64_t cluster_id, int64_t timeout_ms) {
+  if (timeout_ms <= 0) return Status(Code::kParamInvalid, "the timeout must be positive");
+  auto link_r = usableLink(cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  Link& link = *link_r.value();
+  wire::TransferBody tb;
+  tb.target.kind = wire::TargetKind::kRaw;
+  const std::string body = wire::encode(tb);
+  const char* what = "describing the memory of";
+  const Deadline deadline = Deadline::afterMs(timeout_ms);
+  std::lock_guard<std::mutex> out(link.outMutex());
+  if (link.broken()) return linkDown(link);
+  wire::ResponseHeader rh;
+  PDLINK_RETURN_IF_ERROR(request(link, wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(body.size()), 0},
+                                 body, deadline, what, &rh));
+  std::string payload;
+  Status st = readAnswer(link.out(), rh.payload_len, wire::kMaxRawTableBytes, deadline, &payload, "memory table");
+  wire::RawTable table;
+  if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &table);
+  if (!st.ok()) return failTransfer(link, st, what);
+  return table;
+}
+
 Status Engine::pull(const TransferSpec& spec) { return transfer(spec, false); }
 Status Engine::push(const TransferSpec& spec) { return transfer(spec, true); }
 
@@ -394,7 +473,7 @@ Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   if (!link_r.ok()) return link_r.status();
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
-  return execute(link_r.value(), p_r.value(), is_push);
+  return execute(link_r.value(), p_r.value(), is_push, spec.timeout_ms > 0 ? spec.timeout_ms : config_.sync_timeout_ms);
 }
 
 Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& spec, uint64_t block_size,
@@ -504,17 +583,17 @@ Status Engine::post(PreparedTransfer& prep, const int64_t* local, const int64_t*
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
   p.payload = payload.value();
-  return execute(link_r.value(), p, is_push);
+  return execute(link_r.value(), p, is_push, config_.sync_timeout_ms);
 }
 
-Status Engine::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push) {
+Status Engine::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms) {
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
   if (link->broken()) {  // broke while we waited for the channel
     return linkDown(*link);
   }
-  Deadline deadline = Deadline::afterMs(config_.sync_timeout_ms);
+  Deadline deadline = Deadline::afterMs(timeout_ms);
   if (p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
   for (TransferPlan& part : split(p)) PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
   return Status::OK();

@@ -158,6 +158,13 @@ struct TransferSpec {
   std::vector<uint32_t> remote_tensors;
   std::vector<wire::Run> local_runs;   // kExplicit
   std::vector<wire::Run> remote_runs;  // kExplicit
+  // kExplicit only: local_runs are absolute addresses, each inside one tensor of any cache this
+  // engine registered (local_cache_id and the tensor mapping are ignored; the caches must share one
+  // placement). The whole list then goes to the peer as one request (up to
+  // limits::kMaxRequestPieces runs), so a peer that refuses any run moves none of them.
+  bool local_absolute = false;
+  // Bounds the whole transfer; 0 or less: the engine's EngineConfig::sync_timeout_ms.
+  int64_t timeout_ms = 0;
 };
 
 // A prepared block transfer (Engine::prepare, pdlink.Engine.prepare): this side's cache and the
@@ -232,6 +239,12 @@ class Engine {
   // Otherwise as ping (kNotYetLink, kLinkFailed, kTimeout). It travels on the link's request
   // channel behind every transfer this side already completed on that link, so a notification sent
   // after a write returned arrives after the written bytes are in place.
+  // The peer's registered memory as address ranges, sorted, with its registry generation: what
+  // its raw-address (kRaw) checks accept (wire::RawTable; a range may also run across ranges that
+  // follow each other exactly). A snapshot: a later release or re-index on the peer changes the
+  // generation (a registration adds ranges and keeps it). Blocking (the link's out mutex, one round trip by `timeout_ms`); kParamInvalid
+  // when the peer has more than limits::kMaxRequestTensors tensors registered.
+  Result<wire::RawTable> describeMemory(uint64_t cluster_id, int64_t timeout_ms);
   Status notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms);
   // Takes every notification received and not yet taken, in arrival order (per peer, the order it
   // sent them), leaving none. Thread-safe; never blocks on a link.
@@ -298,10 +311,11 @@ class Engine {
  private:
   Engine(std::shared_ptr<Backend> backend, const Capabilities& caps);
   Result<TransferPlan> plan(const TransferSpec& spec, bool is_push);
+  Result<TransferPlan> planAbsolute(const TransferSpec& spec);  // plan() of a local_absolute spec
   static std::vector<TransferPlan> split(const TransferPlan& p);
   Status transfer(const TransferSpec& spec, bool is_push);
   // Moves a planned transfer over `link` (split into requests within the per-request bounds).
-  Status execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push);
+  Status execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms);
   // One request of a transfer (requires the out mutex), on the link's path for the local cache's
   // memory: its host path, or its device paths in order (transport/path.h).
   Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,

@@ -235,26 +235,31 @@ Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool
     if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
       return Status(Code::kParamInvalid, "invalid address range");
     }
-    // The range must lie inside one registered tensor: found through the index of tensor starts,
-    // among the kRawCandidates tensors that start closest below it (O(log tensors) per run, so the
-    // shared lock is held for a time bounded by the request's runs, never by the registry's size).
-    std::shared_ptr<CacheEntry> found;
-    auto at = raw_index_.upper_bound(run.offset);
-    for (size_t k = 0; k < kRawCandidates && at != raw_index_.begin(); ++k) {
-      --at;
-      if (end <= at->second.end) {
-        found = caches_.at(at->second.cache_id);
-        break;
+    // The range must lie in registered memory: inside one tensor, or across tensors that follow
+    // each other exactly (hixl counts contiguous registrations as one), at most kMaxRawSpan of
+    // them. Each step takes, among the kRawCandidates tensors that start closest at or below the
+    // current address, the one that reaches farthest (O(log tensors) per step, so the shared lock
+    // is held for a time bounded by the request's runs, never by the registry's size).
+    uint64_t at = run.offset;
+    for (size_t step = 0; at < end && step < kMaxRawSpan; ++step) {
+      const RawTensor* best = nullptr;
+      auto it = raw_index_.upper_bound(at);
+      for (size_t k = 0; k < kRawCandidates && it != raw_index_.begin(); ++k) {
+        --it;
+        if (it->second.end > at && (best == nullptr || it->second.end > best->end)) best = &it->second;
       }
+      if (best == nullptr) break;
+      const std::shared_ptr<CacheEntry>& found = caches_.at(best->cache_id);
+      if (for_write && !found->remote_accessible) {
+        return Status(Code::kParamInvalid, "cache " + std::to_string(found->id) + " is not remote accessible");
+      }
+      r.keep.push_back(found);
+      at = best->end;
     }
-    if (!found) {
+    if (at < end) {
       return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
-                                             std::to_string(run.length) + ") is not inside any registered cache");
+                                             std::to_string(run.length) + ") is not inside registered memory");
     }
-    if (for_write && !found->remote_accessible) {
-      return Status(Code::kParamInvalid, "cache " + std::to_string(found->id) + " is not remote accessible");
-    }
-    r.keep.push_back(found);
   }
   return r;
 }
@@ -314,6 +319,18 @@ Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
   d.stride = e.layout.stride();
   d.addrs = e.addrs;
   return d;
+}
+
+Result<wire::RawTable> Registry::describeRaw() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  if (raw_index_.size() > limits::kMaxRequestTensors) {
+    return Status(Code::kParamInvalid, "too many registered tensors to describe");
+  }
+  wire::RawTable t;
+  t.generation = published_.generation.load(std::memory_order_acquire);
+  t.ranges.reserve(raw_index_.size());
+  for (const auto& [start, tensor] : raw_index_) t.ranges.push_back({start, tensor.end - start});
+  return t;
 }
 
 void Registry::clear() {

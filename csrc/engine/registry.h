@@ -100,6 +100,8 @@ class Registry {
 
   // Serving side: find what a peer addresses and check its runs, tensors and (for writes)
   // remote accessibility. kKvCacheNotExist when the target is absent, kParamInvalid otherwise.
+  // A kRaw run (an absolute address range; also how Engine checks local_absolute runs) must lie
+  // inside one registered tensor or across up to kMaxRawSpan tensors that follow each other exactly.
   Result<Resolved> resolve(const wire::TransferBody& body, bool for_write) const;
   // Serving side: a peer finished reading `tensors` through `target`; releases the request key of a
   // pool-allocated cache once every tensor has been read.
@@ -108,6 +110,9 @@ class Registry {
   // Serving side of direct (same-host) reads: the layout of the blocks cache published under
   // model_id. kKvCacheNotExist when there is none.
   Result<wire::CacheDescriptor> describe(uint64_t model_id) const;
+  // Every registered tensor as an address range (the kRaw answer of kDescribe), with the current
+  // generation; kParamInvalid beyond limits::kMaxRequestTensors tensors (the checked path serves).
+  Result<wire::RawTable> describeRaw() const;
   // Two words a same-host peer reads directly (transport/cma.h), published at one fixed address
   // for the Registry's lifetime (sent in the handshake of same-host links only):
   //   generation  bumped before any cache memory is released or any index changes, so a peer that
@@ -146,9 +151,10 @@ class Registry {
 
   void bumpLocked() { published_.generation.fetch_add(1, std::memory_order_release); }
 
-  // A raw-address access must lie inside one tensor; of overlapping registrations the ones that
-  // start closest below the address are considered, this many.
+  // For a raw-address access, of overlapping registrations the ones that start closest below the
+  // address are considered, this many.
   static constexpr size_t kRawCandidates = 16;
+  static constexpr size_t kMaxRawSpan = 64;  // registered tensors one raw range may run across
   struct RawTensor {
     uint64_t end;
     int64_t cache_id;

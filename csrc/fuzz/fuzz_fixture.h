@@ -50,7 +50,8 @@ enum Mode : uint8_t {
   kModeAddresses = 10,   // u16 expected count, then an address list (a requester reads it)
   kModeIpcAnswer = 11,   // u8 tensors, u8 runs, runs (2 x u16), then an IpcAnswer: the requester's check
   kModeNotify = 12,      // NotifyBody (the serving side reads it)
-  kModeCount = 13,
+  kModeRawTable = 13,    // RawTable (a kDescribe answer of a kRaw target)
+  kModeCount = 14,
 };
 
 // kModeServe: the first byte's bit 0 says whether the link is same-host (proven); then steps, each

@@ -142,6 +142,7 @@ int main(int argc, char** argv) {
        std::string("\x01\x01\x10\x00\x1f\x00\x40\x00\x0f\x00", 10) + wire::encode(ipc));
 
   seed("notify", kModeNotify, wire::encode(wire::NotifyBody{"req-1", "kv ready"}));
+  seed("raw-table", kModeRawTable, wire::encode(wire::RawTable{7, {{0x1000, 4096}, {0x1000, 64}, {0x9000, 8192}}}));
 
   // Transfer bodies that the fixture accepts, one per target kind.
   using K = wire::TargetKind;

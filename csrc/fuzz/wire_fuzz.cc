@@ -133,6 +133,19 @@ void fuzzDescriptor(const uint8_t* p, size_t n) {
   FUZZ_CHECK(e.size() == n && prefixIs(e, p, n));  // the decoder takes exactly its bytes
 }
 
+void fuzzRawTable(const uint8_t* p, size_t n) {
+  wire::RawTable t;
+  if (!wire::decode(p, n, &t).ok()) return;
+  FUZZ_CHECK(t.ranges.size() <= limits::kMaxRequestTensors && n <= wire::kMaxRawTableBytes);
+  for (size_t i = 0; i < t.ranges.size(); ++i) {
+    uint64_t end = 0;
+    FUZZ_CHECK(t.ranges[i].length > 0 && !__builtin_add_overflow(t.ranges[i].offset, t.ranges[i].length, &end));
+    FUZZ_CHECK(i == 0 || t.ranges[i - 1].offset <= t.ranges[i].offset);
+  }
+  std::string e = wire::encode(t);
+  FUZZ_CHECK(e.size() == n && prefixIs(e, p, n));  // the decoder takes exactly its bytes
+}
+
 void fuzzNotify(const uint8_t* p, size_t n) {
   wire::NotifyBody b;
   if (!wire::decode(p, n, &b).ok()) return;
@@ -416,6 +429,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case kModeAddresses: fuzzAddresses(p, n); break;
     case kModeIpcAnswer: fuzzIpcAnswer(p, n); break;
     case kModeNotify: fuzzNotify(p, n); break;
+    case kModeRawTable: fuzzRawTable(p, n); break;
   }
   return 0;
 }

@@ -192,6 +192,30 @@ void descriptorAndAnswerCases() {
   }
   check(f.size() > wire::kMaxDescriptorBytes, "descriptor: one past the tensor limit is longer than the most read");
 
+  wire::RawTable t{7, {{0x1000, 4096}, {0x1000, 64}, {0x9000, 8192}}};
+  f = wire::encode(t);
+  wire::RawTable gt;
+  checkCode(wire::decode(bytes(f), f.size(), &gt), Code::kSuccess, "raw table: round trip");
+  check(gt.generation == 7 && gt.ranges.size() == 3 && gt.ranges[2].offset == 0x9000 && gt.ranges[2].length == 8192,
+        "raw table: fields round-trip");
+  checkCode(wire::decode(bytes(f), f.size() - 1, &gt), Code::kLinkFailed, "raw table: one byte short");
+  checkCode(wire::decode(bytes(f), 11, &gt), Code::kLinkFailed, "raw table: truncated count");
+  std::string trailing = f + "x";
+  checkCode(wire::decode(bytes(trailing), trailing.size(), &gt), Code::kLinkFailed, "raw table: a trailing byte");
+  for (const wire::RawTable& bad :
+       {wire::RawTable{7, {{0x1000, 0}}}, wire::RawTable{7, {{UINT64_MAX - 8, 16}}},
+        wire::RawTable{7, {{0x9000, 16}, {0x1000, 16}}},
+        wire::RawTable{7, std::vector<wire::Run>(limits::kMaxRequestTensors + 1, wire::Run{0x1000, 1})}}) {
+    f = wire::encode(bad);
+    checkCode(wire::decode(bytes(f), f.size(), &gt), Code::kLinkFailed,
+              "raw table: " + std::to_string(bad.ranges.size()) + " ranges, empty, wrapping or unsorted");
+  }
+  check(f.size() > wire::kMaxRawTableBytes, "raw table: one past the range limit is longer than the most read");
+  wire::RawTable at_limit{7, std::vector<wire::Run>(limits::kMaxRequestTensors, wire::Run{0x1000, 1})};
+  f = wire::encode(at_limit);
+  checkCode(wire::decode(bytes(f), f.size(), &gt), Code::kSuccess, "raw table: at the range limit");
+  check(f.size() == wire::kMaxRawTableBytes, "raw table: at the limit it is the most read");
+
   wire::DirectAnswer a{9, {0x10, 0x20, 0x30}, {1, 2, 3}};
   f = wire::encode(a);
   check(f.size() == wire::directAnswerBytes(3), "direct answer: encoded size");
@@ -330,8 +354,26 @@ void registryCases() {
   check(r.ok() && r.value().keep.size() == 1 && r.value().keep[0]->id == 2, "registry: a raw range inside a tensor");
   raw.runs = {{t1 + 8, kSlots * kStride - 7}};
   checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range one byte past its tensor");
+  // across two tensors where the second starts exactly where the first ends (userCache lays them
+  // out so): allowed; from the last one on into unregistered memory: refused
   raw.runs = {{b.value()->addrs[0] + kSlots * kStride - 4, 8}};
-  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range across two tensors");
+  r = reg.resolve(raw, false);
+  check(r.ok() && r.value().keep.size() == 2, "registry: a raw range across two tensors that follow each other");
+  raw.runs = {{t1 + kSlots * kStride - 4, 8}};
+  checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid,
+            "registry: a raw range from a tensor into unregistered memory");
+  {  // a range across at most Registry::kMaxRawSpan (64) tensors that follow each other
+    Registry wide;
+    std::vector<uint8_t> mw;
+    check(wide.add(userCache(&mw, 65, false, std::nullopt), {}).ok(), "registry: a cache of 65 tensors");
+    const uint64_t tensor = kSlots * kStride, base = reinterpret_cast<uint64_t>(mw.data());
+    wire::TransferBody span = raw;
+    span.runs = {{base, 64 * tensor}};
+    r = wide.resolve(span, false);
+    check(r.ok() && r.value().keep.size() == 64, "registry: a raw range across 64 tensors");
+    span.runs = {{base, 64 * tensor + 1}};
+    checkCode(wide.resolve(span, false).status(), Code::kParamInvalid, "registry: a raw range across 65 tensors");
+  }
   raw.runs = {{reinterpret_cast<uint64_t>(&gen0), 8}};
   checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range outside every cache");
   raw.runs = {{c.value()->addrs[0], 8}};

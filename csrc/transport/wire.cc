@@ -315,6 +315,38 @@ Status decode(const uint8_t* p, size_t n, CacheDescriptor* out) {
   return Status::OK();
 }
 
+std::string encode(const RawTable& t) {
+  Writer w;
+  w.put(t.generation);
+  w.put(static_cast<uint32_t>(t.ranges.size()));
+  for (const Run& r : t.ranges) {
+    w.put(r.offset);
+    w.put(r.length);
+  }
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, RawTable* out) {
+  Reader r(p, n);
+  uint32_t count = 0;
+  if (!r.get(&out->generation) || !r.get(&count) || r.left() % 16 != 0 || count != r.left() / 16 ||
+      count > limits::kMaxRequestTensors) {
+    return malformed("raw memory table");
+  }
+  out->ranges.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    Run& run = out->ranges[i];
+    uint64_t end = 0;
+    r.get(&run.offset);
+    r.get(&run.length);
+    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) ||
+        (i > 0 && run.offset < out->ranges[i - 1].offset)) {
+      return malformed("raw memory table");
+    }
+  }
+  return Status::OK();
+}
+
 std::string encode(const DirectAnswer& a) {
   Writer w;
   w.put(a.pin_epoch);

@@ -255,6 +255,19 @@ Status decode(const uint8_t* p, size_t n, CacheDescriptor* out);
 // The largest encoded CacheDescriptor: what a requester reads at most for one.
 constexpr uint64_t kMaxDescriptorBytes = 28 + 8 * uint64_t{limits::kMaxRequestTensors};
 
+// kDescribe answer for a kRaw target (same-host links only): every range of registered memory the
+// server's peers may read, sorted by address (ranges may overlap: memory can be registered twice),
+// valid while the server's registry generation stays `generation`. At most limits::kMaxRequestTensors
+// ranges, each non-empty and not wrapping.
+struct RawTable {
+  uint64_t generation = 0;
+  std::vector<Run> ranges;  // offset: the range's address
+};
+std::string encode(const RawTable& t);
+Status decode(const uint8_t* p, size_t n, RawTable* out);
+// The largest encoded RawTable: what a requester reads at most for one.
+constexpr uint64_t kMaxRawTableBytes = 12 + 16 * uint64_t{limits::kMaxRequestTensors};
+
 // Answers a requester decodes against what it asked: each decoder takes the count it expects and
 // fails (kLinkFailed, "malformed ... answer") on any other size or any value out of bounds.
 //

@@ -164,11 +164,14 @@ class TransferSpec:
     remote_tensors: list[int]
     local_runs: list[tuple[int, int]]  # EXPLICIT
     remote_runs: list[tuple[int, int]]  # EXPLICIT
+    local_absolute: bool  # EXPLICIT: local runs are absolute addresses in any registered cache
+    timeout_ms: int  # bounds the transfer; 0: the engine's sync timeout
     def __init__(self, *, peer_cluster_id: int = 0, target: Target = ..., local_cache_id: int = 0,
                  mode: TransferMode = ..., local_slot: int = 0, size: int = -1, local_blocks: Sequence[int] = ...,
                  remote_blocks: Sequence[int] = ..., local_tensors: Sequence[int] = ...,
                  remote_tensors: Sequence[int] = ..., local_runs: Sequence[tuple[int, int]] = ...,
-                 remote_runs: Sequence[tuple[int, int]] = ...) -> None: ...
+                 remote_runs: Sequence[tuple[int, int]] = ..., local_absolute: bool = False,
+                 timeout_ms: int = 0) -> None: ...
 
 _Indices = npt.NDArray[np.int64] | Sequence[int]
 _U64Array = npt.NDArray[np.uint64] | Sequence[int]
@@ -241,9 +244,11 @@ class Engine:
         self, spec: TransferSpec, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0, op: str = "prepare"
     ) -> PreparedTransfer: ...
     # Descriptor lists: [local_offsets[i], +lengths[i]) of each local tensor <-> [remote[i], +lengths[i]).
+    def describe_memory(self, cluster_id: int, timeout_ms: int, op: str = "describe_memory"
+                        ) -> tuple[int, list[tuple[int, int]]]: ...
     def transfer_runs(
         self, spec: TransferSpec, local_offsets: _U64Array, remote: _U64Array, lengths: _U64Array, push: bool,
-        op: str = "transfer",
+        op: str = "transfer", timeout_ms: int = 0,
     ) -> None: ...
     def copy_local(
         self,

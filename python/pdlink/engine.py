@@ -42,13 +42,14 @@ from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, llm_exception
 
 __all__ = [
-    "Engine", "EngineOptions", "Limits", "LinkInfo", "Notification", "Pending", "PreparedTransfer", "Region",
-    "RemoteRegion",
+    "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "Notification", "Pending", "PreparedTransfer",
+    "Region", "RemoteRegion",
 ]
 
 T = TypeVar("T")
 Descriptors = np.ndarray | Sequence[tuple[int, int]]
 Indices = np.ndarray | Sequence[int]
+Addresses = np.ndarray | list[int]
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,39 @@ class RemoteRegion:
 
 
 @dataclass(frozen=True)
+class MemoryMap:
+    """Registered memory as sorted ``(address, length)`` ranges: a peer's (``Engine.remote_memory``,
+    with its registry ``generation``: a later release there changes it, a registration only adds
+    ranges) or this engine's own (``Engine.local_memory``, generation 0)."""
+
+    generation: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def covers(self, addresses: Addresses, lengths: Addresses) -> bool:
+        """Whether every ``[addresses[i], +lengths[i])`` (non-empty) lies in this memory: inside
+        one range, or across ranges that follow each other exactly, as the engine checks it."""
+        addr = np.asarray(addresses, np.uint64)
+        size = np.asarray(lengths, np.uint64)
+        if addr.shape != size.shape or addr.ndim != 1:
+            raise ValueError("addresses and lengths must be one-dimensional and of one length")
+        if not self.ranges:
+            return addr.size == 0
+        spans = np.array(self.ranges, np.uint64)
+        starts, ends = spans[:, 0], spans[:, 0] + spans[:, 1]
+        # the union of ranges that overlap or touch, then one containing interval per descriptor
+        # (ranges are sorted by start)
+        reach = np.maximum.accumulate(ends)
+        new = np.ones(len(starts), bool)
+        new[1:] = starts[1:] > reach[:-1]
+        first = np.flatnonzero(new)
+        m_start = starts[first]
+        m_end = np.maximum.reduceat(ends, first)
+        end = addr + size
+        i = np.searchsorted(m_start, addr, side="right").astype(np.int64) - 1
+        return bool(((size > 0) & (end > addr) & (i >= 0) & (end <= m_end[np.maximum(i, 0)])).all())
+
+
+@dataclass(frozen=True)
 class Notification:
     """A notification a peer sent with ``Engine.notify``: its cluster id, then the name and the
     message exactly as sent (bytes)."""
@@ -273,8 +307,7 @@ class Engine:
             payload_integrity=options.payload_integrity, hccl_one_sided=bool(options.hccl_one_sided),
             limits=options.limits.overrides())
         self._regions: dict[int, Region] = {}
-        self._starts = np.zeros(0, np.uint64)  # sorted tensor starts (descriptor lookup)
-        self._order: list[tuple[int, Region, int]] = []  # (tensor start, its region, its index there)
+        self._raw_specs: dict[int, Any] = {}  # peer -> the TransferSpec of its descriptor transfers
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -370,7 +403,6 @@ class Engine:
         region = Region(tuple(addresses), length, where.name, block, key, int(cache_id))
         with self._lock:
             self._regions[region.cache_id] = region
-            self._reindex()
         return region
 
     def deregister(self, region: Region) -> None:
@@ -379,14 +411,13 @@ class Engine:
         with self._lock:
             if self._regions.pop(region.cache_id, None) is None:
                 raise ValueError(f"region {region.cache_id} is not registered here")
-            self._reindex()
         self._native.unregister_cache(region.cache_id)
 
-    def _reindex(self) -> None:
-        # every tensor of every region, by address: where a local descriptor lies
-        self._order = sorted(((a, r, t) for r in self._regions.values() for t, a in enumerate(r.addresses)),
-                             key=lambda e: e[0])
-        self._starts = np.array([a for a, _, _ in self._order], np.uint64)
+    def local_memory(self) -> MemoryMap:
+        """This engine's registered memory (every tensor of every region)."""
+        with self._lock:
+            ranges = sorted((a, r.length) for r in self._regions.values() for a in r.addresses)
+        return MemoryMap(0, tuple(ranges))
 
     # ------------------------------------------------------------------ peers
 
@@ -406,6 +437,14 @@ class Engine:
         ((code, message),) = self._native.unlink([peer], timeout, force)
         if code != LLMStatusCode.LLM_SUCCESS:
             raise llm_exception(code, "disconnect", message)
+
+    def remote_memory(self, peer: int, *, timeout_ms: int | None = None) -> MemoryMap:
+        """The memory ``peer`` registered, as it checks descriptors against it (one round trip): to
+        refuse a descriptor list before sending it, say. ``InvalidArgument`` when the peer has more
+        than ``LIMITS["max_request_tensors"]`` tensors registered."""
+        timeout = self.options.timeout_ms if timeout_ms is None else timeout_ms
+        generation, ranges = self._native.describe_memory(peer, timeout, "remote_memory")
+        return MemoryMap(int(generation), tuple((int(a), int(n)) for a, n in ranges))
 
     def ping(self, peer: int, *, timeout_ms: int | None = None) -> None:
         """One round trip to ``peer``; raises when it does not answer in time."""
@@ -441,20 +480,44 @@ class Engine:
 
     # ------------------------------------------------------------------ transfers
 
-    def read(self, peer: int, local: Descriptors, remote: Descriptors) -> None:
+    def read(self, peer: int, local: Descriptors, remote: Descriptors, *, timeout_ms: int | None = None) -> None:
         """Copies each remote ``(address, length)`` into the local one at the same index. Local
-        descriptors lie in this engine's regions, remote ones in the peer's."""
-        self._transfer(peer, local, remote, False)
+        descriptors lie in this engine's regions, remote ones in the peer's; one outside them
+        (here or at the peer) fails the call with ``InvalidArgument`` and nothing moves.
+        ``timeout_ms`` (default ``EngineOptions.timeout_ms``) bounds the whole call."""
+        self._transfer(peer, local, remote, False, timeout_ms)
 
-    def write(self, peer: int, local: Descriptors, remote: Descriptors) -> None:
+    def write(self, peer: int, local: Descriptors, remote: Descriptors, *, timeout_ms: int | None = None) -> None:
         """Copies each local ``(address, length)`` into the remote one at the same index."""
-        self._transfer(peer, local, remote, True)
+        self._transfer(peer, local, remote, True, timeout_ms)
 
-    def read_async(self, peer: int, local: Descriptors, remote: Descriptors) -> Pending:
-        return self._submit(self.read, peer, _descriptors(local, "local"), _descriptors(remote, "remote"))
+    def read_async(self, peer: int, local: Descriptors, remote: Descriptors, **kwargs: Any) -> Pending:
+        return self._submit(self.read, peer, _descriptors(local, "local"), _descriptors(remote, "remote"), **kwargs)
 
-    def write_async(self, peer: int, local: Descriptors, remote: Descriptors) -> Pending:
-        return self._submit(self.write, peer, _descriptors(local, "local"), _descriptors(remote, "remote"))
+    def write_async(self, peer: int, local: Descriptors, remote: Descriptors, **kwargs: Any) -> Pending:
+        return self._submit(self.write, peer, _descriptors(local, "local"), _descriptors(remote, "remote"), **kwargs)
+
+    def read_batch(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses, lengths: Addresses, *,
+                   timeout_ms: int | None = None) -> None:
+        """``read`` with the descriptors as three parallel lists (or uint64 arrays), as transfer
+        engines take them: ``lengths[i]`` bytes from ``remote_addresses[i]`` to
+        ``local_addresses[i]``. Lists of ints go to C++ without a numpy conversion, which makes
+        this the cheapest call for a few descriptors."""
+        self._batch(peer, local_addresses, remote_addresses, lengths, False, timeout_ms)
+
+    def write_batch(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses, lengths: Addresses, *,
+                    timeout_ms: int | None = None) -> None:
+        """``write`` with the descriptors as three parallel lists (``read_batch``)."""
+        self._batch(peer, local_addresses, remote_addresses, lengths, True, timeout_ms)
+
+    def read_batch_async(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses,
+                         lengths: Addresses, **kwargs: Any) -> Pending:
+        """``read_batch`` on the engine's async pool. The lists must not change until it is done."""
+        return self._submit(self.read_batch, peer, local_addresses, remote_addresses, lengths, **kwargs)
+
+    def write_batch_async(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses,
+                          lengths: Addresses, **kwargs: Any) -> Pending:
+        return self._submit(self.write_batch, peer, local_addresses, remote_addresses, lengths, **kwargs)
 
     def prepare(self, peer: int, local: Region, remote: RemoteRegion, *,
                 block_size: int | None = None) -> PreparedTransfer:
@@ -476,25 +539,30 @@ class Engine:
         native = self._native.prepare(spec, block, remote.address, remote.length)
         return PreparedTransfer(self, native)
 
-    def _transfer(self, peer: int, local: Descriptors, remote: Descriptors, push: bool) -> None:
+    def _transfer(self, peer: int, local: Descriptors, remote: Descriptors, push: bool,
+                  timeout_ms: int | None) -> None:
         lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
         if lo.shape != ro.shape:
             raise ValueError(f"local and remote descriptor lists differ in length ({len(lo)} vs {len(ro)})")
         if not np.array_equal(lo[:, 1], ro[:, 1]):
             raise ValueError("a local descriptor and its remote one differ in length")
-        regions, starts = self._order, self._starts
-        which = np.searchsorted(starts, lo[:, 0], side="right").astype(np.int64) - 1
-        if (which < 0).any():
-            raise ValueError("a local descriptor lies outside every registered region")
-        c = core()
-        op = "write" if push else "read"
-        target = c.Target(kind=c.TargetKind.RAW)
-        for w in np.unique(which):  # one native call per local tensor the descriptors lie in
-            rows = which == w
-            start, region, tensor = regions[int(w)]
-            spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=region.cache_id,
-                                  local_tensors=[tensor], remote_tensors=[0])
-            self._native.transfer_runs(spec, lo[rows, 0] - np.uint64(start), ro[rows, 0], lo[rows, 1], push, op)
+        self._batch(peer, lo[:, 0], ro[:, 0], lo[:, 1], push, timeout_ms)
+
+    def _batch(self, peer: int, local: Addresses, remote: Addresses, lengths: Addresses, push: bool,
+               timeout_ms: int | None) -> None:
+        if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
+            raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
+        # One request for the whole list, wherever in this engine's regions the local descriptors
+        # lie (the engine checks each against them): a refused descriptor, here or at the peer,
+        # moves none.
+        spec = self._raw_specs.get(peer)
+        if spec is None:
+            c = core()
+            spec = c.TransferSpec(peer_cluster_id=peer, target=c.Target(kind=c.TargetKind.RAW), local_absolute=True)
+            if len(self._raw_specs) >= 1024:  # one per peer; peers come and go
+                self._raw_specs.clear()
+            self._raw_specs[peer] = spec
+        self._native.transfer_runs(spec, local, remote, lengths, push, "write" if push else "read", timeout_ms or 0)
 
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Pending:
         with self._lock:

@@ -106,6 +106,21 @@ def descriptors(peer: int, name: str, local: Sequence[tuple[int, int]], remote: 
     getattr(_engine(), op)(peer, local_descs, list(remote))
 
 
+def batch(peer: int, local: Sequence[tuple[str, int, int]], remote: Sequence[int], op: str) -> None:
+    """``Engine.read_batch`` / ``write_batch``: ``local`` as (region, offset in its tensor 0, length),
+    ``remote`` the absolute addresses, as three parallel lists."""
+    addrs = [_state["regions"][name].region.addresses[0] + offset for name, offset, _ in local]
+    getattr(_engine(), f"{op}_batch")(peer, addrs, list(remote), [n for _, _, n in local])
+
+
+def remote_memory(peer: int) -> pdlink.MemoryMap:
+    return _engine().remote_memory(peer)
+
+
+def local_memory() -> pdlink.MemoryMap:
+    return _engine().local_memory()
+
+
 def prepare(tag: str, peer: int, name: str, remote_region: pdlink.RemoteRegion) -> None:
     """Prepares a transfer between region ``name`` and the peer's region, kept under ``tag``."""
     _state["prepared"][tag] = _engine().prepare(peer, _state["regions"][name].region, remote_region)

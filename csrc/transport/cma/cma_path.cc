@@ -1,11 +1,40 @@
 // The cma path (transport/cma/cma_path.h).
 #include "transport/cma/cma_path.h"
 
+#include <algorithm>
+
 #include "core/limits.h"
 #include "transport/cma/cma.h"
 #include "transport/frames.h"
 
 namespace pdlink {
+
+namespace {
+// The server's bounds on a raw range (Registry::resolve): among the ranges that start closest at or
+// below an address, this many are considered; a range may run across this many registrations.
+constexpr size_t kRawCandidates = 16;
+constexpr size_t kMaxRawSpan = 64;
+
+// Whether `run` lies in the table's memory as the server would find it: inside one range, or
+// across ranges that follow each other exactly.
+bool inRawTable(const wire::RawTable& table, const wire::Run& run) {
+  uint64_t end = 0;
+  if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) return false;
+  const std::vector<wire::Run>& ranges = table.ranges;
+  uint64_t at = run.offset;
+  for (size_t step = 0; at < end && step < kMaxRawSpan; ++step) {
+    uint64_t reach = at;
+    auto it = std::upper_bound(ranges.begin(), ranges.end(), at, [](uint64_t a, const wire::Run& x) { return a < x.offset; });
+    for (size_t k = 0; k < kRawCandidates && it != ranges.begin(); ++k) {
+      --it;
+      reach = std::max(reach, it->offset + it->length);
+    }
+    if (reach == at) return false;
+    at = reach;
+  }
+  return at >= end;
+}
+}  // namespace
 
 CmaPath::CmaPath(pid_t pid, uint64_t published_addr) : pid_(pid), published_addr_(published_addr) {
   caps_.name = "cma";
@@ -29,29 +58,26 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
     if (body.empty()) body = wire::encode(p.remote);
     return body;
   };
-  // The peer's published words (Registry::Published): generation, then pin epoch.
-  void* const generation_word = reinterpret_cast<void*>(published_addr_);
+  // The peer's published words (Registry::Published): generation (readChecked), then pin epoch.
   void* const pin_epoch_word = reinterpret_cast<void*>(published_addr_ + 8);
 
-  // Fast path, reads of a blocks cache: with the peer's layout cached, one process_vm_readv and no
-  // round trip. The peer's registry generation is read after the data, in the same ordered copy:
-  // it only grows, and is bumped before any of the peer's cache memory is released or any index
-  // changes, so reading the descriptor's own generation there proves nothing changed from the
-  // describe until after the data was read; otherwise the read is redone the checked way.
+  // Fast paths, reads of a blocks cache or of registered memory by address: with the peer's layout
+  // (or table) cached, one process_vm_readv and no round trip. The peer's registry generation is
+  // read after the data, in the same ordered copy: it only grows, and is bumped before any of the
+  // peer's cache memory is released or any index changes, so reading the describe's own generation
+  // there proves nothing changed from the describe until after the data was read; otherwise the
+  // read is redone the checked way. Any run the cached layout does not hold goes the checked way
+  // too, which reports the peer's own error.
   if (!is_push && target.kind == wire::TargetKind::kBlocks) {
     for (int attempt = 0; attempt < 2; ++attempt) {
       auto it = descriptors_.find(target.model_id);
       if (it == descriptors_.end()) {
-        const std::string& b = encoded();
-        wire::ResponseHeader rh;
-        Status st = request(link, wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(b.size()), 0}, b,
-                            deadline, what, &rh);
-        if (!st.ok() && link.broken()) return st;
-        if (!st.ok()) break;  // refused: the checked round trip below gives the peer's own answer
         std::string payload;
-        st = readAnswer(s, rh.payload_len, wire::kMaxDescriptorBytes, deadline, &payload, "cache descriptor");
+        Status st = describe(link, encoded(), 0, wire::kMaxDescriptorBytes, deadline, what, &payload);
+        if (!st.ok() && link.broken()) return st;
+        if (!st.ok()) break;
         wire::CacheDescriptor desc;
-        if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
+        st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
         if (!st.ok()) return failTransfer(link, st, what);
         it = descriptors_.emplace(target.model_id, std::move(desc)).first;
       }
@@ -62,8 +88,7 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
         uint64_t end = 0;
         fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
       }
-      if (!fits) break;  // the checked way reports the peer's own error
-      uint64_t g = 0;
+      if (!fits) break;
       lv.clear();
       rv.clear();
       size_t k = 0;
@@ -73,12 +98,44 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
           rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
         }
       }
-      lv.push_back({&g, 8});
-      rv.push_back({generation_word, 8});
-      Status st = cma::copy(pid_, false, lv, rv);
-      if (st.ok() && g == c.generation) return Status::OK();
-      if (!st.ok() && st.code() == Code::kLinkFailed) return failTransfer(link, st, what);
+      Result<bool> same = readChecked(lv, rv, c.generation);
+      if (!same.ok()) return failTransfer(link, same.status(), what);
+      if (same.value()) return Status::OK();
       descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
+    }
+  }
+  if (!is_push && target.kind == wire::TargetKind::kRaw && p.remote.tensors.size() == 1) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const bool cached = raw_table_.has_value();
+      if (!cached) {
+        std::string payload;
+        Status st = describe(link, encoded(), wire::kFlagDirect, wire::kMaxRawTableBytes, deadline, what, &payload);
+        if (!st.ok() && link.broken()) return st;
+        if (!st.ok()) break;
+        wire::RawTable table;
+        st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &table);
+        if (!st.ok()) return failTransfer(link, st, what);
+        raw_table_ = std::move(table);
+      }
+      bool fits = true;
+      for (const wire::Run& r : p.remote.runs) {
+        fits = inRawTable(*raw_table_, r);
+        if (!fits) break;
+      }
+      if (!fits && cached) {  // registered since the table was fetched (adds keep the generation)?
+        raw_table_.reset();
+        continue;
+      }
+      if (!fits) break;
+      lv.assign(local.begin(), local.end());
+      rv.clear();
+      for (const wire::Run& r : p.remote.runs) {
+        rv.push_back({reinterpret_cast<void*>(r.offset), static_cast<size_t>(r.length)});
+      }
+      Result<bool> same = readChecked(lv, rv, raw_table_->generation);
+      if (!same.ok()) return failTransfer(link, same.status(), what);
+      if (same.value()) return Status::OK();
+      raw_table_.reset();  // the peer's registrations changed
     }
   }
 
@@ -137,6 +194,25 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
     return Status(copied.code(), std::string(what) + " " + clusterName(link.peer()) + ": " + copied.message());
   }
   return Status::OK();
+}
+
+Status CmaPath::describe(Link& link, const std::string& body, uint8_t flags, uint64_t max_bytes, Deadline deadline,
+                         const char* what, std::string* payload) {
+  wire::ResponseHeader rh;
+  Status st = request(link, wire::RequestHeader{wire::Op::kDescribe, static_cast<uint32_t>(body.size()), 0, flags},
+                      body, deadline, what, &rh);
+  if (!st.ok()) return st;
+  st = readAnswer(link.out(), rh.payload_len, max_bytes, deadline, payload, "describe answer");
+  return st.ok() ? st : failTransfer(link, st, what);
+}
+
+Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation) {
+  uint64_t g = 0;
+  local.push_back({&g, 8});
+  remote.push_back({reinterpret_cast<void*>(published_addr_), 8});
+  Status st = cma::copy(pid_, false, local, remote);
+  if (!st.ok() && st.code() == Code::kLinkFailed) return st;
+  return st.ok() && g == generation;  // an unmapped range (EFAULT) counts as changed: checked again
 }
 
 Status CmaServer::serve(ServeCall& call) {

@@ -1,8 +1,9 @@
 // The cma path: direct reads and writes of a same-host peer's memory (transport/cma/cma.h), on a
 // link the kernel proved to join two processes of this host (Link::sameHost) and whose probe read
 // succeeded. The peer checks and pins every access as usual and answers with its addresses
-// (DirectAnswer); a read of a blocks cache whose layout this side has cached needs no round trip
-// at all: one ordered process_vm_readv between two reads of the peer's registry generation.
+// (DirectAnswer); a read of a blocks cache whose layout this side has cached, or of registered
+// memory by address while this side has the peer's table of it, needs no round trip at all: one
+// ordered process_vm_readv of the data and then the peer's registry generation.
 #pragma once
 
 #include <sys/types.h>
@@ -11,6 +12,7 @@
 #include <map>
 
 #include <functional>
+#include <optional>
 
 #include "transport/path.h"
 
@@ -25,10 +27,19 @@ class CmaPath : public DataPath {
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
  private:
+  // kDescribe of `p`'s target: the answer's payload (at most `max_bytes`). Not OK with the link
+  // intact: the peer refused, and the checked round trip gives its own answer.
+  Status describe(Link& link, const std::string& body, uint8_t flags, uint64_t max_bytes, Deadline deadline,
+                  const char* what, std::string* payload);
+  // The ordered read of the fast paths: the runs `local[i]` <- `remote[i]`, then the peer's
+  // generation word; true when it equals `generation` (nothing changed since the describe).
+  Result<bool> readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation);
+
   PathCaps caps_;
   const pid_t pid_;
   const uint64_t published_addr_;
   std::map<uint64_t, wire::CacheDescriptor> descriptors_;  // model_id -> the peer's layout; out mutex
+  std::optional<wire::RawTable> raw_table_;  // the peer's registered memory; out mutex
 };
 
 // Answers a checked direct access with the addresses of exactly the resolved ranges and the pin
