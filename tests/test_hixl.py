@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import hixl
-from backend_env import Variant
+from backend_env import VARIANTS, Variant
 from comm_util import free_port, rank_table
 from conftest import only
 from peer import Peer
@@ -34,8 +34,8 @@ from verify import Copy, Snapshot, assert_same
 R = TypeVar("R")
 H: Any = hixl  # for the calls that pass deliberately wrong types (mypy would refuse them)
 NOBODY = "127.0.0.1:1"  # an engine id nobody has: no link to it, ever
-CPU = only("cpu-cma", "cpu-tcp")
-TCP = only("cpu-tcp")  # every transfer goes through the peer's serving thread (a frozen peer answers nothing)
+# the cells where every transfer goes through the peer's serving thread (a frozen peer answers nothing)
+SERVING = only(*(v.id for v in VARIANTS if v.serving_loop))
 
 STATUS_CODES = {"SUCCESS": 0, "PARAM_INVALID": 103900, "TIMEOUT": 103901, "NOT_CONNECTED": 103902,
                 "ALREADY_CONNECTED": 103903, "NOTIFY_FAILED": 103904, "UNSUPPORTED": 103905, "FAILED": 503900,
@@ -735,6 +735,21 @@ def test_send_notify_does_not_auto_connect() -> None:
 Triple = tuple[int, int, int]  # (source offset, destination offset, length) within two buffers
 
 
+def on_device(variant: Variant, mem_type: str) -> bool:
+    """Whether a buffer registered as ``mem_type`` is device memory: MEM_DEVICE on a backend with
+    device memory (the Ascend variants: the fake ACL's DEVICE memory, which hixl registers as
+    DEVICE and the variant's device path moves); host memory otherwise (MEM_HOST, and both types
+    on the CPU backend)."""
+    return mem_type == "MEM_DEVICE" and variant.device_memory
+
+
+def alloc(side: Peer, variant: Variant, name: str, size: int, mem_type: str = "MEM_HOST",
+          seed: int | None = None, fill: int | None = None) -> int:
+    """``hixl_peer.alloc`` of memory fit to be registered as ``mem_type`` on ``variant``
+    (``on_device``); returns its address."""
+    return int(side.call(hixl_peer.alloc, name, size, seed=seed, fill=fill, device=on_device(variant, mem_type)))
+
+
 class Two:
     """A listening server and a client (client-only unless ``client_listens``), each a peer
     process running tests/peers/hixl_peer.py; no memory, no link yet."""
@@ -749,9 +764,10 @@ class Two:
 
     def buffers(self, size: int = 16384, mem_type: str = "MEM_HOST") -> tuple[int, int]:
         """Server buffer "src" (a seeded pattern) and client buffer "dst" (another pattern), both
-        registered whole; returns their addresses."""
-        src = self.server.call(hixl_peer.alloc, "src", size, seed=1)
-        dst = self.client.call(hixl_peer.alloc, "dst", size, seed=2)
+        registered whole as ``mem_type`` (device memory for MEM_DEVICE on the Ascend variants:
+        ``on_device``); returns their addresses."""
+        src = alloc(self.server, self.variant, "src", size, mem_type, seed=1)
+        dst = alloc(self.client, self.variant, "dst", size, mem_type, seed=2)
         assert self.server.call(hixl_peer.register, "src", mem_type)[0] == hixl.SUCCESS
         assert self.client.call(hixl_peer.register, "dst", mem_type)[0] == hixl.SUCCESS
         return src, dst
@@ -793,17 +809,16 @@ def write_descs(src: int, dst: int, triples: Sequence[Triple]) -> list[Triple]:
 # ============================================================================ two processes: flows
 
 
-@CPU
 def test_official_example_reads_8_mib_in_512_blocks(peers: Callable[..., Peer], variant: Variant) -> None:
     """Spec 11.1: both engines have ports and the example's options; the server's 8 MiB of 0xAA,
     registered as MEM_DEVICE, is read by the client in 512 descriptors of 16 KiB with a 30 s
     timeout; every byte checked; then disconnect, deregister, finalize, every code SUCCESS."""
     size, block = 8 << 20, 16 << 10
     two = Two(peers, variant, EXAMPLE_OPTIONS, EXAMPLE_OPTIONS, client_listens=True)
-    src = two.server.call(hixl_peer.alloc, "buf", size, fill=0xAA)
+    src = alloc(two.server, variant, "buf", size, "MEM_DEVICE", fill=0xAA)
     ret, server_handle = two.server.call(hixl_peer.register, "buf", "MEM_DEVICE")
     assert ret == hixl.SUCCESS
-    dst = two.client.call(hixl_peer.alloc, "buf", size)
+    dst = alloc(two.client, variant, "buf", size, "MEM_DEVICE")
     ret, client_handle = two.client.call(hixl_peer.register, "buf", "MEM_DEVICE")
     assert ret == hixl.SUCCESS
     assert two.client.call(hixl_peer.connect, two.server_id, 5000) == hixl.SUCCESS
@@ -826,13 +841,12 @@ def test_official_example_reads_8_mib_in_512_blocks(peers: Callable[..., Peer], 
 SCATTER = [(4096, 8192, 4096), (0, 12400, 100), (16383, 0, 1), (5000, 5001, 777), (12288, 16384 - 333, 333)]
 
 
-@CPU
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 def test_descriptor_lists_move_exact_bytes(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
     two = Two(peers, variant)
     src, dst = two.buffers()  # server "src", client "dst"
     # a second server buffer registered as MEM_DEVICE: a mixed batch
-    dev = two.server.call(hixl_peer.alloc, "dev", 8192, seed=3)
+    dev = alloc(two.server, variant, "dev", 8192, "MEM_DEVICE", seed=3)
     assert two.server.call(hixl_peer.register, "dev", "MEM_DEVICE")[0] == hixl.SUCCESS
     assert two.client.call(hixl_peer.connect, two.server_id) == hixl.SUCCESS
     if op == "READ":  # server -> client
@@ -847,7 +861,6 @@ def test_descriptor_lists_move_exact_bytes(peers: Callable[..., Peer], variant: 
     assert code == hixl.SUCCESS
 
 
-@CPU
 def test_contiguous_registrations_count_as_one(peers: Callable[..., Peer], variant: Variant) -> None:
     """A descriptor across the boundary of two exactly adjacent registered regions, on either side."""
     two = Two(peers, variant)
@@ -864,7 +877,6 @@ def test_contiguous_registrations_count_as_one(peers: Callable[..., Peer], varia
     assert code == hixl.SUCCESS
 
 
-@CPU
 def test_ranges_outside_registered_memory_are_refused_and_nothing_moves(peers: Callable[..., Peer],
                                                                         variant: Variant) -> None:
     """hixl_cs validation: any local or remote range not inside registered memory, a zero length,
@@ -921,7 +933,6 @@ def test_ranges_outside_registered_memory_are_refused_and_nothing_moves(peers: C
     assert code == hixl.SUCCESS
 
 
-@CPU
 def test_deregister_while_linked_is_allowed_and_the_range_is_then_refused(peers: Callable[..., Peer],
                                                                           variant: Variant) -> None:
     two = Two(peers, variant)
@@ -938,7 +949,6 @@ def test_deregister_while_linked_is_allowed_and_the_range_is_then_refused(peers:
     assert two.client.call(hixl_peer.disconnect, two.server_id) == hixl.SUCCESS
 
 
-@CPU
 def test_links_are_one_way(peers: Callable[..., Peer], variant: Variant) -> None:
     """Only the connecting side transfers and notifies; the other side serves; the reverse link
     is a link of its own."""
@@ -968,7 +978,6 @@ def test_links_are_one_way(peers: Callable[..., Peer], variant: Variant) -> None
     assert two.client.call(hixl_peer.connect, two.server_id) == hixl.ALREADY_CONNECTED
 
 
-@CPU
 def test_connect_and_disconnect_codes(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     src, dst = two.buffers()
@@ -993,7 +1002,6 @@ def test_connect_and_disconnect_codes(peers: Callable[..., Peer], variant: Varia
     assert code in (hixl.TIMEOUT, hixl.FAILED, hixl.NOT_CONNECTED)
 
 
-@CPU
 @pytest.mark.parametrize("client_id", ["127.0.0.1:0", "127.0.0.1"])
 def test_client_only_engines_connect_and_transfer(peers: Callable[..., Peer], variant: Variant, client_id: str) -> None:
     server, client = peers("hixl-server", env=variant.env()), peers("hixl-client", env=variant.env())
@@ -1012,7 +1020,6 @@ def test_client_only_engines_connect_and_transfer(peers: Callable[..., Peer], va
     assert server.call(hixl_peer.notifies) == (hixl.SUCCESS, [("from", client_id)])
 
 
-@CPU
 def test_async_connect_status_machine(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     src, dst = two.buffers()
@@ -1040,7 +1047,6 @@ def test_async_connect_status_machine(peers: Callable[..., Peer], variant: Varia
     assert set(seen) <= {"CONNECT_PENDING", "CONNECTING", "CONNECT_FAILED"}, seen
 
 
-@CPU
 def test_auto_connect(peers: Callable[..., Peer], variant: Variant) -> None:
     """Without AutoConnect a transfer needs a link (nothing moves); with it, transfers make the
     link themselves and send_notify does not; connect then finds the link made."""
@@ -1065,7 +1071,6 @@ def test_auto_connect(peers: Callable[..., Peer], variant: Variant) -> None:
     assert auto.call(hixl_peer.connect, two.server_id) == hixl.ALREADY_CONNECTED
 
 
-@CPU
 def test_async_requests_report_once(peers: Callable[..., Peer], variant: Variant) -> None:
     """get_transfer_status: COMPLETED once, then PARAM_INVALID; get_all_transfer_status: every
     finished request once, with its user_data, in submission order."""
@@ -1105,7 +1110,6 @@ def test_async_requests_report_once(peers: Callable[..., Peer], variant: Variant
     assert two.client.call(hixl_peer.status, 0) == (hixl.FAILED, "FAILED")
 
 
-@CPU
 def test_many_outstanding_requests(peers: Callable[..., Peer], variant: Variant) -> None:
     """64 requests submitted before any is polled: distinct ids, each finished once, all bytes there."""
     two = Two(peers, variant)
@@ -1128,7 +1132,7 @@ def test_many_outstanding_requests(peers: Callable[..., Peer], variant: Variant)
     check_moves(submit_and_collect, [(two.client, "dst", two.server, "src", [t for p in parts for t in p])])
 
 
-@TCP
+@SERVING
 def test_waiting_requests_while_the_peer_is_frozen(peers: Callable[..., Peer], variant: Variant) -> None:
     """With the server frozen, requests stay WAITING: skip_waiting leaves them out, max_query_count
     caps the results (in submission order), nothing is freed; thawed, each completes once."""
@@ -1159,7 +1163,6 @@ def test_waiting_requests_while_the_peer_is_frozen(peers: Callable[..., Peer], v
     assert_same(two.server.call(hixl_peer.snapshot, "src"), before["src"], "the server's src")
 
 
-@CPU
 def test_transfers_from_several_threads(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     src, dst = two.buffers(65536)
@@ -1174,7 +1177,6 @@ def test_transfers_from_several_threads(peers: Callable[..., Peer], variant: Var
 # ============================================================================ two processes: callers
 
 
-@CPU
 def test_ray_hixl_tensor_transport(peers: Callable[..., Peer], variant: Variant) -> None:
     """Spec 11.3: engines at ip:free_port with AutoConnect; the source registers tensor storages
     once each; the receiver connects (accepting ALREADY_CONNECTED), transfer_async READ, polls
@@ -1182,14 +1184,14 @@ def test_ray_hixl_tensor_transport(peers: Callable[..., Peer], variant: Variant)
     again; finalize in try/except."""
     two = Two(peers, variant, dict(AUTO), dict(AUTO), client_listens=True)
     source, receiver = two.server, two.client
-    t0 = source.call(hixl_peer.alloc, "t0", 32768, seed=1)
+    t0 = alloc(source, variant, "t0", 32768, "MEM_DEVICE", seed=1)
     t1 = source.call(hixl_peer.alloc, "t1", 8192, seed=2)
     ret, h0 = source.call(hixl_peer.register, "t0", "MEM_DEVICE")
     assert ret == hixl.SUCCESS
     assert source.call(hixl_peer.register, "t0", "MEM_DEVICE") == (hixl.SUCCESS, h0)  # the same storage again
     ret, h1 = source.call(hixl_peer.register, "t1", "MEM_HOST")
     assert ret == hixl.SUCCESS
-    r0 = receiver.call(hixl_peer.alloc, "r0", 32768)
+    r0 = alloc(receiver, variant, "r0", 32768, "MEM_DEVICE")
     r1 = receiver.call(hixl_peer.alloc, "r1", 8192)
     assert receiver.call(hixl_peer.register, "r0", "MEM_DEVICE")[0] == hixl.SUCCESS
     assert receiver.call(hixl_peer.register, "r1", "MEM_HOST")[0] == hixl.SUCCESS
@@ -1218,7 +1220,6 @@ def test_ray_hixl_tensor_transport(peers: Callable[..., Peer], variant: Variant)
     assert source.call(hixl_peer.notifies) == (hixl.FAILED, [])
 
 
-@CPU
 def test_vllm_ascend_eplb(peers: Callable[..., Peer], variant: Variant) -> None:
     """Spec 11.4: three ranks at ip:port with no options, merged regions as MEM_DEVICE, connect to
     every peer with 300 s; per layer, transfer_async READs from every other rank (two requests
@@ -1227,8 +1228,8 @@ def test_vllm_ascend_eplb(peers: Callable[..., Peer], variant: Variant) -> None:
     n, size, chunk = 3, 12288, 1024
     ranks = [peers(f"eplb-rank{i}", env=variant.env()) for i in range(n)]
     ids = [r.call(hixl_peer.start, {}) for r in ranks]
-    send = [r.call(hixl_peer.alloc, "send", size, seed=10 + i) for i, r in enumerate(ranks)]
-    recv = [r.call(hixl_peer.alloc, "recv", size) for r in ranks]
+    send = [alloc(r, variant, "send", size, "MEM_DEVICE", seed=10 + i) for i, r in enumerate(ranks)]
+    recv = [alloc(r, variant, "recv", size, "MEM_DEVICE") for r in ranks]
     for r in ranks:
         assert r.call(hixl_peer.register, "send", "MEM_DEVICE")[0] == hixl.SUCCESS
         assert r.call(hixl_peer.register, "recv", "MEM_DEVICE")[0] == hixl.SUCCESS
@@ -1270,7 +1271,6 @@ MOONCAKE_OPTIONS = {
 }
 
 
-@CPU
 def test_mooncake_tent(peers: Callable[..., Peer], variant: Variant) -> None:
     """Spec 11.5: AutoConnect always, transfer_async with no connect, polled; teardown: disconnect
     every remote first, then deregister each handle, then finalize."""
@@ -1296,7 +1296,6 @@ def test_mooncake_tent(peers: Callable[..., Peer], variant: Variant) -> None:
 # ============================================================================ two processes: notifications
 
 
-@CPU
 def test_notifications(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     assert two.client.call(hixl_peer.connect, two.server_id) == hixl.SUCCESS
@@ -1314,7 +1313,6 @@ def test_notifications(peers: Callable[..., Peer], variant: Variant) -> None:
     assert two.server.call(hixl_peer.notifies) == (hixl.SUCCESS, [("again", "x")])
 
 
-@CPU
 def test_a_full_notification_queue_is_resource_exhausted(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     assert two.client.call(hixl_peer.connect, two.server_id) == hixl.SUCCESS
@@ -1328,7 +1326,7 @@ def test_a_full_notification_queue_is_resource_exhausted(peers: Callable[..., Pe
 # ============================================================================ two processes: faults
 
 
-@TCP
+@SERVING
 def test_a_frozen_peer_gives_timeout(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     src, dst = two.buffers()
@@ -1360,7 +1358,6 @@ def test_a_frozen_peer_gives_timeout(peers: Callable[..., Peer], variant: Varian
     assert code == hixl.SUCCESS
 
 
-@CPU
 def test_a_dead_peer_fails_transfers_without_a_hang(peers: Callable[..., Peer], variant: Variant) -> None:
     two = Two(peers, variant)
     src, dst = two.buffers()

@@ -1,5 +1,6 @@
 """Peer-side functions for tests/test_hixl.py: one ``hixl.Hixl`` engine per peer process, and its
-memory by name, in guarded host memory (tests/peers/memory.py)::
+memory by name, in guarded memory (tests/peers/memory.py: host memory, or with ``device=True`` the
+Ascend backend's DEVICE memory)::
 
     server_id = server.call(hixl_peer.start, {})                  # "127.0.0.1:<port>", listening
     src = server.call(hixl_peer.alloc, "src", 1 << 20, seed=1)    # the buffer's address
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 import hixl
-from peers.memory import GuardedTensors, direct_write
+from peers.memory import GuardedTensors, device_memory_is_remote, direct_write
 from verify import Snapshot
 
 Desc = tuple[int, int, int]
@@ -99,12 +100,15 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------- memory
 
 
-def alloc(name: str, nbytes: int, seed: int | None = None, fill: int | None = None) -> int:
-    """``nbytes`` of guarded host memory kept under ``name`` (``verify.pattern(.., seed)``, or every
-    byte ``fill``, or zeros); returns its first byte's address. Not registered."""
-    memory = GuardedTensors(1, nbytes, 1, seed, False)
+def alloc(name: str, nbytes: int, seed: int | None = None, fill: int | None = None, device: bool = False) -> int:
+    """``nbytes`` of guarded memory kept under ``name`` (``verify.pattern(.., seed)``, or every byte
+    ``fill``, or zeros): DEVICE memory of the Ascend backend (the fake ACL's) when ``device``, else
+    host memory; returns its first byte's address. Not registered. Snapshots read it back directly
+    (the fake's own view of device memory), never through hixl."""
+    assert not device or device_memory_is_remote(), "device memory exists on the Ascend backend only"
+    memory = GuardedTensors(1, nbytes, 1, seed, device)
     if fill is not None:
-        direct_write(memory.addrs[0], np.full(nbytes, fill, np.uint8), False)
+        direct_write(memory.addrs[0], np.full(nbytes, fill, np.uint8), device)
     _state["buffers"][name] = memory
     return int(memory.addrs[0])
 
