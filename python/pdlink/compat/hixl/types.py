@@ -112,30 +112,28 @@ DISCONNECTING = AsyncConnectStatus.DISCONNECTING
 # ---------------------------------------------------------------------------- argument conversion
 
 
-def uint(value: Any, bits: int, what: str) -> int:
-    """``value`` as an unsigned ``bits``-bit int, as pybind11 converts it; TypeError otherwise."""
+def _ranged(value: Any, lo: int, hi: int, kind: str, what: str) -> int:
+    """``value`` as an int in [lo, hi), as pybind11 converts it (ints, bools, numpy integers; not
+    floats); TypeError otherwise."""
     if not isinstance(value, float):
         try:
             n = operator.index(value)
         except TypeError:
             pass
         else:
-            if 0 <= n < 1 << bits:
+            if lo <= n < hi:
                 return n
-    raise TypeError(f"incompatible function arguments: {what} must be an unsigned {bits}-bit int, got {value!r}")
+    raise TypeError(f"incompatible function arguments: {what} must be {kind}, got {value!r}")
+
+
+def uint(value: Any, bits: int, what: str) -> int:
+    """``value`` as an unsigned ``bits``-bit int; TypeError otherwise."""
+    return _ranged(value, 0, 1 << bits, f"an unsigned {bits}-bit int", what)
 
 
 def int32(value: Any, what: str) -> int:
     """``value`` as an int32 (the type of every timeout); TypeError otherwise."""
-    if not isinstance(value, float):
-        try:
-            n = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if -2**31 <= n < 2**31:
-                return n
-    raise TypeError(f"incompatible function arguments: {what} must be an int32, got {value!r}")
+    return _ranged(value, -2**31, 2**31, "an int32", what)
 
 
 def text(value: Any, what: str) -> str:
