@@ -35,9 +35,6 @@ R = TypeVar("R")
 H: Any = hixl  # for the calls that pass deliberately wrong types (mypy would refuse them)
 NOBODY = "127.0.0.1:1"  # an engine id nobody has: no link to it, ever
 # the cells where every transfer goes through the peer's serving thread (a frozen peer answers nothing)
-# Known bug (issue #18, open): on the Ascend backend a descriptor list mixing HOST and DEVICE
-# memory, or Ray's DEVICE flow, moves wrong bytes; these tests run on the CPU paths until fixed.
-CPU_UNTIL_ASCEND_FIXED = only("cpu-cma", "cpu-tcp")
 SERVING = only(*(v.id for v in VARIANTS if v.serving_loop))
 
 STATUS_CODES = {"SUCCESS": 0, "PARAM_INVALID": 103900, "TIMEOUT": 103901, "NOT_CONNECTED": 103902,
@@ -844,7 +841,6 @@ def test_official_example_reads_8_mib_in_512_blocks(peers: Callable[..., Peer], 
 SCATTER = [(4096, 8192, 4096), (0, 12400, 100), (16383, 0, 1), (5000, 5001, 777), (12288, 16384 - 333, 333)]
 
 
-@CPU_UNTIL_ASCEND_FIXED
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 def test_descriptor_lists_move_exact_bytes(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
     two = Two(peers, variant)
@@ -1181,7 +1177,6 @@ def test_transfers_from_several_threads(peers: Callable[..., Peer], variant: Var
 # ============================================================================ two processes: callers
 
 
-@CPU_UNTIL_ASCEND_FIXED
 def test_ray_hixl_tensor_transport(peers: Callable[..., Peer], variant: Variant) -> None:
     """Spec 11.3: engines at ip:free_port with AutoConnect; the source registers tensor storages
     once each; the receiver connects (accepting ALREADY_CONNECTED), transfer_async READ, polls

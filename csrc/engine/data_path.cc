@@ -211,18 +211,35 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
     return refuse(resolved.status());
   }
   const Resolved& r = resolved.value();
-  // Device memory is reachable only through the device channel; host memory only without it.
-  const bool on_device = device_transport_ && std::any_of(r.keep.begin(), r.keep.end(), [](const auto& e) {
-                           return e->layout.placement == Placement::kDevice;
-                         });
-  if (device != on_device) {
-    return refuse(Status(Code::kParamInvalid,
-                         on_device ? "the addressed cache is in device memory; the other side's cache must be "
-                                     "in device memory too (placement DEVICE, same backend)"
-                                   : "the addressed cache is in host memory; a device cache cannot be moved to "
-                                     "or from it over this link (use placement DEVICE on both sides)"));
+  // Device memory is reachable only through the device channel, host memory only without it;
+  // except that the stream path stages the DEVICE ranges of a descriptor list (kRaw), which may mix
+  // both (hixl moves HOST and DEVICE memory in one batch, either way).
+  const bool raw = tb.target.kind == wire::TargetKind::kRaw;
+  std::vector<uint8_t> device_runs;  // per run of a kRaw request: in DEVICE memory
+  bool all_device = false, any_device = false;
+  if (device_transport_ && raw) {
+    for (Placement p : r.run_placements) device_runs.push_back(p == Placement::kDevice);
+    all_device = std::all_of(device_runs.begin(), device_runs.end(), [](uint8_t d) { return d != 0; });
+    any_device = std::any_of(device_runs.begin(), device_runs.end(), [](uint8_t d) { return d != 0; });
+  } else if (device_transport_) {
+    all_device = any_device = r.keep.front()->layout.placement == Placement::kDevice;
   }
-  ServeCall call{*link, s, h, r.addrs, r.tensors, r.base, r.runs, payload.value(), deadline, false, state->exported};
+  if (device || !any_device) device_runs.clear();  // staged only on the stream path
+  if (device && !all_device) {
+    return refuse(raw ? Status(Code::kFeatureNotEnabled, "some of the addressed ranges are host memory: the stream "
+                                                         "path moves them")
+                      : Status(Code::kParamInvalid, "the addressed cache is in host memory; a device cache cannot be "
+                                                    "moved to or from it over this link (use placement DEVICE on "
+                                                    "both sides)"));
+  }
+  if (!device && any_device && (!raw || direct)) {
+    return refuse(raw ? Status(Code::kFeatureNotEnabled, "some of the addressed ranges are device memory: the stream "
+                                                         "path moves them")
+                      : Status(Code::kParamInvalid, "the addressed cache is in device memory; the other side's cache "
+                                                    "must be in device memory too (placement DEVICE, same backend)"));
+  }
+  ServeCall call{*link, s, h, r.addrs, r.tensors, r.base, r.runs, device_runs, payload.value(), deadline, false,
+                 state->exported};
   Status served = serverFor(h.flags).serve(call);
   if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
   return served;
@@ -302,16 +319,20 @@ Result<TransferPlan> Engine::planAbsolute(const TransferSpec& spec) {
   auto resolved = registry_.resolve(local, false);
   if (!resolved.ok()) return Status(Code::kParamInvalid, "local " + resolved.status().message());
   auto keep = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(resolved.value().keep));
-  const Placement placement = keep->front()->layout.placement;
-  for (const auto& entry : *keep) {
-    if (entry->layout.placement != placement) {
-      return Status(Code::kParamInvalid, "the local ranges lie in both HOST and DEVICE memory: transfer each separately");
-    }
-  }
   TransferPlan p;
+  // Runs in a device backend's DEVICE memory: all of them go over the device paths; some of them,
+  // over the stream path, staged (transferPart).
+  size_t on_device = 0;
+  for (Placement placement : resolved.value().run_placements) {
+    const bool device = device_transport_ && placement == Placement::kDevice;
+    p.local_device_runs.push_back(device);
+    on_device += device;
+  }
+  if (on_device == 0) p.local_device_runs.clear();
   p.local = std::move(keep);
+  p.local_absolute = true;
   p.local_addrs = {0};  // runs are absolute: tensor 0 at address 0
-  p.local_placement = placement;
+  p.local_placement = on_device == spec.local_runs.size() ? Placement::kDevice : Placement::kHost;
   p.local_tensors = {0};
   p.local_runs = spec.local_runs;
   p.remote.target = spec.target;
@@ -427,10 +448,14 @@ std::vector<TransferPlan> Engine::split(const TransferPlan& p) {
     const size_t last = std::min<size_t>(p.remote.runs.size(), first + runs_per_request);
     TransferPlan c;
     c.local = p.local;
+    c.local_absolute = p.local_absolute;
     c.local_addrs = p.local_addrs;
     c.local_placement = p.local_placement;
     c.local_tensors = p.local_tensors;
     c.local_runs.assign(p.local_runs.begin() + first, p.local_runs.begin() + last);
+    if (!p.local_device_runs.empty()) {
+      c.local_device_runs.assign(p.local_device_runs.begin() + first, p.local_device_runs.begin() + last);
+    }
     c.remote.target = p.remote.target;
     c.remote.block_size = p.remote.block_size;
     c.remote.tensors = p.remote.tensors;
@@ -554,6 +579,7 @@ Status Engine::post(PreparedTransfer& prep, const int64_t* local, const int64_t*
   p.local_placement = entry->layout.placement;
   p.local = std::move(entry);
   p.local_runs.clear();
+  p.local_device_runs.clear();
   p.remote.runs.clear();
   p.commit = true;
   if (prep.local_tensors.empty()) {
@@ -601,8 +627,18 @@ Status Engine::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool 
 
 Status Engine::transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
                             const char* what) {
+  // A descriptor list (local_absolute) of a device backend whose ranges here, or at the peer, mix
+  // HOST and DEVICE memory goes over the stream path, each side staging its DEVICE ranges: its
+  // DEVICE ranges here are marked in the plan, the peer's show in its refusal of the other paths
+  // (kFeatureNotEnabled, nothing moved).
+  const bool staged = device_transport_ && p.local_absolute && p.remote.target.kind == wire::TargetKind::kRaw;
+  auto fallBack = [&](const Status& st) {
+    if (!staged || st.code() != Code::kFeatureNotEnabled || link->broken()) return st;
+    return staged_path_->transfer(*link, p, is_push, deadline, what);
+  };
   if (!(device_transport_ && p.local_placement == Placement::kDevice)) {
-    return link->hostPath().transfer(*link, p, is_push, deadline, what);
+    if (!p.local_device_runs.empty()) return staged_path_->transfer(*link, p, is_push, deadline, what);
+    return fallBack(link->hostPath().transfer(*link, p, is_push, deadline, what));
   }
   // DEVICE memory: the link's device paths in order; one that cannot take this transfer (and moved
   // nothing) leaves it to the next.
@@ -614,7 +650,7 @@ Status Engine::transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, 
     last = path->transfer(*link, p, is_push, deadline, what);
     if (last.code() != Code::kFeatureNotEnabled || link->broken()) return last;
   }
-  return last;
+  return fallBack(last);
 }
 
 // ---------------------------------------------------------------- device channels

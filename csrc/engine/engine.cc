@@ -29,14 +29,15 @@ Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
       device_transport_(caps.device_transport),
       ipc_(caps.device_transport && hasFeature(caps, "ipc")),
       one_sided_(caps.device_transport && hasFeature(caps, "one_sided")),
-      stream_server_(std::make_unique<StreamServer>()),
+      stream_server_(std::make_unique<StreamServer>(*backend_)),
       cma_server_(std::make_unique<CmaServer>([this] { return registry_.pinEpoch(); })),
       hccl_server_(std::make_unique<HcclServer>()),
       one_sided_server_(std::make_unique<OneSidedServer>()),
       ipc_server_(std::make_unique<IpcServer>(*backend_)),
       hccl_path_(std::make_unique<HcclPath>()),
       one_sided_path_(std::make_unique<OneSidedPath>()),
-      ipc_path_(std::make_unique<IpcPath>(*backend_)) {}
+      ipc_path_(std::make_unique<IpcPath>(*backend_)),
+      staged_path_(std::make_unique<StreamPath>(false, backend_.get())) {}
 
 Engine::~Engine() { finalize(); }
 

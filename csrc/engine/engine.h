@@ -158,10 +158,12 @@ struct TransferSpec {
   std::vector<uint32_t> remote_tensors;
   std::vector<wire::Run> local_runs;   // kExplicit
   std::vector<wire::Run> remote_runs;  // kExplicit
-  // kExplicit only: local_runs are absolute addresses, each inside one tensor of any cache this
-  // engine registered (local_cache_id and the tensor mapping are ignored; the caches must share one
-  // placement). The whole list then goes to the peer as one request (up to
-  // limits::kMaxRequestPieces runs), so a peer that refuses any run moves none of them.
+  // kExplicit only: local_runs are absolute addresses, each inside registered memory of this engine
+  // (any cache; local_cache_id and the tensor mapping are ignored), each of one placement. The
+  // whole list then goes to the peer as one request (up to limits::kMaxRequestPieces runs), so a
+  // peer that refuses any run moves none of them. The list may mix HOST and DEVICE memory on
+  // either side: with a device backend such a list moves over the stream path, its DEVICE ranges
+  // staged through host memory; one all in DEVICE memory on both sides takes the device paths.
   bool local_absolute = false;
   // Bounds the whole transfer; 0 or less: the engine's EngineConfig::sync_timeout_ms.
   int64_t timeout_ms = 0;
@@ -397,6 +399,9 @@ class Engine {
   // device paths (a link's host path is its own object, Link::hostPath).
   std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
   std::unique_ptr<DataPath> hccl_path_, one_sided_path_, ipc_path_;
+  // The stream path that stages DEVICE memory: descriptor lists mixing HOST and DEVICE memory, on
+  // either side, on any link (transferPart).
+  std::unique_ptr<DataPath> staged_path_;
   EngineConfig config_;
   wire::HostHint hint_;  // set by initialize()
   Registry registry_;

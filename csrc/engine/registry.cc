@@ -241,6 +241,7 @@ Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool
     // current address, the one that reaches farthest (O(log tensors) per step, so the shared lock
     // is held for a time bounded by the request's runs, never by the registry's size).
     uint64_t at = run.offset;
+    const size_t first = r.keep.size();
     for (size_t step = 0; at < end && step < kMaxRawSpan; ++step) {
       const RawTensor* best = nullptr;
       auto it = raw_index_.upper_bound(at);
@@ -260,6 +261,16 @@ Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool
       return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
                                              std::to_string(run.length) + ") is not inside registered memory");
     }
+    // Host and device memory move by different means (a device backend's DEVICE memory only through
+    // its copies and channels): one range is one of them.
+    const Placement placement = r.keep[first]->layout.placement;
+    for (size_t k = first + 1; k < r.keep.size(); ++k) {
+      if (r.keep[k]->layout.placement != placement) {
+        return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
+                                               std::to_string(run.length) + ") spans HOST and DEVICE memory");
+      }
+    }
+    r.run_placements.push_back(placement);
   }
   return r;
 }

@@ -82,6 +82,9 @@ struct Resolved {
   std::vector<uint32_t> tensors;
   std::vector<wire::Run> runs;
   uint64_t base = 0;
+  // kRaw only: the placement of each run's memory (a raw run never spans both placements);
+  // empty for every other target, whose runs share keep[0]'s placement.
+  std::vector<Placement> run_placements;
 };
 
 class Registry {
@@ -101,7 +104,8 @@ class Registry {
   // Serving side: find what a peer addresses and check its runs, tensors and (for writes)
   // remote accessibility. kKvCacheNotExist when the target is absent, kParamInvalid otherwise.
   // A kRaw run (an absolute address range; also how Engine checks local_absolute runs) must lie
-  // inside one registered tensor or across up to kMaxRawSpan tensors that follow each other exactly.
+  // inside one registered tensor or across up to kMaxRawSpan tensors that follow each other exactly,
+  // all of one placement.
   Result<Resolved> resolve(const wire::TransferBody& body, bool for_write) const;
   // Serving side: a peer finished reading `tensors` through `target`; releases the request key of a
   // pool-allocated cache once every tensor has been read.

@@ -374,6 +374,26 @@ void registryCases() {
     span.runs = {{base, 64 * tensor + 1}};
     checkCode(wide.resolve(span, false).status(), Code::kParamInvalid, "registry: a raw range across 65 tensors");
   }
+  {  // each raw range resolves to one placement: HOST and DEVICE registrations that follow each other
+    Registry mixed;
+    std::vector<uint8_t> mem(2 * kSlots * kStride);
+    const uint64_t tensor = kSlots * kStride, base = reinterpret_cast<uint64_t>(mem.data());
+    for (uint32_t i = 0; i < 2; ++i) {
+      CacheEntry e;
+      e.layout = CacheLayout{1, tensor, kSlots, false, i == 0 ? Placement::kHost : Placement::kDevice};
+      e.addrs = {base + i * tensor};
+      check(mixed.add(std::move(e), {}).ok(), "registry: a HOST and a DEVICE cache that follow each other");
+    }
+    wire::TransferBody runs = raw;
+    runs.runs = {{base + tensor + 8, 16}, {base, 8}, {base + 8, tensor - 8}};
+    r = mixed.resolve(runs, false);
+    check(r.ok() && r.value().run_placements ==
+                        std::vector<Placement>{Placement::kDevice, Placement::kHost, Placement::kHost},
+          "registry: each raw range's placement");
+    runs.runs = {{base + tensor - 4, 8}};
+    checkCode(mixed.resolve(runs, false).status(), Code::kParamInvalid,
+              "registry: a raw range across a HOST and a DEVICE registration");
+  }
   raw.runs = {{reinterpret_cast<uint64_t>(&gen0), 8}};
   checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: a raw range outside every cache");
   raw.runs = {{c.value()->addrs[0], 8}};

@@ -63,59 +63,84 @@ Status moveBytes(Stream& s, bool sending, const std::vector<uint64_t>& addrs, co
   return Status::OK();
 }
 
-// With payload integrity: chunk by chunk (limits::kPayloadChunkBytes), each a frame of its own. A
-// received chunk is staged and checked before any of it lands in memory.
+// Chunk by chunk (limits::kPayloadChunkBytes of the payload each), through one host buffer: with
+// payload integrity each chunk is a frame of its own, and a received chunk is staged and checked
+// before any of it lands in memory; pieces in a device backend's DEVICE memory (`device`, may be
+// null: none) pass through the buffer, copied by `backend` (the host cannot address them). Sender
+// and receiver cut the same chunks, whatever the pieces are.
+//
 // Copies a staged chunk whose tag checked out to its destination pieces (the application's cache
 // memory). Its own function so that .ci/tsan.supp can name this copy, ordered against the
 // application's use of the cache through the peer process, without hiding the rest of the path.
-void landCheckedChunk(const std::vector<iovec>& pieces, const uint8_t* staged) {
-  for (const iovec& v : pieces) {
-    std::memcpy(v.iov_base, staged, v.iov_len);
+Status landCheckedChunk(const std::vector<iovec>& pieces, const std::vector<uint8_t>& on_device, Backend* backend,
+                        const uint8_t* staged) {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const iovec& v = pieces[i];
+    if (on_device[i]) {
+      PDLINK_RETURN_IF_ERROR(backend->copy(v.iov_base, Placement::kDevice, staged, Placement::kHost, v.iov_len));
+    } else {
+      std::memcpy(v.iov_base, staged, v.iov_len);
+    }
     staged += v.iov_len;
   }
+  return Status::OK();
 }
 
-Status moveSealedPayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs,
-                         const std::vector<uint32_t>& tensors, uint64_t base, const std::vector<wire::Run>& runs,
-                         Deadline deadline) {
-  std::unique_ptr<uint8_t[]> staging;  // one chunk, or the whole payload when smaller; not zeroed
-  std::vector<iovec> chunk;            // the destination (or source) pieces of the current chunk
+Status moveChunked(Stream& s, bool sending, const std::vector<Segment>& pieces, const std::vector<uint8_t>* device,
+                   Backend* backend, Deadline deadline) {
+  uint64_t total = 0;
+  for (const Segment& g : pieces) total += g.length;  // checked sums: no overflow
+  // One chunk, or the whole payload when smaller; not zeroed.
+  std::unique_ptr<uint8_t[]> staging(new uint8_t[std::min<uint64_t>(std::max<uint64_t>(total, 1),
+                                                                     limits::kPayloadChunkBytes)]);
+  std::vector<iovec> chunk;        // the destination (or source) pieces of the current chunk
+  std::vector<uint8_t> on_device;  // per piece of the chunk
   size_t filled = 0;
   auto flush = [&]() -> Status {
     if (filled == 0) return Status::OK();
     Status st;
     if (sending) {
-      st = s.sendFrame(chunk, deadline);
+      st = s.payloadIntegrity() ? s.sendFrame(chunk, deadline) : s.sendv(chunk, deadline);
     } else {
       st = s.recvAll(staging.get(), filled, deadline);
       if (st.ok()) st = s.checkFrame(deadline);
-      if (st.ok()) landCheckedChunk(chunk, staging.get());  // only a chunk that checked out lands
+      if (st.ok()) st = landCheckedChunk(chunk, on_device, backend, staging.get());  // only a chunk that checked out
     }
     chunk.clear();
+    on_device.clear();
     filled = 0;
     return st;
   };
-  if (!sending) {
-    uint64_t total = 0;
-    for (const wire::Run& r : runs) total += r.length;  // checked sums: no overflow
-    total *= tensors.size();
-    staging.reset(new uint8_t[std::min<uint64_t>(total, limits::kPayloadChunkBytes)]);
-  }
-  for (uint32_t t : tensors) {
-    for (const wire::Run& r : runs) {
-      auto* p = reinterpret_cast<uint8_t*>(addrs[t] + base + r.offset);
-      uint64_t left = r.length;
-      while (left > 0) {
-        const size_t take = static_cast<size_t>(std::min<uint64_t>(left, limits::kPayloadChunkBytes - filled));
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const bool dev = device != nullptr && (*device)[i];
+    auto* p = reinterpret_cast<uint8_t*>(pieces[i].addr);
+    uint64_t left = pieces[i].length;
+    while (left > 0) {
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(left, limits::kPayloadChunkBytes - filled));
+      if (sending && dev) {  // the bytes leave from the buffer, at their place in the chunk
+        PDLINK_RETURN_IF_ERROR(backend->copy(staging.get() + filled, Placement::kHost, p, Placement::kDevice, take));
+        chunk.push_back({staging.get() + filled, take});
+      } else {
         chunk.push_back({p, take});
-        filled += take;
-        p += take;
-        left -= take;
-        if (filled == limits::kPayloadChunkBytes) PDLINK_RETURN_IF_ERROR(flush());
       }
+      on_device.push_back(dev);
+      filled += take;
+      p += take;
+      left -= take;
+      if (filled == limits::kPayloadChunkBytes) PDLINK_RETURN_IF_ERROR(flush());
     }
   }
   return flush();
+}
+
+std::vector<Segment> segments(const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors, uint64_t base,
+                              const std::vector<wire::Run>& runs) {
+  std::vector<Segment> out;
+  out.reserve(tensors.size() * runs.size());
+  for (uint32_t t : tensors) {
+    for (const wire::Run& r : runs) out.push_back({addrs[t] + base + r.offset, r.length});
+  }
+  return out;
 }
 
 }  // namespace
@@ -127,8 +152,19 @@ Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, 
     frame.clear();
   }
   s.payload(true);
-  Status st = s.payloadIntegrity() ? moveSealedPayload(s, sending, addrs, tensors, base, runs, deadline)
-                                   : moveBytes(s, sending, addrs, tensors, base, runs, deadline, std::move(frame));
+  Status st = s.payloadIntegrity()
+                  ? moveChunked(s, sending, segments(addrs, tensors, base, runs), nullptr, nullptr, deadline)
+                  : moveBytes(s, sending, addrs, tensors, base, runs, deadline, std::move(frame));
+  s.payload(false);
+  return st;
+}
+
+Status moveStagedPayload(Stream& s, bool sending, const std::vector<Segment>& pieces,
+                         const std::vector<uint8_t>& device, Backend& backend, Deadline deadline,
+                         std::vector<iovec> frame) {
+  if (!frame.empty()) PDLINK_RETURN_IF_ERROR(s.sendFrame(frame, deadline));
+  s.payload(true);
+  Status st = moveChunked(s, sending, pieces, &device, &backend, deadline);
   s.payload(false);
   return st;
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/deadline.h"
+#include "backends/backend.h"
 #include "core/status.h"
 #include "transport/stream.h"
 #include "transport/wire.h"
@@ -34,6 +35,15 @@ Status readAnswer(Stream& s, uint64_t len, uint64_t max, Deadline deadline, std:
 Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
                    uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline,
                    std::vector<iovec> frame = {});
+// movePayload of pieces some of which (`device[i]` non-zero) lie in a device backend's DEVICE memory,
+// which the host cannot address: the payload moves chunk by chunk (limits::kPayloadChunkBytes)
+// through one host buffer, `backend.copy` moving those pieces' bytes between it and DEVICE memory;
+// the bytes on the wire are the same as movePayload's. At most one chunk of host memory is used
+// whatever the payload's size. A failed device copy is returned as it is, the stream then out of
+// step with the peer (the caller drops the link); a received chunk lands only after it checked out.
+Status moveStagedPayload(Stream& s, bool sending, const std::vector<Segment>& pieces,
+                         const std::vector<uint8_t>& device, Backend& backend, Deadline deadline,
+                         std::vector<iovec> frame = {});
 // Reads and drops the payload of a refused write (checked like any payload frame).
 Status discardPayload(Stream& s, uint64_t len, Deadline deadline);
 

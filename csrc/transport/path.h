@@ -31,11 +31,16 @@ namespace pdlink {
 struct TransferPlan {
   std::shared_ptr<const void> local;  // the local cache, kept registered until the transfer is over
   std::vector<uint64_t> local_addrs;  // its tensors' addresses
+  bool local_absolute = false;        // a descriptor list: local_addrs is {0}, the runs are addresses
   Placement local_placement = Placement::kHost;
   std::vector<uint32_t> local_tensors;
   std::vector<wire::Run> local_runs;
   wire::TransferBody remote;  // target, block size, remote tensors and runs
   uint64_t payload = 0;
+  // A local_absolute plan of a device backend (Engine::planAbsolute) that touches DEVICE memory:
+  // per local run, whether it lies in DEVICE memory, which the stream path moves through host
+  // staging (moveStagedPayload). Empty otherwise.
+  std::vector<uint8_t> local_device_runs;
   // The last request of the transfer: only it commits a pulled request key. A transfer of more
   // than limits::kMaxRequestPieces pieces is split into several requests (Engine::transfer).
   bool commit = true;
@@ -77,6 +82,9 @@ struct ServeCall {
   const std::vector<uint32_t>& tensors;
   uint64_t base;
   const std::vector<wire::Run>& runs;
+  // A kRaw request over the stream path: per run, whether it lies in this device backend's DEVICE
+  // memory (the stream server moves those through host staging). Empty: all host memory.
+  const std::vector<uint8_t>& device_runs;
   uint64_t payload;  // bytes the request moves
   Deadline deadline;
   // Out: the peer may use the ranges until its next frame (addresses handed out): the engine keeps

@@ -361,3 +361,67 @@ def test_a_lying_answer_to_a_notification_fails_it_and_breaks_the_link(peers: Ca
     v.call(native.connect, honest_port, PROMPT_ID)
     v.call(native.notify, PROMPT_ID, b"hello")
     assert honest.call(native.notifications) == [pdlink.Notification(DECODER_ID, b"", b"hello")]
+
+
+# Memory tables (the answer to a raw describe: Engine.remote_memory, and a same-host read by address
+# that caches the table): each breaks one rule of the decoder, which refuses it before allocating.
+TABLE_MODES = ["table_huge", "table_bad_count", "table_too_many", "table_unsorted", "table_empty_range",
+               "table_wrapping"]
+
+
+def native_victim(peers: Callable[..., Peer], variant: Variant, attacker_port: int) -> Peer:
+    """A pdlink.Engine with region "dst" (a pattern), linked to the attacker on a same-host link."""
+    v = peers("victim", env=variant.env())
+    v.call(native.start, DECODER_ID, timeout_ms=TIMEOUT_MS)
+    v.call(native.register, "dst", 8, 256, seed=2)
+    assert v.call_within(hang_guard(3000), native.connect, attacker_port, PROMPT_ID, "127.0.0.2") == PROMPT_ID
+    assert {link.transport for link in v.call(native.links)} == {"cma"}
+    return v
+
+
+@only("cpu-cma")
+@pytest.mark.parametrize("call", ["remote_memory", "read"])
+@pytest.mark.parametrize("mode", TABLE_MODES)
+def test_a_malformed_memory_table_fails_the_call_and_breaks_the_link(peers: Callable[..., Peer], variant: Variant,
+                                                                     mode: str, call: str) -> None:
+    attacker, port = start_attacker(peers, mode, redirect=True)
+    victim = native_victim(peers, variant, port)
+    before = victim.call(native.snapshot, "dst")
+    rss = victim.call(kv.rss_kib)
+    with pytest.raises(LLMException) as e:
+        if call == "remote_memory":
+            victim.call_within(hang_guard(TIMEOUT_MS), native.remote_memory, PROMPT_ID)
+        else:  # a read by address fetches the table first, to read without a round trip
+            victim.call_within(hang_guard(TIMEOUT_MS), native.batch, PROMPT_ID, [("dst", 0, 256)], [0x10000], "read")
+    assert e.value.status_code == LLMStatusCode.LLM_LINK_FAILED, e.value
+    assert asked(attacker, rawwire.OP_DESCRIBE, 0 if call == "remote_memory" else rawwire.FLAG_DIRECT)
+    assert_same(victim.call(native.snapshot, "dst"), before, "the victim's region after a malformed table")
+    assert victim.call(kv.rss_kib) - rss < RSS_BOUND_KIB
+    assert [link.broken for link in victim.call(native.links)] == [True]  # a broken link takes no more calls
+
+
+@only("cpu-cma")
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_memory_table_listing_the_victims_memory_is_never_applied_to_it(peers: Callable[..., Peer],
+                                                                         variant: Variant, op: str) -> None:
+    """A same-host server's table says the victim's own (unregistered, secret) memory is its
+    registered memory. The victim reads by address only from the pid the kernel reported for the
+    other end, where nothing is mapped there (the cached read fails and is checked the slow way,
+    which the attacker cannot answer with the victim's bytes); writes never use the table. The
+    secret is neither read into the victim's region nor written, and the call fails."""
+    secret_len = 4096
+    attacker, port = start_attacker(peers, "table_victim_addresses", redirect=True, address=0, length=secret_len)
+    victim = native_victim(peers, variant, port)
+    addr, secret = victim.call(kv.plant_secret, secret_len)
+    attacker.call(hostile.set_params, address=addr, length=secret_len)
+    before = victim.call(native.snapshot, "dst")
+    with pytest.raises(LLMException) as e:
+        victim.call_within(hang_guard(TIMEOUT_MS), native.batch, PROMPT_ID, [("dst", 0, 256)], [addr], op)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, e.value
+    assert asked(attacker, rawwire.OP_READ if op == "read" else rawwire.OP_WRITE, rawwire.FLAG_DIRECT)
+    if op == "read":
+        assert asked(attacker, rawwire.OP_DESCRIBE, rawwire.FLAG_DIRECT)  # the table was taken, then failed
+    assert victim.call(kv.secrets) == [secret]
+    after = victim.call(native.snapshot, "dst")
+    assert_same(after, before, "the victim's region")
+    assert secret[:64] not in after.regions[0].tobytes()

@@ -238,9 +238,10 @@ def test_a_raw_read_of_many_runs_does_not_stall_an_honest_pull(peers: Callable[.
     for block in range(16):
         pair.decode.call_within(hang_guard(1000), kv.pull_blocks, KEY, "kv", [block], [block])
     answers = a.call(hostile.stop_request_loop)
-    # every run resolved; then the bytes, or on the Ascend backend the refusal of a stream read of
-    # device memory
-    expected = S.LLM_PARAM_INVALID if pair.variant.device_memory else 0
+    # every run resolved; then the bytes (on the Ascend backend staged out of device memory), or,
+    # for a direct read of device memory, the refusal that sends a requester to the stream path
+    direct_to_device = pair.variant.device_memory and flags == rawwire.FLAG_DIRECT
+    expected = S.LLM_FEATURE_NOT_ENABLED if direct_to_device else S.LLM_SUCCESS
     assert answers and all(s == expected for s in answers), answers[:5]
     check_transfer(lambda: pair.prefill.call(kv.snapshot, "kv"), lambda: pair.decode.call(kv.snapshot, "kv"),
                    lambda: None, lambda dst0, src0: dst0.with_rows(src0, [(b, b) for b in range(16)]))

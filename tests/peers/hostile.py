@@ -67,6 +67,12 @@ def serve(mode: str, redirect: bool = False, **params: Any) -> int:
     return int(tcp.getsockname()[1])
 
 
+def set_params(**params: Any) -> None:
+    """Changes what the running server's scripted answers use (a victim's address, learnt later)."""
+    assert _server is not None
+    _server.params.update(params)
+
+
 def observed() -> list[dict[str, Any]]:
     assert _server is not None
     return list(_server.observed)
@@ -193,6 +199,8 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             conn.sendall(rawwire.response(payload_len=1 << 60))
         elif mode == "read_exact":  # an honest-looking server (control case): the bytes asked for
             conn.sendall(rawwire.response(payload=b"\x5a" * total))
+        elif op == rawwire.OP_DESCRIBE and rec["kind"] == rawwire.KIND_RAW and mode.startswith("table_"):
+            conn.sendall(_memory_table(mode, params))
         elif op == rawwire.OP_DESCRIBE and mode == "describe_huge":
             conn.sendall(rawwire.response(payload_len=1 << 40))
         elif op == rawwire.OP_DESCRIBE and mode == "describe_bad_count":
@@ -242,6 +250,30 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             conn.sendall(rawwire.response(payload=bytes(72 * len(rec["tensors"]) + 1)))
         else:
             conn.sendall(rawwire.response(status=0x5010B005, message=b"refused"))
+
+
+def _memory_table(mode: str, params: dict[str, Any]) -> bytes:
+    """The answer to a memory-table request (a raw describe): generation, count, (address, length)
+    per range, sorted; each mode breaks one rule, or (table_victim_addresses) lists memory that is
+    the victim's, not this process's."""
+    def table(ranges: list[tuple[int, int]], count: int | None = None) -> bytes:
+        body = struct.pack("<QI", 7, len(ranges) if count is None else count)
+        return rawwire.response(payload=body + b"".join(struct.pack("<QQ", a, n) for a, n in ranges))
+
+    if mode == "table_huge":
+        return rawwire.response(payload_len=1 << 40)
+    if mode == "table_bad_count":
+        return table([(0x10000, 4096), (0x20000, 4096)], count=3)
+    if mode == "table_too_many":  # more ranges than any request may address, each well formed
+        return table([(0x10000 + 4096 * i, 4096) for i in range(65_537)])
+    if mode == "table_unsorted":
+        return table([(0x20000, 4096), (0x10000, 4096)])
+    if mode == "table_empty_range":
+        return table([(0x10000, 0)])
+    if mode == "table_wrapping":
+        return table([(2**64 - 4096, 8192)])
+    assert mode == "table_victim_addresses", mode
+    return table([(params["address"], params["length"])])
 
 
 # --------------------------------------------------------------------------- hostile client

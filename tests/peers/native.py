@@ -44,21 +44,23 @@ def _engine() -> pdlink.Engine:
     return engine
 
 
-def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits: dict[str, int] | None = None) -> int:
-    """Starts this peer's engine (``limits``: ``pdlink.Limits`` fields); returns its listen port (0
-    when not listening)."""
+def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits: dict[str, int] | None = None,
+          secret: str | None = None, payload_integrity: bool = False) -> int:
+    """Starts this peer's engine (``limits``: ``pdlink.Limits`` fields; ``secret`` and
+    ``payload_integrity`` as ``EngineOptions``'); returns its listen port (0 when not listening)."""
     options = pdlink.EngineOptions(cluster_id=cluster_id, listen="127.0.0.1:0" if listen else None,
-                                   timeout_ms=timeout_ms, limits=pdlink.Limits(**(limits or {})))
+                                   timeout_ms=timeout_ms, limits=pdlink.Limits(**(limits or {})), secret=secret,
+                                   payload_integrity=payload_integrity)
     _state["engine"] = pdlink.Engine(options)
     return _state["engine"].listen_port
 
 
 def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | None = None,
-             tensors: int = 1) -> int:
+             tensors: int = 1, host: bool = False) -> int:
     """A region of ``tensors`` tensors of ``rows`` blocks of ``row_bytes`` in guarded memory
-    (filled with ``verify.pattern(.., seed)``, zeros for None); returns its (first tensor's)
-    address."""
-    device = device_memory_is_remote()
+    (filled with ``verify.pattern(.., seed)``, zeros for None), in DEVICE memory on a device
+    backend unless ``host``; returns its (first tensor's) address."""
+    device = device_memory_is_remote() and not host
     memory = GuardedTensors(tensors, rows * row_bytes, rows, seed, device)
     region = _engine().register(address=memory.addrs[0] if tensors == 1 else list(memory.addrs),
                                 length=rows * row_bytes, placement="DEVICE" if device else "HOST",

@@ -2,7 +2,10 @@
 // (push) or the response (pull), as a payload frame (sealed or checked under payload integrity).
 // Works across hosts over TCP, and on one host over the AF_UNIX channels of a same-host link whose
 // direct reads are not possible. Host memory only: DEVICE memory of a device backend never leaves
-// through a channel (transport/device).
+// through a channel (transport/device), except that the ranges of a descriptor list (a kRaw
+// request, a local_absolute plan) in DEVICE memory pass through host staging on either side
+// (moveStagedPayload): how a list mixing HOST and DEVICE memory, or one between HOST and DEVICE
+// memory, moves at all.
 #pragma once
 
 #include "transport/path.h"
@@ -12,18 +15,26 @@ namespace pdlink {
 class StreamPath : public DataPath {
  public:
   // `unix_socket`: the link's channels are AF_UNIX connections (reported as "unix", else "tcp").
-  explicit StreamPath(bool unix_socket);
+  // `backend` (not owned, outlives the path): stages plans with local_device_runs; without one such
+  // a plan is kFeatureNotEnabled.
+  explicit StreamPath(bool unix_socket, Backend* backend = nullptr);
   const PathCaps& caps() const override { return caps_; }
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
  private:
   PathCaps caps_;
+  Backend* backend_;
 };
 
-// Reads the payload of a write into the resolved ranges, or streams the resolved ranges back.
+// Reads the payload of a write into the resolved ranges, or streams the resolved ranges back
+// (through host staging for the DEVICE runs of a kRaw request, copied by `backend`).
 class StreamServer : public PathServer {
  public:
+  explicit StreamServer(Backend& backend) : backend_(backend) {}
   Status serve(ServeCall& call) override;
+
+ private:
+  Backend& backend_;
 };
 
 }  // namespace pdlink
