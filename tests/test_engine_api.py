@@ -215,10 +215,11 @@ def test_a_descriptor_list_may_mix_host_and_device_memory(peers: Callable[..., P
         return {n: side.call(native.snapshot, n) for side, regions in names.items() for n in regions}
 
     # (local region, offset, remote region, offset, length), out of order, unaligned
-    reads = [("ddst", 100, "dsrc", 700, 300_000), ("hdst", 0, "dsrc", 5, 64), ("ddst", 400_000, "hsrc", 33, 500_000),
-             ("hdst", 1000, "hsrc", 900_000, 148), ("ddst", 1, "dsrc", 2000, 48), ("hdst", 2048, "dsrc", 262_100, 270_000)]
-    writes = [("ddst", 3, "dsink", 900, 700_000), ("hdst", 10, "dsink", 800_000, 90), ("ddst", 1800, "hsink", 1, 200),
-              ("hdst", 400, "hsink", 1024, 1_000_000)]
+    reads = [("ddst", 100, "dsrc", 700, 300_000), ("hdst", 0, "dsrc", 5, 64),
+             ("ddst", 400_000, "hsrc", 33, 500_000), ("hdst", 1000, "hsrc", 900_000, 148),
+             ("ddst", 1, "dsrc", 2000, 48), ("hdst", 2048, "dsrc", 262_100, 270_000)]
+    writes = [("ddst", 3, "dsink", 900, 700_000), ("hdst", 10, "dsink", 800_000, 90),
+              ("ddst", 1800, "hsink", 1, 200), ("hdst", 400, "hsink", 1024, 1_000_000)]
     for op, moves in (("read", reads), ("write", writes)):
         before = snapshots()
         initiator.call(native.batch, TARGET, [(ln, lo, n) for ln, lo, _, _, n in moves],

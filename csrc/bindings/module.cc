@@ -85,17 +85,21 @@ class Ints {
   using Array = py::array_t<T, py::array::c_style | py::array::forcecast>;
   Ints(py::handle obj, const char* name) {
     if (PyList_CheckExact(obj.ptr())) {
-      const Py_ssize_t n = PyList_GET_SIZE(obj.ptr());
-      list_.resize(static_cast<size_t>(n));
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* item = PyList_GET_ITEM(obj.ptr(), i);
-        if (!PyLong_CheckExact(item) || !read(item, &list_[static_cast<size_t>(i)])) {
+      const size_t n = static_cast<size_t>(PyList_GET_SIZE(obj.ptr()));
+      T* out = inline_;
+      if (n > kInline) {
+        list_.resize(n);
+        out = list_.data();
+      }
+      for (size_t i = 0; i < n; ++i) {
+        PyObject* item = PyList_GET_ITEM(obj.ptr(), static_cast<Py_ssize_t>(i));
+        if (!PyLong_CheckExact(item) || !read(item, &out[i])) {
           throw py::type_error(std::string(name) + " must be a list of ints within " +
                                (std::is_signed_v<T> ? "int64" : "uint64"));
         }
       }
-      data_ = list_.data();
-      size_ = list_.size();
+      data_ = out;
+      size_ = n;
     } else {
       // Already T and C-contiguous: borrowed, no conversion call; anything else converted once.
       Array a = Array::check_(obj) ? py::reinterpret_borrow<Array>(obj) : Array::ensure(obj);
@@ -123,6 +127,9 @@ class Ints {
       return true;
     }
   }
+  // A short list is read into inline_ (no allocation), a longer one into list_.
+  static constexpr size_t kInline = 8;
+  T inline_[kInline];
   std::vector<T> list_;
   // The array data_ points into. Not an Array member: a default-constructed array_t allocates an
   // empty numpy array, which cost more than the rest of a small post.
@@ -596,7 +603,9 @@ PYBIND11_MODULE(_core, m) {
             const Ints<uint64_t> lo(local, "local offsets"), ro(remote, "remote addresses"), len(lengths, "lengths");
             const size_t n = lo.size();
             if (ro.size() != n || len.size() != n) throw py::value_error("descriptor arrays differ in length");
-            TransferSpec spec = base;
+            // Reused per thread (its vectors keep their capacity): a short list allocates nothing.
+            thread_local TransferSpec spec;
+            spec = base;
             spec.mode = TransferSpec::Mode::kExplicit;
             if (timeout_ms > 0) spec.timeout_ms = timeout_ms;
             spec.local_runs.resize(n);

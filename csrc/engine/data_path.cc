@@ -298,7 +298,7 @@ void appendRun(TransferPlan& p, uint64_t local_offset, uint64_t remote_offset, u
 
 }  // namespace
 
-Result<TransferPlan> Engine::planAbsolute(const TransferSpec& spec) {
+Status Engine::planAbsolute(const TransferSpec& spec, Resolved* scratch, TransferPlan* out) {
   if (spec.mode != TransferSpec::Mode::kExplicit) {
     return Status(Code::kParamInvalid, "absolute local addresses need an explicit (descriptor list) transfer");
   }
@@ -311,41 +311,40 @@ Result<TransferPlan> Engine::planAbsolute(const TransferSpec& spec) {
     }
   }
   // The same resolution a peer's raw request gets, against this engine's own registry (every cache,
-  // remote accessible or not): each range inside one registered tensor, or nothing moves.
-  wire::TransferBody local;
-  local.target.kind = wire::TargetKind::kRaw;
-  local.tensors = {0};
-  local.runs = spec.local_runs;
-  auto resolved = registry_.resolve(local, false);
-  if (!resolved.ok()) return Status(Code::kParamInvalid, "local " + resolved.status().message());
-  auto keep = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(resolved.value().keep));
-  TransferPlan p;
+  // remote accessible or not): each range inside registered memory, or nothing moves.
+  Status resolved = registry_.resolveRaw(spec.local_runs, false, scratch);
+  if (!resolved.ok()) return Status(Code::kParamInvalid, "local " + resolved.message());
+  TransferPlan& p = *out;
   // Runs in a device backend's DEVICE memory: all of them go over the device paths; some of them,
   // over the stream path, staged (transferPart).
   size_t on_device = 0;
-  for (Placement placement : resolved.value().run_placements) {
+  p.local_device_runs.clear();
+  for (Placement placement : scratch->run_placements) {
     const bool device = device_transport_ && placement == Placement::kDevice;
     p.local_device_runs.push_back(device);
     on_device += device;
   }
   if (on_device == 0) p.local_device_runs.clear();
-  p.local = std::move(keep);
+  // The caches stay registered through scratch->keep (the caller's), which p.local points at
+  // without owning it.
+  p.local = std::shared_ptr<const void>(std::shared_ptr<const void>(), &scratch->keep);
   p.local_absolute = true;
-  p.local_addrs = {0};  // runs are absolute: tensor 0 at address 0
+  p.local_addrs.assign(1, 0);  // runs are absolute: tensor 0 at address 0
   p.local_placement = on_device == spec.local_runs.size() ? Placement::kDevice : Placement::kHost;
-  p.local_tensors = {0};
-  p.local_runs = spec.local_runs;
+  p.local_tensors.assign(1, 0);
+  p.local_runs.assign(spec.local_runs.begin(), spec.local_runs.end());
   p.remote.target = spec.target;
-  p.remote.tensors = {0};
-  p.remote.runs = spec.remote_runs;
+  p.remote.block_size = 0;
+  p.remote.tensors.assign(1, 0);
+  p.remote.runs.assign(spec.remote_runs.begin(), spec.remote_runs.end());
+  p.commit = true;
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
   p.payload = payload.value();
-  return p;
+  return Status::OK();
 }
 
 Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
-  if (spec.local_absolute) return planAbsolute(spec);
   auto local = registry_.get(spec.local_cache_id);
   if (!local.ok()) return local.status();
   TransferPlan p;
@@ -496,9 +495,27 @@ Status Engine::push(const TransferSpec& spec) { return transfer(spec, true); }
 Status Engine::transfer(const TransferSpec& spec, bool is_push) {
   auto link_r = usableLink(spec.peer_cluster_id);
   if (!link_r.ok()) return link_r.status();
+  const int64_t timeout_ms = spec.timeout_ms > 0 ? spec.timeout_ms : config_.sync_timeout_ms;
+  if (spec.local_absolute) {
+    // Descriptor lists are the small, frequent transfers of transfer-engine callers: as post() does,
+    // each thread reuses one plan and one resolution, whose vectors keep their capacity (no path
+    // keeps a reference to either), and lets go of the local caches when the transfer is over.
+    thread_local TransferPlan p;
+    thread_local Resolved scratch;
+    struct Release {
+      TransferPlan& plan;
+      Resolved& resolved;
+      ~Release() {
+        plan.local.reset();
+        resolved.keep.clear();
+      }
+    } release{p, scratch};
+    PDLINK_RETURN_IF_ERROR(planAbsolute(spec, &scratch, &p));
+    return execute(link_r.value(), p, is_push, timeout_ms);
+  }
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
-  return execute(link_r.value(), p_r.value(), is_push, spec.timeout_ms > 0 ? spec.timeout_ms : config_.sync_timeout_ms);
+  return execute(link_r.value(), p_r.value(), is_push, timeout_ms);
 }
 
 Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& spec, uint64_t block_size,

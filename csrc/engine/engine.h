@@ -313,7 +313,10 @@ class Engine {
  private:
   Engine(std::shared_ptr<Backend> backend, const Capabilities& caps);
   Result<TransferPlan> plan(const TransferSpec& spec, bool is_push);
-  Result<TransferPlan> planAbsolute(const TransferSpec& spec);  // plan() of a local_absolute spec
+  // The plan of a local_absolute spec, into *out (its vectors' capacity reused); the local caches
+  // are held in scratch->keep, which out->local points at without owning: the caller keeps both
+  // until the transfer is over.
+  Status planAbsolute(const TransferSpec& spec, Resolved* scratch, TransferPlan* out);
   static std::vector<TransferPlan> split(const TransferPlan& p);
   Status transfer(const TransferSpec& spec, bool is_push);
   // Moves a planned transfer over `link` (split into requests within the per-request bounds).

@@ -155,7 +155,15 @@ void Registry::eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::itera
 Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_write) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
   const wire::Target& t = body.target;
-  if (t.kind == wire::TargetKind::kRaw) return resolveRawLocked(body, for_write);
+  if (t.kind == wire::TargetKind::kRaw) {
+    if (body.tensors.size() != 1) return Status(Code::kParamInvalid, "a raw-address transfer moves one tensor");
+    Resolved r;
+    PDLINK_RETURN_IF_ERROR(resolveRawLocked(body.runs, for_write, &r));
+    r.addrs = {0};
+    r.tensors = {0};
+    r.runs = body.runs;
+    return r;
+  }
   std::shared_ptr<CacheEntry> entry;
   uint64_t slot = 0;
   bool slotted = true;
@@ -224,13 +232,16 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   return r;
 }
 
-Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool for_write) const {
-  if (body.tensors.size() != 1) return Status(Code::kParamInvalid, "a raw-address transfer moves one tensor");
-  Resolved r;
-  r.addrs = {0};
-  r.tensors = {0};
-  r.runs = body.runs;
-  for (const wire::Run& run : body.runs) {
+Status Registry::resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return resolveRawLocked(runs, for_write, out);
+}
+
+Status Registry::resolveRawLocked(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const {
+  Resolved& r = *out;
+  r.keep.clear();
+  r.run_placements.clear();
+  for (const wire::Run& run : runs) {
     uint64_t end = 0;
     if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
       return Status(Code::kParamInvalid, "invalid address range");
@@ -272,7 +283,7 @@ Result<Resolved> Registry::resolveRawLocked(const wire::TransferBody& body, bool
     }
     r.run_placements.push_back(placement);
   }
-  return r;
+  return Status::OK();
 }
 
 void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& tensors) {

@@ -107,6 +107,10 @@ class Registry {
   // inside one registered tensor or across up to kMaxRawSpan tensors that follow each other exactly,
   // all of one placement.
   Result<Resolved> resolve(const wire::TransferBody& body, bool for_write) const;
+  // The check of resolve() for kRaw runs alone, into out->keep and out->run_placements (replaced,
+  // their capacity reused; nothing else of *out is touched): how the engine checks its own
+  // descriptor lists, once per transfer, without allocating.
+  Status resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const;
   // Serving side: a peer finished reading `tensors` through `target`; releases the request key of a
   // pool-allocated cache once every tensor has been read.
   void commitRead(const wire::Target& target, const std::vector<uint32_t>& tensors);
@@ -148,7 +152,7 @@ class Registry {
   };
   using KeyIndex = std::map<std::pair<uint64_t, uint64_t>, std::pair<int64_t, uint64_t>>;
 
-  Result<Resolved> resolveRawLocked(const wire::TransferBody& body, bool for_write) const;
+  Status resolveRawLocked(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const;
   void eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::iterator it);
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);

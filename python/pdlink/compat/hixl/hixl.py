@@ -410,16 +410,23 @@ class Hixl:
             member(op, TransferOp, "op")
         if type(op_descs) is not list and type(op_descs) is not tuple:
             raise TypeError("incompatible function arguments: op_descs must be a list of hixl.TransferOpDesc")
-        for d in op_descs:
+        if len(op_descs) == 1:  # the small transfer whose latency counts: no comprehension machinery
+            d = op_descs[0]
             if type(d) is not TransferOpDesc:
                 raise TypeError("incompatible function arguments: op_descs must hold hixl.TransferOpDesc only")
+            local, remote, lengths = [d.local_addr], [d.remote_addr], [d.len]
+        else:
+            for d in op_descs:
+                if type(d) is not TransferOpDesc:
+                    raise TypeError("incompatible function arguments: op_descs must hold hixl.TransferOpDesc only")
+            local = [d.local_addr for d in op_descs]
+            remote = [d.remote_addr for d in op_descs]
+            lengths = [d.len for d in op_descs]
         engine = self._engine
         if engine is None:
             return FAILED, None, 0, [], [], []
         if connect_timeout is not None and connect_timeout <= 0:
             return PARAM_INVALID, None, 0, [], [], []
-        local = [d.local_addr for d in op_descs]
-        remote = [d.remote_addr for d in op_descs]
         if 0 in local or 0 in remote:
             return PARAM_INVALID, None, 0, [], [], []
         peer = self._links.get(remote_engine)
@@ -432,7 +439,7 @@ class Hixl:
                 return code, None, 0, [], [], []
         if not op_descs:
             return PARAM_INVALID, None, 0, [], [], []
-        return SUCCESS, engine, peer, local, remote, [d.len for d in op_descs]
+        return SUCCESS, engine, peer, local, remote, lengths
 
     def transfer_sync(self, remote_engine: str, op: TransferOp, op_descs: list[TransferOpDesc],
                       timeout_in_millis: int = 1000) -> int:
@@ -445,7 +452,7 @@ class Hixl:
         code, engine, peer, local, remote, lengths = self._prepare(remote_engine, op, op_descs, timeout)
         if code != SUCCESS or engine is None:
             return code
-        move = engine.write_batch if op == TransferOp.WRITE else engine.read_batch
+        move = engine.write_batch if op is TransferOp.WRITE else engine.read_batch
         try:
             move(peer, local, remote, lengths, timeout_ms=timeout)
         except Exception as e:  # noqa: BLE001 - reported as a code
