@@ -266,15 +266,38 @@ def test_memory_maps_list_what_is_registered(two: Two) -> None:
     assert mine.ranges == ((two.initiator.call(native.addresses, "dst")[0], ROWS * ROW),)
 
 
+def test_a_batch_handle_moves_lists_as_read_batch_does(two: Two) -> None:
+    """``Engine.batch(peer)``: the same all-or-nothing requests as ``read_batch`` / ``write_batch``,
+    by its own timeout or the engine's; a list with one range past the peer's region moves none."""
+    reads = [(700, 5, 100), (0, 1500, 37), (1900, 64, 148)]  # (src offset, dst offset, length)
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.batch_handle, TARGET, [("dst", d, n) for _, d, n in reads], [two.src + s for s, _, n in reads],
+        "read"), copies(reads))
+    writes = [(5, 33, 100), (1500, 2000, 37)]  # (offset in "dst", sink offset, length)
+    check_transfer(two.read("dst"), two.read("sink"), lambda: two.initiator.call(
+        native.batch_handle, TARGET, [("dst", s, n) for s, _, n in writes], [two.sink + d for _, d, n in writes],
+        "write", 2000), copies(writes))
+    with pytest.raises(InvalidArgument) as e:
+        check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+            native.batch_handle, TARGET, [("dst", 0, 64), ("dst", 100, 64)], [two.src, two.src + ROWS * ROW - 63],
+            "read"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    for timeout in (-1, 2**31):
+        with pytest.raises(ValueError, match="timeout_ms"):
+            two.initiator.call(native.batch_handle, TARGET, [("dst", 0, 64)], [two.src], "read", timeout)
+
+
 def test_after_disconnect_transfers_need_a_link(two: Two) -> None:
     two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+    two.initiator.call(native.batch_handle, TARGET, [("dst", 0, 64)], [two.src], "read")  # a handle, made linked
     two.initiator.call(native.disconnect, TARGET)
     assert two.initiator.call(native.links) == []
-    with pytest.raises(LinkError) as e:
-        check_transfer(two.read("src"), two.read("dst"),
-                       lambda: two.initiator.call(native.post, "p", [0], [0], "read"), nothing)
-    assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
-    assert isinstance(e.value, ConnectionError)
+    for after in (lambda: two.initiator.call(native.post, "p", [0], [0], "read"),
+                  lambda: two.initiator.call(native.batch_handle, TARGET, [("dst", 0, 64)], [two.src], "read")):
+        with pytest.raises(LinkError) as e:
+            check_transfer(two.read("src"), two.read("dst"), after, nothing)
+        assert e.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        assert isinstance(e.value, ConnectionError)
 
 
 def test_a_frozen_peer_gives_a_timeout(two: Two) -> None:

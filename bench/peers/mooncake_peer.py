@@ -1,8 +1,10 @@
 """Mooncake Transfer Engine on the benchmark's work: TCP transport, P2P handshake, two processes.
 
 The target registers a buffer; the initiator reads and writes it in blocks with the batch API
-(one call per repetition, every block a separate entry, reversed order as in pdlink's run), then
-times one 4 KiB synchronous write per iteration. Bytes are verified once each way.
+(every block a separate entry, reversed order as in pdlink's run; one call per repetition, or calls
+of at most MAX_BATCH entries: 0.3.13's TCP transport rejects a larger batch, logging "TCP lane
+queue-full rejection", and the call fails), then times one 4 KiB synchronous read per iteration.
+Bytes are verified once each way.
 Usage: python mooncake_peer.py total_MiB block_KiB reps lat_n  -> one JSON line
 """
 import multiprocessing as mp
@@ -15,6 +17,7 @@ from _common import emit
 TOTAL, BLOCK = int(sys.argv[1]) << 20, int(sys.argv[2]) << 10
 REPS, LAT_N = int(sys.argv[3]), int(sys.argv[4])
 N = TOTAL // BLOCK
+MAX_BATCH = 1024
 
 
 def engine():
@@ -49,7 +52,14 @@ def main():
     raddrs = [raddr + (N - 1 - i) * BLOCK for i in range(N)]
     lens = [BLOCK] * N
     gbps = {}
-    for op, fn in (("read", te.batch_transfer_sync_read), ("write", te.batch_transfer_sync_write)):
+    for op, batch in (("read", te.batch_transfer_sync_read), ("write", te.batch_transfer_sync_write)):
+        def fn(peer, laddrs, raddrs, lens, batch=batch):
+            for i in range(0, len(lens), MAX_BATCH):
+                ret = batch(peer, laddrs[i:i + MAX_BATCH], raddrs[i:i + MAX_BATCH], lens[i:i + MAX_BATCH])
+                if ret != 0:
+                    return ret
+            return 0
+
         assert fn(peer, laddrs, raddrs, lens) == 0  # warm-up, connection setup
         if op == "read":  # verify: local block i == remote block N-1-i
             ref = np.frombuffer(original, dtype=np.uint8).reshape(N, BLOCK)[::-1].reshape(-1)

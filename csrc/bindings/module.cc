@@ -155,6 +155,39 @@ struct BoundPrepared {
   }
 };
 
+// Descriptor lists to one peer (pdlink.Engine.batch): its request spec built once, each call one
+// all-or-nothing request of lengths[i] bytes between local[i] (this engine's registered memory)
+// and remote[i] (the peer's).
+struct BoundBatch {
+  Engine* engine;
+  TransferSpec spec;  // a kRaw target, local_absolute, kExplicit
+  void move(py::handle local, py::handle remote, py::handle lengths, bool is_push, int64_t timeout_ms,
+            const char* op) const {
+    const Ints<uint64_t> lo(local, "local addresses"), ro(remote, "remote addresses"), len(lengths, "lengths");
+    const size_t n = lo.size();
+    if (ro.size() != n || len.size() != n) throw py::value_error("descriptor arrays differ in length");
+    if (timeout_ms < 0 || timeout_ms >= (int64_t{1} << 31)) {
+      throw py::value_error("timeout_ms must be 0 (the engine's timeout) or a positive int32");
+    }
+    // Reused per thread (its vectors keep their capacity): a short list allocates nothing.
+    thread_local TransferSpec s;
+    s = spec;
+    if (timeout_ms > 0) s.timeout_ms = timeout_ms;
+    s.local_runs.resize(n);
+    s.remote_runs.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      s.local_runs[i] = {lo.data()[i], len.data()[i]};
+      s.remote_runs[i] = {ro.data()[i], len.data()[i]};
+    }
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = is_push ? engine->push(s) : engine->pull(s);
+    }
+    throwIfError(st, op);
+  }
+};
+
 // The enums and plain structs of the engine's interface (engine/engine.h, transport/wire.h),
 // bound once: Python reads their values from here and never re-types them.
 void bindTypes(py::module_& m) {
@@ -402,6 +435,21 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("remote_blocks", [](const BoundPrepared& b) { return b.prepared->remote_blocks; })
       .def_property_readonly("peer_cluster_id", [](const BoundPrepared& b) { return b.prepared->peer_cluster_id; });
 
+  py::class_<BoundBatch>(m, "BatchTransfer")
+      .def(
+          "read",
+          [](const BoundBatch& b, py::handle l, py::handle r, py::handle n, int64_t timeout_ms) {
+            b.move(l, r, n, false, timeout_ms, "read");
+          },
+          py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"), py::arg("timeout_ms") = 0)
+      .def(
+          "write",
+          [](const BoundBatch& b, py::handle l, py::handle r, py::handle n, int64_t timeout_ms) {
+            b.move(l, r, n, true, timeout_ms, "write");
+          },
+          py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"), py::arg("timeout_ms") = 0)
+      .def_property_readonly("peer_cluster_id", [](const BoundBatch& b) { return b.spec.peer_cluster_id; });
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](std::shared_ptr<Backend> backend) { return std::make_unique<Engine>(std::move(backend)); }),
            py::arg("backend"))
@@ -593,36 +641,16 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cluster_id"), py::arg("timeout_ms"), py::arg("op") = "describe_memory")
       .def(
-          "transfer_runs",
-          // Descriptor lists: bytes [local[i], +lengths[i]) of each local tensor (offsets; absolute
-          // addresses for a local_absolute spec) <-> [remote[i], +lengths[i]) of the target
-          // (absolute addresses for a RAW target). Lists of ints or uint64 arrays; timeout_ms > 0
-          // replaces the spec's.
-          [](Engine& e, const TransferSpec& base, py::handle local, py::handle remote, py::handle lengths,
-             bool is_push, const std::string& op, int64_t timeout_ms) {
-            const Ints<uint64_t> lo(local, "local offsets"), ro(remote, "remote addresses"), len(lengths, "lengths");
-            const size_t n = lo.size();
-            if (ro.size() != n || len.size() != n) throw py::value_error("descriptor arrays differ in length");
-            // Reused per thread (its vectors keep their capacity): a short list allocates nothing.
-            thread_local TransferSpec spec;
-            spec = base;
-            spec.mode = TransferSpec::Mode::kExplicit;
-            if (timeout_ms > 0) spec.timeout_ms = timeout_ms;
-            spec.local_runs.resize(n);
-            spec.remote_runs.resize(n);
-            for (size_t i = 0; i < n; ++i) {
-              spec.local_runs[i] = {lo.data()[i], len.data()[i]};
-              spec.remote_runs[i] = {ro.data()[i], len.data()[i]};
-            }
-            Status st;
-            {
-              py::gil_scoped_release unlocked;
-              st = is_push ? e.push(spec) : e.pull(spec);
-            }
-            throwIfError(st, op.c_str());
+          "batch",
+          [](Engine& e, uint64_t peer) {
+            BoundBatch b{&e, {}};
+            b.spec.peer_cluster_id = peer;
+            b.spec.target.kind = wire::TargetKind::kRaw;
+            b.spec.mode = TransferSpec::Mode::kExplicit;
+            b.spec.local_absolute = true;
+            return b;
           },
-          py::arg("spec"), py::arg("local_offsets"), py::arg("remote"), py::arg("lengths"), py::arg("push"),
-          py::arg("op") = "transfer", py::arg("timeout_ms") = 0)
+          py::arg("peer"), py::keep_alive<0, 1>())
       .def(
           "copy_local",
           [](Engine& e, const std::vector<uint64_t>& dst, Placement dst_placement, const std::vector<uint64_t>& src,

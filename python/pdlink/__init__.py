@@ -46,6 +46,7 @@ _EXPORTS = {
     "Tensor": "compat.llm_datadist.tensor",
     "LLMDataDist": "compat.llm_datadist.llm_datadist",
     # pdlink's own engine API (docs/native_api.md)
+    "BatchTransfer": "engine",
     "Engine": "engine",
     "EngineOptions": "engine",
     "Limits": "engine",
@@ -88,6 +89,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
     from .compat.llm_datadist.tensor import Tensor, TensorDesc  # noqa: F401
     from .compat.llm_datadist.transfer import CacheTask  # noqa: F401
     from .engine import (  # noqa: F401
+        BatchTransfer,
         Engine,
         EngineOptions,
         Limits,

@@ -189,6 +189,17 @@ class PreparedTransfer:
     def read(self, local: _Indices, remote: _Indices) -> None: ...
     def write(self, local: _Indices, remote: _Indices) -> None: ...
 
+class BatchTransfer:
+    @property
+    def peer_cluster_id(self) -> int: ...
+    # timeout_ms 0: the engine's sync timeout; ValueError outside [0, 2**31)
+    def read(
+        self, local_addresses: _U64Array, remote_addresses: _U64Array, lengths: _U64Array, timeout_ms: int = 0
+    ) -> None: ...
+    def write(
+        self, local_addresses: _U64Array, remote_addresses: _U64Array, lengths: _U64Array, timeout_ms: int = 0
+    ) -> None: ...
+
 class Engine:
     def __init__(self, backend: Backend | str = "cpu") -> None: ...
     def initialize(self, config: EngineConfig) -> None: ...  # ValueError for a limit that is not positive
@@ -243,13 +254,10 @@ class Engine:
     def prepare(
         self, spec: TransferSpec, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0, op: str = "prepare"
     ) -> PreparedTransfer: ...
-    # Descriptor lists: [local_offsets[i], +lengths[i]) of each local tensor <-> [remote[i], +lengths[i]).
     def describe_memory(self, cluster_id: int, timeout_ms: int, op: str = "describe_memory"
                         ) -> tuple[int, list[tuple[int, int]]]: ...
-    def transfer_runs(
-        self, spec: TransferSpec, local_offsets: _U64Array, remote: _U64Array, lengths: _U64Array, push: bool,
-        op: str = "transfer", timeout_ms: int = 0,
-    ) -> None: ...
+    # Descriptor lists to one peer: [local[i], +lengths[i]) <-> [remote[i], +lengths[i]), absolute addresses.
+    def batch(self, peer: int) -> BatchTransfer: ...
     def copy_local(
         self,
         dst: Sequence[int],

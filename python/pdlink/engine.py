@@ -42,8 +42,8 @@ from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, llm_exception
 
 __all__ = [
-    "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "Notification", "Pending", "PreparedTransfer",
-    "Region", "RemoteRegion",
+    "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "Notification", "Pending",
+    "PreparedTransfer", "Region", "RemoteRegion",
 ]
 
 T = TypeVar("T")
@@ -280,6 +280,23 @@ class PreparedTransfer:
         return self._engine._submit(self.write, np.array(local, np.int64), np.array(remote, np.int64))
 
 
+class BatchTransfer:
+    """Descriptor lists to one peer (``Engine.batch``): ``read(local_addresses, remote_addresses,
+    lengths, timeout_ms=0)`` copies ``lengths[i]`` bytes from the peer's ``remote_addresses[i]`` to
+    ``local_addresses[i]``, ``write(...)`` the other way; lists of ints or uint64 arrays, each call
+    one all-or-nothing request as ``Engine.read_batch``'s. ``timeout_ms`` 0 is
+    ``EngineOptions.timeout_ms``; ``ValueError`` outside ``[0, 2**31)``. Both are the native
+    methods themselves: a call costs no Python frame."""
+
+    read: Callable[..., None]
+    write: Callable[..., None]
+
+    def __init__(self, native: Any) -> None:
+        self.peer: int = native.peer_cluster_id
+        self.read = native.read
+        self.write = native.write
+
+
 def _descriptors(descs: Descriptors, what: str) -> np.ndarray:
     arr = np.asarray(descs, dtype=np.uint64)
     if arr.ndim != 2 or arr.shape[1] != 2 or arr.shape[0] == 0:
@@ -307,7 +324,7 @@ class Engine:
             payload_integrity=options.payload_integrity, hccl_one_sided=bool(options.hccl_one_sided),
             limits=options.limits.overrides())
         self._regions: dict[int, Region] = {}
-        self._raw_specs: dict[int, Any] = {}  # peer -> the TransferSpec of its descriptor transfers
+        self._batches: dict[int, BatchTransfer] = {}  # peer -> its descriptor transfers (read_batch)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -548,6 +565,13 @@ class Engine:
             raise ValueError("a local descriptor and its remote one differ in length")
         self._batch(peer, lo[:, 0], ro[:, 0], lo[:, 1], push, timeout_ms)
 
+    def batch(self, peer: int) -> BatchTransfer:
+        """``read_batch`` and ``write_batch`` to one linked ``peer`` without their per-call lookup:
+        for callers that move many small lists to the same peer (pdlink's hixl keeps one per link).
+        The handle does not hold the link: after a disconnect its calls fail as ``read_batch``'s
+        would."""
+        return BatchTransfer(self._native.batch(peer))
+
     def _batch(self, peer: int, local: Addresses, remote: Addresses, lengths: Addresses, push: bool,
                timeout_ms: int | None) -> None:
         if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
@@ -555,14 +579,12 @@ class Engine:
         # One request for the whole list, wherever in this engine's regions the local descriptors
         # lie (the engine checks each against them): a refused descriptor, here or at the peer,
         # moves none.
-        spec = self._raw_specs.get(peer)
-        if spec is None:
-            c = core()
-            spec = c.TransferSpec(peer_cluster_id=peer, target=c.Target(kind=c.TargetKind.RAW), local_absolute=True)
-            if len(self._raw_specs) >= 1024:  # one per peer; peers come and go
-                self._raw_specs.clear()
-            self._raw_specs[peer] = spec
-        self._native.transfer_runs(spec, local, remote, lengths, push, "write" if push else "read", timeout_ms or 0)
+        batch = self._batches.get(peer)
+        if batch is None:
+            if len(self._batches) >= 1024:  # one per peer; peers come and go
+                self._batches.clear()
+            batch = self._batches[peer] = self.batch(peer)
+        (batch.write if push else batch.read)(local, remote, lengths, timeout_ms or 0)
 
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Pending:
         with self._lock:

@@ -115,6 +115,16 @@ def batch(peer: int, local: Sequence[tuple[str, int, int]], remote: Sequence[int
     getattr(_engine(), f"{op}_batch")(peer, addrs, list(remote), [n for _, _, n in local])
 
 
+def batch_handle(peer: int, local: Sequence[tuple[str, int, int]], remote: Sequence[int], op: str,
+                 timeout_ms: int = 0) -> None:
+    """As ``batch``, through the peer's ``Engine.batch`` handle (kept per peer, as hixl keeps one
+    per link)."""
+    handles = _state.setdefault("batches", {})
+    handle = handles.get(peer) or handles.setdefault(peer, _engine().batch(peer))
+    addrs = [_state["regions"][name].region.addresses[0] + offset for name, offset, _ in local]
+    getattr(handle, op)(addrs, list(remote), [n for _, _, n in local], timeout_ms)
+
+
 def remote_memory(peer: int) -> pdlink.MemoryMap:
     return _engine().remote_memory(peer)
 
