@@ -13,9 +13,10 @@ import pytest
 
 import internals
 from backend_env import Variant
+from conftest import only
 from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotFound, Notification, TransferTimeout
 from peer import Peer
-from peers import native
+from peers import fake_ascend, native
 from poll import hang_guard
 from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
 
@@ -231,6 +232,43 @@ def test_a_descriptor_list_may_mix_host_and_device_memory(peers: Callable[..., P
         after = snapshots()
         for name in after:
             assert_same(after[name], expected[name], f"{name} after a mixed {op}")
+
+
+ACL_ERROR_RT_INTERNAL_ERROR = 507000
+
+
+@only("ascend-fake")
+@pytest.mark.parametrize("side", ["target", "initiator"])
+def test_a_failed_staging_copy_fails_the_list_and_drops_the_link(peers: Callable[..., Peer], variant: Variant,
+                                                                  side: str) -> None:
+    """A read between DEVICE and HOST memory is staged on the side with the DEVICE range; when that
+    side's copy (aclrtMemcpy) fails, the call fails with LLM_LINK_FAILED (the stream is out of
+    step), the link is broken, nothing lands, the source is unchanged, and after a new connect the
+    same read moves every byte."""
+    target, initiator = peers("target", env=variant.env()), peers("initiator", env=variant.env())
+    port = target.call(native.start, TARGET, listen=True)
+    initiator.call(native.start, INITIATOR)
+    # the target stages DEVICE -> HOST for a host destination; the initiator HOST -> DEVICE for a
+    # device one (after its device paths turn the host source down)
+    staging = target if side == "target" else initiator
+    src = target.call(native.register, "src", ROWS, ROW, seed=1, host=side == "initiator")
+    initiator.call(native.register, "dst", ROWS, ROW, seed=2, host=side == "target")
+    assert initiator.call(native.connect, port, TARGET) == TARGET
+    descs = [(100, 0, 1000), (0, 1500, 300)]  # (src offset, dst offset, length)
+    read = lambda: initiator.call_within(hang_guard(TIMEOUT_MS), native.batch, TARGET,  # noqa: E731
+                                         [("dst", d, n) for _, d, n in descs], [src + s for s, _, n in descs], "read")
+    copies_before = staging.call(fake_ascend.calls, "aclrtMemcpy")
+    staging.call(fake_ascend.inject, "aclrtMemcpy", ACL_ERROR_RT_INTERNAL_ERROR)  # the next one fails
+    with pytest.raises(LinkError) as e:
+        check_transfer(lambda: target.call(native.snapshot, "src"), lambda: initiator.call(native.snapshot, "dst"),
+                       read, nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_LINK_FAILED, e.value
+    assert staging.call(fake_ascend.calls, "aclrtMemcpy") == copies_before + 1  # the injected failure, only
+    assert [link.broken for link in initiator.call(native.links)] == [True]
+    initiator.call(native.disconnect, TARGET)
+    assert initiator.call(native.connect, port, TARGET) == TARGET
+    check_transfer(lambda: target.call(native.snapshot, "src"), lambda: initiator.call(native.snapshot, "dst"),
+                   read, copies(descs))
 
 
 def test_reads_by_address_follow_the_peers_registrations(two: Two) -> None:
