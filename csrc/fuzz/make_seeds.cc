@@ -169,9 +169,9 @@ int main(int argc, char** argv) {
   seed("body-raw", kModeBody, wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}})));
 
   // A session through the serving loop: read and commit by key (which frees the pooled slot's key),
-  // a direct read, device flags, a describe, a write, a notification, local removals, and reads after them. Served
-  // on a link that is not same-host (first byte 0: the direct read and describe must be refused)
-  // and on one that is (1).
+  // a direct read, device flags, a describe, the memory table and a read by address, a write, a notification,
+  // local removals, and reads after them. Served on a link that is not same-host (first byte 0: the direct
+  // read and describe must be refused) and on one that is (1).
   std::string s;
   s += frame(wire::Op::kRead, poolkey);
   s += frame(wire::Op::kCommit, poolkey);
@@ -180,6 +180,8 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kWrite, blocks, wire::kFlagDevice | wire::kFlagDirect);       // same-host IPC
   s += frame(wire::Op::kRead, blocks, wire::kFlagDevice | wire::kFlagOneSided);      // HCCL one-sided
   s += frame(wire::Op::kDescribe, blocks7);
+  s += frame(wire::Op::kDescribe, body(K::kRaw, {}, {}));  // the memory table, answered on any link
+  s += frame(wire::Op::kRead, body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}}));
   s += frame(wire::Op::kWrite, reqkey);
   s += notifyFrame(wire::NotifyBody{"req-11", "written"});
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
