@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "core/limits.h"
+#include "transport/path.h"
 
 namespace pdlink {
 
@@ -133,16 +134,6 @@ Status moveChunked(Stream& s, bool sending, const std::vector<Segment>& pieces, 
   return flush();
 }
 
-std::vector<Segment> segments(const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors, uint64_t base,
-                              const std::vector<wire::Run>& runs) {
-  std::vector<Segment> out;
-  out.reserve(tensors.size() * runs.size());
-  for (uint32_t t : tensors) {
-    for (const wire::Run& r : runs) out.push_back({addrs[t] + base + r.offset, r.length});
-  }
-  return out;
-}
-
 }  // namespace
 
 Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
@@ -153,7 +144,7 @@ Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, 
   }
   s.payload(true);
   Status st = s.payloadIntegrity()
-                  ? moveChunked(s, sending, segments(addrs, tensors, base, runs), nullptr, nullptr, deadline)
+                  ? moveChunked(s, sending, pieces(addrs, tensors, base, runs), nullptr, nullptr, deadline)
                   : moveBytes(s, sending, addrs, tensors, base, runs, deadline, std::move(frame));
   s.payload(false);
   return st;
