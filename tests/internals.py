@@ -34,7 +34,7 @@ __all__ = [
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
     "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate", "LIMIT_OPTIONS",
     "ip_to_int", "itemsize",
-    "ManagementClient", "manager_role", "native_engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
+    "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
     "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",
     "ROLES", "server_config", "server_context", "transfer_cache_async", "validation_utils",
@@ -43,23 +43,23 @@ __all__ = [
 core = _core  # the native module
 
 
-def cache_manager(native_engine: Any, remote_accessible: bool = True) -> Any:
-    """pdlink's CacheManager over a bare native engine (several engines in one process, which one
+def cache_manager(engine: Any, remote_accessible: bool = True) -> Any:
+    """pdlink's CacheManager over a ``pdlink.Engine`` (several engines in one process, which one
     LLMDataDist per process does not allow; the load tests)."""
     from types import SimpleNamespace
 
     from pdlink.compat.llm_datadist.cache_manager import CacheManager
 
-    return CacheManager(SimpleNamespace(_is_call_linked=False), native_engine, remote_accessible, {})
+    return CacheManager(SimpleNamespace(_is_call_linked=False), engine, remote_accessible, {})
 
 
 def engine(dd: Any) -> Any:
-    """The native engine under an ``LLMDataDist``."""
+    """The ``pdlink.Engine`` under an ``LLMDataDist`` (the first device's in v1 multi-device mode)."""
     return dd._engine
 
 
-def native_engines(dd: Any) -> list[Any]:
-    """The native engines under a v1 (KvCacheManager mode) ``LLMDataDist``, one per device."""
+def engines(dd: Any) -> list[Any]:
+    """The ``pdlink.Engine`` of each device under a v1 (KvCacheManager mode) ``LLMDataDist``."""
     return list(dd._engines)
 
 
@@ -80,7 +80,7 @@ def invalidate(km: Any) -> None:
 
 def cache_count(dd: Any) -> int:
     """Caches the engine holds (registered, allocated, or kept alive by request keys)."""
-    return int(dd._engine.cache_count)
+    return int(dd._engine.kv.count)
 
 
 def backend_name(dd: Any) -> str:
@@ -89,4 +89,4 @@ def backend_name(dd: Any) -> str:
 
 def pools(dd: Any) -> list[dict[str, Any]]:
     """The engine's memory pools: placement, base, capacity, used."""
-    return list(dd._engine.pools())
+    return list(dd._engine.kv.pools())

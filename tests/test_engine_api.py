@@ -17,7 +17,7 @@ from conftest import only
 from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotFound, Notification, TransferTimeout
 from peer import Peer
 from peers import fake_ascend, native
-from poll import hang_guard
+from poll import hang_guard, wait_until
 from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
 
 TARGET, INITIATOR = 1, 2
@@ -434,6 +434,51 @@ def test_a_frozen_peer_gives_a_notification_timeout(two: Two) -> None:
     two.target.thaw()
     assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
     assert isinstance(e.value, TimeoutError)
+
+
+def test_kv_caches_pull_blocks_of_a_published_cache_by_key(two: Two) -> None:
+    two.target.call(native.kv_register, "kv_src", ROWS, ROW, 3, 11)  # published as model 11
+    two.initiator.call(native.kv_register, "kv_dst", ROWS, ROW, 4)
+    src, dst = (lambda: two.target.call(native.kv_snapshot, "kv_src")), (
+        lambda: two.initiator.call(native.kv_snapshot, "kv_dst"))
+    moves = [(7, 0), (2, 5), (3, 6)]  # (remote block, local block)
+    check_transfer(src, dst, lambda: two.initiator.call(
+        native.kv_pull_blocks, TARGET, "kv_dst", 11, [d for _, d in moves], [s for s, _ in moves]), rows(moves))
+    # a model nobody published: refused, nothing moves
+    dst0 = dst()
+    with pytest.raises(NotFound) as e:
+        two.initiator.call(native.kv_pull_blocks, TARGET, "kv_dst", 12, [0], [0])
+    assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert_same(dst(), dst0, "destination")
+
+
+@pytest.mark.parametrize("placement", ["HOST", "DEVICE"])
+def test_kv_caches_come_from_the_options_pools(peers: Callable[..., Peer], variant: Variant, placement: str) -> None:
+    lone = peers("lone", env=variant.env())
+    lone.call(native.start, INITIATOR, pool_bytes=1 << 20)
+    cache_id, used = lone.call(native.kv_allocate, placement, ROWS, ROW)
+    assert cache_id > 0 and used >= ROWS * ROW
+    assert lone.call(native.kv_deallocate, cache_id, placement) == 0
+    with pytest.raises(LLMException) as e:  # more than the pool holds
+        lone.call(native.kv_allocate, placement, 1 << 12, 1 << 10)
+    assert e.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
+
+
+def test_links_by_the_batch_report_each_peer(two: Two) -> None:
+    port = two.target.call(native.add_listener, "127.0.0.1:0")  # a second listener
+    assert port not in (0, two.target.call(native.listen_port))
+    mark, _ = two.target.call(native.linked_since, 2**64 - 1)
+    assert two.initiator.call(native.disconnect_each, [TARGET, 99]) == [LLMStatusCode.LLM_SUCCESS,
+                                                                         LLMStatusCode.LLM_NOT_YET_LINK]
+    dead = two.initiator.call(_free_port)
+    results = two.initiator.call(native.connect_each, [(TARGET, f"127.0.0.1:{port}"), (None, f"127.0.0.1:{dead}")])
+    assert [(code, peer) for code, _, peer in results][0] == (LLMStatusCode.LLM_SUCCESS, TARGET)
+    assert results[1][0] == LLMStatusCode.LLM_LINK_FAILED
+    assert two.initiator.call(native.connect_each, [(TARGET, f"127.0.0.1:{port}")])[0][0] == \
+        LLMStatusCode.LLM_ALREADY_LINK
+    wait_until(lambda: INITIATOR in two.target.call(native.linked_since, mark)[1], 10, "the new link listed")
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.descriptors, TARGET, "dst", [(0, 64)], [(two.src + 64, 64)], "read"), copies([(64, 0, 64)]))
 
 
 def test_connect_to_nothing_is_a_connection_error(peers: Callable[..., Peer], variant: Variant) -> None:

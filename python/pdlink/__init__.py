@@ -52,6 +52,8 @@ _EXPORTS = {
     "Limits": "engine",
     "LinkInfo": "engine",
     "MemoryMap": "engine",
+    "MemoryPool": "engine",
+    "KvCaches": "kv",
     "Notification": "engine",
     "Pending": "engine",
     "PreparedTransfer": "engine",
@@ -95,12 +97,14 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         Limits,
         LinkInfo,
         MemoryMap,
+        MemoryPool,
         Notification,
         Pending,
         PreparedTransfer,
         Region,
         RemoteRegion,
     )
+    from .kv import KvCaches  # noqa: F401
     from .status import (  # noqa: F401
         InvalidArgument,
         LinkError,

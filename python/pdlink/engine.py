@@ -38,12 +38,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, llm_exception
 
 __all__ = [
-    "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "Notification", "Pending",
-    "PreparedTransfer", "Region", "RemoteRegion",
+    "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "MemoryPool", "Notification",
+    "Pending", "PreparedTransfer", "Region", "RemoteRegion",
 ]
 
 T = TypeVar("T")
@@ -70,6 +71,22 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class MemoryPool:
+    """Memory the engine owns and allocates caches from (``Engine.kv.allocate``): ``size`` bytes
+    of one placement, handed out in pages of ``2**page_shift`` bytes (``None``: the engine's
+    default, ``pdlink._core.PoolConfig().page_shift``)."""
+
+    size: int
+    page_shift: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
+            raise ValueError(f"MemoryPool.size must be an int >= 0, got {self.size!r}")
+        if self.page_shift is not None and (not isinstance(self.page_shift, int) or not 0 <= self.page_shift < 64):
+            raise ValueError(f"MemoryPool.page_shift must be an int in [0, 64), got {self.page_shift!r}")
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """How an engine starts.
 
@@ -78,7 +95,9 @@ class EngineOptions:
     ``"tcp"`` or ``"cma"``. ``secret``: links must prove they know it, and frames are sealed.
     ``backend``: ``"auto"``, ``"cpu"`` or ``"ascend"``. ``hccl_one_sided``: DEVICE transfers use
     HCCL's one-sided access where both ends have it. ``timeout_ms`` bounds every transfer,
-    ``connect_timeout_ms`` every connect and disconnect.
+    ``connect_timeout_ms`` every connect and disconnect. ``device_pool`` / ``host_pool``: memory
+    the engine allocates caches from (``Engine.kv``; none by default). ``one_way_links``: only the
+    side that connected transfers over a link (llm_datadist's ``llm.TransferBackend = "hixl"``).
 
     Left at None, ``transport``, ``secret``, ``backend`` and ``hccl_one_sided`` come from the
     environment variables llm_datadist reads too (``PDLINK_TRANSPORT``, ``PDLINK_LINK_SECRET``,
@@ -98,6 +117,9 @@ class EngineOptions:
     connect_timeout_ms: int = 5000
     async_workers: int = 4
     limits: Limits = field(default_factory=Limits)
+    device_pool: MemoryPool | None = None
+    host_pool: MemoryPool | None = None
+    one_way_links: bool = False
 
     def __post_init__(self) -> None:
         for name in ("timeout_ms", "connect_timeout_ms", "async_workers"):
@@ -322,7 +344,9 @@ class Engine:
             role=options.role, listen_ip=ip, listen_port=port, sync_timeout_ms=options.timeout_ms,
             transport=str(options.transport), link_secret=options.secret or "",
             payload_integrity=options.payload_integrity, hccl_one_sided=bool(options.hccl_one_sided),
-            limits=options.limits.overrides())
+            limits=options.limits.overrides(), device_pool=_pool(options.device_pool),
+            host_pool=_pool(options.host_pool), one_way_links=options.one_way_links)
+        self.kv = KvCaches(self._native)
         self._regions: dict[int, Region] = {}
         self._batches: dict[int, BatchTransfer] = {}  # peer -> its descriptor transfers (read_batch)
         self._lock = threading.Lock()
@@ -430,6 +454,12 @@ class Engine:
                 raise ValueError(f"region {region.cache_id} is not registered here")
         self._native.unregister_cache(region.cache_id)
 
+    def copy(self, dst: int, src: int, nbytes: int, *, dst_placement: str | enum.Enum = "HOST",
+             src_placement: str | enum.Enum = "HOST") -> None:
+        """A blocking local copy of ``nbytes`` through the engine's backend: DEVICE memory the
+        host cannot address (Ascend), read or written from host memory, say."""
+        self._native.backend_handle.copy(dst, placement_of(dst_placement), src, placement_of(src_placement), nbytes)
+
     def local_memory(self) -> MemoryMap:
         """This engine's registered memory (every tensor of every region)."""
         with self._lock:
@@ -488,6 +518,38 @@ class Engine:
         """Takes every notification peers sent to this engine and nobody took yet, in arrival order
         (each peer's in the order it sent them); a second call returns only newer ones."""
         return [Notification(n.peer, n.name, n.message) for n in self._native.take_notifications()]
+
+    def add_listener(self, address: str) -> int:
+        """Also accepts links at ``"ip:port"`` (a second listener beside ``EngineOptions.listen``:
+        the rendezvous of llm_datadist's ``link()``); returns the bound port. Idempotent for the
+        same address."""
+        ip, port = _split_address(address)
+        return int(self._native.start_comm_listener(ip, port))
+
+    def connect_each(self, peers: Sequence[tuple[int | None, str]], *,
+                     timeout_ms: int | None = None) -> list[tuple[LLMStatusCode, str, int]]:
+        """Links to several peers at once, each ``(cluster_id or None, "ip:port")``: one
+        ``(status code, message, peer cluster id)`` per peer, in order, without raising for a peer
+        that failed (``LLM_ALREADY_LINK``: linked before). ``timeout_ms`` bounds the whole call."""
+        addresses = [(cid, *_split_address(address)) for cid, address in peers]
+        timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
+        return [(LLMStatusCode(code), str(message), int(peer))
+                for code, message, peer in self._native.link(addresses, timeout)]
+
+    def disconnect_each(self, peers: Sequence[int], *, timeout_ms: int | None = None,
+                        force: bool = False) -> list[tuple[LLMStatusCode, str]]:
+        """``disconnect`` for several peers: one ``(status code, message)`` per peer, in order,
+        without raising (``LLM_NOT_YET_LINK``: no link to that peer)."""
+        timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
+        results = self._native.unlink(list(peers), timeout, force)
+        return [(LLMStatusCode(code), str(message)) for code, message in results]
+
+    def linked_since(self, mark: int) -> tuple[int, list[int]]:
+        """The mark to pass next time, and the peers whose links came up after ``mark`` (a mark
+        this call returned; 0: since the start; ``2**64 - 1``: none, only the current mark).
+        Links that came and went between two calls are listed too."""
+        latest, peers = self._native.linked_since(mark)
+        return int(latest), [int(p) for p in peers]
 
     def connect_async(self, address: str, **kwargs: Any) -> Pending:
         return self._submit(self.connect, address, **kwargs)
@@ -592,6 +654,10 @@ class Engine:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.options.async_workers,
                                                                    thread_name_prefix="pdlink-async")
             return Pending(self._pool.submit(fn, *args, **kwargs))
+
+
+def _pool(pool: MemoryPool | None) -> tuple[int, int | None]:
+    return (0, None) if pool is None else (pool.size, pool.page_shift)
 
 
 def _notify_bytes(value: bytes | str, what: str) -> bytes:

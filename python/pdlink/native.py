@@ -52,12 +52,14 @@ def placement_of(value: str | enum.Enum) -> Any:
 
 
 def open_engine(*, backend: str, device_id: int, cluster_id: int, role: str | enum.Enum, listen_ip: str = "",
-                listen_port: int = 0, sync_timeout_ms: int = 1000, device_pool: tuple[int, int] = (0, 16),
-                host_pool: tuple[int, int] = (0, 16), transport: str = "auto", link_secret: str = "",
+                listen_port: int = 0, sync_timeout_ms: int = 1000,
+                device_pool: tuple[int, int | None] = (0, None), host_pool: tuple[int, int | None] = (0, None),
+                transport: str = "auto", link_secret: str = "",
                 payload_integrity: bool = False, hccl_one_sided: bool = False, one_way_links: bool = False,
                 limits: dict[str, int] | None = None) -> Any:
     """An initialised ``_core.Engine`` on backend ``backend`` (``"auto"``, ``"cpu"``, ``"ascend"``)
-    and device ``device_id``. Pools are ``(bytes, page_shift)``, 0 bytes for none; ``limits``
+    and device ``device_id``. Pools are ``(bytes, page_shift)``, 0 bytes for none, page shift None for the
+    engine's default; ``limits``
     overrides fields of ``_core.EngineLimits`` (the engine's defaults otherwise). Raises
     LLMException with the engine's status code when it cannot start, ValueError for a limit that
     is not positive."""
@@ -68,8 +70,8 @@ def open_engine(*, backend: str, device_id: int, cluster_id: int, role: str | en
     config.listen_ip = listen_ip
     config.listen_port = listen_port
     config.sync_timeout_ms = sync_timeout_ms
-    config.device_pool = c.PoolConfig(*device_pool)
-    config.host_pool = c.PoolConfig(*host_pool)
+    config.device_pool = _pool_config(c, *device_pool)
+    config.host_pool = _pool_config(c, *host_pool)
     config.transport = transport_of(transport)
     config.link_secret = link_secret
     config.payload_integrity = payload_integrity
@@ -82,3 +84,7 @@ def open_engine(*, backend: str, device_id: int, cluster_id: int, role: str | en
     engine = c.Engine(c.open_backend(backend, device_id))
     engine.initialize(config)
     return engine
+
+
+def _pool_config(c: Any, size: int, page_shift: int | None) -> Any:
+    return c.PoolConfig(size) if page_shift is None else c.PoolConfig(size, page_shift)

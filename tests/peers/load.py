@@ -1,4 +1,4 @@
-"""Many native engines in one peer process, for the load tests (test_load.py): llm_datadist allows
+"""Many engines (``pdlink.Engine``) in one peer process, for the load tests (test_load.py): llm_datadist allows
 one LLMDataDist per process, the engine itself has no such limit, so a few processes give many
 links. Each engine has a blocks cache in guarded memory (device memory on a device backend) under
 pdlink's CacheManager, and pulls on a thread of its own.
@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import internals
+import pdlink
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
 from peers.memory import GuardedTensors, device_memory_is_remote
 from verify import Snapshot
@@ -24,8 +25,9 @@ def start_engines(count: int, first_id: int) -> None:
     """``count`` engines with cluster ids ``first_id``..., on this peer's backend and transport."""
     cfg = internals.parse_engine_options({})  # PDLINK_BACKEND / PDLINK_TRANSPORT of this peer
     for i in range(count):
-        e = internals.open_engine(backend=cfg["backend"], device_id=0, cluster_id=first_id + i, role="DECODER",
-                                  sync_timeout_ms=30000, transport=cfg["transport"])
+        e = pdlink.Engine(pdlink.EngineOptions(
+            cluster_id=first_id + i, role="DECODER", backend=cfg["backend"], transport=cfg["transport"],
+            secret=cfg["link_secret"], timeout_ms=30000))
         cm = internals.cache_manager(e)
         desc = CacheDesc(2, list(SHAPE), DataType.DT_UINT8, Placement.DEVICE)
         mem = GuardedTensors(2, desc.size, SHAPE[0], None, device_memory_is_remote())
@@ -34,7 +36,7 @@ def start_engines(count: int, first_id: int) -> None:
 
 def link_all(port: int, timeout_ms: int = 10000) -> list[int]:
     """Every engine links to the prompt (cluster 1) at ``port``; their status codes."""
-    return [int(e.link([(1, "127.0.0.1", port)], timeout_ms)[0][0]) for e, _, _, _ in _ENGINES]
+    return [int(e.connect_each([(1, f"127.0.0.1:{port}")], timeout_ms=timeout_ms)[0][0]) for e, _, _, _ in _ENGINES]
 
 
 def _worker(i: int, pulls: int) -> None:
@@ -64,17 +66,15 @@ def snapshots() -> list[Snapshot]:
 
 def finalize_all() -> None:
     for e, _, _, _ in _ENGINES:
-        e.finalize()
+        e.close()
 
 
 def cycles(port: int, n: int) -> None:
     """The first engine links to the prompt and unlinks again, ``n`` times."""
     e = _ENGINES[0][0]
     for _ in range(n):
-        linked = e.link([(1, "127.0.0.1", port)], 5000)[0][0]
-        assert linked == 0, linked
-        unlinked = e.unlink([1], 5000, False)[0][0]
-        assert unlinked == 0, unlinked
+        e.connect(f"127.0.0.1:{port}", cluster_id=1)
+        e.disconnect(1)
 
 
 def first_engine_stats() -> dict[str, int]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 import pdlink
+from pdlink import kv
 from peers.memory import GuardedTensors, device_memory_is_remote
 from poll import wait_until
 from verify import Snapshot
@@ -35,7 +36,7 @@ class _Named:
     region: pdlink.Region
 
 
-_state: dict[str, Any] = {"engine": None, "regions": {}, "prepared": {}, "pending": {}}
+_state: dict[str, Any] = {"engine": None, "regions": {}, "prepared": {}, "pending": {}, "caches": {}}
 
 
 def _engine() -> pdlink.Engine:
@@ -45,12 +46,14 @@ def _engine() -> pdlink.Engine:
 
 
 def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits: dict[str, int] | None = None,
-          secret: str | None = None, payload_integrity: bool = False) -> int:
+          secret: str | None = None, payload_integrity: bool = False, pool_bytes: int = 0) -> int:
     """Starts this peer's engine (``limits``: ``pdlink.Limits`` fields; ``secret`` and
-    ``payload_integrity`` as ``EngineOptions``'); returns its listen port (0 when not listening)."""
+    ``payload_integrity`` as ``EngineOptions``'; ``pool_bytes``: a host and a device pool of that
+    size); returns its listen port (0 when not listening)."""
+    pool = pdlink.MemoryPool(pool_bytes) if pool_bytes else None
     options = pdlink.EngineOptions(cluster_id=cluster_id, listen="127.0.0.1:0" if listen else None,
                                    timeout_ms=timeout_ms, limits=pdlink.Limits(**(limits or {})), secret=secret,
-                                   payload_integrity=payload_integrity)
+                                   payload_integrity=payload_integrity, host_pool=pool, device_pool=pool)
     _state["engine"] = pdlink.Engine(options)
     return _state["engine"].listen_port
 
@@ -67,6 +70,68 @@ def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | 
                                 block_size=row_bytes, key=key)
     _state["regions"][name] = _Named(memory, region)
     return region.address
+
+
+def kv_register(name: str, rows: int, row_bytes: int, seed: int | None, model: int | None = None) -> int:
+    """A cache of one tensor of ``rows`` blocks of ``row_bytes`` in guarded memory registered
+    through ``Engine.kv`` (a blocks cache published under ``model`` when given); its cache id."""
+    device = device_memory_is_remote()
+    memory = GuardedTensors(1, rows * row_bytes, rows, seed, device)
+    layout = kv.CacheLayout(1, rows * row_bytes, rows, True, kv.placement("DEVICE" if device else "HOST"))
+    cache_id, _ = _engine().kv.register(layout, memory.addrs, [], model, True)
+    _state["caches"][name] = (memory, cache_id)
+    return int(cache_id)
+
+
+def kv_pull_blocks(peer: int, name: str, model: int, local: Sequence[int], remote_blocks: Sequence[int]) -> None:
+    """Blocks ``remote_blocks`` of the peer's blocks cache ``model`` into blocks ``local`` of
+    cache ``name``, by ``Engine.kv.pull``."""
+    spec = kv.TransferSpec(peer_cluster_id=peer, target=kv.Target(kind=kv.TargetKind.BLOCKS, model_id=model),
+                           local_cache_id=_state["caches"][name][1], mode=kv.TransferMode.BLOCKS_TO_BLOCKS,
+                           local_blocks=list(local), remote_blocks=list(remote_blocks))
+    _engine().kv.pull(spec)
+
+
+def kv_snapshot(name: str) -> Snapshot:
+    return _state["caches"][name][0].snapshot(name)
+
+
+def kv_allocate(placement: str, rows: int, row_bytes: int, model: int | None = None) -> tuple[int, int]:
+    """A blocks cache from the engine's pool of ``placement``: (cache id, the pool's bytes in use)."""
+    layout = kv.CacheLayout(1, rows * row_bytes, rows, True, kv.placement(placement))
+    cache_id, _ = _engine().kv.allocate(layout, [], model)
+    return int(cache_id), _pool_used(placement)
+
+
+def kv_deallocate(cache_id: int, placement: str) -> int:
+    """Returns an allocated blocks cache; the pool's bytes in use after."""
+    _engine().kv.deallocate(cache_id, True, "deallocate")
+    return _pool_used(placement)
+
+
+def _pool_used(placement: str) -> int:
+    (pool,) = [p for p in _engine().kv.pools() if p["placement"].name == placement]
+    return int(pool["used"])
+
+
+def connect_each(peers: Sequence[tuple[int | None, str]]) -> list[tuple[int, str, int]]:
+    return [(int(code), message, peer) for code, message, peer in _engine().connect_each(peers, timeout_ms=3000)]
+
+
+def disconnect_each(peers: Sequence[int]) -> list[int]:
+    return [int(code) for code, _ in _engine().disconnect_each(peers, timeout_ms=3000)]
+
+
+def linked_since(mark: int) -> tuple[int, list[int]]:
+    return _engine().linked_since(mark)
+
+
+def listen_port() -> int:
+    return _engine().listen_port
+
+
+def add_listener(address: str) -> int:
+    return _engine().add_listener(address)
 
 
 def addresses(name: str) -> list[int]:

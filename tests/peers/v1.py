@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 import internals
+import pdlink
 from llm_datadist import (
     BlocksCacheKey,
     Cache,
@@ -66,9 +67,9 @@ POOL = 1 << 18  # the device pool of a test engine: small, so a snapshot of all 
 
 @dataclasses.dataclass
 class _Engine:
-    dd: LLMDataDist | None  # None: a bare KvCacheManager over native engines (``bare_start``)
+    dd: LLMDataDist | None  # None: a bare KvCacheManager over pdlink engines (``bare_start``)
     km: Any  # its KvCacheManager (CacheManager for ``start_cache_manager_mode``), kept after finalize
-    natives: list[Any]
+    engines: list[Any]  # the pdlink.Engine of each device
 
 
 @dataclasses.dataclass
@@ -77,7 +78,7 @@ class _Named:
     desc: CacheDesc
     rows: int
     addrs: list[list[int]]  # per device (the handle forgets them when deallocated)
-    natives: list[Any]  # the engines whose device pools hold it ([] for a HOST handle)
+    engines: list[Any]  # the engines whose device pools hold it ([] for a HOST handle)
     memory: list[GuardedTensors] | None = None  # HOST handles: guarded memory per device
 
 
@@ -150,7 +151,7 @@ def start(role: str, cluster_id: int, *, name: str = "dd", listen: int = 0, devi
     loopback addresses (one per device for a PROMPT), made the current engine; its listen ports."""
     dd = LLMDataDist(ROLES[role], cluster_id)
     dd.init(options(";".join(["127.0.0.1:0"] * listen) or None, devices, timeout_ms, switch, mem_max, pool))
-    _S.engines[name] = _Engine(dd, dd.kv_cache_manager, internals.native_engines(dd))
+    _S.engines[name] = _Engine(dd, dd.kv_cache_manager, internals.engines(dd))
     _S.current = name
     return [int(p) for p in dd.listen_ports] if listen else []
 
@@ -258,12 +259,12 @@ def is_initialized() -> bool:
 
 def cache_count() -> int:
     """Caches the current engine (device 0) holds."""
-    return int(_engine().natives[0].cache_count)
+    return _engine().engines[0].kv.count
 
 
 def cache_counts() -> list[int]:
     """Caches each device's engine holds."""
-    return [int(e.cache_count) for e in _engine().natives]
+    return [e.kv.count for e in _engine().engines]
 
 
 def exception_class() -> tuple[str, bool]:
@@ -276,7 +277,7 @@ def exception_class() -> tuple[str, bool]:
 
 def _keep(name: str, cache: Any, desc: CacheDesc) -> _Named:
     n = _Named(cache, desc, desc.shape[0] if desc.shape else 1, [list(a) for a in cache.per_device_tensor_addrs],
-               _engine().natives)
+               _engine().engines)
     _S.caches[name] = n
     return n
 
@@ -356,7 +357,7 @@ def snapshot(name: str, dev: int = 0) -> Snapshot:
     n = _named(name)
     if n.memory is not None:
         return n.memory[dev].snapshot(name)
-    pools = [p for p in n.natives[dev].pools() if p["placement"].name == Placement.DEVICE.name]
+    pools = [p for p in n.engines[dev].kv.pools() if p["placement"].name == Placement.DEVICE.name]
     assert len(pools) == 1, "no device pool"
     return pool_snapshot(f"{name} (device {dev})", pools[0]["base"], pools[0]["capacity"], n.addrs[dev],
                          n.desc.size, n.rows, _device(n))
@@ -625,12 +626,12 @@ def bare_start(pools: Sequence[int], cluster_id: int = 9, backend: str = "cpu") 
     bytes each), without an LLMDataDist, made the current engine."""
     from llm_datadist import CacheManager, KvCacheManager
 
-    natives = [internals.open_engine(backend=backend, device_id=0, cluster_id=cluster_id, role=LLMRole.PROMPT,
-                                     sync_timeout_ms=1000, device_pool=(pool, 12), host_pool=(0, 12),
-                                     limits={"handshake_timeout_ms": 1000}) for pool in pools]
-    km = KvCacheManager(None, [CacheManager(None, e, False, {Placement.DEVICE: True}) for e in natives],
+    engines = [pdlink.Engine(pdlink.EngineOptions(
+        cluster_id=cluster_id, role=LLMRole.PROMPT, backend=backend, device_pool=pdlink.MemoryPool(pool, 12),
+        limits=pdlink.Limits(handshake_timeout_ms=1000))) for pool in pools]
+    km = KvCacheManager(None, [CacheManager(None, e, False, {Placement.DEVICE: True}) for e in engines],
                         LLMRole.PROMPT)
-    _S.engines["bare"] = _Engine(None, km, natives)
+    _S.engines["bare"] = _Engine(None, km, engines)
     _S.current = "bare"
 
 
@@ -642,8 +643,8 @@ def device_cache_ids(name: str) -> list[int]:
 
 def bare_close() -> None:
     internals.invalidate(_km())
-    for e in _engine().natives:
-        e.finalize()
+    for e in _engine().engines:
+        e.close()
 
 
 # ---------------------------------------------------------------------------- interpreter exit

@@ -2,7 +2,7 @@
 
 This layer validates arguments exactly as llm_datadist does (``TypeError`` / ``ValueError`` /
 ``LLMException(LLM_PARAM_INVALID)``, llm_datadist_api.md §3.2), turns keys and layer ranges into the native
-engine's terms, and calls ``pdlink._core.Engine``. Byte movement, bounds checks, key
+engine's terms, and calls ``pdlink.Engine`` (its keyed caches, ``Engine.kv``). Byte movement, bounds checks, key
 indexes and reference counting live in the C++ core; native failures become ``LLMException``
 in the binding (one place). No per-block Python objects are created: block lists go to the
 core as they are.
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...native import core, placement_of
+from ... import kv
 from ...status import LLMException, LLMStatusCode, handle_llm_status
 from ._utils import (
     UINT32_MAX,
@@ -42,6 +42,7 @@ from .llm_types import (
 )
 
 if TYPE_CHECKING:
+    from ...engine import Engine
     from .llm_types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
     from .transfer import CacheTask
 
@@ -58,14 +59,13 @@ KeyLike = CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
 
 def remote_target(key: KeyLike | None) -> Any:
     """The ``_core.Target`` addressing a remote cache by ``key``; ``None``: raw remote memory."""
-    c = core()
-    kinds = c.TargetKind
+    kinds = kv.TargetKind
     if key is None:
-        return c.Target(kind=kinds.RAW, req_id=_NO_ID, prefix_id=_NO_ID)
+        return kv.Target(kind=kinds.RAW, req_id=_NO_ID, prefix_id=_NO_ID)
     if isinstance(key, BlocksCacheKey):
-        return c.Target(kind=kinds.BLOCKS, model_id=key.model_id, req_id=_NO_ID, prefix_id=_NO_ID)
+        return kv.Target(kind=kinds.BLOCKS, model_id=key.model_id, req_id=_NO_ID, prefix_id=_NO_ID)
     if isinstance(key, CacheKeyByIdAndIndex):
-        return c.Target(kind=kinds.ID_INDEX, req_id=_NO_ID, prefix_id=_NO_ID, cache_id=key.cache_id,
+        return kv.Target(kind=kinds.ID_INDEX, req_id=_NO_ID, prefix_id=_NO_ID, cache_id=key.cache_id,
                         batch_index=key.batch_index)
     req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
     raise_if_false(
@@ -74,13 +74,13 @@ def remote_target(key: KeyLike | None) -> Any:
         key,
     )
     if req_ok:
-        return c.Target(kind=kinds.REQUEST_KEY, model_id=key.model_id, req_id=key.req_id, prefix_id=_NO_ID)
-    return c.Target(kind=kinds.PREFIX_KEY, model_id=key.model_id, req_id=_NO_ID, prefix_id=key.prefix_id)
+        return kv.Target(kind=kinds.REQUEST_KEY, model_id=key.model_id, req_id=key.req_id, prefix_id=_NO_ID)
+    return kv.Target(kind=kinds.PREFIX_KEY, model_id=key.model_id, req_id=_NO_ID, prefix_id=key.prefix_id)
 
 
 def transfer_mode(name: str) -> Any:
     """``_core.TransferMode`` by name: SLOT_TO_SLOT, BLOCKS_TO_BLOCKS, SLOT_TO_BLOCKS, EXPLICIT."""
-    return getattr(core().TransferMode, name)
+    return getattr(kv.TransferMode, name)
 
 
 def _layer_tensors(
@@ -135,7 +135,7 @@ class CacheManager:
     serialised by the engine, transfers to different peers run in parallel.
     """
 
-    def __init__(self, owner: Any, engine: Any, remote_cache_accessible: bool, has_pool: dict[Placement, bool]):
+    def __init__(self, owner: Any, engine: Engine, remote_cache_accessible: bool, has_pool: dict[Placement, bool]):
         self._owner = owner
         self._engine = engine
         self._remote_cache_accessible = remote_cache_accessible
@@ -169,7 +169,7 @@ class CacheManager:
         shape = desc.shape
         raise_if_false(1 <= len(shape) <= 32, f"shape must have 1..32 dims, got {list(shape)}")
         raise_if_false(shape[0] > 0, f"shape[0] must be > 0, got {list(shape)}")
-        return core().CacheLayout(desc.num_tensors, desc.size, shape[0], is_blocks, placement_of(desc.placement))
+        return kv.CacheLayout(desc.num_tensors, desc.size, shape[0], is_blocks, kv.placement(desc.placement))
 
     @staticmethod
     def _keys(cache_keys: Sequence[CacheKey]) -> list[tuple[int, int, int]]:
@@ -221,8 +221,10 @@ class CacheManager:
             k = (key, cache.cache_id, mode_name, slot, size, tuple(local_tensors), tuple(remote_tensors), peer)
         spec = self._specs.get(k) if k is not None else None
         if spec is None:
-            spec = core().TransferSpec(
-                peer_cluster_id=peer if key is None else key.cluster_id, target=remote_target(key),
+            cluster = peer if key is None else key.cluster_id
+            assert cluster is not None  # key=None comes with peer (raw remote memory)
+            spec = kv.TransferSpec(
+                peer_cluster_id=cluster, target=remote_target(key),
                 local_cache_id=cache.cache_id, mode=transfer_mode(mode_name), local_slot=slot, size=size,
                 local_blocks=local_blocks, remote_blocks=remote_blocks, local_tensors=local_tensors,
                 remote_tensors=remote_tensors, local_runs=local_runs, remote_runs=remote_runs)
@@ -231,7 +233,7 @@ class CacheManager:
                     self._specs.clear()
                 self._specs[k] = spec
         engine = self._live_engine()
-        (engine.push if is_push else engine.pull)(spec, op)
+        (engine.kv.push if is_push else engine.kv.pull)(spec, op)
 
     # At most this many prepared transfers (and as many slot specs) are kept per manager; past it they
     # are made again.
@@ -247,10 +249,10 @@ class CacheManager:
             k += (tuple(local_tensors), tuple(remote_tensors))
         prepared = self._prepared.get(k)
         if prepared is None:
-            spec = core().TransferSpec(peer_cluster_id=key.cluster_id, target=remote_target(key),
+            spec = kv.TransferSpec(peer_cluster_id=key.cluster_id, target=remote_target(key),
                                        local_cache_id=cache.cache_id, local_tensors=local_tensors,
                                        remote_tensors=remote_tensors)
-            prepared = engine.prepare(spec, op=op)
+            prepared = engine.kv.prepare(spec, op=op)
             if len(self._prepared) >= self._PREPARED_MAX:
                 self._prepared.clear()
             self._prepared[k] = prepared
@@ -285,7 +287,7 @@ class CacheManager:
         addrs = self._check_addrs(cache_desc, addrs, exact=True)
         keys = self._keys(cache_keys)
         ra = self._remote_accessible(cache_desc, remote_accessible)
-        handle = engine.register_cache(self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
+        handle = engine.kv.register(self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
         return self._new_cache(cache_desc, handle, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
@@ -298,14 +300,14 @@ class CacheManager:
         addrs = self._check_addrs(cache_desc, addrs, exact=True)
         ra = self._remote_accessible(cache_desc, remote_accessible)
         model = blocks_cache_key.model_id if blocks_cache_key is not None else None
-        handle = engine.register_cache(self._layout(cache_desc, True), addrs, [], model, ra, "register_blocks_cache")
+        handle = engine.kv.register(self._layout(cache_desc, True), addrs, [], model, ra, "register_blocks_cache")
         return self._new_cache(cache_desc, handle, True)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Remove a registered cache (and its keys). Call after unlinking its peers."""
         engine = self._live_engine()
         check_int64("cache_id", cache_id)
-        engine.unregister_cache(cache_id)
+        engine.kv.unregister(cache_id)
         self._forget_prepared(cache_id)
 
     # ------------------------------------------------------------------ pool allocation
@@ -316,7 +318,7 @@ class CacheManager:
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         keys = self._keys(cache_keys)
         self._check_pool(cache_desc)
-        handle = engine.allocate_cache(self._layout(cache_desc, False), keys, None, "allocate_cache")
+        handle = engine.kv.allocate(self._layout(cache_desc, False), keys, None, "allocate_cache")
         return self._new_cache(cache_desc, handle, False)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
@@ -326,7 +328,7 @@ class CacheManager:
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         self._check_pool(cache_desc)
         model = blocks_cache_key.model_id if blocks_cache_key is not None else None
-        handle = engine.allocate_cache(self._layout(cache_desc, True), [], model, "allocate_blocks_cache")
+        handle = engine.kv.allocate(self._layout(cache_desc, True), [], model, "allocate_blocks_cache")
         return self._new_cache(cache_desc, handle, True)
 
     def deallocate_cache(self, cache: Cache) -> None:
@@ -335,7 +337,7 @@ class CacheManager:
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_true(cache.is_blocks_cache,
                       "deallocate_cache does not accept a blocks cache; use deallocate_blocks_cache")
-        engine.deallocate_cache(cache.cache_id, False, "deallocate_cache")
+        engine.kv.deallocate(cache.cache_id, False, "deallocate_cache")
         self._forget_prepared(cache.cache_id)
         cache._invalidate()
 
@@ -344,7 +346,7 @@ class CacheManager:
         engine = self._live_engine()
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache; use deallocate_cache")
-        engine.deallocate_cache(cache.cache_id, True, "deallocate_blocks_cache")
+        engine.kv.deallocate(cache.cache_id, True, "deallocate_blocks_cache")
         self._forget_prepared(cache.cache_id)
         cache._invalidate()
 
@@ -352,7 +354,7 @@ class CacheManager:
         """Unpublish a key; a no-op when it is absent (e.g. already consumed by a pull)."""
         engine = self._live_engine()
         check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
-        engine.remove_cache_key(cache_key.req_id, cache_key.prefix_id, cache_key.model_id)
+        engine.kv.remove_key(cache_key.req_id, cache_key.prefix_id, cache_key.model_id)
 
     # ------------------------------------------------------------------ pull
 
@@ -511,7 +513,7 @@ class CacheManager:
         raise_if_false(length > 0 and offset + length <= min(d_stride, s_stride),
                        f"offset {offset} + size {length} exceeds the slot size ({min(d_stride, s_stride)} bytes)")
         runs = [(dst_batch_index * d_stride + offset, src_batch_index * s_stride + offset, length)]
-        engine.copy_local(dst.tensor_addrs, placement_of(dd.placement), src.tensor_addrs, placement_of(sd.placement),
+        engine.kv.copy_local(dst.tensor_addrs, kv.placement(dd.placement), src.tensor_addrs, kv.placement(sd.placement),
                           runs, "copy_cache")
 
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
@@ -528,8 +530,8 @@ class CacheManager:
             for dst in [src, *dsts]:
                 raise_if_false(0 <= dst < num_blocks, f"block index {dst} out of range [0, {num_blocks})")
             runs.extend((dst * stride, src * stride, stride) for dst in dsts)
-        placement = placement_of(cache.cache_desc.placement)
-        engine.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs, "copy_blocks")
+        placement = kv.placement(cache.cache_desc.placement)
+        engine.kv.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs, "copy_blocks")
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
         """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST); accepts ``create_cpu_cache`` handles."""
@@ -554,8 +556,8 @@ class CacheManager:
             raise_if_false(0 <= s < s_n, f"src block {s} out of range [0, {s_n})")
             raise_if_false(0 <= d < d_n, f"dst block {d} out of range [0, {d_n})")
             runs.append((d * d_block, s * s_block, s_block))
-        engine.copy_local(dst_cache.tensor_addrs, placement_of(dst_desc.placement), src_cache.tensor_addrs,
-                          placement_of(src_desc.placement), runs, "swap_blocks")
+        engine.kv.copy_local(dst_cache.tensor_addrs, kv.placement(dst_desc.placement), src_cache.tensor_addrs,
+                          kv.placement(src_desc.placement), runs, "swap_blocks")
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
         """Reserved in llm_datadist (DEVICE memory after a UCE fault); not supported by pdlink."""

@@ -20,11 +20,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...status import LLMException, LLMStatusCode, handle_llm_status
 from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
 from .llm_types import RegisterMemStatus
+
+if TYPE_CHECKING:
+    from ...engine import Engine
 
 logger = logging.getLogger("pdlink")
 
@@ -121,7 +124,7 @@ class _Comm:
 class CommManager:
     """The link() communicators of one LLMDataDist. Thread-safe."""
 
-    def __init__(self, engine: Any, cluster_id: int, link_total_s: float):
+    def __init__(self, engine: Engine, cluster_id: int, link_total_s: float):
         self._engine = engine
         self._cluster_id = cluster_id
         self._link_total_s = link_total_s
@@ -155,7 +158,7 @@ class CommManager:
                            f"communicator {comm_name!r} is already linked")
         if any(r > my_rank for r in ranks):  # higher ranks dial us: be reachable
             ip, port = endpoints[self._cluster_id]
-            self._engine.start_comm_listener(ip, port)
+            self._engine.add_listener(f"{ip}:{port}")
         peers = {cid: ep for cid, ep in endpoints.items() if cid != self._cluster_id}
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:
@@ -178,8 +181,8 @@ class CommManager:
                 comm.failed = f"peers {pending} did not answer within the link time"
                 logger.warning("link %r: %s", comm.name, comm.failed)
                 return
-            peers = [(cid, comm.peers[cid][0], comm.peers[cid][1]) for cid in pending]
-            results = self._engine.link(peers, max(1, min(_DIAL_ATTEMPT_MS, left_ms)))
+            peers = [(cid, f"{comm.peers[cid][0]}:{comm.peers[cid][1]}") for cid in pending]
+            results = self._engine.connect_each(peers, timeout_ms=max(1, min(_DIAL_ATTEMPT_MS, left_ms)))
             done = {LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK}
             pending = [cid for cid, (code, _msg, _id) in zip(pending, results) if code not in done]
             if pending:
@@ -205,7 +208,7 @@ class CommManager:
             return RegisterMemStatus.FAILED
         comm.link_seq, linked = self._engine.linked_since(comm.link_seq)
         comm.seen.update(cid for cid in linked if cid in comm.peers)  # bounded by the members, whoever links
-        up = {link["peer_cluster_id"] for link in self._engine.links() if not link["broken"]}
+        up = {link.peer_cluster_id for link in self._engine.links() if not link.broken}
         if all(cid in up or cid in comm.seen for cid in comm.peers):
             comm.ok = True
             return RegisterMemStatus.OK
@@ -222,7 +225,7 @@ class CommManager:
         with self._lock:
             self._comms.pop(comm_id, None)
         # Both members call unlink(); whichever comes second finds the link already gone.
-        for code, msg, *_ in self._engine.unlink(list(comm.peers), timeout_ms, False):
+        for code, msg, *_ in self._engine.disconnect_each(list(comm.peers), timeout_ms=timeout_ms):
             if code not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_NOT_YET_LINK,
                             LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED):
                 handle_llm_status(code, "unlink", msg)

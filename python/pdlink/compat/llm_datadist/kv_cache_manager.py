@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ...native import core, placement_of
+from ... import kv as kv_api
 from ...status import LLMException, LLMStatusCode
 from ._utils import (
     check_dict,
@@ -208,10 +208,10 @@ class KvCacheManager:
         for i in devices:
             engine = self._cms[i]._engine
             try:
-                layout = core().CacheLayout(1, 1, 1, False, placement_of(Placement.DEVICE))
-                cache_id, _ = engine.register_cache(layout, [ctypes.addressof(_ID_PAD)], [], None, False,
+                layout = kv_api.CacheLayout(1, 1, 1, False, kv_api.placement(Placement.DEVICE))
+                cache_id, _ = engine.kv.register(layout, [ctypes.addressof(_ID_PAD)], [], None, False,
                                                     "allocate_cache")
-                engine.unregister_cache(cache_id)
+                engine.kv.unregister(cache_id)
             except Exception as e:  # noqa: BLE001
                 logger.error("could not realign cache ids on device %d: %s", i, e)
 
@@ -477,8 +477,8 @@ class KvCacheManager:
         for cm, c in zip(self._cms, caches):
             desc = c.cache_desc
             # Device memory the host cannot address (Ascend) is read through the backend, as a copy.
-            backend = cm._engine.backend_handle
-            device = backend if backend.capabilities()["device_memory"] else None
+            engine = cm._engine
+            device = engine if engine.capabilities()["device_memory"] else None
             out.append(Tensor._view(c.tensor_addrs[tensor_index], TensorDesc(desc.data_type, list(desc.shape)), cache,
                                     device))
         return out

@@ -14,6 +14,7 @@ instance's cluster id; every operation fans out to all of them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -21,9 +22,9 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...native import core, open_engine, role_of
+from ... import kv
 from ...status import LLMException, LLMStatusCode, code_2_status
 from ._utils import (
     check_dict,
@@ -36,6 +37,9 @@ from ._utils import (
 )
 from .configs import LLMClusterInfo, LLMRole, role_to_option
 from .llm_types import Placement, RegisterMemStatus
+
+if TYPE_CHECKING:
+    from ...engine import Engine
 
 __all__ = ["LLMDataDist"]
 
@@ -86,8 +90,28 @@ _V1_DEFAULT_POOL_BYTES = 1 << 30
 _V1_DEFAULT_PAGE_SHIFT = 16
 
 
-def _core_any_cluster() -> int:
-    return int(core().ANY_CLUSTER)
+def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id: int, listen_ip: str,
+                 listen_port: int, host_pool: tuple[int, int] | None, one_way_links: bool) -> Engine:
+    """The native engine of one device, from parsed options (``parse_engine_options`` or
+    ``parse_v1_options``). The engine module loads numpy: imported here, on first init."""
+    from ...engine import Engine, EngineOptions, Limits, MemoryPool
+
+    return Engine(EngineOptions(
+        cluster_id=cluster_id, role=role, listen=f"{listen_ip}:{listen_port}" if listen_ip else None,
+        transport=cfg["transport"], secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
+        backend=cfg["backend"], device_id=device_id, hccl_one_sided=cfg["hccl_one_sided"],
+        timeout_ms=cfg["sync_timeout_ms"], limits=Limits(**cfg["limits"]),
+        device_pool=MemoryPool(cfg["device_pool_bytes"], cfg["device_page_shift"]),
+        host_pool=MemoryPool(*host_pool) if host_pool else None,
+        one_way_links=one_way_links))
+
+
+def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
+    return [{**dataclasses.asdict(link), "device_paths": list(link.device_paths)} for link in engine.links()]
+
+
+def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, str]]:
+    return [(cid, f"{ip}:{port}") for cid, ip, port in peers]
 
 
 def _int_ip_to_str(ip: int) -> str:
@@ -287,8 +311,8 @@ class LLMDataDist:
         check_uint64("cluster_id", cluster_id)
         self._role = role
         self._cluster_id = cluster_id
-        self._engine: Any = None  # the (first) native engine
-        self._engines: list[Any] = []  # one per device; several only in v1 multi-device mode
+        self._engine: Any = None  # the (first) engine
+        self._engines: list[Engine] = []  # one per device; several only in v1 multi-device mode
         self._cache_manager: Any = None  # CacheManager mode (v2)
         self._kv_cache_manager: Any = None  # KvCacheManager mode (v1)
         self._v1 = False
@@ -332,8 +356,8 @@ class LLMDataDist:
         multi-device mode each also has ``device_index``."""
         engine = self._live_engine()
         if len(self._engines) == 1:
-            return engine.links()
-        return [dict(link, device_index=i) for i, e in enumerate(self._engines) for link in e.links()]
+            return _link_dicts(engine)
+        return [dict(link, device_index=i) for i, e in enumerate(self._engines) for link in _link_dicts(e)]
 
     @property
     def cache_manager(self):
@@ -399,14 +423,9 @@ class LLMDataDist:
             if v1:
                 self._init_v1(cfg)
             else:
-                engine = open_engine(
-                    backend=cfg.pop("backend"), device_id=cfg.pop("device_id"), cluster_id=self._cluster_id,
-                    role=self._role, listen_ip=cfg["listen_ip"], listen_port=cfg["listen_port"],
-                    sync_timeout_ms=cfg["sync_timeout_ms"],
-                    device_pool=(cfg["device_pool_bytes"], cfg["device_page_shift"]),
-                    host_pool=(cfg["host_pool_bytes"], cfg["host_page_shift"]), transport=cfg["transport"],
-                    link_secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
-                    hccl_one_sided=cfg["hccl_one_sided"], one_way_links=cfg["one_way_links"], limits=cfg["limits"])
+                engine = _open_engine(self._cluster_id, self._role, cfg, cfg["device_id"], cfg["listen_ip"],
+                                      cfg["listen_port"], (cfg["host_pool_bytes"], cfg["host_page_shift"]),
+                                      cfg["one_way_links"])
                 self._engine = engine
                 self._engines = [engine]
                 self._v1 = False
@@ -432,17 +451,10 @@ class LLMDataDist:
         engines: list[Any] = []
         try:
             for device, (ip, port) in zip(cfg["devices"], cfg["listens"]):
-                engine = open_engine(
-                    backend=cfg["backend"], device_id=device, cluster_id=self._cluster_id, role=self._role,
-                    listen_ip=ip, listen_port=port, sync_timeout_ms=cfg["sync_timeout_ms"],
-                    device_pool=(cfg["device_pool_bytes"], cfg["device_page_shift"]),
-                    host_pool=(0, _V1_DEFAULT_PAGE_SHIFT), transport=cfg["transport"], link_secret=cfg["link_secret"],
-                    payload_integrity=cfg["payload_integrity"], hccl_one_sided=cfg["hccl_one_sided"],
-                    limits=cfg["limits"])
-                engines.append(engine)
+                engines.append(_open_engine(self._cluster_id, self._role, cfg, device, ip, port, None, False))
         except BaseException:
             for engine in engines:
-                engine.finalize()
+                engine.close()
             raise
         # v1 has a device pool only, and pulls address caches by request key or by id.
         managers = [CacheManager(self, e, False, {Placement.DEVICE: True, Placement.HOST: False}) for e in engines]
@@ -463,7 +475,7 @@ class LLMDataDist:
             self._comm_manager.close()
             self._comm_manager = None
         for engine in self._engines:
-            engine.finalize()
+            engine.close()
         if self._cache_manager is not None:
             self._cache_manager._invalidate()
         if self._kv_cache_manager is not None:
@@ -535,7 +547,7 @@ class LLMDataDist:
         for c in clusters:
             ip, port = c.remote_ip_info_list[0]
             peers.append((c.remote_cluster_id, _int_ip_to_str(ip), port))
-        return self._results("link_clusters", clusters, engine.link(peers, timeout))
+        return self._results("link_clusters", clusters, engine.connect_each(_peers(peers), timeout_ms=timeout))
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
                         ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
@@ -556,7 +568,7 @@ class LLMDataDist:
         self._check_clusters(clusters, timeout, linking=False)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
-        by_address = {link["peer_address"]: link["peer_cluster_id"] for link in engine.links()}
+        by_address = {link.peer_address: link.peer_cluster_id for link in engine.links()}
         results: list[tuple[Any, ...] | None] = []
         ids = []
         for c in clusters:
@@ -568,10 +580,10 @@ class LLMDataDist:
             results.append(None)
             if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
                 ip, port = c.remote_ip_info_list[0]
-                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", _core_any_cluster()))
+                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", kv.ANY_CLUSTER))
             else:
                 ids.append(c.remote_cluster_id)
-        done = iter(engine.unlink(ids, timeout, force) if ids else [])
+        done = iter(engine.disconnect_each(ids, timeout_ms=timeout, force=force) if ids else [])
         return self._results("unlink_clusters", clusters, [r if r is not None else next(done) for r in results])
 
     def _comms(self):
@@ -642,7 +654,7 @@ class LLMDataDist:
         def link(i: int) -> list[tuple[Any, ...]]:
             peers = [(c.remote_cluster_id, _int_ip_to_str(c.remote_ip_info_list[i][0]), c.remote_ip_info_list[i][1])
                      for c in clusters]
-            return self._engines[i].link(peers, timeout)
+            return self._engines[i].connect_each(_peers(peers), timeout_ms=timeout)
 
         per_device = fan_out(len(self._engines), link)
         combined = _combine_device_results(len(clusters), per_device)
@@ -652,7 +664,8 @@ class LLMDataDist:
                     continue
                 for i, results in enumerate(per_device):
                     if j < len(results) and code_2_status(results[j][0]) == LLMStatusCode.LLM_SUCCESS:
-                        self._engines[i].unlink([c.remote_cluster_id], timeout, False)
+                        self._engines[i].disconnect_each([check_uint64("remote_cluster_id", c.remote_cluster_id)],
+                                                         timeout_ms=timeout)
         return self._results("link_clusters", clusters, combined)
 
     def _unlink_clusters_v1(self, clusters: Sequence[LLMClusterInfo], timeout: int, force: bool
@@ -663,8 +676,9 @@ class LLMDataDist:
         self._check_clusters_v1(clusters, timeout, need_remote_ip=False)
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
-        ids = [c.remote_cluster_id for c in clusters]
-        per_device = fan_out(len(self._engines), lambda i: self._engines[i].unlink(ids, timeout, force))
+        ids = [check_uint64("remote_cluster_id", c.remote_cluster_id) for c in clusters]
+        per_device = fan_out(len(self._engines),
+                             lambda i: self._engines[i].disconnect_each(ids, timeout_ms=timeout, force=force))
         return self._results("unlink_clusters", clusters, _combine_device_results(len(clusters), per_device))
 
     def check_link_status(self, remote_cluster_id: int) -> None:
@@ -680,7 +694,7 @@ class LLMDataDist:
         raise_if_false(self._role == LLMRole.DECODER,
                        f"check_link_status is not supported by {self._role}: it requires LLMRole.DECODER")
         fan_out(len(self._engines),
-                lambda i: self._engines[i].ping(remote_cluster_id, self._sync_timeout_ms, "check_link_status"))
+                lambda i: self._engines[i].ping(remote_cluster_id, timeout_ms=self._sync_timeout_ms))
 
     # ------------------------------------------------------------------ roles
 
@@ -704,7 +718,7 @@ class LLMDataDist:
         ip, port = "", 0
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
-        engine.switch_role(role_of(role), ip, port)
+        engine.switch_role(role, f"{ip}:{port}" if ip else None)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 
@@ -724,7 +738,7 @@ class LLMDataDist:
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-        self._engine.switch_role(role_of(role), ip, port)  # LLM_EXIST_LINK while any link remains
+        self._engine.switch_role(role, f"{ip}:{port}" if ip else None)  # LLM_EXIST_LINK while any link remains
         self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role

@@ -15,12 +15,14 @@ Differences from llm_datadist (documented in docs/compatibility.md):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...native import placement_of
 from ...status import LLMException, LLMStatusCode
 from ._utils import check_isinstance, check_list_of
 from .data_type import DataType, itemsize
+
+if TYPE_CHECKING:
+    from ...engine import Engine
 
 __all__ = ["TensorDesc", "Tensor"]
 
@@ -91,7 +93,7 @@ class Tensor:
         self._array = None
         self._addr = 0
         self._owner: Any = None
-        self._device_backend: Any = None
+        self._device_engine: Engine | None = None
         if isinstance(data, Tensor):
             self._tensor_desc = TensorDesc(data._tensor_desc.dtype, data._tensor_desc.shape)
             self._array = data._raw().copy()
@@ -128,16 +130,17 @@ class Tensor:
         self._array = data
 
     @classmethod
-    def _view(cls, addr: int, desc: TensorDesc, owner: Any, device_backend: Any = None) -> Tensor:
+    def _view(cls, addr: int, desc: TensorDesc, owner: Any, device_engine: Engine | None = None) -> Tensor:
         """Internal: a tensor over ``prod(shape) * itemsize`` bytes at ``addr``, valid while
-        ``owner`` (a KvCache) is. ``device_backend``: the native backend when ``addr`` is device
-        memory the host cannot address (Ascend); the data is then read through it, as a copy."""
+        ``owner`` (a KvCache) is. ``device_engine``: the engine whose backend holds ``addr`` when
+        it is device memory the host cannot address (Ascend); the data is then read through it,
+        as a copy."""
         t = cls.__new__(cls)
         t._array = None
         t._addr = addr
         t._owner = owner
         t._tensor_desc = desc
-        t._device_backend = device_backend
+        t._device_engine = device_engine
         return t
 
     @property
@@ -164,10 +167,9 @@ class Tensor:
         for dim in desc.shape:
             count *= dim
         nbytes = count * itemsize(desc.dtype)
-        if self._device_backend is not None:
+        if self._device_engine is not None:
             host = np.empty(nbytes, dtype=np.uint8)
-            self._device_backend.copy(host.ctypes.data, placement_of("HOST"), self._addr, placement_of("DEVICE"),
-                                      nbytes)  # device -> host
+            self._device_engine.copy(host.ctypes.data, self._addr, nbytes, src_placement="DEVICE")  # device -> host
             return host.view(storage).reshape(desc.shape)
         buf = (ctypes.c_uint8 * nbytes).from_address(self._addr)
         # ctypes arrays export the buffer protocol; numpy's stubs only list concrete buffer types
