@@ -1,0 +1,159 @@
+// Loading libucp into UcpApi (transport/ucx/ucp_api.h), and UCX statuses as pdlink Statuses.
+#include "transport/ucx/ucp_api.h"
+
+#include <dlfcn.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+namespace pdlink::ucx {
+namespace {
+
+constexpr const char* kSoname = "libucp.so.0";
+
+std::mutex g_dir_mu;
+std::string g_wheel_dir;  // guarded by g_dir_mu
+
+bool isFile(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+template <class F>
+void bind(void* lib, const char* name, F* slot, std::vector<std::string>* missing) {
+  void* sym = ::dlsym(lib, name);
+  if (sym) {
+    *slot = reinterpret_cast<F>(sym);
+  } else {
+    missing->push_back(name);
+  }
+}
+
+Result<const UcpApi*> loadOnce() {
+  const char* env = std::getenv("PDLINK_UCX_LIB_DIR");
+  std::vector<std::string> candidates;  // paths for dlopen; a bare soname searches the loader path
+  if (env != nullptr && *env != '\0') {
+    std::string path = std::string(env) + "/" + kSoname;
+    if (!isFile(path)) {
+      return Status(Code::kFeatureNotEnabled, "ucx unavailable: PDLINK_UCX_LIB_DIR=" + std::string(env) +
+                                                  " has no " + kSoname + "; point it at UCX's lib directory, or "
+                                                  "unset it to use the libucx package or the system's UCX");
+    }
+    candidates.push_back(path);
+  } else {
+    {
+      std::lock_guard<std::mutex> lock(g_dir_mu);
+      if (!g_wheel_dir.empty() && isFile(g_wheel_dir + "/" + kSoname)) candidates.push_back(g_wheel_dir + "/" + kSoname);
+    }
+    candidates.push_back(kSoname);
+  }
+  void* lib = nullptr;
+  std::vector<std::string> errors;
+  std::string loaded;
+  for (const std::string& path : candidates) {
+    lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib != nullptr) {
+      loaded = path;
+      break;
+    }
+    const char* e = ::dlerror();
+    errors.push_back(e ? e : path + ": dlopen failed");
+  }
+  if (lib == nullptr) {
+    return Status(Code::kFeatureNotEnabled,
+                  "ucx unavailable: cannot load " + std::string(kSoname) + " (" + join(errors) +
+                      "). Install pdlink's ucx extra (pip install \"pdlink[ucx]\", the libucx-cu12 wheel) or the "
+                      "system's UCX (Debian: libucx0), or set PDLINK_UCX_LIB_DIR");
+  }
+  auto* api = new UcpApi();  // lives for the process: the library is never unloaded
+  std::vector<std::string> missing;
+#define PDLINK_BIND(fn) bind(lib, #fn, &api->fn, &missing)
+  PDLINK_BIND(ucp_config_read);
+  PDLINK_BIND(ucp_config_release);
+  PDLINK_BIND(ucp_config_modify);
+  PDLINK_BIND(ucp_get_version);
+  PDLINK_BIND(ucp_init_version);
+  PDLINK_BIND(ucp_cleanup);
+  PDLINK_BIND(ucp_worker_create);
+  PDLINK_BIND(ucp_worker_destroy);
+  PDLINK_BIND(ucp_worker_query);
+  PDLINK_BIND(ucp_worker_release_address);
+  PDLINK_BIND(ucp_worker_progress);
+  PDLINK_BIND(ucp_worker_get_efd);
+  PDLINK_BIND(ucp_worker_arm);
+  PDLINK_BIND(ucp_worker_signal);
+  PDLINK_BIND(ucp_ep_create);
+  PDLINK_BIND(ucp_ep_close_nbx);
+  PDLINK_BIND(ucp_ep_flush_nbx);
+  PDLINK_BIND(ucp_mem_map);
+  PDLINK_BIND(ucp_mem_unmap);
+  PDLINK_BIND(ucp_rkey_pack);
+  PDLINK_BIND(ucp_rkey_buffer_release);
+  PDLINK_BIND(ucp_ep_rkey_unpack);
+  PDLINK_BIND(ucp_rkey_destroy);
+  PDLINK_BIND(ucp_get_nbx);
+  PDLINK_BIND(ucp_put_nbx);
+  PDLINK_BIND(ucp_request_check_status);
+  PDLINK_BIND(ucp_request_cancel);
+  PDLINK_BIND(ucp_request_free);
+  PDLINK_BIND(ucs_status_string);  // libucs, reached through libucp's dependencies
+#undef PDLINK_BIND
+  if (!missing.empty()) {
+    delete api;
+    return Status(Code::kFeatureNotEnabled,
+                  "ucx unavailable: " + loaded + " lacks " + join(missing) + " (UCX 1.10 or newer is needed)");
+  }
+  unsigned major = 0, minor = 0, release = 0;
+  api->ucp_get_version(&major, &minor, &release);
+  if (major != kApiMajor || minor < kApiMinor) {
+    std::string found = std::to_string(major) + "." + std::to_string(minor);
+    delete api;
+    return Status(Code::kFeatureNotEnabled, "ucx unavailable: " + loaded + " is UCX " + found +
+                                                "; pdlink needs UCX 1." + std::to_string(kApiMinor) + " or newer");
+  }
+  Dl_info info{};
+  api->library = ::dladdr(reinterpret_cast<void*>(api->ucp_init_version), &info) && info.dli_fname
+                     ? info.dli_fname
+                     : loaded;
+  api->version = std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
+  return static_cast<const UcpApi*>(api);
+}
+
+}  // namespace
+
+void setWheelLibDir(const std::string& dir) {
+  std::lock_guard<std::mutex> lock(g_dir_mu);
+  g_wheel_dir = dir;
+}
+
+Result<const UcpApi*> load() {
+  static const Result<const UcpApi*> loaded = loadOnce();  // thread-safe, once
+  return loaded;
+}
+
+std::string statusText(ucs_status_t status) {
+  Result<const UcpApi*> api = load();
+  const char* text = api.ok() ? api.value()->ucs_status_string(status) : nullptr;
+  return std::string(text ? text : "UCX error") + " (" + std::to_string(status) + ")";
+}
+
+Status toStatus(ucs_status_t status, const std::string& what) {
+  Code code = Code::kFailed;
+  if (status == kErrTimedOut || status == kErrEndpointTimeout) {
+    code = Code::kTimeout;
+  } else if (status == kErrUnreachable || status == kErrConnectionReset || status == kErrCanceled ||
+             (status <= kErrFirstLinkFailure && status >= kErrLastEndpointFailure)) {
+    code = Code::kLinkFailed;
+  }
+  return Status(code, what + ": " + statusText(status));
+}
+
+}  // namespace pdlink::ucx
