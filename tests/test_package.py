@@ -81,6 +81,27 @@ def test_cli_version_and_demo():
     assert bad.returncode == 2 and "--repeat must be > 0" in bad.stderr
 
 
+def _ucx_line(**env: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "pdlink", "version"], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout
+    (line,) = [x for x in out.splitlines() if x.startswith("ucx: ")]
+    return line
+
+
+def test_version_says_where_ucx_came_from_or_why_not(tmp_path):
+    import importlib.util
+
+    line = _ucx_line()
+    wheel = importlib.util.find_spec("libucx")
+    if wheel is not None and wheel.origin:  # pdlink[ucx]: found in the wheel, without importing it
+        assert "loaded from " + os.path.join(os.path.dirname(wheel.origin), "lib") in line, line
+    else:
+        assert "unavailable" in line and 'pip install "pdlink[ucx]"' in line, line
+    # an explicit directory without libucp: no fallback, and the message names the variable
+    line = _ucx_line(PDLINK_UCX_LIB_DIR=str(tmp_path))
+    assert f"unavailable: ucx unavailable: PDLINK_UCX_LIB_DIR={tmp_path} has no libucp.so.0" in line, line
+
+
 def test_public_methods_have_docstrings():
     from pdlink import CacheManager, LLMDataDist
 

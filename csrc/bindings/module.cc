@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "core/limits.h"
 #include "transport/cma/cma.h"
+#include "transport/ucx/ucp_api.h"
 #include "transport/wire.h"
 
 namespace py = pybind11;
@@ -384,6 +385,22 @@ PYBIND11_MODULE(_core, m) {
       d["features"] = f;
       d["missing_optional"] = api.value()->missing_optional;
     }
+    return d;
+  });
+  // UCX (transport/ucx/ucp_api.h): where to look for the libucx wheel's libucp, and what the
+  // loader found, without failing.
+  m.def("set_ucx_wheel_dir", &ucx::setWheelLibDir, py::arg("dir"));
+  m.def("ucx_info", [] {
+    Result<const ucx::UcpApi*> api = Status(Code::kFailed, "not loaded");
+    {
+      py::gil_scoped_release unlocked;  // dlopen
+      api = ucx::load();
+    }
+    py::dict d;
+    d["loaded"] = api.ok();
+    d["error"] = api.ok() ? std::string() : api.status().message();
+    d["library"] = api.ok() ? api.value()->library : std::string();
+    d["version"] = api.ok() ? api.value()->version : std::string();
     return d;
   });
   m.def("_map_vendor_code", [](const std::string& lib, int rc) {

@@ -25,6 +25,8 @@ _Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)
 _Handle = tuple[int, list[int]]  # (cache_id, tensor addresses)
 
 def ascend_info() -> dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
+def set_ucx_wheel_dir(dir: str) -> None: ...  # where the libucx package's libucp is (before ucx_info's first call)
+def ucx_info() -> dict[str, object]: ...  # what the UCX loader found: loaded, error, library, version
 def _map_vendor_code(lib: str, rc: int) -> int: ...  # "acl" or "hccl" return code -> LLMStatusCode value
 
 class _Enum:

@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         state = f"loaded from {where}" if ascend["loaded"] else "unavailable: " + cast(str, ascend["error"])
         print(f"pdlink {__version__} (wire protocol {_core.PROTOCOL_VERSION}, backends: cpu, ascend)")
         print(f"ascend runtime: {state}")
+        ucx = _core.ucx_info()
+        ucx_state = (f"UCX {ucx['version']} loaded from {ucx['library']}" if ucx["loaded"]
+                     else "unavailable: " + cast(str, ucx["error"]))
+        print(f"ucx: {ucx_state} (the ucx data path is not built yet: docs/ucx.md)")
         return 0
     if args.command == "serve":
         return _serve(args)

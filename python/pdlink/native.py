@@ -23,8 +23,24 @@ def core() -> Any:
     if _core_module is None:
         from . import _core
 
+        _core.set_ucx_wheel_dir(_ucx_wheel_dir())
         _core_module = _core
     return _core_module
+
+
+def _ucx_wheel_dir() -> str:
+    """The lib/ folder of the ``libucx`` package (``pip install "pdlink[ucx]"``), found without
+    importing it; "" when it is not installed."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or not spec.origin:
+        return ""
+    return os.path.join(os.path.dirname(spec.origin), "lib")
 
 
 def _member(enum_type: Any, what: str, value: str | enum.Enum) -> Any:

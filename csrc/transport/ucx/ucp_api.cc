@@ -101,6 +101,10 @@ Result<const UcpApi*> loadOnce() {
   PDLINK_BIND(ucp_rkey_destroy);
   PDLINK_BIND(ucp_get_nbx);
   PDLINK_BIND(ucp_put_nbx);
+  PDLINK_BIND(ucp_worker_set_am_recv_handler);
+  PDLINK_BIND(ucp_am_send_nbx);
+  PDLINK_BIND(ucp_am_recv_data_nbx);
+  PDLINK_BIND(ucp_am_data_release);
   PDLINK_BIND(ucp_request_check_status);
   PDLINK_BIND(ucp_request_cancel);
   PDLINK_BIND(ucp_request_free);
@@ -109,7 +113,7 @@ Result<const UcpApi*> loadOnce() {
   if (!missing.empty()) {
     delete api;
     return Status(Code::kFeatureNotEnabled,
-                  "ucx unavailable: " + loaded + " lacks " + join(missing) + " (UCX 1.10 or newer is needed)");
+                  "ucx unavailable: " + loaded + " lacks " + join(missing) + " (UCX 1." + std::to_string(kApiMinor) + " or newer is needed)");
   }
   unsigned major = 0, minor = 0, release = 0;
   api->ucp_get_version(&major, &minor, &release);

@@ -21,6 +21,8 @@
 
 namespace pdlink::ucx {
 
+// The RMA calls (ucp_mem_map .. ucp_put_nbx) are bound for ucx_test's proof of why pdlink's
+// workers never enable UCP_FEATURE_RMA (docs/ucx.md, "Trust"); pdlink itself does not call them.
 struct UcpApi {
 #define PDLINK_UCP_FN(fn) fn##_t fn = nullptr;
   PDLINK_UCP_FN(ucp_config_read)
@@ -48,6 +50,10 @@ struct UcpApi {
   PDLINK_UCP_FN(ucp_rkey_destroy)
   PDLINK_UCP_FN(ucp_get_nbx)
   PDLINK_UCP_FN(ucp_put_nbx)
+  PDLINK_UCP_FN(ucp_worker_set_am_recv_handler)
+  PDLINK_UCP_FN(ucp_am_send_nbx)
+  PDLINK_UCP_FN(ucp_am_recv_data_nbx)
+  PDLINK_UCP_FN(ucp_am_data_release)
   PDLINK_UCP_FN(ucp_request_check_status)
   PDLINK_UCP_FN(ucp_request_cancel)
   PDLINK_UCP_FN(ucp_request_free)

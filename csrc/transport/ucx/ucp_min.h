@@ -33,6 +33,7 @@ using ucp_datatype_t = uint64_t;
 extern "C" {
 typedef void (*ucp_send_nbx_callback_t)(void* request, ucs_status_t status, void* user_data);
 typedef void (*ucp_err_handler_cb_t)(void* arg, ucp_ep_h ep, ucs_status_t status);
+typedef void (*ucp_am_recv_data_nbx_callback_t)(void* request, ucs_status_t status, size_t length, void* user_data);
 }
 
 
@@ -67,6 +68,7 @@ constexpr uint64_t kParamFieldFeatures = 1ull << 0;
 constexpr uint64_t kParamFieldMtWorkersShared = 1ull << 5;
 constexpr uint64_t kFeatureRma = 1ull << 1;
 constexpr uint64_t kFeatureWakeup = 1ull << 4;
+constexpr uint64_t kFeatureAm = 1ull << 6;
 
 constexpr uint64_t kWorkerParamFieldThreadMode = 1ull << 0;
 constexpr int kThreadModeMulti = 2;  // UCS_THREAD_MODE_MULTI
@@ -92,6 +94,13 @@ constexpr unsigned kProtRemoteWrite = 1u << 9;
 constexpr uint32_t kOpAttrFieldCallback = 1u << 1;
 constexpr uint32_t kOpAttrFieldUserData = 1u << 2;
 constexpr uint32_t kOpAttrFieldFlags = 1u << 4;
+
+constexpr uint64_t kAmHandlerParamFieldId = 1ull << 0;
+constexpr uint64_t kAmHandlerParamFieldFlags = 1ull << 1;
+constexpr uint64_t kAmHandlerParamFieldCb = 1ull << 2;
+constexpr uint64_t kAmHandlerParamFieldArg = 1ull << 3;
+constexpr uint64_t kAmRecvAttrFlagData = 1ull << 16;
+constexpr uint64_t kAmRecvAttrFlagRndv = 1ull << 17;
 
 // Zeroed space after the declared fields (see the file comment).
 constexpr size_t kReserve = 256;
@@ -148,9 +157,28 @@ struct RequestParam {  // ucp_request_param_t
   uint32_t op_attr_mask = 0;
   uint32_t flags = 0;
   void* request = nullptr;
-  ucp_send_nbx_callback_t send = nullptr;  // the cb union's send member
+  void* cb = nullptr;  // the callback union: a ucp_send_nbx_callback_t, ucp_am_recv_data_nbx_callback_t, ...
   ucp_datatype_t datatype = 0;
   void* user_data = nullptr;
+  unsigned char reserve[kReserve] = {};
+};
+
+struct AmRecvParam {  // ucp_am_recv_param_t (UCX fills it)
+  uint64_t recv_attr;
+  ucp_ep_h reply_ep;
+};
+
+extern "C" {
+typedef ucs_status_t (*ucp_am_recv_callback_t)(void* arg, const void* header, size_t header_length, void* data,
+                                               size_t length, const AmRecvParam* param);
+}
+
+struct AmHandlerParam {  // ucp_am_handler_param_t
+  uint64_t field_mask = 0;
+  unsigned id = 0;
+  uint32_t flags = 0;
+  ucp_am_recv_callback_t cb = nullptr;
+  void* arg = nullptr;
   unsigned char reserve[kReserve] = {};
 };
 
@@ -188,6 +216,12 @@ using ucp_get_nbx_t = ucs_status_ptr_t (*)(ucp_ep_h ep, void* buffer, size_t cou
                                            ucp_rkey_h rkey, const RequestParam* param);
 using ucp_put_nbx_t = ucs_status_ptr_t (*)(ucp_ep_h ep, const void* buffer, size_t count, uint64_t remote_addr,
                                            ucp_rkey_h rkey, const RequestParam* param);
+using ucp_worker_set_am_recv_handler_t = ucs_status_t (*)(ucp_worker_h worker, const AmHandlerParam* param);
+using ucp_am_send_nbx_t = ucs_status_ptr_t (*)(ucp_ep_h ep, unsigned id, const void* header, size_t header_length,
+                                               const void* buffer, size_t count, const RequestParam* param);
+using ucp_am_recv_data_nbx_t = ucs_status_ptr_t (*)(ucp_worker_h worker, void* data_desc, void* buffer, size_t count,
+                                                    const RequestParam* param);
+using ucp_am_data_release_t = void (*)(ucp_worker_h worker, void* data);
 using ucp_request_check_status_t = ucs_status_t (*)(void* request);
 using ucp_request_cancel_t = void (*)(ucp_worker_h worker, void* request);
 using ucp_request_free_t = void (*)(void* request);

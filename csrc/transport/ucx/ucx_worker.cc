@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <set>
+#include <vector>
 
 namespace pdlink::ucx {
 namespace {
@@ -76,7 +78,7 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
   if (st == kOk) {
     Params params;
     params.field_mask = kParamFieldFeatures;
-    params.features = kFeatureRma | kFeatureWakeup;
+    params.features = kFeatureAm | kFeatureWakeup;  // never kFeatureRma: see the header
     st = api->ucp_init_version(kApiMajor, kApiMinor, &params, config, &w->context_);
   }
   api->ucp_config_release(config);
@@ -108,7 +110,7 @@ UcxWorker::~UcxWorker() {
 
 Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_address) {
   if (peer_address.empty()) return Status(Code::kLinkFailed, "ucx: the peer sent an empty worker address");
-  std::unique_ptr<UcxEndpoint> ep(new UcxEndpoint(this, nullptr));
+  std::unique_ptr<UcxEndpoint> ep(new UcxEndpoint(this));
   EpParams params;
   params.field_mask = kEpParamFieldRemoteAddress | kEpParamFieldErrHandlingMode | kEpParamFieldErrHandler;
   params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
@@ -125,27 +127,66 @@ Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_
   return ep;
 }
 
-Result<std::unique_ptr<UcxMemory>> UcxWorker::map(uint64_t address, uint64_t length, bool remote_writable) {
-  if (address == 0 || length == 0) return Status(Code::kParamInvalid, "ucx: mapping an empty range");
-  MemMapParams params;
-  params.field_mask = kMemMapParamFieldAddress | kMemMapParamFieldLength | kMemMapParamFieldProt;
-  params.address = reinterpret_cast<void*>(address);
-  params.length = length;
-  params.prot = kProtLocalRead | kProtLocalWrite | kProtRemoteRead | (remote_writable ? kProtRemoteWrite : 0);
-  ucp_mem_h memh = nullptr;
-  ucs_status_t st = api_->ucp_mem_map(context_, &params, &memh);
-  if (st != kOk) return toStatus(st, "ucx: mapping " + std::to_string(length) + " bytes");
-  void* buffer = nullptr;
-  size_t size = 0;
-  st = api_->ucp_rkey_pack(context_, memh, &buffer, &size);
-  if (st != kOk) {
-    api_->ucp_mem_unmap(context_, memh);
-    return toStatus(st, "ucx: packing a remote key");
+Status UcxWorker::setHandler(unsigned id, Handler handler) {
+  handlers_.push_back(std::unique_ptr<HandlerSlot>(new HandlerSlot{this, std::move(handler)}));
+  AmHandlerParam param;
+  param.field_mask = kAmHandlerParamFieldId | kAmHandlerParamFieldCb | kAmHandlerParamFieldArg;
+  param.id = id;
+  param.cb = &UcxWorker::onMessage;
+  param.arg = handlers_.back().get();
+  ucs_status_t st = api_->ucp_worker_set_am_recv_handler(worker_, &param);
+  return st == kOk ? Status::OK() : toStatus(st, "ucx: setting a message handler");
+}
+
+ucs_status_t UcxWorker::onMessage(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                  const AmRecvParam* param) {
+  auto* slot = static_cast<HandlerSlot*>(arg);
+  AmIncoming in;
+  in.header = static_cast<const uint8_t*>(header);
+  in.header_length = header_length;
+  in.length = length;
+  in.rendezvous = (param->recv_attr & kAmRecvAttrFlagRndv) != 0;
+  in.worker_ = slot->worker;
+  in.data_ = data;
+  slot->handler(in);
+  // Received or not, nothing of the message is kept: an eager message's bytes were copied (or are
+  // dropped), a rendezvous descriptor was handed to ucp_am_recv_data_nbx (or is dropped, which
+  // completes the sender's request).
+  return kOk;
+}
+
+void AmIncoming::receiveInto(void* buffer, std::function<void(Status)> done) {
+  if (taken_) {
+    done(Status(Code::kParamInvalid, "ucx: a message is received once"));
+    return;
   }
-  std::string packed(static_cast<const char*>(buffer), size);
-  api_->ucp_rkey_buffer_release(buffer);
-  return std::unique_ptr<UcxMemory>(
-      new UcxMemory(api_, context_, memh, address, length, remote_writable, std::move(packed)));
+  taken_ = true;
+  if (!rendezvous) {
+    if (length > 0) std::memcpy(buffer, data_, length);
+    done(Status::OK());
+    return;
+  }
+  struct Pending {
+    const UcpApi* api;
+    std::function<void(Status)> done;
+  };
+  const UcpApi* api = worker_->api_;
+  // The completion callback owns this from here and frees it.
+  auto* pending = new Pending{api, std::move(done)};
+  RequestParam param;
+  param.op_attr_mask = kOpAttrFieldCallback | kOpAttrFieldUserData;
+  ucp_am_recv_data_nbx_callback_t cb = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    std::unique_ptr<Pending> p(static_cast<Pending*>(user_data));
+    p->api->ucp_request_free(request);
+    p->done(status == kOk ? Status::OK() : toStatus(status, "ucx: receiving a message"));
+  };
+  param.cb = reinterpret_cast<void*>(cb);
+  param.user_data = pending;
+  ucs_status_ptr_t req = api->ucp_am_recv_data_nbx(worker_->worker_, data_, buffer, length, &param);
+  if (ptrIsPtr(req)) return;  // the callback reports it
+  std::unique_ptr<Pending> p(pending);
+  ucs_status_t st = ptrStatus(req);
+  p->done(st == kOk ? Status::OK() : toStatus(st, "ucx: receiving a message"));
 }
 
 void UcxWorker::progress() {
@@ -160,15 +201,14 @@ void UcxWorker::signal() { api_->ucp_worker_signal(worker_); }
 ucs_status_t UcxWorker::wait(ucs_status_ptr_t request, Deadline deadline) {
   if (!ptrIsPtr(request)) return ptrStatus(request);  // completed at once, or failed at once
   ucs_status_t st = kInProgress;
-  // Requests of one call complete in order of their lanes within microseconds to milliseconds;
-  // spinning on progress keeps a small read's latency at UCX's own. The deadline bounds the spin.
+  // A small message completes within microseconds, a large one as fast as the transport moves it:
+  // spinning on progress keeps latency at UCX's own. The deadline bounds the spin.
   for (uint32_t spins = 0;; ++spins) {
     api_->ucp_worker_progress(worker_);
     st = api_->ucp_request_check_status(request);
     if (st != kInProgress) break;
-    if ((spins & 63) == 0 && deadline.expired()) break;
+    if ((spins & 63) == 0 && deadline.expired()) return kErrTimedOut;
   }
-  if (st == kInProgress) return kErrTimedOut;  // the caller force-closes the endpoint, which ends the request
   api_->ucp_request_free(request);
   return st;
 }
@@ -182,60 +222,22 @@ void UcxEndpoint::onError(void* arg, ucp_ep_h, ucs_status_t status) {
 
 bool UcxEndpoint::failed() const { return __atomic_load_n(&error_, __ATOMIC_ACQUIRE) != 0; }
 
-Result<std::unique_ptr<UcxRemoteKey>> UcxEndpoint::unpack(const std::string& packed) {
-  if (ep_ == nullptr) return Status(Code::kLinkFailed, "ucx: the endpoint was closed");
-  ucp_rkey_h rkey = nullptr;
-  ucs_status_t st = worker_->api_->ucp_ep_rkey_unpack(ep_, packed.data(), &rkey);
-  if (st != kOk) return Status(Code::kLinkFailed, "ucx: the peer's remote key: " + statusText(st));
-  return std::unique_ptr<UcxRemoteKey>(new UcxRemoteKey(worker_->api_, rkey));
-}
-
-Status UcxEndpoint::rma(const UcxRemoteKey& key, const std::vector<RmaRun>& runs, bool write, Deadline deadline) {
+Status UcxEndpoint::send(unsigned id, const void* header, size_t header_length, const void* data, size_t length,
+                         Deadline deadline) {
   const UcpApi* api = worker_->api_;
-  const char* what = write ? "ucx write" : "ucx read";
-  if (ep_ == nullptr) return Status(Code::kLinkFailed, std::string(what) + ": the endpoint was closed");
-  if (failed()) return toStatus(__atomic_load_n(&error_, __ATOMIC_ACQUIRE), what);
-  // Post every run, then wait for them in order; a write is then flushed (its runs complete
-  // locally first: only the flush says they reached the peer's memory).
-  thread_local std::vector<ucs_status_ptr_t> pending;
-  pending.clear();
+  if (ep_ == nullptr) return Status(Code::kLinkFailed, "ucx send: the endpoint was closed");
+  if (failed()) return toStatus(__atomic_load_n(&error_, __ATOMIC_ACQUIRE), "ucx send");
   RequestParam param;
-  ucs_status_t st = kOk;
-  for (const RmaRun& r : runs) {
-    ucs_status_ptr_t req =
-        write ? api->ucp_put_nbx(ep_, reinterpret_cast<const void*>(r.local), r.length, r.remote, key.handle(), &param)
-              : api->ucp_get_nbx(ep_, reinterpret_cast<void*>(r.local), r.length, r.remote, key.handle(), &param);
-    if (ptrIsErr(req)) {
-      st = ptrStatus(req);
-      break;
-    }
-    if (req != nullptr) pending.push_back(req);
-  }
-  if (st == kOk && write) {
-    ucs_status_ptr_t flush = api->ucp_ep_flush_nbx(ep_, &param);
-    if (ptrIsErr(flush)) {
-      st = ptrStatus(flush);
-    } else if (flush != nullptr) {
-      pending.push_back(flush);
-    }
-  }
-  size_t done = 0;
-  for (; done < pending.size(); ++done) {
-    ucs_status_t r = worker_->wait(pending[done], deadline);
-    if (r == kErrTimedOut) break;
-    if (r != kOk && st == kOk) st = r;
-  }
-  if (done < pending.size()) {
-    // The deadline passed: closing the endpoint by force completes what is still pending (with
-    // an error), after which each request can be freed.
+  ucs_status_ptr_t req = api->ucp_am_send_nbx(ep_, id, header, header_length, data, length, &param);
+  ucs_status_t st = worker_->wait(req, deadline);
+  if (st == kErrTimedOut) {
+    // Closing by force completes the pending send (with an error), which can then be freed.
     closeForce();
-    for (; done < pending.size(); ++done) {
-      while (api->ucp_request_check_status(pending[done]) == kInProgress) api->ucp_worker_progress(worker_->worker_);
-      api->ucp_request_free(pending[done]);
-    }
-    return Status(Code::kTimeout, std::string(what) + ": not complete by the deadline; the endpoint was closed");
+    while (api->ucp_request_check_status(req) == kInProgress) api->ucp_worker_progress(worker_->worker_);
+    api->ucp_request_free(req);
+    return Status(Code::kTimeout, "ucx send: not complete by the deadline; the endpoint was closed");
   }
-  if (st != kOk) return toStatus(failed() ? __atomic_load_n(&error_, __ATOMIC_ACQUIRE) : st, what);
+  if (st != kOk) return toStatus(failed() ? __atomic_load_n(&error_, __ATOMIC_ACQUIRE) : st, "ucx send");
   return Status::OK();
 }
 
@@ -255,9 +257,5 @@ void UcxEndpoint::closeForce() {
 }
 
 UcxEndpoint::~UcxEndpoint() { closeForce(); }
-
-UcxRemoteKey::~UcxRemoteKey() { api_->ucp_rkey_destroy(rkey_); }
-
-UcxMemory::~UcxMemory() { api_->ucp_mem_unmap(context_, memh_); }
 
 }  // namespace pdlink::ucx

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The UCX job (docs/ucx.md), in the CI virtualenv (.ci/run activates it). About a minute.
+#  1. Installs what pdlink's ucx extra installs (the libucx-cu12 wheel: libucp and its transports).
+#  2. ucx_abi_check: transport/ucx/ucp_min.h compiled against the wheel's own UCX headers (every
+#     constant and field offset pdlink declares must equal UCX's).
+#  3. csrc/tests/ucx_test against the wheel's libucp, with UCX_TLS=tcp, sm,tcp, sm and unset, and
+#     PDLINK_REQUIRE_UCX=1 (a library that does not load is a failure, not a skip).
+#  4. The Python tests that read what the loader found (pdlink version: loaded from the wheel).
+# The sanitizer runs leave UCX out: libucp is not instrumented, and its memory hooks (UCX_MEM_EVENTS)
+# interpose on the allocator the sanitizers replace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=common.sh
+. .ci/common.sh
+
+step "ucx: installing the libucx wheel (pdlink[ucx])"
+python -m pip install --quiet "libucx-cu12>=1.15"
+ucx_root=$(python -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("libucx").origin))')
+echo "libucx at $ucx_root"
+
+build="$CI_OUT/ucx"
+step "ucx: building ucx_abi_check and ucx_test"
+(  # the build tools' virtualenv only for the build: the tests below run in the CI one
+  tools_venv
+  configure "$build" -DPDLINK_BUILD_TESTS=ON -DPDLINK_UCX_INCLUDE_DIR="$ucx_root/include"
+  ninja -C "$build" ucx_abi_check ucx_test >"$CI_OUT/ucx-build.log" 2>&1 || { cat "$CI_OUT/ucx-build.log"; exit 1; }
+)
+"$build/ucx_abi_check"
+
+for tls in tcp sm,tcp sm ""; do
+  step "ucx: ucx_test with UCX_TLS=${tls:-(unset)}"
+  if [ -n "$tls" ]; then
+    UCX_TLS=$tls PDLINK_REQUIRE_UCX=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
+  else
+    env -u UCX_TLS PDLINK_REQUIRE_UCX=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
+  fi
+done
+
+step "ucx: pdlink finds the wheel"
+pytest -q tests/test_package.py -k ucx
+pdlink version | grep -q "^ucx: UCX .* loaded from $ucx_root/lib/" || { pdlink version; exit 1; }
