@@ -18,7 +18,7 @@ from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotF
 from peer import Peer
 from peers import fake_ascend, native
 from poll import hang_guard, wait_until
-from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
+from verify import Copy, Snapshot, assert_same, check_transfer, differences, nothing, rows
 
 TARGET, INITIATOR = 1, 2
 ROWS, ROW = 8, 256  # every region: 8 blocks of 256 bytes
@@ -269,6 +269,50 @@ def test_a_failed_staging_copy_fails_the_list_and_drops_the_link(peers: Callable
     assert initiator.call(native.connect, port, TARGET) == TARGET
     check_transfer(lambda: target.call(native.snapshot, "src"), lambda: initiator.call(native.snapshot, "dst"),
                    read, copies(descs))
+
+
+@only("ascend-fake")
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_frozen_peer_mid_staged_list_gives_a_timeout(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
+    """A list between DEVICE and HOST memory takes the staged stream path (the target stages its
+    DEVICE range through host memory); a target frozen before it answers makes the call
+    LLM_TIMEOUT (a TimeoutError) within the engine's timeout and breaks the link. A timed-out read
+    lands nothing. A timed-out write had its request and bytes on the wire: the target applies them
+    when it resumes, exactly those bytes (a writer treats a timed-out write's destination as
+    unknown: docs/reliability.md). After the thaw a new connect moves every byte."""
+    target, initiator = peers("target", env=variant.env()), peers("initiator", env=variant.env())
+    port = target.call(native.start, TARGET, listen=True)
+    initiator.call(native.start, INITIATOR)
+    src = target.call(native.register, "src", ROWS, ROW, seed=1)  # DEVICE memory on the target
+    initiator.call(native.register, "dst", ROWS, ROW, seed=2, host=True)
+    assert initiator.call(native.connect, port, TARGET) == TARGET
+    descs = [(100, 0, 1000), (0, 1500, 300)]  # (target offset, initiator offset, length)
+    move = lambda: initiator.call_within(hang_guard(TIMEOUT_MS), native.batch, TARGET,  # noqa: E731
+                                         [("dst", d, n) for _, d, n in descs], [src + s for s, _, n in descs], op)
+    dst0, src0 = initiator.call(native.snapshot, "dst"), target.call(native.snapshot, "src")
+    target.freeze()
+    try:
+        with pytest.raises(TransferTimeout) as e:
+            move()
+    finally:
+        target.thaw()
+    assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT, e.value
+    assert_same(initiator.call(native.snapshot, "dst"), dst0, "the initiator's memory after the timeout")
+    if op == "read":
+        assert_same(target.call(native.snapshot, "src"), src0, "the target's memory after the timeout")
+    else:
+        written = copies([(d, s, n) for s, d, n in descs])(src0, dst0)
+        wait_until(lambda: not differences(target.call(native.snapshot, "src"), written), 10,
+                   "the timed-out write applied by the thawed target")
+    assert [link.broken for link in initiator.call(native.links)] == [True]
+    initiator.call(native.disconnect, TARGET)
+    assert initiator.call(native.connect, port, TARGET) == TARGET
+    if op == "read":
+        check_transfer(lambda: target.call(native.snapshot, "src"), lambda: initiator.call(native.snapshot, "dst"),
+                       move, copies(descs))
+    else:
+        check_transfer(lambda: initiator.call(native.snapshot, "dst"), lambda: target.call(native.snapshot, "src"),
+                       move, copies([(d, s, n) for s, d, n in descs]))
 
 
 def test_reads_by_address_follow_the_peers_registrations(two: Two) -> None:
