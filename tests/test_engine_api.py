@@ -14,7 +14,16 @@ import pytest
 import internals
 from backend_env import Variant
 from conftest import only
-from pdlink import InvalidArgument, LinkError, LLMException, LLMStatusCode, NotFound, Notification, TransferTimeout
+from pdlink import (
+    InvalidArgument,
+    LinkError,
+    LLMException,
+    LLMStatusCode,
+    NotFound,
+    Notification,
+    NotSupported,
+    TransferTimeout,
+)
 from peer import Peer
 from peers import fake_ascend, native
 from poll import hang_guard, wait_until
@@ -269,6 +278,36 @@ def test_a_failed_staging_copy_fails_the_list_and_drops_the_link(peers: Callable
     assert initiator.call(native.connect, port, TARGET) == TARGET
     check_transfer(lambda: target.call(native.snapshot, "src"), lambda: initiator.call(native.snapshot, "dst"),
                    read, copies(descs))
+
+
+@only("ascend-fake")
+def test_a_device_engine_moves_lists_with_a_cpu_engine(peers: Callable[..., Peer], variant: Variant) -> None:
+    """An Ascend engine and a CPU-backend engine (no device channels): descriptor lists between the
+    Ascend side's DEVICE memory and the CPU side's host memory go staged over the stream, both ways,
+    every byte exact; a prepared transfer of DEVICE blocks, which needs a device path, is refused
+    with LLM_FEATURE_NOT_ENABLED and moves nothing."""
+    target = peers("target", env=variant.env(PDLINK_BACKEND="cpu"))
+    initiator = peers("initiator", env=variant.env())
+    port = target.call(native.start, TARGET, listen=True)
+    initiator.call(native.start, INITIATOR)
+    src = target.call(native.register, "src", ROWS, ROW, seed=1, key=7)  # host memory (CPU backend)
+    initiator.call(native.register, "dst", ROWS, ROW, seed=2)  # DEVICE memory
+    assert initiator.call(native.connect, port, TARGET) == TARGET
+    descs = [(700, 5, 100), (0, 1500, 37), (1900, 64, 148)]  # (target offset, initiator offset, length)
+    target_src, initiator_dst = (lambda: target.call(native.snapshot, "src")), (
+        lambda: initiator.call(native.snapshot, "dst"))
+    check_transfer(target_src, initiator_dst, lambda: initiator.call(
+        native.batch, TARGET, [("dst", d, n) for _, d, n in descs], [src + s for s, _, n in descs], "read"),
+        copies([(s, d, n) for s, d, n in descs]))
+    check_transfer(initiator_dst, target_src, lambda: initiator.call(
+        native.batch, TARGET, [("dst", d, n) for _, d, n in descs], [src + s for s, _, n in descs], "write"),
+        copies([(d, s, n) for s, d, n in descs]))
+    initiator.call(native.prepare, "p", TARGET, "dst", target.call(native.remote, "src"))
+    dst0 = initiator_dst()
+    with pytest.raises(NotSupported) as e:
+        initiator.call(native.post, "p", [0], [1], "read")
+    assert e.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED, e.value
+    assert_same(initiator_dst(), dst0, "the initiator's memory after a refused prepared read")
 
 
 @only("ascend-fake")

@@ -662,7 +662,16 @@ Status Engine::transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, 
   Status last(Code::kFeatureNotEnabled, "no data path for device memory on this link");
   const std::vector<DataPath*> paths = link->devicePaths();  // a path may drop itself meanwhile
   for (DataPath* path : paths) {
-    if (path->caps().device_channel) PDLINK_RETURN_IF_ERROR(ensureDeviceChannel(link, deadline, what));
+    if (path->caps().device_channel) {
+      // A peer without device channels (a CPU backend) turns the channel down and moves nothing: a
+      // descriptor list then goes staged over the stream (fallBack), anything else fails with it.
+      Status channel = ensureDeviceChannel(link, deadline, what);
+      if (channel.code() == Code::kFeatureNotEnabled && !link->broken()) {
+        last = channel;
+        continue;
+      }
+      PDLINK_RETURN_IF_ERROR(channel);
+    }
     if (!path->usable(*link)) continue;
     last = path->transfer(*link, p, is_push, deadline, what);
     if (last.code() != Code::kFeatureNotEnabled || link->broken()) return last;

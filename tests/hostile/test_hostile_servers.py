@@ -21,7 +21,7 @@ from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native
 from poll import hang_guard, wait_until
-from verify import assert_same, check_transfer, rows
+from verify import Copy, assert_same, check_transfer, rows
 
 KEY = BlocksCacheKey(PROMPT_ID, 0)
 SHAPE = (8, 64)
@@ -180,6 +180,52 @@ def test_the_control_case_a_well_formed_reply_is_taken(peers: Callable[..., Peer
         for block in (1, 2):
             expected.tensor(t)[block * before.row_bytes:(block + 1) * before.row_bytes] = 0x5A
     assert_same(victim.call(kv.snapshot, "kv"), expected, "the victim's cache")
+
+
+@only("ascend-fake")
+@pytest.mark.parametrize("mode, code", [("staged_wrong_length", LLMStatusCode.LLM_LINK_FAILED),
+                                        ("staged_huge_payload", LLMStatusCode.LLM_LINK_FAILED),
+                                        ("staged_stall", LLMStatusCode.LLM_TIMEOUT),
+                                        ("staged_exact", LLMStatusCode.LLM_SUCCESS)])
+def test_a_lying_reply_to_a_staged_read_lands_nothing(peers: Callable[..., Peer], variant: Variant, mode: str,
+                                                      code: LLMStatusCode) -> None:
+    """A victim reads by address into DEVICE memory from a server that says its memory is host
+    memory, so the bytes come over the stream and are staged into DEVICE memory. A reply of the
+    wrong length, a huge announced payload or silence fails that read (LLM_LINK_FAILED or
+    LLM_TIMEOUT), nothing of the victim's memory changes and it stays within the memory bound; the
+    control case, the bytes asked for, lands exactly those. Then an honest peer serves the victim."""
+    victim = peers("victim", env=variant.env())
+    victim.call(native.start, DECODER_ID, timeout_ms=TIMEOUT_MS)
+    victim.call(native.register, "dst", 8, 4096, seed=2)  # DEVICE memory
+    attacker, port = start_attacker(peers, mode)
+    assert victim.call_within(hang_guard(3000), native.connect, port, PROMPT_ID, hostile.ATTACKER_IP) == PROMPT_ID
+    descs = [(0, 1000), (9000, 300)]  # (victim offset, length) read from the attacker's address 0x10000
+    before, rss = victim.call(native.snapshot, "dst"), victim.call(kv.rss_kib)
+    read = lambda: victim.call_within(hang_guard(TIMEOUT_MS), native.batch, PROMPT_ID,  # noqa: E731
+                                      [("dst", o, n) for o, n in descs], [0x10000 + o for o, n in descs], "read")
+    if code == LLMStatusCode.LLM_SUCCESS:
+        read()
+        expected = before.copy()
+        for o, n in descs:
+            expected.tensor(0)[o:o + n] = 0x5A
+        assert_same(victim.call(native.snapshot, "dst"), expected, "the victim's memory after an exact reply")
+        return
+    with pytest.raises(LLMException) as e:
+        read()
+    assert e.value.status_code == code, e.value
+    assert asked(attacker, rawwire.OP_READ)  # the plain read was asked, and its answer refused
+    assert_same(victim.call(native.snapshot, "dst"), before, "the victim's memory after a lying reply")
+    assert victim.call(kv.rss_kib) - rss < RSS_BOUND_KIB
+    # the link is broken, nothing else: an honest peer then serves the victim byte-exact
+    victim.call(native.disconnect, PROMPT_ID)
+    honest = peers("honest", env=variant.env())
+    honest_port = honest.call(native.start, PROMPT_ID, listen=True)
+    src = honest.call(native.register, "src", 8, 4096, seed=1)
+    assert victim.call(native.connect, honest_port, PROMPT_ID) == PROMPT_ID
+    check_transfer(lambda: honest.call(native.snapshot, "src"), lambda: victim.call(native.snapshot, "dst"),
+                   lambda: victim.call(native.batch, PROMPT_ID, [("dst", o, n) for o, n in descs],
+                                       [src + o for o, n in descs], "read"),
+                   lambda dst0, src0: dst0.with_bytes(src0, [Copy(0, o, 0, o, n) for o, n in descs]))
 
 
 @only("cpu-cma")

@@ -45,6 +45,13 @@ class _Server:
 _server: _Server | None = None
 
 
+# Modes for a victim whose destination is DEVICE memory of a device backend: the server says its
+# memory is host memory (turning every device path down), so the victim reads over the stream and
+# stages into DEVICE memory; the plain read is then answered as the mode named here.
+STAGED_MODES = {"staged_wrong_length": "read_wrong_length", "staged_huge_payload": "read_huge_payload",
+                "staged_stall": "stall", "staged_exact": "read_exact"}
+
+
 def serve(mode: str, redirect: bool = False, **params: Any) -> int:
     """Starts the hostile server; returns its TCP port on ATTACKER_IP."""
     global _server
@@ -180,6 +187,11 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             rawwire.recv_exact(conn, plen)  # take the payload; what follows is the scripted answer
         pieces = len(rec.get("tensors", [])) * len(rec.get("runs", []))
         total = sum(n for _, n in rec.get("runs", [])) * len(rec.get("tensors", []))
+        if mode in STAGED_MODES:  # answer a plain stream read only; turn every device request down
+            if op != rawwire.OP_READ or flags:
+                conn.sendall(rawwire.response(status=0x5010B019, message=b"host memory: not on a device path"))
+                continue
+            mode = STAGED_MODES[srv.mode]
         if mode == "stall":
             _idle(conn)
             return
