@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The UCX job (docs/ucx.md), in the CI virtualenv (.ci/run activates it). About a minute.
+# The UCX job (docs/ucx.md), in the CI virtualenv (.ci/run activates it). About 8 minutes.
 #  1. Installs what pdlink's ucx extra installs (the libucx-cu12 wheel: libucp and its transports).
 #  2. ucx_abi_check: transport/ucx/ucp_min.h compiled against the wheel's own UCX headers (every
 #     constant and field offset pdlink declares must equal UCX's).
 #  3. csrc/tests/ucx_test against the wheel's libucp, with UCX_TLS=tcp, sm,tcp, sm and unset, and
 #     PDLINK_REQUIRE_UCX=1 (a library that does not load is a failure, not a skip).
-#  4. The Python tests that read what the loader found (pdlink version: loaded from the wheel).
+#  4. pdlink version finds the wheel; then every test that names ucx, the shared suite's cpu-ucx and
+#     cpu-ucx-sm cells among them (about 7 minutes).
 # The sanitizer runs leave UCX out: libucp is not instrumented, and its memory hooks (UCX_MEM_EVENTS)
 # interpose on the allocator the sanitizers replace.
 set -euo pipefail
@@ -37,5 +38,9 @@ for tls in tcp sm,tcp sm ""; do
 done
 
 step "ucx: pdlink finds the wheel"
-pytest -q tests/test_package.py -k ucx
 pdlink version | grep -q "^ucx: UCX .* loaded from $ucx_root/lib/" || { pdlink version; exit 1; }
+
+# The shared suite's ucx cells (backend_env.py: cpu-ucx over UCX_TLS=tcp, cpu-ucx-sm over sm,tcp)
+# and the other tests that name ucx; PDLINK_REQUIRE_UCX=1 turns a skip for want of UCX into a failure.
+step "ucx: the shared suite on the ucx path"
+env -u UCX_TLS PDLINK_REQUIRE_UCX=1 pytest -q -k ucx

@@ -117,10 +117,21 @@ def options(listen: str | None = None):
 # ---------------------------------------------------------------- target process
 
 
-def target_main(conn: Any, cfg: dict[str, Any]) -> None:
+def set_transport(transport: str) -> None:
+    """This process's pdlink transport: "cma", "tcp", "auto", or "ucx" / "ucx:TLS" (the ucx path,
+    with UCX_TLS=TLS when given; loopback only, so the network is trusted)."""
+    name, _, tls = transport.partition(":")
+    os.environ["PDLINK_TRANSPORT"] = name
+    if name == "ucx":
+        os.environ["PDLINK_UCX_TRUSTED_NETWORK"] = "1"
+        if tls:
+            os.environ["UCX_TLS"] = tls
+
+
+def target_main(conn: Any, cfg: dict[str, Any], transport: str = "auto") -> None:
     from llm_datadist import LLMDataDist, LLMRole
 
-    os.environ["PDLINK_TRANSPORT"] = "auto"  # accepts whatever the initiator asks for
+    set_transport(transport)  # auto accepts tcp and cma; the ucx path needs a ucx engine at both ends
     dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
     dd.init(options("127.0.0.1:0"))
     _served = register(dd.cache_manager, cache_plan(cfg), PROMPT_ID, fill=True)  # alive while registered
@@ -163,7 +174,7 @@ def initiator_main(conn: Any, transport: str, cfg: dict[str, Any], info: dict[st
 
 
 def run_initiator(transport: str, cfg: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
-    os.environ["PDLINK_TRANSPORT"] = transport
+    set_transport(transport)
     from llm_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
 
     reps = cfg["reps"]
@@ -503,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where results.json and the plot go")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--transports", default="cma,tcp")
+    ap.add_argument("--transports", default="cma,tcp",
+                    help='comma-separated: cma, tcp, ucx (UCX_TLS as set), ucx:TLS (e.g. "ucx:tcp")')
     args = ap.parse_args(argv)
     from pdlink._sysinfo import direct_access_permitted
 
@@ -519,15 +531,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg.update(total=2 * MIB, block=64 * KIB, reps=2, lat_n=20, link_n=2, sweep=[4 * KIB, 64 * KIB],
                    sweep_total=1 * MIB, scale_blocks=[100, 1000])
     ctx = mp.get_context("spawn")
-    tconn, child = ctx.Pipe()
-    target = ctx.Process(target=target_main, args=(child, cfg), daemon=True)
-    target.start()
-    info = tconn.recv()
     results: dict[str, Any] = {"config": {k: v for k, v in cfg.items()}, "pdlink": {}, "peers": {},
                                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                            "platform": platform.platform()}}
-    try:
-        for tr in cfg["transports"]:
+    for tr in cfg["transports"]:
+        # a target per transport: the ucx path needs a ucx engine at both ends
+        tconn, child = ctx.Pipe()
+        target = ctx.Process(target=target_main, args=(child, cfg, tr if tr.startswith("ucx") else "auto"),
+                             daemon=True)
+        target.start()
+        info = tconn.recv()
+        try:
             iconn, ichild = ctx.Pipe()
             proc = ctx.Process(target=initiator_main, args=(ichild, tr, cfg, info))
             proc.start()
@@ -537,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pdlink {tr}: FAILED\n{value}")
                 return 1
             results["pdlink"][tr] = value
-    finally:
-        tconn.send("stop")
-        tconn.recv()
-        target.join(30)
+        finally:
+            tconn.send("stop")
+            tconn.recv()
+            target.join(30)
     if "tcp" in cfg["transports"]:
         results["tcp_ceilings"] = tcp_ceilings(cfg["total"], cfg["reps"], args.smoke)
     if not args.no_peers and not args.smoke:

@@ -13,7 +13,12 @@ Every data-movement test runs once per ``Variant`` (the ``variant`` fixture, con
 * ``ascend-onesided``: the same backend with one-sided HCCL (``PDLINK_HCCL_ONE_SIDED=1`` on both
   sides): DEVICE bytes move by HcclBatchGet/Put into memory the server prepared, over TCP.
 
-The last two are ``heavy``: the default run puts them through their own files, the heavy run
+* ``cpu-ucx``, ``cpu-ucx-sm``: CPU backend, host memory moved as UCX Active Messages
+  (``PDLINK_TRANSPORT=ucx``) over UCX's tcp transport, and over shared memory beside it
+  (``UCX_TLS=sm,tcp``; the links are proven same-host links), with ``PDLINK_UCX_TRUSTED_NETWORK=1``
+  (loopback only). They need UCX (``pdlink[ucx]``): without
+  it they skip, except under ``PDLINK_REQUIRE_UCX=1`` (.ci/ucx.sh), where that is a failure.
+The ascend-ipc and ascend-onesided cells are ``heavy``: the default run puts them through their own files, the heavy run
 through the whole shared suite as well. A new data path is one more ``Variant`` here (and nothing
 else in the tests). ``peer_env`` is the
 environment for a peer process of a variant (or of a legacy transport name: "cma", "tcp",
@@ -69,12 +74,21 @@ class Variant:
     serving_loop: bool
     extra_env: tuple[tuple[str, str], ...] = ()
     heavy: bool = False
+    needs_ucx: bool = False
 
     @property
     def same_host(self) -> bool:
         """Its links are proven same-host links (AF_UNIX channels a raw attacker reaches through
         the acceptor's redirect; direct or IPC access)."""
         return self.link_transport == "cma"
+
+    def host_transport(self, env: dict[str, str]) -> str:
+        """What ``links()`` reports as ``transport`` on a peer of this variant with environment
+        ``env``: ``link_transport``, except that a ucx engine keeps links with payload integrity on
+        the stream (a same-host one here: "unix"), which seals the bytes."""
+        if self.link_transport == "ucx" and env.get("PDLINK_PAYLOAD_INTEGRITY") == "1":
+            return "unix"
+        return self.link_transport
 
     def device_paths(self, env: dict[str, str]) -> tuple[str, ...]:
         """What ``links()`` reports as ``device_paths`` on a peer of this variant with environment
@@ -91,7 +105,7 @@ class Variant:
             env = {"PDLINK_BACKEND": "ascend", "PDLINK_ASCEND_LIB_DIR": fake_ascend_dir(),
                    "PDLINK_TRANSPORT": self.link_transport, **HCCL_TIMEOUTS, **dict(self.extra_env)}
         else:
-            env = {"PDLINK_BACKEND": "cpu", "PDLINK_TRANSPORT": self.link_transport}
+            env = {"PDLINK_BACKEND": "cpu", "PDLINK_TRANSPORT": self.link_transport, **dict(self.extra_env)}
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
@@ -108,6 +122,10 @@ VARIANTS = (
     Variant("ascend-ipc", "ascend", "cma", "ascend-ipc", serving_loop=True, heavy=True),
     Variant("ascend-onesided", "ascend", "tcp", "ascend-onesided", serving_loop=True,
             extra_env=(("PDLINK_HCCL_ONE_SIDED", "1"),), heavy=True),
+    Variant("cpu-ucx", "cpu", "ucx", "ucx", serving_loop=True, needs_ucx=True,
+            extra_env=(("UCX_TLS", "tcp"), ("PDLINK_UCX_TRUSTED_NETWORK", "1"))),
+    Variant("cpu-ucx-sm", "cpu", "ucx", "ucx-sm", serving_loop=True, needs_ucx=True,
+            extra_env=(("UCX_TLS", "sm,tcp"), ("PDLINK_UCX_TRUSTED_NETWORK", "1"))),
 )
 BY_KIND = {v.kind: v for v in VARIANTS}
 BACKENDS = ("cpu", "ascend")

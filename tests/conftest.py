@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir  # noqa: E402
-from internals import direct_access_permitted  # noqa: E402
+from internals import direct_access_permitted, ucx_info  # noqa: E402
 from pdlink import BlocksCacheKey, LLMStatusCode  # noqa: E402
 from peer import Peer  # noqa: E402
 from peers import kv  # noqa: E402
@@ -25,6 +25,8 @@ PROMPT_ID, DECODER_ID = 1, 2
 PROMPT_KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
 
 CMA_AVAILABLE = direct_access_permitted()
+UCX_INFO = ucx_info()  # what pdlink's UCX loader finds in this environment (peers inherit it)
+UCX_AVAILABLE = bool(UCX_INFO["loaded"])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,6 +60,10 @@ def variant(request: pytest.FixtureRequest) -> Variant:
         pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
     if v.backend == "ascend":
         request.getfixturevalue("fake_ascend_lib_dir")
+    if v.needs_ucx and not UCX_AVAILABLE:
+        if os.environ.get("PDLINK_REQUIRE_UCX") == "1":
+            pytest.fail(f"PDLINK_REQUIRE_UCX=1 and {UCX_INFO['error']}", pytrace=False)
+        pytest.skip("needs UCX (pip install \".[ucx]\"; .ci/ucx.sh runs these cells)")
     return v
 
 
@@ -150,7 +156,7 @@ class Pair:
         assert ret == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]), ret
         for name, side in (("prefill", self.prefill), ("decode", self.decode)):
             assert {(link["transport"], tuple(link["device_paths"])) for link in side.call(kv.links)} == {
-                (self.variant.link_transport, self.variant.device_paths(self._env[name]))}
+                (self.variant.host_transport(self._env[name]), self.variant.device_paths(self._env[name]))}
             assert side.call(kv.backend) == self.variant.backend
 
     def unlink(self, force: bool = False) -> LLMStatusCode:

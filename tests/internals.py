@@ -32,7 +32,7 @@ from pdlink.status import error_class, handle_llm_status, raise_if_false, raise_
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
-    "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate", "LIMIT_OPTIONS",
+    "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate", "ucx_info", "LIMIT_OPTIONS",
     "ip_to_int", "itemsize",
     "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
@@ -41,6 +41,13 @@ __all__ = [
 ]
 
 core = _core  # the native module
+
+
+def ucx_info() -> dict[str, Any]:
+    """What pdlink's UCX loader finds (loaded, error, library, version), the libucx wheel included."""
+    from pdlink.native import core as native_core
+
+    return dict(native_core().ucx_info())
 
 
 def cache_manager(engine: Any, remote_accessible: bool = True) -> Any:

@@ -564,6 +564,29 @@ def test_links_by_the_batch_report_each_peer(two: Two) -> None:
         native.descriptors, TARGET, "dst", [(0, 64)], [(two.src + 64, 64)], "read"), copies([(64, 0, 64)]))
 
 
+def test_the_ucx_transport_needs_the_trusted_network_statement(monkeypatch: pytest.MonkeyPatch,
+                                                              peers: Callable[..., Peer], tmp_path: Any) -> None:
+    """transport "ucx" without ucx_trusted_network is refused before UCX is loaded
+    (LLM_FEATURE_NOT_ENABLED, naming the setting); with it, an engine that cannot load UCX (a
+    PDLINK_UCX_LIB_DIR without libucp, in a process of its own) says why."""
+    import pdlink
+
+    monkeypatch.delenv("PDLINK_UCX_TRUSTED_NETWORK", raising=False)
+    with pytest.raises(NotSupported) as e:
+        pdlink.Engine(pdlink.EngineOptions(cluster_id=5, transport="ucx"))
+    assert e.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert "PDLINK_UCX_TRUSTED_NETWORK=1" in str(e.value)
+    monkeypatch.setenv("PDLINK_UCX_TRUSTED_NETWORK", "yes")
+    with pytest.raises(ValueError, match="PDLINK_UCX_TRUSTED_NETWORK must be '0' or '1'"):
+        pdlink.EngineOptions(cluster_id=5, transport="ucx").resolved()
+    lone = peers("lone", env={"PDLINK_BACKEND": "cpu", "PDLINK_TRANSPORT": "ucx", "PDLINK_UCX_TRUSTED_NETWORK": "1",
+                              "PDLINK_UCX_LIB_DIR": str(tmp_path)})
+    with pytest.raises(NotSupported) as e:
+        lone.call(native.start, 5)
+    assert e.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert f"PDLINK_UCX_LIB_DIR={tmp_path} has no libucp.so.0" in str(e.value)
+
+
 def test_connect_to_nothing_is_a_connection_error(peers: Callable[..., Peer], variant: Variant) -> None:
     lone = peers("lone", env=variant.env())
     lone.call(native.start, INITIATOR)

@@ -241,6 +241,15 @@ def test_payload_integrity_needs_a_link_secret(tmp_path):
         load(cfg(tmp_path, kv={"payloadIntegrity": True}, name="nosecret.json"))
 
 
+def test_the_ucx_transport_needs_the_trusted_network_statement(tmp_path):
+    s = load(cfg(tmp_path, kv={"transport": "ucx", "ucxTrustedNetwork": True}, name="ucx.json"))
+    assert (s.kv.transport, s.kv.ucx_trusted_network) == ("ucx", True)
+    with pytest.raises(C.ConfigError, match="transport 'ucx' needs ucxTrustedNetwork: true"):
+        load(cfg(tmp_path, kv={"transport": "ucx"}, name="untrusted.json"))
+    with pytest.raises(C.ConfigError, match="ucxTrustedNetwork"):
+        load(cfg(tmp_path, kv={"transport": "ucx", "ucxTrustedNetwork": "yes"}, name="notbool.json"))
+
+
 # ------------------------------------------------------------------------------------- TLS files
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,8 @@ void bindTypes(py::module_& m) {
   py::enum_<Transport>(m, "Transport")
       .value("AUTO", Transport::kAuto)
       .value("TCP", Transport::kTcp)
-      .value("CMA", Transport::kCma);
+      .value("CMA", Transport::kCma)
+      .value("UCX", Transport::kUcx);
   py::enum_<wire::TargetKind>(m, "TargetKind")
       .value("REQUEST_KEY", wire::TargetKind::kRequestKey)
       .value("PREFIX_KEY", wire::TargetKind::kPrefixKey)
@@ -255,6 +256,7 @@ void bindTypes(py::module_& m) {
       .def_readwrite("payload_integrity", &EngineConfig::payload_integrity)
       .def_readwrite("hccl_one_sided", &EngineConfig::one_sided)
       .def_readwrite("one_way_links", &EngineConfig::one_way_links)
+      .def_readwrite("ucx_trusted_network", &EngineConfig::ucx_trusted_network)
       .def_readwrite("limits", &EngineConfig::limits);
   py::class_<CacheLayout>(m, "CacheLayout")
       .def(py::init([](uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks,

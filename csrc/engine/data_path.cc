@@ -15,6 +15,7 @@
 #include "transport/device/ipc_path.h"
 #include "transport/frames.h"
 #include "transport/tcp/stream_path.h"
+#include "transport/ucx/ucx_path.h"
 
 namespace pdlink {
 
@@ -67,6 +68,9 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
     return Status(Code::kLinkFailed, "oversized device channel request");
   }
+  if (h.op == wire::Op::kUcxConnect && h.body_len > wire::kMaxUcxAddressBytes + 8) {
+    return Status(Code::kLinkFailed, "oversized ucx connect request");
+  }
   if (h.op == wire::Op::kNotify && h.body_len > wire::kMaxNotifyBodyBytes) {
     return Status(Code::kLinkFailed, "oversized notification");
   }
@@ -91,6 +95,7 @@ Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const
     return Status(Code::kFeatureNotEnabled, "IPC needs a same-host link and a runtime that shares device memory");
   }
   if (one_sided && !one_sided_) return Status(Code::kFeatureNotEnabled, "no one-sided access on this runtime");
+  if ((h.flags & wire::kFlagUcx) && !ucx_hub_) return Status(Code::kFeatureNotEnabled, "this engine has no ucx path");
   return Status::OK();
 }
 
@@ -137,6 +142,13 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
   if (h.op == wire::Op::kDeviceChannel) return serveDeviceChannel(link, s, body, deadline);
   if (h.op == wire::Op::kNotify) return serveNotify(*link, s, body, deadline);
+  if (h.op == wire::Op::kUcxConnect) {
+    if (!ucx_server_) {
+      return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
+                          deadline);
+    }
+    return ucx_server_->connect(*link, s, body, deadline);
+  }
   if (h.op == wire::Op::kUnlink) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -190,7 +202,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   const bool is_write = h.op == wire::Op::kWrite;
   const bool direct = h.flags & wire::kFlagDirect;
   const bool device = h.flags & wire::kFlagDevice;
-  const bool in_stream = is_write && !direct && !device;  // the payload follows in this stream
+  const bool ucx = h.flags & wire::kFlagUcx;
+  const bool in_stream = is_write && !direct && !device && !ucx;  // the payload follows in this stream
   if (!payload.ok() || h.payload_len != (in_stream ? payload.value() : 0)) {
     // The stream cannot be resynchronised without a trustworthy length.
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
@@ -252,6 +265,7 @@ PathServer& Engine::serverFor(uint8_t flags) {
     if (flags & wire::kFlagOneSided) return *one_sided_server_;
     return *hccl_server_;
   }
+  if (flags & wire::kFlagUcx) return *ucx_server_;
   return flags & wire::kFlagDirect ? *cma_server_ : *stream_server_;
 }
 
@@ -259,6 +273,8 @@ void Engine::choosePaths(Link& link, bool direct) {
   std::unique_ptr<DataPath> host;
   if (direct) {
     host = std::make_unique<CmaPath>(link.peerPid(), link.peerPublishedAddr());
+  } else if (ucx_hub_ && !link.payloadIntegrity()) {
+    host = std::make_unique<UcxPath>(ucx_hub_, link.sameHost());
   } else {
     host = std::make_unique<StreamPath>(link.outSocket().isUnix());
   }

@@ -10,6 +10,7 @@
 #include "transport/device/hccl_path.h"
 #include "transport/device/ipc_path.h"
 #include "transport/tcp/stream_path.h"
+#include "transport/ucx/ucx_path.h"
 
 namespace pdlink {
 
@@ -64,6 +65,13 @@ Status Engine::initialize(const EngineConfig& config) {
     return Status(Code::kParamInvalid, "payload integrity needs a link secret (pdlink.LinkSecret)");
   }
   if (!config.link_secret.empty()) PDLINK_RETURN_IF_ERROR(crypto::available());  // names what is missing
+  if (config.transport == Transport::kUcx && !config.ucx_trusted_network) {
+    return Status(Code::kFeatureNotEnabled,
+                  "transport ucx trusts every process that can reach this one: UCX aborts the process on a "
+                  "malformed connection message and its workers accept connections from anyone (docs/ucx.md, "
+                  "'Trust'). Where only trusted hosts reach this one, set ucx_trusted_network "
+                  "(PDLINK_UCX_TRUSTED_NETWORK=1, pdlink.UcxTrustedNetwork=1)");
+  }
   config_ = config;
   links_.setOneWay(config.one_way_links);
   if (config.device_pool.bytes > 0) {
@@ -87,6 +95,17 @@ Status Engine::initialize(const EngineConfig& config) {
       return l.status();
     }
     listener_ = std::move(l.value());
+  }
+  if (config.transport == Transport::kUcx) {
+    auto hub = ucx::UcxHub::open();
+    if (!hub.ok()) {
+      device_pool_.reset();
+      host_pool_.reset();
+      listener_.reset();
+      return hub.status();
+    }
+    ucx_hub_ = hub.value();
+    ucx_server_ = std::make_unique<UcxServer>(ucx_hub_);
   }
   hint_ = localHint();
   if (config.transport != Transport::kTcp) {
@@ -145,6 +164,8 @@ void Engine::finalize() {
   }
   device_pool_.reset();
   host_pool_.reset();
+  ucx_server_.reset();
+  ucx_hub_.reset();  // the workers go with the last link that still holds them
   initialized_ = false;
   stopping_ = false;
 }

@@ -44,14 +44,21 @@
 
 namespace pdlink {
 
+namespace ucx {
+class UcxHub;
+}
+class UcxServer;
+
 // Values match llm_datadist.LLMRole.
 enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
 
 // How a link moves bytes. kAuto: direct memory access (cross-memory attach) when both ends are on
 // one host and the kernel permits it, else TCP. kTcp / kCma force one (kCma fails the link when
 // it is not possible). DEVICE memory of a backend with device transport moves by IPC between
-// processes of one host (unless kTcp), else over the link's device channel (HCCL).
-enum class Transport : uint8_t { kAuto = 0, kTcp = 1, kCma = 2 };
+// processes of one host (unless kTcp), else over the link's device channel (HCCL). kUcx: host
+// memory as UCX Active Messages (transport/ucx/ucx_path.h; UCX loaded at run time, initialize fails
+// without it), on every link except those with payload integrity (the stream, which seals it).
+enum class Transport : uint8_t { kAuto = 0, kTcp = 1, kCma = 2, kUcx = 3 };
 
 struct PoolConfig {
   uint64_t bytes = 0;  // 0 = no pool
@@ -86,6 +93,11 @@ struct EngineConfig {
   PoolConfig device_pool;
   PoolConfig host_pool;
   Transport transport = Transport::kAuto;
+  // Transport::kUcx only: the operator states that every process that can reach this one over the
+  // network is trusted. UCX assumes so (a malformed connection message aborts the process, and
+  // UCX's workers accept connections from anyone: docs/ucx.md, "Trust"); initialize refuses kUcx
+  // without it (kFeatureNotEnabled).
+  bool ucx_trusted_network = false;
   // When non-empty, both ends of every link must prove they know it (challenge-response in the
   // handshake, transport/wire.h); a peer that cannot is refused before it can reach any memory, and
   // every frame after the handshake is sealed under a session key (transport/auth_stream.h). Needs
@@ -401,6 +413,10 @@ class Engine {
   // The data paths (transport/path.h): the serving side of each, and the requesting side of the
   // device paths (a link's host path is its own object, Link::hostPath).
   std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
+  // Transport::kUcx: the engine's UCX workers (shared with its links' paths, which may outlive
+  // finalize) and the ucx path's server; set by initialize, dropped by finalize.
+  std::shared_ptr<ucx::UcxHub> ucx_hub_;
+  std::unique_ptr<UcxServer> ucx_server_;
   std::unique_ptr<DataPath> hccl_path_, one_sided_path_, ipc_path_;
   // The stream path that stages DEVICE memory: descriptor lists mixing HOST and DEVICE memory, on
   // either side, on any link (transferPart).

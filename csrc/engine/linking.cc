@@ -255,7 +255,7 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
 
 Status Engine::chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* direct) const {
   *direct = false;
-  if (config_.transport == Transport::kTcp) return Status::OK();
+  if (config_.transport == Transport::kTcp || config_.transport == Transport::kUcx) return Status::OK();
   if (peer_pid == 0) {
     if (config_.transport == Transport::kCma) {
       return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");

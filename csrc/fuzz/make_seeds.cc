@@ -51,11 +51,13 @@ std::string frame(wire::Op op, const wire::TransferBody& b, uint8_t flags = 0) {
          std::string(static_cast<size_t>(h.payload_len), '\x22');
 }
 
-std::string notifyFrame(const wire::NotifyBody& b) {
-  std::string encoded = wire::encode(b);
+// A frame of `op` with an already encoded body.
+std::string bodyFrame(wire::Op op, const std::string& encoded) {
   return std::string(1, static_cast<char>(kStepFrame)) +
-         wire::encode(wire::RequestHeader{wire::Op::kNotify, static_cast<uint32_t>(encoded.size()), 0}) + encoded;
+         wire::encode(wire::RequestHeader{op, static_cast<uint32_t>(encoded.size()), 0}) + encoded;
 }
+
+std::string notifyFrame(const wire::NotifyBody& b) { return bodyFrame(wire::Op::kNotify, wire::encode(b)); }
 
 }  // namespace
 
@@ -183,6 +185,8 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kDescribe, body(K::kRaw, {}, {}));  // the memory table, answered on any link
   s += frame(wire::Op::kRead, body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}}));
   s += frame(wire::Op::kWrite, reqkey);
+  s += frame(wire::Op::kRead, blocks, wire::kFlagUcx);  // an engine without the ucx path refuses it
+  s += bodyFrame(wire::Op::kUcxConnect, wire::encode(wire::UcxHello{7, std::string(40, 'a')}));
   s += notifyFrame(wire::NotifyBody{"req-11", "written"});
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
   s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};

@@ -109,7 +109,7 @@ void fuzzRequest(const uint8_t* p, size_t n) {
   FUZZ_CHECK(n >= wire::kRequestHeaderBytes);
   FUZZ_CHECK(op >= 1 && op <= wire::kMaxOp && !(h.flags & ~wire::kKnownFlags) &&
              (!(h.flags & wire::kFlagOneSided) || h.flags == (wire::kFlagDevice | wire::kFlagOneSided)) &&
-             h.body_len <= wire::kMaxBodyBytes);
+             (!(h.flags & wire::kFlagUcx) || h.flags == wire::kFlagUcx) && h.body_len <= wire::kMaxBodyBytes);
   uint8_t canonical[wire::kRequestHeaderBytes];
   std::memcpy(canonical, p, sizeof(canonical));
   canonical[6] = canonical[7] = 0;  // padding: ignored on decode, zero on encode

@@ -56,6 +56,7 @@ SAME(u::kAmHandlerParamFieldCb, UCP_AM_HANDLER_PARAM_FIELD_CB);
 SAME(u::kAmHandlerParamFieldArg, UCP_AM_HANDLER_PARAM_FIELD_ARG);
 SAME(u::kAmRecvAttrFlagData, UCP_AM_RECV_ATTR_FLAG_DATA);
 SAME(u::kAmRecvAttrFlagRndv, UCP_AM_RECV_ATTR_FLAG_RNDV);
+SAME(u::kAmSendFlagEager, UCP_AM_SEND_FLAG_EAGER);
 
 AT(Params, ucp_params_t, field_mask);
 AT(Params, ucp_params_t, features);

@@ -15,11 +15,15 @@
 //     probe with RMA enabled writes through a remote key of another RMA-enabled context to memory
 //     outside every mapped range, and it lands; the same write aimed at worker B lands nowhere
 //     (B drops the emulated put) and fails by its deadline;
+//   - why the ucx transport needs ucx_trusted_network: in a child process, endpoints to worker
+//     addresses of random bytes (what a hostile peer could send): UCX aborts the process;
 //   - B's worker destroyed: A's next send fails (kLinkFailed or kTimeout) by its deadline;
 //   - with shared memory alone (UCX_TLS=sm): a network worker cannot be made, and an endpoint is
 //     refused with a message naming the fix (UCX cannot report a dead peer over shared memory).
 // Exit status 0 when every check passed, 1 otherwise (the failures are printed).
 #include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -332,6 +336,35 @@ void testMoves(const UcpApi* api, Scope scope) {
   }
 }
 
+// In a child process, endpoints to worker addresses of random bytes of several lengths; whether
+// the child died by a signal (UCX aborting on an address it cannot parse).
+bool garbageAddressKillsTheProcess() {
+  pid_t child = ::fork();
+  if (child == 0) {
+    ::alarm(60);  // a child that neither dies nor finishes is not left behind
+    Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(Scope::kNetwork);
+    if (!w.ok()) ::_exit(2);
+    uint64_t x = 88172645463325252ull;
+    for (size_t length : {1, 2, 8, 16, 64, 77, 100, 184, 213, 1000, 4096}) {
+      for (int round = 0; round < 8; ++round) {
+        std::string address(length, '\0');
+        for (char& c : address) {
+          x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+          c = static_cast<char>(x);
+        }
+        (void)w.value()->connect(address);  // an endpoint made anyway is closed by force
+      }
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  std::printf("  endpoints to random worker addresses: %s\n",
+              WIFSIGNALED(status) ? ("the process died by signal " + std::to_string(WTERMSIG(status))).c_str()
+                                  : ("the process exited " + std::to_string(WEXITSTATUS(status))).c_str());
+  return WIFSIGNALED(status);
+}
+
 }  // namespace
 
 int main() {
@@ -348,6 +381,10 @@ int main() {
     std::printf("ucx_test: %s (UCX %s)\n", api.value()->library.c_str(), api.value()->version.c_str());
     testMoves(api.value(), Scope::kNetwork);
     testMoves(api.value(), Scope::kAny);
+    if (transportsFor(Scope::kNetwork, std::getenv("UCX_TLS")).ok()) {
+      check(garbageAddressKillsTheProcess(),
+            "UCX survived worker addresses of random bytes: docs/ucx.md's trust section can be revisited");
+    }
   }
   if (testing::failures) {
     std::printf("ucx_test: %d checks failed\n", testing::failures);

@@ -93,6 +93,9 @@ class Link {
   void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
   DeviceChannel* inDevice() const { return in_device_.get(); }
   void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
+  // What a path's server keeps for this link between the peer's requests (the ucx path: its
+  // endpoint back to the peer). Set and used only by the serving thread; dropped with the link.
+  std::shared_ptr<void>& serverState() { return server_state_; }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -141,6 +144,7 @@ class Link {
   std::string peer_address_;
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
+  std::shared_ptr<void> server_state_;         // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;       // guarded by state_mu_
   std::string broken_reason_;  // guarded by state_mu_

@@ -158,8 +158,25 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
     return malformed("request");
   }
   if (op < 1 || op > kMaxOp || (out->flags & ~kKnownFlags) ||
-      ((out->flags & kFlagOneSided) && out->flags != (kFlagDevice | kFlagOneSided)) || out->body_len > kMaxBodyBytes) return malformed("request");
+      ((out->flags & kFlagOneSided) && out->flags != (kFlagDevice | kFlagOneSided)) ||
+      ((out->flags & kFlagUcx) && out->flags != kFlagUcx) || out->body_len > kMaxBodyBytes) {
+    return malformed("request");
+  }
   out->op = static_cast<Op>(op);
+  return Status::OK();
+}
+
+std::string encode(const UcxHello& h) {
+  Writer w;
+  w.put(h.token);
+  std::string out = w.take();
+  return out + h.address;
+}
+
+Status decode(const uint8_t* p, size_t n, UcxHello* out) {
+  Reader r(p, n);
+  if (!r.get(&out->token) || n - 8 == 0 || n - 8 > kMaxUcxAddressBytes) return malformed("ucx hello");
+  out->address.assign(reinterpret_cast<const char*>(p) + 8, n - 8);
   return Status::OK();
 }
 

@@ -149,8 +149,9 @@ enum class Op : uint8_t {
   kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
   kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
   kNotify = 9,         // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
+  kUcxConnect = 10,    // body: a UcxHello (the requester's UCX worker) -> Response + UcxHello (the server's)
 };
-constexpr uint8_t kMaxOp = 9;
+constexpr uint8_t kMaxOp = 10;
 
 // kRead/kWrite with kFlagDirect (same-host links only): the server checks the access as usual but
 // answers with a DirectAnswer (the absolute address of every piece, and its pin epoch) instead of
@@ -175,7 +176,21 @@ constexpr uint8_t kFlagDevice = 2;
 // reads or writes them with HcclBatchGet/Put, then sends kCommit/kRelease. Otherwise it
 // refuses with kFeatureNotEnabled and the requester uses the two-sided transfer.
 constexpr uint8_t kFlagOneSided = 4;
-constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided;
+// kRead/kWrite with kFlagUcx (alone; engines with the ucx path, host memory only): checked as
+// usual; the bytes then move as UCX Active Messages between the endpoints of kUcxConnect
+// (transport/ucx/ucx_path.h). kRead: the server sends the messages, then the Response. kWrite:
+// Response (accepted), the requester sends the messages, then a second Response (stored).
+constexpr uint8_t kFlagUcx = 8;
+constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx;
+// A kUcxConnect body and its answer: the token the sender's expected messages carry, then its UCX
+// worker address (opaque bytes, at most kMaxUcxAddressBytes).
+constexpr uint32_t kMaxUcxAddressBytes = 4096;
+struct UcxHello {
+  uint64_t token = 0;
+  std::string address;
+};
+std::string encode(const UcxHello& h);
+Status decode(const uint8_t* p, size_t n, UcxHello* out);
 // kDeviceChannel body: the rendezvous, then one byte of channel options; the response carries one
 // byte, the options the server agreed to. Both then join; with kChannelOneSided agreed both prepare.
 constexpr uint8_t kChannelOneSided = 1;

@@ -57,6 +57,7 @@ class Transport(_Enum):  # AUTO: direct memory access on one host, else TCP
     AUTO: ClassVar[Transport]
     TCP: ClassVar[Transport]
     CMA: ClassVar[Transport]
+    UCX: ClassVar[Transport]
 
 class TargetKind(_Enum):  # how the serving side finds the cache a transfer addresses
     REQUEST_KEY: ClassVar[TargetKind]
@@ -127,6 +128,7 @@ class EngineConfig:
     payload_integrity: bool  # with a link secret: payloads sealed too
     hccl_one_sided: bool  # Ascend: HcclBatchGet/Put when both ends enable it
     one_way_links: bool  # llm_datadist's "hixl" transfer backend: only the dialler uses a link
+    ucx_trusted_network: bool
     limits: EngineLimits
     def __init__(self) -> None: ...
 

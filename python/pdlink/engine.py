@@ -92,16 +92,21 @@ class EngineOptions:
 
     ``listen``: ``"ip:port"`` to accept links (port 0: any free port), ``None`` to only dial.
     ``transport``: ``"auto"`` (direct memory access between processes of one host, else TCP),
-    ``"tcp"`` or ``"cma"``. ``secret``: links must prove they know it, and frames are sealed.
+    ``"tcp"``, ``"cma"`` or ``"ucx"`` (host memory as UCX messages: docs/ucx.md; needs
+    ``ucx_trusted_network``). ``secret``: links must prove they know it, and frames are sealed.
     ``backend``: ``"auto"``, ``"cpu"`` or ``"ascend"``. ``hccl_one_sided``: DEVICE transfers use
     HCCL's one-sided access where both ends have it. ``timeout_ms`` bounds every transfer,
     ``connect_timeout_ms`` every connect and disconnect. ``device_pool`` / ``host_pool``: memory
     the engine allocates caches from (``Engine.kv``; none by default). ``one_way_links``: only the
     side that connected transfers over a link (llm_datadist's ``llm.TransferBackend = "hixl"``).
 
-    Left at None, ``transport``, ``secret``, ``backend`` and ``hccl_one_sided`` come from the
-    environment variables llm_datadist reads too (``PDLINK_TRANSPORT``, ``PDLINK_LINK_SECRET``,
-    ``PDLINK_BACKEND``, ``PDLINK_HCCL_ONE_SIDED``), else ``"auto"``, no secret, ``"auto"``, off.
+    ``ucx_trusted_network``: with transport ``"ucx"``, the statement that every process that can
+    reach this one over the network is trusted, which UCX assumes (docs/ucx.md, "Trust").
+
+    Left at None, ``transport``, ``secret``, ``backend``, ``hccl_one_sided`` and
+    ``ucx_trusted_network`` come from the environment variables llm_datadist reads too
+    (``PDLINK_TRANSPORT``, ``PDLINK_LINK_SECRET``, ``PDLINK_BACKEND``, ``PDLINK_HCCL_ONE_SIDED``,
+    ``PDLINK_UCX_TRUSTED_NETWORK``), else ``"auto"``, no secret, ``"auto"``, off, off.
     """
 
     cluster_id: int
@@ -120,6 +125,7 @@ class EngineOptions:
     device_pool: MemoryPool | None = None
     host_pool: MemoryPool | None = None
     one_way_links: bool = False
+    ucx_trusted_network: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout_ms", "connect_timeout_ms", "async_workers"):
@@ -133,16 +139,16 @@ class EngineOptions:
     def resolved(self) -> EngineOptions:
         """These options with every None that the environment fills, filled (what the engine uses)."""
         env = os.environ
-        one_sided = self.hccl_one_sided
+        one_sided, trusted = self.hccl_one_sided, self.ucx_trusted_network
         if one_sided is None:
-            flag = env.get("PDLINK_HCCL_ONE_SIDED") or "0"
-            if flag not in ("0", "1"):
-                raise ValueError(f"PDLINK_HCCL_ONE_SIDED must be '0' or '1', got {flag!r}")
-            one_sided = flag == "1"
+            one_sided = _env_flag("PDLINK_HCCL_ONE_SIDED")
+        if trusted is None:
+            trusted = _env_flag("PDLINK_UCX_TRUSTED_NETWORK")
         return dataclasses.replace(
             self, transport=self.transport or env.get("PDLINK_TRANSPORT") or "auto",
             secret=self.secret if self.secret is not None else env.get("PDLINK_LINK_SECRET") or None,
-            backend=self.backend or env.get("PDLINK_BACKEND") or "auto", hccl_one_sided=one_sided)
+            backend=self.backend or env.get("PDLINK_BACKEND") or "auto", hccl_one_sided=one_sided,
+            ucx_trusted_network=trusted)
 
 
 @dataclass(frozen=True)
@@ -345,7 +351,8 @@ class Engine:
             transport=str(options.transport), link_secret=options.secret or "",
             payload_integrity=options.payload_integrity, hccl_one_sided=bool(options.hccl_one_sided),
             limits=options.limits.overrides(), device_pool=_pool(options.device_pool),
-            host_pool=_pool(options.host_pool), one_way_links=options.one_way_links)
+            host_pool=_pool(options.host_pool), one_way_links=options.one_way_links,
+            ucx_trusted_network=bool(options.ucx_trusted_network))
         self.kv = KvCaches(self._native)
         self._regions: dict[int, Region] = {}
         self._batches: dict[int, BatchTransfer] = {}  # peer -> its descriptor transfers (read_batch)
@@ -654,6 +661,13 @@ class Engine:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.options.async_workers,
                                                                    thread_name_prefix="pdlink-async")
             return Pending(self._pool.submit(fn, *args, **kwargs))
+
+
+def _env_flag(name: str) -> bool:
+    flag = os.environ.get(name) or "0"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{name} must be '0' or '1', got {flag!r}")
+    return flag == "1"
 
 
 def _pool(pool: MemoryPool | None) -> tuple[int, int | None]:

@@ -72,6 +72,7 @@ def open_engine(*, backend: str, device_id: int, cluster_id: int, role: str | en
                 device_pool: tuple[int, int | None] = (0, None), host_pool: tuple[int, int | None] = (0, None),
                 transport: str = "auto", link_secret: str = "",
                 payload_integrity: bool = False, hccl_one_sided: bool = False, one_way_links: bool = False,
+                ucx_trusted_network: bool = False,
                 limits: dict[str, int] | None = None) -> Any:
     """An initialised ``_core.Engine`` on backend ``backend`` (``"auto"``, ``"cpu"``, ``"ascend"``)
     and device ``device_id``. Pools are ``(bytes, page_shift)``, 0 bytes for none, page shift None for the
@@ -93,6 +94,7 @@ def open_engine(*, backend: str, device_id: int, cluster_id: int, role: str | en
     config.payload_integrity = payload_integrity
     config.hccl_one_sided = hccl_one_sided
     config.one_way_links = one_way_links
+    config.ucx_trusted_network = ucx_trusted_network
     engine_limits = c.EngineLimits()
     for field, value in (limits or {}).items():
         setattr(engine_limits, field, value)

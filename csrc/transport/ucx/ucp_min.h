@@ -101,6 +101,7 @@ constexpr uint64_t kAmHandlerParamFieldCb = 1ull << 2;
 constexpr uint64_t kAmHandlerParamFieldArg = 1ull << 3;
 constexpr uint64_t kAmRecvAttrFlagData = 1ull << 16;
 constexpr uint64_t kAmRecvAttrFlagRndv = 1ull << 17;
+constexpr uint32_t kAmSendFlagEager = 1u << 1;
 
 // Zeroed space after the declared fields (see the file comment).
 constexpr size_t kReserve = 256;

@@ -39,7 +39,7 @@ std::string joinComma(const std::vector<std::string>& v) {
 
 Result<std::string> transportsFor(Scope scope, const char* user) {
   std::string tls = user ? user : "";
-  if (scope == Scope::kAny) return tls;
+  if (scope == Scope::kAny) return tls;  // "" (unset or empty): UCX's default, all
   if (tls.empty() || tls == "all") return std::string("^sm,self");
   if (tls[0] == '^') {
     std::vector<std::string> names = split(tls.substr(1));
@@ -74,7 +74,8 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
   ucp_config_t* config = nullptr;
   ucs_status_t st = api->ucp_config_read(nullptr, nullptr, &config);  // UCX_* from the environment
   if (st != kOk) return toStatus(st, "ucx: reading UCX's configuration");
-  if (!w->transports_.empty()) st = api->ucp_config_modify(config, "TLS", w->transports_.c_str());
+  // An empty UCX_TLS (set, but to nothing) would fail UCX's own parsing: it means UCX's default.
+  st = api->ucp_config_modify(config, "TLS", w->transports_.empty() ? "all" : w->transports_.c_str());
   if (st == kOk) {
     Params params;
     params.field_mask = kParamFieldFeatures;
@@ -239,6 +240,39 @@ Status UcxEndpoint::send(unsigned id, const void* header, size_t header_length, 
   }
   if (st != kOk) return toStatus(failed() ? __atomic_load_n(&error_, __ATOMIC_ACQUIRE) : st, "ucx send");
   return Status::OK();
+}
+
+Status UcxEndpoint::sendAll(unsigned id, const std::vector<Message>& messages, size_t window, Deadline deadline) {
+  const UcpApi* api = worker_->api_;
+  if (ep_ == nullptr) return Status(Code::kLinkFailed, "ucx send: the endpoint was closed");
+  if (failed()) return toStatus(__atomic_load_n(&error_, __ATOMIC_ACQUIRE), "ucx send");
+  RequestParam param;
+  param.op_attr_mask = kOpAttrFieldFlags;
+  param.flags = kAmSendFlagEager;
+  std::vector<ucs_status_ptr_t> pending;  // in flight, oldest first
+  ucs_status_t st = kOk;
+  size_t next = 0, done = 0;
+  while (st == kOk && done < messages.size()) {
+    while (next < messages.size() && next - done < std::max<size_t>(window, 1)) {
+      const Message& m = messages[next++];
+      ucs_status_ptr_t req = api->ucp_am_send_nbx(ep_, id, m.header, m.header_length, m.data, m.length, &param);
+      pending.push_back(req);
+    }
+    st = worker_->wait(pending[done], deadline);  // frees it once complete
+    if (st == kErrTimedOut) break;                // still in flight: freed below
+    pending[done++] = nullptr;
+  }
+  if (st == kOk) return Status::OK();
+  // Past the deadline or failed: closing by force completes what is still pending (with an
+  // error), which can then be freed; nothing of it reads the callers' buffers after this returns.
+  closeForce();
+  for (size_t i = done; i < next; ++i) {
+    if (!ptrIsPtr(pending[i])) continue;
+    while (api->ucp_request_check_status(pending[i]) == kInProgress) api->ucp_worker_progress(worker_->worker_);
+    api->ucp_request_free(pending[i]);
+  }
+  if (st == kErrTimedOut) return Status(Code::kTimeout, "ucx send: not complete by the deadline; the endpoint was closed");
+  return toStatus(failed() ? __atomic_load_n(&error_, __ATOMIC_ACQUIRE) : st, "ucx send");
 }
 
 void UcxEndpoint::closeForce() {

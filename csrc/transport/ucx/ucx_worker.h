@@ -51,6 +51,8 @@ struct AmIncoming {
   size_t header_length = 0;
   size_t length = 0;                // the message's data bytes
   bool rendezvous = false;          // the data is still at the sender (UCX's rendezvous)
+  // The data when it arrived with the header (not rendezvous): valid during the handler's call.
+  const uint8_t* bytes() const { return rendezvous ? nullptr : static_cast<const uint8_t*>(data_); }
   // Takes the data into [buffer, +length): copied now when it arrived with the header, else
   // fetched by rendezvous. `done` is called once, on a progressing thread, with OK when every byte
   // is in place or with why not; at most one receive per message. A message the handler does not
@@ -77,6 +79,17 @@ class UcxEndpoint {
   // when the peer failed.
   Status send(unsigned id, const void* header, size_t header_length, const void* data, size_t length,
               Deadline deadline);
+  // One message of sendAll.
+  struct Message {
+    const void* header;
+    size_t header_length;
+    const void* data;
+    size_t length;
+  };
+  // Sends every message as Active Message `id`, each whole with its header (UCX's eager protocol:
+  // the receiver's handler gets the bytes, never a rendezvous), at most `window` in flight, and
+  // returns once UCX is done with every buffer; failures as send's.
+  Status sendAll(unsigned id, const std::vector<Message>& messages, size_t window, Deadline deadline);
   // Whether UCX reported the peer failed (the endpoint is then unusable).
   bool failed() const;
 

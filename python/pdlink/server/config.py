@@ -96,6 +96,7 @@ class KvTransfer:
     link_secret: str = field(default="", repr=False)  # "" : links are not authenticated
     link_secret_source: str = "none"  # "none", "env PDLINK_LINK_SECRET" or the file's path
     payload_integrity: bool = False  # with a link secret: payloads sealed too (docs/security.md)
+    ucx_trusted_network: bool = False  # transport "ucx": every host that reaches this one is trusted (docs/ucx.md)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class Settings:
                 "testKv": {"enabled": kv.test_kv.enabled, "numTensors": kv.test_kv.num_tensors,
                            "numBlocks": kv.test_kv.num_blocks, "blockBytes": kv.test_kv.block_bytes},
                 "linkSecret": kv.link_secret_source,  # where it came from, never the secret
+                "ucxTrustedNetwork": kv.ucx_trusted_network,
             },
             "warnings": list(self.warnings),
         }
@@ -457,7 +459,7 @@ def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvT
         raise ConfigError("KvTransferConfig.testKv: numTensors * numBlocks * blockBytes must be at most 256 MiB")
     out = KvTransfer(
         backend=kv.str("backend", "cpu", ("cpu", "ascend", "auto")),
-        transport=kv.str("transport", "auto", ("auto", "tcp", "cma")),
+        transport=kv.str("transport", "auto", ("auto", "tcp", "cma", "ucx")),
         device_count=kv.int("deviceCount", 1, 1, 16),
         listen_ip_source=kv.str("listenIpSource", "server_ip", ("server_ip", "device_ip", "host_ip")),
         listen_port_base=kv.int("listenPortBase", 26000, 1024, 65535),
@@ -469,11 +471,16 @@ def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvT
     )
     secret, source = _link_secret(kv.str("linkSecretFile", None), home, env)
     integrity = kv.bool("payloadIntegrity", False)
+    trusted = kv.bool("ucxTrustedNetwork", False)
+    if out.transport == "ucx" and not trusted:
+        raise ConfigError("KvTransferConfig.transport 'ucx' needs ucxTrustedNetwork: true, the statement that every "
+                          "host that can reach this one is trusted (UCX assumes it: docs/ucx.md, 'Trust')")
     if integrity and not secret:
         raise ConfigError("KvTransferConfig.payloadIntegrity needs a link secret (linkSecretFile or env "
                           "PDLINK_LINK_SECRET)")
     kv.done()
-    return replace(out, link_secret=secret, link_secret_source=source, payload_integrity=integrity)
+    return replace(out, link_secret=secret, link_secret_source=source, payload_integrity=integrity,
+                   ucx_trusted_network=trusted)
 
 
 def _model_section(root: _Section, device_count: int) -> ModelInfo:

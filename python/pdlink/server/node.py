@@ -359,6 +359,7 @@ class Node:
                     transport=kv.transport, secret=kv.link_secret,
                     payload_integrity=bool(kv.link_secret) and kv.payload_integrity, backend=kv.backend,
                     device_id=int(dev) if dev.isdigit() else i, hccl_one_sided=False,
+                    ucx_trusted_network=kv.ucx_trusted_network,
                     timeout_ms=kv.sync_kv_timeout_ms, connect_timeout_ms=kv.link_timeout_ms)))
         except BaseException:
             for engine in engines:

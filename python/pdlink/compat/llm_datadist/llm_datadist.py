@@ -53,7 +53,7 @@ _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 
 # pdlink option: how links move bytes. "auto": direct memory access between processes of one host
 # (cross-memory attach) when permitted, else TCP; "tcp" / "cma" force one.
 TRANSPORT_OPTION = "pdlink.Transport"
-_TRANSPORTS = ("auto", "tcp", "cma")  # pdlink.Transport / PDLINK_TRANSPORT values
+_TRANSPORTS = ("auto", "tcp", "cma", "ucx")  # pdlink.Transport / PDLINK_TRANSPORT values
 # pdlink option: a shared secret every linked engine must prove it knows (challenge-response; the
 # secret never crosses the wire). The environment variable PDLINK_LINK_SECRET works the same.
 SECRET_OPTION = "pdlink.LinkSecret"
@@ -71,6 +71,10 @@ _BACKENDS = ("auto", "cpu", "ascend")
 # (HcclBatchGet/Put) when both ends enable it and their runtimes have it; "0" (default):
 # two-sided HcclBatchSendRecv. The environment variable PDLINK_HCCL_ONE_SIDED works the same.
 ONE_SIDED_OPTION = "pdlink.HcclOneSided"
+# pdlink option, with pdlink.Transport = "ucx": "1" states that every process that can reach this
+# one over the network is trusted, which UCX assumes (docs/ucx.md, "Trust"); the ucx transport is
+# refused without it. The environment variable PDLINK_UCX_TRUSTED_NETWORK works the same.
+UCX_TRUST_OPTION = "pdlink.UcxTrustedNetwork"
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
 # pdlink options bounding what peers may make an engine spend (docs/security.md, "Limits"): option ->
 # (environment variable read when it is absent, field of _core.EngineLimits). Unset: the engine's
@@ -100,6 +104,7 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
         cluster_id=cluster_id, role=role, listen=f"{listen_ip}:{listen_port}" if listen_ip else None,
         transport=cfg["transport"], secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
         backend=cfg["backend"], device_id=device_id, hccl_one_sided=cfg["hccl_one_sided"],
+        ucx_trusted_network=cfg["ucx_trusted_network"],
         timeout_ms=cfg["sync_timeout_ms"], limits=Limits(**cfg["limits"]),
         device_pool=MemoryPool(cfg["device_pool_bytes"], cfg["device_page_shift"]),
         host_pool=MemoryPool(*host_pool) if host_pool else None,
@@ -197,6 +202,9 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
     one_sided = options.get(ONE_SIDED_OPTION) or os.environ.get("PDLINK_HCCL_ONE_SIDED") or "0"
     raise_if_false(one_sided in ("0", "1"),
                    f"{ONE_SIDED_OPTION} (or PDLINK_HCCL_ONE_SIDED) must be '0' or '1', got {one_sided!r}")
+    trusted = options.get(UCX_TRUST_OPTION) or os.environ.get("PDLINK_UCX_TRUSTED_NETWORK") or "0"
+    raise_if_false(trusted in ("0", "1"),
+                   f"{UCX_TRUST_OPTION} (or PDLINK_UCX_TRUSTED_NETWORK) must be '0' or '1', got {trusted!r}")
     integrity = options.get(INTEGRITY_OPTION) or os.environ.get("PDLINK_PAYLOAD_INTEGRITY") or "0"
     raise_if_false(integrity in ("0", "1"),
                    f"{INTEGRITY_OPTION} (or PDLINK_PAYLOAD_INTEGRITY) must be '0' or '1', got {integrity!r}")
@@ -204,6 +212,7 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
                    f"{INTEGRITY_OPTION} needs a link secret ({SECRET_OPTION} or PDLINK_LINK_SECRET)")
     return {
         "hccl_one_sided": one_sided == "1",
+        "ucx_trusted_network": trusted == "1",
         "backend": backend,
         "device_id": int(device),
         "cache_manager": options.get("llm.EnableCacheManager") == "1",
@@ -275,6 +284,7 @@ def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
         "payload_integrity": cfg["payload_integrity"],
         "backend": cfg["backend"],
         "hccl_one_sided": cfg["hccl_one_sided"],
+        "ucx_trusted_network": cfg["ucx_trusted_network"],
         "limits": cfg["limits"],
     }
 

@@ -1,0 +1,299 @@
+// The ucx data path (transport/ucx/ucx_path.h).
+#include "transport/ucx/ucx_path.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "core/log.h"
+#include "transport/frames.h"
+
+namespace pdlink {
+namespace ucx {
+namespace {
+
+constexpr unsigned kDataId = 0x7064;  // pdlink's Active Message id: one chunk of a transfer
+
+// The header of every message.
+struct ChunkHeader {
+  uint64_t token;
+  uint64_t chunk;
+};
+
+uint64_t randomToken() {
+  static thread_local std::mt19937_64 gen{std::random_device{}()};
+  uint64_t t = 0;
+  while (t == 0) t = gen();
+  return t;
+}
+
+}  // namespace
+
+std::vector<Segment> chunksOf(const std::vector<Segment>& pieces) {
+  std::vector<Segment> out;
+  for (const Segment& p : pieces) {
+    for (uint64_t at = 0; at < p.length; at += kChunkBytes) out.push_back({p.addr + at, std::min(kChunkBytes, p.length - at)});
+  }
+  return out;
+}
+
+Result<std::shared_ptr<UcxHub>> UcxHub::open() {
+  std::shared_ptr<UcxHub> hub(new UcxHub());
+  Result<std::unique_ptr<UcxWorker>> network = UcxWorker::open(Scope::kNetwork);
+  if (!network.ok()) return network.status();
+  Result<std::unique_ptr<UcxWorker>> local = UcxWorker::open(Scope::kAny);
+  if (!local.ok()) return local.status();
+  hub->network_ = std::move(network.value());
+  hub->local_ = std::move(local.value());
+  UcxHub* raw = hub.get();
+  for (UcxWorker* w : {hub->network_.get(), hub->local_.get()}) {
+    PDLINK_RETURN_IF_ERROR(w->setHandler(kDataId, [raw](AmIncoming& in) { raw->onMessage(in); }));
+  }
+  hub->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (hub->wake_fd_ < 0) return Status(Code::kFailed, "ucx: eventfd failed");
+  hub->progress_ = std::thread([raw] { raw->progressLoop(); });
+  return hub;
+}
+
+UcxHub::~UcxHub() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  if (wake_fd_ >= 0) {
+    uint64_t one = 1;
+    (void)::write(wake_fd_, &one, sizeof(one));
+  }
+  if (progress_.joinable()) progress_.join();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  local_.reset();
+  network_.reset();
+}
+
+void UcxHub::progressLoop() {
+  // Each worker is progressed until it has nothing ready, then armed; the thread sleeps until one
+  // of them (or the stop signal) has an event. Message handlers run here.
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+    }
+    network_->progress();
+    local_->progress();
+    if (!network_->arm() || !local_->arm()) continue;  // events arrived meanwhile
+    pollfd fds[3] = {{network_->eventFd(), POLLIN, 0}, {local_->eventFd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    (void)::poll(fds, 3, 100);
+  }
+}
+
+std::shared_ptr<Expectation> UcxHub::expect(uint64_t* token) {
+  auto e = std::make_shared<Expectation>();
+  std::lock_guard<std::mutex> lock(mu_);
+  do {
+    *token = randomToken();
+  } while (expectations_.count(*token));
+  expectations_[*token] = e;
+  return e;
+}
+
+void UcxHub::forget(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  expectations_.erase(token);
+}
+
+void UcxHub::open(Expectation& e, uint64_t seq, const std::vector<Segment>& pieces) {
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.seq = seq;
+  e.chunks = chunksOf(pieces);
+  e.landed.assign(e.chunks.size(), 0);
+  e.remaining = e.chunks.size();
+  e.open = true;
+}
+
+void UcxHub::close(Expectation& e) {
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.open = false;
+}
+
+Status UcxHub::await(Expectation& e, Deadline deadline, const char* what) {
+  std::unique_lock<std::mutex> lock(e.mu);
+  auto done = [&] { return e.remaining == 0; };
+  if (deadline.isNever()) {
+    e.cv.wait(lock, done);
+  } else {
+    while (!done() && !deadline.expired()) e.cv.wait_for(lock, std::chrono::milliseconds(deadline.remainingMsForPoll()));
+  }
+  const size_t missing = e.remaining;
+  e.open = false;  // under e.mu: no copy runs now, and none starts after this
+  if (missing == 0) return Status::OK();
+  return Status(Code::kTimeout, std::string(what) + ": " + std::to_string(missing) + " of " +
+                                    std::to_string(e.chunks.size()) + " ucx messages had not arrived by the deadline");
+}
+
+void UcxHub::onMessage(AmIncoming& in) {
+  // Every check before the copy; a message that fails one is dropped and lands nowhere.
+  ChunkHeader h{};
+  if (in.header_length != sizeof(h) || in.rendezvous || in.bytes() == nullptr) return;
+  std::memcpy(&h, in.header, sizeof(h));
+  std::shared_ptr<Expectation> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = expectations_.find(h.token);
+    if (it == expectations_.end()) return;
+    e = it->second.lock();
+  }
+  if (!e) return;
+  std::lock_guard<std::mutex> lock(e->mu);  // held through the copy: close() waits for it
+  if (!e->open || h.chunk >= e->chunks.size() || e->landed[h.chunk] || in.length != e->chunks[h.chunk].length) return;
+  std::memcpy(reinterpret_cast<void*>(e->chunks[h.chunk].addr), in.bytes(), in.length);
+  e->landed[h.chunk] = 1;
+  if (--e->remaining == 0) e->cv.notify_all();
+}
+
+namespace {
+
+// Sends `pieces` (local ranges) as chunks stamped with `token` over `ep`.
+Status sendChunks(UcxEndpoint& ep, uint64_t token, const std::vector<Segment>& pieces, Deadline deadline) {
+  std::vector<Segment> chunks = chunksOf(pieces);
+  std::vector<ChunkHeader> headers(chunks.size());
+  std::vector<UcxEndpoint::Message> messages(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    headers[i] = {token, i};
+    messages[i] = {&headers[i], sizeof(ChunkHeader), reinterpret_cast<const void*>(chunks[i].addr), chunks[i].length};
+  }
+  return ep.sendAll(kDataId, messages, kSendWindow, deadline);
+}
+
+// What the serving side keeps per link (Link::serverState).
+struct ServerLink {
+  std::shared_ptr<UcxHub> hub;  // before ep: destroyed after it
+  std::unique_ptr<UcxEndpoint> ep;
+  uint64_t pull_token = 0;  // the requester's, for the bytes of its reads
+  uint64_t push_token = 0;  // ours, for the bytes of its writes
+  std::shared_ptr<Expectation> pushes;
+  ~ServerLink() {
+    if (hub && push_token) hub->forget(push_token);
+  }
+};
+
+}  // namespace
+}  // namespace ucx
+
+// ------------------------------------------------------------------------------ UcxPath
+
+UcxPath::UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host) : hub_(std::move(hub)), same_host_(same_host) {
+  caps_.name = "ucx";
+  caps_.request_flags = wire::kFlagUcx;
+  caps_.cross_host = true;
+  pulls_ = hub_->expect(&pull_token_);
+}
+
+UcxPath::~UcxPath() {
+  ep_.reset();
+  hub_->forget(pull_token_);
+}
+
+Status UcxPath::connect(Link& link, Deadline deadline, const char* what) {
+  ucx::UcxWorker& worker = hub_->worker(same_host_);
+  std::string body = wire::encode(wire::UcxHello{pull_token_, worker.address()});
+  wire::ResponseHeader rh;
+  Status st = request(link, wire::RequestHeader{wire::Op::kUcxConnect, static_cast<uint32_t>(body.size()), 0}, body,
+                      deadline, what, &rh);
+  if (!st.ok()) return st;  // a refusal (the peer has no ucx path) leaves the link as it was
+  std::string payload;
+  st = readAnswer(link.out(), rh.payload_len, wire::kMaxUcxAddressBytes + 8, deadline, &payload, "ucx connect answer");
+  wire::UcxHello theirs;
+  if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &theirs);
+  if (!st.ok()) return failTransfer(link, st, what);
+  Result<std::unique_ptr<ucx::UcxEndpoint>> ep = worker.connect(theirs.address);
+  if (!ep.ok()) return failTransfer(link, ep.status(), what);
+  ep_ = std::move(ep.value());
+  push_token_ = theirs.token;
+  return Status::OK();
+}
+
+Status UcxPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) {
+  // The engine sends DEVICE memory of a device backend down its device paths (or staged over the
+  // stream); what reaches a host path is memory this process can address.
+  if (!p.local_device_runs.empty()) return Status(Code::kFeatureNotEnabled, "the ucx path moves host memory only");
+  if (!ep_) PDLINK_RETURN_IF_ERROR(connect(link, deadline, what));
+  if (ep_->failed()) return failTransfer(link, Status(Code::kLinkFailed, "ucx: the peer's endpoint failed"), what);
+  const std::vector<Segment> local = pieces(p.local_addrs, p.local_tensors, 0, p.local_runs);
+  std::string body = wire::encode(p.remote);
+  wire::ResponseHeader rh;
+  ++seq_;
+  if (!is_push) {
+    ucx::UcxHub::open(*pulls_, seq_, local);
+    Status st = requestAccess(link, body, false, wire::kFlagUcx, deadline, what, &rh);
+    if (st.ok() && rh.payload_len != 0) {
+      st = failTransfer(link, Status(Code::kLinkFailed, "the peer answered a ucx read with a stream payload"), what);
+    }
+    if (!st.ok()) {  // refused (nothing was sent) or the link broke
+      ucx::UcxHub::close(*pulls_);
+      return st;
+    }
+    st = ucx::UcxHub::await(*pulls_, deadline, what);
+    if (!st.ok()) return failTransfer(link, st, what);
+    commitPull(link, p, body, deadline);
+    return Status::OK();
+  }
+  Status st = requestAccess(link, body, true, wire::kFlagUcx, deadline, what, &rh);  // accepted?
+  if (!st.ok()) return st;
+  st = ucx::sendChunks(*ep_, push_token_, local, deadline);
+  if (!st.ok()) return failTransfer(link, st, what);
+  return awaitResponse(link, deadline, what, &rh);  // stored
+}
+
+// ------------------------------------------------------------------------------ UcxServer
+
+Status UcxServer::connect(Link& link, Stream& s, const std::string& body, Deadline deadline) {
+  wire::UcxHello theirs;
+  Status st = wire::decode(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &theirs);
+  if (!st.ok()) return st;  // a malformed frame: the link is dropped
+  if (link.serverState()) return sendResponse(s, Status(Code::kParamInvalid, "ucx is already connected"), deadline);
+  ucx::UcxWorker& worker = hub_->worker(link.sameHost());
+  Result<std::unique_ptr<ucx::UcxEndpoint>> ep = worker.connect(theirs.address);
+  if (!ep.ok()) return sendResponse(s, ep.status(), deadline);
+  auto state = std::make_shared<ucx::ServerLink>();
+  state->hub = hub_;
+  state->ep = std::move(ep.value());
+  state->pull_token = theirs.token;
+  state->pushes = hub_->expect(&state->push_token);
+  link.serverState() = state;
+  return sendAnswer(s, wire::encode(wire::UcxHello{state->push_token, worker.address()}), deadline);
+}
+
+Status UcxServer::serve(ServeCall& call) {
+  auto state = std::static_pointer_cast<ucx::ServerLink>(call.link.serverState());
+  if (!state) return sendResponse(call.stream, Status(Code::kParamInvalid, "ucx is not connected on this link"),
+                                  call.deadline);
+  if (!call.device_runs.empty()) {
+    return sendResponse(call.stream, Status(Code::kFeatureNotEnabled, "some of the addressed ranges are device "
+                                                                      "memory: the stream path moves them"),
+                        call.deadline);
+  }
+  const std::vector<Segment> ranges = pieces(call.addrs, call.tensors, call.base, call.runs);
+  if (call.header.op == wire::Op::kRead) {
+    Status st = ucx::sendChunks(*state->ep, state->pull_token, ranges, call.deadline);
+    if (!st.ok()) return st;  // the endpoint failed or timed out: drop the link
+    return sendResponse(call.stream, Status::OK(), call.deadline);
+  }
+  ucx::UcxHub::open(*state->pushes, 0, ranges);
+  Status st = sendResponse(call.stream, Status::OK(), call.deadline);  // accepted: send the bytes
+  if (!st.ok()) {
+    ucx::UcxHub::close(*state->pushes);
+    return st;
+  }
+  st = ucx::UcxHub::await(*state->pushes, call.deadline, "ucx write");
+  if (!st.ok()) {
+    (void)sendResponse(call.stream, st, call.deadline);
+    return st;  // late bytes may still be on their way: drop the link
+  }
+  return sendResponse(call.stream, Status::OK(), call.deadline);
+}
+
+}  // namespace pdlink

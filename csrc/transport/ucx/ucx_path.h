@@ -1,0 +1,125 @@
+// The ucx data path (docs/ucx.md): host memory moved as UCX Active Messages between two engines'
+// UCX workers, every request checked on pdlink's own control link as on every path.
+//
+//  - UcxHub: one per engine with Transport::kUcx. It owns a network-only worker (for peers not
+//    proven to be on this host) and an any-transport worker (for proven ones), one thread that
+//    progresses both (sleeping on their event fds), and the expectations: for each link and
+//    direction, the pieces the current request may land, under a random 64-bit token.
+//  - UcxPath (requesting side, per link) and UcxServer (serving side, per engine), speaking
+//    wire::Op::kUcxConnect once per link and wire::kFlagUcx reads and writes (transport/wire.h).
+//
+// Every message is one chunk (at most kChunkBytes) of one checked piece, sent whole with its header
+// (UCX's eager protocol; no rendezvous, so no transfer writes into a caller's memory after the call
+// that expected it returned): {token, sequence, chunk}. The receiving side copies it into exactly
+// that chunk's range, once, while the expectation is open; a message with another token or
+// sequence, an unknown or repeated chunk, or the wrong length, is dropped.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/backend.h"
+#include "transport/path.h"
+#include "transport/ucx/ucx_worker.h"
+
+namespace pdlink {
+namespace ucx {
+
+// The bytes of one message, at most.
+constexpr uint64_t kChunkBytes = 256 * 1024;
+// Messages of one transfer in flight at once, at most (kChunkBytes each).
+constexpr size_t kSendWindow = 16;
+
+// The pieces one request may land on this side, by chunk; filled by the progress thread.
+struct Expectation {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;    // guarded by mu
+  uint64_t seq = 0;     // guarded by mu: the request whose messages land now
+  std::vector<Segment> chunks;      // guarded by mu: where chunk i lands
+  std::vector<uint8_t> landed;      // guarded by mu
+  size_t remaining = 0;             // guarded by mu
+};
+
+class UcxHub {
+ public:
+  // Both workers and the progress thread. kFeatureNotEnabled when UCX cannot be loaded or
+  // UCX_TLS allows no network transport (the message says which).
+  static Result<std::shared_ptr<UcxHub>> open();
+  ~UcxHub();
+  UcxHub(const UcxHub&) = delete;
+  UcxHub& operator=(const UcxHub&) = delete;
+
+  // The worker for a link: the any-transport one for a peer the kernel proved to be on this host.
+  UcxWorker& worker(bool same_host) { return same_host ? *local_ : *network_; }
+  // A new expectation under a fresh random token (returned), closed until open().
+  std::shared_ptr<Expectation> expect(uint64_t* token);
+  // Drops an expectation's token: its messages are dropped from now on.
+  void forget(uint64_t token);
+  // Opens `e` for request `seq` and the chunks of `pieces` (local ranges, in the order the sender
+  // walks them); close() after the transfer, whatever its outcome.
+  static void open(Expectation& e, uint64_t seq, const std::vector<Segment>& pieces);
+  // Waits until every chunk landed (OK) or `deadline` (kTimeout), then closes `e`: no byte lands
+  // after this returns.
+  static Status await(Expectation& e, Deadline deadline, const char* what);
+  static void close(Expectation& e);
+
+ private:
+  UcxHub() = default;
+  void onMessage(AmIncoming& in);
+  void progressLoop();
+
+  std::unique_ptr<UcxWorker> network_, local_;
+  std::mutex mu_;
+  std::map<uint64_t, std::weak_ptr<Expectation>> expectations_;  // guarded by mu_
+  int wake_fd_ = -1;
+  bool stop_ = false;  // guarded by mu_
+  std::thread progress_;
+};
+
+// The chunks of `pieces`, in order: what a sender sends and an expectation lands.
+std::vector<Segment> chunksOf(const std::vector<Segment>& pieces);
+
+}  // namespace ucx
+
+// The requesting side on one link.
+class UcxPath : public DataPath {
+ public:
+  UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host);
+  ~UcxPath() override;
+  const PathCaps& caps() const override { return caps_; }
+  Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
+
+ private:
+  // kUcxConnect, once per link: the endpoint to the peer's worker, the peer's token for our pushes.
+  Status connect(Link& link, Deadline deadline, const char* what);
+
+  PathCaps caps_;
+  std::shared_ptr<ucx::UcxHub> hub_;  // before ep_: destroyed after it
+  const bool same_host_;
+  std::unique_ptr<ucx::UcxEndpoint> ep_;  // out mutex
+  uint64_t pull_token_ = 0;               // what the peer stamps the bytes of our reads with
+  std::shared_ptr<ucx::Expectation> pulls_;
+  uint64_t push_token_ = 0;  // the peer's token for the bytes of our writes
+  uint64_t seq_ = 0;         // out mutex: the last request's sequence number
+};
+
+// The serving side, one per engine.
+class UcxServer : public PathServer {
+ public:
+  explicit UcxServer(std::shared_ptr<ucx::UcxHub> hub) : hub_(std::move(hub)) {}
+  Status serve(ServeCall& call) override;
+  // Answers kUcxConnect (`body`: the requester's UcxHello) on `link`'s serving thread.
+  Status connect(Link& link, Stream& s, const std::string& body, Deadline deadline);
+
+ private:
+  std::shared_ptr<ucx::UcxHub> hub_;
+};
+
+}  // namespace pdlink
