@@ -17,9 +17,10 @@
 //     (B drops the emulated put) and fails by its deadline;
 //   - why the ucx transport needs ucx_trusted_network: in a child process, endpoints to worker
 //     addresses of random bytes (what a hostile peer could send): UCX aborts the process;
-//   - B's worker destroyed: A's next send fails (kLinkFailed or kTimeout) by its deadline;
-//   - with shared memory alone (UCX_TLS=sm): a network worker cannot be made, and an endpoint is
-//     refused with a message naming the fix (UCX cannot report a dead peer over shared memory).
+//   - B's worker destroyed: A's next send returns by its deadline; on a network worker's endpoint
+//     (which asks UCX to report a peer's death) it fails, kLinkFailed or kTimeout;
+//   - with shared memory alone (UCX_TLS=sm): a network worker cannot be made; the any-transport
+//     worker moves the same messages.
 // Exit status 0 when every check passed, 1 otherwise (the failures are printed).
 #include <poll.h>
 #include <sys/wait.h>
@@ -244,13 +245,6 @@ void testMoves(const UcpApi* api, Scope scope) {
   }
   std::printf("  %s: UCX_TLS=%s, address %zu bytes\n", name.c_str(), a.value()->transports().c_str(),
               a.value()->address().size());
-  if (!transportsFor(Scope::kNetwork, tls).ok()) {
-    // shared memory only: UCX cannot report a dead peer over it, and refuses the endpoint
-    auto ep = a.value()->connect(b.value()->address());
-    check(!ep.ok() && ep.status().message().find("tcp") != std::string::npos,
-          name + ": an endpoint over shared memory alone is refused, naming the fix");
-    return;
-  }
   Guarded source(1), sink(2);
   std::mutex mu;
   int received = 0, refused = 0, rendezvous = 0;
@@ -330,8 +324,14 @@ void testMoves(const UcpApi* api, Scope scope) {
       st = ep.value()->send(kPlaceId, &header, sizeof(header), small.data(), small.size(), Deadline::afterMs(2000));
     }
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    check(st.code() == Code::kLinkFailed || st.code() == Code::kTimeout,
-          name + ": a send to a destroyed worker: expected LINK_FAILED or TIMEOUT, got " + st.message());
+    if (scope == Scope::kNetwork) {  // endpoints that ask UCX to report a peer's death
+      check(st.code() == Code::kLinkFailed || st.code() == Code::kTimeout,
+            name + ": a send to a destroyed worker: expected LINK_FAILED or TIMEOUT, got " + st.message());
+    } else {
+      // Same-host endpoints do not ask (shared memory cannot tell): a small send may complete into
+      // the dead peer's queue. pdlink's control link is what reports the peer's death there.
+      std::printf("  %s: a send to a destroyed worker: %s\n", name.c_str(), st.ok() ? "completed" : st.message().c_str());
+    }
     check(s < 10.0, name + ": a send to a destroyed worker returned after " + std::to_string(s) + " s");
   }
 }

@@ -3,7 +3,8 @@
 //     unknown-op or unknown-flag frame, a count past its limit or past the bytes that are there,
 //     and an answer of the wrong size are refused with kLinkFailed, before anything is allocated
 //     for them;
-//     (notification bodies too: NUL bytes kept, each field at and one past its limit);
+//     (notification bodies too: NUL bytes kept, each field at and one past its limit; the ucx flag
+//     only alone, and a ucx hello's token and address, at and one past the address limit);
 //   - the registry (engine/registry.h): ids, key binding that changes nothing when refused,
 //     resolve of every target kind against its bounds with the exact code, the write check, raw
 //     addresses inside one tensor only, describe and its generation, unregister, and the reference
@@ -110,6 +111,35 @@ void notifyBodyCases() {
   f = wire::encode(wire::NotifyBody{"abc", ""});
   f[0] = 4;  // a name longer than the bytes that follow
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "notify body: a count past the bytes");
+}
+
+void ucxCases() {
+  // kFlagUcx only alone
+  wire::RequestHeader h{wire::Op::kRead, 10, 0, wire::kFlagUcx};
+  std::string f = wire::encode(h);
+  wire::RequestHeader got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: ucx alone");
+  for (uint8_t other : {wire::kFlagDirect, wire::kFlagDevice, wire::kFlagOneSided}) {
+    f = wire::encode(wire::RequestHeader{wire::Op::kRead, 10, 0, static_cast<uint8_t>(wire::kFlagUcx | other)});
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
+              "request header: ucx with flag " + std::to_string(other));
+  }
+  // a UcxHello: a token and 1 .. kMaxUcxAddressBytes bytes of address
+  wire::UcxHello hello{0x1122334455667788ull, std::string("\0addr\xff", 6)};
+  f = wire::encode(hello);
+  wire::UcxHello out;
+  checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "ucx hello: round trip");
+  check(out.token == hello.token && out.address == hello.address, "ucx hello: fields round-trip (bytes, NUL included)");
+  for (size_t n = 0; n <= 8; ++n) {  // no token, or no address
+    if (wire::decode(bytes(f), n, &out).code() != Code::kLinkFailed) {
+      check(false, "ucx hello: " + std::to_string(n) + " bytes are refused");
+      break;
+    }
+  }
+  f = wire::encode(wire::UcxHello{1, std::string(wire::kMaxUcxAddressBytes, 'a')});
+  checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "ucx hello: the longest address");
+  f = wire::encode(wire::UcxHello{1, std::string(wire::kMaxUcxAddressBytes + 1, 'a')});
+  checkCode(wire::decode(bytes(f), f.size(), &out), Code::kLinkFailed, "ucx hello: an address one past the limit");
 }
 
 wire::TransferBody body(wire::TargetKind kind, std::vector<uint32_t> tensors, std::vector<wire::Run> runs) {
@@ -541,6 +571,7 @@ int main() {
   responseHeaderCases();
   transferBodyCases();
   notifyBodyCases();
+  ucxCases();
   descriptorAndAnswerCases();
   registryCases();
   poolLifetimeCases();

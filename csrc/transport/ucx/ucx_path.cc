@@ -105,9 +105,8 @@ void UcxHub::forget(uint64_t token) {
   expectations_.erase(token);
 }
 
-void UcxHub::open(Expectation& e, uint64_t seq, const std::vector<Segment>& pieces) {
+void UcxHub::open(Expectation& e, const std::vector<Segment>& pieces) {
   std::lock_guard<std::mutex> lock(e.mu);
-  e.seq = seq;
   e.chunks = chunksOf(pieces);
   e.landed.assign(e.chunks.size(), 0);
   e.remaining = e.chunks.size();
@@ -225,9 +224,8 @@ Status UcxPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   const std::vector<Segment> local = pieces(p.local_addrs, p.local_tensors, 0, p.local_runs);
   std::string body = wire::encode(p.remote);
   wire::ResponseHeader rh;
-  ++seq_;
   if (!is_push) {
-    ucx::UcxHub::open(*pulls_, seq_, local);
+    ucx::UcxHub::open(*pulls_, local);
     Status st = requestAccess(link, body, false, wire::kFlagUcx, deadline, what, &rh);
     if (st.ok() && rh.payload_len != 0) {
       st = failTransfer(link, Status(Code::kLinkFailed, "the peer answered a ucx read with a stream payload"), what);
@@ -282,7 +280,7 @@ Status UcxServer::serve(ServeCall& call) {
     if (!st.ok()) return st;  // the endpoint failed or timed out: drop the link
     return sendResponse(call.stream, Status::OK(), call.deadline);
   }
-  ucx::UcxHub::open(*state->pushes, 0, ranges);
+  ucx::UcxHub::open(*state->pushes, ranges);
   Status st = sendResponse(call.stream, Status::OK(), call.deadline);  // accepted: send the bytes
   if (!st.ok()) {
     ucx::UcxHub::close(*state->pushes);

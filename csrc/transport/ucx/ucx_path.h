@@ -10,9 +10,9 @@
 //
 // Every message is one chunk (at most kChunkBytes) of one checked piece, sent whole with its header
 // (UCX's eager protocol; no rendezvous, so no transfer writes into a caller's memory after the call
-// that expected it returned): {token, sequence, chunk}. The receiving side copies it into exactly
-// that chunk's range, once, while the expectation is open; a message with another token or
-// sequence, an unknown or repeated chunk, or the wrong length, is dropped.
+// that expected it returned): {token, chunk}. The receiving side copies it into exactly that
+// chunk's range, once, while the expectation is open; a message with another token, an unknown or
+// repeated chunk, or the wrong length, is dropped.
 #pragma once
 
 #include <condition_variable>
@@ -41,7 +41,6 @@ struct Expectation {
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;    // guarded by mu
-  uint64_t seq = 0;     // guarded by mu: the request whose messages land now
   std::vector<Segment> chunks;      // guarded by mu: where chunk i lands
   std::vector<uint8_t> landed;      // guarded by mu
   size_t remaining = 0;             // guarded by mu
@@ -62,11 +61,14 @@ class UcxHub {
   std::shared_ptr<Expectation> expect(uint64_t* token);
   // Drops an expectation's token: its messages are dropped from now on.
   void forget(uint64_t token);
-  // Opens `e` for request `seq` and the chunks of `pieces` (local ranges, in the order the sender
-  // walks them); close() after the transfer, whatever its outcome.
-  static void open(Expectation& e, uint64_t seq, const std::vector<Segment>& pieces);
+  // Opens `e` for the chunks of `pieces` (local ranges, in the order the sender walks them);
+  // await() or close() after the transfer, whatever its outcome. One transfer at a time per
+  // expectation: a link's transfers are serialised, and any that fails drops the link, so no
+  // message of an earlier transfer is still on its way when the next one opens.
+  static void open(Expectation& e, const std::vector<Segment>& pieces);
   // Waits until every chunk landed (OK) or `deadline` (kTimeout), then closes `e`: no byte lands
-  // after this returns.
+  // after this returns. The progress thread lands the chunks (a second thread progressing the same
+  // worker only contends for UCX's lock: measured slower on 2 cores).
   static Status await(Expectation& e, Deadline deadline, const char* what);
   static void close(Expectation& e);
 
@@ -107,7 +109,6 @@ class UcxPath : public DataPath {
   uint64_t pull_token_ = 0;               // what the peer stamps the bytes of our reads with
   std::shared_ptr<ucx::Expectation> pulls_;
   uint64_t push_token_ = 0;  // the peer's token for the bytes of our writes
-  uint64_t seq_ = 0;         // out mutex: the last request's sequence number
 };
 
 // The serving side, one per engine.

@@ -115,16 +115,19 @@ Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_
   EpParams params;
   params.field_mask = kEpParamFieldRemoteAddress | kEpParamFieldErrHandlingMode | kEpParamFieldErrHandler;
   params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
-  params.err_mode = kErrHandlingModePeer;
-  params.err_handler.cb = &UcxEndpoint::onError;
-  params.err_handler.arg = ep.get();
-  ucs_status_t st = api_->ucp_ep_create(worker_, &params, &ep->ep_);
-  if (st != kOk) {
-    // UCX refuses an endpoint whose lanes cannot report a peer's death (its shared-memory
-    // transports alone cannot; tcp beside them can).
-    return toStatus(st, "ucx: connecting to the peer's worker (UCX_TLS=" + transports_ +
-                            "; UCX needs a transport that reports peer failures, tcp say, beside shared memory)");
+  if (scope_ == Scope::kAny) {
+    // A peer the kernel proved to be on this host: UCX's shared-memory transports cannot report
+    // its death (an endpoint that asks for that gets none of them), so this one does not ask.
+    // pdlink notices a dead same-host peer itself: its control link closes, and every wait on
+    // this endpoint is bounded by the transfer's deadline.
+    params.field_mask = kEpParamFieldRemoteAddress;
+  } else {
+    params.err_mode = kErrHandlingModePeer;
+    params.err_handler.cb = &UcxEndpoint::onError;
+    params.err_handler.arg = ep.get();
   }
+  ucs_status_t st = api_->ucp_ep_create(worker_, &params, &ep->ep_);
+  if (st != kOk) return toStatus(st, "ucx: connecting to the peer's worker (UCX_TLS=" + transports_ + ")");
   return ep;
 }
 

@@ -66,8 +66,11 @@ struct AmIncoming {
   bool taken_ = false;
 };
 
-// An endpoint to a peer's worker, UCP_ERR_HANDLING_MODE_PEER (a dead peer fails its requests).
-// Closed by force when destroyed. Must not outlive its worker.
+// An endpoint to a peer's worker. On a network worker it asks UCX to report the peer's death
+// (UCP_ERR_HANDLING_MODE_PEER: a dead peer fails its requests); on the any-transport worker, whose
+// peers are on this host, it does not (UCX's shared-memory transports cannot tell, and an endpoint
+// that asks gets none of them): a send there may complete into a dead peer's queue. Closed by
+// force when destroyed. Must not outlive its worker.
 class UcxEndpoint {
  public:
   ~UcxEndpoint();
