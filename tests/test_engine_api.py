@@ -587,6 +587,21 @@ def test_the_ucx_transport_needs_the_trusted_network_statement(monkeypatch: pyte
     assert f"PDLINK_UCX_LIB_DIR={tmp_path} has no libucp.so.0" in str(e.value)
 
 
+def test_llm_datadist_takes_the_ucx_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pdlink.Transport=ucx and pdlink.UcxTrustedNetwork (or PDLINK_UCX_TRUSTED_NETWORK) reach the
+    engine's settings; a value other than '0' or '1' is LLM_PARAM_INVALID."""
+    monkeypatch.delenv("PDLINK_UCX_TRUSTED_NETWORK", raising=False)
+    cfg = internals.parse_engine_options({"pdlink.Transport": "ucx"})
+    assert (cfg["transport"], cfg["ucx_trusted_network"]) == ("ucx", False)
+    assert internals.parse_engine_options({"pdlink.UcxTrustedNetwork": "1"})["ucx_trusted_network"] is True
+    monkeypatch.setenv("PDLINK_UCX_TRUSTED_NETWORK", "1")
+    assert internals.parse_engine_options({})["ucx_trusted_network"] is True
+    with pytest.raises(LLMException) as e:
+        internals.parse_engine_options({"pdlink.UcxTrustedNetwork": "yes"})
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert "pdlink.UcxTrustedNetwork (or PDLINK_UCX_TRUSTED_NETWORK) must be '0' or '1'" in str(e.value)
+
+
 def test_connect_to_nothing_is_a_connection_error(peers: Callable[..., Peer], variant: Variant) -> None:
     lone = peers("lone", env=variant.env())
     lone.call(native.start, INITIATOR)
