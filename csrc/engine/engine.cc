@@ -72,6 +72,12 @@ Status Engine::initialize(const EngineConfig& config) {
                   "'Trust'). Where only trusted hosts reach this one, set ucx_trusted_network "
                   "(PDLINK_UCX_TRUSTED_NETWORK=1, pdlink.UcxTrustedNetwork=1)");
   }
+  std::shared_ptr<ucx::UcxHub> hub;  // first: nothing else to undo when UCX cannot be had
+  if (config.transport == Transport::kUcx) {
+    auto opened = ucx::UcxHub::open();
+    if (!opened.ok()) return opened.status();
+    hub = opened.value();
+  }
   config_ = config;
   links_.setOneWay(config.one_way_links);
   if (config.device_pool.bytes > 0) {
@@ -96,17 +102,6 @@ Status Engine::initialize(const EngineConfig& config) {
     }
     listener_ = std::move(l.value());
   }
-  if (config.transport == Transport::kUcx) {
-    auto hub = ucx::UcxHub::open();
-    if (!hub.ok()) {
-      device_pool_.reset();
-      host_pool_.reset();
-      listener_.reset();
-      return hub.status();
-    }
-    ucx_hub_ = hub.value();
-    ucx_server_ = std::make_unique<UcxServer>(ucx_hub_);
-  }
   hint_ = localHint();
   if (config.transport != Transport::kTcp) {
     std::string name;
@@ -117,6 +112,10 @@ Status Engine::initialize(const EngineConfig& config) {
     } else {
       PDLINK_LOG(kWarn, "no same-host socket (" << u.status().message() << "); links to this engine use tcp");
     }
+  }
+  if (hub) {
+    ucx_hub_ = std::move(hub);
+    ucx_server_ = std::make_unique<UcxServer>(ucx_hub_);
   }
   role_ = config.role;
   stopping_ = false;

@@ -169,8 +169,8 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
 std::string encode(const UcxHello& h) {
   Writer w;
   w.put(h.token);
-  std::string out = w.take();
-  return out + h.address;
+  w.bytes(h.address);
+  return w.take();
 }
 
 Status decode(const uint8_t* p, size_t n, UcxHello* out) {
