@@ -34,7 +34,7 @@ def test_enums_are_read_by_name_from_the_native_module() -> None:
     assert role_of("decoder") is core.Role.DECODER
     assert transport_of("cma") is core.Transport.CMA
     assert placement_of(Placement.HOST) is core.Placement.HOST
-    with pytest.raises(ValueError, match=r"unknown transport 'udp'; one of \['auto', 'cma', 'tcp'\]"):
+    with pytest.raises(ValueError, match=r"unknown transport 'udp'; one of \['auto', 'cma', 'tcp', 'ucx'\]"):
         transport_of("udp")
 
 
