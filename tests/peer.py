@@ -20,9 +20,16 @@ own globals (``tests/peers/kv.py`` keeps one engine per process).
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import multiprocessing.spawn
 import os
+import shutil
 import signal
+import stat
+import subprocess
+import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -33,6 +40,37 @@ _CTX = mp.get_context("spawn")
 DEFAULT_CALL_TIMEOUT = 30.0
 
 R = TypeVar("R")
+
+
+_SPAWN_LOCK = threading.Lock()  # guards multiprocessing's process-wide spawn executable
+_NAMESPACE_WRAPPER: list[str] = []  # the wrapper script, once written
+
+
+def pid_namespace_error() -> str | None:
+    """Why a peer cannot run in a pid namespace of its own here (``Peer(pid_namespace=True)``);
+    None when it can."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) (util-linux)"
+    try:
+        run = subprocess.run(["unshare", "--pid", "--kill-child", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare: {e}"
+    return None if run.returncode == 0 else f"unshare --pid: {run.stderr.decode(errors='replace').strip()}"
+
+
+def _namespace_wrapper() -> str:
+    """An executable that runs the spawn interpreter as the first process of a new pid namespace
+    (``unshare --kill-child``: killing the wrapper kills the peer)."""
+    if not _NAMESPACE_WRAPPER:
+        python = os.fsdecode(multiprocessing.spawn.get_executable())
+        folder = tempfile.mkdtemp(prefix="pdlink-peer-")
+        atexit.register(shutil.rmtree, folder, True)
+        path = os.path.join(folder, "python-in-pid-namespace")
+        with open(path, "w") as f:
+            f.write(f'#!/bin/sh\nexec unshare --pid --kill-child -- "{python}" "$@"\n')
+        os.chmod(path, stat.S_IRWXU)
+        _NAMESPACE_WRAPPER.append(path)
+    return _NAMESPACE_WRAPPER[0]
 
 
 class RemoteTraceback(Exception):
@@ -82,9 +120,12 @@ def _main(conn: Any) -> None:
 class Peer:
     """One peer process; ``close()`` (or the ``peers`` fixture's teardown) kills it."""
 
-    def __init__(self, name: str = "peer", env: Mapping[str, str | None] | None = None):
+    def __init__(self, name: str = "peer", env: Mapping[str, str | None] | None = None, pid_namespace: bool = False):
         """``env``: variables the peer gets on top of this process's environment; a value of None
-        leaves that variable out of the peer's environment."""
+        leaves that variable out of the peer's environment. ``pid_namespace``: the peer runs in a
+        pid namespace of its own (needs ``pid_namespace_error() is None``): the kernel cannot
+        name its processes to ours and back, so pdlink links to it as to another host, over TCP.
+        ``pid`` is then that of the wrapper, whose death kills the peer."""
         self.name = name
         parent, child = _CTX.Pipe()
         self._conn = parent
@@ -98,7 +139,14 @@ class Peer:
                 os.environ[k] = v
         try:
             self.proc = _CTX.Process(target=_main, args=(child,), name=name, daemon=True)
-            self.proc.start()
+            with _SPAWN_LOCK:
+                spawn_exe = multiprocessing.spawn.get_executable()
+                if pid_namespace:
+                    multiprocessing.spawn.set_executable(_namespace_wrapper())
+                try:
+                    self.proc.start()
+                finally:
+                    multiprocessing.spawn.set_executable(spawn_exe)
         finally:
             for k, old in saved.items():
                 if old is None:

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 import internals
+import native_pair
 from backend_env import Variant
 from conftest import only
+from native_pair import INITIATOR, ROW, ROWS, TARGET, copies
 from pdlink import (
     InvalidArgument,
     LinkError,
@@ -29,43 +31,24 @@ from peers import fake_ascend, native
 from poll import hang_guard, wait_until
 from verify import Copy, Snapshot, assert_same, check_transfer, differences, nothing, rows
 
-TARGET, INITIATOR = 1, 2
-ROWS, ROW = 8, 256  # every region: 8 blocks of 256 bytes
 TIMEOUT_MS = 3000  # both engines' transfer timeout (tests/peers/native.py start)
 LIMITS = internals.core.LIMITS
 
 
-class Two:
-    """A listening target engine and an initiator engine (peers running tests/peers/native.py), the
-    target with region "src" (filled, published under key 7) and "sink" (zeros), the initiator
-    with "dst" (filled with another pattern), linked."""
+class Two(native_pair.Two):
+    """native_pair.Two, both engines with the matrix cell's environment; the link is checked to
+    take the cell's host path."""
 
     def __init__(self, peers: Callable[..., Peer], variant: Variant):
+        super().__init__(peers, variant.env(), variant.env())
         self.variant = variant
-        self.target = peers("target", env=variant.env())
-        self.initiator = peers("initiator", env=variant.env())
-        port = self.target.call(native.start, TARGET, listen=True)
-        self.src = self.target.call(native.register, "src", ROWS, ROW, seed=1, key=7)
-        self.sink = self.target.call(native.register, "sink", ROWS, ROW, seed=None)
-        self.initiator.call(native.start, INITIATOR)
-        self.initiator.call(native.register, "dst", ROWS, ROW, seed=2)
-        assert self.initiator.call(native.connect, port, TARGET) == TARGET
-        (link,) = self.initiator.call(native.links)
+        link = self.link(self.initiator)
         assert (link.peer_cluster_id, link.transport, link.initiator) == (TARGET, variant.link_transport, True)
-
-    def read(self, name: str) -> Callable[[], Snapshot]:
-        side = self.initiator if name == "dst" else self.target
-        return lambda: side.call(native.snapshot, name)
 
 
 @pytest.fixture
 def two(peers: Callable[..., Peer], variant: Variant) -> Iterator[Two]:
     yield Two(peers, variant)
-
-
-def copies(pairs: list[tuple[int, int, int]]) -> Callable[[Snapshot, Snapshot], Snapshot]:
-    """``expect`` for byte ranges (src offset, dst offset, length) of the one tensor of a region."""
-    return lambda dst0, src0: dst0.with_bytes(src0, [Copy(0, s, 0, d, n) for s, d, n in pairs])
 
 
 def test_descriptor_lists_read_and_write_exact_bytes(two: Two) -> None:
@@ -79,6 +62,26 @@ def test_descriptor_lists_read_and_write_exact_bytes(two: Two) -> None:
     check_transfer(two.read("dst"), two.read("sink"), lambda: two.initiator.call(
         native.descriptors, TARGET, "dst", [(s, n) for s, _, n in back], [(two.sink + d, n) for _, d, n in back],
         "write"), copies(back))
+
+
+def test_links_name_the_lanes_beneath_the_host_path(two: Two) -> None:
+    """``LinkInfo.lanes``: on the ucx path, UCX's lanes once a transfer connected it (tcp alone
+    under UCX_TLS=tcp; shared memory between these proven same-host peers under sm,tcp), and none
+    on the target's side, which has not requested anything; none on every other path."""
+    descs = [(64, 0, 200)]
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.descriptors, TARGET, "dst", [(d, n) for _, d, n in descs], [(two.src + s, n) for s, _, n in descs],
+        "read"), copies(descs))
+    (mine,) = two.initiator.call(native.links)
+    (theirs,) = two.target.call(native.links)
+    families = {lane.split("/")[0].split("_")[0] for lane in mine.lanes}
+    if two.variant.kind == "ucx":
+        assert mine.lanes and families == {"tcp"}, mine.lanes
+    elif two.variant.kind == "ucx-sm":
+        assert families & {"posix", "sysv", "cma", "knem", "xpmem"}, mine.lanes
+    else:
+        assert mine.lanes == ()
+    assert theirs.lanes == ()
 
 
 @pytest.mark.parametrize("by", ["key", "address"])

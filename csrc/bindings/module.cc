@@ -16,6 +16,7 @@
 #include "core/limits.h"
 #include "transport/cma/cma.h"
 #include "transport/ucx/ucp_api.h"
+#include "transport/ucx/ucx_worker.h"
 #include "transport/wire.h"
 
 namespace py = pybind11;
@@ -405,6 +406,20 @@ PYBIND11_MODULE(_core, m) {
     d["version"] = api.ok() ? api.value()->version : std::string();
     return d;
   });
+  m.def("ucx_network_probe", [] {
+    // A network worker of its own (what an engine's would be, under this environment's UCX_*).
+    Result<std::vector<std::string>> lanes = Status(Code::kFailed, "not probed");
+    {
+      py::gil_scoped_release unlocked;
+      Result<std::unique_ptr<ucx::UcxWorker>> worker = ucx::UcxWorker::open(ucx::Scope::kNetwork);
+      lanes = worker.ok() ? worker.value()->lanesToSelf() : Result<std::vector<std::string>>(worker.status());
+    }
+    py::dict d;
+    d["error"] = lanes.ok() ? std::string() : lanes.status().message();
+    d["lanes"] = lanes.ok() ? lanes.value() : std::vector<std::string>{};
+    d["auto_between_hosts"] = lanes.ok() && ucx::autoPicksUcx(lanes.value());
+    return d;
+  });
   m.def("_map_vendor_code", [](const std::string& lib, int rc) {
     return static_cast<uint32_t>(
         ascend::mapVendorCode(lib == "acl" ? ascend::Vendor::kAcl : ascend::Vendor::kHccl, rc));
@@ -590,6 +605,7 @@ PYBIND11_MODULE(_core, m) {
                d["authenticated"] = l.authenticated;
                d["payload_integrity"] = l.payload_integrity;
                d["device_paths"] = l.device_paths;
+               d["lanes"] = l.lanes;
                out.append(d);
              }
              return out;

@@ -77,6 +77,14 @@ Status Engine::initialize(const EngineConfig& config) {
     auto opened = ucx::UcxHub::open();
     if (!opened.ok()) return opened.status();
     hub = opened.value();
+  } else if (config.transport == Transport::kAuto && config.ucx_trusted_network) {
+    // auto may pick ucx between hosts (choosePaths); without UCX it keeps the stream.
+    auto opened = ucx::UcxHub::open();
+    if (opened.ok()) {
+      hub = opened.value();
+    } else {
+      PDLINK_LOG(kInfo, "no ucx path (" << opened.status().message() << "); links between hosts use tcp");
+    }
   }
   config_ = config;
   links_.setOneWay(config.one_way_links);

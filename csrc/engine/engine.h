@@ -53,7 +53,9 @@ class UcxServer;
 enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
 
 // How a link moves bytes. kAuto: direct memory access (cross-memory attach) when both ends are on
-// one host and the kernel permits it, else TCP. kTcp / kCma force one (kCma fails the link when
+// one host and the kernel permits it; else, with ucx_trusted_network and a UCX whose network
+// transports include an RDMA one (UcxHub::autoBetweenHosts), the ucx path, falling back to TCP
+// for a peer that serves no ucx; else TCP. kTcp / kCma force one (kCma fails the link when
 // it is not possible). DEVICE memory of a backend with device transport moves by IPC between
 // processes of one host (unless kTcp), else over the link's device channel (HCCL). kUcx: host
 // memory as UCX Active Messages (transport/ucx/ucx_path.h; UCX loaded at run time, initialize fails
@@ -93,10 +95,10 @@ struct EngineConfig {
   PoolConfig device_pool;
   PoolConfig host_pool;
   Transport transport = Transport::kAuto;
-  // Transport::kUcx only: the operator states that every process that can reach this one over the
-  // network is trusted. UCX assumes so (a malformed connection message aborts the process, and
-  // UCX's workers accept connections from anyone: docs/ucx.md, "Trust"); initialize refuses kUcx
-  // without it (kFeatureNotEnabled).
+  // The operator states that every process that can reach this one over the network is trusted.
+  // UCX assumes so (a malformed connection message aborts the process, and UCX's workers accept
+  // connections from anyone: docs/ucx.md, "Trust"): initialize refuses kUcx without it
+  // (kFeatureNotEnabled), and kAuto considers ucx only with it.
   bool ucx_trusted_network = false;
   // When non-empty, both ends of every link must prove they know it (challenge-response in the
   // handshake, transport/wire.h); a peer that cannot is refused before it can reach any memory, and
@@ -413,7 +415,7 @@ class Engine {
   // The data paths (transport/path.h): the serving side of each, and the requesting side of the
   // device paths (a link's host path is its own object, Link::hostPath).
   std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
-  // Transport::kUcx: the engine's UCX workers (shared with its links' paths, which may outlive
+  // Transport::kUcx, or kAuto with ucx_trusted_network where UCX loads: the engine's UCX workers (shared with its links' paths, which may outlive
   // finalize) and the ucx path's server; set by initialize, dropped by finalize.
   std::shared_ptr<ucx::UcxHub> ucx_hub_;
   std::unique_ptr<UcxServer> ucx_server_;

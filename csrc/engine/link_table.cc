@@ -8,7 +8,7 @@ namespace {
 LinkInfo infoOf(const Link& l) {
   return LinkInfo{l.peer(),          l.peerAddress(),   l.initiator(),        l.broken(),
                   l.brokenReason(), l.transport(),     l.authenticated(),    l.payloadIntegrity(),
-                  l.devicePathNames()};
+                  l.devicePathNames(), l.lanes()};
 }
 }  // namespace
 

@@ -4,7 +4,10 @@
 // Needs libucp (PDLINK_UCX_LIB_DIR, the loader path). Without it the program prints why and exits
 // 0, unless PDLINK_REQUIRE_UCX=1 (CI's ucx job), where that is a failure.
 // Checks:
-//   - transportsFor: what a network-only worker may use, for each form of UCX_TLS;
+//   - transportsFor: what a network-only worker may use, for each form of UCX_TLS; the rule by
+//     which `auto` picks ucx between hosts (autoFamilies, anyLaneOf);
+//   - the lanes an endpoint reports (UcxEndpoint::lanes): never shared memory on a network
+//     worker, shared memory on an any-transport one under sm,tcp;
 //   - per scope (network-only, any transport): two workers, A and B, B's progressed from a thread
 //     that sleeps on its event fd as a serving side does. A sends Active Messages whose header
 //     names an offset in B's guarded buffer; B's handler receives each into that range. A small
@@ -97,6 +100,33 @@ void testTransportsFor() {
   is(transportsFor(Scope::kNetwork, "^sm"), "^sm,self", "an exclusion naming sm");
   is(transportsFor(Scope::kAny, "sm,tcp"), "sm,tcp", "any scope keeps it");
   checkCode(transportsFor(Scope::kNetwork, "sm,self").status(), Code::kFeatureNotEnabled, "only local transports");
+}
+
+void testAutoChoice() {
+  check(transportFamily("rc_mlx5/mlx5_0:1") == "rc" && transportFamily("tcp/eth0") == "tcp" &&
+            transportFamily("dc") == "dc",
+        "transportFamily");
+  check(autoFamilies(nullptr) == std::vector<std::string>{"rc", "dc", "ud", "srd"}, "autoFamilies: the RDMA default");
+  check(autoFamilies("tcp,rc_x") == std::vector<std::string>{"tcp", "rc"}, "autoFamilies: a list");
+  check(autoFamilies("").empty(), "autoFamilies: empty names none");
+  check(anyLaneOf({"tcp/eth0", "rc_mlx5/mlx5_0:1"}, autoFamilies(nullptr)), "anyLaneOf: an rc lane");
+  check(!anyLaneOf({"tcp/eth0", "tcp/lo"}, autoFamilies(nullptr)), "anyLaneOf: tcp alone is not RDMA");
+  check(!anyLaneOf({}, autoFamilies(nullptr)), "anyLaneOf: no lanes");
+}
+
+// The lanes UCX reports for an endpoint between two workers of this process: a network worker's
+// are never shared memory; with UCX_TLS=tcp they are all tcp; an any-transport worker under
+// sm,tcp moves through shared memory (some lane of posix, sysv, cma, knem or xpmem).
+void checkLanes(const std::vector<std::string>& lanes, Scope scope, const char* tls, const std::string& name) {
+  std::string all;
+  for (const std::string& l : lanes) all += l + " ";
+  std::printf("  %s: lanes %s\n", name.c_str(), all.c_str());
+  check(!lanes.empty(), name + ": the endpoint names its lanes");
+  const std::vector<std::string> shm = {"posix", "sysv", "cma", "knem", "xpmem", "self"};
+  if (scope == Scope::kNetwork) check(!anyLaneOf(lanes, shm), name + ": no shared-memory lane: " + all);
+  const std::string setting = tls ? tls : "";
+  if (setting == "tcp") check(anyLaneOf(lanes, {"tcp"}) && !anyLaneOf(lanes, shm), name + ": tcp lanes: " + all);
+  if (setting == "sm,tcp" && scope == Scope::kAny) check(anyLaneOf(lanes, shm), name + ": a shared-memory lane: " + all);
 }
 
 // Progresses `w` whenever its event fd says so, until `stop`.
@@ -279,6 +309,7 @@ void testMoves(const UcpApi* api, Scope scope) {
   std::thread server(serveLoop, b.value().get(), &stop);
   auto ep = a.value()->connect(b.value()->address());
   check(ep.ok(), name + ": connect: " + (ep.ok() ? "" : ep.status().message()));
+  if (ep.ok()) checkLanes(ep.value()->lanes(), scope, tls, name);
   if (ep.ok()) {
     // a small, a page-sized and a large piece, out of order, none aligned
     std::vector<Piece> pieces = {{100, 9000, 77}, {40000, 5, 4096}, {3, 2000001, 1 << 20}};
@@ -369,6 +400,7 @@ bool garbageAddressKillsTheProcess() {
 
 int main() {
   testTransportsFor();
+  testAutoChoice();
   Result<const UcpApi*> api = load();
   if (!api.ok()) {
     const char* require = std::getenv("PDLINK_REQUIRE_UCX");

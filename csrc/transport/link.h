@@ -44,6 +44,7 @@ struct LinkInfo {
   bool authenticated = false;      // every frame is sealed under a session key (a link secret)
   bool payload_integrity = false;  // and so is every payload
   std::vector<std::string> device_paths;  // the paths of this side's DEVICE-memory requests, in the order tried
+  std::vector<std::string> lanes;  // what the host path moves bytes over (ucx: "tcp/lo", ...)
 };
 
 class Link {
@@ -83,8 +84,10 @@ class Link {
   void dropDevicePath(const DataPath* path);  // requires outMutex()
   // The names of devicePaths(), for links(): readable without outMutex() (a transfer may hold it).
   std::vector<std::string> devicePathNames() const;
-  // What links() reports: the host path's name ("cma", "unix" for a same-host stream, "tcp").
+  // What links() reports: the host path's name ("cma", "unix" for a same-host stream, "tcp",
+  // "ucx"), and its lanes (DataPath::lanes).
   const char* transport() const;
+  std::vector<std::string> lanes() const;
 
   // Device channels (Backend::DeviceChannel), one per direction like the sockets: `out` carries
   // the bytes of this side's requests (this side created it, rank 0), `in` those of the peer's

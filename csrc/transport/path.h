@@ -61,6 +61,9 @@ class DataPath {
  public:
   virtual ~DataPath() = default;
   virtual const PathCaps& caps() const = 0;
+  // What the path moves bytes over beneath its name, where it has a choice (the ucx path: UCX's
+  // "transport/device" lanes once connected); empty for the rest. Thread-safe.
+  virtual std::vector<std::string> lanes() const { return {}; }
   // Whether this path may take transfers on `link` now (requires the link's out mutex).
   virtual bool usable(const Link& link) const { return true; }
   // Moves the bytes of `p` (pull: the peer's into local memory; push: the other way), by

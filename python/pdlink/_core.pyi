@@ -27,6 +27,7 @@ _Handle = tuple[int, list[int]]  # (cache_id, tensor addresses)
 def ascend_info() -> dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
 def set_ucx_wheel_dir(dir: str) -> None: ...  # where the libucx package's libucp is (before ucx_info's first call)
 def ucx_info() -> dict[str, object]: ...  # what the UCX loader found: loaded, error, library, version
+def ucx_network_probe() -> dict[str, object]: ...  # a network worker's lanes, auto_between_hosts, error
 def _map_vendor_code(lib: str, rc: int) -> int: ...  # "acl" or "hccl" return code -> LLMStatusCode value
 
 class _Enum:

@@ -168,7 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         ucx = _core.ucx_info()
         ucx_state = (f"UCX {ucx['version']} loaded from {ucx['library']}" if ucx["loaded"]
                      else "unavailable: " + cast(str, ucx["error"]))
-        print(f"ucx: {ucx_state} (the ucx data path is not built yet: docs/ucx.md)")
+        print(f"ucx: {ucx_state}")
+        if ucx["loaded"]:
+            probe = _core.ucx_network_probe()
+            lanes = cast(list[str], probe["lanes"])
+            if probe["error"]:
+                print(f"ucx network transports: unknown ({probe['error']})")
+            else:
+                print(f"ucx network transports: {', '.join(lanes) or 'none reported'}")
+            between = ("ucx (with ucx_trusted_network)" if probe["auto_between_hosts"]
+                       else "tcp (no RDMA transport among these; docs/ucx.md)")
+            print(f"auto between hosts: {between}")
         return 0
     if args.command == "serve":
         return _serve(args)

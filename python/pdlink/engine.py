@@ -91,7 +91,8 @@ class EngineOptions:
     """How an engine starts.
 
     ``listen``: ``"ip:port"`` to accept links (port 0: any free port), ``None`` to only dial.
-    ``transport``: ``"auto"`` (direct memory access between processes of one host, else TCP),
+    ``transport``: ``"auto"`` (direct memory access between processes of one host; else, with
+    ``ucx_trusted_network`` and UCX finding an RDMA transport, ucx; else TCP),
     ``"tcp"``, ``"cma"`` or ``"ucx"`` (host memory as UCX messages: docs/ucx.md; needs
     ``ucx_trusted_network``). ``secret``: links must prove they know it, and frames are sealed.
     ``backend``: ``"auto"``, ``"cpu"`` or ``"ascend"``. ``hccl_one_sided``: DEVICE transfers use
@@ -100,8 +101,9 @@ class EngineOptions:
     the engine allocates caches from (``Engine.kv``; none by default). ``one_way_links``: only the
     side that connected transfers over a link (llm_datadist's ``llm.TransferBackend = "hixl"``).
 
-    ``ucx_trusted_network``: with transport ``"ucx"``, the statement that every process that can
-    reach this one over the network is trusted, which UCX assumes (docs/ucx.md, "Trust").
+    ``ucx_trusted_network``: the statement that every process that can reach this one over the
+    network is trusted, which UCX assumes (docs/ucx.md, "Trust"); transport ``"ucx"`` needs it,
+    and ``"auto"`` considers ucx only with it (docs/ucx.md, "What auto picks").
 
     Left at None, ``transport``, ``secret``, ``backend``, ``hccl_one_sided`` and
     ``ucx_trusted_network`` come from the environment variables llm_datadist reads too
@@ -250,6 +252,10 @@ class LinkInfo:
     authenticated: bool
     payload_integrity: bool
     device_paths: tuple[str, ...]
+    #: What the host path moves bytes over beneath ``transport``, where it has a choice: for
+    #: ``ucx``, UCX's lanes as ``"transport/device"`` (``"tcp/lo"``, ``"cma/memory"``,
+    #: ``"rc_mlx5/mlx5_0:1"``) once the link's first transfer connected them; else empty.
+    lanes: tuple[str, ...] = ()
 
 
 class Pending:
@@ -408,7 +414,8 @@ class Engine:
         return caps
 
     def links(self) -> list[LinkInfo]:
-        return [LinkInfo(**{**d, "device_paths": tuple(d["device_paths"])}) for d in self._native.links()]
+        return [LinkInfo(**{**d, "device_paths": tuple(d["device_paths"]), "lanes": tuple(d["lanes"])})
+                for d in self._native.links()]
 
     def stats(self) -> dict[str, int]:
         """What peers made this engine spend: live links, handshakes, threads, refusals."""

@@ -110,6 +110,8 @@ Result<const UcpApi*> loadOnce() {
   PDLINK_BIND(ucp_request_free);
   PDLINK_BIND(ucs_status_string);  // libucs, reached through libucp's dependencies
 #undef PDLINK_BIND
+  std::vector<std::string> optional_missing;
+  bind(lib, "ucp_ep_query", &api->ucp_ep_query, &optional_missing);
   if (!missing.empty()) {
     delete api;
     return Status(Code::kFeatureNotEnabled,

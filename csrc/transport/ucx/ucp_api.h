@@ -60,6 +60,10 @@ struct UcpApi {
   PDLINK_UCP_FN(ucs_status_string)
 #undef PDLINK_UCP_FN
 
+  // Optional: bound where the library has it, else null; endpoints then
+  // cannot name their transports.
+  ucp_ep_query_t ucp_ep_query = nullptr;
+
   std::string library;  // the path dlopen loaded
   std::string version;  // "major.minor.release" (ucp_get_version)
 };

@@ -82,6 +82,7 @@ constexpr uint64_t kEpParamFieldErrHandlingMode = 1ull << 1;
 constexpr uint64_t kEpParamFieldErrHandler = 1ull << 2;
 constexpr int kErrHandlingModePeer = 1;  // UCP_ERR_HANDLING_MODE_PEER
 constexpr uint32_t kEpCloseFlagForce = 1u << 0;
+constexpr uint64_t kEpAttrFieldTransports = 1ull << 3;
 
 constexpr uint64_t kMemMapParamFieldAddress = 1ull << 0;
 constexpr uint64_t kMemMapParamFieldLength = 1ull << 1;
@@ -142,6 +143,28 @@ struct EpParams {  // ucp_ep_params_t
   const ucp_address_t* address = nullptr;
   int err_mode = 0;
   ErrHandler err_handler;
+  unsigned char reserve[kReserve] = {};
+};
+
+struct TransportEntry {  // ucp_transport_entry_t
+  const char* transport_name;
+  const char* device_name;
+};
+
+struct Transports {  // ucp_transports_t
+  TransportEntry* entries = nullptr;
+  unsigned num_entries = 0;
+  size_t entry_size = 0;
+};
+
+// ucp_ep_attr_t: UCX writes the fields field_mask names, so every field before the one pdlink
+// reads is declared at its size (name, then two struct sockaddr_storage of 128 bytes).
+struct EpAttr {
+  uint64_t field_mask = 0;
+  char name[32] = {};  // UCP_ENTITY_NAME_MAX
+  alignas(8) unsigned char local_sockaddr[128] = {};
+  alignas(8) unsigned char remote_sockaddr[128] = {};
+  Transports transports;
   unsigned char reserve[kReserve] = {};
 };
 
@@ -206,6 +229,7 @@ using ucp_worker_signal_t = ucs_status_t (*)(ucp_worker_h worker);
 using ucp_ep_create_t = ucs_status_t (*)(ucp_worker_h worker, const EpParams* params, ucp_ep_h* ep_p);
 using ucp_ep_close_nbx_t = ucs_status_ptr_t (*)(ucp_ep_h ep, const RequestParam* param);
 using ucp_ep_flush_nbx_t = ucs_status_ptr_t (*)(ucp_ep_h ep, const RequestParam* param);
+using ucp_ep_query_t = ucs_status_t (*)(ucp_ep_h ep, EpAttr* attr);
 using ucp_mem_map_t = ucs_status_t (*)(ucp_context_h context, const MemMapParams* params, ucp_mem_h* memh_p);
 using ucp_mem_unmap_t = ucs_status_t (*)(ucp_context_h context, ucp_mem_h memh);
 using ucp_rkey_pack_t = ucs_status_t (*)(ucp_context_h context, ucp_mem_h memh, void** rkey_buffer_p,

@@ -49,6 +49,13 @@ Result<std::shared_ptr<UcxHub>> UcxHub::open() {
   if (!local.ok()) return local.status();
   hub->network_ = std::move(network.value());
   hub->local_ = std::move(local.value());
+  Result<std::vector<std::string>> lanes = hub->network_->lanesToSelf();
+  if (lanes.ok()) {
+    hub->network_lanes_ = lanes.value();
+  } else {
+    PDLINK_LOG(kInfo, "ucx: cannot tell the network worker's transports (" << lanes.status().message() << ")");
+  }
+  hub->auto_between_hosts_ = autoPicksUcx(hub->network_lanes_);
   UcxHub* raw = hub.get();
   for (UcxWorker* w : {hub->network_.get(), hub->local_.get()}) {
     PDLINK_RETURN_IF_ERROR(w->setHandler(kDataId, [raw](AmIncoming& in) { raw->onMessage(in); }));
@@ -184,7 +191,8 @@ struct ServerLink {
 
 // ------------------------------------------------------------------------------ UcxPath
 
-UcxPath::UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host) : hub_(std::move(hub)), same_host_(same_host) {
+UcxPath::UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host, std::unique_ptr<DataPath> fallback)
+    : hub_(std::move(hub)), same_host_(same_host), fallback_(std::move(fallback)) {
   caps_.name = "ucx";
   caps_.request_flags = wire::kFlagUcx;
   caps_.cross_host = true;
@@ -194,6 +202,14 @@ UcxPath::UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host) : hub_(std::m
 UcxPath::~UcxPath() {
   ep_.reset();
   hub_->forget(pull_token_);
+}
+
+const PathCaps& UcxPath::caps() const { return declined_.load() ? fallback_->caps() : caps_; }
+
+std::vector<std::string> UcxPath::lanes() const {
+  if (declined_.load()) return fallback_->lanes();
+  std::lock_guard<std::mutex> lock(lanes_mu_);
+  return lanes_;
 }
 
 Status UcxPath::connect(Link& link, Deadline deadline, const char* what) {
@@ -212,6 +228,8 @@ Status UcxPath::connect(Link& link, Deadline deadline, const char* what) {
   if (!ep.ok()) return failTransfer(link, ep.status(), what);
   ep_ = std::move(ep.value());
   push_token_ = theirs.token;
+  std::lock_guard<std::mutex> lock(lanes_mu_);
+  lanes_ = ep_->lanes();
   return Status::OK();
 }
 
@@ -219,7 +237,17 @@ Status UcxPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   // The engine sends DEVICE memory of a device backend down its device paths (or staged over the
   // stream); what reaches a host path is memory this process can address.
   if (!p.local_device_runs.empty()) return Status(Code::kFeatureNotEnabled, "the ucx path moves host memory only");
-  if (!ep_) PDLINK_RETURN_IF_ERROR(connect(link, deadline, what));
+  if (declined_.load()) return fallback_->transfer(link, p, is_push, deadline, what);
+  if (!ep_) {
+    Status st = connect(link, deadline, what);
+    if (st.code() == Code::kFeatureNotEnabled && fallback_ && !link.broken()) {
+      PDLINK_LOG(kInfo, "ucx: the peer serves no ucx path (" << st.message() << "); this link keeps "
+                                                                          << fallback_->caps().name);
+      declined_.store(true);
+      return fallback_->transfer(link, p, is_push, deadline, what);
+    }
+    PDLINK_RETURN_IF_ERROR(st);
+  }
   if (ep_->failed()) return failTransfer(link, Status(Code::kLinkFailed, "ucx: the peer's endpoint failed"), what);
   const std::vector<Segment> local = pieces(p.local_addrs, p.local_tensors, 0, p.local_runs);
   std::string body = wire::encode(p.remote);

@@ -15,6 +15,7 @@
 // repeated chunk, or the wrong length, is dropped.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -55,6 +56,11 @@ class UcxHub {
   UcxHub(const UcxHub&) = delete;
   UcxHub& operator=(const UcxHub&) = delete;
 
+  // The lanes of the network worker (UcxWorker::lanesToSelf; empty where UCX cannot say), and
+  // whether they make `auto` pick ucx for links between hosts (autoFamilies, from
+  // PDLINK_UCX_AUTO_TRANSPORTS as it was at open). Constant after open.
+  const std::vector<std::string>& networkLanes() const { return network_lanes_; }
+  bool autoBetweenHosts() const { return auto_between_hosts_; }
   // The worker for a link: the any-transport one for a peer the kernel proved to be on this host.
   UcxWorker& worker(bool same_host) { return same_host ? *local_ : *network_; }
   // A new expectation under a fresh random token (returned), closed until open().
@@ -78,6 +84,8 @@ class UcxHub {
   void progressLoop();
 
   std::unique_ptr<UcxWorker> network_, local_;
+  std::vector<std::string> network_lanes_;
+  bool auto_between_hosts_ = false;
   std::mutex mu_;
   std::map<uint64_t, std::weak_ptr<Expectation>> expectations_;  // guarded by mu_
   int wake_fd_ = -1;
@@ -90,12 +98,16 @@ std::vector<Segment> chunksOf(const std::vector<Segment>& pieces);
 
 }  // namespace ucx
 
-// The requesting side on one link.
+// The requesting side on one link. With a `fallback` (the path `auto` would have used: the engine
+// picked ucx on its own), a peer that refuses ucx (it serves no ucx path) turns this link over to
+// the fallback for good, which then moves this and every later transfer; without one (transport
+// forced to ucx) that refusal is the transfer's result.
 class UcxPath : public DataPath {
  public:
-  UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host);
+  UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host, std::unique_ptr<DataPath> fallback = nullptr);
   ~UcxPath() override;
-  const PathCaps& caps() const override { return caps_; }
+  const PathCaps& caps() const override;
+  std::vector<std::string> lanes() const override;
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
  private:
@@ -105,10 +117,14 @@ class UcxPath : public DataPath {
   PathCaps caps_;
   std::shared_ptr<ucx::UcxHub> hub_;  // before ep_: destroyed after it
   const bool same_host_;
+  std::unique_ptr<DataPath> fallback_;
+  std::atomic<bool> declined_{false};     // the peer refused ucx: fallback_ moves everything
   std::unique_ptr<ucx::UcxEndpoint> ep_;  // out mutex
   uint64_t pull_token_ = 0;               // what the peer stamps the bytes of our reads with
   std::shared_ptr<ucx::Expectation> pulls_;
   uint64_t push_token_ = 0;  // the peer's token for the bytes of our writes
+  mutable std::mutex lanes_mu_;
+  std::vector<std::string> lanes_;  // guarded by lanes_mu_: ep_'s, once connected
 };
 
 // The serving side, one per engine.

@@ -60,6 +60,27 @@ Result<std::string> transportsFor(Scope scope, const char* user) {
   return joinComma(kept);
 }
 
+std::string transportFamily(const std::string& lane) {
+  return lane.substr(0, std::min(lane.find('_'), lane.find('/')));
+}
+
+std::vector<std::string> autoFamilies(const char* setting) {
+  if (setting == nullptr) return {"rc", "dc", "ud", "srd"};
+  std::vector<std::string> out;
+  for (const std::string& name : split(setting)) out.push_back(transportFamily(name));
+  return out;
+}
+
+bool anyLaneOf(const std::vector<std::string>& lanes, const std::vector<std::string>& families) {
+  return std::any_of(lanes.begin(), lanes.end(), [&](const std::string& lane) {
+    return std::find(families.begin(), families.end(), transportFamily(lane)) != families.end();
+  });
+}
+
+bool autoPicksUcx(const std::vector<std::string>& network_lanes) {
+  return anyLaneOf(network_lanes, autoFamilies(std::getenv("PDLINK_UCX_AUTO_TRANSPORTS")));
+}
+
 // ------------------------------------------------------------------------------ UcxWorker
 
 Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
@@ -128,7 +149,30 @@ Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_
   }
   ucs_status_t st = api_->ucp_ep_create(worker_, &params, &ep->ep_);
   if (st != kOk) return toStatus(st, "ucx: connecting to the peer's worker (UCX_TLS=" + transports_ + ")");
+  if (api_->ucp_ep_query != nullptr) {
+    // UCX fills at most num_entries entries (one per lane; lanes may share a transport).
+    TransportEntry entries[32] = {};
+    EpAttr attr;
+    attr.field_mask = kEpAttrFieldTransports;
+    attr.transports.entries = entries;
+    attr.transports.num_entries = 32;
+    attr.transports.entry_size = sizeof(TransportEntry);
+    if (api_->ucp_ep_query(ep->ep_, &attr) == kOk) {
+      for (unsigned i = 0; i < std::min(attr.transports.num_entries, 32u); ++i) {
+        if (entries[i].transport_name == nullptr) continue;
+        std::string lane = std::string(entries[i].transport_name) + "/" +
+                           (entries[i].device_name ? entries[i].device_name : "");
+        if (std::find(ep->lanes_.begin(), ep->lanes_.end(), lane) == ep->lanes_.end()) ep->lanes_.push_back(lane);
+      }
+    }
+  }
   return ep;
+}
+
+Result<std::vector<std::string>> UcxWorker::lanesToSelf() {
+  Result<std::unique_ptr<UcxEndpoint>> ep = connect(address_);
+  if (!ep.ok()) return ep.status();
+  return ep.value()->lanes();  // the endpoint is closed by force as it goes
 }
 
 Status UcxWorker::setHandler(unsigned id, Handler handler) {

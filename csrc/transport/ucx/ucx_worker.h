@@ -42,6 +42,18 @@ enum class Scope { kNetwork, kAny };
 // nothing is left.
 Result<std::string> transportsFor(Scope scope, const char* user);
 
+// A lane's transport family: its name up to the first '_' ("rc" of "rc_mlx5", "tcp" of "tcp").
+std::string transportFamily(const std::string& lane);
+// The transport families that make `auto` pick ucx for a link between hosts: those of `setting`
+// (the value of PDLINK_UCX_AUTO_TRANSPORTS, a comma list: "" names none) or, when it is null
+// (unset), UCX's RDMA families rc, dc, ud and srd.
+std::vector<std::string> autoFamilies(const char* setting);
+// Whether some lane ("transport/device", UcxEndpoint::lanes) is of one of `families`.
+bool anyLaneOf(const std::vector<std::string>& lanes, const std::vector<std::string>& families);
+// Whether `auto` picks ucx for links between hosts given the network worker's lanes: some lane is
+// of autoFamilies(PDLINK_UCX_AUTO_TRANSPORTS as set now).
+bool autoPicksUcx(const std::vector<std::string>& network_lanes);
+
 class UcxWorker;
 
 // One Active Message as it arrives, handed to the handler of its id (UcxWorker::setHandler), valid
@@ -95,6 +107,10 @@ class UcxEndpoint {
   Status sendAll(unsigned id, const std::vector<Message>& messages, size_t window, Deadline deadline);
   // Whether UCX reported the peer failed (the endpoint is then unusable).
   bool failed() const;
+  // The transports UCX chose for this endpoint, as "transport/device" ("tcp/lo", "cma/memory",
+  // "rc_mlx5/mlx5_0:1"), each once, in UCX's lane order. Read once at connect; empty where the
+  // library cannot say (no ucp_ep_query, or one that does not report transports).
+  const std::vector<std::string>& lanes() const { return lanes_; }
 
  private:
   friend class UcxWorker;
@@ -103,6 +119,7 @@ class UcxEndpoint {
   void closeForce();
   UcxWorker* worker_;
   ucp_ep_h ep_ = nullptr;
+  std::vector<std::string> lanes_;
   int error_ = 0;  // the peer failure UCX reported (atomic access)
 };
 
@@ -124,6 +141,9 @@ class UcxWorker {
   const std::string& address() const { return address_; }
   // An endpoint to the worker at `peer_address` (bytes a peer sent: opaque, see the file comment).
   Result<std::unique_ptr<UcxEndpoint>> connect(const std::string& peer_address);
+  // The lanes UCX chooses for an endpoint of this worker to itself: what it would use toward a
+  // peer with the same devices (the network worker: no shared memory, so the NICs' transports).
+  Result<std::vector<std::string>> lanesToSelf();
   // Routes messages of `id` to `handler` (replacing any before; before any peer sends them). A
   // message of an id without a handler is dropped by UCX.
   Status setHandler(unsigned id, Handler handler);

@@ -112,7 +112,8 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
 
 
 def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
-    return [{**dataclasses.asdict(link), "device_paths": list(link.device_paths)} for link in engine.links()]
+    return [{**dataclasses.asdict(link), "device_paths": list(link.device_paths), "lanes": list(link.lanes)}
+            for link in engine.links()]
 
 
 def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, str]]:
@@ -362,7 +363,8 @@ class LLMDataDist:
     def links(self) -> list[dict[str, Any]]:
         """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
         broken, broken_reason, transport: the path of HOST memory, authenticated,
-        payload_integrity, device_paths: the paths of DEVICE memory, in the order tried); in v1
+        payload_integrity, device_paths: the paths of DEVICE memory, in the order tried, lanes:
+        what the host path moves bytes over, e.g. UCX's ``"tcp/lo"``); in v1
         multi-device mode each also has ``device_index``."""
         engine = self._live_engine()
         if len(self._engines) == 1:
