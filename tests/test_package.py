@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import fresh_import
+from conftest import UCX_AVAILABLE
 
 NAMES = ["LLMDataDist", "LLMRole", "LLMConfig", "LlmConfig", "LLMClusterInfo", "LLMStatusCode", "LLMException",
          "Status", "DataType", "Placement", "RegisterMemStatus", "Memtype", "MemInfo", "CacheDesc", "CacheKey",
@@ -81,11 +82,31 @@ def test_cli_version_and_demo():
     assert bad.returncode == 2 and "--repeat must be > 0" in bad.stderr
 
 
-def _ucx_line(**env: str) -> str:
+def _version_line(prefix: str, **env: str) -> str:
     out = subprocess.run([sys.executable, "-m", "pdlink", "version"], capture_output=True, text=True, check=True,
                          env={**os.environ, **env}).stdout
-    (line,) = [x for x in out.splitlines() if x.startswith("ucx: ")]
+    (line,) = [x for x in out.splitlines() if x.startswith(prefix)]
     return line
+
+
+def _ucx_line(**env: str) -> str:
+    return _version_line("ucx: ", **env)
+
+
+def test_version_names_the_ucx_network_transports_and_what_auto_picks_between_hosts():
+    """With UCX loaded: the lanes of a network worker under this environment's UCX_TLS (tcp here,
+    never shared memory), and whether auto picks ucx between hosts: not over tcp alone by default,
+    yes once PDLINK_UCX_AUTO_TRANSPORTS lists tcp."""
+    if not UCX_AVAILABLE:
+        if os.environ.get("PDLINK_REQUIRE_UCX") == "1":
+            pytest.fail("PDLINK_REQUIRE_UCX=1 and UCX does not load", pytrace=False)
+        pytest.skip("needs UCX (pip install \".[ucx]\")")
+    lanes = _version_line("ucx network transports: ", UCX_TLS="tcp").split(": ", 1)[1].split(", ")
+    assert lanes and all(lane.startswith("tcp/") for lane in lanes), lanes
+    assert _version_line("auto between hosts: ", UCX_TLS="tcp") == (
+        "auto between hosts: tcp (no RDMA transport among these; docs/ucx.md)")
+    assert _version_line("auto between hosts: ", UCX_TLS="tcp", PDLINK_UCX_AUTO_TRANSPORTS="tcp") == (
+        "auto between hosts: ucx (with ucx_trusted_network)")
 
 
 def test_version_says_where_ucx_came_from_or_why_not(tmp_path):

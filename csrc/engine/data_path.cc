@@ -68,7 +68,7 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
     return Status(Code::kLinkFailed, "oversized device channel request");
   }
-  if (h.op == wire::Op::kUcxConnect && h.body_len > wire::kMaxUcxAddressBytes + 8) {
+  if (h.op == wire::Op::kUcxConnect && h.body_len > wire::kMaxUcxHelloBytes) {
     return Status(Code::kLinkFailed, "oversized ucx connect request");
   }
   if (h.op == wire::Op::kNotify && h.body_len > wire::kMaxNotifyBodyBytes) {

@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}}));
   s += frame(wire::Op::kWrite, reqkey);
   s += frame(wire::Op::kRead, blocks, wire::kFlagUcx);  // an engine without the ucx path refuses it
-  s += bodyFrame(wire::Op::kUcxConnect, wire::encode(wire::UcxHello{7, std::string(40, 'a')}));
+  s += bodyFrame(wire::Op::kUcxConnect, wire::encode(wire::UcxHello{7, 0, std::string(40, 'a')}));
   s += notifyFrame(wire::NotifyBody{"req-11", "written"});
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
   s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};

@@ -124,21 +124,32 @@ void ucxCases() {
     checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
               "request header: ucx with flag " + std::to_string(other));
   }
-  // a UcxHello: a token and 1 .. kMaxUcxAddressBytes bytes of address
-  wire::UcxHello hello{0x1122334455667788ull, std::string("\0addr\xff", 6)};
+  // a UcxHello: a token, a message size (0, or a power of two in [16 KiB, 1 MiB]) and 1 ..
+  // kMaxUcxAddressBytes bytes of address
+  wire::UcxHello hello{0x1122334455667788ull, 65536, std::string("\0addr\xff", 6)};
   f = wire::encode(hello);
   wire::UcxHello out;
   checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "ucx hello: round trip");
-  check(out.token == hello.token && out.address == hello.address, "ucx hello: fields round-trip (bytes, NUL included)");
-  for (size_t n = 0; n <= 8; ++n) {  // no token, or no address
+  check(out.token == hello.token && out.chunk_bytes == 65536 && out.address == hello.address,
+        "ucx hello: fields round-trip (bytes, NUL included)");
+  for (size_t n = 0; n <= 12; ++n) {  // no token, no size, or no address
     if (wire::decode(bytes(f), n, &out).code() != Code::kLinkFailed) {
       check(false, "ucx hello: " + std::to_string(n) + " bytes are refused");
       break;
     }
   }
-  f = wire::encode(wire::UcxHello{1, std::string(wire::kMaxUcxAddressBytes, 'a')});
+  for (uint32_t size : {0u, wire::kMinUcxChunkBytes, wire::kMaxUcxChunkBytes}) {
+    f = wire::encode(wire::UcxHello{1, size, "a"});
+    checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "ucx hello: size " + std::to_string(size));
+  }
+  for (uint32_t size : {1u, wire::kMinUcxChunkBytes / 2, wire::kMinUcxChunkBytes + 1, wire::kMaxUcxChunkBytes * 2,
+                        0xffffffffu}) {
+    f = wire::encode(wire::UcxHello{1, size, "a"});
+    checkCode(wire::decode(bytes(f), f.size(), &out), Code::kLinkFailed, "ucx hello: size " + std::to_string(size));
+  }
+  f = wire::encode(wire::UcxHello{1, 0, std::string(wire::kMaxUcxAddressBytes, 'a')});
   checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "ucx hello: the longest address");
-  f = wire::encode(wire::UcxHello{1, std::string(wire::kMaxUcxAddressBytes + 1, 'a')});
+  f = wire::encode(wire::UcxHello{1, 0, std::string(wire::kMaxUcxAddressBytes + 1, 'a')});
   checkCode(wire::decode(bytes(f), f.size(), &out), Code::kLinkFailed, "ucx hello: an address one past the limit");
 }
 

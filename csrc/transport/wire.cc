@@ -169,14 +169,21 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
 std::string encode(const UcxHello& h) {
   Writer w;
   w.put(h.token);
+  w.put(h.chunk_bytes);
   w.bytes(h.address);
   return w.take();
 }
 
 Status decode(const uint8_t* p, size_t n, UcxHello* out) {
   Reader r(p, n);
-  if (!r.get(&out->token) || n - 8 == 0 || n - 8 > kMaxUcxAddressBytes) return malformed("ucx hello");
-  out->address.assign(reinterpret_cast<const char*>(p) + 8, n - 8);
+  if (!r.get(&out->token) || !r.get(&out->chunk_bytes) || n - 12 == 0 || n - 12 > kMaxUcxAddressBytes) {
+    return malformed("ucx hello");
+  }
+  const uint32_t c = out->chunk_bytes;
+  if (c != 0 && (c < kMinUcxChunkBytes || c > kMaxUcxChunkBytes || (c & (c - 1)) != 0)) {
+    return malformed("ucx hello (message size)");
+  }
+  out->address.assign(reinterpret_cast<const char*>(p) + 12, n - 12);
   return Status::OK();
 }
 

@@ -182,11 +182,17 @@ constexpr uint8_t kFlagOneSided = 4;
 // Response (accepted), the requester sends the messages, then a second Response (stored).
 constexpr uint8_t kFlagUcx = 8;
 constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx;
-// A kUcxConnect body and its answer: the token the sender's expected messages carry, then its UCX
-// worker address (opaque bytes, at most kMaxUcxAddressBytes).
+// A kUcxConnect body and its answer: the token the sender's expected messages carry, the size of
+// the link's messages (chunk_bytes: 0 in the request, the server's choice in the answer, both
+// directions use it; else a power of two in [kMinUcxChunkBytes, kMaxUcxChunkBytes]), then the
+// sender's UCX worker address (opaque bytes, at most kMaxUcxAddressBytes).
 constexpr uint32_t kMaxUcxAddressBytes = 4096;
+constexpr uint32_t kMinUcxChunkBytes = 16 * 1024;
+constexpr uint32_t kMaxUcxChunkBytes = 1024 * 1024;
+constexpr uint32_t kMaxUcxHelloBytes = 12 + kMaxUcxAddressBytes;
 struct UcxHello {
   uint64_t token = 0;
+  uint32_t chunk_bytes = 0;
   std::string address;
 };
 std::string encode(const UcxHello& h);

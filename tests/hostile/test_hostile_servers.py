@@ -166,6 +166,26 @@ def test_a_malformed_reply_fails_that_pull_and_nothing_else(peers: Callable[...,
     honest_pull_works(peers, variant, victim)
 
 
+@only("cpu-ucx")
+@pytest.mark.parametrize("mode", ["ucx_size_too_small", "ucx_size_not_power", "ucx_no_size", "ucx_huge_answer"])
+def test_a_malformed_ucx_connect_answer_fails_that_pull_before_ucx_sees_it(peers: Callable[..., Peer],
+                                                                          variant: Variant, victim: Peer,
+                                                                          mode: str) -> None:
+    """The answer to the victim's ucx connect: a message size out of bounds (or none), or a length
+    past the bound. The pull fails with LLM_LINK_FAILED and nothing lands; the answer's address,
+    bytes that abort UCX when it parses them, never reaches UCX (the victim lives on)."""
+    attacker, port = start_attacker(peers, mode)
+    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+    before = victim.call(kv.snapshot, "kv")
+    err = failed_pull(victim)
+    assert err.status_code == LLMStatusCode.LLM_LINK_FAILED, err
+    assert asked(attacker, rawwire.OP_UCX_CONNECT)
+    assert not asked(attacker, rawwire.OP_READ, rawwire.FLAG_UCX)
+    assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's cache after a refused ucx answer")
+    assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
+    honest_pull_works(peers, variant, victim)
+
+
 @only("cpu-tcp")
 def test_the_control_case_a_well_formed_reply_is_taken(peers: Callable[..., Peer], variant: Variant,
                                                        victim: Peer) -> None:

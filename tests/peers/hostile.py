@@ -245,6 +245,14 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             entries = b"".join(struct.pack("<QQ", addrs[i % len(addrs)] + o, n)
                                for i, _ in enumerate(rec["tensors"]) for o, n in rec["runs"])
             conn.sendall(rawwire.response(payload=struct.pack("<Q", 7) + entries))
+        elif op == rawwire.OP_UCX_CONNECT and mode.startswith("ucx_"):
+            # a UcxHello (u64 token, u32 message size, worker address) with a message size out of
+            # bounds or missing, or one too long to read; its "address" is bytes that would abort
+            # UCX (docs/ucx.md, "Trust") if the victim got as far as making an endpoint of them
+            size = {"ucx_size_too_small": 1, "ucx_size_not_power": 3 << 14, "ucx_no_size": 0}.get(mode, 1 << 14)
+            hello = struct.pack("<QI", 7, size) + b"\xa5" * 64
+            conn.sendall(rawwire.response(payload_len=1 << 40) if mode == "ucx_huge_answer"
+                         else rawwire.response(payload=hello))
         elif op == rawwire.OP_DEVICE_CHANNEL and mode == "devchan_unoffered_option":
             conn.sendall(rawwire.response(payload=b"\x01"))  # agrees to one-sided, which was not offered
         elif op == rawwire.OP_DEVICE_CHANNEL and mode == "devchan_long_answer":

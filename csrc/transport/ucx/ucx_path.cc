@@ -33,10 +33,17 @@ uint64_t randomToken() {
 
 }  // namespace
 
-std::vector<Segment> chunksOf(const std::vector<Segment>& pieces) {
+uint32_t chunkBytesFor(const std::vector<std::string>& lanes) {
+  const bool tcp_only = !lanes.empty() && std::all_of(lanes.begin(), lanes.end(), [](const std::string& lane) {
+    return transportFamily(lane) == "tcp";
+  });
+  return tcp_only ? kTcpChunkBytes : kChunkBytes;
+}
+
+std::vector<Segment> chunksOf(const std::vector<Segment>& pieces, uint64_t chunk_bytes) {
   std::vector<Segment> out;
   for (const Segment& p : pieces) {
-    for (uint64_t at = 0; at < p.length; at += kChunkBytes) out.push_back({p.addr + at, std::min(kChunkBytes, p.length - at)});
+    for (uint64_t at = 0; at < p.length; at += chunk_bytes) out.push_back({p.addr + at, std::min(chunk_bytes, p.length - at)});
   }
   return out;
 }
@@ -112,9 +119,9 @@ void UcxHub::forget(uint64_t token) {
   expectations_.erase(token);
 }
 
-void UcxHub::open(Expectation& e, const std::vector<Segment>& pieces) {
+void UcxHub::open(Expectation& e, const std::vector<Segment>& pieces, uint64_t chunk_bytes) {
   std::lock_guard<std::mutex> lock(e.mu);
-  e.chunks = chunksOf(pieces);
+  e.chunks = chunksOf(pieces, chunk_bytes);
   e.landed.assign(e.chunks.size(), 0);
   e.remaining = e.chunks.size();
   e.open = true;
@@ -163,15 +170,16 @@ void UcxHub::onMessage(AmIncoming& in) {
 namespace {
 
 // Sends `pieces` (local ranges) as chunks stamped with `token` over `ep`.
-Status sendChunks(UcxEndpoint& ep, uint64_t token, const std::vector<Segment>& pieces, Deadline deadline) {
-  std::vector<Segment> chunks = chunksOf(pieces);
+Status sendChunks(UcxEndpoint& ep, uint64_t token, const std::vector<Segment>& pieces, uint32_t chunk_bytes,
+                  Deadline deadline) {
+  std::vector<Segment> chunks = chunksOf(pieces, chunk_bytes);
   std::vector<ChunkHeader> headers(chunks.size());
   std::vector<UcxEndpoint::Message> messages(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
     headers[i] = {token, i};
     messages[i] = {&headers[i], sizeof(ChunkHeader), reinterpret_cast<const void*>(chunks[i].addr), chunks[i].length};
   }
-  return ep.sendAll(kDataId, messages, kSendWindow, deadline);
+  return ep.sendAll(kDataId, messages, std::max(kMinSendWindow, kSendWindowBytes / chunk_bytes), deadline);
 }
 
 // What the serving side keeps per link (Link::serverState).
@@ -180,6 +188,7 @@ struct ServerLink {
   std::unique_ptr<UcxEndpoint> ep;
   uint64_t pull_token = 0;  // the requester's, for the bytes of its reads
   uint64_t push_token = 0;  // ours, for the bytes of its writes
+  uint32_t chunk_bytes = 0;  // the link's message size (ours to choose, chunkBytesFor)
   std::shared_ptr<Expectation> pushes;
   ~ServerLink() {
     if (hub && push_token) hub->forget(push_token);
@@ -214,20 +223,22 @@ std::vector<std::string> UcxPath::lanes() const {
 
 Status UcxPath::connect(Link& link, Deadline deadline, const char* what) {
   ucx::UcxWorker& worker = hub_->worker(same_host_);
-  std::string body = wire::encode(wire::UcxHello{pull_token_, worker.address()});
+  std::string body = wire::encode(wire::UcxHello{pull_token_, 0, worker.address()});
   wire::ResponseHeader rh;
   Status st = request(link, wire::RequestHeader{wire::Op::kUcxConnect, static_cast<uint32_t>(body.size()), 0}, body,
                       deadline, what, &rh);
   if (!st.ok()) return st;  // a refusal (the peer has no ucx path) leaves the link as it was
   std::string payload;
-  st = readAnswer(link.out(), rh.payload_len, wire::kMaxUcxAddressBytes + 8, deadline, &payload, "ucx connect answer");
+  st = readAnswer(link.out(), rh.payload_len, wire::kMaxUcxHelloBytes, deadline, &payload, "ucx connect answer");
   wire::UcxHello theirs;
   if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &theirs);
+  if (st.ok() && theirs.chunk_bytes == 0) st = Status(Code::kLinkFailed, "the peer's ucx connect answer has no message size");
   if (!st.ok()) return failTransfer(link, st, what);
   Result<std::unique_ptr<ucx::UcxEndpoint>> ep = worker.connect(theirs.address);
   if (!ep.ok()) return failTransfer(link, ep.status(), what);
   ep_ = std::move(ep.value());
   push_token_ = theirs.token;
+  chunk_bytes_ = theirs.chunk_bytes;
   std::lock_guard<std::mutex> lock(lanes_mu_);
   lanes_ = ep_->lanes();
   return Status::OK();
@@ -253,7 +264,7 @@ Status UcxPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   std::string body = wire::encode(p.remote);
   wire::ResponseHeader rh;
   if (!is_push) {
-    ucx::UcxHub::open(*pulls_, local);
+    ucx::UcxHub::open(*pulls_, local, chunk_bytes_);
     Status st = requestAccess(link, body, false, wire::kFlagUcx, deadline, what, &rh);
     if (st.ok() && rh.payload_len != 0) {
       st = failTransfer(link, Status(Code::kLinkFailed, "the peer answered a ucx read with a stream payload"), what);
@@ -269,7 +280,7 @@ Status UcxPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   }
   Status st = requestAccess(link, body, true, wire::kFlagUcx, deadline, what, &rh);  // accepted?
   if (!st.ok()) return st;
-  st = ucx::sendChunks(*ep_, push_token_, local, deadline);
+  st = ucx::sendChunks(*ep_, push_token_, local, chunk_bytes_, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
   return awaitResponse(link, deadline, what, &rh);  // stored
 }
@@ -288,9 +299,11 @@ Status UcxServer::connect(Link& link, Stream& s, const std::string& body, Deadli
   state->hub = hub_;
   state->ep = std::move(ep.value());
   state->pull_token = theirs.token;
+  state->chunk_bytes = ucx::chunkBytesFor(state->ep->lanes());
   state->pushes = hub_->expect(&state->push_token);
   link.serverState() = state;
-  return sendAnswer(s, wire::encode(wire::UcxHello{state->push_token, worker.address()}), deadline);
+  return sendAnswer(s, wire::encode(wire::UcxHello{state->push_token, state->chunk_bytes, worker.address()}),
+                    deadline);
 }
 
 Status UcxServer::serve(ServeCall& call) {
@@ -304,11 +317,11 @@ Status UcxServer::serve(ServeCall& call) {
   }
   const std::vector<Segment> ranges = pieces(call.addrs, call.tensors, call.base, call.runs);
   if (call.header.op == wire::Op::kRead) {
-    Status st = ucx::sendChunks(*state->ep, state->pull_token, ranges, call.deadline);
+    Status st = ucx::sendChunks(*state->ep, state->pull_token, ranges, state->chunk_bytes, call.deadline);
     if (!st.ok()) return st;  // the endpoint failed or timed out: drop the link
     return sendResponse(call.stream, Status::OK(), call.deadline);
   }
-  ucx::UcxHub::open(*state->pushes, ranges);
+  ucx::UcxHub::open(*state->pushes, ranges, state->chunk_bytes);
   Status st = sendResponse(call.stream, Status::OK(), call.deadline);  // accepted: send the bytes
   if (!st.ok()) {
     ucx::UcxHub::close(*state->pushes);

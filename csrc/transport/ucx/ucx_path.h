@@ -8,7 +8,7 @@
 //  - UcxPath (requesting side, per link) and UcxServer (serving side, per engine), speaking
 //    wire::Op::kUcxConnect once per link and wire::kFlagUcx reads and writes (transport/wire.h).
 //
-// Every message is one chunk (at most kChunkBytes) of one checked piece, sent whole with its header
+// Every message is one chunk (at most the link's chunk size) of one checked piece, sent whole with its header
 // (UCX's eager protocol; no rendezvous, so no transfer writes into a caller's memory after the call
 // that expected it returned): {token, chunk}. The receiving side copies it into exactly that
 // chunk's range, once, while the expectation is open; a message with another token, an unknown or
@@ -32,10 +32,16 @@
 namespace pdlink {
 namespace ucx {
 
-// The bytes of one message, at most.
-constexpr uint64_t kChunkBytes = 256 * 1024;
-// Messages of one transfer in flight at once, at most (kChunkBytes each).
-constexpr size_t kSendWindow = 16;
+// The size of a link's messages (the last of each piece may be shorter), chosen by the serving
+// side from the lanes of its endpoint back (wire::UcxHello): 16 KiB where every lane is UCX's tcp,
+// whose large eager messages are reassembled in a bounce buffer (docs/performance.md, "The ucx
+// path": 16 KiB moved 1.5x the bytes of 256 KiB there); 256 KiB otherwise.
+constexpr uint32_t kTcpChunkBytes = 16 * 1024;
+constexpr uint32_t kChunkBytes = 256 * 1024;
+uint32_t chunkBytesFor(const std::vector<std::string>& lanes);
+// Bytes of one transfer's messages in flight at once, at most (and at least kMinSendWindow messages).
+constexpr size_t kSendWindowBytes = 1 << 20;
+constexpr size_t kMinSendWindow = 16;
 
 // The pieces one request may land on this side, by chunk; filled by the progress thread.
 struct Expectation {
@@ -71,7 +77,7 @@ class UcxHub {
   // await() or close() after the transfer, whatever its outcome. One transfer at a time per
   // expectation: a link's transfers are serialised, and any that fails drops the link, so no
   // message of an earlier transfer is still on its way when the next one opens.
-  static void open(Expectation& e, const std::vector<Segment>& pieces);
+  static void open(Expectation& e, const std::vector<Segment>& pieces, uint64_t chunk_bytes);
   // Waits until every chunk landed (OK) or `deadline` (kTimeout), then closes `e`: no byte lands
   // after this returns. The progress thread lands the chunks (a second thread progressing the same
   // worker only contends for UCX's lock: measured slower on 2 cores).
@@ -93,8 +99,9 @@ class UcxHub {
   std::thread progress_;
 };
 
-// The chunks of `pieces`, in order: what a sender sends and an expectation lands.
-std::vector<Segment> chunksOf(const std::vector<Segment>& pieces);
+// The chunks of `pieces` (each piece cut every `chunk_bytes`), in order: what a sender sends and an
+// expectation lands.
+std::vector<Segment> chunksOf(const std::vector<Segment>& pieces, uint64_t chunk_bytes);
 
 }  // namespace ucx
 
@@ -123,6 +130,7 @@ class UcxPath : public DataPath {
   uint64_t pull_token_ = 0;               // what the peer stamps the bytes of our reads with
   std::shared_ptr<ucx::Expectation> pulls_;
   uint64_t push_token_ = 0;  // the peer's token for the bytes of our writes
+  uint32_t chunk_bytes_ = 0;  // the link's message size, the server's choice (set with ep_)
   mutable std::mutex lanes_mu_;
   std::vector<std::string> lanes_;  // guarded by lanes_mu_: ep_'s, once connected
 };
