@@ -38,7 +38,10 @@ for tls in tcp sm,tcp sm ""; do
 done
 
 step "ucx: pdlink finds the wheel"
-pdlink version | grep -q "^ucx: UCX .* loaded from $ucx_root/lib/" || { pdlink version; exit 1; }
+# captured first: under pipefail, `pdlink version | grep -q` fails when grep exits before pdlink's
+# later lines are written (a broken pipe)
+versions=$(pdlink version)
+grep -q "^ucx: UCX .* loaded from $ucx_root/lib/" <<<"$versions" || { echo "$versions"; exit 1; }
 
 # The shared suite's ucx cells (backend_env.py: cpu-ucx over UCX_TLS=tcp, cpu-ucx-sm over sm,tcp)
 # and the other tests that name ucx; PDLINK_REQUIRE_UCX=1 turns a skip for want of UCX into a failure.
