@@ -415,8 +415,9 @@ class Engine {
   // The data paths (transport/path.h): the serving side of each, and the requesting side of the
   // device paths (a link's host path is its own object, Link::hostPath).
   std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
-  // Transport::kUcx, or kAuto with ucx_trusted_network where UCX loads: the engine's UCX workers (shared with its links' paths, which may outlive
-  // finalize) and the ucx path's server; set by initialize, dropped by finalize.
+  // Transport::kUcx, or kAuto with ucx_trusted_network where UCX loads: the engine's UCX workers
+  // (shared with its links' paths, which may outlive finalize) and the ucx path's server; set by
+  // initialize, dropped by finalize.
   std::shared_ptr<ucx::UcxHub> ucx_hub_;
   std::unique_ptr<UcxServer> ucx_server_;
   std::unique_ptr<DataPath> hccl_path_, one_sided_path_, ipc_path_;
