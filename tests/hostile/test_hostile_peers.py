@@ -174,6 +174,34 @@ def test_flags_for_paths_the_link_did_not_negotiate_are_refused_without_addresse
     victim.pulled([2])
 
 
+def ucx_hello(size: int, address: bytes = b"\xa5" * 64) -> bytes:
+    """A kUcxConnect frame: u64 token, u32 message size, the worker address (here bytes that abort
+    UCX when it parses them: docs/ucx.md, "Trust")."""
+    return rawwire.request(rawwire.OP_UCX_CONNECT, struct.pack("<QI", 7, size) + address)
+
+
+# ucx connect requests the decoder refuses before UCX sees the address: the link is dropped
+MALFORMED_UCX_CONNECT = {
+    "size_too_small": lambda: ucx_hello(1),
+    "size_not_power_of_two": lambda: ucx_hello(3 << 14),
+    "size_too_large": lambda: ucx_hello(2 << 20),
+    "no_address": lambda: ucx_hello(0, b""),
+    "address_over_the_bound": lambda: ucx_hello(0, b"\xa5" * 4097),
+}
+
+
+@only("cpu-ucx")
+@pytest.mark.parametrize("frame", sorted(MALFORMED_UCX_CONNECT))
+def test_a_malformed_ucx_connect_drops_only_that_link(peers: Callable[..., Peer], victim: Pair, frame: str) -> None:
+    """Each is refused before the victim makes an endpoint of the address (which would abort it):
+    the victim drops that link and keeps serving its honest decoder."""
+    a = attacker_links(peers, victim)
+    assert a.call(hostile.exchange, MALFORMED_UCX_CONNECT[frame]()) == "closed"
+    victim.pulled([3])
+    a.call(hostile.close)
+    victim.pulled([4])
+
+
 @only("cpu-tcp", "ascend-fake")
 def test_a_tcp_link_stays_tcp_whatever_the_peer_claims(peers: Callable[..., Peer], victim: Pair) -> None:
     """A peer that claims the victim's host (its hint) gets no redirect from an engine forced to tcp,
