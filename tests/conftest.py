@@ -27,6 +27,7 @@ PROMPT_KEY = BlocksCacheKey(PROMPT_ID, 0)  # the prompt's usual blocks cache
 CMA_AVAILABLE = direct_access_permitted()
 UCX_INFO = ucx_info()  # what pdlink's UCX loader finds in this environment (peers inherit it)
 UCX_AVAILABLE = bool(UCX_INFO["loaded"])
+UCX_WHY_NOT = None if UCX_AVAILABLE else f"needs UCX (pip install \".[ucx]\"; .ci/ucx.sh runs it): {UCX_INFO['error']}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,11 +61,19 @@ def variant(request: pytest.FixtureRequest) -> Variant:
         pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
     if v.backend == "ascend":
         request.getfixturevalue("fake_ascend_lib_dir")
-    if v.needs_ucx and not UCX_AVAILABLE:
-        if os.environ.get("PDLINK_REQUIRE_UCX") == "1":
-            pytest.fail(f"PDLINK_REQUIRE_UCX=1 and {UCX_INFO['error']}", pytrace=False)
-        pytest.skip("needs UCX (pip install \".[ucx]\"; .ci/ucx.sh runs these cells)")
+    if v.needs_ucx:
+        require_for_ucx(UCX_WHY_NOT)
     return v
+
+
+def require_for_ucx(why_not: str | None) -> None:
+    """For a UCX test: skips it when ``why_not`` says what this machine lacks (UCX, pid namespaces),
+    except under PDLINK_REQUIRE_UCX=1 (.ci/ucx.sh), where that is a failure."""
+    if why_not is None:
+        return
+    if os.environ.get("PDLINK_REQUIRE_UCX") == "1":
+        pytest.fail(f"PDLINK_REQUIRE_UCX=1 and {why_not}", pytrace=False)
+    pytest.skip(why_not)
 
 
 def only(*ids: str, heavy: tuple[str, ...] = ()) -> pytest.MarkDecorator:

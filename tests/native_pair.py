@@ -41,6 +41,11 @@ class Two:
         return link
 
 
+def lane_families(lanes: tuple[str, ...]) -> set[str]:
+    """The transport families of ``LinkInfo.lanes`` ("rc" of "rc_mlx5/mlx5_0:1", "tcp" of "tcp/lo")."""
+    return {lane.split("/")[0].split("_")[0] for lane in lanes}
+
+
 def copies(pairs: list[tuple[int, int, int]]) -> Callable[[Snapshot, Snapshot], Snapshot]:
     """``expect`` for byte ranges (src offset, dst offset, length) of the one tensor of a region."""
     return lambda dst0, src0: dst0.with_bytes(src0, [Copy(0, s, 0, d, n) for s, d, n in pairs])

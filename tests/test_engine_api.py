@@ -74,7 +74,7 @@ def test_links_name_the_lanes_beneath_the_host_path(two: Two) -> None:
         "read"), copies(descs))
     (mine,) = two.initiator.call(native.links)
     (theirs,) = two.target.call(native.links)
-    families = {lane.split("/")[0].split("_")[0] for lane in mine.lanes}
+    families = native_pair.lane_families(mine.lanes)
     if two.variant.kind == "ucx":
         assert mine.lanes and families == {"tcp"}, mine.lanes
     elif two.variant.kind == "ucx-sm":

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import fresh_import
-from conftest import UCX_AVAILABLE
+from conftest import UCX_WHY_NOT, require_for_ucx
 
 NAMES = ["LLMDataDist", "LLMRole", "LLMConfig", "LlmConfig", "LLMClusterInfo", "LLMStatusCode", "LLMException",
          "Status", "DataType", "Placement", "RegisterMemStatus", "Memtype", "MemInfo", "CacheDesc", "CacheKey",
@@ -97,10 +97,7 @@ def test_version_names_the_ucx_network_transports_and_what_auto_picks_between_ho
     """With UCX loaded: the lanes of a network worker under this environment's UCX_TLS (tcp here,
     never shared memory), and whether auto picks ucx between hosts: not over tcp alone by default,
     yes once PDLINK_UCX_AUTO_TRANSPORTS lists tcp."""
-    if not UCX_AVAILABLE:
-        if os.environ.get("PDLINK_REQUIRE_UCX") == "1":
-            pytest.fail("PDLINK_REQUIRE_UCX=1 and UCX does not load", pytrace=False)
-        pytest.skip("needs UCX (pip install \".[ucx]\")")
+    require_for_ucx(UCX_WHY_NOT)
     lanes = _version_line("ucx network transports: ", UCX_TLS="tcp").split(": ", 1)[1].split(", ")
     assert lanes and all(lane.startswith("tcp/") for lane in lanes), lanes
     assert _version_line("auto between hosts: ", UCX_TLS="tcp") == (

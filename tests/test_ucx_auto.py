@@ -12,13 +12,12 @@ and the source."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 
-from conftest import CMA_AVAILABLE, UCX_AVAILABLE, UCX_INFO
-from native_pair import TARGET, Two, copies
+from conftest import CMA_AVAILABLE, UCX_WHY_NOT, require_for_ucx
+from native_pair import TARGET, Two, copies, lane_families
 from peer import Peer, pid_namespace_error
 from peers import native
 from verify import check_transfer
@@ -27,22 +26,9 @@ from verify import check_transfer
 AUTO = {"PDLINK_TRANSPORT": "auto", "PDLINK_UCX_TRUSTED_NETWORK": "1", "UCX_TLS": "tcp"}
 
 
-def _require(why_not: str | None) -> None:
-    """Skips for want of UCX or of pid namespaces; under PDLINK_REQUIRE_UCX=1 (.ci/ucx.sh) fails."""
-    if why_not is None:
-        return
-    if os.environ.get("PDLINK_REQUIRE_UCX") == "1":
-        pytest.fail(f"PDLINK_REQUIRE_UCX=1 and {why_not}", pytrace=False)
-    pytest.skip(why_not)
-
-
 @pytest.fixture(autouse=True)
 def _ucx() -> None:
-    _require(None if UCX_AVAILABLE else f"needs UCX (pip install \".[ucx]\"): {UCX_INFO['error']}")
-
-
-def _families(lanes: tuple[str, ...]) -> set[str]:
-    return {lane.split("/")[0].split("_")[0] for lane in lanes}
+    require_for_ucx(UCX_WHY_NOT)
 
 
 def read_and_write(two: Two) -> None:
@@ -56,21 +42,21 @@ def read_and_write(two: Two) -> None:
 
 
 def test_auto_picks_ucx_between_hosts_over_a_listed_transport(peers: Callable[..., Peer]) -> None:
-    _require(pid_namespace_error())
+    require_for_ucx(pid_namespace_error())
     env = {**AUTO, "PDLINK_UCX_AUTO_TRANSPORTS": "tcp"}
     two = Two(peers, env, env, initiator_pid_namespace=True)
     for side in (two.initiator, two.target):
         assert (two.link(side).transport, two.link(side).lanes) == ("ucx", ())  # not connected yet
     read_and_write(two)
     lanes = two.link(two.initiator).lanes
-    assert lanes and _families(lanes) == {"tcp"}, lanes  # the network worker: never shared memory
+    assert lanes and lane_families(lanes) == {"tcp"}, lanes  # the network worker: never shared memory
     assert two.link(two.initiator).transport == "ucx"
 
 
 def test_auto_keeps_tcp_between_hosts_when_no_listed_transport_is_there(peers: Callable[..., Peer]) -> None:
     """An empty PDLINK_UCX_AUTO_TRANSPORTS lists none (as the RDMA default does on a host without
     an RDMA device): the stream, though both engines have UCX."""
-    _require(pid_namespace_error())
+    require_for_ucx(pid_namespace_error())
     env = {**AUTO, "PDLINK_UCX_AUTO_TRANSPORTS": ""}
     two = Two(peers, env, env, initiator_pid_namespace=True)
     read_and_write(two)

@@ -273,11 +273,13 @@ void Engine::choosePaths(Link& link, bool direct) {
   std::unique_ptr<DataPath> host;
   if (direct) {
     host = std::make_unique<CmaPath>(link.peerPid(), link.peerPublishedAddr());
-  } else if (ucx_hub_ && !link.payloadIntegrity() && config_.transport == Transport::kUcx) {
-    host = std::make_unique<UcxPath>(ucx_hub_, link.sameHost());
-  } else if (ucx_hub_ && !link.payloadIntegrity() && !link.sameHost() && ucx_hub_->autoBetweenHosts()) {
-    // auto between hosts over an RDMA-capable UCX: the stream stays behind for a peer without ucx.
-    host = std::make_unique<UcxPath>(ucx_hub_, false, std::make_unique<StreamPath>(link.outSocket().isUnix()));
+  } else if (ucx_hub_ && !link.payloadIntegrity() &&
+             (config_.transport == Transport::kUcx || (!link.sameHost() && ucx_hub_->autoBetweenHosts()))) {
+    // Picked by auto (between hosts, over an RDMA-capable UCX): the stream stays behind for a peer
+    // without ucx. Forced: that peer's refusal is the transfer's result.
+    std::unique_ptr<DataPath> fallback;
+    if (config_.transport == Transport::kAuto) fallback = std::make_unique<StreamPath>(link.outSocket().isUnix());
+    host = std::make_unique<UcxPath>(ucx_hub_, link.sameHost(), std::move(fallback));
   } else {
     host = std::make_unique<StreamPath>(link.outSocket().isUnix());
   }

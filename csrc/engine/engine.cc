@@ -73,17 +73,15 @@ Status Engine::initialize(const EngineConfig& config) {
                   "(PDLINK_UCX_TRUSTED_NETWORK=1, pdlink.UcxTrustedNetwork=1)");
   }
   std::shared_ptr<ucx::UcxHub> hub;  // first: nothing else to undo when UCX cannot be had
-  if (config.transport == Transport::kUcx) {
-    auto opened = ucx::UcxHub::open();
-    if (!opened.ok()) return opened.status();
-    hub = opened.value();
-  } else if (config.transport == Transport::kAuto && config.ucx_trusted_network) {
-    // auto may pick ucx between hosts (choosePaths); without UCX it keeps the stream.
-    auto opened = ucx::UcxHub::open();
+  const bool auto_ucx = config.transport == Transport::kAuto && config.ucx_trusted_network;
+  if (config.transport == Transport::kUcx || auto_ucx) {
+    auto opened = ucx::UcxHub::open(auto_ucx);
     if (opened.ok()) {
       hub = opened.value();
-    } else {
+    } else if (auto_ucx) {  // auto may pick ucx between hosts (choosePaths); without UCX, the stream
       PDLINK_LOG(kInfo, "no ucx path (" << opened.status().message() << "); links between hosts use tcp");
+    } else {
+      return opened.status();
     }
   }
   config_ = config;

@@ -48,7 +48,7 @@ std::vector<Segment> chunksOf(const std::vector<Segment>& pieces, uint64_t chunk
   return out;
 }
 
-Result<std::shared_ptr<UcxHub>> UcxHub::open() {
+Result<std::shared_ptr<UcxHub>> UcxHub::open(bool decide_auto) {
   std::shared_ptr<UcxHub> hub(new UcxHub());
   Result<std::unique_ptr<UcxWorker>> network = UcxWorker::open(Scope::kNetwork);
   if (!network.ok()) return network.status();
@@ -56,13 +56,15 @@ Result<std::shared_ptr<UcxHub>> UcxHub::open() {
   if (!local.ok()) return local.status();
   hub->network_ = std::move(network.value());
   hub->local_ = std::move(local.value());
-  Result<std::vector<std::string>> lanes = hub->network_->lanesToSelf();
-  if (lanes.ok()) {
-    hub->network_lanes_ = lanes.value();
-  } else {
-    PDLINK_LOG(kInfo, "ucx: cannot tell the network worker's transports (" << lanes.status().message() << ")");
+  if (decide_auto) {
+    Result<std::vector<std::string>> lanes = hub->network_->lanesToSelf();
+    if (lanes.ok()) {
+      hub->auto_between_hosts_ = autoPicksUcx(lanes.value());
+    } else {
+      PDLINK_LOG(kInfo, "ucx: cannot tell the network worker's transports (" << lanes.status().message()
+                                                                            << "); auto keeps tcp between hosts");
+    }
   }
-  hub->auto_between_hosts_ = autoPicksUcx(hub->network_lanes_);
   UcxHub* raw = hub.get();
   for (UcxWorker* w : {hub->network_.get(), hub->local_.get()}) {
     PDLINK_RETURN_IF_ERROR(w->setHandler(kDataId, [raw](AmIncoming& in) { raw->onMessage(in); }));

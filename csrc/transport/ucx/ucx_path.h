@@ -55,17 +55,16 @@ struct Expectation {
 
 class UcxHub {
  public:
-  // Both workers and the progress thread. kFeatureNotEnabled when UCX cannot be loaded or
-  // UCX_TLS allows no network transport (the message says which).
-  static Result<std::shared_ptr<UcxHub>> open();
+  // Both workers and the progress thread; with `decide_auto` (an engine with Transport::kAuto),
+  // also autoBetweenHosts. kFeatureNotEnabled when UCX cannot be loaded or UCX_TLS allows no
+  // network transport (the message says which).
+  static Result<std::shared_ptr<UcxHub>> open(bool decide_auto);
   ~UcxHub();
   UcxHub(const UcxHub&) = delete;
   UcxHub& operator=(const UcxHub&) = delete;
 
-  // The lanes of the network worker (UcxWorker::lanesToSelf; empty where UCX cannot say), and
-  // whether they make `auto` pick ucx for links between hosts (autoFamilies, from
-  // PDLINK_UCX_AUTO_TRANSPORTS as it was at open). Constant after open.
-  const std::vector<std::string>& networkLanes() const { return network_lanes_; }
+  // Whether `auto` picks ucx for links between hosts (autoPicksUcx on the network worker's lanes,
+  // UcxWorker::lanesToSelf): decided by open(true), false after open(false). Constant after open.
   bool autoBetweenHosts() const { return auto_between_hosts_; }
   // The worker for a link: the any-transport one for a peer the kernel proved to be on this host.
   UcxWorker& worker(bool same_host) { return same_host ? *local_ : *network_; }
@@ -90,7 +89,6 @@ class UcxHub {
   void progressLoop();
 
   std::unique_ptr<UcxWorker> network_, local_;
-  std::vector<std::string> network_lanes_;
   bool auto_between_hosts_ = false;
   std::mutex mu_;
   std::map<uint64_t, std::weak_ptr<Expectation>> expectations_;  // guarded by mu_
