@@ -27,12 +27,12 @@ from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
 from pdlink.server.tls import client_context, server_context
 from pdlink.server.validation import ROLES, BodyError, cluster_id, parse_role_request
-from pdlink.status import error_class, handle_llm_status, raise_if_false, raise_if_true
+from pdlink.status import as_llm_exception, error_class, handle_llm_status, raise_if_false, raise_if_true
 
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
-    "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate", "ucx_info", "LIMIT_OPTIONS",
+    "as_llm_exception", "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate", "ucx_info", "LIMIT_OPTIONS",
     "ip_to_int", "itemsize",
     "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair, moved
-from internals import error_class
 from pdlink import (
     BlocksCacheKey,
     CacheDesc,
@@ -74,11 +73,11 @@ def describe(call: Call) -> str:
 
 @contextmanager
 def llm_error(code: LLMStatusCode, op: str | None = None) -> Iterator[pytest.ExceptionInfo[LLMException]]:
-    """Expect an ``LLMException`` with ``status_code == code`` (and, for native failures, a
+    """Expect an ``LLMException`` of exactly that class with ``status_code == code`` (and, for native failures, a
     message that starts with ``"<op> failed, error code is <code>"``)."""
     with pytest.raises(LLMException) as info:
         yield info
-    assert type(info.value) is error_class(code), type(info.value)  # LLMException or its subclass for the code
+    assert type(info.value) is LLMException, type(info.value)  # as CANN's: never a subclass (docs/compatibility.md)
     assert info.value.status_code == code, f"{info.value.status_code}: {info.value}"
     if op is not None:
         assert str(info.value).startswith(f"{op} failed, error code is {code}"), str(info.value)

@@ -29,7 +29,7 @@ from pdlink import (
 from peer import Peer
 from peers import fake_ascend, native
 from poll import hang_guard, wait_until
-from verify import Copy, Snapshot, assert_same, check_transfer, differences, nothing, rows
+from verify import Copy, Snapshot, assert_same, check_transfer, differences, nothing, pattern, rows
 
 TIMEOUT_MS = 3000  # both engines' transfer timeout (tests/peers/native.py start)
 LIMITS = internals.core.LIMITS
@@ -355,6 +355,30 @@ def test_a_frozen_peer_mid_staged_list_gives_a_timeout(peers: Callable[..., Peer
     else:
         check_transfer(lambda: initiator.call(native.snapshot, "dst"), lambda: target.call(native.snapshot, "src"),
                        move, copies([(d, s, n) for s, d, n in descs]))
+
+
+def test_registered_memory_stays_alive_until_deregistered(two: Two) -> None:
+    """An array registered with nothing else referencing it is not freed while the engine publishes
+    it: after a collection and many allocations of its size, the peer still reads its bytes. Once
+    deregistered it is freed, and the same read is refused and moves nothing."""
+    nbytes = ROWS * ROW
+    two.initiator.call(native.register, "hdst", ROWS, ROW, seed=2, host=True)  # numpy memory is host memory
+    two.target.call(native.register_owned, "owned", ROWS, ROW, seed=9, key=11)
+    two.target.call(native.litter, 64, nbytes, 0xEE)  # would land where the array was, had it been freed
+    assert not two.target.call(native.owned_released, "owned")
+    remote = two.target.call(native.remote_owned, "owned")
+    two.initiator.call(native.prepare, "owned", TARGET, "hdst", remote)
+    src = Snapshot("the owned array", "bare", [pattern(nbytes, 0, 9)], [(0, 0)], nbytes, ROWS)
+    check_transfer(lambda: src, lambda: two.initiator.call(native.snapshot, "hdst"), lambda: two.initiator.call(
+        native.post, "owned", [0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0], "read"),
+        rows([(7 - i, i) for i in range(ROWS)]))
+    two.target.call(native.deregister_owned, "owned")
+    wait_until(lambda: two.target.call(native.owned_released, "owned"), 10, "the array freed once deregistered")
+    dst0 = two.initiator.call(native.snapshot, "hdst")
+    with pytest.raises(LLMException) as e:
+        two.initiator.call(native.post, "owned", [0], [0], "read")
+    assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, e.value
+    assert_same(two.initiator.call(native.snapshot, "hdst"), dst0, "the destination after a refused read")
 
 
 def test_reads_by_address_follow_the_peers_registrations(two: Two) -> None:

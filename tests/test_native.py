@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pdlink
-from internals import core, open_engine
+from internals import as_llm_exception, core, error_class, open_engine
 from pdlink import (
     InvalidArgument,
     LinkError,
@@ -171,11 +171,16 @@ def test_registration_is_checked() -> None:
     (S.LLM_EXIST_LINK, LLMException, RuntimeError),
 ])
 def test_each_code_has_its_exception_class(code: S, cls: type, builtin: type) -> None:
-    e = LLMException("boom", status_code=code)
+    e = error_class(code)("boom", status_code=code)
     assert (type(e), e.status_code, str(e)) == (cls, code, "boom")
     assert isinstance(e, builtin) and isinstance(e, LLMException) and isinstance(e, RuntimeError)
     restored = pickle.loads(pickle.dumps(e))
     assert (type(restored), restored.status_code, str(restored)) == (cls, code, "boom")
+    plain = LLMException("boom", status_code=code)  # as CANN's: LLMException itself, whatever the code
+    assert (type(plain), plain.status_code) == (LLMException, code)
+    assert type(LLMException) is type and LLMException.__mro__ == (LLMException, RuntimeError, Exception,
+                                                                      BaseException, object)
+    assert type(as_llm_exception(e)) is LLMException
 
 
 def test_switch_role_moves_the_listener_and_needs_no_links() -> None:

@@ -7,7 +7,7 @@ from enum import IntEnum
 import pytest
 
 from internals import handle_llm_status, raise_if_false, raise_if_true
-from pdlink import LLMException, LLMStatusCode, NotFound, Status, code_2_status
+from pdlink import LLMException, LLMStatusCode, Status, code_2_status
 
 EXPECTED_CODES = {
     "LLM_SUCCESS": 0,
@@ -106,7 +106,7 @@ def test_llm_exception_basics():
 def test_llm_exception_pickle_keeps_status_code(protocol):
     exc = LLMException("pull failed", "extra", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
     restored = pickle.loads(pickle.dumps(exc, protocol=protocol))
-    assert type(restored) is NotFound  # the class of its code (a LookupError), kept by pickling
+    assert type(restored) is LLMException  # exactly the class it was made as, kept by pickling
     assert restored.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     assert restored.args == ("pull failed", "extra")
     assert str(restored) == str(exc)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair
-from internals import error_class, transfer_cache_async
+from internals import transfer_cache_async
 from pdlink import (
     BlocksCacheKey,
     Cache,
@@ -280,12 +280,11 @@ def assert_unchanged(p: Peer, before: list[Snapshot]) -> None:
 
 def _expect(p: Peer, args: tuple[Any, ...], exc: type[Exception],
             code: LLMStatusCode = S.LLM_PARAM_INVALID) -> Exception:
-    """``transfer_cache_async(*args)`` raises exactly `exc` (for LLMException: the class of `code`,
-    with `code`)."""
+    """``transfer_cache_async(*args)`` raises exactly `exc` (an LLMException: with `code`)."""
     with pytest.raises(exc) as info:
         p.call(ta.transfer, *args)
     err = info.value
-    assert type(err) is (error_class(code) if exc is LLMException else exc), (args, err)
+    assert type(err) is exc, (args, err)  # LLMException itself, never a subclass
     if isinstance(err, LLMException):
         assert err.status_code == code, (args, err)
     return err

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from backend_env import peer_env
-from internals import error_class
 from pdlink import (
     BlocksCacheKey,
     CacheKey,
@@ -48,7 +47,7 @@ Side = tuple[Peer, str] | tuple[Peer, str, int]  # (peer, cache name[, device])
 
 class raises:
     """``with raises(cls, code, match=..., message=...):`` expects an exception of exactly class
-    ``cls`` (for ``LLMException``: the class of status ``code``, ``error_class``), whose text
+    ``cls`` (``LLMException`` itself, never a subclass, as CANN raises it), whose text
     contains ``match`` / is ``message``."""
 
     def __init__(self, cls: type[BaseException], code: S | None = None, match: str | None = None,
@@ -60,8 +59,7 @@ class raises:
 
     def __exit__(self, tp: type[BaseException] | None, value: BaseException | None, tb: object) -> bool:
         assert tp is not None and value is not None, f"expected {self.cls.__name__}({self.code}), nothing was raised"
-        expected = error_class(self.code) if self.cls is LLMException and self.code is not None else self.cls
-        assert tp is expected, f"expected {expected.__name__}, got {tp.__name__}: {value}"
+        assert tp is self.cls, f"expected {self.cls.__name__}, got {tp.__name__}: {value}"
         if self.code is not None:
             assert isinstance(value, LLMException) and value.status_code == self.code, f"{value!r}: {value}"
         if self.match is not None:
@@ -72,7 +70,7 @@ class raises:
 
 
 def llm_error(code: S, match: str | None = None) -> raises:
-    """An ``LLMException`` of exactly the class for that status code (``error_class``)."""
+    """An ``LLMException`` (exactly that class) with that status code."""
     return raises(LLMException, code, match)
 
 

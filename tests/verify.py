@@ -166,9 +166,15 @@ def check_transfer(read_src: Callable[[], Snapshot], read_dst: Callable[[], Snap
                    expect: Callable[[Snapshot, Snapshot], Snapshot]) -> object:
     """Snapshot both sides, run ``action``, snapshot again; the destination must equal
     ``expect(dst_before, src_before)`` and the source must be unchanged. Returns what ``action``
-    returned."""
+    returned. An ``action`` that raises must have moved nothing (``expect`` is then ``nothing``,
+    whatever was given): both sides are checked before its exception goes on."""
     src0, dst0 = read_src(), read_dst()
-    result = action()
+    try:
+        result = action()
+    except Exception:
+        assert_same(read_dst(), dst0, "the destination of a transfer that raised")
+        assert_same(read_src(), src0, "the source of a transfer that raised")
+        raise
     assert_same(read_dst(), expect(dst0, src0), "destination")
     assert_same(read_src(), src0, "source")
     return result

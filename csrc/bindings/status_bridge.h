@@ -1,9 +1,11 @@
 // The single place where a core Status becomes a Python exception.
 //
 // Bound functions call throwIfError(status, "pull_blocks"); the translator registered by
-// registerStatusTranslator() turns the resulting StatusError into pdlink.status.LLMException with
-// `status_code` set from the numeric code, and the message formatted as llm_datadist does:
-// "<op> failed, error code is <LLMStatusCode.X>, <detail>.".
+// registerStatusTranslator() turns the resulting StatusError into the pdlink.Engine exception for
+// its code (pdlink.status.native_exception: an LLMException subclass such as InvalidArgument, or
+// LLMException itself), with `status_code` set from the numeric code and the message formatted as
+// llm_datadist does: "<op> failed, error code is <LLMStatusCode.X>, <detail>.". The llm_datadist
+// layer turns these into plain LLMException (pdlink.status.as_llm_exception).
 // Requires the GIL only inside the translator (pybind11 calls it with the GIL held).
 #pragma once
 
@@ -46,7 +48,7 @@ inline void registerStatusTranslator() {
     } catch (const StatusError& e) {
       namespace py = pybind11;
       py::module_ status = py::module_::import("pdlink.status");
-      py::object exc = status.attr("llm_exception")(static_cast<uint32_t>(e.status().code()), e.op(),
+      py::object exc = status.attr("native_exception")(static_cast<uint32_t>(e.status().code()), e.op(),
                                                     e.status().message());
       PyErr_SetObject(status.attr("LLMException").ptr(), exc.ptr());
     }

@@ -40,7 +40,7 @@ import numpy as np
 
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
-from .status import LLMStatusCode, llm_exception
+from .status import LLMStatusCode, native_exception
 
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "MemoryPool", "Notification",
@@ -151,6 +151,25 @@ class EngineOptions:
             secret=self.secret if self.secret is not None else env.get("PDLINK_LINK_SECRET") or None,
             backend=self.backend or env.get("PDLINK_BACKEND") or "auto", hccl_one_sided=one_sided,
             ucx_trusted_network=trusted)
+
+
+def _span_of(obj: Any) -> tuple[int, int] | None:
+    """``(address, nbytes)`` of an object's whole memory, None when it is not C-contiguous: a
+    tensor's ``data_ptr()`` (torch: no copy to the host), else the object's own buffer (the buffer
+    protocol, ``__array_interface__``). Anything else (a list of numbers) is refused: numpy would
+    register a copy, not the caller's memory."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and not isinstance(obj, np.ndarray):
+        return (int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size())) if obj.is_contiguous() else None
+    if isinstance(obj, np.ndarray):
+        array = obj
+    elif hasattr(obj, "__array_interface__"):
+        array = np.asarray(obj)
+    else:
+        try:
+            array = np.asarray(memoryview(obj))
+        except TypeError:
+            raise ValueError(f"cannot register a {type(obj).__name__}: give an array, a buffer or a tensor") from None
+    return (int(array.ctypes.data), int(array.nbytes)) if array.flags.c_contiguous else None
 
 
 @dataclass(frozen=True)
@@ -361,6 +380,7 @@ class Engine:
             ucx_trusted_network=bool(options.ucx_trusted_network))
         self.kv = KvCaches(self._native)
         self._regions: dict[int, Region] = {}
+        self._owners: dict[int, tuple[Any, ...]] = {}  # cache id -> the objects its memory belongs to
         self._batches: dict[int, BatchTransfer] = {}  # peer -> its descriptor transfers (read_batch)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -375,6 +395,9 @@ class Engine:
         if pool is not None:
             pool.shutdown(wait=True)
         self._native.finalize()
+        with self._lock:  # peers can reach nothing now
+            self._regions.clear()
+            self._owners.clear()
 
     def __enter__(self) -> Engine:
         return self
@@ -428,20 +451,28 @@ class Engine:
                  placement: str | enum.Enum = "HOST", block_size: int | None = None, key: int | None = None,
                  remote_writable: bool = True) -> Region:
         """Registers memory for transfers: an object with the buffer protocol or
-        ``__array_interface__`` (a numpy array; its whole contiguous buffer), or a list of them of
-        equal size (a region of several tensors); or ``address`` (an int, or a list of them) and
-        ``length`` per tensor (DEVICE memory of the backend, say). ``block_size`` (default:
-        ``length``) must divide the length. ``key`` publishes the region to peers under that number
-        (unique per engine). ``remote_writable=False`` refuses peers' writes."""
+        ``__array_interface__`` (a numpy array; its whole contiguous buffer), a tensor with
+        ``data_ptr()`` (torch), or a list of them of equal size (a region of several tensors); or
+        ``address`` (an int, or a list of them) and ``length`` per tensor (DEVICE memory of the
+        backend, say). ``block_size`` (default: ``length``) must divide the length. ``key``
+        publishes the region to peers under that number (unique per engine).
+        ``remote_writable=False`` refuses peers' writes.
+
+        Ownership: the engine holds a reference to every object given as ``memory`` until the
+        region is deregistered or the engine closes, so peers never reach memory that was freed
+        and reused. Memory given by ``address`` is the caller's: it must stay allocated until
+        ``deregister`` (or ``close``) returns."""
+        owners: tuple[Any, ...] = ()
         if memory is not None:
             if address is not None or length is not None:
                 raise ValueError("give memory, or address and length, not both")
-            arrays = [np.asarray(m) for m in memory] if isinstance(memory, (list, tuple)) else [np.asarray(memory)]
-            if not arrays or any(not a.flags.c_contiguous for a in arrays):
+            owners = tuple(memory) if isinstance(memory, (list, tuple)) else (memory,)
+            spans = [span for span in map(_span_of, owners) if span is not None]
+            if not owners or len(spans) != len(owners):
                 raise ValueError("memory must be C-contiguous (an array, or a non-empty list of arrays)")
-            if len({a.nbytes for a in arrays}) != 1:
-                raise ValueError(f"the tensors of a region must have one size, got {[a.nbytes for a in arrays]}")
-            addresses, length = [int(a.ctypes.data) for a in arrays], int(arrays[0].nbytes)
+            if len({n for _, n in spans}) != 1:
+                raise ValueError(f"the tensors of a region must have one size, got {[n for _, n in spans]}")
+            addresses, length = [a for a, _ in spans], spans[0][1]
         else:
             addresses = list(address) if isinstance(address, (list, tuple)) else [address]  # type: ignore[list-item]
         if (not addresses or any(not isinstance(a, int) or a <= 0 for a in addresses) or not isinstance(length, int)
@@ -458,6 +489,8 @@ class Engine:
         region = Region(tuple(addresses), length, where.name, block, key, int(cache_id))
         with self._lock:
             self._regions[region.cache_id] = region
+            if owners:
+                self._owners[region.cache_id] = owners
         return region
 
     def deregister(self, region: Region) -> None:
@@ -467,6 +500,8 @@ class Engine:
             if self._regions.pop(region.cache_id, None) is None:
                 raise ValueError(f"region {region.cache_id} is not registered here")
         self._native.unregister_cache(region.cache_id)
+        with self._lock:  # only now: a transfer still running over the region finished first
+            self._owners.pop(region.cache_id, None)
 
     def copy(self, dst: int, src: int, nbytes: int, *, dst_placement: str | enum.Enum = "HOST",
              src_placement: str | enum.Enum = "HOST") -> None:
@@ -489,7 +524,7 @@ class Engine:
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
         ((code, message, peer),) = self._native.link([(cluster_id, ip, port)], timeout)
         if code != LLMStatusCode.LLM_SUCCESS:
-            raise llm_exception(code, "connect", message)
+            raise native_exception(code, "connect", message)
         return int(peer)
 
     def disconnect(self, peer: int, *, timeout_ms: int | None = None, force: bool = False) -> None:
@@ -497,7 +532,7 @@ class Engine:
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
         ((code, message),) = self._native.unlink([peer], timeout, force)
         if code != LLMStatusCode.LLM_SUCCESS:
-            raise llm_exception(code, "disconnect", message)
+            raise native_exception(code, "disconnect", message)
 
     def remote_memory(self, peer: int, *, timeout_ms: int | None = None) -> MemoryMap:
         """The memory ``peer`` registered, as it checks descriptors against it (one round trip): to

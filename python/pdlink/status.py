@@ -24,6 +24,7 @@ __all__ = [
     "raise_if_false",
     "raise_if_true",
     "error_class",
+    "as_llm_exception",
     "InvalidArgument",
     "NotFound",
     "TransferTimeout",
@@ -110,13 +111,13 @@ class LLMException(RuntimeError):
 
     ``status_code`` (read-only) holds the ``LLMStatusCode`` describing the failure.
     Pickling keeps both the message arguments and the status code.
+
+    ``LLMException(msg, status_code=c)`` is an ``LLMException`` itself, as CANN's is: what
+    ``llm_datadist`` raises is always exactly this class. ``pdlink.Engine`` raises the subclasses
+    below (``error_class``), which ``except LLMException`` catches too.
     """
 
     def __new__(cls, *args: Any, status_code: LLMStatusCode | int = LLMStatusCode.LLM_SUCCESS) -> Any:
-        # ``LLMException(msg, status_code=c)`` is an instance of the class for c (error_class), so
-        # every error of one code is of one class, however it was raised.
-        if cls is LLMException:
-            cls = _ERROR_CLASSES.get(code_2_status(status_code), LLMException)
         base = OSError if issubclass(cls, OSError) else RuntimeError  # TimeoutError, ConnectionError
         return base.__new__(cls, *args)
 
@@ -137,9 +138,10 @@ class LLMException(RuntimeError):
         return (_rebuild_llm_exception, (type(self), self.args, self._status_code, state or None))
 
 
-# The native API's exception hierarchy (docs/native_api.md, "Errors"): every error the engine
-# reports is an LLMException of one of these classes, chosen by its status code, and each also
-# inherits the builtin exception that matches (so ``except TimeoutError`` works).
+# The native API's exception hierarchy (docs/native_api.md, "Errors"): every error pdlink.Engine
+# reports is of the class error_class gives for its status code, and each subclass also inherits the
+# builtin exception that matches (so ``except TimeoutError`` works). The llm_datadist layer never
+# raises these (as_llm_exception): a program written for CANN would take another branch.
 
 
 class InvalidArgument(LLMException, ValueError):
@@ -220,12 +222,31 @@ def handle_llm_status(ret: int, func_name: str, info: Any) -> None:
 
 
 def llm_exception(ret: int, func_name: str, info: Any) -> LLMException:
-    """The ``LLMException`` for native return code ``ret``, with llm_datadist's message format.
-
-    The one formatter of such messages: the native binding's translator calls it too.
-    """
+    """The ``LLMException`` (exactly that class) for native return code ``ret``, with llm_datadist's
+    message format, ``"<func_name> failed, error code is <LLMStatusCode.NAME>, <info>."``."""
     code = code_2_status(ret)
-    return LLMException(f"{func_name} failed, error code is {code!s}, {info}.", status_code=code)
+    return LLMException(_failed_message(code, func_name, info), status_code=code)
+
+
+def native_exception(ret: int, func_name: str, info: Any) -> LLMException:
+    """The error ``pdlink.Engine`` raises for native return code ``ret``: an instance of
+    ``error_class(ret)``, with the same message as ``llm_exception``. The native binding's
+    translator calls it for every failed ``Status``."""
+    code = code_2_status(ret)
+    return error_class(code)(_failed_message(code, func_name, info), status_code=code)
+
+
+def as_llm_exception(error: LLMException) -> LLMException:
+    """``error`` as llm_datadist raises it: an ``LLMException`` of exactly that class, with the same
+    arguments, status code and traceback (``error`` itself when it is one already)."""
+    if type(error) is LLMException:
+        return error
+    plain = LLMException(*error.args, status_code=error.status_code)
+    return plain.with_traceback(error.__traceback__)
+
+
+def _failed_message(code: LLMStatusCode, func_name: str, info: Any) -> str:
+    return f"{func_name} failed, error code is {code!s}, {info}."
 
 
 def _format_message(fmt: Any, args: tuple, kwargs: dict) -> str:

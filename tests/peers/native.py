@@ -17,7 +17,9 @@ device backend, regions are DEVICE memory.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ import pdlink
 from pdlink import kv
 from peers.memory import GuardedTensors, device_memory_is_remote
 from poll import wait_until
-from verify import Snapshot
+from verify import Snapshot, pattern
 
 
 @dataclasses.dataclass
@@ -36,7 +38,8 @@ class _Named:
     region: pdlink.Region
 
 
-_state: dict[str, Any] = {"engine": None, "regions": {}, "prepared": {}, "pending": {}, "caches": {}}
+_state: dict[str, Any] = {"engine": None, "regions": {}, "prepared": {}, "pending": {}, "caches": {}, "owned": {},
+                          "litter": []}
 
 
 def _engine() -> pdlink.Engine:
@@ -70,6 +73,38 @@ def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | 
                                 block_size=row_bytes, key=key)
     _state["regions"][name] = _Named(memory, region)
     return region.address
+
+
+def register_owned(name: str, rows: int, row_bytes: int, seed: int, key: int) -> int:
+    """A region registered from a numpy array of ``verify.pattern(.., seed)`` bytes that nothing but
+    the engine references once this returns (a weak reference tells when it is freed); returns its
+    address."""
+    array = pattern(rows * row_bytes, 0, seed).reshape(rows, row_bytes)
+    region = _engine().register(array, block_size=row_bytes, key=key)
+    _state["owned"][name] = (region, weakref.ref(array))
+    del array
+    gc.collect()
+    return region.address
+
+
+def owned_released(name: str) -> bool:
+    """Whether region ``name``'s array was freed (after a collection)."""
+    gc.collect()
+    return _state["owned"][name][1]() is None
+
+
+def deregister_owned(name: str) -> None:
+    _engine().deregister(_state["owned"][name][0])
+
+
+def remote_owned(name: str) -> pdlink.RemoteRegion:
+    return _state["owned"][name][0].remote()
+
+
+def litter(count: int, nbytes: int, fill: int) -> None:
+    """Allocates ``count`` arrays of ``nbytes`` filled with ``fill`` and keeps them: what would take
+    the place of freed memory of that size."""
+    _state["litter"].extend(np.full(nbytes, fill, np.uint8) for _ in range(count))
 
 
 def kv_register(name: str, rows: int, row_bytes: int, seed: int | None, model: int | None = None) -> int:

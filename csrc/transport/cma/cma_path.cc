@@ -2,6 +2,7 @@
 #include "transport/cma/cma_path.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/limits.h"
 #include "transport/cma/cma.h"
@@ -207,12 +208,38 @@ Status CmaPath::describe(Link& link, const std::string& body, uint8_t flags, uin
 }
 
 Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation) {
+  // A stale cached layout must not land a byte: the caller then fails (or redoes) the read, and a
+  // refused read moves nothing. Small reads land in a per-thread bounce buffer first and reach the
+  // destination only once the generation read after them matches; larger ones read the generation
+  // before the data too, so only a deregistration racing the copy itself can land bytes of a read
+  // that then fails (docs/native_api.md, "Transfers").
   uint64_t g = 0;
+  void* const generation_word = reinterpret_cast<void*>(published_addr_);
+  size_t total = 0;
+  for (const iovec& v : local) total += v.iov_len;
+  if (total <= kBounceBytes) {
+    thread_local std::vector<uint8_t> bounce;
+    if (bounce.size() < total) bounce.resize(kBounceBytes);
+    std::vector<iovec> staged{{bounce.data(), total}, {&g, 8}};
+    remote.push_back({generation_word, 8});
+    Status st = cma::copy(pid_, false, staged, remote);
+    if (!st.ok() && st.code() == Code::kLinkFailed) return st;
+    if (!st.ok() || g != generation) return false;  // an unmapped range (EFAULT) counts as changed
+    size_t at = 0;
+    for (const iovec& v : local) {
+      std::memcpy(v.iov_base, bounce.data() + at, v.iov_len);
+      at += v.iov_len;
+    }
+    return true;
+  }
+  Result<uint64_t> before = cma::readWord(pid_, published_addr_);
+  if (!before.ok()) return before.status().code() == Code::kLinkFailed ? Result<bool>(before.status()) : false;
+  if (before.value() != generation) return false;
   local.push_back({&g, 8});
-  remote.push_back({reinterpret_cast<void*>(published_addr_), 8});
+  remote.push_back({generation_word, 8});
   Status st = cma::copy(pid_, false, local, remote);
   if (!st.ok() && st.code() == Code::kLinkFailed) return st;
-  return st.ok() && g == generation;  // an unmapped range (EFAULT) counts as changed: checked again
+  return st.ok() && g == generation;
 }
 
 Status CmaServer::serve(ServeCall& call) {

@@ -32,8 +32,10 @@ class CmaPath : public DataPath {
   Status describe(Link& link, const std::string& body, uint8_t flags, uint64_t max_bytes, Deadline deadline,
                   const char* what, std::string* payload);
   // The ordered read of the fast paths: the runs `local[i]` <- `remote[i]`, then the peer's
-  // generation word; true when it equals `generation` (nothing changed since the describe).
+  // generation word; true when it equals `generation` (nothing changed since the describe). False
+  // leaves `local` untouched, except for a read over kBounceBytes whose copy raced a change.
   Result<bool> readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation);
+  static constexpr size_t kBounceBytes = 256 * 1024;  // reads up to this size are staged (one memcpy)
 
   PathCaps caps_;
   const pid_t pid_;

@@ -153,7 +153,7 @@ class Hixl:
             try:
                 # Links are keyed by cluster id in pdlink; hixl engines have none, so each takes a
                 # random one (a client-only id such as "127.0.0.1:0" is not unique).
-                self._engine = Engine(EngineOptions(cluster_id=secrets.randbits(62), listen=listen))
+                self._engine = Engine(EngineOptions(cluster_id=secrets.randbits(62), listen=listen, one_way_links=True))
             except Exception as e:  # noqa: BLE001 - a code, as hixl reports it (port in use, say)
                 return _code(e) if _code(e) != PARAM_INVALID else FAILED
             self._identity, self._options = identity, parsed

@@ -16,11 +16,13 @@ accepted types.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from collections.abc import Sequence
-from typing import Any, Literal, overload
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, overload
 
-from ...status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
+from ...status import LLMException, LLMStatusCode, as_llm_exception, raise_if_false, raise_if_true
 
 __all__ = [
     "UINT8_MAX",
@@ -47,6 +49,7 @@ __all__ = [
     "check_list_uint64",
     "check_layer_range",
     "is_valid_id",
+    "llm_api",
     "raise_if_false",
     "raise_if_true",
     "LLMException",
@@ -67,6 +70,38 @@ UINT64_MAX = 2**64 - 1
 INVALID_ID = UINT64_MAX
 
 TypeSpec = type | Sequence[type]
+_C = TypeVar("_C", bound=type)
+
+
+def _plain_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LLMException as e:
+            if type(e) is LLMException:
+                raise
+            raise as_llm_exception(e) from None
+
+    return call
+
+
+def llm_api(cls: _C) -> _C:
+    """Class decorator for the llm_datadist classes: every public method and property (and
+    ``__init__``) raises what CANN's raises, an ``LLMException`` of exactly that class, never one of
+    ``pdlink.Engine``'s subclasses (``InvalidArgument`` is also a ``ValueError``: a connector's
+    ``except (TypeError, ValueError)`` before ``except LLMException`` would take the wrong branch)."""
+    for name, attr in list(vars(cls).items()):
+        if name.startswith("_") and name != "__init__":
+            continue
+        if isinstance(attr, property):
+            fget, fset, fdel = (None if f is None else _plain_errors(f) for f in (attr.fget, attr.fset, attr.fdel))
+            setattr(cls, name, property(fget, fset, fdel, attr.__doc__))
+        elif isinstance(attr, (staticmethod, classmethod)):
+            setattr(cls, name, type(attr)(_plain_errors(attr.__func__)))
+        elif inspect.isfunction(attr):
+            setattr(cls, name, _plain_errors(attr))
+    return cls
 
 
 def _as_type_tuple(types: TypeSpec) -> tuple[type, ...]:

@@ -27,6 +27,7 @@ from ._utils import (
     check_list_uint64,
     check_uint32,
     is_valid_id,
+    llm_api,
     raise_if_false,
     raise_if_true,
 )
@@ -127,6 +128,7 @@ def _check_block_pairs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> 
         raise_if_false(False, f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length")
 
 
+@llm_api
 class CacheManager:
     """Registers, allocates and moves KV caches of one ``LLMDataDist`` (llm_datadist_api.md §8).
 

@@ -36,6 +36,7 @@ from ._utils import (
     check_list_of,
     check_uint32,
     check_uint64,
+    llm_api,
     raise_if_false,
     raise_if_true,
 )
@@ -106,6 +107,7 @@ def _offset(name: str, value: Any) -> int:
     return value
 
 
+@llm_api
 class KvCacheManager:
     """Allocates, moves and frees the KV caches of a v1-mode ``LLMDataDist`` (llm_datadist_api.md §9).
 

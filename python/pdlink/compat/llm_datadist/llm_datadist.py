@@ -32,6 +32,7 @@ from ._utils import (
     check_isinstance,
     check_list_of,
     check_uint64,
+    llm_api,
     raise_if_false,
     raise_if_true,
 )
@@ -306,6 +307,7 @@ def _combine_device_results(count: int, per_device: list[list[tuple[Any, ...]]])
     return out
 
 
+@llm_api
 class LLMDataDist:
     """One llm_datadist engine. At most one may be initialised per process (llm_datadist_api.md §6).
 

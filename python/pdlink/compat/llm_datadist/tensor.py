@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...status import LLMException, LLMStatusCode
-from ._utils import check_isinstance, check_list_of
+from ._utils import check_isinstance, check_list_of, llm_api
 from .data_type import DataType, itemsize
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class TensorDesc:
     __repr__ = __str__
 
 
+@llm_api
 class Tensor:
     """A tensor over a numpy array or over KV-cache memory (deprecated v1 API, llm_datadist_api.md §7.12).
 

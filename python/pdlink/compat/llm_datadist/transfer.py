@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...status import LLMException, LLMStatusCode, code_2_status, handle_llm_status
-from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, raise_if_false
+from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, llm_api, raise_if_false
 from .llm_types import BlocksCacheKey, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 
 __all__ = ["CacheTask", "transfer_cache_async"]
@@ -57,6 +57,7 @@ def _join_seconds(timeout_in_millis: int | None) -> float | None:
     return timeout_in_millis / 1000
 
 
+@llm_api
 class CacheTask:
     """Handle of one ``transfer_cache_async`` call (llm_datadist_api.md §7.11). Users do not construct it.
 
