@@ -32,8 +32,8 @@ from pdlink.status import as_llm_exception, error_class, handle_llm_status, rais
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
-    "as_llm_exception", "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate", "ucx_info", "LIMIT_OPTIONS",
-    "ip_to_int", "itemsize",
+    "as_llm_exception", "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate",
+    "ucx_info", "LIMIT_OPTIONS", "ip_to_int", "itemsize",
     "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
     "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",

@@ -71,6 +71,11 @@ def describe(call: Call) -> str:
     return f"{getattr(fn, '__name__', fn)}{args}{kwargs or ''}"
 
 
+# pdlink.Engine's advice in its error messages, which llm_datadist's must never carry.
+ENGINE_WORDS = ("; connect first", "disconnect, then connect again", "disconnect them first", "connect on that side",
+                "disconnect on that side", "close the engine and open a new one")
+
+
 @contextmanager
 def llm_error(code: LLMStatusCode, op: str | None = None) -> Iterator[pytest.ExceptionInfo[LLMException]]:
     """Expect an ``LLMException`` of exactly that class with ``status_code == code`` (and, for native failures, a
@@ -79,6 +84,11 @@ def llm_error(code: LLMStatusCode, op: str | None = None) -> Iterator[pytest.Exc
         yield info
     assert type(info.value) is LLMException, type(info.value)  # as CANN's: never a subclass (docs/compatibility.md)
     assert info.value.status_code == code, f"{info.value.status_code}: {info.value}"
+    # llm_datadist's own words: no advice in pdlink.Engine's ("connect first")
+    text = str(info.value)
+    assert not any(words in text for words in ENGINE_WORDS), text
+    if code == LLMStatusCode.LLM_NOT_YET_LINK and "no link to" in text:
+        assert text.endswith("; call link_clusters first."), text
     if op is not None:
         assert str(info.value).startswith(f"{op} failed, error code is {code}"), str(info.value)
 

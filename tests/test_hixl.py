@@ -1383,3 +1383,117 @@ def test_a_dead_peer_fails_transfers_without_a_hang(peers: Callable[..., Peer], 
         hixl.SUCCESS, hixl.NOT_CONNECTED)
     code = two.client.call_within(hang_guard(1000), hixl_peer.connect, two.server_id, 1000)
     assert code in (hixl.TIMEOUT, hixl.FAILED, hixl.NOT_CONNECTED)
+
+
+# ============================================================================ one-way links, both ways
+
+
+class Side:
+    """One engine of a pair that link both ways: its peer process, its id, and a buffer it reads
+    into ("in", a pattern) from the other side's buffer ("out", another pattern)."""
+
+    def __init__(self, peer: Peer, variant: Variant, ident: str, seed: int):
+        self.peer, self.variant, self.id = peer, variant, ident
+        self.out = alloc(peer, variant, "out", 16384, seed=seed)
+        self.into = alloc(peer, variant, "in", 16384, seed=seed + 1)
+        assert peer.call(hixl_peer.register, "out")[0] == hixl.SUCCESS
+        assert peer.call(hixl_peer.register, "in")[0] == hixl.SUCCESS
+
+    def reads(self, other: Side, count: int = 1, at: int = 0) -> list[int]:
+        """``count`` READs of 64 bytes over this side's own link from ``other``'s "out" (offsets
+        from ``at``), each checked: every read byte lands, nothing else changes."""
+        triples = [(at + i * 64, 8192 - at - (i + 1) * 64, 64) for i in range(count)]
+        return check_moves(lambda: self.peer.call(hixl_peer.transfer_many, other.id, "READ",
+                                                  read_descs(self.into, other.out, triples)),
+                           [(other.peer, "out", self.peer, "in", triples)])
+
+    def refused(self, other: Side, code: int) -> None:
+        """A READ from ``other`` gives ``code`` and moves nothing."""
+        got = check_moves(lambda: self.peer.call_within(hang_guard(3000), hixl_peer.transfer_sync, other.id, "READ",
+                                                        [(self.into, other.out, 64)], 3000),
+                          [], untouched=[(self.peer, "in")])
+        assert got == code, got
+
+
+def both_ways(peers: Callable[..., Peer], variant: Variant) -> tuple[Side, Side]:
+    """Two listening engines, each linked to the other (two links, one per direction), each read
+    over its own link once."""
+    two = Two(peers, variant, client_listens=True)
+    c, s = Side(two.client, variant, two.client_id, 1), Side(two.server, variant, two.server_id, 3)
+    assert c.peer.call(hixl_peer.connect, s.id) == hixl.SUCCESS
+    assert s.peer.call(hixl_peer.connect, c.id) == hixl.SUCCESS
+    assert c.reads(s) == [hixl.SUCCESS] and s.reads(c) == [hixl.SUCCESS]
+    return c, s
+
+
+def test_a_link_back_that_notifies_and_disconnects_leaves_the_first_link_working(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A real program's sequence: C links to S and reads; S links back to C, notifies and
+    disconnects. In CANN's hixl that ends S's own link only: C's goes on moving bytes (many
+    transfers after the notification arrived), C's connect answers ALREADY_CONNECTED on a link that
+    works, and S may link back again."""
+    two = Two(peers, variant, client_listens=True)
+    c, s = Side(two.client, variant, two.client_id, 1), Side(two.server, variant, two.server_id, 3)
+    assert c.peer.call(hixl_peer.connect, s.id) == hixl.SUCCESS
+    assert c.reads(s) == [hixl.SUCCESS]
+    assert s.peer.call(hixl_peer.connect, c.id) == hixl.SUCCESS
+    assert s.peer.call(hixl_peer.send_notify, c.id, "kv_done", "req-1") == hixl.SUCCESS
+    assert s.peer.call(hixl_peer.disconnect, c.id) == hixl.SUCCESS
+    assert c.peer.call(hixl_peer.wait_notifies, 1) == [("kv_done", "req-1")]
+    assert c.reads(s, count=100) == [hixl.SUCCESS] * 100
+    assert c.peer.call(hixl_peer.connect, s.id) == hixl.ALREADY_CONNECTED
+    assert c.reads(s, count=20, at=4096) == [hixl.SUCCESS] * 20
+    assert s.peer.call(hixl_peer.send_notify, c.id, "late", "x") == hixl.NOT_CONNECTED  # S's link is gone
+    s.refused(c, hixl.NOT_CONNECTED)
+    assert s.peer.call(hixl_peer.connect, c.id) == hixl.SUCCESS  # and may be made again
+    assert s.peer.call(hixl_peer.send_notify, c.id, "kv_done", "req-2") == hixl.SUCCESS
+    assert c.peer.call(hixl_peer.wait_notifies, 1) == [("kv_done", "req-2")]
+    assert s.reads(c) == [hixl.SUCCESS] and c.reads(s) == [hixl.SUCCESS]
+
+
+@pytest.mark.parametrize("first", ["client", "server"])
+def test_each_disconnect_ends_only_its_own_direction(peers: Callable[..., Peer], variant: Variant, first: str) -> None:
+    """Two engines linked both ways; either disconnects first, then the other. Each disconnect ends
+    the caller's link only: the other direction keeps moving bytes until its own disconnect, and
+    either link can be made again in any order."""
+    c, s = both_ways(peers, variant)
+    one, other = (c, s) if first == "client" else (s, c)
+    assert one.peer.call(hixl_peer.disconnect, other.id) == hixl.SUCCESS
+    one.refused(other, hixl.NOT_CONNECTED)
+    assert one.peer.call(hixl_peer.disconnect, other.id) == hixl.NOT_CONNECTED
+    assert other.reads(one, count=10) == [hixl.SUCCESS] * 10
+    assert other.peer.call(hixl_peer.disconnect, one.id) == hixl.SUCCESS
+    other.refused(one, hixl.NOT_CONNECTED)
+    assert other.peer.call(hixl_peer.connect, one.id) == hixl.SUCCESS  # the second to leave links first
+    assert other.reads(one) == [hixl.SUCCESS]
+    one.refused(other, hixl.NOT_CONNECTED)
+    assert one.peer.call(hixl_peer.connect, other.id) == hixl.SUCCESS
+    assert one.reads(other) == [hixl.SUCCESS] and other.reads(one) == [hixl.SUCCESS]
+
+
+def test_engines_killed_and_restarted_in_turn_relink_and_move_every_byte(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """Two engines linked both ways; each is killed and started again at its id in turn. The
+    survivor's link to the dead one fails its transfers with FAILED, and connect answers
+    ALREADY_CONNECTED, until the survivor disconnects and connects again (CANN's rule); its other
+    direction, the restarted engine's new link, works at once."""
+    c, s = both_ways(peers, variant)
+    for round_ in range(2):
+        dead, survivor = (s, c) if round_ == 0 else (c, s)
+        dead.peer.kill()
+        survivor.refused(dead, hixl.FAILED)
+        restarted = peers(f"hixl-restarted-{round_}", env=variant.env())
+        restarted.call(hixl_peer.start_at, dead.id)
+        back = Side(restarted, variant, dead.id, 5 + 2 * round_)
+        survivor.refused(back, hixl.FAILED)  # the old link stays failed
+        assert survivor.peer.call(hixl_peer.connect, back.id) == hixl.ALREADY_CONNECTED
+        assert back.peer.call(hixl_peer.connect, survivor.id) == hixl.SUCCESS
+        assert back.reads(survivor, count=5) == [hixl.SUCCESS] * 5
+        assert survivor.peer.call(hixl_peer.disconnect, back.id) == hixl.SUCCESS
+        assert survivor.peer.call(hixl_peer.connect, back.id) == hixl.SUCCESS
+        assert survivor.reads(back, count=5) == [hixl.SUCCESS] * 5
+        assert back.reads(survivor) == [hixl.SUCCESS]
+        if round_ == 0:
+            s = back
+        else:
+            c = back

@@ -183,6 +183,23 @@ def test_each_code_has_its_exception_class(code: S, cls: type, builtin: type) ->
     assert type(as_llm_exception(e)) is LLMException
 
 
+def test_engine_errors_speak_the_engines_words() -> None:
+    """pdlink.Engine's advice names its own calls (connect, disconnect), never llm_datadist's."""
+    dst = np.zeros(64, np.uint8)
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, role="PROMPT", listen="127.0.0.1:0", backend="cpu")) as a, \
+            pdlink.Engine(pdlink.EngineOptions(cluster_id=2, backend="cpu")) as b:
+        b.register(dst)
+        with pytest.raises(LinkError) as e:
+            b.read(5, [(dst.ctypes.data, 8)], [(4096, 8)])
+        assert e.value.status_code == S.LLM_NOT_YET_LINK
+        assert str(e.value).endswith("no link to cluster 5; connect first."), str(e.value)
+        b.connect(f"127.0.0.1:{a.listen_port}")
+        with pytest.raises(LLMException) as e2:
+            b.switch_role("PROMPT", listen="127.0.0.1:0")
+        assert e2.value.status_code == S.LLM_EXIST_LINK
+        assert "disconnect them first" in str(e2.value) and "unlink_clusters" not in str(e2.value), str(e2.value)
+
+
 def test_switch_role_moves_the_listener_and_needs_no_links() -> None:
     with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, role="PROMPT", listen="127.0.0.1:0", backend="cpu")) as a, \
             pdlink.Engine(pdlink.EngineOptions(cluster_id=2, role="DECODER", backend="cpu")) as b:

@@ -80,8 +80,8 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
 
 Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
   if (config_.one_way_links && link.initiator()) {  // our own one-way link: the peer may not use it
-    return Status(Code::kNotYetLink, "with one-way links (transfer backend hixl) only the side that linked reads "
-                                     "or writes over a link; call link_clusters on that side too");
+    return Status(Code::kNotYetLink, "with one-way links only the side that linked reads or writes over a "
+                                     "link; connect on that side too");
   }
   const bool direct = h.flags & wire::kFlagDirect, device = h.flags & wire::kFlagDevice;
   const bool one_sided = h.flags & wire::kFlagOneSided;
@@ -299,7 +299,7 @@ Result<std::shared_ptr<Link>> Engine::usableLink(uint64_t peer) {
   if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
   if (std::shared_ptr<Link> link = links_.forRequests(peer)) return link;
   if (auto why = links_.downReason(peer)) return linkDown(peer, *why);
-  return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; call link_clusters first");
+  return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; connect first");
 }
 
 namespace {

@@ -319,8 +319,8 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
       const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
                                               (listen_port == listener_->port() || listen_port == 0));
       if (!same) {
-        return Status(Code::kFeatureNotEnabled, "with one-way links (transfer backend hixl) switch_role cannot "
-                                                "change the listen address; finalize and init again");
+        return Status(Code::kFeatureNotEnabled, "with one-way links switch_role cannot change the listen "
+                                                "address; close the engine and open a new one");
       }
       role_ = role;
       return Status::OK();
@@ -329,7 +329,7 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
       std::string ids;
       for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
       return Status(Code::kExistLink, "cannot switch role while links exist (peer clusters: " + ids +
-                                          "); call unlink_clusters first");
+                                          "); disconnect them first");
     }
     keep = !listen_ip.empty() && listener_ && listen_ip == listener_->ip() &&
            (listen_port == listener_->port() || listen_port == 0);

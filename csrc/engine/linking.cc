@@ -18,7 +18,7 @@ using namespace detail;  // NOLINT: this file is part of the engine
 
 Status detail::linkDown(uint64_t peer, const std::string& reason) {
   return Status(Code::kLinkFailed, "the link to " + clusterName(peer) + " is down (" + reason +
-                                       "); call unlink_clusters, then link_clusters again");
+                                       "); disconnect, then connect again");
 }
 
 Status detail::linkDown(const Link& link) { return linkDown(link.peer(), link.brokenReason()); }
@@ -608,7 +608,7 @@ Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
       if (!st.ok()) {
         result = Status(Code::kNotifyPromptUnlinkFailed,
                         "unlinked locally, but " + clusterName(cluster_id) + " could not be told (" + st.message() +
-                            "); call unlink_clusters on that side too");
+                            "); disconnect on that side too");
       }
     }
     link->breakLink("unlinked by this side");

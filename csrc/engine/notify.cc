@@ -57,7 +57,7 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
   }
   if (config_.one_way_links && link.initiator()) {  // as admitAccess: our own one-way link
     return sendResponse(s, Status(Code::kNotYetLink, "with one-way links only the side that linked notifies over a "
-                                                     "link; call link_clusters on that side too"),
+                                                     "link; connect on that side too"),
                         deadline);
   }
   const EngineLimits& lim = config_.limits;

@@ -15,7 +15,7 @@ Status failTransfer(Link& link, const Status& st, const char* what) {
   link.breakLink(st.message());
   Code code = st.code() == Code::kTimeout ? Code::kTimeout : Code::kLinkFailed;
   return Status(code, std::string(what) + " " + clusterName(link.peer()) + " failed: " + st.message() +
-                          "; the link is now unusable: call unlink_clusters, then link_clusters again");
+                          "; the link is now unusable: disconnect, then connect again");
 }
 
 Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::ResponseHeader* rh) {

@@ -82,6 +82,23 @@ def start(options: dict[str, str] | None = None, listen: bool = True, client_id:
     return ident
 
 
+def start_at(ident: str, options: dict[str, str] | None = None) -> str:
+    """``Hixl()`` and ``initialize(ident)``: an engine listening at a given id (a restarted one,
+    say), retried while the port is still held (a killed engine's sockets close with its process)."""
+    engine = hixl.Hixl()
+    deadline = time.monotonic() + 10
+    while (ret := engine.initialize(ident, dict(options or {}))) != hixl.SUCCESS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ret == hixl.SUCCESS, f"initialize({ident!r}) returned {ret}"
+    _state["engine"], _state["id"] = engine, ident
+    return ident
+
+
+def transfer_many(remote: str, op: str, descs: Sequence[Desc], timeout_ms: int = 10000) -> list[int]:
+    """One ``transfer_sync`` per descriptor, one after another; every code, in order."""
+    return [transfer_sync(remote, op, [d], timeout_ms) for d in descs]
+
+
 def initialize_again(options: dict[str, str] | None = None) -> int:
     """A second ``initialize`` of the running engine with its own id."""
     return int(_engine().initialize(_state["id"], dict(options or {})))

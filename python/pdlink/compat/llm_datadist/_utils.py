@@ -49,6 +49,7 @@ __all__ = [
     "check_list_uint64",
     "check_layer_range",
     "is_valid_id",
+    "in_llm_words",
     "llm_api",
     "raise_if_false",
     "raise_if_true",
@@ -73,15 +74,39 @@ TypeSpec = type | Sequence[type]
 _C = TypeVar("_C", bound=type)
 
 
+# The engine's advice in pdlink.Engine's words (csrc/), and the same advice in llm_datadist's.
+_LLM_WORDS = (
+    ("disconnect, then connect again", "call unlink_clusters, then link_clusters again"),
+    ("disconnect them first", "call unlink_clusters first"),
+    ("disconnect on that side too", "call unlink_clusters on that side too"),
+    ("connect on that side too", "call link_clusters on that side too"),
+    ("; connect first", "; call link_clusters first"),
+    ("close the engine and open a new one", "finalize and init again"),
+)
+
+
+def in_llm_words(error: LLMException) -> LLMException:
+    """``error`` as llm_datadist raises it: exactly an ``LLMException`` (``as_llm_exception``),
+    whose advice names llm_datadist's calls (``link_clusters``) rather than ``pdlink.Engine``'s."""
+    message = error.args[0] if error.args and isinstance(error.args[0], str) else ""
+    worded = message
+    for native, ours in _LLM_WORDS:
+        worded = worded.replace(native, ours)
+    if worded == message:
+        return as_llm_exception(error)
+    return LLMException(worded, *error.args[1:], status_code=error.status_code).with_traceback(error.__traceback__)
+
+
 def _plain_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except LLMException as e:
-            if type(e) is LLMException:
+            plain = in_llm_words(e)
+            if plain is e:
                 raise
-            raise as_llm_exception(e) from None
+            raise plain from None
 
     return call
 
