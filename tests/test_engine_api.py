@@ -381,6 +381,33 @@ def test_registered_memory_stays_alive_until_deregistered(two: Two) -> None:
     assert_same(two.initiator.call(native.snapshot, "hdst"), dst0, "the destination after a refused read")
 
 
+@pytest.mark.heavy
+@only("cpu-cma")
+@pytest.mark.parametrize("mib", [1, 64], ids=["bounced", "split"])
+def test_a_read_racing_a_deregistration_never_returns_reused_bytes(two: Two, mib: int) -> None:
+    """A same-host read by address from the cached memory table while the target deregisters the
+    region and overwrites it (at offsets of 0 to 4 ms into the read): the read either fails or
+    returns only bytes that were registered (1 MiB: one copy through the bounce buffer; 64 MiB: a
+    copy split between two threads, where the generation word must still be read after all the
+    data)."""
+    nbytes = mib << 20
+    two.target.call(native.register, "big", 1, nbytes, seed=None)
+    two.target.call(native.withdraw_and_reuse, "big", 0)  # each trial registers it anew
+    two.initiator.call(native.register, "bigdst", 1, nbytes, seed=None, host=True)
+    outcomes = {True: 0, False: 0}
+    for trial in range(20):
+        addr = two.target.call(native.reregister, "big", 0x11)
+        two.initiator.call(native.start_read, TARGET, "bigdst", addr)  # warm: the table is cached
+        assert two.initiator.call(native.finish_read, "bigdst", 0x11) == (True, nbytes)
+        two.target.call(native.withdraw_and_reuse_after, "big", 0x22, (trial % 5) ** 2 / 4)
+        two.initiator.call(native.start_read, TARGET, "bigdst", addr)
+        ok, reused = two.initiator.call(native.finish_read, "bigdst", 0x22)
+        two.target.call(native.withdrawn)
+        assert not (ok and reused), f"an OK read returned {reused} bytes written after the deregistration"
+        outcomes[ok] += 1
+    assert outcomes[True] + outcomes[False] == 20
+
+
 def test_reads_by_address_follow_the_peers_registrations(two: Two) -> None:
     """A read by address (on a same-host link served from the peer's cached memory table): once the
     target withdraws the region the same read is refused and moves nothing; a region registered

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 
 import pdlink
 from pdlink import kv
-from peers.memory import GuardedTensors, device_memory_is_remote
+from peers.memory import GuardedTensors, device_memory_is_remote, direct_read, direct_write
 from poll import wait_until
 from verify import Snapshot, pattern
 
@@ -105,6 +106,63 @@ def litter(count: int, nbytes: int, fill: int) -> None:
     """Allocates ``count`` arrays of ``nbytes`` filled with ``fill`` and keeps them: what would take
     the place of freed memory of that size."""
     _state["litter"].extend(np.full(nbytes, fill, np.uint8) for _ in range(count))
+
+
+def withdraw_and_reuse(name: str, fill: int) -> None:
+    """Deregisters region ``name`` and at once writes ``fill`` over its memory, as an allocator
+    reusing it would."""
+    named = _state["regions"][name]
+    _engine().deregister(named.region)
+    direct_write(named.region.address, np.full(named.region.length, fill, np.uint8), False)
+
+
+def withdraw_and_reuse_after(name: str, fill: int, delay_ms: float) -> None:
+    """``withdraw_and_reuse`` in a thread of its own, ``delay_ms`` from now (a race's offset);
+    ``withdrawn`` waits for it."""
+    def run() -> None:
+        time.sleep(delay_ms / 1000)
+        withdraw_and_reuse(name, fill)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    _state["withdrawer"] = thread
+
+
+def withdrawn() -> None:
+    _state["withdrawer"].join(60)
+
+
+def reregister(name: str, fill: int) -> int:
+    """Region ``name``'s memory filled with ``fill`` and registered again (same layout)."""
+    named = _state["regions"][name]
+    old = named.region
+    direct_write(old.address, np.full(old.length, fill, np.uint8), False)
+    named.region = _engine().register(address=old.address, length=old.length, block_size=old.block_size)
+    return named.region.address
+
+
+def start_read(peer: int, name: str, remote_address: int) -> None:
+    """A read of the whole of region ``name`` from ``remote_address`` on ``peer``, by address, in a
+    thread of its own; ``finish_read`` waits for it."""
+    region = _state["regions"][name].region
+
+    def run() -> None:
+        try:
+            _engine().read(peer, [(region.address, region.length)], [(remote_address, region.length)])
+            _state["read"] = None
+        except pdlink.LLMException as e:
+            _state["read"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    _state["reader"] = thread
+
+
+def finish_read(name: str, fill: int) -> tuple[bool, int]:
+    """Whether the ``start_read`` read succeeded, and how many bytes of region ``name`` hold ``fill``."""
+    _state["reader"].join(60)
+    region = _state["regions"][name].region
+    return _state["read"] is None, int(np.count_nonzero(direct_read(region.address, region.length, False) == fill))
 
 
 def kv_register(name: str, rows: int, row_bytes: int, seed: int | None, model: int | None = None) -> int:

@@ -51,6 +51,25 @@ Status copy(pid_t pid, bool write, const std::vector<iovec>& local, const std::v
   return mine.ok() ? other : mine;
 }
 
+Result<uint64_t> readThenWord(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t word_addr) {
+  if (local.size() != remote.size()) return Status(Code::kParamInvalid, "direct copy: range lists differ");
+  size_t total = 0;
+  for (const iovec& v : local) total += v.iov_len;
+  if (total >= kSplitBytes && local.size() >= 2) {  // split: no order between the halves and a word
+    Status st = copy(pid, false, local, remote);
+    if (!st.ok()) return st;
+    return readWord(pid, word_addr);
+  }
+  uint64_t word = 0;
+  local.push_back({&word, sizeof(word)});
+  remote.push_back({reinterpret_cast<void*>(word_addr), sizeof(word)});
+  Status st = copyRange(pid, false, local, remote, 0, local.size());  // one thread: the kernel copies in order
+  local.pop_back();
+  remote.pop_back();
+  if (!st.ok()) return st;
+  return word;
+}
+
 Result<uint64_t> readWord(pid_t pid, uint64_t addr) {
   uint64_t value = 0;
   iovec l{&value, sizeof(value)}, r{reinterpret_cast<void*>(addr), sizeof(value)};

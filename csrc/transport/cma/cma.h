@@ -27,6 +27,13 @@ Status copy(pid_t pid, bool write, const std::vector<iovec>& local, const std::v
 // Reads one 8-byte word of `pid` at `addr`; the link-time check that direct access is permitted.
 Result<uint64_t> readWord(pid_t pid, uint64_t addr);
 
+// Reads remote[i] -> local[i], then the 8-byte word of `pid` at `word_addr`, strictly after every
+// byte of the runs (in the same ordered process_vm_readv, or, where copy would split the runs
+// between threads, a readWord after both finished): the word proves what held until the data was
+// read. Errors as copy. Both lists are as given on return (an entry is appended for the word and
+// removed again).
+Result<uint64_t> readThenWord(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t word_addr);
+
 // Permission for same-host peers to copy this process's memory. Where Yama's ptrace_scope is 1,
 // only ancestors may attach; a peer's process_vm_readv/writev of us needs prctl(PR_SET_PTRACER,
 // PR_SET_PTRACER_ANY), which lets every process of this user attach. Yama keeps one ptracer per

@@ -180,10 +180,10 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
       copied = epoch.status();
       if (epoch.ok()) epoch_after = epoch.value();
     }
-  } else {  // the epoch word rides in the same ordered read, after the data
-    local.push_back({&epoch_after, 8});
-    remote_iov.push_back({pin_epoch_word, 8});
-    copied = cma::copy(pid_, false, local, remote_iov);
+  } else {  // the epoch word is read after the data (in the same ordered read where one thread copies)
+    auto epoch = cma::readThenWord(pid_, local, remote_iov, reinterpret_cast<uint64_t>(pin_epoch_word));
+    copied = epoch.status();
+    if (epoch.ok()) epoch_after = epoch.value();
   }
   if (copied.ok() && epoch_after != answer.pin_epoch) {
     copied = Status(Code::kFailed, "the peer released its pin before the copy finished (pin expired); retry");
@@ -212,34 +212,38 @@ Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>&
   // refused read moves nothing. Small reads land in a per-thread bounce buffer first and reach the
   // destination only once the generation read after them matches; larger ones read the generation
   // before the data too, so only a deregistration racing the copy itself can land bytes of a read
-  // that then fails (docs/native_api.md, "Transfers").
-  uint64_t g = 0;
-  void* const generation_word = reinterpret_cast<void*>(published_addr_);
+  // that then fails (docs/native_api.md, "Memory"). Either way the generation is read strictly
+  // after the data (cma::readThenWord), so an OK read held registered bytes throughout.
   size_t total = 0;
   for (const iovec& v : local) total += v.iov_len;
-  if (total <= kBounceBytes) {
-    thread_local std::vector<uint8_t> bounce;
-    if (bounce.size() < total) bounce.resize(kBounceBytes);
-    std::vector<iovec> staged{{bounce.data(), total}, {&g, 8}};
-    remote.push_back({generation_word, 8});
-    Status st = cma::copy(pid_, false, staged, remote);
-    if (!st.ok() && st.code() == Code::kLinkFailed) return st;
-    if (!st.ok() || g != generation) return false;  // an unmapped range (EFAULT) counts as changed
+  const bool bounce = total <= kBounceBytes;
+  if (!bounce) {
+    Result<uint64_t> before = cma::readWord(pid_, published_addr_);
+    if (!before.ok()) return before.status().code() == Code::kLinkFailed ? Result<bool>(before.status()) : false;
+    if (before.value() != generation) return false;
+  }
+  thread_local std::vector<uint8_t> buffer;
+  thread_local std::vector<iovec> staged;
+  if (bounce) {
+    if (buffer.size() < total) buffer.resize(kBounceBytes);
+    staged.clear();
     size_t at = 0;
     for (const iovec& v : local) {
-      std::memcpy(v.iov_base, bounce.data() + at, v.iov_len);
+      staged.push_back({buffer.data() + at, v.iov_len});
       at += v.iov_len;
     }
-    return true;
   }
-  Result<uint64_t> before = cma::readWord(pid_, published_addr_);
-  if (!before.ok()) return before.status().code() == Code::kLinkFailed ? Result<bool>(before.status()) : false;
-  if (before.value() != generation) return false;
-  local.push_back({&g, 8});
-  remote.push_back({generation_word, 8});
-  Status st = cma::copy(pid_, false, local, remote);
-  if (!st.ok() && st.code() == Code::kLinkFailed) return st;
-  return st.ok() && g == generation;
+  Result<uint64_t> g = cma::readThenWord(pid_, bounce ? staged : local, remote, published_addr_);
+  if (!g.ok() && g.status().code() == Code::kLinkFailed) return g.status();
+  if (!g.ok() || g.value() != generation) return false;  // an unmapped range (EFAULT) counts as changed
+  if (bounce) {
+    size_t at = 0;
+    for (const iovec& v : local) {
+      std::memcpy(v.iov_base, buffer.data() + at, v.iov_len);
+      at += v.iov_len;
+    }
+  }
+  return true;
 }
 
 Status CmaServer::serve(ServeCall& call) {

@@ -152,7 +152,9 @@ class Hixl:
             listen = identity.address if identity.port > 0 else None
             try:
                 # Links are keyed by cluster id in pdlink; hixl engines have none, so each takes a
-                # random one (a client-only id such as "127.0.0.1:0" is not unique).
+                # random one (a client-only id such as "127.0.0.1:0" is not unique). As in CANN, a
+                # link belongs to the engine that opened it: C->S and S->C are two links, and a
+                # disconnect ends only its own (one_way_links).
                 self._engine = Engine(EngineOptions(cluster_id=secrets.randbits(62), listen=listen, one_way_links=True))
             except Exception as e:  # noqa: BLE001 - a code, as hixl reports it (port in use, say)
                 return _code(e) if _code(e) != PARAM_INVALID else FAILED
