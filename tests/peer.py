@@ -100,6 +100,22 @@ def _answer_error(conn: Any, e: BaseException) -> None:
         conn.send(("err", RemoteError(f"{type(e).__name__}: {e}"), tb))
 
 
+# Peer modules that call llm_datadist: whatever they raise for a status must be exactly an
+# LLMException, as CANN's library raises it (docs/compatibility.md, "Exceptions"); pdlink.Engine's
+# subclasses (InvalidArgument, a ValueError too) would send a real program down another branch.
+LLM_DATADIST_PEERS = frozenset({"peers.kv", "peers.v1", "peers.api_errors", "peers.transfer_async", "peers.connectors",
+                                "peers.local_ops", "peers.ascend_e2e", "peers.vllm_ascend"})
+
+
+def _subclass_escaped(fn: Any, e: BaseException) -> AssertionError | None:
+    from pdlink import LLMException
+
+    if isinstance(e, LLMException) and type(e) is not LLMException and \
+            getattr(fn, "__module__", None) in LLM_DATADIST_PEERS:
+        return AssertionError(f"llm_datadist raised {type(e).__name__}, not LLMException itself: {e}")
+    return None
+
+
 def _main(conn: Any) -> None:
     while True:
         try:
@@ -109,6 +125,13 @@ def _main(conn: Any) -> None:
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - shipped back to the test
+            escaped = _subclass_escaped(fn, e)
+            if escaped is not None:
+                try:
+                    raise escaped from e
+                except AssertionError as wrapped:
+                    _answer_error(conn, wrapped)
+                continue
             _answer_error(conn, e)
             continue
         try:

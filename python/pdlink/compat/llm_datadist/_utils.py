@@ -49,7 +49,6 @@ __all__ = [
     "check_list_uint64",
     "check_layer_range",
     "is_valid_id",
-    "in_llm_words",
     "llm_api",
     "raise_if_false",
     "raise_if_true",
