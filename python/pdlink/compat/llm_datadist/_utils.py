@@ -50,6 +50,7 @@ __all__ = [
     "check_layer_range",
     "is_valid_id",
     "llm_api",
+    "llm_words",
     "raise_if_false",
     "raise_if_true",
     "LLMException",
@@ -84,13 +85,18 @@ _LLM_WORDS = (
 )
 
 
+def llm_words(message: str) -> str:
+    """An engine message with its advice in llm_datadist's words (``call link_clusters first``)."""
+    for native, ours in _LLM_WORDS:
+        message = message.replace(native, ours)
+    return message
+
+
 def in_llm_words(error: LLMException) -> LLMException:
     """``error`` as llm_datadist raises it: exactly an ``LLMException`` (``as_llm_exception``),
     whose advice names llm_datadist's calls (``link_clusters``) rather than ``pdlink.Engine``'s."""
     message = error.args[0] if error.args and isinstance(error.args[0], str) else ""
-    worded = message
-    for native, ours in _LLM_WORDS:
-        worded = worded.replace(native, ours)
+    worded = llm_words(message)
     if worded == message:
         return as_llm_exception(error)
     return LLMException(worded, *error.args[1:], status_code=error.status_code).with_traceback(error.__traceback__)

@@ -33,6 +33,7 @@ from ._utils import (
     check_list_of,
     check_uint64,
     llm_api,
+    llm_words,
     raise_if_false,
     raise_if_true,
 )
@@ -534,10 +535,10 @@ class LLMDataDist:
             codes.append(status)
             if status != LLMStatusCode.LLM_SUCCESS:
                 overall = status
-                logger.warning("%s: cluster %s: %s: %s", op, cluster.remote_cluster_id, status, message)
+                logger.warning("%s: cluster %s: %s: %s", op, cluster.remote_cluster_id, status, llm_words(message))
         if len(results) > len(codes):  # a call-level failure before any per-cluster work
             overall = code_2_status(results[0][0])
-            logger.warning("%s: %s: %s", op, overall, results[0][1])
+            logger.warning("%s: %s: %s", op, overall, llm_words(results[0][1]))
         return overall, codes
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
