@@ -127,12 +127,8 @@ def _main(conn: Any) -> None:
         except BaseException as e:  # noqa: BLE001 - shipped back to the test
             escaped = _subclass_escaped(fn, e)
             if escaped is not None:
-                try:
-                    raise escaped from e
-                except AssertionError as wrapped:
-                    _answer_error(conn, wrapped)
-                continue
-            _answer_error(conn, e)
+                escaped.__cause__ = e
+            _answer_error(conn, e if escaped is None else escaped)
             continue
         try:
             conn.send(("ok", result, ""))

@@ -158,6 +158,9 @@ def test_registration_is_checked() -> None:
             engine.register([])
         with pytest.raises(ValueError, match="positive ints"):
             engine.register(address=[buf.ctypes.data, 0], length=1000)
+        with pytest.raises(ValueError, match="cannot register a int"):  # numpy would register a copy
+            engine.register([1, 2, 3])
+        assert engine.local_memory().ranges == tuple(sorted((a, 4000) for a in region.addresses))  # nothing added
 
 
 @pytest.mark.parametrize(("code", "cls", "builtin"), [

@@ -95,11 +95,10 @@ def llm_words(message: str) -> str:
 def in_llm_words(error: LLMException) -> LLMException:
     """``error`` as llm_datadist raises it: exactly an ``LLMException`` (``as_llm_exception``),
     whose advice names llm_datadist's calls (``link_clusters``) rather than ``pdlink.Engine``'s."""
-    message = error.args[0] if error.args and isinstance(error.args[0], str) else ""
-    worded = llm_words(message)
-    if worded == message:
-        return as_llm_exception(error)
-    return LLMException(worded, *error.args[1:], status_code=error.status_code).with_traceback(error.__traceback__)
+    plain = as_llm_exception(error)
+    if plain.args and isinstance(plain.args[0], str):
+        plain.args = (llm_words(plain.args[0]), *plain.args[1:])
+    return plain
 
 
 def _plain_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
