@@ -1,4 +1,4 @@
-"""A raw speaker of pdlink's wire protocol (v3), for hostile-peer and hostile-server tests: it says
+"""A raw speaker of pdlink's wire protocol (v4), for hostile-peer and hostile-server tests: it says
 exactly the bytes a test wants, well-formed or not. Layouts: csrc/transport/wire.h and
 docs/architecture.md, "Wire protocol"."""
 
@@ -11,10 +11,10 @@ import os
 import socket
 import struct
 
-VERSION = 3
+VERSION = 4
 HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC, RESPONSE_MAGIC = (
     0x4B4C4450, 0x414C4450, 0x524C4450, 0x514C4450, 0x534C4450)
-HELLO_BYTES = 48
+HELLO_BYTES = 56
 ACK_FIXED = 22 + 16 + 32
 CLIENT_AUTH_BYTES = 32 + 16 + 8 + 8
 AUTH_FIXED = 22 + 1 + 16
@@ -32,8 +32,22 @@ LINK_FAILED = 0x5010B009
 
 def hello(version: int = VERSION, channel: int = 0, cluster: int = 9, expected: int = 1, nonce: int = 1234,
           challenge: bytes | None = None, flags: int = 0) -> bytes:
+    """A Hello; ``nonce`` is the 128-bit nonce as a number (little-endian on the wire)."""
     challenge = challenge if challenge is not None else os.urandom(16)
-    return struct.pack("<IHBBQQQ", HELLO_MAGIC, version, channel, flags, cluster, expected, nonce) + challenge
+    return (struct.pack("<IHBBQQ", HELLO_MAGIC, version, channel, flags, cluster, expected) +
+            nonce.to_bytes(16, "little") + challenge)
+
+
+def parse_hello(frame: bytes) -> tuple[int, int, int, int, int, int]:
+    """(version, channel, flags, cluster, expected, nonce) of a Hello frame."""
+    _magic, version, channel, flags, cluster, expected = struct.unpack("<IHBBQQ", frame[:24])
+    return version, channel, flags, cluster, expected, int.from_bytes(frame[24:40], "little")
+
+
+def direct_answer(epoch: int, epoch_addr: int, pieces: list[tuple[int, int]]) -> bytes:
+    """The payload of a direct-access answer: the pin epoch, the address of its word, then
+    (address, length) per piece."""
+    return struct.pack("<QQ", epoch, epoch_addr) + b"".join(struct.pack("<QQ", a, n) for a, n in pieces)
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:

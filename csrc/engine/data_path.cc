@@ -25,7 +25,9 @@ using namespace detail;  // NOLINT: this file is part of the engine
 
 void Engine::serve(const std::shared_ptr<Link>& link) {
   ServeState state;
+  state.pin_epoch = pin_epochs_.take();
   Status st = serveStream(link, link->in(), &state);
+  pin_epochs_.give(state.pin_epoch);  // moves first: a copy still running on our pins fails its check
   for (const std::string& key : state.exported) backend_->closeExport(key);
   if (!state.unlinked) {
     std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
@@ -108,7 +110,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
     // The pin epoch moves first, so a copy still running fails its check (engine/registry.h).
     Status ready = s.waitReadable(Deadline::afterMs(pinTimeoutMs()));
     if (ready.code() == Code::kTimeout) {
-      registry_.bumpPinEpoch();
+      state->pin_epoch->fetch_add(1, std::memory_order_release);
       for (const std::string& key : state->exported) backend_->closeExport(key);
       state->exported.clear();
       state->pinned.clear();
@@ -252,7 +254,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
                                                     "must be in device memory too (placement DEVICE, same backend)"));
   }
   ServeCall call{*link, s, h, r.addrs, r.tensors, r.base, r.runs, device_runs, payload.value(), deadline, false,
-                 state->exported};
+                 state->exported, state->pin_epoch};
   Status served = serverFor(h.flags).serve(call);
   if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
   return served;
@@ -272,7 +274,7 @@ PathServer& Engine::serverFor(uint8_t flags) {
 void Engine::choosePaths(Link& link, bool direct) {
   std::unique_ptr<DataPath> host;
   if (direct) {
-    host = std::make_unique<CmaPath>(link.peerPid(), link.peerPublishedAddr());
+    host = std::make_unique<CmaPath>(link.peerProcess(), link.peerPublishedAddr());
   } else if (ucx_hub_ && !link.payloadIntegrity() &&
              (config_.transport == Transport::kUcx || (!link.sameHost() && ucx_hub_->autoBetweenHosts()))) {
     // Picked by auto (between hosts, over an RDMA-capable UCX): the stream stays behind for a peer

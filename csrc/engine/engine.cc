@@ -31,7 +31,7 @@ Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
       ipc_(caps.device_transport && hasFeature(caps, "ipc")),
       one_sided_(caps.device_transport && hasFeature(caps, "one_sided")),
       stream_server_(std::make_unique<StreamServer>(*backend_)),
-      cma_server_(std::make_unique<CmaServer>([this] { return registry_.pinEpoch(); })),
+      cma_server_(std::make_unique<CmaServer>()),
       hccl_server_(std::make_unique<HcclServer>()),
       one_sided_server_(std::make_unique<OneSidedServer>()),
       ipc_server_(std::make_unique<IpcServer>(*backend_)),

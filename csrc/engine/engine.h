@@ -38,6 +38,7 @@
 #include "engine/link_table.h"
 #include "engine/mem_pool.h"
 #include "transport/path.h"
+#include "engine/pin_epochs.h"
 #include "engine/registry.h"
 #include "transport/listener.h"
 #include "transport/socket.h"
@@ -321,6 +322,7 @@ class Engine {
     std::vector<std::shared_ptr<CacheEntry>> pinned;  // what a direct or IPC access of the peer uses
     std::vector<std::string> exported;                // IPC keys exported for it
     bool unlinked = false;                            // the peer unlinked
+    PinEpochs::Word* pin_epoch = nullptr;             // this link's (pin_epochs_), while it is served
   };
   Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
 
@@ -374,9 +376,10 @@ class Engine {
   // Whether the peer still answers on `link` (a ping, or a transfer running on it); breaks it when not.
   bool stillAlive(const std::shared_ptr<Link>& link, Deadline deadline);
   // Whether this side's requests copy the peer's memory directly: only for a peer the kernel
-  // identified (pid != 0), after a probe read of its published words. kLinkFailed when cma is
-  // forced and not possible.
-  Status chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* direct) const;
+  // identified (pid != 0) on the AF_UNIX `channel`, held as a cma::Process, after a probe read of
+  // its published words; `process` is then set. kLinkFailed when cma is forced and not possible.
+  Status chooseTransport(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr,
+                         std::shared_ptr<const cma::Process>* process) const;
   void serve(const std::shared_ptr<Link>& link);
   // Serving one request read from `in`; a non-OK result means the channel is unusable.
   Status serveOne(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
@@ -415,6 +418,7 @@ class Engine {
   // The data paths (transport/path.h): the serving side of each, and the requesting side of the
   // device paths (a link's host path is its own object, Link::hostPath).
   std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
+  PinEpochs pin_epochs_;  // one word per served link
   // Transport::kUcx, or kAuto with ucx_trusted_network where UCX loads: the engine's UCX workers
   // (shared with its links' paths, which may outlive finalize) and the ucx path's server; set by
   // initialize, dropped by finalize.
@@ -457,7 +461,7 @@ class Engine {
     std::shared_ptr<Link> link;       // set by the REVERSE handler when the link is installed
     bool done = false;
   };
-  std::map<uint64_t, std::shared_ptr<PendingLink>> pending_;  // guarded by mu_
+  std::map<wire::Nonce, std::shared_ptr<PendingLink>> pending_;  // guarded by mu_
   std::condition_variable pending_cv_;
   std::set<Socket*> handshaking_;  // sockets in a handshake; shut down by finalize, guarded by mu_
   // Handshake slots (EngineLimits::max_handshakes, _per_source): taken by the listener, released

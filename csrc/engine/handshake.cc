@@ -5,11 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <random>
 
 #include "core/limits.h"
 #include "core/log.h"
@@ -17,15 +15,6 @@
 #include "engine/engine_internal.h"
 
 namespace pdlink::detail {
-
-uint64_t makeNonce() {
-  static std::atomic<uint64_t> counter{0};
-  static const uint64_t seed = [] {
-    std::random_device rd;
-    return (uint64_t{rd()} << 32) ^ rd();
-  }();
-  return seed ^ (++counter * 0x9E3779B97F4A7C15ull);
-}
 
 
 void randomBytes(uint8_t* out, size_t n) {
@@ -35,6 +24,12 @@ void randomBytes(uint8_t* out, size_t n) {
     out += got;
     n -= static_cast<size_t>(got);
   }
+}
+
+wire::Nonce makeNonce() {
+  wire::Nonce n;
+  randomBytes(n.data(), n.size());
+  return n;
 }
 
 void Transcript::add(const void* data, size_t len) { bytes_.append(static_cast<const char*>(data), len); }

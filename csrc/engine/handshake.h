@@ -16,8 +16,8 @@
 
 namespace pdlink::detail {
 
-// A random 64-bit value pairing the two channels of one link attempt.
-uint64_t makeNonce();
+// 128 bits from the OS CSPRNG (getrandom) pairing the two channels of one link attempt.
+wire::Nonce makeNonce();
 void randomBytes(uint8_t* out, size_t n);
 // The handshake transcript of one channel, as both sides see it (transport/wire.h): the Hello
 // frame as sent, the acceptor's cluster id and challenge; then what ClientAuth says besides its

@@ -32,6 +32,7 @@ Status detail::linkError(const PeerAddress& peer, const Status& st) {
 struct Engine::Dialled {
   Socket fwd, rev;
   pid_t pid = 0;                 // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
+  uid_t uid = 0;
   uint64_t published_addr = 0;   // its Registry::Published words (AF_UNIX channels only)
   std::shared_ptr<cma::Grant> grant;
   Session fwd_session, rev_session;  // with a link secret: the channels' keys
@@ -123,14 +124,15 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
   }
   Dialled& d = dialled.value();
-  bool direct = false;
-  Status st = chooseTransport(d.pid, d.published_addr, &direct);
+  std::shared_ptr<const cma::Process> process;
+  Status st = chooseTransport(d.fwd, d.pid, d.uid, d.published_addr, &process);
   if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
   auto link = std::make_shared<Link>(peer_id, std::move(d.fwd), std::move(d.rev), true);
   if (d.fwd_session.key) {
     link->authenticate(std::move(d.fwd_session.key), std::move(d.rev_session.key), d.fwd_session.integrity);
   }
-  link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant));
+  const bool direct = process != nullptr;
+  link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant), std::move(process));
   link->setPeerAddress(where);
   choosePaths(*link, direct);
   {
@@ -219,6 +221,7 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
   auto cred = fwd.value().peerCredentials();
   if (!cred.ok()) return cred.status();
   d.pid = cred.value().pid;
+  d.uid = cred.value().uid;
   wire::Hello hello;
   hello.cluster_id = config_.cluster_id;
   hello.expected_peer = *peer_id;
@@ -253,8 +256,9 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
   return d;
 }
 
-Status Engine::chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* direct) const {
-  *direct = false;
+Status Engine::chooseTransport(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr,
+                               std::shared_ptr<const cma::Process>* process) const {
+  process->reset();
   if (config_.transport == Transport::kTcp || config_.transport == Transport::kUcx) return Status::OK();
   if (peer_pid == 0) {
     if (config_.transport == Transport::kCma) {
@@ -262,11 +266,14 @@ Status Engine::chooseTransport(pid_t peer_pid, uint64_t published_addr, bool* di
     }
     return Status::OK();
   }
-  // A proven same-host peer: copy directly if this process may read it (Yama, same user). The
-  // probe reads the peer's published words, at the pid the kernel gave, never a claimed one.
-  auto word = cma::readWord(peer_pid, published_addr);
+  // A proven same-host peer: copy directly if its process can be held for the life of the link
+  // (cma::Process) and this process may read it (Yama, same user). The probe reads the peer's
+  // published words, in the process the kernel named, never a claimed one.
+  auto opened = cma::Process::open(channel.fd(), peer_pid, peer_uid);
+  Result<uint64_t> word = opened.ok() ? opened.value()->readWord(published_addr) : Result<uint64_t>(opened.status());
   if (word.ok()) {
-    *direct = true;
+    PDLINK_LOG(kDebug, "same-host peer pid " << peer_pid << ": direct copies by " << opened.value()->modeName());
+    *process = std::move(opened.value());
     return Status::OK();
   }
   if (config_.transport == Transport::kCma) return word.status();
@@ -416,12 +423,14 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     return true;
   };
   pid_t pid = 0;
+  uid_t uid = 0;
   std::shared_ptr<cma::Grant> grant;
   if (local) {
     if (config_.transport == Transport::kTcp) return refuse("this engine uses tcp only");
     auto cred = sock.peerCredentials();
     if (!cred.ok()) return refuse(cred.status().message());
     pid = cred.value().pid;
+    uid = cred.value().uid;
     ok.gen_addr = reinterpret_cast<uint64_t>(registry_.published());
     // The dialler probes this process before it completes the link.
     if (pid != 0 && pid != ::getpid()) grant = cma::Grant::acquire();
@@ -548,15 +557,16 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     handshaking_.erase(pending->forward.get());
     handshaking_.erase(tracked);
     // A forced transport that cannot be had here is refused now, before the link is installed.
-    bool direct = false;
-    Status chosen = chooseTransport(pid, pending->published_addr, &direct);
+    std::shared_ptr<const cma::Process> process;
+    Status chosen = local ? chooseTransport(sock, pid, uid, pending->published_addr, &process) : Status::OK();
     if (!chosen.ok()) {
       lock.unlock();
       return refuse(chosen.message());
     }
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
     if (session.key) link->authenticate(std::move(session.key), pending->session_key, session.integrity);
-    link->setPeerProcess(pid, pending->published_addr, pending->grant);
+    const bool direct = process != nullptr;
+    link->setPeerProcess(pid, pending->published_addr, pending->grant, std::move(process));
     choosePaths(*link, direct);
     // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
     // mutex under mu_ cannot deadlock.

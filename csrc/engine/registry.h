@@ -121,22 +121,15 @@ class Registry {
   // Every registered tensor as an address range (the kRaw answer of kDescribe), with the current
   // generation; kParamInvalid beyond limits::kMaxRequestTensors tensors (the checked path serves).
   Result<wire::RawTable> describeRaw() const;
-  // Two words a same-host peer reads directly (transport/cma.h), published at one fixed address
-  // for the Registry's lifetime (sent in the handshake of same-host links only):
-  //   generation  bumped before any cache memory is released or any index changes, so a peer that
-  //               read it before and after a direct copy through a cached descriptor knows the
-  //               descriptor was still valid;
-  //   pin_epoch   bumped whenever a pin is released before its access finished (a pin that
-  //               expired, engine/engine.h), so a peer that read it before and after a checked
-  //               direct copy knows the memory stayed pinned throughout.
+  // The word a same-host peer reads directly (transport/cma/cma.h), published at one fixed address
+  // for the Registry's lifetime (sent in the handshake of same-host links only): the generation,
+  // bumped before any cache memory is released or any index changes, so a peer that read it before
+  // and after a direct copy through a cached descriptor knows the descriptor was still valid.
+  // (Whether a checked direct access stayed pinned is each link's own word: engine/pin_epochs.h.)
   struct Published {
     std::atomic<uint64_t> generation{1};
-    std::atomic<uint64_t> pin_epoch{1};
   };
-  static_assert(sizeof(Published) == 16, "two adjacent words: one direct read gets both");
   const Published* published() const { return &published_; }
-  uint64_t pinEpoch() const { return published_.pin_epoch.load(std::memory_order_acquire); }
-  void bumpPinEpoch() { published_.pin_epoch.fetch_add(1, std::memory_order_release); }
 
   // Every tensor of a registered (not pool-allocated) DEVICE cache, as (address, bytes): the
   // memory a device channel prepares for one-sided access besides the device pool.

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   wire::Hello hello;
   hello.cluster_id = 1;
   hello.expected_peer = wire::kAnyCluster;
-  hello.nonce = 0x1234567890ABCDEFull;
+  hello.nonce = {0x12, 0x34, 0x56, 0x78, 0x90, 0xAB, 0xCD, 0xEF, 1, 2, 3, 4, 5, 6, 7, 8};
   hello.flags = wire::kHelloSameHost;
   seed("hello", kModeHello, wire::encode(hello));
   hello.channel = wire::Channel::kReverse;
@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
   // answer for 2 tensors x 2 runs ([16, +32) and [64, +16): a span of 64 bytes from offset 16).
   wire::DirectAnswer direct;
   direct.pin_epoch = 3;
+  direct.epoch_addr = 0x7f0000000010ull;
   direct.addrs = {0x7f0000001000ull, 0x7f0000001040ull, 0x7f0000002000ull};
   direct.lengths = {64, 64, 128};
   seed("direct-answer", kModeDirectAnswer, std::string("\x03\x00", 2) + wire::encode(direct));

@@ -16,6 +16,7 @@
 //     exact;
 // and the interface's unit cases: every path's PathCaps, and the IPC span / answer / copy helpers.
 // Exit status 0 when every check passed, 1 otherwise (the failures are printed).
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -269,7 +270,13 @@ void ipcCases() {
 
 bool cmaPermitted() {
   uint64_t word = 42;
-  auto r = cma::readWord(getpid(), reinterpret_cast<uint64_t>(&word));
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) return false;
+  auto process = cma::Process::open(fds[0], getpid(), getuid());
+  ::close(fds[0]);
+  ::close(fds[1]);
+  if (!process.ok()) return false;
+  auto r = process.value()->readWord(reinterpret_cast<uint64_t>(&word));
   return r.ok() && r.value() == 42;
 }
 

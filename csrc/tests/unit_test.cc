@@ -257,12 +257,12 @@ void descriptorAndAnswerCases() {
   checkCode(wire::decode(bytes(f), f.size(), &gt), Code::kSuccess, "raw table: at the range limit");
   check(f.size() == wire::kMaxRawTableBytes, "raw table: at the limit it is the most read");
 
-  wire::DirectAnswer a{9, {0x10, 0x20, 0x30}, {1, 2, 3}};
+  wire::DirectAnswer a{9, 0x7f00, {0x10, 0x20, 0x30}, {1, 2, 3}};
   f = wire::encode(a);
   check(f.size() == wire::directAnswerBytes(3), "direct answer: encoded size");
   wire::DirectAnswer da;
   checkCode(wire::decode(bytes(f), f.size(), 3, &da), Code::kSuccess, "direct answer: round trip");
-  check(da.pin_epoch == 9 && da.addrs == a.addrs && da.lengths == a.lengths, "direct answer: fields round-trip");
+  check(da.pin_epoch == 9 && da.epoch_addr == 0x7f00 && da.addrs == a.addrs && da.lengths == a.lengths, "direct answer: fields round-trip");
   checkCode(wire::decode(bytes(f), f.size(), 2, &da), Code::kLinkFailed, "direct answer: more pieces than asked");
   checkCode(wire::decode(bytes(f), f.size(), 4, &da), Code::kLinkFailed, "direct answer: fewer pieces than asked");
   checkCode(wire::decode(bytes(f), f.size(), limits::kMaxRequestPieces + 1, &da), Code::kLinkFailed,

@@ -61,9 +61,13 @@ class Link {
   // pid 0: no same-host proof (TCP channels, or a peer whose pid this namespace cannot see). Only a
   // proven link may use cma or IPC, and addresses a peer sends are applied to that pid only.
   // `grant` keeps this process readable by same-host peers until the link breaks (cma::Grant).
-  void setPeerProcess(pid_t pid, uint64_t published_addr, std::shared_ptr<cma::Grant> grant) {
+  // `process`: the handle this side's direct copies go through (cma::Process), null where this
+  // side does not copy directly.
+  void setPeerProcess(pid_t pid, uint64_t published_addr, std::shared_ptr<cma::Grant> grant,
+                      std::shared_ptr<const cma::Process> process) {
     peer_process_.pid = pid;
     peer_process_.published_addr = published_addr;
+    peer_process_.process = std::move(process);
     grant_ = std::move(grant);
   }
   // The kernel proved the peer runs on this host (see setPeerProcess).
@@ -72,6 +76,7 @@ class Link {
 
   pid_t peerPid() const { return peer_process_.pid; }
   uint64_t peerPublishedAddr() const { return peer_process_.published_addr; }
+  const std::shared_ptr<const cma::Process>& peerProcess() const { return peer_process_.process; }
 
   // The data paths of this side's requests (transport/path.h), chosen when the link is made (before
   // it is shared): the one for host memory (cma on a proven same-host link whose probe read
@@ -139,6 +144,7 @@ class Link {
   struct PeerProcess {
     pid_t pid = 0;
     uint64_t published_addr = 0;
+    std::shared_ptr<const cma::Process> process;
   };
   PeerProcess peer_process_;  // set before the link is shared, then constant
   std::unique_ptr<DataPath> host_path_;  // set before the link is shared

@@ -12,6 +12,7 @@
 // a same-host peer's memory), transport/device (HCCL two-sided and one-sided, same-host IPC).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -95,6 +96,8 @@ struct ServeCall {
   bool pin = false;
   // Out: IPC exports made for the peer, closed at its next frame (or the pin bound).
   std::vector<std::string>& exported;
+  // The serving link's pin epoch word (engine/pin_epochs.h): a direct answer names it.
+  const std::atomic<uint64_t>* pin_epoch = nullptr;
 };
 
 // The serving side of a path, one per engine.

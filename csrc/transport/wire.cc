@@ -61,14 +61,15 @@ std::string encode(const Hello& h) {
   w.put(h.flags);
   w.put(h.cluster_id);
   w.put(h.expected_peer);
-  w.put(h.nonce);
+  w.bytes(std::string(reinterpret_cast<const char*>(h.nonce.data()), h.nonce.size()));
   w.bytes(std::string(reinterpret_cast<const char*>(h.challenge), kChallengeBytes));
   return w.take();
 }
 
 Status decodeRest(const uint8_t* p, size_t n, Hello* out) {
   if (n < kHelloBytes - kHelloPrefixBytes) return malformed("hello");
-  std::memcpy(out->challenge, p, kChallengeBytes);
+  std::memcpy(out->nonce.data() + 8, p, 8);
+  std::memcpy(out->challenge, p + 8, kChallengeBytes);
   return Status::OK();
 }
 
@@ -80,9 +81,10 @@ Status decodePrefix(const uint8_t* p, size_t n, Hello* out) {
     return Status(Code::kLinkFailed, "peer is not a pdlink endpoint (bad hello magic)");
   }
   if (!r.get(&out->version) || !r.get(&channel) || !r.get(&out->flags) || !r.get(&out->cluster_id) ||
-      !r.get(&out->expected_peer) || !r.get(&out->nonce)) {
+      !r.get(&out->expected_peer) || n < kHelloPrefixBytes) {
     return malformed("hello");
   }
+  std::memcpy(out->nonce.data(), p + kHelloPrefixBytes - 8, 8);
   if (channel > 1) return malformed("hello");
   out->channel = static_cast<Channel>(channel);
   return Status::OK();
@@ -374,6 +376,7 @@ Status decode(const uint8_t* p, size_t n, RawTable* out) {
 std::string encode(const DirectAnswer& a) {
   Writer w;
   w.put(a.pin_epoch);
+  w.put(a.epoch_addr);
   for (size_t i = 0; i < a.addrs.size(); ++i) {
     w.put(a.addrs[i]);
     w.put(a.lengths[i]);
@@ -381,7 +384,7 @@ std::string encode(const DirectAnswer& a) {
   return w.take();
 }
 
-uint64_t directAnswerBytes(uint64_t pieces) { return 8 + 16 * pieces; }
+uint64_t directAnswerBytes(uint64_t pieces) { return 16 + 16 * pieces; }
 
 Status decode(const uint8_t* p, size_t n, uint64_t expected_pieces, DirectAnswer* out) {
   if (expected_pieces > limits::kMaxRequestPieces || n != directAnswerBytes(expected_pieces)) {
@@ -389,6 +392,7 @@ Status decode(const uint8_t* p, size_t n, uint64_t expected_pieces, DirectAnswer
   }
   Reader r(p, n);
   r.get(&out->pin_epoch);
+  r.get(&out->epoch_addr);
   out->addrs.resize(expected_pieces);
   out->lengths.resize(expected_pieces);
   for (uint64_t i = 0; i < expected_pieces; ++i) {

@@ -34,6 +34,7 @@
 // asked for.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -48,7 +49,7 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
-constexpr uint16_t kProtocolVersion = 3;
+constexpr uint16_t kProtocolVersion = 4;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;
@@ -68,24 +69,29 @@ constexpr size_t kProofBytes = 32;
 constexpr uint8_t kHelloSameHost = 1;
 constexpr uint8_t kHelloPayloadIntegrity = 2;
 
+// 128 random bits (the OS CSPRNG): a link attempt's identity, which nobody can predict and so
+// pre-register at an acceptor.
+using Nonce = std::array<uint8_t, 16>;
+
 struct Hello {
   uint16_t version = kProtocolVersion;
   Channel channel = Channel::kForward;
   uint8_t flags = 0;
   uint64_t cluster_id = 0;     // the sender's own cluster id
   uint64_t expected_peer = 0;  // the cluster id the sender believes it is dialling
-  uint64_t nonce = 0;          // pairs the FORWARD and REVERSE channels of one link
+  Nonce nonce{};               // pairs the FORWARD and REVERSE channels of one link (random)
   uint8_t challenge[kChallengeBytes] = {0};
 };
 // The first 32 bytes keep one layout in every version (magic, version, ...), so a peer of another
-// version is recognised and told so; then the challenge.
+// version is recognised and told so; they hold the nonce's first 8 bytes, the rest holds its other 8
+// and the challenge.
 constexpr size_t kHelloPrefixBytes = 32;
-constexpr size_t kHelloBytes = kHelloPrefixBytes + kChallengeBytes;
+constexpr size_t kHelloBytes = kHelloPrefixBytes + 8 + kChallengeBytes;
 std::string encode(const Hello& h);
 // Decodes the 32-byte prefix. Rejects a wrong magic (garbage) with kLinkFailed; a version mismatch
 // is reported by the caller.
 Status decodePrefix(const uint8_t* p, size_t n, Hello* out);
-// Decodes the part after the prefix (the challenge).
+// Decodes the part after the prefix (the nonce's second half, the challenge).
 Status decodeRest(const uint8_t* p, size_t n, Hello* out);
 
 struct HelloAck {
@@ -292,9 +298,11 @@ constexpr uint64_t kMaxRawTableBytes = 12 + 16 * uint64_t{limits::kMaxRequestTen
 // Answers a requester decodes against what it asked: each decoder takes the count it expects and
 // fails (kLinkFailed, "malformed ... answer") on any other size or any value out of bounds.
 //
-// kFlagDirect: the pin epoch, then (address, length) per piece, tensor-major.
+// kFlagDirect: the pin epoch and the address of the word that holds it (the serving link's,
+// engine/pin_epochs.h), then (address, length) per piece, tensor-major.
 struct DirectAnswer {
   uint64_t pin_epoch = 0;
+  uint64_t epoch_addr = 0;
   std::vector<uint64_t> addrs;
   std::vector<uint64_t> lengths;
 };

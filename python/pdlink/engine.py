@@ -273,7 +273,10 @@ class LinkInfo:
     device_paths: tuple[str, ...]
     #: What the host path moves bytes over beneath ``transport``, where it has a choice: for
     #: ``ucx``, UCX's lanes as ``"transport/device"`` (``"tcp/lo"``, ``"cma/memory"``,
-    #: ``"rc_mlx5/mlx5_0:1"``) once the link's first transfer connected them; else empty.
+    #: ``"rc_mlx5/mlx5_0:1"``) once the link's first transfer connected them; for ``cma``, how
+    #: the copies reach the peer's process: ``"process_vm"`` (``process_vm_readv`` by pid, for a
+    #: peer of this uid when this process is unprivileged) or ``"proc_mem"`` (a ``/proc/<pid>/mem``
+    #: descriptor bound to that process: docs/security.md); else empty.
     lanes: tuple[str, ...] = ()
 
 

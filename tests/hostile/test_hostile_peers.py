@@ -116,7 +116,7 @@ def test_a_request_at_the_bounds_is_served_within_them(peers: Callable[..., Peer
         assert answer[:1] == (S.LLM_PARAM_INVALID,) and answer[2] == b"", answer[:2]
     else:
         assert answer[0] == 0, answer[:2]
-        assert len(answer[2]) == (8 + 16 * tensors * runs if direct else 64 * tensors * runs)
+        assert len(answer[2]) == (16 + 16 * tensors * runs if direct else 64 * tensors * runs)
         if direct:
             a.call(hostile.send, rawwire.request(rawwire.OP_RELEASE, rawwire.blocks_body()))
     assert victim.prefill.call(kv.rss_kib) - rss < RSS_BOUND_KIB
@@ -226,7 +226,7 @@ def test_a_same_host_peer_is_told_only_registered_addresses(peers: Callable[...,
     answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(
         tensors=(0, 1), runs=((0, 64), (4096, 128))), flags=rawwire.FLAG_DIRECT))
     assert isinstance(answer, tuple) and answer[0] == 0, answer
-    _epoch, *flat = struct.unpack(f"<Q{len(answer[2]) // 8 - 1}Q", answer[2])
+    _epoch, _epoch_addr, *flat = struct.unpack(f"<QQ{len(answer[2]) // 8 - 2}Q", answer[2])
     tensors = victim.prefill.call(kv.tensor_addresses, "kv")
     for addr, length in zip(flat[::2], flat[1::2]):
         assert any(t <= addr and addr + length <= t + TENSOR_BYTES for t in tensors), hex(addr)

@@ -271,6 +271,45 @@ def test_a_pin_expires_and_frees_the_memory(peers: Callable[..., Peer], variant:
     p.call(kv.allocate, "again", 1, (1, 768 * 1024), DataType.DT_INT8)
 
 
+def _word(pid: int, addr: int) -> int:
+    """One 8-byte word of process `pid`'s memory, read the way a same-host peer could."""
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        mem.seek(addr)
+        return int.from_bytes(mem.read(8), "little")
+
+
+@only("cpu-cma")
+def test_one_peers_expired_pin_never_moves_another_peers_pin_epoch(peers: Callable[..., Peer],
+                                                                  variant: Variant) -> None:
+    """Each served link has its own pin epoch word (engine/pin_epochs.h): a direct answer names it.
+    A peer whose pin expires moves only its own link's word, so another peer's copy that spans the
+    expiry still checks out; the other peer is answered the same word and epoch afterwards."""
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", PROMPT_ID, listen=True, extra={"pdlink.PinTimeoutMs": "500"})
+    p.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    name = peers("spy").call(hostile.redirect_name, port)
+    silent, honest = peers("silent"), peers("honest")
+    assert silent.call(hostile.link_raw, port, 9, b"", name) == (0, "")
+    assert honest.call(hostile.link_raw, port, 10, b"", name) == (0, "")
+    read = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(tensors=(0, 1), runs=((0, 64),)),
+                           flags=rawwire.FLAG_DIRECT)
+
+    def answered(peer: Peer) -> tuple[int, int]:
+        answer = peer.call(hostile.exchange, read)
+        assert isinstance(answer, tuple) and answer[0] == 0, answer
+        epoch, addr = struct.unpack("<QQ", answer[2][:16])
+        return epoch, addr
+
+    honest_epoch, honest_word = answered(honest)
+    honest.call(hostile.send, rawwire.request(rawwire.OP_RELEASE, rawwire.blocks_body()))  # done: unpinned
+    silent_epoch, silent_word = answered(silent)
+    assert silent_word != honest_word
+    wait_until(lambda: stat(p, "pins_expired") == 1, hang_guard(500), "the silent peer's pin expired")
+    assert _word(p.proc.pid, silent_word) == silent_epoch + 1  # the expiry moved its own word
+    assert _word(p.proc.pid, honest_word) == honest_epoch  # and nobody else's
+    assert answered(honest) == (honest_epoch, honest_word)
+
+
 def test_a_healthy_link_cannot_be_taken_over_by_a_newcomer(peers: Callable[..., Peer],
                                                            make_pair: Callable[..., Pair]) -> None:
     """Without a secret, a raw peer that links as cluster 2 while the honest cluster 2's link is

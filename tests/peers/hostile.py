@@ -109,7 +109,7 @@ def _handle(srv: _Server, conn: socket.socket, local: bool) -> None:
 def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None:
     mode = srv.mode
     head = rawwire.recv_exact(conn, rawwire.HELLO_BYTES)
-    _magic, version, channel, flags, cluster, expected, nonce = struct.unpack("<IHBBQQQ", head[:32])
+    version, channel, flags, cluster, expected, nonce = rawwire.parse_hello(head)
     srv.observed.append({"event": "hello", "channel": channel, "flags": flags, "cluster": cluster, "local": local})
     if mode == "garbage_ack":
         conn.sendall(os.urandom(200))
@@ -153,6 +153,9 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
         conn.sendall(struct.pack("<IIIHQB", rawwire.AUTH_MAGIC, 0, 0, 0xFFFF, 0, 0) + bytes(rawwire.TAG_BYTES))
         return
     conn.sendall(rawwire.auth_result(gen_addr=gen_addr))
+    if mode == "vanish" and local:
+        _vanish(srv, conn, channel)
+        return
     if channel == 0:
         _answer_requests(srv, conn)
         return
@@ -161,6 +164,93 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
         status, message, payload = rawwire.read_response(conn)
         srv.observed.append({"event": "read_back", "status": status, "message": message, "payload": payload})
     _idle(conn)
+
+
+# ---------------------------------------------------------------- a peer that outlives its pid
+#
+# The pid-reuse attack on a same-host link: the process the kernel named for the link's AF_UNIX
+# channels (P) forks once both channels are up and exits, while its child (C) keeps the channels
+# and answers the victim's direct reads and writes with addresses of the victim's own memory. The
+# test then makes a thread of the victim get P's pid number: a victim that copies by pid number
+# would copy inside itself. P runs in its own process (``serve_vanishing``) so that the attacker's
+# peer process, which the test talks to, outlives it.
+
+_vanishing: dict[str, Any] = {}
+
+
+def serve_vanishing(**params: Any) -> tuple[int, int]:
+    """Starts P (a fork of this process); returns its TCP port on ATTACKER_IP and its pid.
+    ``params["log"]``: a file C appends one line per request it receives to."""
+    ours, theirs = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ours)
+        _vanishing_main(theirs, params)
+    os.close(theirs)
+    with os.fdopen(ours) as pipe:
+        port = int(pipe.readline())
+    _vanishing.update(pid=pid)
+    return port, pid
+
+
+def wait_vanished() -> int:
+    """Waits until P exited and reaps it (its pid number is then free); its exit status."""
+    _, status = os.waitpid(_vanishing["pid"], 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _vanishing_main(pipe: int, params: dict[str, Any]) -> None:
+    try:
+        global _server
+        _server = None
+        os.write(pipe, f"{serve('vanish', True, **params)}\n".encode())
+        os.close(pipe)
+        threading.Event().wait(120)  # the serving threads do the rest; P ends in _vanish
+    finally:
+        os._exit(1)
+
+
+def _vanish(srv: _Server, conn: socket.socket, channel: int) -> None:
+    both = srv.params.setdefault("both_channels", threading.Event())
+    if channel != 0:  # the reverse channel: its handshake is done, so the link is
+        both.set()
+        _idle(conn)
+        return
+    if not both.wait(30):
+        return
+    if os.fork() != 0:
+        os._exit(0)  # P: gone, its pid number free once reaped; C holds every descriptor
+    import signal
+
+    signal.alarm(120)  # C never outlives a test run
+    try:
+        log = open(srv.params["log"], "a", buffering=1)
+        srv.mode = "direct_victim_addresses"
+        while True:
+            op, flags, body, plen = rawwire.read_request(conn)
+            log.write(f"{op} {flags}\n")
+            if op == rawwire.OP_WRITE and not flags:
+                rawwire.recv_exact(conn, plen)
+            if op in (rawwire.OP_COMMIT, rawwire.OP_RELEASE):
+                continue
+            if op in (rawwire.OP_PING, rawwire.OP_UNLINK):
+                conn.sendall(rawwire.response())
+            elif op in (rawwire.OP_READ, rawwire.OP_WRITE) and flags == rawwire.FLAG_DIRECT:
+                _kind, tensors, runs = rawwire.parse_body(body)
+                addrs = srv.params["addresses"]
+                pieces = [(addrs[i % len(addrs)] + o, n) for i, _ in enumerate(tensors) for o, n in runs]
+                conn.sendall(rawwire.response(payload=rawwire.direct_answer(7, _epoch_addr(srv), pieces)))
+            else:
+                conn.sendall(rawwire.response(status=0x5010B019, message=b"direct only"))
+    except (ConnectionError, OSError, struct.error):
+        pass
+    finally:
+        os._exit(0)
+
+
+def _epoch_addr(srv: _Server) -> int:
+    """Where this process keeps the pin epoch it answers (the second published word)."""
+    return ctypes.addressof(srv.published) + 8
 
 
 def _idle(conn: socket.socket) -> None:
@@ -225,26 +315,25 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
         elif op == rawwire.OP_DESCRIBE:
             conn.sendall(rawwire.response(status=0x5010B019, message=b"no direct reads"))  # refuse: checked path
         elif mode == "direct_wrong_count":
-            conn.sendall(rawwire.response(payload=struct.pack("<Q", 1) + bytes(16 * (pieces + 1))))
+            conn.sendall(rawwire.response(payload=rawwire.direct_answer(1, _epoch_addr(srv), [(0, 0)] * (pieces + 1))))
         elif mode == "direct_wrong_length":
-            conn.sendall(rawwire.response(payload=struct.pack("<Q", 1) + b"".join(
-                struct.pack("<QQ", 0x1000, n + 1) for _ in rec["tensors"] for _, n in rec["runs"])))
+            conn.sendall(rawwire.response(payload=rawwire.direct_answer(
+                1, _epoch_addr(srv), [(0x1000, n + 1) for _ in rec["tensors"] for _, n in rec["runs"]])))
         elif mode in ("direct_own_memory", "direct_epoch_moved"):
             # addresses of this process's own buffer (readable by the victim), with the pin epoch
             # this process publishes, or one that has moved on since (a pin that expired)
             base = ctypes.addressof(params["data"])
-            entries, at = b"", 0
+            own, at = [], 0
             for _ in rec["tensors"]:
                 for _o, n in rec["runs"]:
-                    entries += struct.pack("<QQ", base + at, n)
+                    own.append((base + at, n))
                     at += n
             epoch = srv.published[1] - (1 if mode == "direct_epoch_moved" else 0)
-            conn.sendall(rawwire.response(payload=struct.pack("<Q", epoch) + entries))
+            conn.sendall(rawwire.response(payload=rawwire.direct_answer(epoch, _epoch_addr(srv), own)))
         elif mode == "direct_victim_addresses":
             addrs = params["addresses"]
-            entries = b"".join(struct.pack("<QQ", addrs[i % len(addrs)] + o, n)
-                               for i, _ in enumerate(rec["tensors"]) for o, n in rec["runs"])
-            conn.sendall(rawwire.response(payload=struct.pack("<Q", 7) + entries))
+            victims = [(addrs[i % len(addrs)] + o, n) for i, _ in enumerate(rec["tensors"]) for o, n in rec["runs"]]
+            conn.sendall(rawwire.response(payload=rawwire.direct_answer(7, _epoch_addr(srv), victims)))
         elif op == rawwire.OP_UCX_CONNECT and mode.startswith("ucx_"):
             # a UcxHello (u64 token, u32 message size, worker address) with a message size out of
             # bounds or missing, or one too long to read; its "address" is bytes that would abort
@@ -313,7 +402,7 @@ def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None 
     """Links to the victim as a raw peer (both channels) from ATTACKER_IP, or over the AF_UNIX name
     `unix`; returns (status, message) of the handshake."""
     global _client
-    nonce = int.from_bytes(os.urandom(8), "little")
+    nonce = int.from_bytes(os.urandom(16), "little")
     gen = ctypes.addressof(_words) if unix is not None else 0
     h = rawwire.handshake(port, cluster=cluster, nonce=nonce, secret=secret, unix=unix, source=ATTACKER_IP,
                           gen_addr=gen)

@@ -69,6 +69,7 @@ class _State:
     dd: LLMDataDist | None = None
     caches: dict[str, _Named] = dataclasses.field(default_factory=dict)
     secrets: list[np.ndarray] = dataclasses.field(default_factory=list)
+    threads: list[Any] = dataclasses.field(default_factory=list)
 
 
 _S = _State()
@@ -331,6 +332,41 @@ def plant_secret(nbytes: int = 4096) -> tuple[int, bytes]:
 def secrets() -> list[bytes]:
     """The planted secrets as they are now."""
     return [b.tobytes() for b in _S.secrets]
+
+
+def thread_with_id(tid: int, tries: int = 200) -> bool:
+    """Starts a thread of this process whose thread id is ``tid`` (a pid number just freed), by
+    setting the pid namespace's last pid (root only) before each try; it lives until
+    ``end_threads``. Whether it got that id."""
+    import threading
+
+    for _ in range(tries):
+        got: list[int] = []
+        started, done = threading.Event(), threading.Event()
+
+        def run() -> None:
+            got.append(threading.get_native_id())
+            started.set()
+            done.wait()
+
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(tid - 1))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        started.wait()
+        if got[0] == tid:
+            _S.threads.append((t, done))
+            return True
+        done.set()
+        t.join()
+    return False
+
+
+def end_threads() -> None:
+    for t, done in _S.threads:
+        done.set()
+        t.join()
+    _S.threads.clear()
 
 
 def tensor_addresses(name: str) -> list[int]:

@@ -1,11 +1,26 @@
-// Cross-memory attach (process_vm_readv / process_vm_writev): the same-host data path.
+// Direct copies of a same-host peer's memory: the same-host data path.
 //
-// Two processes on one host that may ptrace each other (same user, and Yama permitting) can copy
-// memory between their address spaces in one system call per 1024 ranges, with no socket and no
-// intermediate copy. The engine uses it only on a link whose channels are AF_UNIX connections to a
-// process the kernel identified (transport/socket.h, PeerCredentials), after a probe read of that
-// process succeeded; otherwise it streams. A pid is never taken from what a peer says.
-// Threading: safe from any thread.
+// A Process is the process at the other end of an AF_UNIX channel, as the kernel identified it: its
+// pidfd (SO_PEERPIDFD), taken when the link is made, and copies that reach exactly that process and
+// no other for as long as the link lives. A pid is never taken from what a peer says.
+//
+// Why a pidfd is not enough. process_vm_readv/writev take a pid number, resolved at each call, and
+// a pid number outlives its process: a peer that forks, passes its sockets to the child and exits
+// frees its number, which the next process or thread to be created may get (a thread id counts).
+// Copies to the number would then land in that process, or in this one. What holds instead:
+//   kVm:      process_vm_readv/writev by number, only where a reuse gains the peer nothing: it runs
+//             under this process's own uid and this process has no more power over other
+//             processes than the peer has (not root, no CAP_SYS_PTRACE). Whatever process the
+//             number comes to name, the peer could attach to it itself. The number is also refused
+//             when it names a thread of this process, and the pidfd is checked before and after each
+//             copy. Also the mode for this very process (its own number cannot be reused).
+//   kProcMem: any other peer (this process is root or may ptrace others): copies through a
+//             /proc/<pid>/mem descriptor opened once, while the pidfd showed the process alive. The
+//             descriptor stays bound to that process's memory: after the process exits it reads and
+//             writes nothing, whatever process gets the number.
+// A peer whose pidfd cannot be had (kernel without SO_PEERPIDFD, a pid this namespace cannot see),
+// or whose memory this process may not open, gets no direct copies: the link streams.
+// Threading: safe from any thread; the descriptors close when the last owner lets go.
 #pragma once
 
 #include <sys/types.h>
@@ -19,20 +34,45 @@
 
 namespace pdlink::cma {
 
-// Copies between local[i] and remote[i] (equal lengths pairwise) in the process `pid`; `write`
-// selects the direction (false: remote -> local). kLinkFailed if the peer is gone, kParamInvalid
-// if an address is not mapped there (EFAULT), with errno's text in the message.
-Status copy(pid_t pid, bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote);
+class Process {
+ public:
+  enum class Mode { kVm, kProcMem };
+  // The process at the other end of the AF_UNIX socket `sock_fd`, which SO_PEERCRED reported as
+  // `pid` (this namespace) and `uid`. Fails (kLinkFailed, saying why) where no mode above applies or
+  // the process is gone; the caller then streams.
+  static Result<std::shared_ptr<Process>> open(int sock_fd, pid_t pid, uid_t uid);
+  ~Process();
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
 
-// Reads one 8-byte word of `pid` at `addr`; the link-time check that direct access is permitted.
-Result<uint64_t> readWord(pid_t pid, uint64_t addr);
+  pid_t pid() const { return pid_; }
+  Mode mode() const { return mode_; }
+  const char* modeName() const { return mode_ == Mode::kVm ? "process_vm" : "proc_mem"; }
 
-// Reads remote[i] -> local[i], then the 8-byte word of `pid` at `word_addr`, strictly after every
-// byte of the runs (in the same ordered process_vm_readv, or, where copy would split the runs
-// between threads, a readWord after both finished): the word proves what held until the data was
-// read. Errors as copy. Both lists are as given on return (an entry is appended for the word and
-// removed again).
-Result<uint64_t> readThenWord(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t word_addr);
+  // Copies between local[i] and remote[i] (equal lengths pairwise); `write` selects the direction
+  // (false: remote -> local). kLinkFailed if the process is gone (break the link), kParamInvalid if
+  // an address is not mapped there, with the system's text in the message.
+  Status copy(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote) const;
+  // Reads one 8-byte word at `addr`; at link time, the check that direct access is permitted.
+  Result<uint64_t> readWord(uint64_t addr) const;
+  // Reads remote[i] -> local[i], then the word at `word_addr`, strictly after every byte of the
+  // runs: the word proves what held until the data was read. Errors as copy. Both lists are as
+  // given on return (an entry is appended for the word and removed again).
+  Result<uint64_t> readThenWord(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t word_addr) const;
+
+ private:
+  Process(pid_t pid, int pidfd, int mem_fd, Mode mode) : pid_(pid), pidfd_(pidfd), mem_fd_(mem_fd), mode_(mode) {}
+  // kLinkFailed once the process exited, or (kVm) when its number names a thread of this process.
+  Status alive() const;
+  Status copyRange(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote, size_t begin,
+                   size_t end) const;
+  Status copyChecked(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote) const;
+
+  const pid_t pid_;
+  const int pidfd_;
+  const int mem_fd_;  // kProcMem only, else -1
+  const Mode mode_;
+};
 
 // Permission for same-host peers to copy this process's memory. Where Yama's ptrace_scope is 1,
 // only ancestors may attach; a peer's process_vm_readv/writev of us needs prctl(PR_SET_PTRACER,

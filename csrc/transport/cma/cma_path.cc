@@ -37,7 +37,8 @@ bool inRawTable(const wire::RawTable& table, const wire::Run& run) {
 }
 }  // namespace
 
-CmaPath::CmaPath(pid_t pid, uint64_t published_addr) : pid_(pid), published_addr_(published_addr) {
+CmaPath::CmaPath(std::shared_ptr<const cma::Process> process, uint64_t published_addr)
+    : process_(std::move(process)), published_addr_(published_addr) {
   caps_.name = "cma";
   caps_.request_flags = wire::kFlagDirect;
   caps_.one_sided = true;
@@ -59,8 +60,6 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
     if (body.empty()) body = wire::encode(p.remote);
     return body;
   };
-  // The peer's published words (Registry::Published): generation (readChecked), then pin epoch.
-  void* const pin_epoch_word = reinterpret_cast<void*>(published_addr_ + 8);
 
   // Fast paths, reads of a blocks cache or of registered memory by address: with the peer's layout
   // (or table) cached, one process_vm_readv and no round trip. The peer's registry generation is
@@ -169,19 +168,20 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   for (size_t i = 0; i < local.size(); ++i) {
     remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
   }
-  // The addresses are the peer's, applied to the peer's pid (proven by the kernel): at worst they
-  // make this side copy the peer's own memory.
+  // The addresses are the peer's, applied to the peer's process (proven by the kernel): at worst
+  // they make this side copy the peer's own memory. So is the pin epoch word's, the serving link's.
+  const uint64_t pin_epoch_word = answer.epoch_addr;
   uint64_t epoch_after = 0;
   Status copied;
   if (is_push) {
-    copied = cma::copy(pid_, true, local, remote_iov);
+    copied = process_->copy(true, local, remote_iov);
     if (copied.ok()) {
-      auto epoch = cma::readWord(pid_, reinterpret_cast<uint64_t>(pin_epoch_word));
+      auto epoch = process_->readWord(pin_epoch_word);
       copied = epoch.status();
       if (epoch.ok()) epoch_after = epoch.value();
     }
   } else {  // the epoch word is read after the data (in the same ordered read where one thread copies)
-    auto epoch = cma::readThenWord(pid_, local, remote_iov, reinterpret_cast<uint64_t>(pin_epoch_word));
+    auto epoch = process_->readThenWord(local, remote_iov, pin_epoch_word);
     copied = epoch.status();
     if (epoch.ok()) epoch_after = epoch.value();
   }
@@ -218,7 +218,7 @@ Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>&
   for (const iovec& v : local) total += v.iov_len;
   const bool bounce = total <= kBounceBytes;
   if (!bounce) {
-    Result<uint64_t> before = cma::readWord(pid_, published_addr_);
+    Result<uint64_t> before = process_->readWord(published_addr_);
     if (!before.ok()) return before.status().code() == Code::kLinkFailed ? Result<bool>(before.status()) : false;
     if (before.value() != generation) return false;
   }
@@ -233,7 +233,7 @@ Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>&
       at += v.iov_len;
     }
   }
-  Result<uint64_t> g = cma::readThenWord(pid_, bounce ? staged : local, remote, published_addr_);
+  Result<uint64_t> g = process_->readThenWord(bounce ? staged : local, remote, published_addr_);
   if (!g.ok() && g.status().code() == Code::kLinkFailed) return g.status();
   if (!g.ok() || g.value() != generation) return false;  // an unmapped range (EFAULT) counts as changed
   if (bounce) {
@@ -250,7 +250,8 @@ Status CmaServer::serve(ServeCall& call) {
   // Checked like any access; answer where the bytes are and keep them alive until the next frame
   // (the pin epoch lets the requester detect a pin that lapsed meanwhile).
   wire::DirectAnswer answer;
-  answer.pin_epoch = pin_epoch_();
+  answer.pin_epoch = call.pin_epoch->load(std::memory_order_acquire);
+  answer.epoch_addr = reinterpret_cast<uint64_t>(call.pin_epoch);
   for (const Segment& piece : pieces(call.addrs, call.tensors, call.base, call.runs)) {  // bounded: kMaxRequestPieces
     answer.addrs.push_back(piece.addr);
     answer.lengths.push_back(piece.length);

@@ -14,17 +14,20 @@
 #include <functional>
 #include <optional>
 
+#include "transport/cma/cma.h"
 #include "transport/path.h"
 
 namespace pdlink {
 
 class CmaPath : public DataPath {
  public:
-  // `pid`: the peer's process (SO_PEERCRED); `published_addr`: where its registry publishes its
-  // generation and pin epoch (Registry::Published), both in that process.
-  CmaPath(pid_t pid, uint64_t published_addr);
+  // `process`: the peer's process (cma::Process, Link::peerProcess); `published_addr`: where its
+  // registry publishes its generation (Registry::Published), in that process.
+  CmaPath(std::shared_ptr<const cma::Process> process, uint64_t published_addr);
   const PathCaps& caps() const override { return caps_; }
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
+  // How the copies reach the peer: "process_vm" or "proc_mem" (cma::Process::Mode).
+  std::vector<std::string> lanes() const override { return {process_->modeName()}; }
 
  private:
   // kDescribe of `p`'s target: the answer's payload (at most `max_bytes`). Not OK with the link
@@ -38,22 +41,17 @@ class CmaPath : public DataPath {
   static constexpr size_t kBounceBytes = 256 * 1024;  // reads up to this size are staged (one memcpy)
 
   PathCaps caps_;
-  const pid_t pid_;
+  const std::shared_ptr<const cma::Process> process_;
   const uint64_t published_addr_;
   std::map<uint64_t, wire::CacheDescriptor> descriptors_;  // model_id -> the peer's layout; out mutex
   std::optional<wire::RawTable> raw_table_;  // the peer's registered memory; out mutex
 };
 
-// Answers a checked direct access with the addresses of exactly the resolved ranges and the pin
-// epoch, and keeps them pinned until the peer's next frame.
+// Answers a checked direct access with the addresses of exactly the resolved ranges and the serving
+// link's pin epoch word (ServeCall::pin_epoch), and keeps them pinned until the peer's next frame.
 class CmaServer : public PathServer {
  public:
-  // `pin_epoch`: the serving engine's current pin epoch (Registry::pinEpoch).
-  explicit CmaServer(std::function<uint64_t()> pin_epoch) : pin_epoch_(std::move(pin_epoch)) {}
   Status serve(ServeCall& call) override;
-
- private:
-  std::function<uint64_t()> pin_epoch_;
 };
 
 }  // namespace pdlink
