@@ -219,19 +219,26 @@ void bindTypes(py::module_& m) {
   py::class_<EngineLimits>(m, "EngineLimits")
       .def(py::init<>())
       .def_readwrite("max_links", &EngineLimits::max_links)
+      .def_readwrite("max_links_per_source", &EngineLimits::max_links_per_source)
       .def_readwrite("max_handshakes", &EngineLimits::max_handshakes)
       .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
+      .def_readwrite("hello_timeout_ms", &EngineLimits::hello_timeout_ms)
       .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
       .def_readwrite("handshake_timeout_ms", &EngineLimits::handshake_timeout_ms)
       .def_readwrite("max_notifications_per_link", &EngineLimits::max_notifications_per_link)
       .def_readwrite("max_notification_bytes", &EngineLimits::max_notification_bytes)
+      .def_readwrite("max_notification_bytes_per_link", &EngineLimits::max_notification_bytes_per_link)
       .def("__repr__", [](const EngineLimits& l) {
-        return "EngineLimits(max_links=" + std::to_string(l.max_links) + ", max_handshakes=" +
-               std::to_string(l.max_handshakes) + ", max_handshakes_per_source=" +
-               std::to_string(l.max_handshakes_per_source) + ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
+        return "EngineLimits(max_links=" + std::to_string(l.max_links) +
+               ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
+               ", max_handshakes=" + std::to_string(l.max_handshakes) +
+               ", max_handshakes_per_source=" + std::to_string(l.max_handshakes_per_source) +
+               ", hello_timeout_ms=" + std::to_string(l.hello_timeout_ms) +
+               ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
                ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) +
                ", max_notifications_per_link=" + std::to_string(l.max_notifications_per_link) +
-               ", max_notification_bytes=" + std::to_string(l.max_notification_bytes) + ")";
+               ", max_notification_bytes=" + std::to_string(l.max_notification_bytes) +
+               ", max_notification_bytes_per_link=" + std::to_string(l.max_notification_bytes_per_link) + ")";
       });
   // Received notifications (Engine::takeNotifications): name and message are the bytes sent.
   py::class_<Notification>(m, "Notification")
@@ -495,8 +502,10 @@ PYBIND11_MODULE(_core, m) {
           "initialize",
           [](Engine& e, const EngineConfig& c) {
             const EngineLimits& l = c.limits;
-            if (l.max_links == 0 || l.max_handshakes == 0 || l.max_handshakes_per_source == 0 || l.pin_timeout_ms < 0 ||
-                l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0) {
+            if (l.max_links == 0 || l.max_links_per_source == 0 || l.max_handshakes == 0 ||
+                l.max_handshakes_per_source == 0 || l.hello_timeout_ms <= 0 || l.pin_timeout_ms < 0 ||
+                l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0 ||
+                l.max_notification_bytes_per_link == 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
             throwIfError(e.initialize(c), "init");
@@ -519,6 +528,7 @@ PYBIND11_MODULE(_core, m) {
              d["handshakes"] = s.handshakes;
              d["threads"] = s.threads;
              d["handshakes_refused"] = s.handshakes_refused;
+             d["handshakes_evicted"] = s.handshakes_evicted;
              d["listener_backoffs"] = s.listener_backoffs;
              d["pins_expired"] = s.pins_expired;
              d["notifications"] = s.notifications;

@@ -19,6 +19,8 @@ class Deadline {
   bool expired() const { return !isNever() && Clock::now() >= at_; }
   // Milliseconds left, clamped to [0, INT32_MAX]; -1 for never (the poll(2) convention).
   int remainingMsForPoll() const;
+  // The earlier of the two.
+  static Deadline earliest(Deadline a, Deadline b) { return a.at_ < b.at_ ? a : b; }
 
  private:
   explicit Deadline(Clock::time_point at) : at_(at) {}

@@ -67,6 +67,9 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   if ((h.op == wire::Op::kPing || h.op == wire::Op::kUnlink) && h.body_len != 0) {
     return Status(Code::kLinkFailed, "a body on a frame that takes none");
   }
+  if (h.op == wire::Op::kConfirm && h.body_len != sizeof(wire::Nonce)) {
+    return Status(Code::kLinkFailed, "a link confirmation is one nonce");
+  }
   if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
     return Status(Code::kLinkFailed, "oversized device channel request");
   }
@@ -144,6 +147,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kPing) return sendResponse(s, Status::OK(), deadline);
   if (h.op == wire::Op::kDeviceChannel) return serveDeviceChannel(link, s, body, deadline);
   if (h.op == wire::Op::kNotify) return serveNotify(*link, s, body, deadline);
+  if (h.op == wire::Op::kConfirm) return serveConfirm(*link, s, body, deadline);
   if (h.op == wire::Op::kUcxConnect) {
     if (!ucx_server_) {
       return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),

@@ -3,6 +3,9 @@
 // (the data paths themselves under transport/, transport/path.h).
 #include "engine/engine.h"
 
+#include <sys/resource.h>
+#include <sys/socket.h>
+
 #include "core/log.h"
 #include "engine/engine_internal.h"
 #include "transport/cma/cma.h"
@@ -207,6 +210,7 @@ EngineStats Engine::stats() const {
     s.live_links = links_.live();
     s.tombstones = links_.tombstones();
     s.handshakes = slots_.total;
+    s.handshakes_evicted = slots_.evicted;
     for (const Listener* l : {listener_.get(), comm_listener_.get(), unix_listener_.get()}) {
       if (l) s.listener_backoffs += l->backoffs();
     }
@@ -227,22 +231,69 @@ EngineStats Engine::stats() const {
 
 // ---------------------------------------------------------------- listener and roles
 
-namespace {
-// Where a connection comes from, for the per-source handshake cap: its IP address, or for an
-// AF_UNIX connection the local process (the peer string is "unix:pid N").
-std::string sourceOf(const Socket& s) {
-  const std::string& p = s.peer();
-  return s.isUnix() ? p : p.substr(0, p.rfind(':'));
+uint32_t EngineLimits::defaultMaxLinks() {
+  rlimit fds{};
+  if (::getrlimit(RLIMIT_NOFILE, &fds) != 0 || fds.rlim_cur == RLIM_INFINITY) return 512;
+  if (fds.rlim_cur <= kReservedDescriptors + kDescriptorsPerLink) return 1;
+  return static_cast<uint32_t>(std::min<rlim_t>(512, (fds.rlim_cur - kReservedDescriptors) / kDescriptorsPerLink));
 }
-}  // namespace
+
+std::string Engine::sourceOf(const Socket& s) {
+  // A local peer is its user: every process of one uid shares one share, whichever way it comes
+  // (AF_UNIX, or TCP from a loopback address), so many processes or many loopback addresses gain
+  // an attacker nothing. A remote peer is its IP address.
+  if (s.isUnix()) {
+    auto cred = s.peerCredentials();
+    return cred.ok() ? "uid " + std::to_string(cred.value().uid) : s.peer();
+  }
+  auto uid = s.loopbackPeerUid();
+  if (uid.ok()) return "uid " + std::to_string(uid.value());
+  const std::string& p = s.peer();
+  return p.substr(0, p.rfind(':'));
+}
 
 void Engine::HandshakeSlot::release() {
   if (!engine) return;
   std::lock_guard<std::mutex> lock(engine->mu_);
-  --engine->slots_.total;
-  auto it = engine->slots_.per_source.find(source);
-  if (it != engine->slots_.per_source.end() && --it->second == 0) engine->slots_.per_source.erase(it);
+  engine->hearLocked(this);
+  if (evicted) {
+    --engine->slots_.evicting;  // its place was counted out when it was evicted
+  } else {
+    --engine->slots_.total;
+    auto it = engine->slots_.per_source.find(source);
+    if (it != engine->slots_.per_source.end() && --it->second == 0) engine->slots_.per_source.erase(it);
+  }
   engine = nullptr;
+}
+
+void Engine::hearLocked(HandshakeSlot* slot) {
+  if (slot->silent < 0) return;
+  slots_.silent.erase(slot->arrival);
+  slot->silent = -1;
+}
+
+bool Engine::evictSilentLocked(const std::string& newcomer, bool same_source) {
+  // The oldest connection (of the newcomer's source, or of anyone) that has not sent its hello yet makes room:
+  // its place is the newcomer's at once. Its thread wakes from its read and ends; until it has,
+  // it counts as evicting, and at most kEvictingPerSlot x max_handshakes of those may be in flight.
+  if (slots_.evicting >= kEvictingPerSlot * size_t{config_.limits.max_handshakes}) return false;
+  for (auto it = slots_.silent.begin(); it != slots_.silent.end(); ++it) {
+    HandshakeSlot* victim = it->second;
+    if (same_source && victim->source != newcomer) continue;
+    // Wakes its thread's read; the descriptor stays open (and so is never another's) until that
+    // thread, which heard() first, closes it.
+    (void)::shutdown(victim->silent, SHUT_RDWR);
+    victim->silent = -1;
+    victim->evicted = true;
+    ++slots_.evicting;
+    ++slots_.evicted;
+    --slots_.total;
+    auto share = slots_.per_source.find(victim->source);
+    if (--share->second == 0 && victim->source != newcomer) slots_.per_source.erase(share);  // the caller holds its own
+    slots_.silent.erase(it);
+    return true;
+  }
+  return false;
 }
 
 Listener::AcceptFn Engine::acceptor() {
@@ -250,13 +301,16 @@ Listener::AcceptFn Engine::acceptor() {
     // A handshake slot is taken here, on the listener's thread, before any thread is started: a
     // flood from one source runs out of its own slots, not everyone's.
     auto slot = std::make_shared<HandshakeSlot>();
+    const std::string source = sourceOf(s);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
       const EngineLimits& lim = config_.limits;
-      const std::string source = sourceOf(s);
       size_t& mine = slots_.per_source[source];
-      if (slots_.total >= lim.max_handshakes || mine >= lim.max_handshakes_per_source) {
+      // Full: a connection that speaks at once is not locked out by silent ones (evictSilentLocked).
+      const bool room = (mine < lim.max_handshakes_per_source || evictSilentLocked(source, true)) &&
+                        (slots_.total < lim.max_handshakes || evictSilentLocked(source, false));
+      if (!room) {
         if (mine == 0) slots_.per_source.erase(source);
         if (handshakes_refused_.fetch_add(1) % 1000 == 0) {  // one line per thousand, not one each
           PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress ("
@@ -269,6 +323,9 @@ Listener::AcceptFn Engine::acceptor() {
       ++slots_.total;
       slot->engine = this;
       slot->source = source;
+      slot->arrival = ++slots_.arrivals;
+      slot->silent = s.fd();  // evictable until its hello arrives (handleIncoming)
+      slots_.silent[slot->arrival] = slot.get();
     }
     auto holder = std::make_shared<Socket>(std::move(s));
     try {

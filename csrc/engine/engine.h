@@ -71,9 +71,17 @@ struct PoolConfig {
 // What peers can make an engine spend, beyond the per-request bounds of core/limits.h. Each is an
 // init option (pdlink.MaxLinks, ...; docs/security.md, "Limits"), with these defaults.
 struct EngineLimits {
-  uint32_t max_links = 512;               // live links (dialled and accepted); as many tombstones are kept
-  uint32_t max_handshakes = 64;           // connections mid-handshake, from everyone
-  uint32_t max_handshakes_per_source = 8;  // of those, from one IP address (or one local process)
+  // Live links (dialled and accepted); as many tombstones are kept. Default: HIXL's pool of 512,
+  // or fewer where the process's descriptor limit (RLIMIT_NOFILE) cannot hold that many
+  // (defaultMaxLinks).
+  uint32_t max_links = defaultMaxLinks();
+  // Of those, accepted from one source: an IP address, or, for AF_UNIX connections, a uid.
+  uint32_t max_links_per_source = 64;
+  uint32_t max_handshakes = 64;            // connections mid-handshake, from everyone
+  uint32_t max_handshakes_per_source = 16;  // of those, from one source (as above)
+  // How long an incoming connection may take to send its hello; past it, or when the handshake
+  // slots are full and a newcomer arrives, the oldest connection still silent is dropped.
+  int64_t hello_timeout_ms = 1000;
   // How long the serving side keeps the caches of a direct or IPC access pinned while the peer
   // sends nothing; 0: max(2 x sync_timeout_ms, 5 s). The peer's late copy then fails (pin epoch).
   int64_t pin_timeout_ms = 0;
@@ -85,6 +93,15 @@ struct EngineLimits {
   // them. A notification past either bound is refused with kLinkBusy; nothing is dropped.
   uint32_t max_notifications_per_link = 4096;
   uint64_t max_notification_bytes = uint64_t{16} << 20;
+  uint64_t max_notification_bytes_per_link = uint64_t{1} << 20;  // of those, from one peer
+
+  // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and
+  // memory descriptor (transport/cma/cma.h).
+  static constexpr uint32_t kDescriptorsPerLink = 4;
+  // Descriptors kept back from links: listeners, handshakes, the application's own.
+  static constexpr uint32_t kReservedDescriptors = 128;
+  // 512, or what the soft RLIMIT_NOFILE leaves for links after the reserve (at least 1).
+  static uint32_t defaultMaxLinks();
 };
 
 struct EngineConfig {
@@ -137,6 +154,7 @@ struct EngineStats {
   size_t handshakes = 0;         // connections in a handshake now
   size_t threads = 0;            // engine threads running (serving, handshakes)
   uint64_t handshakes_refused = 0;  // connections dropped for want of a handshake slot
+  uint64_t handshakes_evicted = 0;  // silent connections dropped to make room for a newcomer
   uint64_t listener_backoffs = 0;   // times a listener paused for want of descriptors
   uint64_t pins_expired = 0;        // pins released before the peer's next frame
   size_t notifications = 0;         // notifications received and not yet taken
@@ -356,12 +374,23 @@ class Engine {
   Listener::AcceptFn acceptor();
   void stopListeners();
   // A handshake slot held by an incoming connection's thread; release() gives it back (once).
+  // Fields other than `engine` and `source` are guarded by mu_.
   struct HandshakeSlot {
     Engine* engine = nullptr;
     std::string source;
+    uint64_t arrival = 0;      // order of arrival (Slots::silent)
+    int silent = -1;           // the connection's descriptor, while it has not sent its hello
+    bool evicted = false;      // made room for a newcomer: its thread is on its way out
     void release();
     ~HandshakeSlot() { release(); }
   };
+  // Where a connection comes from, for the per-source shares (docs/security.md, "Limits").
+  static std::string sourceOf(const Socket& s);
+  // The slot's connection sent its hello (or is gone): it can no longer be evicted.
+  void hearLocked(HandshakeSlot* slot);
+  // Drops the oldest silent connection (of the newcomer's source, or of anyone); false if none.
+  bool evictSilentLocked(const std::string& newcomer, bool same_source);
+  static constexpr size_t kEvictingPerSlot = 4;
   void handleIncoming(Socket sock, HandshakeSlot* slot);
   // The two channels of a link this side dials, and what the handshake proved about the peer.
   struct Dialled;
@@ -373,8 +402,19 @@ class Engine {
   Status linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id);
   Status unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force);
   void installLink(const std::shared_ptr<Link>& link);
-  // Whether the peer still answers on `link` (a ping, or a transfer running on it); breaks it when not.
-  bool stillAlive(const std::shared_ptr<Link>& link, Deadline deadline);
+  // Keeps `nonce` (a link this side is dialling to `peer`) confirmable (serveConfirm) until the
+  // returned handle goes.
+  std::shared_ptr<void> markDialling(const wire::Nonce& nonce, uint64_t peer);
+  // Asks the peer over `link` (dialled, not yet installed) whether it dialled the link whose hello
+  // had `nonce`: OK if so; its refusal if not; a transport failure breaks `link`.
+  Status confirmDialled(Link& link, const wire::Nonce& nonce, Deadline deadline);
+  // Tells the peer to forget `link` (dialled, never installed) and breaks it.
+  void dropUnused(Link& link, Deadline deadline);
+  // Answers kConfirm: whether this engine dialled (or is dialling) the asker with that nonce.
+  Status serveConfirm(const Link& link, Stream& s, const std::string& body, Deadline deadline);
+  // Whether the peer still answers on `link` (pings over a window of kProbeWindowMs, or a transfer
+  // running on it); breaks it when not.
+  bool stillAlive(const std::shared_ptr<Link>& link);
   // Whether this side's requests copy the peer's memory directly: only for a peer the kernel
   // identified (pid != 0) on the AF_UNIX `channel`, held as a cma::Process, after a probe read of
   // its published words; `process` is then set. kLinkFailed when cma is forced and not possible.
@@ -440,6 +480,7 @@ class Engine {
   Role role_ = Role::kMix;                           // guarded by mu_
   LinkTable links_;                                  // guarded by mu_
   std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
+  std::map<wire::Nonce, uint64_t> dialling_;  // nonces of links being dialled -> their peer, guarded by mu_
   std::deque<std::pair<uint64_t, uint64_t>> link_log_;  // (number, peer) of the latest links, guarded by mu_
   uint64_t link_seq_ = 0;                            // guarded by mu_
 
@@ -452,6 +493,7 @@ class Engine {
   // Incoming links waiting for their REVERSE channel, keyed by the initiator's nonce.
   struct PendingLink {
     uint64_t peer = 0;
+    std::string source;               // Engine::sourceOf the forward channel
     std::unique_ptr<Socket> forward;  // the channel this side will serve
     pid_t pid = 0;                    // SO_PEERCRED of an AF_UNIX forward channel
     uint64_t published_addr = 0;      // from the forward channel's ClientAuth (AF_UNIX only)
@@ -468,7 +510,11 @@ class Engine {
   // when the handshake ends.
   struct Slots {
     size_t total = 0;
+    size_t evicting = 0;  // evicted, their threads not yet ended (not in total)
+    uint64_t evicted = 0;  // ever
     std::map<std::string, size_t> per_source;
+    uint64_t arrivals = 0;
+    std::map<uint64_t, HandshakeSlot*> silent;  // by arrival: connections that have not said hello
   };
   Slots slots_;  // guarded by mu_
   std::atomic<uint64_t> handshakes_refused_{0};
@@ -477,8 +523,12 @@ class Engine {
   // Notifications received and not yet taken, with what the limits count. notify_mu_ is a leaf.
   struct Inbox {
     std::deque<Notification> queue;
-    std::map<uint64_t, size_t> per_peer;  // unread notifications from each peer
-    uint64_t bytes = 0;                   // of their names and messages
+    struct Share {
+      size_t count = 0;    // unread notifications from one peer
+      uint64_t bytes = 0;  // of their names and messages
+    };
+    std::map<uint64_t, Share> per_peer;
+    uint64_t bytes = 0;  // of all of them
     uint64_t refused = 0;
   };
   mutable std::mutex notify_mu_;

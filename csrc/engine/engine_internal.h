@@ -27,8 +27,10 @@ constexpr size_t kMaxPeersPerCall = 16;
 // kLinkFailed naming the broken link's reason and what to do about it.
 Status linkDown(const Link& link);
 Status linkDown(uint64_t peer, const std::string& reason);
-// How long a probe of a link that a newcomer wants to take over may wait for the peer's answer.
-constexpr int64_t kProbeTimeoutMs = 500;
+// A link another peer wants to take over is found dead only after pings sent with these waits
+// for an answer go unanswered (Engine::stillAlive): a window of kProbeWindowMs.
+constexpr int64_t kProbeWaitsMs[] = {500, 1000, 1500};
+constexpr int64_t kProbeWindowMs = 500 + 1000 + 1500;
 // Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.
 constexpr uint32_t kMaxRendezvousBytes = 8192;
 // kLinkFailed (kParamInvalid stays) for a link_clusters entry, naming the peer's address.

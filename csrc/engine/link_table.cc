@@ -18,6 +18,12 @@ size_t LinkTable::live() const {
   return n;
 }
 
+size_t LinkTable::acceptedFrom(const std::string& source) const {
+  size_t n = 0;
+  for (const auto& [peer, e] : entries_) n += e.accepted && e.accepted->source() == source ? 1 : 0;
+  return n;
+}
+
 size_t LinkTable::tombstones() const {
   size_t n = 0;
   for (const auto& [peer, e] : entries_) n += e.tombstone ? 1 : 0;

@@ -31,6 +31,8 @@ class LinkTable {
   void setOneWay(bool one_way) { one_way_ = one_way; }
   // Links that are not tombstones (broken ones included until their serving thread retires them).
   size_t live() const;
+  // Live accepted links from one source (Link::source).
+  size_t acceptedFrom(const std::string& source) const;
   size_t tombstones() const;
   bool empty() const { return entries_.empty(); }
   // Whether anything (a link or a tombstone) is held for `peer`.

@@ -36,7 +36,20 @@ struct Engine::Dialled {
   uint64_t published_addr = 0;   // its Registry::Published words (AF_UNIX channels only)
   std::shared_ptr<cma::Grant> grant;
   Session fwd_session, rev_session;  // with a link secret: the channels' keys
+  wire::Nonce nonce{};               // the forward channel's hello
+  std::shared_ptr<void> in_flight;   // keeps `nonce` confirmable while the link is made (markDialling)
 };
+
+std::shared_ptr<void> Engine::markDialling(const wire::Nonce& nonce, uint64_t peer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dialling_[nonce] = peer;
+  }
+  return std::shared_ptr<void>(nullptr, [this, nonce](void*) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dialling_.erase(nonce);
+  });
+}
 
 // ---------------------------------------------------------------- links
 
@@ -62,6 +75,7 @@ std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t 
 
 Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id) {
   const bool known = peer.cluster_id != wire::kAnyCluster;
+  std::shared_ptr<Link> claimed;  // an accepted link that claims to come from `peer`
   const std::string where = peer.ip + ":" + std::to_string(peer.port);
   // Guards against a second link attempt to the same peer, by id when known, else by address.
   const uint64_t guard_key = known ? peer.cluster_id : std::hash<std::string>{}(where) | (uint64_t{1} << 63);
@@ -72,9 +86,15 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     }
     // A link entity of this side (a dead one too, until unlinked) for this peer: llm_datadist
     // answers LLM_ALREADY_LINK. (So a peer that linked to us first makes our own link attempt
-    // ALREADY_LINK: its link is symmetric. One-way links count only our own.)
+    // ALREADY_LINK: its link is symmetric. One-way links count only our own.) An accepted link
+    // alone is only a claim, though: the engine at the dialled address must confirm it is the
+    // other end of it (below).
     for (const LinkInfo& l : links_.ownInfos()) {
       if ((known && l.peer_cluster_id == peer.cluster_id) || (!known && l.peer_address == where)) {
+        if (known && !l.initiator && !l.broken) {
+          claimed = links_.slot(peer.cluster_id, false);
+          if (claimed) continue;
+        }
         if (linked_id) *linked_id = l.peer_cluster_id;
         return Status(Code::kAlreadyLink, clusterName(l.peer_cluster_id) + " is already linked");
       }
@@ -134,7 +154,29 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   const bool direct = process != nullptr;
   link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant), std::move(process));
   link->setPeerAddress(where);
+  link->setOrigin("", d.nonce);
   choosePaths(*link, direct);
+  if (claimed) {
+    // The engine we dialled says whether it made the accepted link. Yes: that link is the one
+    // llm_datadist reports (ALREADY_LINK), and the new one is closed again, leaving nothing on
+    // either side. No: the accepted link is an impostor's, or stale; it is dropped and the
+    // dialled one used.
+    Status confirmed = confirmDialled(*link, claimed->nonce(), deadline);
+    if (confirmed.ok()) {
+      dropUnused(*link, deadline);
+      if (linked_id) *linked_id = peer_id;
+      return Status(Code::kAlreadyLink, clusterName(peer_id) + " is already linked");
+    }
+    if (link->broken()) return linkError(peer, confirmed);
+    PDLINK_LOG(kWarn, "dropping the link that claimed to come from " << clusterName(peer_id) << " ("
+                                                                       << claimed->peerAddress() << "): "
+                                                                       << confirmed.message());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      links_.forget(claimed);
+    }
+    claimed->breakLink("claimed to come from " + clusterName(peer_id) + ", which did not dial it");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || !initialized_) return Status(Code::kLinkFailed, "engine is finalizing");
@@ -199,6 +241,8 @@ Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same
     *redirect = result.redirect;
     return d;  // the acceptor closes this connection; the link is made on the AF_UNIX socket
   }
+  d.nonce = hello.nonce;
+  d.in_flight = markDialling(hello.nonce, *peer_id);
   auto rev = Socket::connect(peer.ip, peer.port, deadline);
   if (!rev.ok()) return rev.status();
   hello.channel = wire::Channel::kReverse;
@@ -234,6 +278,8 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
   PDLINK_RETURN_IF_ERROR(
       helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, &d.fwd_session, deadline));
   d.published_addr = result.gen_addr;
+  d.nonce = hello.nonce;
+  d.in_flight = markDialling(hello.nonce, *peer_id);
   // The acceptor (it has proven the secret by now) probes this process before it completes the
   // link: let it read us from now on (released with `d` if the link does not come up). Not for a
   // peer inside this process.
@@ -293,25 +339,86 @@ void Engine::installLink(const std::shared_ptr<Link>& link) {
   }
 }
 
-bool Engine::stillAlive(const std::shared_ptr<Link>& link, Deadline deadline) {
+Status Engine::confirmDialled(Link& link, const wire::Nonce& nonce, Deadline deadline) {
+  std::lock_guard<std::mutex> out(link.outMutex());
+  const std::string body(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+  wire::ResponseHeader rh;
+  Status st = request(link, wire::RequestHeader{wire::Op::kConfirm, static_cast<uint32_t>(body.size()), 0}, body,
+                      deadline, "confirming a link with", &rh);
+  if (st.ok() && rh.payload_len != 0) {
+    st = failTransfer(link, Status(Code::kLinkFailed, "malformed answer to a link confirmation"), "confirming with");
+  }
+  return st;
+}
+
+void Engine::dropUnused(Link& link, Deadline deadline) {
+  {
+    std::lock_guard<std::mutex> out(link.outMutex());
+    wire::ResponseHeader rh;
+    (void)request(link, wire::RequestHeader{wire::Op::kUnlink, 0, 0}, "", deadline, "closing a spare link to", &rh);
+  }
+  link.breakLink("not needed: the peer's own link to this engine serves");
+}
+
+Status Engine::serveConfirm(const Link& link, Stream& s, const std::string& body, Deadline deadline) {
+  wire::Nonce nonce;
+  std::memcpy(nonce.data(), body.data(), nonce.size());  // admitHeader checked the size
+  bool ours = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Link> own = links_.slot(link.peer(), true);
+    auto it = dialling_.find(nonce);
+    ours = (own && !own->broken() && own->nonce() == nonce) || (it != dialling_.end() && it->second == link.peer());
+  }
+  if (ours) return sendResponse(s, Status::OK(), deadline);
+  return sendResponse(s, Status(Code::kNotYetLink, "this engine did not dial that link to " + clusterName(config_.cluster_id)),
+                      deadline);
+}
+
+bool Engine::stillAlive(const std::shared_ptr<Link>& link) {
   if (link->broken()) return false;
   std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
-  if (!out.owns_lock()) return true;  // a transfer is running on it
-  std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
-  wire::ResponseHeader rh;
-  Status remote;
-  Status st = link->out().sendFrame(frame, deadline);
-  if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
-  if (!st.ok()) link->breakLink("found dead by a probe: " + st.message());
+  if (!out.owns_lock()) return true;  // a transfer (or another probe) is running on it
+  // Found dead only after a window of silence, not one missed answer: a ping, and another each
+  // time the wait for any answer doubles (kProbeWaitsMs). An owner that pauses for less than the
+  // window answers one of them, and keeps its link; the answers of every ping sent are read back.
+  const std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
+  size_t sent = 0;
+  Status st;
+  for (int64_t wait_ms : kProbeWaitsMs) {
+    st = link->out().sendFrame(frame, Deadline::afterMs(wait_ms));
+    if (!st.ok()) break;
+    ++sent;
+    st = link->out().waitReadable(Deadline::afterMs(wait_ms));
+    if (st.code() != Code::kTimeout) break;
+  }
+  for (size_t i = 0; st.ok() && i < sent; ++i) {
+    wire::ResponseHeader rh;
+    Status remote;
+    st = readResponse(link->out(), Deadline::afterMs(kProbeWaitsMs[0]), &rh, &remote);
+  }
+  if (!st.ok()) link->breakLink("found dead by probes over " + std::to_string(kProbeWindowMs) + " ms: " + st.message());
   return st.ok();
 }
 
 void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return;
+    if (stopping_) {
+      hearLocked(slot);
+      return;
+    }
     handshaking_.insert(&sock);
   }
+  // However this ends, the connection stops being evictable before its descriptor closes.
+  struct Heard {
+    Engine* e;
+    HandshakeSlot* slot;
+    ~Heard() {
+      std::lock_guard<std::mutex> lock(e->mu_);
+      e->hearLocked(slot);
+    }
+  } heard_at_exit{this, slot};
   Socket* tracked = &sock;
   auto untrack = [&] {
     std::lock_guard<std::mutex> lock(mu_);
@@ -342,20 +449,30 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
 
   uint8_t buf[wire::kHelloBytes];
   wire::Hello hello;
-  Status st = sock.recvAll(buf, wire::kHelloPrefixBytes, deadline);
+  // A dialler sends its hello at once: a connection that stays silent is dropped long before the
+  // handshake timeout (or sooner, evicted by a newcomer when the slots are full).
+  const Deadline hello_deadline = Deadline::earliest(deadline, Deadline::afterMs(config_.limits.hello_timeout_ms));
+  auto heard = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    hearLocked(slot);
+  };
+  Status st = sock.recvAll(buf, wire::kHelloPrefixBytes, hello_deadline);
   if (st.ok()) st = wire::decodePrefix(buf, wire::kHelloPrefixBytes, &hello);
   if (!st.ok()) {
+    heard();
     PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
     untrack();
     return;
   }
   if (hello.version != wire::kProtocolVersion) {
+    heard();
     return refuse("protocol version mismatch: this engine speaks pdlink protocol " +
                   std::to_string(wire::kProtocolVersion) + ", the dialler " + std::to_string(hello.version) +
                   ": run the same pdlink release on both sides");
   }
   constexpr size_t kRest = wire::kHelloBytes - wire::kHelloPrefixBytes;
-  st = sock.recvAll(buf + wire::kHelloPrefixBytes, kRest, deadline);
+  st = sock.recvAll(buf + wire::kHelloPrefixBytes, kRest, hello_deadline);
+  heard();
   if (st.ok()) st = wire::decodeRest(buf + wire::kHelloPrefixBytes, kRest, &hello);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropped connection from " << from << ": " << st.message());
@@ -454,14 +571,20 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     return refuse("transport 'cma' was forced here but the peer is not on this host or refuses it");
   }
   if (hello.channel == wire::Channel::kForward) {
-    size_t live = 0, waiting = 0;
+    size_t live = 0, waiting = 0, mine = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       live = links_.live();
       waiting = pending_.size();
+      mine = links_.acceptedFrom(slot->source);
+      for (const auto& [nonce, p] : pending_) mine += p->source == slot->source ? 1 : 0;
     }
     if (live + waiting >= config_.limits.max_links) {
       return refuse("this engine already has " + std::to_string(live) + " links, the most it may have");
+    }
+    if (mine >= config_.limits.max_links_per_source) {
+      return refuse("this engine already has " + std::to_string(mine) + " links from " + slot->source +
+                    ", the most one source may have (pdlink.MaxLinksPerSource)");
     }
   }
   if (!seal()) return refuse("cannot authenticate the link: libcrypto failed");
@@ -470,6 +593,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
   if (hello.channel == wire::Channel::kForward) {
     auto pending = std::make_shared<PendingLink>();
     pending->peer = hello.cluster_id;
+    pending->source = slot->source;
     pending->pid = pid;
     pending->published_addr = local ? client.gen_addr : 0;
     pending->grant = std::move(grant);
@@ -520,7 +644,10 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
     std::lock_guard<std::mutex> lock(mu_);
     rival = links_.slot(hello.cluster_id, false);
   }
-  if (rival && config_.link_secret.empty() && stillAlive(rival, Deadline::afterMs(kProbeTimeoutMs))) {
+  // The probes take up to kProbeWindowMs of this handshake's time; without that much left, the
+  // old link is given the benefit of the doubt.
+  if (rival && config_.link_secret.empty() &&
+      (deadline.remainingMsForPoll() < kProbeWindowMs + kProbeWaitsMs[0] || stillAlive(rival))) {
     return refuse(clusterName(hello.cluster_id) + " already has a healthy link from " + rival->peerAddress() +
                   "; it must unlink first");
   }
@@ -564,6 +691,7 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
       return refuse(chosen.message());
     }
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
+    link->setOrigin(pending->source, hello.nonce);
     if (session.key) link->authenticate(std::move(session.key), pending->session_key, session.integrity);
     const bool direct = process != nullptr;
     link->setPeerProcess(pid, pending->published_addr, pending->grant, std::move(process));

@@ -65,22 +65,28 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
   Status queued;
   {
     std::lock_guard<std::mutex> lock(notify_mu_);
-    size_t& mine = inbox_.per_peer[link.peer()];
-    if (mine >= lim.max_notifications_per_link) {
-      queued = Status(Code::kLinkBusy, "it holds " + std::to_string(mine) + " unread notifications from this side (its "
-                                           "limit per link); retry after it took them");
+    Inbox::Share& mine = inbox_.per_peer[link.peer()];
+    if (mine.count >= lim.max_notifications_per_link) {
+      queued = Status(Code::kLinkBusy, "it holds " + std::to_string(mine.count) +
+                                           " unread notifications from this side (its limit per link); retry after "
+                                           "it took them");
+    } else if (mine.bytes + bytes > lim.max_notification_bytes_per_link) {
+      queued = Status(Code::kLinkBusy, "its unread notifications from this side would pass its limit of " +
+                                           std::to_string(lim.max_notification_bytes_per_link) +
+                                           " bytes per link; retry after it took them");
     } else if (inbox_.bytes + bytes > lim.max_notification_bytes) {
       queued = Status(Code::kLinkBusy, "its unread notifications would pass its limit of " +
                                            std::to_string(lim.max_notification_bytes) +
                                            " bytes; retry after it took them");
     } else {
-      ++mine;
+      ++mine.count;
+      mine.bytes += bytes;
       inbox_.bytes += bytes;
       inbox_.queue.push_back(Notification{link.peer(), std::move(nb.name), std::move(nb.message)});
     }
     if (!queued.ok()) {
       ++inbox_.refused;
-      if (mine == 0) inbox_.per_peer.erase(link.peer());
+      if (mine.count == 0) inbox_.per_peer.erase(link.peer());
     }
   }
   return sendResponse(s, queued, deadline);

@@ -111,6 +111,14 @@ class Link {
   // where an accepted link came from.
   const std::string& peerAddress() const { return peer_address_.empty() ? out_.peer() : peer_address_; }
   void setPeerAddress(std::string address) { peer_address_ = std::move(address); }  // before the link is shared
+  // An accepted link: where it came from (Engine::sourceOf), for the per-source share; its hello's
+  // nonce, which the peer names when it confirms it dialled this link. Set before it is shared.
+  void setOrigin(std::string source, const wire::Nonce& nonce) {
+    source_ = std::move(source);
+    nonce_ = nonce;
+  }
+  const std::string& source() const { return source_; }
+  const wire::Nonce& nonce() const { return nonce_; }
 
   // Authenticates both channels under their session keys (an authenticated link; before the link
   // is shared): from now on out()/in() seal and check every frame.
@@ -151,6 +159,8 @@ class Link {
   std::vector<DataPath*> device_paths_;  // guarded by out_mu_
   std::shared_ptr<cma::Grant> grant_;  // set before the link is shared; dropped by breakLink under state_mu_
   std::string peer_address_;
+  std::string source_;
+  wire::Nonce nonce_{};
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
   std::shared_ptr<void> server_state_;         // serving thread only

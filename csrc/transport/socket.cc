@@ -6,6 +6,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -146,6 +149,51 @@ Result<PeerCredentials> Socket::peerCredentials() const {
     return Status(Code::kFailed, std::string("SO_PEERCRED failed: ") + strerror(errno));
   }
   return PeerCredentials{cred.pid, cred.uid, cred.gid};
+}
+
+Result<uid_t> Socket::loopbackPeerUid() const {
+  sockaddr_in mine{}, theirs{};
+  socklen_t ml = sizeof(mine), tl = sizeof(theirs);
+  if (unix_ || fd_ < 0 || ::getsockname(fd_, reinterpret_cast<sockaddr*>(&mine), &ml) != 0 ||
+      ::getpeername(fd_, reinterpret_cast<sockaddr*>(&theirs), &tl) != 0 || theirs.sin_family != AF_INET ||
+      (ntohl(theirs.sin_addr.s_addr) >> 24) != 127) {
+    return Status(Code::kFailed, "not a TCP connection from a loopback address");
+  }
+  int nl = ::socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+  if (nl < 0) return Status(Code::kFailed, std::string("NETLINK_SOCK_DIAG: ") + strerror(errno));
+  struct {
+    nlmsghdr head;
+    inet_diag_req_v2 req;
+  } ask{};
+  ask.head.nlmsg_len = sizeof(ask);
+  ask.head.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  ask.head.nlmsg_flags = NLM_F_REQUEST;
+  ask.req.sdiag_family = AF_INET;
+  ask.req.sdiag_protocol = IPPROTO_TCP;
+  ask.req.idiag_states = ~0u;
+  // The other end's socket: its source is the peer's address, its destination ours.
+  ask.req.id.idiag_sport = theirs.sin_port;
+  ask.req.id.idiag_dport = mine.sin_port;
+  ask.req.id.idiag_src[0] = theirs.sin_addr.s_addr;
+  ask.req.id.idiag_dst[0] = mine.sin_addr.s_addr;
+  ask.req.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
+  ask.req.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  sockaddr_nl kernel{};
+  kernel.nl_family = AF_NETLINK;
+  alignas(nlmsghdr) char answer[1024];
+  ssize_t got = -1;
+  if (::sendto(nl, &ask, sizeof(ask), 0, reinterpret_cast<sockaddr*>(&kernel), sizeof(kernel)) ==
+      static_cast<ssize_t>(sizeof(ask))) {
+    pollfd p{nl, POLLIN, 0};
+    if (::poll(&p, 1, 100) == 1) got = ::recv(nl, answer, sizeof(answer), 0);
+  }
+  ::close(nl);
+  const auto* head = reinterpret_cast<const nlmsghdr*>(answer);
+  if (got < static_cast<ssize_t>(NLMSG_LENGTH(sizeof(inet_diag_msg))) || !NLMSG_OK(head, static_cast<size_t>(got)) ||
+      head->nlmsg_type != SOCK_DIAG_BY_FAMILY) {
+    return Status(Code::kFailed, "the socket table has no entry for the peer's socket");
+  }
+  return static_cast<uid_t>(reinterpret_cast<const inet_diag_msg*>(NLMSG_DATA(head))->idiag_uid);
 }
 
 Status Socket::ioError(const char* what, int err) const {

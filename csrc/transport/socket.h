@@ -57,6 +57,10 @@ class Socket final : public Stream {
   bool isUnix() const { return unix_; }
   // SO_PEERCRED of an AF_UNIX socket; kFailed for TCP sockets.
   Result<PeerCredentials> peerCredentials() const;
+  // For a TCP connection from a loopback address (127.0.0.0/8): the uid owning the other end's
+  // socket, as the kernel's socket table says (NETLINK_SOCK_DIAG, one exact lookup). kFailed for
+  // other connections, or when the lookup fails.
+  Result<uid_t> loopbackPeerUid() const;
 
   Status sendv(std::vector<iovec>& iov, Deadline deadline) override;
   Status recvv(std::vector<iovec>& iov, Deadline deadline) override;

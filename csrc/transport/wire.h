@@ -156,8 +156,9 @@ enum class Op : uint8_t {
   kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
   kNotify = 9,         // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
   kUcxConnect = 10,    // body: a UcxHello (the requester's UCX worker) -> Response + UcxHello (the server's)
+  kConfirm = 11,       // body: a Nonce; "did you dial the link to me whose hello had it?" -> Response
 };
-constexpr uint8_t kMaxOp = 10;
+constexpr uint8_t kMaxOp = 11;
 
 // kRead/kWrite with kFlagDirect (same-host links only): the server checks the access as usual but
 // answers with a DirectAnswer (the absolute address of every piece, and its pin epoch) instead of

@@ -90,13 +90,16 @@ def open_backend(name: str, device_id: int = 0) -> Backend: ...  # "auto", "cpu"
 class EngineLimits:
     """What peers may make an engine spend (csrc/engine/engine.h); defaults from C++."""
 
-    max_links: int
+    max_links: int  # 512, or fewer where RLIMIT_NOFILE cannot hold that many
+    max_links_per_source: int  # accepted links from one IP address, or one local uid
     max_handshakes: int
     max_handshakes_per_source: int
+    hello_timeout_ms: int  # how long an incoming connection may stay silent before its hello
     pin_timeout_ms: int  # 0: max(2 x sync_timeout_ms, 5 s)
     handshake_timeout_ms: int  # an incoming connection's handshake, hello to authentication
     max_notifications_per_link: int  # unread notifications from one peer
     max_notification_bytes: int  # unread notification bytes (names and messages), from all peers
+    max_notification_bytes_per_link: int  # of those, from one peer
     def __init__(self) -> None: ...
 
 class Notification:
@@ -224,7 +227,7 @@ class Engine:
     @property
     def cache_count(self) -> int: ...
     def pools(self) -> list[dict[str, Any]]: ...  # placement, base, capacity, used per memory pool
-    # live_links, tombstones, handshakes, threads, handshakes_refused, listener_backoffs, pins_expired
+    # live_links, tombstones, handshakes, threads, handshakes_refused, handshakes_evicted, listener_backoffs, pins_expired
     def stats(self) -> dict[str, int]: ...
     def switch_role(self, role: Role, listen_ip: str, listen_port: int) -> None: ...
     def link(

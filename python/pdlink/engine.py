@@ -59,12 +59,15 @@ class Limits:
     in C++, ``pdlink._core.EngineLimits``; docs/security.md, "Limits")."""
 
     max_links: int | None = None
+    max_links_per_source: int | None = None
     max_handshakes: int | None = None
     max_handshakes_per_source: int | None = None
+    hello_timeout_ms: int | None = None
     pin_timeout_ms: int | None = None
     handshake_timeout_ms: int | None = None
     max_notifications_per_link: int | None = None
     max_notification_bytes: int | None = None
+    max_notification_bytes_per_link: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -7,9 +7,11 @@ keep pulling byte-exact within its timeout throughout. Resource counts are polle
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +20,7 @@ import internals
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMStatusCode
+from pdlink import BlocksCacheKey, CacheKey, DataType, LLMRole, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
 from poll import hang_guard, wait_until
@@ -49,9 +51,26 @@ def unix_name(peers: Callable[..., Peer], pair: Pair) -> str | None:
 
 def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
     limits = internals.core.EngineLimits()
-    assert (limits.max_links, limits.max_handshakes, limits.max_handshakes_per_source, limits.pin_timeout_ms,
-            limits.handshake_timeout_ms, limits.max_notifications_per_link,
-            limits.max_notification_bytes) == (512, 64, 8, 0, 5000, 4096, 16 << 20)
+    assert (limits.max_links_per_source, limits.max_handshakes, limits.max_handshakes_per_source,
+            limits.hello_timeout_ms, limits.pin_timeout_ms, limits.handshake_timeout_ms,
+            limits.max_notifications_per_link, limits.max_notification_bytes,
+            limits.max_notification_bytes_per_link) == (64, 64, 16, 1000, 0, 5000, 4096, 16 << 20, 1 << 20)
+
+
+def _default_max_links(nofile: int) -> int:
+    """EngineLimits().max_links in a process whose descriptor limit is `nofile`."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return int(internals.core.EngineLimits().max_links)
+
+
+def test_the_default_link_cap_fits_the_descriptor_limit(peers: Callable[..., Peer]) -> None:
+    """512 links (HIXL's pool) where the descriptors allow, else what RLIMIT_NOFILE leaves after a
+    reserve of 128, at 4 descriptors a link: 1024 descriptors hold 224 links, not 512."""
+    assert peers("roomy").call(_default_max_links, 4096) == 512
+    assert peers("usual").call(_default_max_links, 1024) == 224
+    assert peers("tight").call(_default_max_links, 64) == 1
 
 
 @pytest.mark.parametrize("option", sorted(internals.LIMIT_OPTIONS))
@@ -112,7 +131,7 @@ def test_dead_links_leave_tombstones_not_threads_or_descriptors(peers: Callable[
 
 def test_links_that_never_finish_a_handshake_leave_nothing(peers: Callable[..., Peer],
                                                            make_pair: Callable[..., Pair]) -> None:
-    pair = linked(make_pair, {"pdlink.MaxHandshakesPerSource": "64"})
+    pair = linked(make_pair, {"pdlink.MaxHandshakesPerSource": "64", "pdlink.HelloTimeoutMs": "60000"})
     base_fds, base_threads = pair.prefill.call(kv.resources)
     a = peers("attacker")
     assert a.call(hostile.silent_connections, pair.port, 40) == 40
@@ -140,29 +159,69 @@ def test_a_handshake_that_stalls_is_dropped_at_the_handshake_timeout(make_pair: 
 
 def test_a_handshake_flood_from_one_source_does_not_lock_others_out(peers: Callable[..., Peer],
                                                                     make_pair: Callable[..., Pair]) -> None:
-    """One source may hold pdlink.MaxHandshakesPerSource handshake slots (8 by default): a flood from
-    127.0.0.2 is dropped past that, and a newcomer from another address links at once."""
+    """One source (here a local user of another uid, from any loopback address) may hold
+    pdlink.MaxHandshakesPerSource handshake slots (16 by default) with connections that said hello
+    and then stall: past that its newcomers are dropped at once, and a decoder of another user links
+    during the flood."""
     pair = make_pair()
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
     pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
     a = peers("attacker")
-    a.call(hostile.silent_connections, pair.port, 60)
-    wait_until(lambda: stat(pair.prefill, "handshakes_refused") >= 52, 20, "the flood past 8 slots dropped")
-    assert stat(pair.prefill, "handshakes") == 8
-    pair.link()  # from 127.0.0.1, during the flood
+    a.call(hostile.become, 65534)
+    held = sum(a.call(hostile.stalled_handshakes, pair.port, 5, f"127.0.0.{2 + i}") for i in range(8))
+    assert held == 16  # 40 tried from 8 addresses: one user, one share
+    assert stat(pair.prefill, "handshakes") == 16 and stat(pair.prefill, "handshakes_refused") == 24
+    pair.link()  # from root, during the flood
     pair.pulled([4])
     a.call(hostile.close_all)
+
+
+def test_silent_connections_make_room_for_one_that_speaks(peers: Callable[..., Peer],
+                                                          make_pair: Callable[..., Pair]) -> None:
+    """Connections that never send their hello cannot lock anyone out, even from many sources and
+    with every slot taken: when the slots are full the oldest silent one is dropped for the
+    newcomer, so a dialler that speaks at once always gets in."""
+    pair = make_pair(prefill_options={"pdlink.MaxHandshakes": "8", "pdlink.HelloTimeoutMs": "60000"})
+    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    a, b = peers("attacker"), peers("attacker2")
+    b.call(hostile.become, 65534)
+    for i in range(4):  # two users, four addresses each: every slot silent
+        a.call(hostile.silent_connections, pair.port, 10, f"127.0.0.{2 + i}")
+        b.call(hostile.silent_connections, pair.port, 10, f"127.0.0.{6 + i}")
+    wait_until(lambda: stat(pair.prefill, "handshakes_evicted") >= 72, 20,
+               f"the oldest silent ones dropped {pair.prefill.call(kv.stats)}")
+    assert stat(pair.prefill, "handshakes") <= 8
+    pair.link()
+    pair.pulled([4])
+    assert a.call(hostile.closed_by_the_engine, 5) >= 36  # the first of them were the ones dropped
+    a.call(hostile.close_all)
+    b.call(hostile.close_all)
+
+
+def test_a_silent_connection_is_dropped_at_the_hello_deadline(peers: Callable[..., Peer],
+                                                              make_pair: Callable[..., Pair]) -> None:
+    """pdlink.HelloTimeoutMs (300 ms here) bounds how long a connection may stay silent, whatever
+    the handshake timeout (a minute here): the engine closes it and frees its slot."""
+    pair = linked(make_pair, {"pdlink.HelloTimeoutMs": "300", "pdlink.HandshakeTimeoutMs": "60000"})
+    a = peers("attacker")
+    assert a.call(hostile.silent_connections, pair.port, 4) == 4
+    assert a.call(hostile.closed_by_the_engine, hang_guard(300)) == 4
+    wait_until(lambda: stat(pair.prefill, "handshakes") == 0, 20, "the slots freed")
+    assert stat(pair.prefill, "handshakes_evicted") == 0  # the deadline did it, not a newcomer
+    pair.pulled([2])
 
 
 def test_the_total_handshake_cap_holds_across_sources(peers: Callable[..., Peer],
                                                       make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(prefill_options={"pdlink.MaxHandshakes": "6", "pdlink.MaxHandshakesPerSource": "4"})
-    a = peers("attacker")
-    assert a.call(hostile.silent_connections, pair.port, 4, "127.0.0.2") == 4
-    assert a.call(hostile.silent_connections, pair.port, 4, "127.0.0.3") == 8
-    wait_until(lambda: stat(pair.prefill, "handshakes_refused") >= 2, 20, "the two connections past 6 dropped")
-    assert stat(pair.prefill, "handshakes") == 6
+    a, b = peers("attacker"), peers("attacker2")
+    b.call(hostile.become, 65534)
+    assert a.call(hostile.stalled_handshakes, pair.port, 4) == 4
+    assert b.call(hostile.stalled_handshakes, pair.port, 4) == 2  # two more fit in all
+    assert stat(pair.prefill, "handshakes") == 6 and stat(pair.prefill, "handshakes_refused") == 2
     a.call(hostile.close_all)
+    b.call(hostile.close_all)
     wait_until(lambda: stat(pair.prefill, "handshakes") == 0, 20, "the slots given back")
     pair.link()
 
@@ -319,6 +378,123 @@ def test_a_healthy_link_cannot_be_taken_over_by_a_newcomer(peers: Callable[..., 
     assert status == S.LLM_LINK_FAILED and "already has a healthy link" in message, message
     pair.pulled([6])
     assert [(link["peer_cluster_id"], link["broken"]) for link in pair.prefill.call(kv.links)] == [(DECODER_ID, False)]
+
+
+def _engines(peers: Callable[..., Peer], variant: Variant) -> tuple[Peer, int, Peer, int]:
+    """A decoder and a prefill, both listening: (decoder, its port, prefill, its port)."""
+    d, p = peers("decode", env=variant.env()), peers("prefill", env=variant.env())
+    dport = d.call(kv.start, "decoder", DECODER_ID, listen=True)
+    d.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    pport = p.call(kv.start, "prompt", PROMPT_ID, listen=True)
+    p.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
+    return d, dport, p, pport
+
+
+def _linked_ids(peer: Peer) -> list[tuple[int, bool, bool]]:
+    return sorted((link["peer_cluster_id"], link["initiator"], link["broken"]) for link in peer.call(kv.links))
+
+
+def test_a_squatter_of_the_id_a_dialler_asks_for_is_dropped_and_the_real_peer_linked(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """Without a secret a raw peer links to the decoder first, claiming to be the prefill's
+    cluster. When the decoder then links to the prefill's address, the engine there does not
+    confirm that claim (it never dialled that link): the squatter's link is dropped, the dialled one
+    made, and the decoder pulls the prefill's bytes, not the squatter's."""
+    d, dport, p, pport = _engines(peers, variant)
+    name = peers("spy").call(hostile.redirect_name, dport) if variant.same_host else None
+    squatter = peers("squatter")
+    assert squatter.call(hostile.link_raw, dport, PROMPT_ID, b"", name) == (0, "")
+    wait_until(lambda: _linked_ids(d) == [(PROMPT_ID, False, False)], 20, "the squatter linked")
+    assert d.call(kv.link, PROMPT_ID, pport)[0] == S.LLM_SUCCESS
+    assert _linked_ids(d) == [(PROMPT_ID, True, False)]
+    assert squatter.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"")) == "closed"
+    check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d.call(kv.snapshot, "kv"),
+                   lambda: d.call(kv.pull_blocks, KEY, "kv", [3], [3]), rows([(3, 3)]))
+
+
+def test_a_peer_that_linked_first_is_confirmed_and_the_dialler_answers_already_link(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """llm_datadist's cross-linking answer holds: the prefill links to the decoder first; the
+    decoder's own link to the prefill is confirmed by the prefill (it dialled that link), so the
+    decoder answers LLM_ALREADY_LINK and neither side keeps a second link; the decoder pulls over
+    the prefill's link."""
+    d, dport, p, pport = _engines(peers, variant)
+    assert p.call(kv.link, DECODER_ID, dport)[0] == S.LLM_SUCCESS
+    assert d.call(kv.link, PROMPT_ID, pport)[0] == S.LLM_ALREADY_LINK
+    assert _linked_ids(d) == [(PROMPT_ID, False, False)]
+    wait_until(lambda: _linked_ids(p) == [(DECODER_ID, True, False)], 20, "the spare link gone from the prefill")
+    check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d.call(kv.snapshot, "kv"),
+                   lambda: d.call(kv.pull_blocks, KEY, "kv", [5], [5]), rows([(5, 5)]))
+
+
+def test_an_owner_that_pauses_keeps_its_link(peers: Callable[..., Peer], make_pair: Callable[..., Pair]) -> None:
+    """A newcomer that claims a healthy link's cluster id while its owner is paused for 1.4 s (a
+    long GC, a stop signal) is refused: the link is found dead only after pings over a window of
+    3 s go unanswered, which the paused owner answers once it runs again."""
+    pair = linked(make_pair)
+    unix = unix_name(peers, pair)
+    attacker = peers("attacker")
+    pair.decode.freeze()
+    paused = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        claim = pool.submit(attacker.call, hostile.link_raw, pair.port, DECODER_ID, b"", unix)
+        # the owner's pause itself: 1.4 s, as in the attack it defeats
+        wait_until(lambda: time.monotonic() - paused >= 1.4, 5, "the owner paused for 1.4 s")
+        pair.decode.thaw()
+        status, message = claim.result(timeout=30)
+    assert status == S.LLM_LINK_FAILED and "already has a healthy link" in message, message
+    pair.pulled([6])
+
+
+def test_one_source_holds_at_most_its_share_of_links(peers: Callable[..., Peer],
+                                                    make_pair: Callable[..., Pair]) -> None:
+    """pdlink.MaxLinksPerSource (3 here): a local user of another uid links three times, then is
+    refused; another user still links, and the honest decoder keeps pulling. Closing frees the share."""
+    pair = linked(make_pair, {"pdlink.MaxLinksPerSource": "3"})
+    unix = unix_name(peers, pair)
+    a, b = peers("attacker"), peers("attacker2")
+    a.call(hostile.become, 65534)
+    b.call(hostile.become, 65533)
+    results = a.call(hostile.many_links, pair.port, 4, 100, unix)
+    assert [r[0] for r in results] == [0, 0, 0, S.LLM_LINK_FAILED], results
+    assert "the most one source may have" in results[3][1], results[3]
+    assert b.call(hostile.link_raw, pair.port, 120, b"", unix) == (0, "")
+    pair.pulled([5])
+    a.call(hostile.close_all)
+    wait_until(lambda: stat(pair.prefill, "live_links") == 2, 20, "the first user's links reaped")
+    assert a.call(hostile.link_raw, pair.port, 121, b"", unix) == (0, "")
+
+
+def test_each_link_has_its_own_share_of_the_notification_bytes(peers: Callable[..., Peer],
+                                                               make_pair: Callable[..., Pair]) -> None:
+    """pdlink.MaxNotificationBytesPerLink (30 here): one peer's unread notifications stop at its own
+    share (LLM_LINK_BUSY), the engine-wide budget (1000) is not drained, and another peer queues its
+    own."""
+    pair = linked(make_pair, {"pdlink.MaxNotificationBytesPerLink": "30", "pdlink.MaxNotificationBytes": "1000"})
+    unix = unix_name(peers, pair)
+    frame = rawwire.request(rawwire.OP_NOTIFY, rawwire.notify_body(b"n", b"0123456789"))  # 11 bytes
+    a, b = peers("attacker"), peers("attacker2")
+    assert a.call(hostile.link_raw, pair.port, 9, b"", unix) == (0, "")
+    assert [a.call(hostile.exchange, frame)[0] for _ in range(4)] == [0, 0, S.LLM_LINK_BUSY, S.LLM_LINK_BUSY]
+    assert b.call(hostile.link_raw, pair.port, 10, b"", unix) == (0, "")
+    assert [b.call(hostile.exchange, frame)[0] for _ in range(3)] == [0, 0, S.LLM_LINK_BUSY]
+    assert (stat(pair.prefill, "notifications"), stat(pair.prefill, "notifications_refused")) == (4, 3)
+    pair.pulled([1])
+
+
+def test_a_peer_that_ignores_unlink_frames_loses_its_link_at_the_timeout(peers: Callable[..., Peer],
+                                                                       make_pair: Callable[..., Pair]) -> None:
+    """The victim unlinks a raw peer that never answers: the unlink reports that the peer could not
+    be told, within its timeout, and the link is gone locally, so switch_role is not held hostage."""
+    pair = linked(make_pair)
+    a = peers("attacker")
+    assert a.call(hostile.link_raw, pair.port, 9, b"", unix_name(peers, pair)) == (0, "")
+    wait_until(lambda: 9 in [link["peer_cluster_id"] for link in pair.prefill.call(kv.links)], 20, "the peer linked")
+    status = pair.prefill.call_within(hang_guard(1000), kv.unlink, 9, 0, False, 1000)
+    assert status == S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+    assert [link["peer_cluster_id"] for link in pair.prefill.call(kv.links)] == [DECODER_ID]
+    assert pair.prefill.call(kv.unlink, DECODER_ID, 0, True) == S.LLM_SUCCESS
+    assert pair.prefill.call(kv.switch_role, "decoder")[0] == int(LLMRole.DECODER)
 
 
 def test_a_restarted_peer_takes_its_cluster_id_back(peers: Callable[..., Peer], make_pair: Callable[..., Pair],

@@ -398,18 +398,20 @@ _client: _Client | None = None
 _words = (ctypes.c_uint64 * 2)(1, 1)  # this process's "published words", for a victim's probe
 
 
-def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None = None) -> tuple[int, str]:
+def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None = None,
+             expected: int = rawwire.ANY) -> tuple[int, str]:
     """Links to the victim as a raw peer (both channels) from ATTACKER_IP, or over the AF_UNIX name
-    `unix`; returns (status, message) of the handshake."""
+    `unix`, as cluster `cluster` to whatever cluster the victim is (or `expected`); returns
+    (status, message) of the handshake."""
     global _client
     nonce = int.from_bytes(os.urandom(16), "little")
     gen = ctypes.addressof(_words) if unix is not None else 0
-    h = rawwire.handshake(port, cluster=cluster, nonce=nonce, secret=secret, unix=unix, source=ATTACKER_IP,
-                          gen_addr=gen)
+    h = rawwire.handshake(port, cluster=cluster, expected=expected, nonce=nonce, secret=secret, unix=unix,
+                          source=ATTACKER_IP, gen_addr=gen)
     if h.status != 0:
         return h.status, h.message
-    r = rawwire.handshake(port, channel=1, cluster=cluster, nonce=nonce, secret=secret, unix=unix,
-                          source=ATTACKER_IP, gen_addr=gen)
+    r = rawwire.handshake(port, channel=1, cluster=cluster, expected=expected, nonce=nonce, secret=secret,
+                          unix=unix, source=ATTACKER_IP, gen_addr=gen)
     if r.status != 0:
         return r.status, r.message
     h.sock.settimeout(10)
@@ -481,6 +483,50 @@ def silent_connections(port: int, count: int, source: str = ATTACKER_IP) -> int:
         except OSError:
             break
     return len(_held)
+
+
+def stalled_handshakes(port: int, count: int, source: str = ATTACKER_IP) -> int:
+    """Opens `count` connections that send a hello at once and then nothing (each holds a handshake
+    slot that no newcomer can take, until the handshake timeout); returns how many were answered
+    with the engine's ack (the rest were dropped)."""
+    answered = 0
+    for i in range(count):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+        s.sendall(rawwire.hello(cluster=1000 + i, expected=rawwire.ANY, nonce=int.from_bytes(os.urandom(16), "little")))
+        _held.append(s)
+        try:
+            answered += 1 if s.recv(1) else 0
+        except OSError:
+            pass
+    return answered
+
+
+def closed_by_the_engine(timeout_s: float) -> int:
+    """How many of the held connections the engine closed, waiting up to `timeout_s` for each."""
+    closed = 0
+    for s in _held:
+        s.settimeout(timeout_s)
+        try:
+            closed += 1 if s.recv(4096) == b"" else 0
+        except ConnectionResetError:
+            closed += 1
+        except OSError:
+            pass
+    return closed
+
+
+def become(uid: int) -> None:
+    """Runs this peer process as another user from now on (a local attacker of another uid). What
+    it will need later is imported first: the new user may not read this interpreter's files."""
+    import encodings.idna  # noqa: F401  (socket.create_connection encodes host names)
+    import logging  # noqa: F401
+    import traceback  # noqa: F401
+
+    from pdlink import LLMException  # noqa: F401  (tests/peer.py checks what a call raised)
+
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
 
 
 def many_links(port: int, count: int, first_cluster: int = 100, unix: str | None = None) -> list[tuple[int, str]]:

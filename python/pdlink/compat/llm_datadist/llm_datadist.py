@@ -83,12 +83,15 @@ _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.
 # defaults, which live in C++ only.
 LIMIT_OPTIONS = {
     "pdlink.MaxLinks": ("PDLINK_MAX_LINKS", "max_links"),
+    "pdlink.MaxLinksPerSource": ("PDLINK_MAX_LINKS_PER_SOURCE", "max_links_per_source"),
     "pdlink.MaxHandshakes": ("PDLINK_MAX_HANDSHAKES", "max_handshakes"),
     "pdlink.MaxHandshakesPerSource": ("PDLINK_MAX_HANDSHAKES_PER_SOURCE", "max_handshakes_per_source"),
+    "pdlink.HelloTimeoutMs": ("PDLINK_HELLO_TIMEOUT_MS", "hello_timeout_ms"),
     "pdlink.PinTimeoutMs": ("PDLINK_PIN_TIMEOUT_MS", "pin_timeout_ms"),
     "pdlink.HandshakeTimeoutMs": ("PDLINK_HANDSHAKE_TIMEOUT_MS", "handshake_timeout_ms"),
     "pdlink.MaxNotificationsPerLink": ("PDLINK_MAX_NOTIFICATIONS_PER_LINK", "max_notifications_per_link"),
     "pdlink.MaxNotificationBytes": ("PDLINK_MAX_NOTIFICATION_BYTES", "max_notification_bytes"),
+    "pdlink.MaxNotificationBytesPerLink": ("PDLINK_MAX_NOTIFICATION_BYTES_PER_LINK", "max_notification_bytes_per_link"),
 }
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
