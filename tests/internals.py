@@ -25,6 +25,7 @@ from pdlink.device import DeviceMemory, backend_info, open_backend
 from pdlink.native import open_engine
 from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
+from pdlink.server.parsing import structure_error
 from pdlink.server.tls import client_context, server_context
 from pdlink.server.validation import ROLES, BodyError, cluster_id, parse_role_request
 from pdlink.status import as_llm_exception, error_class, handle_llm_status, raise_if_false, raise_if_true
@@ -37,7 +38,7 @@ __all__ = [
     "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
     "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",
-    "ROLES", "server_config", "server_context", "transfer_cache_async", "validation_utils",
+    "ROLES", "server_config", "server_context", "structure_error", "transfer_cache_async", "validation_utils",
 ]
 
 core = _core  # the native module

@@ -518,7 +518,9 @@ def test_health_answers_while_large_role_bodies_are_decoded(tmp_path):
                         kv={"listenPortBase": free_block(8)})
     server = Serve(path).wait_ready()
     try:
-        payload = b'{"padding": [' + b'{"a":1},' * 1_300_000 + b'0]}'  # 10 MB of objects: about a second to decode
+        # 20 MB of 4,000-digit numbers: about a second to decode, and within the shape bounds (5,000 items;
+        # 1.3 million small objects, as before, are now refused before decoding)
+        payload = b'{"padding": [' + b",".join([b"9" * 4000] * 5000) + b']}'
         head = (f"POST /v1/role/decode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(payload)}\r\n\r\n").encode()
         posts = []

@@ -176,10 +176,29 @@ def test_not_json(tmp_path, text, match):
     ({"maxRequestLength": 101}, "maxRequestLength"),
     ({"ipAddress": "localhost"}, "not a valid IP address"),
     ({"allowAllZeroIpListening": 1}, "allowAllZeroIpListening"),
+    ({"headTimeoutMs": 99}, r"headTimeoutMs must be an integer in \[100, 600000\]"),
+    ({"bodyTimeoutMs": "60000"}, r"bodyTimeoutMs must be an integer in \[100, 3600000\]"),
+    ({"maxJsonDepth": 4}, r"maxJsonDepth must be an integer in \[5, 512\]"),
+    ({"maxLinksPerClient": 0}, r"maxLinksPerClient must be an integer in \[1, 4096\]"),
+    ({"maxLinkNum": 10, "maxLinksPerClient": 10}, r"maxLinksPerClient \(10\) must be below maxLinkNum \(10\)"),
 ])
 def test_server_config_fields(tmp_path, server, match):
     with pytest.raises(C.ConfigError, match=match):
         load(cfg(tmp_path, server))
+
+
+def test_hostile_client_bounds(tmp_path):
+    """The defaults (docs/server.md, "Hostile clients"), maxLinksPerClient's default below a small
+    maxLinkNum, and the summary."""
+    s = load(cfg(tmp_path))
+    assert (s.max_links_per_client, s.head_timeout_ms, s.body_timeout_ms, s.max_json_depth) == (16, 10000, 60000, 32)
+    assert {k: s.summary()[k] for k in ("maxLinksPerClient", "headTimeoutMs", "bodyTimeoutMs", "maxJsonDepth")} == \
+        {"maxLinksPerClient": 16, "headTimeoutMs": 10000, "bodyTimeoutMs": 60000, "maxJsonDepth": 32}
+    assert load(cfg(tmp_path, {"maxLinkNum": 5}, name="five.json")).max_links_per_client == 4
+    assert load(cfg(tmp_path, {"maxLinkNum": 1}, name="one.json")).max_links_per_client == 1
+    s = load(cfg(tmp_path, {"maxLinkNum": 100, "maxLinksPerClient": 99, "headTimeoutMs": 100,
+                            "bodyTimeoutMs": 3_600_000, "maxJsonDepth": 512}, name="set.json"))
+    assert (s.max_links_per_client, s.head_timeout_ms, s.body_timeout_ms, s.max_json_depth) == (99, 100, 3_600_000, 512)
 
 
 @pytest.mark.parametrize("kv,match", [

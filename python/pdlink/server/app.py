@@ -4,7 +4,7 @@ Management plane:
 
 | route | answer |
 | --- | --- |
-| ``POST /v1/role/{prefill,decode,flex}`` | 200 ``{"result":"ok"}``; 400 not JSON / wrong content type; 404 unknown role; 413 body over ``maxRequestLength``; 422 body breaks the rules (``validation``); 503 cannot be applied (``node.Unavailable``) |
+| ``POST /v1/role/{prefill,decode,flex}`` | 200 ``{"result":"ok"}``; 400 not JSON / wrong content type; 404 unknown role; 408 body not received within ``bodyTimeoutMs``; 413 body over ``maxRequestLength``; 422 body breaks the rules (``validation``), or nests deeper than ``maxJsonDepth`` / holds more than ``parsing.MAX_JSON_ITEMS`` items (counted before decoding); 503 cannot be applied (``node.Unavailable``) |
 | ``GET /v1/status`` | 200 MindIE's status document, plus a ``pdlink`` object |
 | ``GET /v1/config`` | 200 model statics (``BackendConfig``) |
 | ``GET /health`` | 200 empty; 500 error JSON when unhealthy |
@@ -14,7 +14,8 @@ Management plane:
 Metrics plane (or the management plane when ``metricsPort == managementPort``): ``GET /metrics``.
 
 Every error body is ``{"error": ..., "error_type": ...}``; every response carries
-``Connection: close`` and a ``RequestUUID`` header, as MindIE's server does.
+``Connection: close`` and a ``RequestUUID`` header, as MindIE's server does. Below the app,
+``guard.py`` bounds how long a request head may take and how many connections one client holds.
 """
 
 from __future__ import annotations
@@ -80,9 +81,20 @@ async def _read_limited(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
+async def _read_body(request: Request, limit: int, seconds: float) -> bytes | None:
+    """``_read_limited`` within ``seconds`` (``bodyTimeoutMs``, counted from here, right after the
+    head): ``asyncio.TimeoutError`` past it, and what was read is dropped."""
+    return await asyncio.wait_for(_read_limited(request, limit), seconds)
+
+
+def _timed_out(ms: int) -> JSONResponse:
+    return error(408, f"the request body was not received within bodyTimeoutMs ({ms} ms)", "Request Timeout")
+
+
 def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder) -> dict[str, Any]:
     role_lock = asyncio.Lock()
     limit = settings.max_request_bytes
+    body_ms = settings.body_timeout_ms
 
     async def role(request: Request) -> Response:
         response = await _role(request)
@@ -104,9 +116,11 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
                 return error(413, f"request body of {length} bytes exceeds maxRequestLength ({limit} bytes)",
                              "Payload Too Large")
         try:
-            body = await _read_limited(request, limit)
+            body = await _read_body(request, limit, body_ms / 1000)
         except ClientDisconnect:  # nobody to answer
             return error(400, "the client disconnected before sending the whole body", "Bad Request")
+        except asyncio.TimeoutError:
+            return _timed_out(body_ms)
         if body is None:
             return error(413, f"request body exceeds maxRequestLength ({limit} bytes)", "Payload Too Large")
         kind, req = await decoder.decode(name, body)  # large bodies in a worker process: see parsing.py
@@ -144,7 +158,12 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
     async def test_kv_pull(request: Request) -> Response:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return error(400, "Content-Type must be application/json", "Bad Request")
-        body = await _read_limited(request, 4096)
+        try:
+            body = await _read_body(request, 4096, body_ms / 1000)
+        except ClientDisconnect:
+            return error(400, "the client disconnected before sending the whole body", "Bad Request")
+        except asyncio.TimeoutError:
+            return _timed_out(body_ms)
         if body is None:
             return error(413, "request body too large", "Payload Too Large")
         try:

@@ -127,6 +127,10 @@ class Settings:
     max_link_num: int
     infer_mode: str
     max_request_bytes: int
+    max_links_per_client: int
+    head_timeout_ms: int
+    body_timeout_ms: int
+    max_json_depth: int
     planes: tuple[Plane, ...]
     kv: KvTransfer
     model: ModelInfo
@@ -153,7 +157,9 @@ class Settings:
             "ipAddress": self.ip_address, "managementIpAddress": self.management_ip, "port": self.port,
             "managementPort": self.management_port, "metricsPort": self.metrics_port,
             "httpsEnabled": self.https_enabled, "maxLinkNum": self.max_link_num,
-            "maxRequestBytes": self.max_request_bytes,
+            "maxRequestBytes": self.max_request_bytes, "maxLinksPerClient": self.max_links_per_client,
+            "headTimeoutMs": self.head_timeout_ms, "bodyTimeoutMs": self.body_timeout_ms,
+            "maxJsonDepth": self.max_json_depth,
             "planes": [plane(p) for p in self.planes],
             "KvTransferConfig": {
                 "backend": kv.backend, "transport": kv.transport, "deviceCount": kv.device_count,
@@ -530,6 +536,16 @@ def parse(raw: dict[str, Any], source: str, home: str | None, env: Mapping[str, 
     max_link_num = sc.int("maxLinkNum", 1000, 1, 4096)
     infer_mode = sc.str("inferMode", "dmi", ("standard", "dmi"))
     max_request_mb = sc.int("maxRequestLength", 40, 1, 100)
+    # pdlink's own bounds against hostile clients (docs/server.md, "Hostile clients"); maxJsonDepth
+    # is MindIE's field. One client must leave at least one of maxLinkNum connections to others.
+    per_client_max = max(1, max_link_num - 1)
+    max_links_per_client = sc.int("maxLinksPerClient", min(16, per_client_max), 1, 4096)
+    if max_links_per_client > per_client_max:
+        raise ConfigError(f"ServerConfig.maxLinksPerClient ({max_links_per_client}) must be below maxLinkNum "
+                          f"({max_link_num}), so that one client cannot take every connection")
+    head_timeout_ms = sc.int("headTimeoutMs", 10_000, 100, 600_000)
+    body_timeout_ms = sc.int("bodyTimeoutMs", 60_000, 100, 3_600_000)
+    max_json_depth = sc.int("maxJsonDepth", 32, 5, 512)
 
     for ip, what in ((ip_address, "ipAddress"), (management_ip, "the management address")):
         if _is_all_zero(ip) and not allow_zero:
@@ -566,6 +582,8 @@ def parse(raw: dict[str, Any], source: str, home: str | None, env: Mapping[str, 
         source=source, home=home, ip_address=ip_address, management_ip=management_ip, port=port,
         management_port=management_port, metrics_port=metrics_port, https_enabled=https,
         allow_all_zero_ip=allow_zero, max_link_num=max_link_num, infer_mode=infer_mode,
-        max_request_bytes=max_request_mb * 1024 * 1024, planes=tuple(planes), kv=kv, model=model,
+        max_request_bytes=max_request_mb * 1024 * 1024, max_links_per_client=max_links_per_client,
+        head_timeout_ms=head_timeout_ms, body_timeout_ms=body_timeout_ms, max_json_depth=max_json_depth,
+        planes=tuple(planes), kv=kv, model=model,
         warnings=tuple(warnings),
     )

@@ -49,6 +49,7 @@ def serve(settings: Settings, out: TextIO | None = None) -> int:
         import uvicorn
 
         from .app import build_apps
+        from .guard import protocol_class
         from .metrics import Metrics
         from .parsing import BodyDecoder
     except ImportError as e:
@@ -91,11 +92,16 @@ def serve(settings: Settings, out: TextIO | None = None) -> int:
     metrics = Metrics()
     node = Node(settings, metrics)
     metrics.attach(node.snapshot)
-    decoder = BodyDecoder()
+    decoder = BodyDecoder(settings.max_json_depth)
     apps = build_apps(settings, node, metrics, decoder)
+    # uvicorn answers 503 once the open connections, the requester's own included, reach
+    # limit_concurrency: maxLinkNum + 1 serves exactly maxLinkNum at once. Every response closes its
+    # connection (app.py), so the keep-alive timeout never runs; headTimeoutMs closes idle ones
+    # (guard.py), one protocol class (and so one per-client count) per listener.
     servers = [
         _Server(_Config(app, ctx, lifespan="off", log_config=None, access_log=False, server_header=False,
-                        proxy_headers=False, limit_concurrency=settings.max_link_num, timeout_keep_alive=5))
+                        proxy_headers=False, limit_concurrency=settings.max_link_num + 1, timeout_keep_alive=5,
+                        http=protocol_class(settings.max_links_per_client, settings.head_timeout_ms / 1000)))
         for app, ctx in zip(apps, contexts)
     ]
 
