@@ -1,9 +1,13 @@
-/* The same-host ceiling of one small READ: process_vm_readv of one block from a child process,
- * alone and with the 8-byte word pdlink's cma path reads after the data in the same call (the
- * peer's registry generation). No library, no checks: what the kernel charges per call.
- * Usage: cma_ceiling block_bytes calls  -> one JSON line {"block_us": .., "block_and_word_us": ..}
+/* The same-host ceiling of one READ: process_vm_readv of one block from a child process, alone
+ * and with the 8-byte word pdlink's cma path reads after the data in the same call (the peer's
+ * registry generation); and the same through a /proc/<pid>/mem descriptor (pread of the block,
+ * then of the word), which pdlink uses where a pid number cannot be trusted (docs/security.md).
+ * No library, no checks: what the kernel charges per call.
+ * Usage: cma_ceiling block_bytes calls  -> one JSON line {"block_us": .., "block_and_word_us": ..,
+ *        "proc_mem_block_us": .., "proc_mem_block_and_word_us": ..}
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,14 +50,26 @@ int main(int argc, char** argv) {
     if (read(p[0], &x, 1) < 0) _exit(1);
     _exit(0);
   }
-  double med[2];
-  for (int mode = 0; mode < 2; ++mode) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/mem", (int)child);
+  int mem = open(path, O_RDWR | O_CLOEXEC);
+  if (mem < 0) {
+    perror(path);
+    return 1;
+  }
+  double med[4];
+  for (int mode = 0; mode < 4; ++mode) {
     uint64_t g = 0;
     for (int i = -calls / 10; i < calls; ++i) {
       struct iovec lv[2] = {{local, block}, {&g, 8}}, rv[2] = {{remote + 4096, block}, {word, 8}};
       double t0 = now_us();
-      if (process_vm_readv(child, lv, 1 + mode, rv, 1 + mode, 0) < 0) {
+      if (mode < 2 && process_vm_readv(child, lv, 1 + mode, rv, 1 + mode, 0) < 0) {
         perror("process_vm_readv");
+        return 1;
+      }
+      if (mode >= 2 && (pread(mem, local, block, (off_t)(uintptr_t)(remote + 4096)) != (ssize_t)block ||
+                        (mode == 3 && pread(mem, &g, 8, (off_t)(uintptr_t)word) != 8))) {
+        perror("pread /proc/<pid>/mem");
         return 1;
       }
       if (i >= 0) lat[i] = now_us() - t0;
@@ -63,6 +79,7 @@ int main(int argc, char** argv) {
   }
   if (write(p[1], "x", 1) < 0) return 1;
   waitpid(child, NULL, 0);
-  printf("{\"block_us\": %.3f, \"block_and_word_us\": %.3f}\n", med[0], med[1]);
+  printf("{\"block_us\": %.3f, \"block_and_word_us\": %.3f, \"proc_mem_block_us\": %.3f, "
+         "\"proc_mem_block_and_word_us\": %.3f}\n", med[0], med[1], med[2], med[3]);
   return 0;
 }

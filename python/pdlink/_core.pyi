@@ -227,7 +227,8 @@ class Engine:
     @property
     def cache_count(self) -> int: ...
     def pools(self) -> list[dict[str, Any]]: ...  # placement, base, capacity, used per memory pool
-    # live_links, tombstones, handshakes, threads, handshakes_refused, handshakes_evicted, listener_backoffs, pins_expired
+    # live_links, tombstones, handshakes, threads, handshakes_refused, handshakes_evicted,
+    # listener_backoffs, pins_expired
     def stats(self) -> dict[str, int]: ...
     def switch_role(self, role: Role, listen_ip: str, listen_port: int) -> None: ...
     def link(

@@ -10,6 +10,8 @@ it stays within a memory bound, and that it then links to an honest prefill and 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -298,39 +300,49 @@ def test_addresses_of_the_victims_own_memory_are_never_applied_to_it(peers: Call
 
 @only("cpu-cma")
 @pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("attacker_uid, copies", [(0, "process_vm"), (65534, "proc_mem")])
 def test_a_peer_that_outlives_its_pid_never_makes_the_victim_copy_inside_itself(
-        peers: Callable[..., Peer], variant: Variant, victim: Peer, tmp_path: Path, op: str) -> None:
+        peers: Callable[..., Peer], variant: Variant, victim: Peer, op: str, attacker_uid: int, copies: str) -> None:
     """The pid-reuse attack (docs/security.md, "Same-host is proven by the kernel"): the process the
     kernel named for a same-host link forks, and exits while its child keeps both channels and
     answers the victim's direct accesses with addresses of the victim's own memory; then a thread of
     the victim gets the freed pid number. Copies by number would read the victim's secret into its
-    cache, or write its cache over the secret. The victim holds the process, not the number: the
-    access fails with LLM_LINK_FAILED, the link breaks, neither memory changes."""
+    cache, or write its cache over the secret. The victim (root) holds the process, not the number:
+    by /proc/<pid>/mem for a peer of another uid, by number with the pidfd and thread checks for a
+    peer as powerful as itself. The access fails with LLM_LINK_FAILED, the link breaks, neither
+    memory changes."""
     if os.geteuid() != 0:
         pytest.skip("making a thread take a chosen pid number needs root (ns_last_pid)")
     addr, secret = victim.call(kv.plant_secret, 8 * 64 * 2)
-    log = tmp_path / "requests"
-    log.touch()
-    attacker = peers("attacker")
-    port, pid = attacker.call(hostile.serve_vanishing, addresses=[addr, addr], log=str(log))
-    assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
-    assert [link["transport"] for link in victim.call(kv.links)] == ["cma"]
-    assert attacker.call(hostile.wait_vanished) == 0  # P is gone and reaped; its child holds the link
-    assert victim.call(kv.thread_with_id, pid), f"no thread of the victim got pid {pid}"  # the reuse happened
-    before = victim.call(kv.snapshot, "kv")
-    call = kv.pull_blocks if op == "pull" else kv.push_blocks
-    with pytest.raises(LLMException) as e:
-        victim.call_within(hang_guard(TIMEOUT_MS), call, KEY, "kv", [1, 2], [1, 2])
-    assert e.value.status_code == LLMStatusCode.LLM_LINK_FAILED, e.value
-    # The child did answer with the victim's addresses: it was the copy that was refused.
-    access = f"{rawwire.OP_READ if op == 'pull' else rawwire.OP_WRITE} {rawwire.FLAG_DIRECT}"
-    wait_until(lambda: access in log.read_text().split("\n"), 10, "the child to receive the direct access")
-    assert victim.call(kv.secrets) == [secret]
-    assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's cache")
-    assert [link["broken"] for link in victim.call(kv.links)] == [True]
-    victim.call(kv.end_threads)
-    assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
-    honest_pull_works(peers, variant, victim)
+    logs = Path(tempfile.mkdtemp(prefix="pdlink-vanish-"))
+    try:
+        logs.chmod(0o777)  # the attacker's child may be another user
+        log = logs / "requests"
+        attacker = peers("attacker")
+        if attacker_uid:
+            attacker.call(hostile.become, attacker_uid)
+        port, pid = attacker.call(hostile.serve_vanishing, addresses=[addr, addr], log=str(log))
+        assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
+        assert [(link["transport"], link["lanes"]) for link in victim.call(kv.links)] == [("cma", [copies])]
+        assert attacker.call(hostile.wait_vanished) == 0  # P is gone and reaped; its child holds the link
+        assert victim.call(kv.thread_with_id, pid), f"no thread of the victim got pid {pid}"  # the reuse happened
+        before = victim.call(kv.snapshot, "kv")
+        call = kv.pull_blocks if op == "pull" else kv.push_blocks
+        with pytest.raises(LLMException) as e:
+            victim.call_within(hang_guard(TIMEOUT_MS), call, KEY, "kv", [1, 2], [1, 2])
+        assert e.value.status_code == LLMStatusCode.LLM_LINK_FAILED, e.value
+        # The child did answer with the victim's addresses: it was the copy that was refused.
+        access = f"{rawwire.OP_READ if op == 'pull' else rawwire.OP_WRITE} {rawwire.FLAG_DIRECT}"
+        wait_until(lambda: log.exists() and access in log.read_text().split("\n"), 10,
+                   "the child to receive the direct access")
+        assert victim.call(kv.secrets) == [secret]
+        assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's cache")
+        assert [link["broken"] for link in victim.call(kv.links)] == [True]
+        victim.call(kv.end_threads)
+        assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
+        honest_pull_works(peers, variant, victim)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 @only("ascend-fake")

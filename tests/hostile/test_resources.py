@@ -364,8 +364,8 @@ def test_one_peers_expired_pin_never_moves_another_peers_pin_epoch(peers: Callab
     silent_epoch, silent_word = answered(silent)
     assert silent_word != honest_word
     wait_until(lambda: stat(p, "pins_expired") == 1, hang_guard(500), "the silent peer's pin expired")
-    assert _word(p.proc.pid, silent_word) == silent_epoch + 1  # the expiry moved its own word
-    assert _word(p.proc.pid, honest_word) == honest_epoch  # and nobody else's
+    assert _word(p.pid, silent_word) == silent_epoch + 1  # the expiry moved its own word
+    assert _word(p.pid, honest_word) == honest_epoch  # and nobody else's
     assert answered(honest) == (honest_epoch, honest_word)
 
 

@@ -340,18 +340,17 @@ def thread_with_id(tid: int, tries: int = 200) -> bool:
     ``end_threads``. Whether it got that id."""
     import threading
 
+    def run(got: list[int], started: threading.Event, done: threading.Event) -> None:
+        got.append(threading.get_native_id())
+        started.set()
+        done.wait()
+
     for _ in range(tries):
         got: list[int] = []
         started, done = threading.Event(), threading.Event()
-
-        def run() -> None:
-            got.append(threading.get_native_id())
-            started.set()
-            done.wait()
-
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(tid - 1))
-        t = threading.Thread(target=run, daemon=True)
+        t = threading.Thread(target=run, args=(got, started, done), daemon=True)
         t.start()
         started.wait()
         if got[0] == tid:

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -25,20 +26,24 @@ namespace {
 
 constexpr size_t kMaxIov = 1024;                 // IOV_MAX
 constexpr size_t kSplitBytes = size_t{8} << 20;  // copies at least this large use two threads
-constexpr int kCapSysPtrace = 19;
-
-// Whether this process may attach to processes beyond its own uid's: root, or CAP_SYS_PTRACE in its
-// effective set (CapEff of /proc/self/status).
-bool mayPtraceOthers() {
-  if (::geteuid() == 0) return true;
-  std::ifstream status("/proc/self/status");
+// The effective capabilities of a process ("CapEff:" of /proc/<pid>/status, "self" for this one);
+// nullopt when they cannot be read.
+std::optional<uint64_t> effectiveCaps(const std::string& pid) {
+  std::ifstream status("/proc/" + pid + "/status");
   std::string line;
   while (std::getline(status, line)) {
-    if (line.rfind("CapEff:", 0) != 0) continue;
-    unsigned long long caps = std::strtoull(line.c_str() + 7, nullptr, 16);
-    return (caps >> kCapSysPtrace) & 1;
+    if (line.rfind("CapEff:", 0) == 0) return std::strtoull(line.c_str() + 7, nullptr, 16);
   }
-  return true;  // unknown: assume the worst, which only costs the faster mode
+  return std::nullopt;
+}
+
+// Whether the peer holds every power over other processes that this process holds: the same uid
+// (real and effective, ours), and every capability of ours in its effective set. Then whatever
+// process a reused pid number comes to name, the peer could attach to it itself.
+bool peerAsPowerful(pid_t pid, uid_t uid) {
+  if (uid != ::getuid() || uid != ::geteuid()) return false;
+  auto mine = effectiveCaps("self"), theirs = effectiveCaps(std::to_string(pid));
+  return mine && theirs && (*theirs & *mine) == *mine;
 }
 
 // The pid a pidfd refers to, as this namespace sees it ("Pid:" of its fdinfo): -1 once it exited.
@@ -78,7 +83,8 @@ Result<std::shared_ptr<Process>> Process::open(int sock_fd, pid_t pid, uid_t uid
   if (pidOfPidfd(pidfd) != pid) return fail("the peer's pidfd names another process, or it exited");
   const bool self = pid == ::getpid();
   if (!self && ::syscall(SYS_tgkill, ::getpid(), pid, 0) == 0) return fail("the pid is a thread of this process");
-  if (self || (uid == ::getuid() && uid == ::geteuid() && !mayPtraceOthers())) {
+  // (The peer's status was read by number: it is the peer's if the pidfd shows it alive after.)
+  if (self || (peerAsPowerful(pid, uid) && !exited(pidfd))) {
     return std::shared_ptr<Process>(new Process(pid, pidfd, -1, Mode::kVm));
   }
   int mem = ::open(("/proc/" + std::to_string(pid) + "/mem").c_str(), O_RDWR | O_CLOEXEC);

@@ -9,15 +9,18 @@
 // frees its number, which the next process or thread to be created may get (a thread id counts).
 // Copies to the number would then land in that process, or in this one. What holds instead:
 //   kVm:      process_vm_readv/writev by number, only where a reuse gains the peer nothing: it runs
-//             under this process's own uid and this process has no more power over other
-//             processes than the peer has (not root, no CAP_SYS_PTRACE). Whatever process the
-//             number comes to name, the peer could attach to it itself. The number is also refused
-//             when it names a thread of this process, and the pidfd is checked before and after each
-//             copy. Also the mode for this very process (its own number cannot be reused).
-//   kProcMem: any other peer (this process is root or may ptrace others): copies through a
-//             /proc/<pid>/mem descriptor opened once, while the pidfd showed the process alive. The
-//             descriptor stays bound to that process's memory: after the process exits it reads and
-//             writes nothing, whatever process gets the number.
+//             under this process's own uid and holds every capability this process holds (two
+//             unprivileged processes of one user; two root processes with the same capabilities).
+//             Whatever process the number comes to name, the peer could attach to it itself. The
+//             number is also refused when it names a thread of this process, and the pidfd is
+//             checked before and after each copy. Also the mode for this very process (its own
+//             number cannot be reused).
+//   kProcMem: any other peer (another uid, or fewer capabilities: a root engine and an
+//             unprivileged peer): copies through a /proc/<pid>/mem descriptor opened once, while the
+//             pidfd showed the process alive. The descriptor stays bound to that process's memory:
+//             after the process exits it reads and writes nothing, whatever process gets the number.
+//             It costs a kernel bounce copy: about 2x process_vm_readv for bulk copies
+//             (bench/cma_ceiling.c, docs/security.md).
 // A peer whose pidfd cannot be had (kernel without SO_PEERPIDFD, a pid this namespace cannot see),
 // or whose memory this process may not open, gets no direct copies: the link streams.
 // Threading: safe from any thread; the descriptors close when the last owner lets go.
