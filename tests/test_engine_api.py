@@ -67,7 +67,9 @@ def test_descriptor_lists_read_and_write_exact_bytes(two: Two) -> None:
 def test_links_name_the_lanes_beneath_the_host_path(two: Two) -> None:
     """``LinkInfo.lanes``: on the ucx path, UCX's lanes once a transfer connected it (tcp alone
     under UCX_TLS=tcp; shared memory between these proven same-host peers under sm,tcp), and none
-    on the target's side, which has not requested anything; none on every other path."""
+    on the target's side, which has not requested anything; on cma, on both sides, how the copies
+    reach the peer (two engines of one user with the same capabilities: by pid number); none on
+    every other path."""
     descs = [(64, 0, 200)]
     check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
         native.descriptors, TARGET, "dst", [(d, n) for _, d, n in descs], [(two.src + s, n) for s, _, n in descs],
@@ -79,6 +81,9 @@ def test_links_name_the_lanes_beneath_the_host_path(two: Two) -> None:
         assert mine.lanes and families == {"tcp"}, mine.lanes
     elif two.variant.kind == "ucx-sm":
         assert families & {"posix", "sysv", "cma", "knem", "xpmem"}, mine.lanes
+    elif mine.transport == "cma":  # fixed when the link is made, on both sides
+        assert mine.lanes == theirs.lanes == ("process_vm",)
+        return
     else:
         assert mine.lanes == ()
     assert theirs.lanes == ()

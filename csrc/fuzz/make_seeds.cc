@@ -192,6 +192,7 @@ int main(int argc, char** argv) {
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
   s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};
   s += std::string{static_cast<char>(kStepUnregister), 1};
+  s += bodyFrame(wire::Op::kConfirm, std::string(sizeof(wire::Nonce), '\x5a'));  // a link it did not dial
   s += frame(wire::Op::kRead, reqkey);
   s += frame(wire::Op::kRead, byid);
   seed("serve-tcp", kModeServe, std::string(1, '\0') + s);
