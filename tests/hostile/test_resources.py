@@ -31,6 +31,13 @@ SHAPE = (16, 1024)
 S = LLMStatusCode
 
 
+def become(peer: Peer, uid: int) -> None:
+    """Runs `peer` as another local user from now on (the attacks of a user other than the victim's)."""
+    if os.geteuid() != 0:
+        pytest.skip("running a peer as another user needs root")
+    peer.call(hostile.become, uid)
+
+
 def linked(make_pair: Callable[..., Pair], options: dict[str, str] | None = None) -> Pair:
     pair = make_pair(prefill_options=options)
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
@@ -167,7 +174,7 @@ def test_a_handshake_flood_from_one_source_does_not_lock_others_out(peers: Calla
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
     pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
     a = peers("attacker")
-    a.call(hostile.become, 65534)
+    become(a, 65534)
     held = sum(a.call(hostile.stalled_handshakes, pair.port, 5, f"127.0.0.{2 + i}") for i in range(8))
     assert held == 16  # 40 tried from 8 addresses: one user, one share
     assert stat(pair.prefill, "handshakes") == 16 and stat(pair.prefill, "handshakes_refused") == 24
@@ -185,7 +192,7 @@ def test_silent_connections_make_room_for_one_that_speaks(peers: Callable[..., P
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
     pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
     a, b = peers("attacker"), peers("attacker2")
-    b.call(hostile.become, 65534)
+    become(b, 65534)
     for i in range(4):  # two users, four addresses each: every slot silent
         a.call(hostile.silent_connections, pair.port, 10, f"127.0.0.{2 + i}")
         b.call(hostile.silent_connections, pair.port, 10, f"127.0.0.{6 + i}")
@@ -216,7 +223,7 @@ def test_the_total_handshake_cap_holds_across_sources(peers: Callable[..., Peer]
                                                       make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(prefill_options={"pdlink.MaxHandshakes": "6", "pdlink.MaxHandshakesPerSource": "4"})
     a, b = peers("attacker"), peers("attacker2")
-    b.call(hostile.become, 65534)
+    become(b, 65534)
     assert a.call(hostile.stalled_handshakes, pair.port, 4) == 4
     assert b.call(hostile.stalled_handshakes, pair.port, 4) == 2  # two more fit in all
     assert stat(pair.prefill, "handshakes") == 6 and stat(pair.prefill, "handshakes_refused") == 2
@@ -453,8 +460,8 @@ def test_one_source_holds_at_most_its_share_of_links(peers: Callable[..., Peer],
     pair = linked(make_pair, {"pdlink.MaxLinksPerSource": "3"})
     unix = unix_name(peers, pair)
     a, b = peers("attacker"), peers("attacker2")
-    a.call(hostile.become, 65534)
-    b.call(hostile.become, 65533)
+    become(a, 65534)
+    become(b, 65533)
     results = a.call(hostile.many_links, pair.port, 4, 100, unix)
     assert [r[0] for r in results] == [0, 0, 0, S.LLM_LINK_FAILED], results
     assert "the most one source may have" in results[3][1], results[3]
