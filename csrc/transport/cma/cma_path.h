@@ -27,7 +27,9 @@ class CmaPath : public DataPath {
   const PathCaps& caps() const override { return caps_; }
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
   // How the copies reach the peer: "process_vm" or "proc_mem" (cma::Process::Mode).
-  std::vector<std::string> lanes() const override { return {process_->modeName()}; }
+  std::vector<std::string> lanes() const override {
+    return process_ ? std::vector<std::string>{process_->modeName()} : std::vector<std::string>{};
+  }
 
  private:
   // kDescribe of `p`'s target: the answer's payload (at most `max_bytes`). Not OK with the link
