@@ -332,8 +332,10 @@ Status Engine::planAbsolute(const TransferSpec& spec, Resolved* scratch, Transfe
     }
   }
   // The same resolution a peer's raw request gets, against this engine's own registry (every cache,
-  // remote accessible or not): each range inside registered memory, or nothing moves.
-  Status resolved = registry_.resolveRaw(spec.local_runs, false, scratch);
+  // remote accessible or not): each range inside registered memory, or nothing moves. The whole
+  // list at once, which may be several requests' worth (execute splits it): no bound on its steps
+  // but the list's own (the caller's), each range at most limits::kMaxRawSpan.
+  Status resolved = registry_.resolveRaw(spec.local_runs, false, scratch, UINT64_MAX);
   if (!resolved.ok()) return Status(Code::kParamInvalid, "local " + resolved.message());
   TransferPlan& p = *out;
   // Runs in a device backend's DEVICE memory: all of them go over the device paths; some of them,
