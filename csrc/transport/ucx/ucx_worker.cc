@@ -245,6 +245,7 @@ Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsig
     device_entries.emplace_back(first, out.entries.size());
   }
   if (!r.done()) return malformed(r.at(), std::to_string(n - r.at()) + " bytes after the last device");
+  if (out.entries.empty()) return malformed(n, "no transports");
   for (AddressEntry& e : out.entries) {
     if (!v2 && minor >= 19 && release <= kLegacyMdRelease) e.md_index &= ~0x60u;
     if (e.md_index >= kMaxMds) return malformed(0, "md index " + std::to_string(e.md_index) + " (UCX has 64)");

@@ -86,7 +86,7 @@ bool autoPicksUcx(const std::vector<std::string>& network_lanes);
 //   In v1 an empty last device's md index carries the sender's release (UCX >= 1.19 then clears
 //   the md index bits older releases used as flags).
 // Refused, beyond what UCX itself would misread: any byte past the last device or one missing;
-// another version or an unknown flag; no devices; more than 128 devices or transports
+// another version or an unknown flag; no devices, or none with a transport; more than 128 devices or transports
 // (UCP_MAX_RESOURCES); an md index of 64 or more (UCP_MAX_MDS, a bit of UCX's md maps); a paths
 // byte of 0; endpoint addresses (a worker address carries none: they belong to UCX's own wireup);
 // v1 attributes that are not finite or a zero bandwidth; a v2 active-message transport whose
