@@ -14,6 +14,8 @@ the attackers are raw links from 127.0.0.2 (tests/peers/hostile.py).
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 
 import internals
@@ -28,6 +30,9 @@ SLICES = LIMITS["max_raw_span"]  # 64: a range may run across this many registra
 SLICE = 64  # bytes per registration: the whole buffer is 4 KiB
 SPAN = SLICES * SLICE
 PEAK_BOUND_KIB = 64 * 1024
+# Resident memory means nothing under a sanitizer (ASan keeps freed memory in quarantine): the
+# bounds on it are checked in plain runs only (.ci/sanitizers.sh sets PDLINK_SANITIZER).
+MEMORY_BOUNDS = not os.environ.get("PDLINK_SANITIZER")
 TCP = {"PDLINK_TRANSPORT": "tcp"}
 VICTIM, HONEST = 1, 2
 
@@ -74,17 +79,21 @@ def test_a_request_of_ranges_across_64_registrations_is_bounded(peers: Callable[
     wait_until(lambda: all(a.call(spans.attacks_answered) >= 2 for a in attackers), 120,
                "both attackers answered twice")
     # While they go on: registrations get the registry's lock, and honest reads are byte-exact.
+    def registered(n: int) -> bool:
+        return bool(victim.call(spans.registered, n))
+
+    def attacked_since(answered: list[int]) -> bool:
+        return all(a.call(spans.attacks_answered) > count for a, count in zip(attackers, answered))
+
     for _ in range(3):
         answered = [a.call(spans.attacks_answered) for a in attackers]
         n = victim.call(spans.start_register, 1 << 16)
-        wait_until(lambda n=n: victim.call(spans.registered, n), 10, "a register() in the victim during the attacks")
+        wait_until(functools.partial(registered, n), 10, "a register() in the victim during the attacks")
         honest_read(honest, base, lambda: victim.call(spans.snapshot), "during the attacks")
-        wait_until(lambda answered=answered: all(a.call(spans.attacks_answered) > before_count
-                                                 for a, before_count in zip(attackers, answered)), 120,
-                   "the attacks still going on")
+        wait_until(functools.partial(attacked_since, answered), 120, "the attacks still going on")
     results = [a.call_within(120, spans.stop_attack) for a in attackers]
     peak = victim.call(spans.peak_kib)
-    assert peak - rss < PEAK_BOUND_KIB, f"the victim's peak memory grew by {peak - rss} KiB during the attacks"
+    assert peak - rss < PEAK_BOUND_KIB or not MEMORY_BOUNDS, f"the victim's peak memory grew by {peak - rss} KiB"
     for r in results:
         assert len(r) >= 4 and all(x[:3] == (S.LLM_PARAM_INVALID, refusal, 0) for x in r), r[:3]
     assert victim.call(spans.deregister_extra) == 3
@@ -95,7 +104,7 @@ def test_a_request_of_ranges_across_64_registrations_is_bounded(peers: Callable[
     rss = victim.call(spans.reset_peak)
     served = attackers[1].call_within(120, spans.exchange, spans.raw_read(((base, SPAN), at_bound)))
     assert served == (0, "", at_bound * SPAN, victim.call(spans.digest, 0, SPAN, at_bound)), served[:3]
-    assert victim.call(spans.peak_kib) - rss < PEAK_BOUND_KIB
+    assert victim.call(spans.peak_kib) - rss < PEAK_BOUND_KIB or not MEMORY_BOUNDS
     # one step more is refused
     over = spans.raw_read([(base, SPAN)] * at_bound + [(base, 1)])
     assert attackers[1].call(spans.exchange, over)[:3] == (S.LLM_PARAM_INVALID, refusal, 0)
