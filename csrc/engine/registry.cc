@@ -1,6 +1,7 @@
 #include "engine/registry.h"
 
 #include <cerrno>
+#include <shared_mutex>
 #include <system_error>
 
 namespace pdlink {

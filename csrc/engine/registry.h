@@ -33,15 +33,15 @@
 // they are deallocated meanwhile.
 #pragma once
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <pthread.h>
 #include <optional>
 #include <set>
-#include <shared_mutex>
 #include <utility>
 #include <vector>
 
