@@ -21,7 +21,7 @@
 //   - why the ucx transport needs ucx_trusted_network: in a child process, UCX's own ucp_ep_create
 //     on worker addresses of random bytes (what a hostile peer could send): UCX aborts the process;
 //   - and why pdlink checks every address first (checkWorkerAddress): this UCX's own addresses
-//     pass; one byte short, one byte more, another version, an empty one are refused, and so are
+//     pass (v1, v2 and with debug info); one byte short, one byte more, another version, an empty one are refused, and so are
 //     every random address (the child lives) and built ones UCX would misread (a transport this side
 //     has without its device or interface address, md index 64, 0 paths, a bandwidth that is not a
 //     number, endpoint addresses, 129 transports, no devices, a v2 active-message segment of 64
@@ -524,6 +524,23 @@ void testAddressCheck(const UcpApi* api) {
         },
         &how);
     check(!died && how == "the process exited 0", name + ": connect refuses every random address: " + how);
+  }
+  // The other forms UCX makes of an address (read from the environment when a worker is made):
+  // v2, and debug info (the worker's name); each this side's check reads, and connects to.
+  for (const char* setting : {"UCX_ADDRESS_VERSION=v2", "UCX_ADDRESS_DEBUG_INFO=y"}) {
+    const std::string kv = setting;
+    const std::string name = kv.substr(0, kv.find('='));
+    ::setenv(name.c_str(), kv.substr(kv.find('=') + 1).c_str(), 1);
+    for (Scope scope : {Scope::kNetwork, Scope::kAny}) {
+      Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(scope);
+      if (!w.ok() && w.status().code() == Code::kFeatureNotEnabled &&
+          w.status().message().find("worker address") == std::string::npos) {
+        continue;  // no network worker under this UCX_TLS
+      }
+      check(w.ok() && w.value()->lanesToSelf().ok(), kv + ": a worker opens and connects to its own address: " +
+                                                         (w.ok() ? "" : w.status().message()));
+    }
+    ::unsetenv(name.c_str());
   }
   // Refusals of the layout itself (pure; the tcp checksum as a transport this side has).
   Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(Scope::kNetwork);
