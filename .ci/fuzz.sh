@@ -5,6 +5,10 @@
 # bounded time (FUZZ_SECONDS, default 60). Exits non-zero when the fuzzer finds a crash, a sanitizer
 # report, a broken invariant, a timeout or runaway memory; the input is saved under build/ci/fuzz/.
 #
+# The seeds include real UCX worker addresses (kModeUcxAddress: ucx::checkWorkerAddress against a
+# model of UCX's own reader), and those get a run of their own, FUZZ_UCX_SECONDS (default 30), from
+# their seeds alone.
+#
 # Then, to show the fuzzer finds what it is there to find, it builds the target three more times,
 # each with one deliberate bug compiled in (core/seeded_bug.h: an unbounded reserve, an unchecked
 # flag, an unchecked reply span), and fails unless each is found within FUZZ_SEEDED_SECONDS
@@ -18,6 +22,7 @@ cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
 FUZZ_SEEDED_SECONDS=${FUZZ_SEEDED_SECONDS:-60}
 FUZZ_SEEDED=${FUZZ_SEEDED:-1}
+FUZZ_UCX_SECONDS=${FUZZ_UCX_SECONDS:-30}
 dir="$CI_OUT/fuzz"
 mkdir -p "$dir"
 
@@ -33,12 +38,15 @@ build() {
   cmake --build "$out" --target wire_fuzz make_seeds >"$out.log" 2>&1 || { tail -n 60 "$out.log"; exit 1; }
 }
 
-# fuzz BINARY SECONDS WORKDIR: runs it on fresh seeds; leaves the exit code in $rc.
+# fuzz BINARY SECONDS WORKDIR [SEED GLOB]: runs it on fresh seeds (those matching the glob, default
+# all); leaves the exit code in $rc.
 fuzz() {
-  local bin=$1 seconds=$2 work=$3
+  local bin=$1 seconds=$2 work=$3 only=${4:-*}
   rm -rf "$work"
-  mkdir -p "$work/seeds" "$work/corpus"
-  "$(dirname "$bin")/make_seeds" "$work/seeds" >/dev/null
+  mkdir -p "$work/seeds" "$work/corpus" "$work/all"
+  "$(dirname "$bin")/make_seeds" "$work/all" >/dev/null
+  # shellcheck disable=SC2086
+  cp "$work"/all/$only "$work/seeds/"
   rc=0
   "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
     -artifact_prefix="$work/" "$work/corpus" "$work/seeds" >"$work/fuzz.log" 2>&1 || rc=$?
@@ -47,20 +55,31 @@ fuzz() {
 step "fuzz: build wire_fuzz (clang, -fsanitize=fuzzer,address,undefined)"
 build "$dir/build"
 
+# report WORKDIR: the run's figures; on a finding, the log tail and the inputs, and exit 1.
+report() {
+  local work=$1
+  grep -E 'DONE|^stat::(number_of_executed_units|new_units_added|peak_rss_mb)|^Done' "$work/fuzz.log" || true
+  if [ "$rc" -ne 0 ]; then
+    echo "FUZZ FAILURE (exit $rc). Log tail:"
+    tail -n 60 "$work/fuzz.log"
+    for f in "$work"/crash-* "$work"/timeout-* "$work"/oom-* "$work"/leak-*; do
+      [ -e "$f" ] || continue
+      echo "input $f:"
+      od -An -tx1 -v "$f" | head -n 40
+    done
+    exit 1
+  fi
+  echo "fuzz: no finding"
+}
+
 step "fuzz: run for ${FUZZ_SECONDS} s"
 fuzz "$dir/build/wire_fuzz" "$FUZZ_SECONDS" "$dir/run"
-grep -E 'DONE|^stat::(number_of_executed_units|new_units_added|peak_rss_mb)|^Done' "$dir/run/fuzz.log" || true
-if [ "$rc" -ne 0 ]; then
-  echo "FUZZ FAILURE (exit $rc). Log tail:"
-  tail -n 60 "$dir/run/fuzz.log"
-  for f in "$dir"/run/crash-* "$dir"/run/timeout-* "$dir"/run/oom-* "$dir"/run/leak-*; do
-    [ -e "$f" ] || continue
-    echo "input $f:"
-    od -An -tx1 -v "$f" | head -n 40
-  done
-  exit 1
-fi
-echo "fuzz: no finding"
+report "$dir/run"
+
+step "fuzz: UCX worker addresses (ucx::checkWorkerAddress) for ${FUZZ_UCX_SECONDS} s"
+fuzz "$dir/build/wire_fuzz" "$FUZZ_UCX_SECONDS" "$dir/run-ucx-address" 'ucx-address-*'
+[ "$(ls "$dir/run-ucx-address/seeds" | wc -l)" -ge 5 ] || { echo "fuzz: the UCX address seeds are missing"; exit 1; }
+report "$dir/run-ucx-address"
 
 [ "$FUZZ_SEEDED" = 1 ] || exit 0
 missed=0

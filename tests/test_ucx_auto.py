@@ -8,18 +8,25 @@ cannot name either process to the other, so pdlink cannot prove they share a hos
 over TCP, as it would two hosts; UCX then connects the engines' network workers over loopback.
 There is no RDMA device here, so the tests list ``tcp`` as a transport auto may pick; the rule for
 the default list is checked in csrc/tests/ucx_test.cc. Every transfer checks the whole destination
-and the source."""
+and the source.
+
+And what such an engine takes from a raw peer (tests/peers/hostile.py): ucx frames only on links it
+puts on ucx itself, and there no worker address UCX would misread."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 import pytest
 
+import rawwire
 from conftest import CMA_AVAILABLE, UCX_WHY_NOT, require_for_ucx
 from native_pair import TARGET, Two, copies, lane_families
+from pdlink import LLMStatusCode
 from peer import Peer, pid_namespace_error
-from peers import native
+from peers import hostile, native
+from ucx_addresses import MISREAD, REAL_ADDRESS
 from verify import check_transfer
 
 # auto with the trusted-network statement, over UCX's tcp transport
@@ -84,3 +91,65 @@ def test_auto_with_ucx_keeps_cma_on_one_host(peers: Callable[..., Peer]) -> None
     read_and_write(two)
     for side in (two.initiator, two.target):
         assert (two.link(side).transport, two.link(side).lanes) == ("cma", ())
+
+
+def ucx_connect(address: bytes) -> bytes:
+    """A kUcxConnect request: the requester's token, message size 0 (the server picks it), ``address``."""
+    return rawwire.request(rawwire.OP_UCX_CONNECT, struct.pack("<QI", 7, 0) + address)
+
+
+UCX_READ = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, 64),)), flags=rawwire.FLAG_UCX)
+NOT_HERE = "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto between hosts with " \
+           "ucx_trusted_network)"
+
+
+@pytest.mark.parametrize("link", ["tcp", "cma"])
+def test_ucx_frames_are_refused_on_a_link_an_auto_engine_keeps_off_ucx(peers: Callable[..., Peer], link: str) -> None:
+    """An auto engine with UCX and the trusted-network statement takes ucx frames only on links it
+    would put on ucx itself: a raw peer's kUcxConnect and kFlagUcx read on a TCP link between
+    "hosts" where no listed transport is there (PDLINK_UCX_AUTO_TRANSPORTS=""), or on a same-host
+    link (cma, which auto never puts on ucx), are answered LLM_FEATURE_NOT_ENABLED before anything
+    of the address is read; the link keeps serving, and an honest peer's transfers are byte-exact."""
+    if link == "cma" and not CMA_AVAILABLE:
+        pytest.skip("process_vm_readv between sibling processes is not permitted on this machine")
+    env = {**AUTO, "PDLINK_UCX_AUTO_TRANSPORTS": "" if link == "tcp" else "tcp"}
+    two = Two(peers, env, {"PDLINK_TRANSPORT": "tcp"})
+    attacker = peers("attacker")
+    port = two.target.call(native.listen_port)
+    unix = attacker.call(hostile.redirect_name, port) if link == "cma" else None
+    assert (unix is None) == (link == "tcp") and (unix != "" if unix is not None else True)
+    assert attacker.call(hostile.link_raw, port, 9, b"", unix) == (0, "")
+    links = {info.peer_cluster_id: info.transport for info in two.target.call(native.links)}
+    assert links[9] == link, links
+    for frame in (ucx_connect(REAL_ADDRESS), ucx_connect(b"\xa5" * 64), UCX_READ):
+        assert attacker.call(hostile.exchange, frame) == (LLMStatusCode.LLM_FEATURE_NOT_ENABLED, NOT_HERE, b"")
+    assert attacker.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"")) == (0, "", b"")
+    read_and_write(two)
+
+
+def test_a_malformed_worker_address_to_an_auto_engine_on_ucx_is_refused(peers: Callable[..., Peer]) -> None:
+    """An auto engine that puts links between hosts on ucx (PDLINK_UCX_AUTO_TRANSPORTS=tcp) takes a
+    raw peer's kUcxConnect on a TCP link, and checks its worker address before UCX sees it: bytes
+    UCX aborts on, a real address cut short or lengthened, one whose tcp transport lacks its device
+    address, one with endpoint addresses, are answered LLM_PARAM_INVALID and the link kept; a real
+    address reaches UCX. The honest peer (over ucx, from a pid namespace of its own) moves
+    byte-exact throughout."""
+    require_for_ucx(pid_namespace_error())
+    env = {**AUTO, "PDLINK_UCX_AUTO_TRANSPORTS": "tcp"}
+    two = Two(peers, env, env, initiator_pid_namespace=True)
+    read_and_write(two)
+    assert two.link(two.initiator).transport == "ucx"
+    attacker = peers("attacker")
+    assert attacker.call(hostile.link_raw, two.target.call(native.listen_port), 9) == (0, "")
+    for bad in MISREAD.values():
+        answer = attacker.call(hostile.exchange, ucx_connect(bad))
+        assert isinstance(answer, tuple) and answer[0] == LLMStatusCode.LLM_PARAM_INVALID and answer[2] == b"", answer
+        assert answer[1].startswith("ucx: the peer's worker address was refused: malformed ucx worker address")
+        read_and_write(two)
+    # A real address passes the check and reaches UCX (whose endpoint to that long-gone worker fails
+    # or not, as UCX finds it): an answer either way, the link kept.
+    answer = attacker.call(hostile.exchange, ucx_connect(REAL_ADDRESS))
+    assert isinstance(answer, tuple) and (answer[0] == 0 or answer[1].startswith(
+        "ucx: connecting to the peer's worker")), answer
+    read_and_write(two)
+    assert two.link(two.initiator).transport == "ucx"

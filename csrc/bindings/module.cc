@@ -354,6 +354,8 @@ PYBIND11_MODULE(_core, m) {
     py::dict limits;
     limits["max_request_tensors"] = limits::kMaxRequestTensors;
     limits["max_request_pieces"] = limits::kMaxRequestPieces;
+    limits["max_request_span_steps"] = limits::kMaxRequestSpanSteps;
+    limits["max_raw_span"] = limits::kMaxRawSpan;
     limits["max_body_bytes"] = limits::kMaxBodyBytes;
     limits["max_message_bytes"] = limits::kMaxMessageBytes;
     limits["read_chunk_bytes"] = limits::kReadChunkBytes;

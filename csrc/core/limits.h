@@ -18,6 +18,21 @@ constexpr uint32_t kMaxRequestTensors = 1u << 16;
 // Tensors x runs of one request: the byte ranges a server resolves, pins and, on the direct and
 // one-sided paths, answers with addresses for (16 bytes each: at most 4 MiB per answer).
 constexpr uint64_t kMaxRequestPieces = uint64_t{1} << 18;
+// Raw-address ranges (a kRaw target: registered memory named by absolute address, as descriptor
+// lists do). A server finds a range's memory through an index of every registered tensor by start
+// address, one step per registration the range runs across (Registry::resolve); a requester that
+// holds the server's memory table finds it the same way (transport/cma/cma_path.cc). Per step, of
+// the registrations that start closest at or below the current address this many are considered:
+constexpr size_t kRawCandidates = 16;
+// and one range may run across at most this many registrations that follow each other exactly.
+constexpr size_t kMaxRawSpan = 64;
+// Steps of all the raw ranges of one request together (a range inside one registration is one
+// step): the index look-ups, write and placement checks one request makes a server do, bounded
+// by this rather than by kMaxRequestPieces x kMaxRawSpan (16.7 M). A request of the most ranges
+// (kMaxRequestPieces) may average 4 registrations per range; one of up to 16,384 ranges may run
+// every range across kMaxRawSpan registrations. A request past it is refused when its step count
+// passes the bound, before anything more of it is resolved.
+constexpr uint64_t kMaxRequestSpanSteps = uint64_t{1} << 20;
 // A request body: the target (57 bytes), two counts, the tensor list and the runs.
 constexpr uint32_t kMaxBodyBytes =
     static_cast<uint32_t>(64 + 4 * uint64_t{kMaxRequestTensors} + 16 * kMaxRequestPieces);

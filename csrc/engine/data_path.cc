@@ -83,6 +83,27 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   return Status::OK();
 }
 
+namespace {
+
+// Whether ucx is `link`'s host path as this engine picks it (choosePaths): forced, or auto between
+// hosts over an RDMA-capable UCX, and never with payload integrity (nor on a cma link: a link cma
+// serves is a same-host one, which auto never puts on ucx, and forcing ucx never picks cma). The
+// serving side takes ucx frames only where this holds, so a peer cannot make UCX parse its bytes
+// on a link this engine keeps on tcp or cma.
+bool ucxIsPathOf(const std::shared_ptr<ucx::UcxHub>& hub, Transport transport, const Link& link) {
+  return hub && !link.payloadIntegrity() &&
+         (transport == Transport::kUcx || (!link.sameHost() && hub->autoBetweenHosts()));
+}
+
+Status ucxRefused(const Link& link) {
+  return Status(Code::kFeatureNotEnabled, link.payloadIntegrity()
+                                              ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
+                                              : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
+                                                "between hosts with ucx_trusted_network)");
+}
+
+}  // namespace
+
 Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
   if (config_.one_way_links && link.initiator()) {  // our own one-way link: the peer may not use it
     return Status(Code::kNotYetLink, "with one-way links only the side that linked reads or writes over a "
@@ -101,6 +122,7 @@ Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const
   }
   if (one_sided && !one_sided_) return Status(Code::kFeatureNotEnabled, "no one-sided access on this runtime");
   if ((h.flags & wire::kFlagUcx) && !ucx_hub_) return Status(Code::kFeatureNotEnabled, "this engine has no ucx path");
+  if ((h.flags & wire::kFlagUcx) && !ucxIsPathOf(ucx_hub_, config_.transport, link)) return ucxRefused(link);
   return Status::OK();
 }
 
@@ -149,9 +171,16 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kNotify) return serveNotify(*link, s, body, deadline);
   if (h.op == wire::Op::kConfirm) return serveConfirm(*link, s, body, deadline);
   if (h.op == wire::Op::kUcxConnect) {
+    // Refused as admitAccess refuses what this engine does not serve on this link: answered, the
+    // link kept (a requester that picked ucx on its own falls back to its stream), nothing of the
+    // address read.
     if (!ucx_server_) {
       return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
                           deadline);
+    }
+    if (!ucxIsPathOf(ucx_hub_, config_.transport, *link)) {
+      PDLINK_LOG(kDebug, "refused a ucx connect from " << clusterName(link->peer()) << ": " << ucxRefused(*link).message());
+      return sendResponse(s, ucxRefused(*link), deadline);
     }
     return ucx_server_->connect(*link, s, body, deadline);
   }
@@ -279,8 +308,7 @@ void Engine::choosePaths(Link& link, bool direct) {
   std::unique_ptr<DataPath> host;
   if (direct) {
     host = std::make_unique<CmaPath>(link.peerProcess(), link.peerPublishedAddr());
-  } else if (ucx_hub_ && !link.payloadIntegrity() &&
-             (config_.transport == Transport::kUcx || (!link.sameHost() && ucx_hub_->autoBetweenHosts()))) {
+  } else if (ucxIsPathOf(ucx_hub_, config_.transport, link)) {
     // Picked by auto (between hosts, over an RDMA-capable UCX): the stream stays behind for a peer
     // without ucx. Forced: that peer's refusal is the transfer's result.
     std::unique_ptr<DataPath> fallback;
@@ -338,8 +366,10 @@ Status Engine::planAbsolute(const TransferSpec& spec, Resolved* scratch, Transfe
     }
   }
   // The same resolution a peer's raw request gets, against this engine's own registry (every cache,
-  // remote accessible or not): each range inside registered memory, or nothing moves.
-  Status resolved = registry_.resolveRaw(spec.local_runs, false, scratch);
+  // remote accessible or not): each range inside registered memory, or nothing moves. The whole
+  // list at once, which may be several requests' worth (execute splits it): no bound on its steps
+  // but the list's own (the caller's), each range at most limits::kMaxRawSpan.
+  Status resolved = registry_.resolveRaw(spec.local_runs, false, scratch, UINT64_MAX);
   if (!resolved.ok()) return Status(Code::kParamInvalid, "local " + resolved.message());
   TransferPlan& p = *out;
   // Runs in a device backend's DEVICE memory: all of them go over the device paths; some of them,

@@ -1,6 +1,43 @@
 #include "engine/registry.h"
 
+#include <cerrno>
+#include <shared_mutex>
+#include <system_error>
+
 namespace pdlink {
+
+RegistryMutex::RegistryMutex() {
+  pthread_rwlockattr_t attr;
+  pthread_rwlockattr_init(&attr);
+#ifdef __GLIBC__
+  pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+  if (pthread_rwlock_init(&rw_, &attr) != 0) throw std::system_error(errno, std::generic_category(), "pthread_rwlock_init");
+  pthread_rwlockattr_destroy(&attr);
+}
+
+RegistryMutex::~RegistryMutex() { pthread_rwlock_destroy(&rw_); }
+
+// pthread_rwlock_*lock fail only on misuse (deadlock detected, too many readers), as
+// std::shared_mutex's do: thrown the same way.
+void RegistryMutex::lock() {
+  if (int rc = pthread_rwlock_wrlock(&rw_)) throw std::system_error(rc, std::generic_category(), "registry lock");
+}
+void RegistryMutex::unlock() { pthread_rwlock_unlock(&rw_); }
+void RegistryMutex::lock_shared() {
+  if (int rc = pthread_rwlock_rdlock(&rw_)) throw std::system_error(rc, std::generic_category(), "registry lock");
+}
+void RegistryMutex::unlock_shared() { pthread_rwlock_unlock(&rw_); }
+
+namespace {
+
+Status tooManySteps(uint64_t max_steps) {
+  return Status(Code::kParamInvalid, "the address ranges of this request run across more than " +
+                                         std::to_string(max_steps) +
+                                         " registrations in all (max_request_span_steps); split it into several requests");
+}
+
+}  // namespace
 
 CacheEntry::~CacheEntry() {
   if (owned && pool) {
@@ -9,7 +46,7 @@ CacheEntry::~CacheEntry() {
 }
 
 Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::vector<RequestKey>& keys) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::unique_lock<RegistryMutex> lock(mu_);
   if (keys.size() > entry.layout.num_slots) {
     return Status(Code::kParamInvalid, "cache_keys has " + std::to_string(keys.size()) +
                                            " keys but the cache has only " +
@@ -41,7 +78,7 @@ Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::v
   entry.id = next_id_++;
   auto sp = std::make_shared<CacheEntry>(std::move(entry));
   caches_[sp->id] = sp;
-  for (uint64_t a : sp->addrs) raw_index_.emplace(a, RawTensor{a + sp->layout.tensor_size, sp->id});
+  for (uint64_t a : sp->addrs) raw_index_.emplace(a, RawTensor{a + sp->layout.tensor_size, sp.get()});
   if (sp->owned) id_refs_.insert(sp->id);
   if (sp->blocks_model) blocks_index_[*sp->blocks_model] = sp->id;
   for (uint64_t slot = 0; slot < keys.size(); ++slot) {
@@ -55,7 +92,7 @@ Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::v
 }
 
 Result<std::shared_ptr<CacheEntry>> Registry::get(int64_t id) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::shared_lock<RegistryMutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end()) {
     return Status(Code::kParamInvalid, "no cache with id " + std::to_string(id) + " is registered here");
@@ -64,7 +101,7 @@ Result<std::shared_ptr<CacheEntry>> Registry::get(int64_t id) const {
 }
 
 Status Registry::deallocate(int64_t id, bool expect_blocks) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::unique_lock<RegistryMutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end() || !it->second->owned || !id_refs_.count(id)) return Status::OK();
   if (it->second->layout.is_blocks != expect_blocks) {
@@ -80,7 +117,7 @@ Status Registry::deallocate(int64_t id, bool expect_blocks) {
 }
 
 Status Registry::unregister(int64_t id) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::unique_lock<RegistryMutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end()) {
     return Status(Code::kParamInvalid, "no registered cache with id " + std::to_string(id));
@@ -102,7 +139,7 @@ Status Registry::unregister(int64_t id) {
 }
 
 void Registry::removeKey(const RequestKey& key) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::unique_lock<RegistryMutex> lock(mu_);
   std::pair<int64_t, uint64_t> where{0, 0};
   auto r = key.hasReq() ? req_index_.find({key.req_id, key.model_id}) : req_index_.end();
   if (r != req_index_.end()) {
@@ -143,7 +180,7 @@ void Registry::eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::itera
   for (uint64_t a : e.addrs) {
     auto [first, last] = raw_index_.equal_range(a);
     for (auto r = first; r != last; ++r) {
-      if (r->second.cache_id == e.id) {
+      if (r->second.entry == &e) {
         raw_index_.erase(r);
         break;
       }
@@ -153,12 +190,11 @@ void Registry::eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::itera
 }
 
 Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_write) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
   const wire::Target& t = body.target;
   if (t.kind == wire::TargetKind::kRaw) {
     if (body.tensors.size() != 1) return Status(Code::kParamInvalid, "a raw-address transfer moves one tensor");
     Resolved r;
-    PDLINK_RETURN_IF_ERROR(resolveRawLocked(body.runs, for_write, &r));
+    PDLINK_RETURN_IF_ERROR(resolveRaw(body.runs, for_write, &r));
     r.addrs = {0};
     r.tensors = {0};
     r.runs = body.runs;
@@ -170,33 +206,36 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   auto notFound = [&]() {
     return Status(Code::kKvCacheNotExist, "no cache is published here under " + t.describe());
   };
-  switch (t.kind) {
-    case wire::TargetKind::kRequestKey:
-    case wire::TargetKind::kPrefixKey: {
-      const KeyIndex& ix = t.kind == wire::TargetKind::kRequestKey ? req_index_ : prefix_index_;
-      uint64_t id_field = t.kind == wire::TargetKind::kRequestKey ? t.req_id : t.prefix_id;
-      auto it = ix.find({id_field, t.model_id});
-      if (it == ix.end()) return notFound();
-      entry = caches_.at(it->second.first);
-      slot = it->second.second;
-      break;
+  {  // the indexes, under the lock; the checks below read only the entry, which does not change
+    std::shared_lock<RegistryMutex> lock(mu_);
+    switch (t.kind) {
+      case wire::TargetKind::kRequestKey:
+      case wire::TargetKind::kPrefixKey: {
+        const KeyIndex& ix = t.kind == wire::TargetKind::kRequestKey ? req_index_ : prefix_index_;
+        uint64_t id_field = t.kind == wire::TargetKind::kRequestKey ? t.req_id : t.prefix_id;
+        auto it = ix.find({id_field, t.model_id});
+        if (it == ix.end()) return notFound();
+        entry = caches_.at(it->second.first);
+        slot = it->second.second;
+        break;
+      }
+      case wire::TargetKind::kIdIndex: {
+        auto it = caches_.find(t.cache_id);
+        if (it == caches_.end() || t.batch_index >= it->second->layout.num_slots) return notFound();
+        entry = it->second;
+        slot = t.batch_index;
+        break;
+      }
+      case wire::TargetKind::kBlocks: {
+        auto it = blocks_index_.find(t.model_id);
+        if (it == blocks_index_.end()) return notFound();
+        entry = caches_.at(it->second);
+        slotted = false;
+        break;
+      }
+      case wire::TargetKind::kRaw:
+        break;  // handled above
     }
-    case wire::TargetKind::kIdIndex: {
-      auto it = caches_.find(t.cache_id);
-      if (it == caches_.end() || t.batch_index >= it->second->layout.num_slots) return notFound();
-      entry = it->second;
-      slot = t.batch_index;
-      break;
-    }
-    case wire::TargetKind::kBlocks: {
-      auto it = blocks_index_.find(t.model_id);
-      if (it == blocks_index_.end()) return notFound();
-      entry = caches_.at(it->second);
-      slotted = false;
-      break;
-    }
-    case wire::TargetKind::kRaw:
-      break;  // handled above
   }
   const CacheLayout& L = entry->layout;
   if (for_write && !entry->remote_accessible) {
@@ -224,70 +263,91 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
     }
   }
   Resolved r;
-  r.keep.push_back(entry);
   r.addrs = entry->addrs;
+  r.keep.push_back(std::move(entry));
   r.tensors = body.tensors;
   r.runs = body.runs;
   r.base = slotted ? slot * L.stride() : 0;
   return r;
 }
 
-Status Registry::resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
-  return resolveRawLocked(runs, for_write, out);
-}
-
-Status Registry::resolveRawLocked(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const {
+Status Registry::resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out,
+                            uint64_t max_steps) const {
   Resolved& r = *out;
   r.keep.clear();
   r.run_placements.clear();
-  for (const wire::Run& run : runs) {
-    uint64_t end = 0;
-    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
-      return Status(Code::kParamInvalid, "invalid address range");
+  if (runs.size() > max_steps) return tooManySteps(max_steps);  // every range takes a step at least
+  std::set<const CacheEntry*> kept;  // used only once a request touched kKeepScan caches
+  uint64_t steps = 0;
+  size_t i = 0;
+  while (i < runs.size()) {
+    // One batch: let go between batches, so a writer waits for one batch at most (header).
+    std::shared_lock<RegistryMutex> lock(mu_);
+    const uint64_t batch_end = steps + kResolveBatchSteps;
+    for (; i < runs.size() && steps < batch_end; ++i) {
+      PDLINK_RETURN_IF_ERROR(resolveRawRunLocked(runs[i], for_write, max_steps, &steps, &r, &kept));
     }
-    // The range must lie in registered memory: inside one tensor, or across tensors that follow
-    // each other exactly (hixl counts contiguous registrations as one), at most kMaxRawSpan of
-    // them. Each step takes, among the kRawCandidates tensors that start closest at or below the
-    // current address, the one that reaches farthest (O(log tensors) per step, so the shared lock
-    // is held for a time bounded by the request's runs, never by the registry's size).
-    uint64_t at = run.offset;
-    const size_t first = r.keep.size();
-    for (size_t step = 0; at < end && step < kMaxRawSpan; ++step) {
-      const RawTensor* best = nullptr;
-      auto it = raw_index_.upper_bound(at);
-      for (size_t k = 0; k < kRawCandidates && it != raw_index_.begin(); ++k) {
-        --it;
-        if (it->second.end > at && (best == nullptr || it->second.end > best->end)) best = &it->second;
-      }
-      if (best == nullptr) break;
-      const std::shared_ptr<CacheEntry>& found = caches_.at(best->cache_id);
-      if (for_write && !found->remote_accessible) {
-        return Status(Code::kParamInvalid, "cache " + std::to_string(found->id) + " is not remote accessible");
-      }
-      r.keep.push_back(found);
-      at = best->end;
-    }
-    if (at < end) {
-      return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
-                                             std::to_string(run.length) + ") is not inside registered memory");
-    }
-    // Host and device memory move by different means (a device backend's DEVICE memory only through
-    // its copies and channels): one range is one of them.
-    const Placement placement = r.keep[first]->layout.placement;
-    for (size_t k = first + 1; k < r.keep.size(); ++k) {
-      if (r.keep[k]->layout.placement != placement) {
-        return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
-                                               std::to_string(run.length) + ") spans HOST and DEVICE memory");
-      }
-    }
-    r.run_placements.push_back(placement);
   }
   return Status::OK();
 }
 
+Status Registry::resolveRawRunLocked(const wire::Run& run, bool for_write, uint64_t max_steps, uint64_t* steps,
+                                     Resolved* out, std::set<const CacheEntry*>* kept) const {
+  Resolved& r = *out;
+  uint64_t end = 0;
+  if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
+    return Status(Code::kParamInvalid, "invalid address range");
+  }
+  // The range must lie in registered memory: inside one tensor, or across tensors that follow
+  // each other exactly (hixl counts contiguous registrations as one), at most kMaxRawSpan of
+  // them. Each step takes, among the kRawCandidates tensors that start closest at or below the
+  // current address, the one that reaches farthest (O(log tensors) per step).
+  uint64_t at = run.offset;
+  const CacheEntry* first = nullptr;
+  for (size_t step = 0; at < end && step < limits::kMaxRawSpan; ++step) {
+    const RawTensor* best = nullptr;
+    auto it = raw_index_.upper_bound(at);
+    for (size_t k = 0; k < limits::kRawCandidates && it != raw_index_.begin(); ++k) {
+      --it;
+      if (it->second.end > at && (best == nullptr || it->second.end > best->end)) best = &it->second;
+    }
+    if (best == nullptr) break;
+    if (++*steps > max_steps) return tooManySteps(max_steps);
+    const CacheEntry& found = *best->entry;
+    if (for_write && !found.remote_accessible) {
+      return Status(Code::kParamInvalid, "cache " + std::to_string(found.id) + " is not remote accessible");
+    }
+    // Host and device memory move by different means (a device backend's DEVICE memory only through
+    // its copies and channels): one range is one of them.
+    if (first == nullptr) {
+      first = &found;
+    } else if (found.layout.placement != first->layout.placement) {
+      return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
+                                             std::to_string(run.length) + ") spans HOST and DEVICE memory");
+    }
+    // One reference per distinct cache: the last one added, a scan of the first few, then a set.
+    bool have = !r.keep.empty() && r.keep.back().get() == &found;
+    if (!have && r.keep.size() < kKeepScan) {
+      for (const auto& e : r.keep) have = have || e.get() == &found;
+    } else if (!have) {
+      if (kept->empty()) {
+        for (const auto& e : r.keep) kept->insert(e.get());
+      }
+      have = !kept->insert(&found).second;
+    }
+    if (!have) r.keep.push_back(caches_.at(found.id));
+    at = best->end;
+  }
+  if (at < end) {
+    return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
+                                           std::to_string(run.length) + ") is not inside registered memory");
+  }
+  r.run_placements.push_back(first->layout.placement);
+  return Status::OK();
+}
+
 void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& tensors) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::unique_lock<RegistryMutex> lock(mu_);
   std::pair<int64_t, uint64_t> where;
   if (t.kind == wire::TargetKind::kRequestKey) {
     auto it = req_index_.find({t.req_id, t.model_id});
@@ -314,7 +374,7 @@ void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& te
 }
 
 std::vector<std::pair<uint64_t, uint64_t>> Registry::registeredDeviceTensors() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::shared_lock<RegistryMutex> lock(mu_);
   std::vector<std::pair<uint64_t, uint64_t>> out;
   for (const auto& [id, e] : caches_) {
     if (e->owned || e->layout.placement != Placement::kDevice) continue;
@@ -324,12 +384,12 @@ std::vector<std::pair<uint64_t, uint64_t>> Registry::registeredDeviceTensors() c
 }
 
 size_t Registry::size() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::shared_lock<RegistryMutex> lock(mu_);
   return caches_.size();
 }
 
 Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::shared_lock<RegistryMutex> lock(mu_);
   auto it = blocks_index_.find(model_id);
   if (it == blocks_index_.end()) {
     return Status(Code::kKvCacheNotExist, "no blocks cache is published here under model_id " + std::to_string(model_id));
@@ -344,7 +404,7 @@ Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
 }
 
 Result<wire::RawTable> Registry::describeRaw() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::shared_lock<RegistryMutex> lock(mu_);
   if (raw_index_.size() > limits::kMaxRequestTensors) {
     return Status(Code::kParamInvalid, "too many registered tensors to describe");
   }
@@ -356,7 +416,7 @@ Result<wire::RawTable> Registry::describeRaw() const {
 }
 
 void Registry::clear() {
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::unique_lock<RegistryMutex> lock(mu_);
   bumpLocked();
   caches_.clear();
   raw_index_.clear();

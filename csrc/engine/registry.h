@@ -12,12 +12,28 @@
 // id reference (dropped by deallocate) and every request key (dropped by a successful remote pull by
 // that key, or by removeKey) are gone. Registered caches are user memory and are never freed here.
 //
-// Threading: all methods are thread-safe (one reader-writer lock: resolve, describe and lookups
-// share it, changes take it alone). A resolve holds it for a time bounded by the request's pieces
-// (core/limits.h) times log(tensors), never by the registry's size. Resolve() returns a shared_ptr
-// that keeps the cache's memory alive while a transfer uses it, even if it is deallocated
-// meanwhile.
+// Threading: all methods are thread-safe, under one reader-writer lock (RegistryMutex, below):
+// resolve, describe and lookups share it, changes take it alone. What a peer's request may make a
+// reader hold it for is bounded twice over, so that register(), deallocate() and every other
+// change get in promptly however peers hammer the registry:
+//   - per hold: a resolve takes the lock only for what needs the indexes, and for a raw-address
+//     request (kRaw) in batches of at most kResolveBatchSteps index steps (plus one range's), letting
+//     go between batches. Each range is resolved whole within one hold; what a batch resolved stays
+//     valid after the lock is let go because the result holds a reference to every cache it touched
+//     (a cache changes nothing of its layout once added; its memory stays while referenced);
+//   - per request: every step counts against limits::kMaxRequestSpanSteps, and a request past it is
+//     refused as soon as its count passes;
+//   - writers first: a writer waiting for the lock is let in before readers that come after it (a
+//     plain std::shared_mutex, glibc's default rwlock, lets new readers overtake a waiting writer
+//     for as long as readers overlap: several links resolving back to back starved register() for
+//     seconds), so a writer waits for the holds already under way, one batch each, and no more.
+// A resolve's result holds one reference per distinct cache it touched, never one per range or
+// step: its memory is bounded by the request's ranges (a placement each) and the registry's caches.
+// Resolve() returns shared_ptrs that keep the caches' memory alive while a transfer uses it, even if
+// they are deallocated meanwhile.
 #pragma once
+
+#include <pthread.h>
 
 #include <atomic>
 #include <cstdint>
@@ -26,11 +42,11 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <shared_mutex>
 #include <utility>
 #include <vector>
 
 #include "backends/backend.h"
+#include "core/limits.h"
 #include "core/status.h"
 #include "engine/mem_pool.h"
 #include "transport/wire.h"
@@ -74,10 +90,29 @@ struct CacheEntry {
   ~CacheEntry();
 };
 
+// The registry's reader-writer lock: a pthread rwlock that prefers writers (glibc's
+// PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP; elsewhere the platform's default kind). Usable with
+// std::shared_lock and std::unique_lock. Not recursive: a thread holding it shared must not take it
+// again (no Registry method does).
+class RegistryMutex {
+ public:
+  RegistryMutex();
+  ~RegistryMutex();
+  RegistryMutex(const RegistryMutex&) = delete;
+  RegistryMutex& operator=(const RegistryMutex&) = delete;
+  void lock();
+  void unlock();
+  void lock_shared();
+  void unlock_shared();
+
+ private:
+  pthread_rwlock_t rw_;
+};
+
 // What a peer's request addresses, checked: for each tensor t in `tensors` and run r in `runs`,
 // the bytes [addrs[t] + base + r.offset, + r.length). `keep` holds the caches alive meanwhile.
 struct Resolved {
-  std::vector<std::shared_ptr<CacheEntry>> keep;
+  std::vector<std::shared_ptr<CacheEntry>> keep;  // each distinct cache once
   std::vector<uint64_t> addrs;
   std::vector<uint32_t> tensors;
   std::vector<wire::Run> runs;
@@ -104,13 +139,16 @@ class Registry {
   // Serving side: find what a peer addresses and check its runs, tensors and (for writes)
   // remote accessibility. kKvCacheNotExist when the target is absent, kParamInvalid otherwise.
   // A kRaw run (an absolute address range; also how Engine checks local_absolute runs) must lie
-  // inside one registered tensor or across up to kMaxRawSpan tensors that follow each other exactly,
-  // all of one placement.
+  // inside one registered tensor or across up to limits::kMaxRawSpan tensors that follow each other
+  // exactly, all of one placement; all the runs of one request together take at most
+  // limits::kMaxRequestSpanSteps steps (one per tensor a run lies in), else kParamInvalid.
   Result<Resolved> resolve(const wire::TransferBody& body, bool for_write) const;
   // The check of resolve() for kRaw runs alone, into out->keep and out->run_placements (replaced,
   // their capacity reused; nothing else of *out is touched): how the engine checks its own
-  // descriptor lists, once per transfer, without allocating.
-  Status resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const;
+  // descriptor lists, once per transfer, without allocating. `max_steps` bounds the steps of all
+  // the runs together (the engine's own lists, which it splits into requests afterwards, pass more).
+  Status resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out,
+                    uint64_t max_steps = limits::kMaxRequestSpanSteps) const;
   // Serving side: a peer finished reading `tensors` through `target`; releases the request key of a
   // pool-allocated cache once every tensor has been read.
   void commitRead(const wire::Target& target, const std::vector<uint32_t>& tensors);
@@ -145,23 +183,29 @@ class Registry {
   };
   using KeyIndex = std::map<std::pair<uint64_t, uint64_t>, std::pair<int64_t, uint64_t>>;
 
-  Status resolveRawLocked(const std::vector<wire::Run>& runs, bool for_write, Resolved* out) const;
+  // One run of a raw resolution, under the shared lock: its steps counted into *steps (at most
+  // max_steps in all), each cache it touches added to out->keep once (`kept`: their entries, for
+  // requests that touch many), its placement appended to out->run_placements.
+  Status resolveRawRunLocked(const wire::Run& run, bool for_write, uint64_t max_steps, uint64_t* steps,
+                             Resolved* out, std::set<const CacheEntry*>* kept) const;
   void eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::iterator it);
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);
 
   void bumpLocked() { published_.generation.fetch_add(1, std::memory_order_release); }
 
-  // For a raw-address access, of overlapping registrations the ones that start closest below the
-  // address are considered, this many.
-  static constexpr size_t kRawCandidates = 16;
-  static constexpr size_t kMaxRawSpan = 64;  // registered tensors one raw range may run across
+  // A raw resolution lets go of the shared lock between batches of about this many steps (each
+  // run whole in one hold, so a hold is at most this plus limits::kMaxRawSpan steps): a few
+  // hundred microseconds, what a writer waits for at most behind one reader.
+  static constexpr uint64_t kResolveBatchSteps = 4096;
+  // A request that touches more distinct caches than this tracks them in a set (fewer: a scan).
+  static constexpr size_t kKeepScan = 16;
   struct RawTensor {
     uint64_t end;
-    int64_t cache_id;
+    const CacheEntry* entry;  // valid while indexed: an entry leaves raw_index_ before caches_
   };
 
-  mutable std::shared_mutex mu_;
+  mutable RegistryMutex mu_;
   alignas(16) Published published_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> caches_;

@@ -51,7 +51,8 @@ enum Mode : uint8_t {
   kModeIpcAnswer = 11,   // u8 tensors, u8 runs, runs (2 x u16), then an IpcAnswer: the requester's check
   kModeNotify = 12,      // NotifyBody (the serving side reads it)
   kModeRawTable = 13,    // RawTable (a kDescribe answer of a kRaw target)
-  kModeCount = 14,
+  kModeUcxAddress = 14,  // u8 UCX release selector, then a UCX worker address (ucx::checkWorkerAddress)
+  kModeCount = 15,
 };
 
 // kModeServe: the first byte's bit 0 says whether the link is same-host (proven); then steps, each

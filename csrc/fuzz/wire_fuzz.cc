@@ -18,7 +18,12 @@
 //    addresses registered memory by address anyway, docs/security.md), and never changes a cache
 //    that is not remote accessible;
 //  * notifications a peer queues stay within the engine's limit;
-//  * an IPC answer the requester accepts leads only to copies inside the spans the server exported.
+//  * an IPC answer the requester accepts leads only to copies inside the spans the server exported;
+//  * a UCX worker address that ucx::checkWorkerAddress accepts is one UCX's own reader
+//    (ucx_address_model.h, ucp_address_unpack transliterated, no bounds checks) walks to exactly its
+//    last byte, never past it (AddressSanitizer guards the buffer's end), reading the same entries,
+//    with no endpoint addresses, at most 128 entries, md indexes under 64, and every entry of a
+//    transport this side has carrying the device and interface addresses its transport reads.
 // A violation prints what was wrong and aborts, so libFuzzer keeps the input.
 //
 // Build: cmake -DPDLINK_BUILD_FUZZ=ON with clang (see .ci/fuzz.sh).
@@ -37,6 +42,8 @@
 #include "transport/device/ipc_path.h"
 #include "fuzz/fuzz_fixture.h"
 #include "fuzz/memory_stream.h"
+#include "fuzz/ucx_address_model.h"
+#include "transport/ucx/ucx_worker.h"
 
 namespace pdlink::fuzz {
 namespace {
@@ -413,6 +420,51 @@ void fuzzServe(const uint8_t* p, size_t n) {
   run();
 }
 
+// The transports of "this side" for the address check: tcp (UCX's checksum of "tcp") with a device
+// and an interface address, and one with neither (as sysv is).
+const ucx::WorkerAddressLayout& fuzzOwnLayout() {
+  static const ucx::WorkerAddressLayout own = [] {
+    ucx::WorkerAddressLayout l;
+    l.entries.push_back({0x19cf, 0, 6, 2});
+    l.entries.push_back({0x8b47, 4, 0, 0});
+    return l;
+  }();
+  return own;
+}
+
+void fuzzUcxAddress(const uint8_t* p, size_t n) {
+  if (n == 0) return;
+  const unsigned minor = ucx::kAddressMinorFirst + p[0] % (ucx::kAddressMinorLast - ucx::kAddressMinorFirst + 1);
+  ++p, --n;
+  // Exactly the address's bytes on the heap: a read past its end is AddressSanitizer's to report.
+  std::unique_ptr<uint8_t[]> buf(new uint8_t[n ? n : 1]);
+  std::memcpy(buf.get(), p, n);
+  Result<ucx::WorkerAddressLayout> parsed = ucx::parseWorkerAddress(buf.get(), n, minor);
+  const Status checked = ucx::checkWorkerAddress(buf.get(), n, minor, fuzzOwnLayout());
+  if (!parsed.ok()) {
+    FUZZ_CHECK(parsed.status().code() == Code::kParamInvalid && !checked.ok());
+    return;
+  }
+  const ucx::WorkerAddressLayout& L = parsed.value();
+  ModelResult m;
+  FUZZ_CHECK(unpackLikeUcx(buf.get(), minor, &m));  // UCX neither aborts nor refuses it
+  FUZZ_CHECK(!m.empty_list && m.end == buf.get() + n);  // UCX reads exactly its bytes
+  FUZZ_CHECK(m.addr_version == L.version && m.entries.size() == L.entries.size() && !L.entries.empty() &&
+             L.entries.size() <= 128);
+  for (size_t i = 0; i < m.entries.size(); ++i) {
+    const ModelEntry& e = m.entries[i];
+    const ucx::AddressEntry& a = L.entries[i];
+    FUZZ_CHECK(e.tl_name_csum == a.tl_name_csum && e.md_index == a.md_index && e.dev_addr_len == a.dev_addr_len &&
+               e.iface_addr_len == a.iface_addr_len);
+    FUZZ_CHECK(e.num_ep_addrs == 0 && e.md_index < 64);
+    if (!checked.ok()) continue;
+    for (const ucx::AddressEntry& mine : fuzzOwnLayout().entries) {
+      if (mine.tl_name_csum != e.tl_name_csum) continue;
+      FUZZ_CHECK(!(mine.dev_addr_len > 0 && e.dev_addr_null) && !(mine.iface_addr_len > 0 && e.iface_addr_null));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace pdlink::fuzz
 
@@ -436,6 +488,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case kModeIpcAnswer: fuzzIpcAnswer(p, n); break;
     case kModeNotify: fuzzNotify(p, n); break;
     case kModeRawTable: fuzzRawTable(p, n); break;
+    case kModeUcxAddress: fuzzUcxAddress(p, n); break;
   }
   return 0;
 }

@@ -18,8 +18,15 @@
 //     probe with RMA enabled writes through a remote key of another RMA-enabled context to memory
 //     outside every mapped range, and it lands; the same write aimed at worker B lands nowhere
 //     (B drops the emulated put) and fails by its deadline;
-//   - why the ucx transport needs ucx_trusted_network: in a child process, endpoints to worker
-//     addresses of random bytes (what a hostile peer could send): UCX aborts the process;
+//   - why the ucx transport needs ucx_trusted_network: in a child process, UCX's own ucp_ep_create
+//     on worker addresses of random bytes (what a hostile peer could send): UCX aborts the process;
+//   - and why pdlink checks every address first (checkWorkerAddress): this UCX's own addresses
+//     pass (v1, v2 and with debug info); one byte short, one byte more, another version, an empty one are refused, and so are
+//     every random address (the child lives) and built ones UCX would misread (a transport this side
+//     has without its device or interface address, md index 64, 0 paths, a bandwidth that is not a
+//     number, endpoint addresses, 129 transports, no devices, a v2 active-message segment of 64
+//     bytes); of 600 mutants of a real address, UCX takes the ones the check lets through without
+//     dying (a child process), per scope;
 //   - B's worker destroyed: A's next send returns by its deadline; on a network worker's endpoint
 //     (which asks UCX to report a peer's death) it fails, kLinkFailed or kTimeout;
 //   - with shared memory alone (UCX_TLS=sm): a network worker cannot be made; the any-transport
@@ -31,9 +38,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -367,33 +376,214 @@ void testMoves(const UcpApi* api, Scope scope) {
   }
 }
 
-// In a child process, endpoints to worker addresses of random bytes of several lengths; whether
-// the child died by a signal (UCX aborting on an address it cannot parse).
-bool garbageAddressKillsTheProcess() {
+// Worker addresses of random bytes, `rounds` of each of several lengths (xorshift from `seed`).
+std::vector<std::string> randomAddresses(uint64_t seed, int rounds) {
+  std::vector<std::string> out;
+  uint64_t x = seed;
+  for (size_t length : {1, 2, 8, 16, 64, 77, 100, 184, 213, 1000, 4096}) {
+    for (int round = 0; round < rounds; ++round) {
+      std::string address(length, '\0');
+      for (char& c : address) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        c = static_cast<char>(x);
+      }
+      out.push_back(address);
+    }
+  }
+  return out;
+}
+
+// Runs `body` in a child process (60 s at most); how it ended, and whether by a signal.
+bool inChild(const std::function<int()>& body, std::string* how) {
   pid_t child = ::fork();
   if (child == 0) {
-    ::alarm(60);  // a child that neither dies nor finishes is not left behind
-    Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(Scope::kNetwork);
-    if (!w.ok()) ::_exit(2);
-    uint64_t x = 88172645463325252ull;
-    for (size_t length : {1, 2, 8, 16, 64, 77, 100, 184, 213, 1000, 4096}) {
-      for (int round = 0; round < 8; ++round) {
-        std::string address(length, '\0');
-        for (char& c : address) {
-          x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-          c = static_cast<char>(x);
-        }
-        (void)w.value()->connect(address);  // an endpoint made anyway is closed by force
-      }
-    }
-    ::_exit(0);
+    ::alarm(120);  // a child that neither dies nor finishes is not left behind
+    ::_exit(body());
   }
   int status = 0;
   ::waitpid(child, &status, 0);
-  std::printf("  endpoints to random worker addresses: %s\n",
-              WIFSIGNALED(status) ? ("the process died by signal " + std::to_string(WTERMSIG(status))).c_str()
-                                  : ("the process exited " + std::to_string(WEXITSTATUS(status))).c_str());
+  *how = WIFSIGNALED(status) ? "the process died by signal " + std::to_string(WTERMSIG(status))
+                             : "the process exited " + std::to_string(WEXITSTATUS(status));
   return WIFSIGNALED(status);
+}
+
+// In a child process, UCX's own ucp_ep_create (no pdlink check) on worker addresses of random bytes
+// of several lengths; whether the child died by a signal (UCX aborting on an address it cannot parse).
+bool garbageAddressKillsTheProcess(const UcpApi* api) {
+  std::string how;
+  bool died = inChild(
+      [api] {
+        RmaContext raw(api);  // a bare UCP worker: what UCX does with the bytes by itself
+        if (!raw.ok()) return 2;
+        for (const std::string& address : randomAddresses(88172645463325252ull, 8)) {
+          EpParams params;
+          params.field_mask = kEpParamFieldRemoteAddress;
+          params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+          ucp_ep_h ep = nullptr;
+          (void)api->ucp_ep_create(raw.worker, &params, &ep);  // an endpoint made anyway is left to the exit
+        }
+        return 0;
+      },
+      &how);
+  std::printf("  UCX's ucp_ep_create on random worker addresses: %s\n", how.c_str());
+  return died;
+}
+
+// A worker address of UCX's v1 layout (ucx_worker.h), for the refusals UCX would not make itself.
+struct AddressBuilder {
+  std::string out;
+  AddressBuilder() { out = std::string("\x20", 1) + std::string(8, '\x42'); }  // v1, uuid flag; the uuid
+  // A device with `entries` transports of checksum `csum` (each with a 2-byte interface address).
+  AddressBuilder& device(uint8_t md, uint8_t dev_len_byte, const std::string& dev_addr, uint16_t csum, int entries,
+                         float bandwidth = 1e9f, uint8_t iface_len = 2) {
+    out += static_cast<char>(md);
+    out += static_cast<char>(dev_len_byte);
+    if (dev_len_byte & 0x40) out += '\x01';  // one path
+    out += dev_addr;
+    for (int i = 0; i < entries; ++i) {
+      out += static_cast<char>(csum & 0xff);
+      out += static_cast<char>(csum >> 8);
+      char attr[16] = {};
+      std::memcpy(attr + 4, &bandwidth, 4);
+      out.append(attr, 16);
+      out += static_cast<char>((i + 1 == entries ? 0x80 : 0) | iface_len);
+      out.append(iface_len, '\x07');
+    }
+    return *this;
+  }
+  std::string end(uint8_t release = 6) { return out + static_cast<char>(0x80 | release) + '\x80'; }
+};
+
+// checkWorkerAddress (ucx_worker.h): this UCX's own addresses pass in every form UCX makes; what
+// UCX would misread is refused; UcxWorker::connect refuses random bytes (the process lives), and
+// among mutants of a real address, those it accepts UCX takes without dying.
+void testAddressCheck(const UcpApi* api) {
+  // Mutants that name an unroutable IP take UCX's connect about 3 s each: a few hundred suffice.
+  constexpr int kMutants = 600;
+  const unsigned minor = api->minor;
+  for (Scope scope : {Scope::kNetwork, Scope::kAny}) {
+    Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(scope);
+    if (!w.ok()) continue;  // UCX_TLS=sm: no network worker (testMoves checks why)
+    const std::string name = scope == Scope::kNetwork ? "network" : "any-transport";
+    const std::string& a = w.value()->address();
+    Result<WorkerAddressLayout> own = parseWorkerAddress(reinterpret_cast<const uint8_t*>(a.data()), a.size(), minor);
+    check(own.ok() && !own.value().entries.empty(), name + ": this UCX's own address parses: " +
+                                                         (own.ok() ? "" : own.status().message()));
+    if (!own.ok()) continue;
+    std::printf("  %s worker address: %zu bytes, v%u, %zu devices, %zu transports\n", name.c_str(), a.size(),
+                own.value().version + 1, own.value().devices, own.value().entries.size());
+    check(w.value()->lanesToSelf().ok(), name + ": an endpoint to its own (checked) address");
+    auto refused = [&](const std::string& bad, const std::string& what) {
+      Status st = checkWorkerAddress(reinterpret_cast<const uint8_t*>(bad.data()), bad.size(), minor, own.value());
+      checkCode(st, Code::kParamInvalid, name + ": " + what);
+      checkCode(w.value()->connect(bad).status(), Code::kParamInvalid, name + ": connect refuses " + what);
+    };
+    refused(a.substr(0, a.size() - 1), "the address one byte short");
+    refused(a + '\0', "the address and one byte more");
+    refused(std::string(1, static_cast<char>((a[0] & 0xf0) | 2)) + a.substr(1), "address version 3");
+    refused("", "an empty address");
+    // Mutants of the real address: whatever the check lets through, UCX survives (in a child).
+    // Workers are made in the child: UCX's threads do not cross fork().
+    std::string how;
+    bool died = inChild(
+        [&] {
+          Result<std::unique_ptr<UcxWorker>> fresh = UcxWorker::open(scope);
+          if (!fresh.ok()) return 2;
+          uint64_t x = 0x9E3779B97F4A7C15ull;
+          auto next = [&x] { return x ^= x << 13, x ^= x >> 7, x ^= x << 17; };
+          int ok = 0;
+          for (int i = 0; i < kMutants; ++i) {
+            std::string m = a;
+            for (int k = 1 + next() % 3; k > 0; --k) {
+              size_t at = next() % m.size();
+              switch (next() % 5) {
+                case 0: m[at] = static_cast<char>(next()); break;
+                case 1: m[at] ^= static_cast<char>(1u << (next() % 8)); break;
+                case 2: m.resize(at + 1); break;
+                case 3: m.insert(m.begin() + at, static_cast<char>(next())); break;
+                default: if (m.size() > 1) m.erase(m.begin() + at); break;
+              }
+            }
+            Result<std::unique_ptr<UcxEndpoint>> ep = fresh.value()->connect(m);
+            ok += ep.ok() || ep.status().code() != Code::kParamInvalid;  // UCX took it (and may have failed)
+          }
+          std::printf("  %s: of %d mutants of its address, UCX was handed %d\n", name.c_str(), kMutants, ok);
+          std::fflush(stdout);
+          return 0;
+        },
+        &how);
+    check(!died, name + ": UCX on the mutants the check let through: " + how);
+    died = inChild(
+        [&] {
+          Result<std::unique_ptr<UcxWorker>> fresh = UcxWorker::open(scope);
+          if (!fresh.ok()) return 2;
+          for (const std::string& r : randomAddresses(88172645463325252ull, 8)) {
+            if (fresh.value()->connect(r).status().code() != Code::kParamInvalid) return 3;
+          }
+          return 0;
+        },
+        &how);
+    check(!died && how == "the process exited 0", name + ": connect refuses every random address: " + how);
+  }
+  // The other forms UCX makes of an address (read from the environment when a worker is made):
+  // v2, and debug info (the worker's name); each this side's check reads, and connects to.
+  for (const char* setting : {"UCX_ADDRESS_VERSION=v2", "UCX_ADDRESS_DEBUG_INFO=y"}) {
+    const std::string kv = setting;
+    const std::string name = kv.substr(0, kv.find('='));
+    ::setenv(name.c_str(), kv.substr(kv.find('=') + 1).c_str(), 1);
+    for (Scope scope : {Scope::kNetwork, Scope::kAny}) {
+      Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(scope);
+      if (!w.ok() && w.status().code() == Code::kFeatureNotEnabled &&
+          w.status().message().find("worker address") == std::string::npos) {
+        continue;  // no network worker under this UCX_TLS
+      }
+      check(w.ok() && w.value()->lanesToSelf().ok(), kv + ": a worker opens and connects to its own address: " +
+                                                         (w.ok() ? "" : w.status().message()));
+    }
+    ::unsetenv(name.c_str());
+  }
+  // Refusals of the layout itself (pure; the tcp checksum as a transport this side has).
+  Result<std::unique_ptr<UcxWorker>> w = UcxWorker::open(Scope::kNetwork);
+  if (!w.ok()) return;
+  const WorkerAddressLayout& own = w.value()->ownLayout();
+  const uint16_t csum = own.entries.front().tl_name_csum;
+  auto verdict = [&](const std::string& a) {
+    return checkWorkerAddress(reinterpret_cast<const uint8_t*>(a.data()), a.size(), minor, own);
+  };
+  const std::string dev6("\x00\x02\x7f\x00\x00\x01", 6);
+  checkCode(verdict(AddressBuilder().device(0, 6, dev6, csum, 1).end()), Code::kSuccess, "address: a built one passes");
+  checkCode(verdict(AddressBuilder().device(0, 0x46, dev6, csum, 1).end()), Code::kSuccess, "address: with a paths byte");
+  checkCode(verdict(AddressBuilder().device(0, 0, "", csum, 1).end()), Code::kParamInvalid,
+            "address: a transport this side has, without its device address");
+  checkCode(verdict(AddressBuilder().device(0, 6, dev6, csum, 1, 1e9f, 0).end()), Code::kParamInvalid,
+            "address: a transport this side has, without its interface address");
+  checkCode(verdict(AddressBuilder().device(0, 0, "", 0x1234, 1).end()), Code::kSuccess,
+            "address: a transport this side lacks, as it is (UCX never matches it)");
+  checkCode(verdict(AddressBuilder().device(0x40, 6, dev6, csum, 1).end()), Code::kParamInvalid,
+            "address: md index 64");
+  check(verdict(AddressBuilder().device(0x40, 6, dev6, csum, 1).end(2)).ok() == (minor >= 19),
+        "address: bits 5-6 of a 1.18 sender's md index are cleared by UCX 1.19 on");
+  std::string zero_paths = AddressBuilder().device(0, 0x46, dev6, csum, 1).end();
+  zero_paths[11] = '\0';
+  checkCode(verdict(zero_paths), Code::kParamInvalid, "address: 0 paths");
+  checkCode(verdict(AddressBuilder().device(0, 6, dev6, csum, 1, std::nanf("")).end()), Code::kParamInvalid,
+            "address: a bandwidth that is not a number");
+  checkCode(verdict(AddressBuilder().device(0, 6, dev6, csum, 1, 0.0f).end()), Code::kParamInvalid,
+            "address: a zero bandwidth");
+  std::string ep_addr = AddressBuilder().device(0, 6, dev6, csum, 1).end();
+  ep_addr[9 + 2 + 6 + 2 + 16] |= 0x40;
+  checkCode(verdict(ep_addr), Code::kParamInvalid, "address: endpoint addresses");
+  AddressBuilder many;
+  for (int d = 0; d < 3; ++d) many.device(0, 6, dev6, 0x1234, 43);
+  checkCode(verdict(many.end()), Code::kParamInvalid, "address: 129 transports");
+  checkCode(verdict(std::string("\x20", 1) + std::string(8, 'u') + "\xff"), Code::kParamInvalid, "address: no devices");
+  std::string v2 = std::string("\x61\x02", 2) + std::string(8, 'u') + std::string("\x00\x86", 2) + dev6 +
+                   std::string("\xcf\x19\x0c\x01\x5a\x00\x01\x00\x02\x00\x82\x07\x07", 13);
+  checkCode(verdict(v2), Code::kParamInvalid, "address: a v2 active-message transport of a 64-byte segment");
+  v2[2 + 8 + 2 + 6 + 2 + 4] = '\x80';  // 8 KiB
+  checkCode(verdict(v2), Code::kSuccess, "address: the same of an 8 KiB segment");
+  checkCode(parseWorkerAddress(reinterpret_cast<const uint8_t*>(v2.data()), v2.size(), kAddressMinorLast + 1).status(),
+            Code::kFeatureNotEnabled, "address: a UCX release whose layout is not known");
 }
 
 }  // namespace
@@ -413,10 +603,9 @@ int main() {
     std::printf("ucx_test: %s (UCX %s)\n", api.value()->library.c_str(), api.value()->version.c_str());
     testMoves(api.value(), Scope::kNetwork);
     testMoves(api.value(), Scope::kAny);
-    if (transportsFor(Scope::kNetwork, std::getenv("UCX_TLS")).ok()) {
-      check(garbageAddressKillsTheProcess(),
-            "UCX survived worker addresses of random bytes: docs/ucx.md's trust section can be revisited");
-    }
+    check(garbageAddressKillsTheProcess(api.value()),
+          "UCX survived worker addresses of random bytes: docs/ucx.md's trust section can be revisited");
+    testAddressCheck(api.value());
   }
   if (testing::failures) {
     std::printf("ucx_test: %d checks failed\n", testing::failures);

@@ -7,18 +7,26 @@
 //     only alone, and a ucx hello's token and address, at and one past the address limit);
 //   - the registry (engine/registry.h): ids, key binding that changes nothing when refused,
 //     resolve of every target kind against its bounds with the exact code, the write check, raw
-//     addresses inside one tensor only, describe and its generation, unregister, and the reference
-//     counting that returns a pool-allocated cache's memory once its id and keys are gone;
+//     addresses inside one tensor or across up to 64 that follow each other, one reference per
+//     distinct cache however many ranges name it, a request's steps bounded by
+//     max_request_span_steps (exactly the bound passes, one more is refused), an add() let in
+//     promptly while two threads resolve the largest such requests back to back, describe and its
+//     generation, unregister, and the reference counting that returns a pool-allocated cache's
+//     memory once its id and keys are gone;
 //   - the memory pool (engine/mem_pool.h): page-aligned, disjoint allocations, kOutOfMemory at the
 //     end and for sizes past the pool (none wraps around), release that merges neighbours.
 //
 // Usage: unit_test. Exit status 0 when every check passed, 1 otherwise (the failures are printed).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backends/backend.h"
@@ -312,6 +320,87 @@ wire::TransferBody blocksBody(uint64_t model, std::vector<uint32_t> tensors, std
   return b;
 }
 
+// Raw ranges across many registrations (the hostile review's amplification: one range across 64
+// contiguous caches, repeated in one request): one reference per distinct cache, the request's steps
+// bounded by limits::kMaxRequestSpanSteps, and a writer let in while readers resolve such requests.
+void rawSpanCases() {
+  constexpr size_t kCaches = 64;
+  const uint64_t tensor = kSlots * kStride;
+  std::vector<uint8_t> mem(kCaches * tensor);
+  const uint64_t base = reinterpret_cast<uint64_t>(mem.data());
+  Registry reg;
+  for (size_t i = 0; i < kCaches; ++i) {
+    CacheEntry e;
+    e.layout = CacheLayout{1, tensor, kSlots, false, Placement::kHost};
+    e.addrs = {base + i * tensor};
+    check(reg.add(std::move(e), {}).ok(), "raw spans: a cache that follows the last");
+  }
+  wire::TransferBody span;
+  span.target.kind = wire::TargetKind::kRaw;
+  span.tensors = {0};
+  span.runs.assign(1000, wire::Run{base, kCaches * tensor});
+  auto r = reg.resolve(span, false);
+  check(r.ok() && r.value().keep.size() == kCaches && r.value().run_placements.size() == 1000,
+        "raw spans: 1000 ranges across 64 caches keep 64 references, not 64,000");
+  std::set<const CacheEntry*> distinct;
+  for (const auto& e : r.ok() ? r.value().keep : std::vector<std::shared_ptr<CacheEntry>>{}) distinct.insert(e.get());
+  check(distinct.size() == kCaches, "raw spans: each cache kept once");
+  // Steps: exactly the bound passes, one more is refused, with the limit named.
+  const uint64_t per_run = kCaches, max_runs = limits::kMaxRequestSpanSteps / per_run;
+  span.runs.assign(max_runs, wire::Run{base, kCaches * tensor});
+  r = reg.resolve(span, false);
+  check(r.ok() && r.value().keep.size() == kCaches, "raw spans: a request of exactly max_request_span_steps steps");
+  span.runs.push_back(wire::Run{base, 1});
+  r = reg.resolve(span, false);
+  checkCode(r.status(), Code::kParamInvalid, "raw spans: one step past max_request_span_steps");
+  check(r.status().message().find("max_request_span_steps") != std::string::npos,
+        "raw spans: the refusal names the limit: " + r.status().message());
+  span.runs.assign(limits::kMaxRequestSpanSteps + 1, wire::Run{base, 1});
+  checkCode(reg.resolve(span, false).status(), Code::kParamInvalid,
+            "raw spans: more ranges than max_request_span_steps, refused before any is resolved");
+  // The engine's own lists (planAbsolute) take the bound they pass.
+  Resolved own;
+  span.runs.assign(max_runs + 1, wire::Run{base, kCaches * tensor});
+  check(reg.resolveRaw(span.runs, false, &own, UINT64_MAX).ok() && own.keep.size() == kCaches,
+        "raw spans: a local list past the per-request bound, with no bound");
+  // Writers first: while two threads resolve the largest such requests back to back, each add()
+  // gets the lock within a batch or two, not after whole requests.
+  span.runs.assign(max_runs, wire::Run{base, kCaches * tensor});
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> resolved{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 2; ++t) {
+    readers.emplace_back([&] {
+      while (!stop.load()) {
+        if (reg.resolve(span, false).ok()) resolved.fetch_add(1);
+      }
+    });
+  }
+  while (resolved.load() < 2) std::this_thread::yield();
+  std::vector<uint8_t> extra(tensor);
+  double worst_ms = 0;
+  const auto t_request = std::chrono::steady_clock::now();
+  (void)reg.resolve(span, false);
+  const double request_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_request).count();
+  for (int i = 0; i < 20; ++i) {
+    CacheEntry e;
+    e.layout = CacheLayout{1, tensor, kSlots, false, Placement::kHost};
+    e.addrs = {reinterpret_cast<uint64_t>(extra.data())};
+    const auto t0 = std::chrono::steady_clock::now();
+    auto added = reg.add(std::move(e), {});
+    worst_ms = std::max(worst_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    check(added.ok() && reg.unregister(added.value()->id).ok(), "raw spans: add and unregister while readers resolve");
+  }
+  stop.store(true);
+  for (auto& t : readers) t.join();
+  std::printf("  raw spans: one request of %llu steps resolves in %.1f ms; an add waited %.2f ms at worst\n",
+              static_cast<unsigned long long>(limits::kMaxRequestSpanSteps), request_ms, worst_ms);
+  check(worst_ms < std::max(50.0, request_ms / 4),
+        "raw spans: an add waited " + std::to_string(worst_ms) + " ms behind readers (a request takes " +
+            std::to_string(request_ms) + " ms)");
+}
+
 void registryCases() {
   Registry reg;
   std::vector<uint8_t> m1, m2, m3, m4;
@@ -399,11 +488,12 @@ void registryCases() {
   // out so): allowed; from the last one on into unregistered memory: refused
   raw.runs = {{b.value()->addrs[0] + kSlots * kStride - 4, 8}};
   r = reg.resolve(raw, false);
-  check(r.ok() && r.value().keep.size() == 2, "registry: a raw range across two tensors that follow each other");
+  check(r.ok() && r.value().keep.size() == 1 && r.value().keep[0]->id == 2,
+        "registry: a raw range across two tensors that follow each other (one cache, one reference)");
   raw.runs = {{t1 + kSlots * kStride - 4, 8}};
   checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid,
             "registry: a raw range from a tensor into unregistered memory");
-  {  // a range across at most Registry::kMaxRawSpan (64) tensors that follow each other
+  {  // a range across at most limits::kMaxRawSpan (64) tensors that follow each other
     Registry wide;
     std::vector<uint8_t> mw;
     check(wide.add(userCache(&mw, 65, false, std::nullopt), {}).ok(), "registry: a cache of 65 tensors");
@@ -411,10 +501,11 @@ void registryCases() {
     wire::TransferBody span = raw;
     span.runs = {{base, 64 * tensor}};
     r = wide.resolve(span, false);
-    check(r.ok() && r.value().keep.size() == 64, "registry: a raw range across 64 tensors");
+    check(r.ok() && r.value().keep.size() == 1, "registry: a raw range across 64 tensors of one cache");
     span.runs = {{base, 64 * tensor + 1}};
     checkCode(wide.resolve(span, false).status(), Code::kParamInvalid, "registry: a raw range across 65 tensors");
   }
+  rawSpanCases();
   {  // each raw range resolves to one placement: HOST and DEVICE registrations that follow each other
     Registry mixed;
     std::vector<uint8_t> mem(2 * kSlots * kStride);

@@ -17,6 +17,7 @@ import pytest
 
 import internals
 import rawwire
+import ucx_addresses
 from backend_env import Variant
 from conftest import Pair, only
 from pdlink import BlocksCacheKey, LLMStatusCode, Placement
@@ -197,6 +198,24 @@ def test_a_malformed_ucx_connect_drops_only_that_link(peers: Callable[..., Peer]
     the victim drops that link and keeps serving its honest decoder."""
     a = attacker_links(peers, victim)
     assert a.call(hostile.exchange, MALFORMED_UCX_CONNECT[frame]()) == "closed"
+    victim.pulled([3])
+    a.call(hostile.close)
+    victim.pulled([4])
+
+
+@only("cpu-ucx")
+@pytest.mark.parametrize("address", sorted(ucx_addresses.MISREAD))
+def test_a_worker_address_ucx_would_misread_is_refused_and_the_link_kept(peers: Callable[..., Peer], victim: Pair,
+                                                                          address: str) -> None:
+    """A well-formed ucx connect request whose worker address UCX cannot parse (its version, its
+    lengths, a transport's missing address): answered LLM_PARAM_INVALID, nothing handed to UCX, the
+    link kept; the honest decoder's pulls over ucx stay byte-exact."""
+    a = attacker_links(peers, victim)
+    victim.pulled([2])
+    answer = a.call(hostile.exchange, ucx_hello(0, ucx_addresses.MISREAD[address]))
+    assert isinstance(answer, tuple) and answer[0] == S.LLM_PARAM_INVALID and answer[2] == b"", answer
+    assert answer[1].startswith("ucx: the peer's worker address was refused: malformed ucx worker address"), answer
+    assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"")) == (0, "", b"")
     victim.pulled([3])
     a.call(hostile.close)
     victim.pulled([4])

@@ -11,29 +11,32 @@
 namespace pdlink {
 
 namespace {
-// The server's bounds on a raw range (Registry::resolve): among the ranges that start closest at or
-// below an address, this many are considered; a range may run across this many registrations.
-constexpr size_t kRawCandidates = 16;
-constexpr size_t kMaxRawSpan = 64;
-
-// Whether `run` lies in the table's memory as the server would find it: inside one range, or
-// across ranges that follow each other exactly.
-bool inRawTable(const wire::RawTable& table, const wire::Run& run) {
-  uint64_t end = 0;
-  if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) return false;
+// Whether every run lies in the table's memory as the server would find it (Registry::resolve,
+// with the same bounds, core/limits.h): inside one range, or across ranges that follow each other
+// exactly, at most limits::kMaxRawSpan of them per run and limits::kMaxRequestSpanSteps for all the
+// runs together. A request the server would refuse is not read directly either: it goes the
+// checked way, which reports the server's own error.
+bool inRawTable(const wire::RawTable& table, const std::vector<wire::Run>& runs) {
   const std::vector<wire::Run>& ranges = table.ranges;
-  uint64_t at = run.offset;
-  for (size_t step = 0; at < end && step < kMaxRawSpan; ++step) {
-    uint64_t reach = at;
-    auto it = std::upper_bound(ranges.begin(), ranges.end(), at, [](uint64_t a, const wire::Run& x) { return a < x.offset; });
-    for (size_t k = 0; k < kRawCandidates && it != ranges.begin(); ++k) {
-      --it;
-      reach = std::max(reach, it->offset + it->length);
+  uint64_t steps = 0;
+  for (const wire::Run& run : runs) {
+    uint64_t end = 0;
+    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) return false;
+    uint64_t at = run.offset;
+    for (size_t step = 0; at < end && step < limits::kMaxRawSpan; ++step) {
+      uint64_t reach = at;
+      auto it = std::upper_bound(ranges.begin(), ranges.end(), at,
+                                 [](uint64_t a, const wire::Run& x) { return a < x.offset; });
+      for (size_t k = 0; k < limits::kRawCandidates && it != ranges.begin(); ++k) {
+        --it;
+        reach = std::max(reach, it->offset + it->length);
+      }
+      if (reach == at || ++steps > limits::kMaxRequestSpanSteps) return false;
+      at = reach;
     }
-    if (reach == at) return false;
-    at = reach;
+    if (at < end) return false;
   }
-  return at >= end;
+  return true;
 }
 }  // namespace
 
@@ -117,11 +120,7 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
         if (!st.ok()) return failTransfer(link, st, what);
         raw_table_ = std::move(table);
       }
-      bool fits = true;
-      for (const wire::Run& r : p.remote.runs) {
-        fits = inRawTable(*raw_table_, r);
-        if (!fits) break;
-      }
+      bool fits = inRawTable(*raw_table_, p.remote.runs);
       if (!fits && cached) {  // registered since the table was fetched (adds keep the generation)?
         raw_table_.reset();
         continue;

@@ -130,6 +130,7 @@ Result<const UcpApi*> loadOnce() {
                      ? info.dli_fname
                      : loaded;
   api->version = std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
+  api->minor = minor;
   return static_cast<const UcpApi*>(api);
 }
 

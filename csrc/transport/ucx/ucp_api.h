@@ -66,6 +66,7 @@ struct UcpApi {
 
   std::string library;  // the path dlopen loaded
   std::string version;  // "major.minor.release" (ucp_get_version)
+  unsigned minor = 0;   // its minor
 };
 
 // Where to look for libucp after $PDLINK_UCX_LIB_DIR (see the file comment). Thread-safe.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <set>
@@ -81,6 +82,198 @@ bool autoPicksUcx(const std::vector<std::string>& network_lanes) {
   return anyLaneOf(network_lanes, autoFamilies(std::getenv("PDLINK_UCX_AUTO_TRANSPORTS")));
 }
 
+// ------------------------------------------------------------------------------ worker addresses
+
+namespace {
+
+// Reads a worker address front to back, never past its end.
+class AddressReader {
+ public:
+  AddressReader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  size_t at() const { return at_; }
+  bool done() const { return at_ == n_; }
+  bool byte(uint8_t* out) {
+    if (at_ >= n_) return false;
+    *out = p_[at_++];
+    return true;
+  }
+  const uint8_t* take(size_t bytes) {  // null when fewer are left
+    if (bytes > n_ - at_) return nullptr;
+    const uint8_t* out = p_ + at_;
+    at_ += bytes;
+    return out;
+  }
+
+ private:
+  const uint8_t* p_;
+  size_t n_;
+  size_t at_ = 0;
+};
+
+Status malformed(size_t at, const std::string& what) {
+  return Status(Code::kParamInvalid, "malformed ucx worker address at byte " + std::to_string(at) + ": " + what);
+}
+
+// UCX's ucp_address_unpack_release_version: a 4-bit release, taken as the nearest to this one's.
+unsigned unpackRelease(unsigned packed, unsigned minor) {
+  const int range = 16;
+  const int delta = static_cast<int>(minor % range) - static_cast<int>(packed);
+  const int base = static_cast<int>(minor / range) + (delta >= range / 2) - (delta <= -range / 2);
+  return packed + static_cast<unsigned>(std::max(0, base)) * range;
+}
+
+constexpr uint8_t kFlagLast = 0x80;           // last device (dev len), last transport (iface len)
+constexpr uint8_t kFlagHasEpAddr = 0x40;      // iface len: endpoint addresses follow
+constexpr uint8_t kFlagNumPaths = 0x40;       // dev len: a paths byte follows
+constexpr uint8_t kFlagSysDevice = 0x20;      // dev len: a system-device byte follows
+constexpr uint8_t kFlagEmptyDevice = 0x80;    // md byte: the device lists no transports
+constexpr uint8_t kHeaderDebugInfo = 1, kHeaderUuid = 2, kHeaderClientId = 4, kHeaderKnown = 0x0f;
+constexpr unsigned kAttrAmSync = 2;               // v2 attribute flags: UCP_ADDR_IFACE_FLAG_AM_SYNC
+constexpr unsigned kMinAmSegmentBytes = 512;      // UCX's own are 8 KiB (tcp, shared memory), ~4 KiB (ud)
+constexpr size_t kMaxResources = 128;  // UCP_MAX_RESOURCES
+constexpr unsigned kMaxMds = 64;       // UCP_MAX_MDS
+constexpr unsigned kLegacyMdRelease = 18;  // UCX >= 1.19 clears bits 5-6 of md indexes from <= 1.18
+
+}  // namespace
+
+Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsigned minor) {
+  if (minor < kAddressMinorFirst || minor > kAddressMinorLast) {
+    return Status(Code::kFeatureNotEnabled, "ucx worker addresses of UCX 1." + std::to_string(minor) +
+                                                " are not a layout pdlink knows (UCX 1." +
+                                                std::to_string(kAddressMinorFirst) + " .. 1." +
+                                                std::to_string(kAddressMinorLast) + ")");
+  }
+  if (n == 0) return malformed(0, "empty");
+  if (n > kMaxWorkerAddressBytes) return malformed(0, std::to_string(n) + " bytes, more than " +
+                                                          std::to_string(kMaxWorkerAddressBytes));
+  AddressReader r(p, n);
+  WorkerAddressLayout out;
+  uint8_t header = 0, flags = 0;
+  (void)r.byte(&header);
+  out.version = header & 0x0f;
+  unsigned release = 0;  // the sender's, as UCX reads it (v1: from its last empty device, else 0)
+  if (out.version == 0) {
+    flags = header >> 4;
+  } else if (out.version == 1) {
+    if (!r.byte(&flags)) return malformed(r.at(), "no flags byte");
+    release = unpackRelease(header >> 4, minor);
+  } else {
+    return malformed(0, "address version " + std::to_string(out.version) + " (UCX knows v1 and v2; it aborts on others)");
+  }
+  if (flags & ~kHeaderKnown) return malformed(r.at() - 1, "unknown header flags " + std::to_string(flags));
+  if ((out.version == 0 || (flags & kHeaderUuid)) && !r.take(8)) return malformed(r.at(), "no worker uuid");
+  if ((flags & kHeaderClientId) && !r.take(8)) return malformed(r.at(), "no client id");
+  if (flags & kHeaderDebugInfo) {
+    uint8_t len = 0;
+    if (!r.byte(&len) || !r.take(len)) return malformed(r.at(), "a worker name past the end");
+  }
+  if (r.at() < n && p[r.at()] == 0xff) return malformed(r.at(), "no devices");
+  const bool v2 = out.version == 1;
+  // 1.12 .. 1.18 read a v1 md index from bits 0-4 (bits 5-6 were flags); 1.19 on from bits 0-6,
+  // clearing bits 5-6 afterwards when the sender is 1.18 or older.
+  const uint8_t md_mask = (!v2 && minor < 19) ? 0x1f : 0x7f;
+  std::vector<std::pair<size_t, size_t>> device_entries;  // per device with transports: [first, end) of entries
+  for (bool last_device = false; !last_device;) {
+    const size_t device_at = r.at();
+    if (++out.devices > kMaxResources) return malformed(device_at, "more than 128 devices");
+    uint8_t md = 0, dev = 0;
+    if (!r.byte(&md)) return malformed(r.at(), "a device past the end");
+    const bool empty = md & kFlagEmptyDevice;
+    unsigned md_index = md & md_mask;
+    if (v2 && md_index == 0x7f) {  // extended: the whole next byte
+      uint8_t full = 0;
+      if (!r.byte(&full)) return malformed(r.at(), "an md index past the end");
+      md_index = full;
+    }
+    if (!r.byte(&dev)) return malformed(r.at(), "a device length past the end");
+    last_device = dev & kFlagLast;
+    size_t dev_len = dev & 0x1f;
+    if (v2 && dev_len == 0x1f) {
+      uint8_t full = 0;
+      if (!r.byte(&full)) return malformed(r.at(), "a device length past the end");
+      dev_len = full;
+    }
+    uint8_t extra = 0;
+    if ((dev & kFlagNumPaths) && (!r.byte(&extra) || extra == 0)) return malformed(r.at(), "no paths or 0 paths");
+    if ((dev & kFlagSysDevice) && !r.byte(&extra)) return malformed(r.at(), "a system device past the end");
+    if (empty && last_device && !v2) release = unpackRelease(md_index & 0x0f, minor);
+    if (!r.take(dev_len)) return malformed(r.at(), "a device address past the end");
+    if (empty) continue;
+    const size_t first = out.entries.size();
+    for (bool last_tl = false; !last_tl;) {
+      const size_t tl_at = r.at();
+      if (out.entries.size() >= kMaxResources) return malformed(tl_at, "more than 128 transports");
+      AddressEntry e;
+      e.md_index = md_index;
+      e.dev_addr_len = dev_len;
+      const uint8_t* csum = r.take(2);
+      if (!csum) return malformed(tl_at, "a transport past the end");
+      e.tl_name_csum = static_cast<uint16_t>(csum[0] | csum[1] << 8);
+      const uint8_t* attr = r.take(v2 ? 8 : 16);
+      if (!attr) return malformed(tl_at, "transport attributes past the end");
+      if (!v2) {
+        float overhead, bandwidth, latency;
+        std::memcpy(&overhead, attr, 4);
+        std::memcpy(&bandwidth, attr + 4, 4);
+        std::memcpy(&latency, attr + 8, 4);
+        if (!std::isfinite(overhead) || !std::isfinite(bandwidth) || !std::isfinite(latency) || bandwidth == 0) {
+          return malformed(tl_at, "transport attributes that are not finite, or a zero bandwidth");
+        }
+      } else {
+        // The segment a v2 peer can receive bounds the messages UCX sends it on an AM lane, and UCX
+        // aborts when its rendezvous keys do not fit in one (ucp_ep.c: rkey_size <= am.max_bcopy).
+        const unsigned seg_bytes = (attr[4] | attr[5] << 8) * 64u, flags16 = attr[6] | attr[7] << 8;
+        if ((flags16 & kAttrAmSync) && seg_bytes < kMinAmSegmentBytes) {
+          return malformed(tl_at, "an active-message transport whose segment is " + std::to_string(seg_bytes) +
+                                      " bytes (at least " + std::to_string(kMinAmSegmentBytes) + ")");
+        }
+      }
+      uint8_t len = 0;
+      if (!r.byte(&len)) return malformed(r.at(), "an interface length past the end");
+      last_tl = len & kFlagLast;
+      if (len & kFlagHasEpAddr) return malformed(r.at() - 1, "endpoint addresses (a worker address has none)");
+      size_t iface_len = len & 0x3f;
+      if (v2 && iface_len == 0x3f) {
+        uint8_t full = 0;
+        if (!r.byte(&full)) return malformed(r.at(), "an interface length past the end");
+        iface_len = full;
+      }
+      if (!r.take(iface_len)) return malformed(r.at(), "an interface address past the end");
+      e.iface_addr_len = iface_len;
+      out.entries.push_back(e);
+    }
+    device_entries.emplace_back(first, out.entries.size());
+  }
+  if (!r.done()) return malformed(r.at(), std::to_string(n - r.at()) + " bytes after the last device");
+  if (out.entries.empty()) return malformed(n, "no transports");
+  for (AddressEntry& e : out.entries) {
+    if (!v2 && minor >= 19 && release <= kLegacyMdRelease) e.md_index &= ~0x60u;
+    if (e.md_index >= kMaxMds) return malformed(0, "md index " + std::to_string(e.md_index) + " (UCX has 64)");
+  }
+  return out;
+}
+
+Status checkWorkerAddress(const uint8_t* p, size_t n, unsigned minor, const WorkerAddressLayout& own) {
+  Result<WorkerAddressLayout> parsed = parseWorkerAddress(p, n, minor);
+  if (!parsed.ok()) return parsed.status();
+  for (const AddressEntry& e : parsed.value().entries) {
+    bool known = false, needs_dev = true, needs_iface = true;
+    for (const AddressEntry& mine : own.entries) {
+      if (mine.tl_name_csum != e.tl_name_csum) continue;
+      known = true;
+      needs_dev = needs_dev && mine.dev_addr_len > 0;
+      needs_iface = needs_iface && mine.iface_addr_len > 0;
+    }
+    if (known && ((needs_dev && e.dev_addr_len == 0) || (needs_iface && e.iface_addr_len == 0))) {
+      return Status(Code::kParamInvalid, "malformed ucx worker address: a transport (checksum " +
+                                             std::to_string(e.tl_name_csum) + ") without the " +
+                                             (needs_dev && e.dev_addr_len == 0 ? "device" : "interface") +
+                                             " address this UCX reads for it");
+    }
+  }
+  return Status::OK();
+}
+
 // ------------------------------------------------------------------------------ UcxWorker
 
 Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
@@ -97,6 +290,10 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
   if (st != kOk) return toStatus(st, "ucx: reading UCX's configuration");
   // An empty UCX_TLS (set, but to nothing) would fail UCX's own parsing: it means UCX's default.
   st = api->ucp_config_modify(config, "TLS", w->transports_.empty() ? "all" : w->transports_.c_str());
+  // Unified mode reads a peer's address by this side's own resource indexes (an index it does not
+  // have is read anyway): never, whatever UCX_UNIFIED_MODE says (checkWorkerAddress reads the
+  // other layout).
+  if (st == kOk) st = api->ucp_config_modify(config, "UNIFIED_MODE", "n");
   if (st == kOk) {
     Params params;
     params.field_mask = kParamFieldFeatures;
@@ -119,6 +316,17 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
   if (st != kOk) return toStatus(st, "ucx: reading the worker's address");
   w->address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   api->ucp_worker_release_address(w->worker_, attr.address);
+  // Peers' addresses are checked against this layout before UCX reads them (connect): a UCX whose
+  // own addresses it cannot read is one whose peers' addresses cannot be checked either.
+  w->minor_ = api->minor;
+  Result<WorkerAddressLayout> own =
+      parseWorkerAddress(reinterpret_cast<const uint8_t*>(w->address_.data()), w->address_.size(), w->minor_);
+  if (!own.ok()) {
+    return Status(Code::kFeatureNotEnabled, "ucx: UCX " + api->version + " cannot be used: pdlink checks every "
+                                            "worker address a peer sends before UCX reads it, and " +
+                                            own.status().message());
+  }
+  w->own_layout_ = std::move(own.value());
 
   st = api->ucp_worker_get_efd(w->worker_, &w->efd_);
   if (st != kOk) return toStatus(st, "ucx: reading the worker's event fd");
@@ -131,11 +339,16 @@ UcxWorker::~UcxWorker() {
 }
 
 Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_address) {
-  if (peer_address.empty()) return Status(Code::kLinkFailed, "ucx: the peer sent an empty worker address");
+  // Nothing a peer sent reaches UCX unchecked: UCX aborts on, or reads past, what it cannot parse.
+  Status valid = checkWorkerAddress(reinterpret_cast<const uint8_t*>(peer_address.data()), peer_address.size(),
+                                    minor_, own_layout_);
+  if (!valid.ok()) return Status(Code::kParamInvalid, "ucx: the peer's worker address was refused: " + valid.message());
+  std::string padded = peer_address;
+  padded.append(kAddressPadBytes, '\0');
   std::unique_ptr<UcxEndpoint> ep(new UcxEndpoint(this));
   EpParams params;
   params.field_mask = kEpParamFieldRemoteAddress | kEpParamFieldErrHandlingMode | kEpParamFieldErrHandler;
-  params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+  params.address = reinterpret_cast<const ucp_address_t*>(padded.data());
   if (scope_ == Scope::kAny) {
     // A peer the kernel proved to be on this host: UCX's shared-memory transports cannot report
     // its death (an endpoint that asks for that gets none of them), so this one does not ask.

@@ -54,6 +54,75 @@ bool anyLaneOf(const std::vector<std::string>& lanes, const std::vector<std::str
 // of autoFamilies(PDLINK_UCX_AUTO_TRANSPORTS as set now).
 bool autoPicksUcx(const std::vector<std::string>& network_lanes);
 
+// ------------------------------------------------------------------ worker addresses
+//
+// A worker address is what a peer sends in kUcxConnect (and a server in its answer), and UCX
+// trusts it: ucp_ep_create takes it without a length and ucp_address_unpack (ucp/wireup/address.c)
+// walks it by the lengths and flags inside it, aborting on an unknown version and reading past the
+// end of a short one; the transports then read their device and interface addresses by their own
+// fixed layouts (a missing one is a null pointer to them). So no peer's bytes reach UCX unless
+// checkWorkerAddress accepted them, and then only padded (kAddressPadBytes of zeros after them).
+//
+// The layout, as UCX 1.12 .. 1.22 read it for ucp_ep_create (non-unified mode; UcxWorker forces
+// UNIFIED_MODE off, under which the layout would depend on this side's resources):
+//   header     v1: one byte, version 0 in bits 0-3, flags in bits 4-7;
+//              v2: version 1 | release << 4, then a flags byte (bits 4-7 unused);
+//              flags: debug info 1, worker uuid 2, client id 4, AM only 8
+//   uuid       8 bytes (v1: always, for ucp_ep_create; v2: with the uuid flag)
+//   client id  8 bytes, with its flag
+//   name       a length byte and that many bytes, with the debug-info flag
+//   devices    until one has the last flag (a first byte 0xff would mean "no devices"):
+//     md       byte: bit 7 "no transports", the md index below (v2: 0x7f means "the next byte")
+//     dev len  byte: bit 7 last device, bit 6 paths byte follows, bit 5 system-device byte follows,
+//              bits 0-4 the length (v2: 31 means "the next byte")
+//     [paths] [sys dev]  one byte each, with their flags
+//     device address     dev len bytes
+//     transports, unless "no transports", until one has the last flag:
+//       checksum  2 bytes: which transport (of its name)
+//       attrs     v1: 16 bytes (three floats, prio and capability flags); v2: 8 bytes
+//       iface len byte: bit 7 last transport, bit 6 endpoint addresses follow, bits 0-5 the
+//                 length (v2: 63 means "the next byte")
+//       interface address  iface len bytes
+//   In v1 an empty last device's md index carries the sender's release (UCX >= 1.19 then clears
+//   the md index bits older releases used as flags).
+// Refused, beyond what UCX itself would misread: any byte past the last device or one missing;
+// another version or an unknown flag; no devices, or none with a transport; more than 128 devices or transports
+// (UCP_MAX_RESOURCES); an md index of 64 or more (UCP_MAX_MDS, a bit of UCX's md maps); a paths
+// byte of 0; endpoint addresses (a worker address carries none: they belong to UCX's own wireup);
+// v1 attributes that are not finite or a zero bandwidth; a v2 active-message transport whose
+// segment is under 512 bytes (UCX aborts when its rendezvous keys do not fit one); and, for a
+// transport this side's own worker has, a missing device or interface address where this side's
+// own entries of that transport have one (what the transport would dereference). Transports this
+// side does not have are kept as they are: UCX never matches them to a lane.
+struct AddressEntry {
+  uint16_t tl_name_csum = 0;  // which transport
+  unsigned md_index = 0;      // as this UCX reads it
+  size_t dev_addr_len = 0;
+  size_t iface_addr_len = 0;
+};
+struct WorkerAddressLayout {
+  unsigned version = 0;  // 0: UCX's address v1; 1: v2
+  size_t devices = 0;    // including empty ones
+  std::vector<AddressEntry> entries;
+};
+// The UCX releases (1.minor) whose worker-address layout is the one above; UcxWorker refuses others.
+constexpr unsigned kAddressMinorFirst = 12;
+constexpr unsigned kAddressMinorLast = 22;
+// Zeros after a checked address: a transport that reads a fixed-size structure from a shorter
+// device or interface address reads them rather than past the buffer.
+constexpr size_t kAddressPadBytes = 256;
+// The longest worker address accepted (wire::kMaxUcxHelloBytes bounds what a peer can send).
+constexpr size_t kMaxWorkerAddressBytes = 4096;
+
+// Parses `n` bytes as a worker address the way UCX 1.`minor` reads one for ucp_ep_create, with
+// the refusals above (all but the comparison with this side's own transports). kParamInvalid,
+// naming the byte offset and what is wrong, for anything else. Pure: no UCX needed.
+Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsigned minor);
+// parseWorkerAddress, then each entry of a transport that `own` (this worker's own address, parsed)
+// has must have a device address and an interface address where all of own's entries of that
+// transport have them.
+Status checkWorkerAddress(const uint8_t* p, size_t n, unsigned minor, const WorkerAddressLayout& own);
+
 class UcxWorker;
 
 // One Active Message as it arrives, handed to the handler of its id (UcxWorker::setHandler), valid
@@ -139,8 +208,14 @@ class UcxWorker {
   const std::string& transports() const { return transports_; }
   // This worker's address as a peer needs it (network devices only for Scope::kNetwork).
   const std::string& address() const { return address_; }
-  // An endpoint to the worker at `peer_address` (bytes a peer sent: opaque, see the file comment).
+  // An endpoint to the worker at `peer_address` (bytes a peer sent, see the file comment): refused
+  // with kParamInvalid, before UCX sees any of it, unless checkWorkerAddress accepts it against this
+  // worker's own address.
   Result<std::unique_ptr<UcxEndpoint>> connect(const std::string& peer_address);
+  // This worker's own address as parseWorkerAddress reads it (what connect checks peers against).
+  const WorkerAddressLayout& ownLayout() const { return own_layout_; }
+  // The loaded UCX's minor release (1.minor), which the address layout is read for.
+  unsigned ucxMinor() const { return minor_; }
   // The lanes UCX chooses for an endpoint of this worker to itself: what it would use toward a
   // peer with the same devices (the network worker: no shared memory, so the NICs' transports).
   Result<std::vector<std::string>> lanesToSelf();
@@ -176,6 +251,8 @@ class UcxWorker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
+  WorkerAddressLayout own_layout_;
+  unsigned minor_ = 0;
   int efd_ = -1;
   std::vector<std::unique_ptr<HandlerSlot>> handlers_;  // kept for the worker's life (UCX holds their address)
 };
