@@ -90,7 +90,7 @@ def test_auto_with_ucx_keeps_cma_on_one_host(peers: Callable[..., Peer]) -> None
     two = Two(peers, env, env)
     read_and_write(two)
     for side in (two.initiator, two.target):
-        assert (two.link(side).transport, two.link(side).lanes) == ("cma", ())
+        assert (two.link(side).transport, two.link(side).lanes) == ("cma", ("process_vm",))
 
 
 def ucx_connect(address: bytes) -> bytes:

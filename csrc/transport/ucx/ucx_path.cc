@@ -40,12 +40,21 @@ uint32_t chunkBytesFor(const std::vector<std::string>& lanes) {
   return tcp_only ? kTcpChunkBytes : kChunkBytes;
 }
 
-std::vector<Segment> chunksOf(const std::vector<Segment>& pieces, uint64_t chunk_bytes) {
-  std::vector<Segment> out;
+void Chunks::cut(const std::vector<Segment>& ps, uint64_t bytes) {
+  pieces = ps;
+  chunk_bytes = bytes;
+  first.clear();
+  count = 0;
   for (const Segment& p : pieces) {
-    for (uint64_t at = 0; at < p.length; at += chunk_bytes) out.push_back({p.addr + at, std::min(chunk_bytes, p.length - at)});
+    first.push_back(count);
+    count += (p.length + bytes - 1) / bytes;
   }
-  return out;
+}
+
+Segment Chunks::at(uint64_t i) const {
+  const size_t p = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), i) - first.begin()) - 1;
+  const uint64_t off = (i - first[p]) * chunk_bytes;
+  return {pieces[p].addr + off, std::min(chunk_bytes, pieces[p].length - off)};
 }
 
 Result<std::shared_ptr<UcxHub>> UcxHub::open(bool decide_auto) {
@@ -123,9 +132,9 @@ void UcxHub::forget(uint64_t token) {
 
 void UcxHub::open(Expectation& e, const std::vector<Segment>& pieces, uint64_t chunk_bytes) {
   std::lock_guard<std::mutex> lock(e.mu);
-  e.chunks = chunksOf(pieces, chunk_bytes);
-  e.landed.assign(e.chunks.size(), 0);
-  e.remaining = e.chunks.size();
+  e.chunks.cut(pieces, chunk_bytes);
+  e.landed.assign(e.chunks.count, false);
+  e.remaining = e.chunks.count;
   e.open = true;
 }
 
@@ -142,11 +151,11 @@ Status UcxHub::await(Expectation& e, Deadline deadline, const char* what) {
   } else {
     while (!done() && !deadline.expired()) e.cv.wait_for(lock, std::chrono::milliseconds(deadline.remainingMsForPoll()));
   }
-  const size_t missing = e.remaining;
+  const uint64_t missing = e.remaining;
   e.open = false;  // under e.mu: no copy runs now, and none starts after this
   if (missing == 0) return Status::OK();
   return Status(Code::kTimeout, std::string(what) + ": " + std::to_string(missing) + " of " +
-                                    std::to_string(e.chunks.size()) + " ucx messages had not arrived by the deadline");
+                                    std::to_string(e.chunks.count) + " ucx messages had not arrived by the deadline");
 }
 
 void UcxHub::onMessage(AmIncoming& in) {
@@ -163,25 +172,42 @@ void UcxHub::onMessage(AmIncoming& in) {
   }
   if (!e) return;
   std::lock_guard<std::mutex> lock(e->mu);  // held through the copy: close() waits for it
-  if (!e->open || h.chunk >= e->chunks.size() || e->landed[h.chunk] || in.length != e->chunks[h.chunk].length) return;
-  std::memcpy(reinterpret_cast<void*>(e->chunks[h.chunk].addr), in.bytes(), in.length);
-  e->landed[h.chunk] = 1;
+  if (!e->open || h.chunk >= e->chunks.count || e->landed[h.chunk]) return;
+  const Segment where = e->chunks.at(h.chunk);
+  if (in.length != where.length) return;
+  std::memcpy(reinterpret_cast<void*>(where.addr), in.bytes(), in.length);
+  e->landed[h.chunk] = true;
   if (--e->remaining == 0) e->cv.notify_all();
 }
 
 namespace {
 
-// Sends `pieces` (local ranges) as chunks stamped with `token` over `ep`.
+// Sends `pieces` (local ranges) as chunks stamped with `token` over `ep`, kSendBatch messages at a
+// time: what it holds is bounded by the batch, not by what a peer asked for.
 Status sendChunks(UcxEndpoint& ep, uint64_t token, const std::vector<Segment>& pieces, uint32_t chunk_bytes,
                   Deadline deadline) {
-  std::vector<Segment> chunks = chunksOf(pieces, chunk_bytes);
-  std::vector<ChunkHeader> headers(chunks.size());
-  std::vector<UcxEndpoint::Message> messages(chunks.size());
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    headers[i] = {token, i};
-    messages[i] = {&headers[i], sizeof(ChunkHeader), reinterpret_cast<const void*>(chunks[i].addr), chunks[i].length};
+  constexpr size_t kSendBatch = 4096;
+  const size_t window = std::max(kMinSendWindow, kSendWindowBytes / chunk_bytes);
+  std::vector<ChunkHeader> headers;
+  std::vector<UcxEndpoint::Message> messages;
+  headers.reserve(kSendBatch);
+  messages.reserve(kSendBatch);
+  uint64_t index = 0;
+  auto flush = [&]() -> Status {
+    Status st = messages.empty() ? Status::OK() : ep.sendAll(kDataId, messages, window, deadline);
+    headers.clear();
+    messages.clear();
+    return st;
+  };
+  for (const Segment& p : pieces) {
+    for (uint64_t at = 0; at < p.length; at += chunk_bytes) {
+      headers.push_back({token, index++});
+      const uint64_t n = std::min<uint64_t>(chunk_bytes, p.length - at);
+      messages.push_back({&headers.back(), sizeof(ChunkHeader), reinterpret_cast<const void*>(p.addr + at), n});
+      if (messages.size() == kSendBatch) PDLINK_RETURN_IF_ERROR(flush());
+    }
   }
-  return ep.sendAll(kDataId, messages, std::max(kMinSendWindow, kSendWindowBytes / chunk_bytes), deadline);
+  return flush();
 }
 
 // What the serving side keeps per link (Link::serverState).
@@ -322,6 +348,15 @@ Status UcxServer::serve(ServeCall& call) {
     Status st = ucx::sendChunks(*state->ep, state->pull_token, ranges, state->chunk_bytes, call.deadline);
     if (!st.ok()) return st;  // the endpoint failed or timed out: drop the link
     return sendResponse(call.stream, Status::OK(), call.deadline);
+  }
+  uint64_t chunks = 0;
+  for (const Segment& r : ranges) chunks += (r.length + state->chunk_bytes - 1) / state->chunk_bytes;
+  if (chunks > ucx::kMaxChunksPerTransfer) {
+    return sendResponse(call.stream, Status(Code::kParamInvalid, "a ucx write of " + std::to_string(chunks) +
+                                                                     " messages is more than one transfer may be (" +
+                                                                     std::to_string(ucx::kMaxChunksPerTransfer) +
+                                                                     "); split it"),
+                        call.deadline);
   }
   ucx::UcxHub::open(*state->pushes, ranges, state->chunk_bytes);
   Status st = sendResponse(call.stream, Status::OK(), call.deadline);  // accepted: send the bytes

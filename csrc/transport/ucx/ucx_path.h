@@ -44,13 +44,26 @@ constexpr size_t kSendWindowBytes = 1 << 20;
 constexpr size_t kMinSendWindow = 16;
 
 // The pieces one request may land on this side, by chunk; filled by the progress thread.
+// Where the chunks of one transfer land: its pieces and, per piece, the index of its first chunk
+// (Chunks), so chunk i is found in O(log pieces) and the bookkeeping is bounded by the request's
+// pieces plus one bit per chunk, never one entry per chunk.
+struct Chunks {
+  std::vector<Segment> pieces;
+  std::vector<uint64_t> first;  // first[p]: the index of piece p's first chunk
+  uint64_t chunk_bytes = 0;
+  uint64_t count = 0;
+  void cut(const std::vector<Segment>& ps, uint64_t bytes);
+  // The range chunk `i` (< count) covers.
+  Segment at(uint64_t i) const;
+};
+
 struct Expectation {
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;    // guarded by mu
-  std::vector<Segment> chunks;      // guarded by mu: where chunk i lands
-  std::vector<uint8_t> landed;      // guarded by mu
-  size_t remaining = 0;             // guarded by mu
+  Chunks chunks;        // guarded by mu
+  std::vector<bool> landed;  // guarded by mu: one bit per chunk
+  uint64_t remaining = 0;    // guarded by mu
 };
 
 class UcxHub {
@@ -97,9 +110,10 @@ class UcxHub {
   std::thread progress_;
 };
 
-// The chunks of `pieces` (each piece cut every `chunk_bytes`), in order: what a sender sends and an
-// expectation lands.
-std::vector<Segment> chunksOf(const std::vector<Segment>& pieces, uint64_t chunk_bytes);
+// The most chunks one transfer may be cut into: 2^26 (1 TiB in 16 KiB messages), so the landed
+// bits of one expectation stay within 8 MiB whatever a peer asks. A peer's request past it is
+// refused (UcxServer::serve).
+constexpr uint64_t kMaxChunksPerTransfer = uint64_t{1} << 26;
 
 }  // namespace ucx
 
