@@ -74,7 +74,6 @@ class Link {
   bool sameHost() const { return peer_process_.pid != 0; }
   bool inProcess() const;  // the peer is another engine of this process
 
-  pid_t peerPid() const { return peer_process_.pid; }
   uint64_t peerPublishedAddr() const { return peer_process_.published_addr; }
   const std::shared_ptr<const cma::Process>& peerProcess() const { return peer_process_.process; }
 
