@@ -324,7 +324,7 @@ def test_a_peer_that_outlives_its_pid_never_makes_the_victim_copy_inside_itself(
         port, pid = attacker.call(hostile.serve_vanishing, addresses=[addr, addr], log=str(log))
         assert link_attacker(victim, port)[0] == LLMStatusCode.LLM_SUCCESS
         assert [(link["transport"], link["lanes"]) for link in victim.call(kv.links)] == [("cma", [copies])]
-        assert attacker.call(hostile.wait_vanished) == 0  # P is gone and reaped; its child holds the link
+        assert attacker.call(hostile.vanish) == 0  # P is gone and reaped; its child holds the link
         assert victim.call(kv.thread_with_id, pid), f"no thread of the victim got pid {pid}"  # the reuse happened
         before = victim.call(kv.snapshot, "kv")
         call = kv.pull_blocks if op == "pull" else kv.push_blocks

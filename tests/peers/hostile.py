@@ -179,22 +179,28 @@ _vanishing: dict[str, Any] = {}
 
 
 def serve_vanishing(**params: Any) -> tuple[int, int]:
-    """Starts P (a fork of this process); returns its TCP port on ATTACKER_IP and its pid.
-    ``params["log"]``: a file C appends one line per request it receives to."""
+    """Starts P (a fork of this process); returns its TCP port on ATTACKER_IP and its pid. P forks
+    C and exits once the victim's link is up and ``vanish`` says so. ``params["log"]``: a file C
+    appends one line per request it receives to."""
     ours, theirs = os.pipe()
+    go_read, go_write = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(ours)
-        _vanishing_main(theirs, params)
+        os.close(go_write)
+        _vanishing_main(theirs, dict(params, go=go_read))
     os.close(theirs)
+    os.close(go_read)
     with os.fdopen(ours) as pipe:
         port = int(pipe.readline())
-    _vanishing.update(pid=pid)
+    _vanishing.update(pid=pid, go=go_write)
     return port, pid
 
 
-def wait_vanished() -> int:
-    """Waits until P exited and reaps it (its pid number is then free); its exit status."""
+def vanish() -> int:
+    """Lets P fork and exit, waits until it did and reaps it (its pid number is then free); its
+    exit status."""
+    os.write(_vanishing["go"], b"x")
     _, status = os.waitpid(_vanishing["pid"], 0)
     return os.waitstatus_to_exitcode(status)
 
@@ -216,7 +222,7 @@ def _vanish(srv: _Server, conn: socket.socket, channel: int) -> None:
         both.set()
         _idle(conn)
         return
-    if not both.wait(30):
+    if not both.wait(30) or os.read(srv.params["go"], 1) != b"x":  # the test: the victim's link is up
         return
     if os.fork() != 0:
         os._exit(0)  # P: gone, its pid number free once reaped; C holds every descriptor
