@@ -67,8 +67,8 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   if ((h.op == wire::Op::kPing || h.op == wire::Op::kUnlink) && h.body_len != 0) {
     return Status(Code::kLinkFailed, "a body on a frame that takes none");
   }
-  if (h.op == wire::Op::kConfirm && h.body_len != sizeof(wire::Nonce)) {
-    return Status(Code::kLinkFailed, "a link confirmation is one nonce");
+  if (h.op == wire::Op::kConfirm && (h.body_len < sizeof(wire::Nonce) || h.body_len > sizeof(wire::Nonce) + 64)) {
+    return Status(Code::kLinkFailed, "a link confirmation is one nonce and one endpoint");
   }
   if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
     return Status(Code::kLinkFailed, "oversized device channel request");

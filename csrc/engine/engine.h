@@ -404,10 +404,11 @@ class Engine {
   void installLink(const std::shared_ptr<Link>& link);
   // Keeps `nonce` (a link this side is dialling to `peer`) confirmable (serveConfirm) until the
   // returned handle goes.
-  std::shared_ptr<void> markDialling(const wire::Nonce& nonce, uint64_t peer);
-  // Asks the peer over `link` (dialled, not yet installed) whether it dialled the link whose hello
-  // had `nonce`: OK if so; its refusal if not; a transport failure breaks `link`.
-  Status confirmDialled(Link& link, const wire::Nonce& nonce, Deadline deadline);
+  std::shared_ptr<void> markDialling(const wire::Nonce& nonce, uint64_t peer, const std::string& endpoint);
+  // Asks the peer over `link` (dialled, not yet installed) whether it dialled `claimed` (an
+  // accepted link): its hello's nonce and the end it came from (Link::endpoint). OK if so; its
+  // refusal if not; a transport failure breaks `link`.
+  Status confirmDialled(Link& link, const Link& claimed, Deadline deadline);
   // Tells the peer to forget `link` (dialled, never installed) and breaks it.
   void dropUnused(Link& link, Deadline deadline);
   // Answers kConfirm: whether this engine dialled (or is dialling) the asker with that nonce.
@@ -480,7 +481,11 @@ class Engine {
   Role role_ = Role::kMix;                           // guarded by mu_
   LinkTable links_;                                  // guarded by mu_
   std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
-  std::map<wire::Nonce, uint64_t> dialling_;  // nonces of links being dialled -> their peer, guarded by mu_
+  struct Dialling {
+    uint64_t peer;
+    std::string endpoint;
+  };
+  std::map<wire::Nonce, Dialling> dialling_;  // links being dialled, by nonce; guarded by mu_
   std::deque<std::pair<uint64_t, uint64_t>> link_log_;  // (number, peer) of the latest links, guarded by mu_
   uint64_t link_seq_ = 0;                            // guarded by mu_
 

@@ -37,13 +37,14 @@ struct Engine::Dialled {
   std::shared_ptr<cma::Grant> grant;
   Session fwd_session, rev_session;  // with a link secret: the channels' keys
   wire::Nonce nonce{};               // the forward channel's hello
+  std::string endpoint;              // the forward channel's end here (Socket::localEndpoint)
   std::shared_ptr<void> in_flight;   // keeps `nonce` confirmable while the link is made (markDialling)
 };
 
-std::shared_ptr<void> Engine::markDialling(const wire::Nonce& nonce, uint64_t peer) {
+std::shared_ptr<void> Engine::markDialling(const wire::Nonce& nonce, uint64_t peer, const std::string& endpoint) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    dialling_[nonce] = peer;
+    dialling_[nonce] = {peer, endpoint};
   }
   return std::shared_ptr<void>(nullptr, [this, nonce](void*) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -154,14 +155,14 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   const bool direct = process != nullptr;
   link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant), std::move(process));
   link->setPeerAddress(where);
-  link->setOrigin("", d.nonce);
+  link->setOrigin("", d.nonce, d.endpoint);
   choosePaths(*link, direct);
   if (claimed) {
     // The engine we dialled says whether it made the accepted link. Yes: that link is the one
     // llm_datadist reports (ALREADY_LINK), and the new one is closed again, leaving nothing on
     // either side. No: the accepted link is an impostor's, or stale; it is dropped and the
     // dialled one used.
-    Status confirmed = confirmDialled(*link, claimed->nonce(), deadline);
+    Status confirmed = confirmDialled(*link, *claimed, deadline);
     if (confirmed.ok()) {
       dropUnused(*link, deadline);
       if (linked_id) *linked_id = peer_id;
@@ -242,7 +243,8 @@ Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same
     return d;  // the acceptor closes this connection; the link is made on the AF_UNIX socket
   }
   d.nonce = hello.nonce;
-  d.in_flight = markDialling(hello.nonce, *peer_id);
+  d.endpoint = fwd.value().localEndpoint();
+  d.in_flight = markDialling(hello.nonce, *peer_id, d.endpoint);
   auto rev = Socket::connect(peer.ip, peer.port, deadline);
   if (!rev.ok()) return rev.status();
   hello.channel = wire::Channel::kReverse;
@@ -279,7 +281,8 @@ Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer
       helloExchange(fwd.value(), hello, config_.link_secret, mine, peer_id, &result, &d.fwd_session, deadline));
   d.published_addr = result.gen_addr;
   d.nonce = hello.nonce;
-  d.in_flight = markDialling(hello.nonce, *peer_id);
+  d.endpoint = fwd.value().localEndpoint();
+  d.in_flight = markDialling(hello.nonce, *peer_id, d.endpoint);
   // The acceptor (it has proven the secret by now) probes this process before it completes the
   // link: let it read us from now on (released with `d` if the link does not come up). Not for a
   // peer inside this process.
@@ -339,9 +342,10 @@ void Engine::installLink(const std::shared_ptr<Link>& link) {
   }
 }
 
-Status Engine::confirmDialled(Link& link, const wire::Nonce& nonce, Deadline deadline) {
+Status Engine::confirmDialled(Link& link, const Link& claimed, Deadline deadline) {
   std::lock_guard<std::mutex> out(link.outMutex());
-  const std::string body(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+  const std::string body = std::string(reinterpret_cast<const char*>(claimed.nonce().data()), claimed.nonce().size()) +
+                           claimed.endpoint();
   wire::ResponseHeader rh;
   Status st = request(link, wire::RequestHeader{wire::Op::kConfirm, static_cast<uint32_t>(body.size()), 0}, body,
                       deadline, "confirming a link with", &rh);
@@ -361,14 +365,18 @@ void Engine::dropUnused(Link& link, Deadline deadline) {
 }
 
 Status Engine::serveConfirm(const Link& link, Stream& s, const std::string& body, Deadline deadline) {
+  // Ours if this engine dialled the asker with that nonce from that very end (the nonce alone is
+  // not enough: every engine this one dials learns it, and may claim this one's id elsewhere).
   wire::Nonce nonce;
   std::memcpy(nonce.data(), body.data(), nonce.size());  // admitHeader checked the size
+  const std::string endpoint = body.substr(nonce.size());
   bool ours = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::shared_ptr<Link> own = links_.slot(link.peer(), true);
     auto it = dialling_.find(nonce);
-    ours = (own && !own->broken() && own->nonce() == nonce) || (it != dialling_.end() && it->second == link.peer());
+    ours = (own && !own->broken() && own->nonce() == nonce && own->endpoint() == endpoint) ||
+           (it != dialling_.end() && it->second.peer == link.peer() && it->second.endpoint == endpoint);
   }
   if (ours) return sendResponse(s, Status::OK(), deadline);
   return sendResponse(s, Status(Code::kNotYetLink, "this engine did not dial that link to " + clusterName(config_.cluster_id)),
@@ -690,8 +698,9 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
       lock.unlock();
       return refuse(chosen.message());
     }
+    std::string endpoint = pending->forward->peer();  // the dialler's end of its forward channel
     link = std::make_shared<Link>(hello.cluster_id, std::move(sock), std::move(*pending->forward), false);
-    link->setOrigin(pending->source, hello.nonce);
+    link->setOrigin(pending->source, hello.nonce, std::move(endpoint));
     if (session.key) link->authenticate(std::move(session.key), pending->session_key, session.integrity);
     const bool direct = process != nullptr;
     link->setPeerProcess(pid, pending->published_addr, pending->grant, std::move(process));

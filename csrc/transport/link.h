@@ -110,14 +110,18 @@ class Link {
   // where an accepted link came from.
   const std::string& peerAddress() const { return peer_address_.empty() ? out_.peer() : peer_address_; }
   void setPeerAddress(std::string address) { peer_address_ = std::move(address); }  // before the link is shared
-  // An accepted link: where it came from (Engine::sourceOf), for the per-source share; its hello's
-  // nonce, which the peer names when it confirms it dialled this link. Set before it is shared.
-  void setOrigin(std::string source, const wire::Nonce& nonce) {
+  // Who made the link, for a confirmation (Engine::confirmDialled): its forward hello's nonce, and
+  // the forward channel's dialling end ("ip:port" as the acceptor saw it, or "unix:pid N"). An
+  // accepted link also keeps its source (Engine::sourceOf), for the per-source share. Set before
+  // the link is shared.
+  void setOrigin(std::string source, const wire::Nonce& nonce, std::string endpoint) {
     source_ = std::move(source);
     nonce_ = nonce;
+    endpoint_ = std::move(endpoint);
   }
   const std::string& source() const { return source_; }
   const wire::Nonce& nonce() const { return nonce_; }
+  const std::string& endpoint() const { return endpoint_; }
 
   // Authenticates both channels under their session keys (an authenticated link; before the link
   // is shared): from now on out()/in() seal and check every frame.
@@ -160,6 +164,7 @@ class Link {
   std::string peer_address_;
   std::string source_;
   wire::Nonce nonce_{};
+  std::string endpoint_;
   std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
   std::shared_ptr<void> server_state_;         // serving thread only

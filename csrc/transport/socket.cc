@@ -151,6 +151,16 @@ Result<PeerCredentials> Socket::peerCredentials() const {
   return PeerCredentials{cred.pid, cred.uid, cred.gid};
 }
 
+std::string Socket::localEndpoint() const {
+  if (unix_) return "unix:pid " + std::to_string(::getpid());
+  sockaddr_in mine{};
+  socklen_t len = sizeof(mine);
+  if (fd_ < 0 || ::getsockname(fd_, reinterpret_cast<sockaddr*>(&mine), &len) != 0) return "";
+  char buf[INET_ADDRSTRLEN] = {0};
+  ::inet_ntop(AF_INET, &mine.sin_addr, buf, sizeof(buf));
+  return std::string(buf) + ":" + std::to_string(ntohs(mine.sin_port));
+}
+
 Result<uid_t> Socket::loopbackPeerUid() const {
   sockaddr_in mine{}, theirs{};
   socklen_t ml = sizeof(mine), tl = sizeof(theirs);

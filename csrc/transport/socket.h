@@ -61,6 +61,9 @@ class Socket final : public Stream {
   // socket, as the kernel's socket table says (NETLINK_SOCK_DIAG, one exact lookup). kFailed for
   // other connections, or when the lookup fails.
   Result<uid_t> loopbackPeerUid() const;
+  // This end as the acceptor names the other end (peer() of an accepted socket): "ip:port" of a
+  // TCP socket's local address, "unix:pid <this process>" for AF_UNIX.
+  std::string localEndpoint() const;
 
   Status sendv(std::vector<iovec>& iov, Deadline deadline) override;
   Status recvv(std::vector<iovec>& iov, Deadline deadline) override;

@@ -156,7 +156,8 @@ enum class Op : uint8_t {
   kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
   kNotify = 9,         // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
   kUcxConnect = 10,    // body: a UcxHello (the requester's UCX worker) -> Response + UcxHello (the server's)
-  kConfirm = 11,       // body: a Nonce; "did you dial the link to me whose hello had it?" -> Response
+  kConfirm = 11,       // body: a Nonce and an endpoint (<= 64 bytes); "did you dial the link to me
+                       // whose hello had it, from there?" -> Response
 };
 constexpr uint8_t kMaxOp = 11;
 

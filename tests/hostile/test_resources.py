@@ -419,6 +419,30 @@ def test_a_squatter_of_the_id_a_dialler_asks_for_is_dropped_and_the_real_peer_li
                    lambda: d.call(kv.pull_blocks, KEY, "kv", [3], [3]), rows([(3, 3)]))
 
 
+@only("cpu-tcp")
+def test_a_nonce_learnt_from_a_dial_does_not_make_a_squatter_confirmed(peers: Callable[..., Peer],
+                                                                      variant: Variant) -> None:
+    """The relay of the hostile review: the prefill once dials an attacker's address as the
+    decoder's id, so the attacker learns the prefill's hello nonce; a second attacker links to the
+    decoder claiming the prefill's id with that very nonce. The prefill confirms only a link it
+    dialled from the end the decoder saw, so the decoder drops the squatter, links the real
+    prefill (LLM_SUCCESS) and pulls the prefill's bytes."""
+    d, dport, p, pport = _engines(peers, variant)
+    relay = peers("relay")
+    relay_port = relay.call(hostile.serve, "read_exact")  # answers whoever dials as the id it expects
+    assert p.call(kv.link, DECODER_ID, relay_port, 3000, hostile.ATTACKER_IP)[0] == S.LLM_SUCCESS
+    nonces = [o["nonce"] for o in relay.call(hostile.observed) if o["event"] == "hello" and o["channel"] == 0]
+    assert nonces, "the prefill dialled the relay"
+    name = peers("spy").call(hostile.redirect_name, dport) if variant.same_host else None
+    squatter = peers("squatter")
+    assert squatter.call(hostile.link_raw, dport, PROMPT_ID, b"", name, rawwire.ANY, nonces[-1]) == (0, "")
+    wait_until(lambda: _linked_ids(d) == [(PROMPT_ID, False, False)], 20, "the squatter linked")
+    assert d.call(kv.link, PROMPT_ID, pport)[0] == S.LLM_SUCCESS
+    assert _linked_ids(d) == [(PROMPT_ID, True, False)]
+    check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d.call(kv.snapshot, "kv"),
+                   lambda: d.call(kv.pull_blocks, KEY, "kv", [2], [2]), rows([(2, 2)]))
+
+
 def test_a_peer_that_linked_first_is_confirmed_and_the_dialler_answers_already_link(
         peers: Callable[..., Peer], variant: Variant) -> None:
     """llm_datadist's cross-linking answer holds: the prefill links to the decoder first; the

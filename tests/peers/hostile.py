@@ -110,7 +110,8 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
     mode = srv.mode
     head = rawwire.recv_exact(conn, rawwire.HELLO_BYTES)
     version, channel, flags, cluster, expected, nonce = rawwire.parse_hello(head)
-    srv.observed.append({"event": "hello", "channel": channel, "flags": flags, "cluster": cluster, "local": local})
+    srv.observed.append({"event": "hello", "channel": channel, "flags": flags, "cluster": cluster, "local": local,
+                         "nonce": nonce})
     if mode == "garbage_ack":
         conn.sendall(os.urandom(200))
         return
@@ -405,12 +406,13 @@ _words = (ctypes.c_uint64 * 2)(1, 1)  # this process's "published words", for a 
 
 
 def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None = None,
-             expected: int = rawwire.ANY) -> tuple[int, str]:
+             expected: int = rawwire.ANY, nonce: int | None = None) -> tuple[int, str]:
     """Links to the victim as a raw peer (both channels) from ATTACKER_IP, or over the AF_UNIX name
     `unix`, as cluster `cluster` to whatever cluster the victim is (or `expected`); returns
     (status, message) of the handshake."""
     global _client
-    nonce = int.from_bytes(os.urandom(16), "little")
+    if nonce is None:
+        nonce = int.from_bytes(os.urandom(16), "little")
     gen = ctypes.addressof(_words) if unix is not None else 0
     h = rawwire.handshake(port, cluster=cluster, expected=expected, nonce=nonce, secret=secret, unix=unix,
                           source=ATTACKER_IP, gen_addr=gen)
