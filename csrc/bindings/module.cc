@@ -228,6 +228,7 @@ void bindTypes(py::module_& m) {
       .def_readwrite("max_notifications_per_link", &EngineLimits::max_notifications_per_link)
       .def_readwrite("max_notification_bytes", &EngineLimits::max_notification_bytes)
       .def_readwrite("max_notification_bytes_per_link", &EngineLimits::max_notification_bytes_per_link)
+      .def_readwrite("max_notification_bytes_per_source", &EngineLimits::max_notification_bytes_per_source)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) +
                ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
@@ -238,7 +239,8 @@ void bindTypes(py::module_& m) {
                ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) +
                ", max_notifications_per_link=" + std::to_string(l.max_notifications_per_link) +
                ", max_notification_bytes=" + std::to_string(l.max_notification_bytes) +
-               ", max_notification_bytes_per_link=" + std::to_string(l.max_notification_bytes_per_link) + ")";
+               ", max_notification_bytes_per_link=" + std::to_string(l.max_notification_bytes_per_link) +
+               ", max_notification_bytes_per_source=" + std::to_string(l.max_notification_bytes_per_source) + ")";
       });
   // Received notifications (Engine::takeNotifications): name and message are the bytes sent.
   py::class_<Notification>(m, "Notification")
@@ -507,7 +509,7 @@ PYBIND11_MODULE(_core, m) {
             if (l.max_links == 0 || l.max_links_per_source == 0 || l.max_handshakes == 0 ||
                 l.max_handshakes_per_source == 0 || l.hello_timeout_ms <= 0 || l.pin_timeout_ms < 0 ||
                 l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0 ||
-                l.max_notification_bytes_per_link == 0) {
+                l.max_notification_bytes_per_link == 0 || l.max_notification_bytes_per_source == 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
             throwIfError(e.initialize(c), "init");

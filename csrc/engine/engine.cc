@@ -273,8 +273,8 @@ void Engine::hearLocked(HandshakeSlot* slot) {
 }
 
 bool Engine::evictSilentLocked(const std::string& newcomer, bool same_source) {
-  // The oldest connection (of the newcomer's source, or of anyone) that has not sent its hello yet makes room:
-  // its place is the newcomer's at once. Its thread wakes from its read and ends; until it has,
+  // The oldest connection (of the newcomer's source, or of anyone) that has not sent its hello yet
+  // makes room: its place is the newcomer's at once. Its thread wakes from its read and ends; until it has,
   // it counts as evicting, and at most kEvictingPerSlot x max_handshakes of those may be in flight.
   if (slots_.evicting >= kEvictingPerSlot * size_t{config_.limits.max_handshakes}) return false;
   for (auto it = slots_.silent.begin(); it != slots_.silent.end(); ++it) {

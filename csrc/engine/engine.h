@@ -94,6 +94,8 @@ struct EngineLimits {
   uint32_t max_notifications_per_link = 4096;
   uint64_t max_notification_bytes = uint64_t{16} << 20;
   uint64_t max_notification_bytes_per_link = uint64_t{1} << 20;  // of those, from one peer
+  // and from all the links of one source (an IP address, or a local uid: Engine::sourceOf).
+  uint64_t max_notification_bytes_per_source = uint64_t{4} << 20;
 
   // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and
   // memory descriptor (transport/cma/cma.h).
@@ -533,6 +535,7 @@ class Engine {
       uint64_t bytes = 0;  // of their names and messages
     };
     std::map<uint64_t, Share> per_peer;
+    std::map<std::string, uint64_t> per_source;  // bytes from the links of one source
     uint64_t bytes = 0;  // of all of them
     uint64_t refused = 0;
   };

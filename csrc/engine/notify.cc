@@ -44,6 +44,7 @@ std::vector<Notification> Engine::takeNotifications() {
                                 std::make_move_iterator(inbox_.queue.end()));
   inbox_.queue.clear();
   inbox_.per_peer.clear();
+  inbox_.per_source.clear();
   inbox_.bytes = 0;
   return out;
 }
@@ -66,6 +67,9 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
   {
     std::lock_guard<std::mutex> lock(notify_mu_);
     Inbox::Share& mine = inbox_.per_peer[link.peer()];
+    // A link this side dialled is its own source; an accepted one shares its source's budget.
+    const std::string source = link.source().empty() ? "cluster " + std::to_string(link.peer()) : link.source();
+    uint64_t& from_source = inbox_.per_source[source];
     if (mine.count >= lim.max_notifications_per_link) {
       queued = Status(Code::kLinkBusy, "it holds " + std::to_string(mine.count) +
                                            " unread notifications from this side (its limit per link); retry after "
@@ -74,6 +78,10 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
       queued = Status(Code::kLinkBusy, "its unread notifications from this side would pass its limit of " +
                                            std::to_string(lim.max_notification_bytes_per_link) +
                                            " bytes per link; retry after it took them");
+    } else if (from_source + bytes > lim.max_notification_bytes_per_source) {
+      queued = Status(Code::kLinkBusy, "its unread notifications from " + source + " would pass its limit of " +
+                                           std::to_string(lim.max_notification_bytes_per_source) +
+                                           " bytes per source; retry after it took them");
     } else if (inbox_.bytes + bytes > lim.max_notification_bytes) {
       queued = Status(Code::kLinkBusy, "its unread notifications would pass its limit of " +
                                            std::to_string(lim.max_notification_bytes) +
@@ -81,12 +89,14 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
     } else {
       ++mine.count;
       mine.bytes += bytes;
+      from_source += bytes;
       inbox_.bytes += bytes;
       inbox_.queue.push_back(Notification{link.peer(), std::move(nb.name), std::move(nb.message)});
     }
     if (!queued.ok()) {
       ++inbox_.refused;
       if (mine.count == 0) inbox_.per_peer.erase(link.peer());
+      if (from_source == 0) inbox_.per_source.erase(source);
     }
   }
   return sendResponse(s, queued, deadline);

@@ -100,6 +100,7 @@ class EngineLimits:
     max_notifications_per_link: int  # unread notifications from one peer
     max_notification_bytes: int  # unread notification bytes (names and messages), from all peers
     max_notification_bytes_per_link: int  # of those, from one peer
+    max_notification_bytes_per_source: int  # and from all the links of one IP address or local uid
     def __init__(self) -> None: ...
 
 class Notification:

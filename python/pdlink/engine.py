@@ -68,6 +68,7 @@ class Limits:
     max_notifications_per_link: int | None = None
     max_notification_bytes: int | None = None
     max_notification_bytes_per_link: int | None = None
+    max_notification_bytes_per_source: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -61,7 +61,8 @@ def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
     assert (limits.max_links_per_source, limits.max_handshakes, limits.max_handshakes_per_source,
             limits.hello_timeout_ms, limits.pin_timeout_ms, limits.handshake_timeout_ms,
             limits.max_notifications_per_link, limits.max_notification_bytes,
-            limits.max_notification_bytes_per_link) == (64, 64, 16, 1000, 0, 5000, 4096, 16 << 20, 1 << 20)
+            limits.max_notification_bytes_per_link,
+            limits.max_notification_bytes_per_source) == (64, 64, 16, 1000, 0, 5000, 4096, 16 << 20, 1 << 20, 4 << 20)
 
 
 def _default_max_links(nofile: int) -> int:
@@ -509,6 +510,27 @@ def test_each_link_has_its_own_share_of_the_notification_bytes(peers: Callable[.
     assert [a.call(hostile.exchange, frame)[0] for _ in range(4)] == [0, 0, S.LLM_LINK_BUSY, S.LLM_LINK_BUSY]
     assert b.call(hostile.link_raw, pair.port, 10, b"", unix) == (0, "")
     assert [b.call(hostile.exchange, frame)[0] for _ in range(3)] == [0, 0, S.LLM_LINK_BUSY]
+    assert (stat(pair.prefill, "notifications"), stat(pair.prefill, "notifications_refused")) == (4, 3)
+    pair.pulled([1])
+
+
+def test_the_links_of_one_source_share_one_budget_of_notification_bytes(peers: Callable[..., Peer],
+                                                                       make_pair: Callable[..., Pair]) -> None:
+    """pdlink.MaxNotificationBytesPerSource (30 here): the links of one local user share it, so
+    more links gain that user nothing; another user has its own."""
+    pair = linked(make_pair, {"pdlink.MaxNotificationBytesPerSource": "30"})
+    unix = unix_name(peers, pair)
+    frame = rawwire.request(rawwire.OP_NOTIFY, rawwire.notify_body(b"n", b"0123456789"))  # 11 bytes
+    a, b, c = peers("attacker"), peers("attacker2"), peers("other-user")
+    become(a, 65534)
+    become(b, 65534)
+    become(c, 65533)
+    assert a.call(hostile.link_raw, pair.port, 9, b"", unix) == (0, "")
+    assert b.call(hostile.link_raw, pair.port, 10, b"", unix) == (0, "")
+    assert [a.call(hostile.exchange, frame)[0] for _ in range(2)] == [0, 0]
+    assert [b.call(hostile.exchange, frame)[0] for _ in range(2)] == [S.LLM_LINK_BUSY, S.LLM_LINK_BUSY]
+    assert c.call(hostile.link_raw, pair.port, 11, b"", unix) == (0, "")
+    assert [c.call(hostile.exchange, frame)[0] for _ in range(3)] == [0, 0, S.LLM_LINK_BUSY]
     assert (stat(pair.prefill, "notifications"), stat(pair.prefill, "notifications_refused")) == (4, 3)
     pair.pulled([1])
 

@@ -92,6 +92,8 @@ LIMIT_OPTIONS = {
     "pdlink.MaxNotificationsPerLink": ("PDLINK_MAX_NOTIFICATIONS_PER_LINK", "max_notifications_per_link"),
     "pdlink.MaxNotificationBytes": ("PDLINK_MAX_NOTIFICATION_BYTES", "max_notification_bytes"),
     "pdlink.MaxNotificationBytesPerLink": ("PDLINK_MAX_NOTIFICATION_BYTES_PER_LINK", "max_notification_bytes_per_link"),
+    "pdlink.MaxNotificationBytesPerSource": ("PDLINK_MAX_NOTIFICATION_BYTES_PER_SOURCE",
+                                             "max_notification_bytes_per_source"),
 }
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
