@@ -47,6 +47,9 @@ HEAD_MS, BODY_MS = 1000, 2000  # the strict server's deadlines
 MAX_DEPTH, MAX_ITEMS = 32, 1 << 20  # the documented shape bounds (maxJsonDepth's default)
 MIB = 1 << 20
 RSS_BOUND_MIB = 160  # what one refused 38 MiB body may add to the peak memory of each process, at most
+# Resident memory means nothing under a sanitizer (ASan keeps freed memory in quarantine): the
+# bounds on it are checked in plain runs only (.ci/sanitizers.sh sets PDLINK_SANITIZER).
+MEMORY_BOUNDS = not os.environ.get("PDLINK_SANITIZER")
 
 _addresses = itertools.count(0)
 
@@ -380,8 +383,9 @@ def test_stalled_bodies_get_408_nothing_changes_and_their_memory_is_freed(strict
         doc = error_doc(answer)
         assert doc["error_type"] == "Request Timeout" and f"bodyTimeoutMs ({BODY_MS} ms)" in doc["error"], doc
     assert state(strict) == before
-    wait_until(lambda: memory_mib(strict.proc.proc.pid)[strict.proc.proc.pid][0] <= rss0 + 24, hang_guard(1000),
-               "the stalled bodies' memory given back")
+    if MEMORY_BOUNDS:
+        wait_until(lambda: memory_mib(strict.proc.proc.pid)[strict.proc.proc.pid][0] <= rss0 + 24, hang_guard(1000),
+                   "the stalled bodies' memory given back")
     honest_assignment(strict, "flex")
     honest_assignment(strict, "decode")
 
@@ -404,7 +408,7 @@ def test_a_huge_element_count_is_refused_before_decoding(patient, attacker):
     assert f"more than {MAX_ITEMS} strings, arrays, objects and commas" in doc["error"], doc
     after = memory_mib(pid)
     for p, (_, hwm) in before.items():
-        assert after[p][1] - hwm <= RSS_BOUND_MIB, (p, before, after)
+        assert not MEMORY_BOUNDS or after[p][1] - hwm <= RSS_BOUND_MIB, (p, before, after)
     honest_assignment(patient, "prefill")
 
 

@@ -311,10 +311,11 @@ Listener::AcceptFn Engine::acceptor() {
       const bool room = (mine < lim.max_handshakes_per_source || evictSilentLocked(source, true)) &&
                         (slots_.total < lim.max_handshakes || evictSilentLocked(source, false));
       if (!room) {
-        if (mine == 0) slots_.per_source.erase(source);
+        const size_t held = mine;  // read before the erase below frees it
+        if (held == 0) slots_.per_source.erase(source);
         if (handshakes_refused_.fetch_add(1) % 1000 == 0) {  // one line per thousand, not one each
           PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress ("
-                                                        << slots_.total << " in all, " << mine << " from "
+                                                        << slots_.total << " in all, " << held << " from "
                                                         << source << ")");
         }
         return;
