@@ -34,6 +34,23 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: load and soak tests; deselected by default, CI runs `pytest -m heavy`")
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each distinct reason for a skip, said once with how many tests it skipped (pyproject's
+    addopts leave pytest's own line per skipped test out: without UCX that was 260 lines)."""
+    reasons: dict[str, list[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: why")
+            why = str(report.longrepr[2]).removeprefix("Skipped: ")
+            reasons.setdefault(why, []).append(str(report.longrepr[0]))
+    if not reasons:
+        return
+    terminalreporter.section("skipped, by reason")
+    for why, where in sorted(reasons.items(), key=lambda item: -len(item[1])):
+        files = sorted(set(where))
+        shown = ", ".join(os.path.basename(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        terminalreporter.write_line(f"{len(where)} skipped ({shown}): {why}")
+
+
 @pytest.fixture(scope="session")
 def fake_ascend_lib_dir() -> str:
     """The fake Ascend vendor libraries, built once per session. A failed build fails the ascend

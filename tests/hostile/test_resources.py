@@ -203,7 +203,7 @@ def test_silent_connections_make_room_for_one_that_speaks(peers: Callable[..., P
         for attacker, address in ((a, 2 + i), (b, 6 + i)):
             assert attacker.call(hostile.silent_connections, pair.port, 10, f"127.0.0.{address}") == 10 * (i + 1)
             opened += 10
-            wait_until(lambda: stat(pair.prefill, "handshakes_evicted") >= opened - 8, 20,
+            wait_until(lambda n=opened - 8: stat(pair.prefill, "handshakes_evicted") >= n, 20,
                        f"the oldest silent ones dropped {pair.prefill.call(kv.stats)}")
     assert stat(pair.prefill, "handshakes_evicted") == 72 and stat(pair.prefill, "handshakes_refused") == 0
     assert stat(pair.prefill, "handshakes") <= 8
