@@ -8,6 +8,7 @@ keep pulling byte-exact within its timeout throughout. Resource counts are polle
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import socket
 import struct
@@ -184,6 +185,10 @@ def test_a_handshake_flood_from_one_source_does_not_lock_others_out(peers: Calla
     a.call(hostile.close_all)
 
 
+def _evicted_at_least(pair: Pair, n: int) -> bool:
+    return stat(pair.prefill, "handshakes_evicted") >= n
+
+
 def test_silent_connections_make_room_for_one_that_speaks(peers: Callable[..., Peer],
                                                           make_pair: Callable[..., Pair]) -> None:
     """Connections that never send their hello cannot lock anyone out, even from many sources and
@@ -203,7 +208,7 @@ def test_silent_connections_make_room_for_one_that_speaks(peers: Callable[..., P
         for attacker, address in ((a, 2 + i), (b, 6 + i)):
             assert attacker.call(hostile.silent_connections, pair.port, 10, f"127.0.0.{address}") == 10 * (i + 1)
             opened += 10
-            wait_until(lambda n=opened - 8: stat(pair.prefill, "handshakes_evicted") >= n, 20,
+            wait_until(functools.partial(_evicted_at_least, pair, opened - 8), 20,
                        f"the oldest silent ones dropped {pair.prefill.call(kv.stats)}")
     assert stat(pair.prefill, "handshakes_evicted") == 72 and stat(pair.prefill, "handshakes_refused") == 0
     assert stat(pair.prefill, "handshakes") <= 8
