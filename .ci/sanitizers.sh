@@ -106,9 +106,6 @@ pip_build() {
   fi
 }
 
-step "sanitizers: tools"
-tools_venv
-
 # ------------------------------------------------------------------------------------ 1. ASan+UBSan
 step "ASan+UBSan: the module built with PDLINK_SANITIZE=address,undefined; the test suite"
 pip_build asan address,undefined
