@@ -374,8 +374,10 @@ void fuzzServe(const uint8_t* p, size_t n) {
   const bool same_host = p[0] & 1;
   EngineFixture fx;
   auto link = std::make_shared<Link>(9, Socket(), Socket(), false);
-  if (same_host) link->setPeerProcess(::getpid(), 0, nullptr);  // a peer the kernel put in this process
+  if (same_host) link->setPeerProcess(::getpid(), 0, nullptr, nullptr);  // a peer the kernel put in this process
   Engine::ServeState state;
+  PinEpochs::Word pin_epoch{1};  // the serving loop takes one per link (Engine::serveLink)
+  state.pin_epoch = &pin_epoch;
   const std::vector<std::string> before = protectedBytes(fx);
   const std::string input(reinterpret_cast<const char*>(p), n);
   std::string stream;  // the frames gathered since the last registry step
