@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The connector job (tests/test_vllm_ascend_connector.py), in the CI virtualenv (.ci/run activates
+# The connector job (tests/programs/test_vllm_ascend_connector.py), in the CI virtualenv (.ci/run activates
 # it): vllm-ascend's LLMDataDistCMgrConnector, its own source from the vllm-ascend 0.11.0 wheel,
 # run on pdlink between two processes. Installs only what the connector imports for real: torch
 # (the CPU wheel, about 190 MB), msgspec and pyzmq; vLLM and torch_npu are stood in for
@@ -14,4 +14,4 @@ step "connector: installing torch (CPU), msgspec and pyzmq"
 python -m pip install --quiet "torch==2.13.0+cpu" msgspec pyzmq
 step "connector: vllm-ascend's LLMDataDistCMgrConnector on pdlink"
 PDLINK_REQUIRE_CONNECTOR=1 PDLINK_TEST_CACHE="$CI_OUT/test-cache" python -m pytest -q -p no:cacheprovider \
-  tests/test_vllm_ascend_connector.py
+  tests/programs/test_vllm_ascend_connector.py

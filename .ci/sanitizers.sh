@@ -123,9 +123,9 @@ pip_build tsan thread
 # .ci/tsan.supp: payload copies (ordered through the peer process, which TSan cannot see).
 run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread FAKE_ASCEND_CXXFLAGS=-fsanitize=thread \
   TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$PWD/.ci/tsan.supp" \
-  "$CI_OUT/tsan-venv/bin/python" -m pytest tests/test_transfer.py tests/test_transfer_async.py \
-  tests/test_faults.py tests/test_load.py tests/test_comm_link.py tests/test_ascend_ipc.py \
-  tests/test_ascend_onesided.py tests/test_programs.py -q -s -p no:cacheprovider -m "heavy or not heavy"
+  "$CI_OUT/tsan-venv/bin/python" -m pytest tests/compat/llm_datadist/test_transfer.py tests/compat/llm_datadist/test_transfer_async.py \
+  tests/paths/test_faults.py tests/paths/test_load.py tests/compat/llm_datadist/test_comm_link.py tests/paths/test_ascend_ipc.py \
+  tests/paths/test_ascend_onesided.py tests/programs/test_programs.py -q -s -p no:cacheprovider -m "heavy or not heavy"
 
 step "TSan: concurrency_test"
 tsan_bin="$CI_OUT/tsan-skb"  # built by pip_build with the module

@@ -17,7 +17,7 @@ synchronous read, bench/peers/mooncake_peer.py). Every kind of transfer is verif
 byte once. Reported: medians, with min and max.
 
     python bench/bench_hixl.py            # about a minute on 2 cores
-    python bench/bench_hixl.py --smoke    # seconds; what CI runs (tests/test_bench_smoke.py)
+    python bench/bench_hixl.py --smoke    # seconds; what CI runs (tests/programs/test_bench_smoke.py)
 
 PDLINK_BENCH_NIXL_PYTHON / PDLINK_BENCH_MOONCAKE_PYTHON: interpreters that have the peers.
 """

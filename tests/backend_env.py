@@ -64,7 +64,7 @@ class Variant:
     serving thread, so a frozen peer makes a pull time out (false for cma, where a cached-layout
     read is a kernel copy that needs nothing from the peer); ``extra_env``: what else its peers set;
     ``heavy``: the shared suite runs on it with the heavy tests only (``pytest -m heavy``), to keep
-    the default run in its budget; its own test file (test_ascend_ipc.py, test_ascend_onesided.py)
+    the default run in its budget; its own test file (paths/test_ascend_ipc.py, paths/test_ascend_onesided.py)
     runs by default."""
 
     id: str

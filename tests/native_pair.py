@@ -1,5 +1,5 @@
 """Two linked engines of pdlink's own API (peers running tests/peers/native.py), the setup of
-test_engine_api.py and test_ucx_auto.py."""
+native/test_engine_api.py and paths/test_ucx_auto.py."""
 
 from __future__ import annotations
 

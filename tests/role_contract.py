@@ -1,6 +1,6 @@
 """The body contract of ``POST /v1/role/{role}``, written from docs/server.md ("422 rules", from
 MindIE's ``DmiRole`` validator as ``docs/reference/mindie_rest_api.md`` §3.1 describes it), not from
-the server's code: the REST fuzz (test_server_fuzz.py) grades the server's answers with it, so a
+the server's code: the REST fuzz (server/test_server_fuzz.py) grades the server's answers with it, so a
 rule the server gets wrong shows up as a disagreement instead of being copied into the oracle.
 
 ``read(doc)`` returns the facts an answer depends on (``Assignment``), or raises ``Broken`` with

@@ -1,4 +1,4 @@
-"""Peer-side functions for tests/test_api_errors.py: public API calls made with whatever arguments
+"""Peer-side functions for tests/compat/llm_datadist/test_api_errors.py: public API calls made with whatever arguments
 the test passes (wrong types and out-of-range values included), so that the error a call raises
 comes from pdlink in the peer, exactly as a program calling it there would see it.
 

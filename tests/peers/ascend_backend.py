@@ -1,4 +1,4 @@
-"""Peer-side code of test_ascend_backend.py: the Ascend loader and backend on the fake vendor
+"""Peer-side code of backends/test_ascend_backend.py: the Ascend loader and backend on the fake vendor
 libraries (tests/fake_ascend). The loader runs once per process, so each test starts a fresh peer
 with its own environment and calls one of these in it.
 """

@@ -1,4 +1,4 @@
-"""Peer-side helpers for the Ascend end-to-end tests (test_ascend_e2e.py): the fake vendor
+"""Peer-side helpers for the Ascend end-to-end tests (backends/test_ascend_e2e.py): the fake vendor
 libraries' control API (tests/fake_ascend/fake_control.h) for call counters, device memory in use
 and whether an address is device memory; an engine whose init may fail (device memory
 exhaustion); and the v1 KV-cache-manager API over device memory. Everything else (the engine,

@@ -1,4 +1,4 @@
-"""Peer-side functions for tests/test_hixl.py: one ``hixl.Hixl`` engine per peer process, and its
+"""Peer-side functions for tests/compat/hixl/test_hixl.py: one ``hixl.Hixl`` engine per peer process, and its
 memory by name, in guarded memory (tests/peers/memory.py: host memory, or with ``device=True`` the
 Ascend backend's DEVICE memory)::
 
@@ -15,7 +15,7 @@ Ascend backend's DEVICE memory)::
 Enums travel by name ("READ", "MEM_HOST"; transfer states come back as their names), descriptors as
 ``(local_addr, remote_addr, len)`` triples, notifications as ``(name, notify_msg)`` pairs. Every
 function returns the engine's codes as they are; the ones that replay a caller's code (Ray, vllm-ascend
-EPLB, Mooncake TENT: tests/test_hixl.py) handle the codes the way that caller does.
+EPLB, Mooncake TENT: tests/compat/hixl/test_hixl.py) handle the codes the way that caller does.
 """
 
 from __future__ import annotations

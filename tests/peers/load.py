@@ -1,4 +1,4 @@
-"""Many engines (``pdlink.Engine``) in one peer process, for the load tests (test_load.py): llm_datadist allows
+"""Many engines (``pdlink.Engine``) in one peer process, for the load tests (paths/test_load.py): llm_datadist allows
 one LLMDataDist per process, the engine itself has no such limit, so a few processes give many
 links. Each engine has a blocks cache in guarded memory (device memory on a device backend) under
 pdlink's CacheManager, and pulls on a thread of its own.

@@ -1,4 +1,4 @@
-"""Peer-side functions for one engine's local cache operations (tests/test_local_ops.py): pools,
+"""Peer-side functions for one engine's local cache operations (tests/compat/llm_datadist/test_local_ops.py): pools,
 cache ids, ``copy_cache``, ``copy_blocks`` and ``swap_blocks`` within one process.
 
 The engine and the named caches are ``peers.kv``'s (``kv.start``, ``kv.register``,

@@ -1,4 +1,4 @@
-"""Peer-side ``transfer_cache_async`` (tests/test_transfer_async.py): a recording layer
+"""Peer-side ``transfer_cache_async`` (tests/compat/llm_datadist/test_transfer_async.py): a recording layer
 synchronizer, the task of the last call, and memory the engine never registered.
 
 Runs on the engine and caches of ``peers.kv``. Arguments name the peer's objects: a ``str`` source

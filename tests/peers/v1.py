@@ -1,4 +1,4 @@
-"""Peer-side functions for KvCacheManager (v1, legacy) mode tests (tests/test_v1_mode.py).
+"""Peer-side functions for KvCacheManager (v1, legacy) mode tests (tests/compat/llm_datadist/test_v1_mode.py).
 
 One or more v1 ``LLMDataDist`` engines per peer process, by name (``start`` makes one and makes it
 the current one; ``use`` switches), and caches by name (``allocate``, ``allocate_blocks``,

@@ -1,4 +1,4 @@
-"""Peer side of tests/test_vllm_ascend_connector.py: one vllm-ascend ``LLMDataDistCMgrConnector``
+"""Peer side of tests/programs/test_vllm_ascend_connector.py: one vllm-ascend ``LLMDataDistCMgrConnector``
 (its own source, tests/vllm_ascend_source.py) per process, in the worker role, on pdlink's
 ``llm_datadist``, with CPU torch tensors for KV caches; each tensor sits in a larger buffer whose
 64 bytes either side are guards (tests/verify.py)::

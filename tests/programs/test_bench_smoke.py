@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from where import REPO
+
+ROOT = str(REPO)
 
 
 def test_benchmark_smoke_runs_and_verifies(tmp_path):

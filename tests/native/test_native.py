@@ -1,6 +1,6 @@
 """The native module's interface: C++ enums and structs bound once, engines opened from typed
 settings (pdlink.native), never from positional numbers; and pdlink.Engine's options,
-registration and exception classes in one process (tests/test_engine_api.py moves bytes between
+registration and exception classes in one process (tests/native/test_engine_api.py moves bytes between
 two)."""
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from peer import Peer
 from peers import v1
 from poll import hang_guard, wait_until
 from verify import Copy, Snapshot, assert_same, check_transfer, rows
+from where import TESTS
 
 PROMPT_ID, DECODER_ID = 1, 2
 LISTEN = {"llm.listenIpInfo": "127.0.0.1:0"}
@@ -510,7 +511,7 @@ def _exit_cleanly(kind: str, backend: str) -> None:
     """``python -m peers.v1 <kind>``: live handles at interpreter exit give no error output."""
     import pdlink
 
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = str(TESTS)
     package = os.path.dirname(os.path.dirname(os.path.abspath(pdlink.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, tests]), **peer_env(backend))
     r = subprocess.run([sys.executable, "-m", "peers.v1", kind], capture_output=True, text=True, timeout=60, env=env,

@@ -22,10 +22,10 @@ from internals import core as _core
 from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import ascend_backend as ab
+from where import REPO
 
 R = TypeVar("R")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")

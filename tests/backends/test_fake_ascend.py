@@ -5,7 +5,7 @@ libascendcl.so / libhccl.so where the backend could get it wrong: per-thread con
 the host cannot read, strict memcpy checks, deferred stream work, HCCL between real processes
 (timeouts, remote failures, peer death), IPC memory sharing, and fault injection.
 
-Run as ``python3 test_fake_ascend.py child <build dir>``, this file is also the peer process of the
+Run as ``python3 backends/test_fake_ascend.py child <build dir>``, this file is also the peer process of the
 cross-process tests: it reads one JSON-encoded Python snippet per line from stdin, runs it, and
 answers with the value of ``_`` (or the traceback).
 """
@@ -26,7 +26,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, when run as a child
 from fake_ascend.build import build, exported_symbols  # noqa: E402
 
 # ACL / HCCL values (ascend_min.h).

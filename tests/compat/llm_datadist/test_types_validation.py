@@ -9,8 +9,9 @@ import fresh_import
 from internals import itemsize
 from internals import validation_utils as u
 from pdlink import DataType, LLMException, LLMStatusCode
+from where import REPO
 
-_PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+_PYTHON_DIR = str(REPO / "python")
 
 
 # ---------------------------------------------------------------------------- constants

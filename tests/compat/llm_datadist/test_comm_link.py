@@ -1,7 +1,7 @@
 """Two-sided link() / unlink() / query_register_mem_status with HCCL rank tables (llm_datadist_api.md §6.7).
 
 The connector flows (``backend`` fixture) run on the CPU backend and on the Ascend backend over
-the fake libraries. (The official pull_blocks sample's flow is replayed in test_programs.py.)"""
+the fake libraries. (The official pull_blocks sample's flow is replayed in programs/test_programs.py.)"""
 
 from __future__ import annotations
 
