@@ -9,7 +9,7 @@ Management plane:
 | ``GET /v1/config`` | 200 model statics (``BackendConfig``) |
 | ``GET /health`` | 200 empty; 500 error JSON when unhealthy |
 | ``GET /v2/health/live``, ``GET /v2/health/ready`` | 200 empty; 500 ``{"message": ...}`` when unhealthy |
-| ``POST /v1/pdlink/test/kv/pull`` | only with ``KvTransferConfig.testKv.enabled`` (test/demo surface) |
+| ``POST /v1/pdlink/test/kv/pull`` | only with ``KvTransferConfig.testKv.enabled`` (test/demo surface): 200 pulled and verified; 400 not JSON; 408; 413; 422 ``target`` is not a peer instance id; 503 no engine yet (``node.Unavailable``); an engine error: ``errors.http_status`` of its code (409 not linked, 504 timed out, ...); 500 a byte differs |
 
 Metrics plane (or the management plane when ``metricsPort == managementPort``): ``GET /metrics``.
 
@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any, cast
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -33,8 +33,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..status import LLMException, LLMStatusCode
+from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
+from .errors import http_status
 from .node import Node, Unavailable
 from .parsing import BodyDecoder
 from .validation import ROLES
@@ -85,6 +86,14 @@ async def _read_body(request: Request, limit: int, seconds: float) -> bytes | No
     """``_read_limited`` within ``seconds`` (``bodyTimeoutMs``, counted from here, right after the
     head): ``asyncio.TimeoutError`` past it, and what was read is dropped."""
     return await asyncio.wait_for(_read_limited(request, limit), seconds)
+
+
+def engine_error(e: LLMException) -> JSONResponse:
+    """The answer of a pdlink endpoint to an engine error: ``http_status`` of its code, and the
+    code's name as ``error_type``. (``POST /v1/role/*`` never answers this way: MindIE's contract.)"""
+    raw = e.status_code
+    code = raw if isinstance(raw, LLMStatusCode) else code_2_status(raw)
+    return error(http_status(code), str(e), code.name)
 
 
 def _timed_out(ms: int) -> JSONResponse:
@@ -178,8 +187,7 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
         except Unavailable as e:
             return error(503, str(e), "Service Unavailable")
         except LLMException as e:
-            # pdlink raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
-            return error(503, str(e), cast(LLMStatusCode, e.status_code).name)
+            return engine_error(e)
         except ValueError as e:
             return error(500, f"KV verification failed: {e}", "Verification Failed")
 
