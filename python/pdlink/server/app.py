@@ -38,13 +38,14 @@ from .config import Settings
 from .errors import http_status
 from .node import Node, Unavailable
 from .parsing import BodyDecoder
-from .validation import ROLES
+from .roles import ROLE_NAMES, ROLES
 
 __all__ = ["build_apps"]
 
 logger = logging.getLogger("pdlink.server")
 
 _RESET = "Reset to previous node status."
+_ROLE_LIST = ", ".join(ROLE_NAMES[:-1]) + " and " + ROLE_NAMES[-1]  # "prefill, decode and flex"
 
 
 def error(status: int, message: str, error_type: str) -> JSONResponse:
@@ -113,7 +114,7 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
     async def _role(request: Request) -> Response:
         name = request.path_params["role"]
         if name not in ROLES:
-            return error(404, f"unknown role {name!r}: the roles are prefill, decode and flex", "NotFoundError")
+            return error(404, f"unknown role {name!r}: the roles are {_ROLE_LIST}", "NotFoundError")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             return error(400, f"Content-Type must be application/json, got {ctype or 'none'!r}", "Bad Request")

@@ -32,11 +32,11 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
+from .roles import ROLES
+
 __all__ = ["ROLES", "BodyError", "Device", "NodeInfo", "RoleRequest", "parse_role_request", "cluster_id",
            "MAX_PEERS", "MAX_DEVICES"]
 
-# URL role -> the engine role's name (pdlink._core.Role)
-ROLES: dict[str, str] = {"prefill": "PROMPT", "decode": "DECODER", "flex": "MIX"}
 MAX_PEERS = 256
 MAX_DEVICES = 64
 _NO_CLUSTER = 2**64 - 1  # the native ANY_CLUSTER value; never a real id
