@@ -138,7 +138,7 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineOptions.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.cluster_id, int) or not 0 <= self.cluster_id < 2**64 - 1:
+        if not isinstance(self.cluster_id, int) or not 0 <= self.cluster_id < core().ANY_CLUSTER:
             raise ValueError(f"EngineOptions.cluster_id must be an int in [0, 2**64 - 1), got {self.cluster_id!r}")
         role_of(self.role)  # raises ValueError for an unknown role
 
@@ -488,7 +488,7 @@ class Engine:
         block = length if block_size is None else block_size
         if not isinstance(block, int) or block <= 0 or length % block:
             raise ValueError(f"block_size must be a positive divisor of the length {length}, got {block_size!r}")
-        if key is not None and (not isinstance(key, int) or not 0 <= key < 2**64 - 1):
+        if key is not None and (not isinstance(key, int) or not 0 <= key < core().INVALID_ID):
             raise ValueError(f"key must be an int in [0, 2**64 - 1), got {key!r}")
         where = placement_of(placement)
         layout = core().CacheLayout(len(addresses), length, length // block, True, where)
@@ -602,7 +602,7 @@ class Engine:
 
     def linked_since(self, mark: int) -> tuple[int, list[int]]:
         """The mark to pass next time, and the peers whose links came up after ``mark`` (a mark
-        this call returned; 0: since the start; ``2**64 - 1``: none, only the current mark).
+        this call returned; 0: since the start; ``pdlink._core.LATEST_LINK_MARK``: none, only the current mark).
         Links that came and went between two calls are listed too."""
         latest, peers = self._native.linked_since(mark)
         return int(latest), [int(p) for p in peers]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .native import core, placement_of
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
-    from ._core import ANY_CLUSTER, CacheLayout, Target, TargetKind, TransferMode, TransferSpec  # noqa: F401
+    from ._core import ANY_CLUSTER, INVALID_ID, CacheLayout, Target, TargetKind, TransferMode, TransferSpec  # noqa: F401
 
 __all__ = [
     "ANY_CLUSTER", "CacheLayout", "KvCaches", "Target", "TargetKind", "TransferMode", "TransferSpec", "placement",
@@ -38,7 +38,7 @@ __all__ = [
 
 # Names read from the native module on first use (module __getattr__), so that importing this
 # module does not load it.
-_NATIVE_NAMES = ("CacheLayout", "Target", "TargetKind", "TransferSpec", "TransferMode", "ANY_CLUSTER")
+_NATIVE_NAMES = ("CacheLayout", "Target", "TargetKind", "TransferSpec", "TransferMode", "ANY_CLUSTER", "INVALID_ID")
 
 def placement(value: str | enum.Enum) -> Any:
     """The native placement by name (``"HOST"``, ``"DEVICE"``, or an enum whose name is that)."""

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ...native import core
 from ...status import LLMException, LLMStatusCode, handle_llm_status
 from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
 from .llm_types import RegisterMemStatus
@@ -36,7 +37,6 @@ _DIAL_ATTEMPT_MS = 1000
 _RETRY_PAUSE_S = 0.05
 _MAX_COMM_NAME = 128
 _MAX_COMMS = 512
-_NO_LINK_YET = 2**64 - 1  # linked_since(this): only the latest link number
 
 
 def _param(msg: str) -> LLMException:
@@ -163,7 +163,7 @@ class CommManager:
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:
             comm = _Comm(self._next_id, comm_name, peers, dial, time.monotonic() + self._link_total_s,
-                         self._engine.linked_since(_NO_LINK_YET)[0])
+                         self._engine.linked_since(core().LATEST_LINK_MARK)[0])
             self._next_id += 1
             self._comms[comm.comm_id] = comm
         if dial:
