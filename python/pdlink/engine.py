@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, native_exception
@@ -144,16 +144,15 @@ class EngineOptions:
 
     def resolved(self) -> EngineOptions:
         """These options with every None that the environment fills, filled (what the engine uses)."""
-        env = os.environ
         one_sided, trusted = self.hccl_one_sided, self.ucx_trusted_network
         if one_sided is None:
-            one_sided = _env_flag("PDLINK_HCCL_ONE_SIDED")
+            one_sided = _env_flag(environment.HCCL_ONE_SIDED)
         if trusted is None:
-            trusted = _env_flag("PDLINK_UCX_TRUSTED_NETWORK")
+            trusted = _env_flag(environment.UCX_TRUSTED_NETWORK)
         return dataclasses.replace(
-            self, transport=self.transport or env.get("PDLINK_TRANSPORT") or "auto",
-            secret=self.secret if self.secret is not None else env.get("PDLINK_LINK_SECRET") or None,
-            backend=self.backend or env.get("PDLINK_BACKEND") or "auto", hccl_one_sided=one_sided,
+            self, transport=self.transport or environment.transport(),
+            secret=self.secret if self.secret is not None else environment.link_secret(),
+            backend=self.backend or environment.backend(), hccl_one_sided=one_sided,
             ucx_trusted_network=trusted)
 
 
@@ -712,10 +711,10 @@ class Engine:
             return Pending(self._pool.submit(fn, *args, **kwargs))
 
 
-def _env_flag(name: str) -> bool:
-    flag = os.environ.get(name) or "0"
+def _env_flag(variable: environment.Variable) -> bool:
+    flag = environment.read(variable)
     if flag not in ("0", "1"):
-        raise ValueError(f"{name} must be '0' or '1', got {flag!r}")
+        raise ValueError(f"{variable.name} must be '0' or '1', got {flag!r}")
     return flag == "1"
 
 
