@@ -84,7 +84,7 @@ async def _post(app, path: str, body: bytes) -> tuple[int, dict]:
     return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
 
 
-def _pull(error: BaseException) -> tuple[int, dict]:
+def _pull(error: BaseException, body: bytes = b'{"target": 7}') -> tuple[int, dict]:
     pytest.importorskip("starlette")
     from pdlink.server.app import build_apps
 
@@ -92,7 +92,7 @@ def _pull(error: BaseException) -> tuple[int, dict]:
     raw.setdefault("KvTransferConfig", {})["testKv"] = {"enabled": True}
     settings = C.parse(raw, C.EMBEDDED, None, {})
     app = build_apps(settings, _Node(error), None, None)[0]  # type: ignore[arg-type]
-    return asyncio.run(_post(app, "/v1/pdlink/test/kv/pull", b'{"target": 7}'))
+    return asyncio.run(_post(app, "/v1/pdlink/test/kv/pull", body))
 
 
 @pytest.mark.parametrize("code", [LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_TIMEOUT,
@@ -111,3 +111,16 @@ def test_a_pull_before_any_engine_stays_503():
     status, doc = _pull(Unavailable("no engine yet"))
     assert status == 503
     assert doc == {"error": "no engine yet", "error_type": "Service Unavailable"}
+
+
+@pytest.mark.parametrize("target", [-1, "7", True, None, 2**64 - 1])  # 2**64 - 1: ANY_CLUSTER, never an id
+def test_a_target_that_is_no_instance_id_is_422(target):
+    status, doc = _pull(AssertionError("not called"), json.dumps({"target": target}).encode())
+    assert status == 422
+    assert doc["error_type"] == "Input validation error"
+
+
+def test_a_pulled_byte_that_differs_is_500():
+    status, doc = _pull(ValueError("device 0 tensor 0: pulled bytes differ"))
+    assert status == 500
+    assert doc["error_type"] == "Verification Failed"

@@ -59,7 +59,7 @@ class KvCaches:
 
     - ``register(layout, addresses, keys, blocks_model, remote_accessible, op="register_cache")
       -> (cache_id, addresses)``: the caller's memory, one address per tensor; ``keys[i]``
-      publishes batch slot ``i`` under a ``(req_id, prefix_id, model_id)`` key (2**64 - 1: unset);
+      publishes batch slot ``i`` under a ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset);
       ``blocks_model`` publishes a blocks cache under that model id; ``remote_accessible=False``
       refuses peers' reads and writes of it.
     - ``allocate(layout, keys, blocks_model, op="allocate_cache") -> (cache_id, addresses)``: the
