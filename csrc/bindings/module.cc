@@ -351,6 +351,8 @@ PYBIND11_MODULE(_core, m) {
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
   m.attr("ANY_CLUSTER") = wire::kAnyCluster;
+  m.attr("INVALID_ID") = kInvalidId;  // an unset req_id / prefix_id / registration key
+  m.attr("LATEST_LINK_MARK") = Engine::kLatestLinkMark;  // linked_since(it): no peer, only the latest mark
   // The bounds on what one peer may make an engine spend (core/limits.h), bound once.
   {
     py::dict limits;

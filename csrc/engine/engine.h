@@ -266,6 +266,8 @@ class Engine {
   // of the latest (0: none yet) and, in `peers`, the cluster ids of those numbered after `after`,
   // oldest first: a poll sees a link that came and went meanwhile (link()'s sticky OK status).
   // Only the latest limits::kLinkLogEntries are kept; older ones are left out. Thread-safe.
+  // `after` = kLatestLinkMark lists no peer: only the latest number.
+  static constexpr uint64_t kLatestLinkMark = UINT64_MAX;
   uint64_t linkedSince(uint64_t after, std::vector<uint64_t>* peers) const;
   // One round trip on the link (check_link_status). kNotYetLink / kLinkFailed / kTimeout.
   Status ping(uint64_t cluster_id, int64_t timeout_ms);

@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import cast
 
+from .server.roles import ROLE_NAMES
+
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default="127.0.0.1:1026",
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--print-default-config", action="store_true", help="print the embedded default and exit")
 
     role = sub.add_parser("role", help="assign a role to a server, as MindIE's controller does, and wait until ready")
-    role.add_argument("role", choices=["prefill", "decode", "flex"])
+    role.add_argument("role", choices=list(ROLE_NAMES))
     role.add_argument("--local", help="this instance: ID@IP[:DEV,...] (device ids; default device 0)")
     role.add_argument("--peer", action="append", help="a peer instance, ID@IP[:DEV,...]; repeat for several")
     role.add_argument("--p-percentage", type=int, help="flex only: prefill share in percent")

@@ -30,10 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .server.roles import ROLE_NAMES
+
 __all__ = ["ManagementClient", "Response", "ClientError", "RoleRejected", "NotReady", "NodeSpec", "role_body",
            "ROLES"]
 
-ROLES = ("prefill", "decode", "flex")
+ROLES = ROLE_NAMES  # the REST roles (server/roles.py)
 
 
 class ClientError(Exception):

@@ -21,11 +21,11 @@ The backend is chosen as ``LLMDataDist.init`` chooses it: ``backend`` argument, 
 from __future__ import annotations
 
 import enum
-import os
 from typing import Any
 
 import numpy as np
 
+from . import environment
 from .native import core, placement_of
 
 __all__ = ["DeviceMemory", "backend_info", "open_backend"]
@@ -37,7 +37,7 @@ def open_backend(backend: str | None = None, device_id: int = 0) -> Any:
     Raises ``LLMException(LLM_FEATURE_NOT_ENABLED)`` naming the reason when it cannot be used
     (e.g. the Ascend libraries are missing or lack a required symbol).
     """
-    return core().open_backend(backend or os.environ.get("PDLINK_BACKEND") or "auto", device_id)
+    return core().open_backend(backend or environment.backend(), device_id)
 
 
 def backend_info(backend: str | None = None, device_id: int = 0) -> dict[str, Any]:

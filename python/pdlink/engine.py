@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, native_exception
@@ -138,22 +138,21 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineOptions.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.cluster_id, int) or not 0 <= self.cluster_id < 2**64 - 1:
+        if not isinstance(self.cluster_id, int) or not 0 <= self.cluster_id < core().ANY_CLUSTER:
             raise ValueError(f"EngineOptions.cluster_id must be an int in [0, 2**64 - 1), got {self.cluster_id!r}")
         role_of(self.role)  # raises ValueError for an unknown role
 
     def resolved(self) -> EngineOptions:
         """These options with every None that the environment fills, filled (what the engine uses)."""
-        env = os.environ
         one_sided, trusted = self.hccl_one_sided, self.ucx_trusted_network
         if one_sided is None:
-            one_sided = _env_flag("PDLINK_HCCL_ONE_SIDED")
+            one_sided = _env_flag(environment.HCCL_ONE_SIDED)
         if trusted is None:
-            trusted = _env_flag("PDLINK_UCX_TRUSTED_NETWORK")
+            trusted = _env_flag(environment.UCX_TRUSTED_NETWORK)
         return dataclasses.replace(
-            self, transport=self.transport or env.get("PDLINK_TRANSPORT") or "auto",
-            secret=self.secret if self.secret is not None else env.get("PDLINK_LINK_SECRET") or None,
-            backend=self.backend or env.get("PDLINK_BACKEND") or "auto", hccl_one_sided=one_sided,
+            self, transport=self.transport or environment.transport(),
+            secret=self.secret if self.secret is not None else environment.link_secret(),
+            backend=self.backend or environment.backend(), hccl_one_sided=one_sided,
             ucx_trusted_network=trusted)
 
 
@@ -488,7 +487,7 @@ class Engine:
         block = length if block_size is None else block_size
         if not isinstance(block, int) or block <= 0 or length % block:
             raise ValueError(f"block_size must be a positive divisor of the length {length}, got {block_size!r}")
-        if key is not None and (not isinstance(key, int) or not 0 <= key < 2**64 - 1):
+        if key is not None and (not isinstance(key, int) or not 0 <= key < core().INVALID_ID):
             raise ValueError(f"key must be an int in [0, 2**64 - 1), got {key!r}")
         where = placement_of(placement)
         layout = core().CacheLayout(len(addresses), length, length // block, True, where)
@@ -602,7 +601,7 @@ class Engine:
 
     def linked_since(self, mark: int) -> tuple[int, list[int]]:
         """The mark to pass next time, and the peers whose links came up after ``mark`` (a mark
-        this call returned; 0: since the start; ``2**64 - 1``: none, only the current mark).
+        this call returned; 0: since the start; ``pdlink._core.LATEST_LINK_MARK``: none, only the current mark).
         Links that came and went between two calls are listed too."""
         latest, peers = self._native.linked_since(mark)
         return int(latest), [int(p) for p in peers]
@@ -712,10 +711,10 @@ class Engine:
             return Pending(self._pool.submit(fn, *args, **kwargs))
 
 
-def _env_flag(name: str) -> bool:
-    flag = os.environ.get(name) or "0"
+def _env_flag(variable: environment.Variable) -> bool:
+    flag = environment.read(variable)
     if flag not in ("0", "1"):
-        raise ValueError(f"{name} must be '0' or '1', got {flag!r}")
+        raise ValueError(f"{variable.name} must be '0' or '1', got {flag!r}")
     return flag == "1"
 
 

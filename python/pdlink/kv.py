@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .native import core, placement_of
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
-    from ._core import ANY_CLUSTER, CacheLayout, Target, TargetKind, TransferMode, TransferSpec  # noqa: F401
+    from ._core import ANY_CLUSTER, INVALID_ID, CacheLayout, Target, TargetKind, TransferMode, TransferSpec  # noqa: F401
 
 __all__ = [
     "ANY_CLUSTER", "CacheLayout", "KvCaches", "Target", "TargetKind", "TransferMode", "TransferSpec", "placement",
@@ -38,7 +38,7 @@ __all__ = [
 
 # Names read from the native module on first use (module __getattr__), so that importing this
 # module does not load it.
-_NATIVE_NAMES = ("CacheLayout", "Target", "TargetKind", "TransferSpec", "TransferMode", "ANY_CLUSTER")
+_NATIVE_NAMES = ("CacheLayout", "Target", "TargetKind", "TransferSpec", "TransferMode", "ANY_CLUSTER", "INVALID_ID")
 
 def placement(value: str | enum.Enum) -> Any:
     """The native placement by name (``"HOST"``, ``"DEVICE"``, or an enum whose name is that)."""
@@ -59,7 +59,7 @@ class KvCaches:
 
     - ``register(layout, addresses, keys, blocks_model, remote_accessible, op="register_cache")
       -> (cache_id, addresses)``: the caller's memory, one address per tensor; ``keys[i]``
-      publishes batch slot ``i`` under a ``(req_id, prefix_id, model_id)`` key (2**64 - 1: unset);
+      publishes batch slot ``i`` under a ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset);
       ``blocks_model`` publishes a blocks cache under that model id; ``remote_accessible=False``
       refuses peers' reads and writes of it.
     - ``allocate(layout, keys, blocks_model, op="allocate_cache") -> (cache_id, addresses)``: the

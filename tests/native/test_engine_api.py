@@ -609,7 +609,7 @@ def test_kv_caches_come_from_the_options_pools(peers: Callable[..., Peer], varia
 def test_links_by_the_batch_report_each_peer(two: Two) -> None:
     port = two.target.call(native.add_listener, "127.0.0.1:0")  # a second listener
     assert port not in (0, two.target.call(native.listen_port))
-    mark, _ = two.target.call(native.linked_since, 2**64 - 1)
+    mark, _ = two.target.call(native.linked_since, internals.core.LATEST_LINK_MARK)
     assert two.initiator.call(native.disconnect_each, [TARGET, 99]) == [LLMStatusCode.LLM_SUCCESS,
                                                                          LLMStatusCode.LLM_NOT_YET_LINK]
     dead = two.initiator.call(_free_port)

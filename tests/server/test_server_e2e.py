@@ -149,8 +149,9 @@ def test_peer_diff_failed_peer_lost_link_and_health(pair):
     assert metric(pair.m[B].metrics(), "pdlink_role_switches_total", role="prefill") == switches_before
     assert pair.c[A].status()["linkStatus"]["peers"] == [{"target": B, "link": "ok"}]
     assert pull(pair, A, B).json()["verified"] is True
-    bad = pull(pair, A, 99)  # not a linked peer: the pull fails cleanly
-    assert bad.status == 503 and bad.json()["error_type"].startswith("LLM_")
+    bad = pull(pair, A, 99)  # not a linked peer: the pull fails cleanly, a conflict with the link state
+    assert bad.status == 409
+    assert bad.json()["error_type"] == "LLM_NOT_YET_LINK"
 
     # A is dropped from B's peers: B unlinks it; A sees the link lost and turns unhealthy
     pair.c[B].post_role("prefill", body(B, C))

@@ -10,7 +10,9 @@ Modules:
 * ``config``: MindIE ``config.json`` (ServerConfig, BackendConfig) plus pdlink's
   ``KvTransferConfig`` section; file location, security checks, defaults (stdlib only).
 * ``defaults``: the embedded default configuration, documented.
-* ``validation``: the role-assignment body rules (stdlib only).
+* ``validation``: the role-assignment body rules (stdlib only, and the native ``ANY_CLUSTER`` once a
+  body names an ``id``).
+* ``errors``: the HTTP status of each engine status code, for pdlink's own endpoints.
 * ``node``: engines, the assignment worker, link jobs and the status (numpy + the native core).
 * ``tls``: TLS 1.3 contexts (stdlib ``ssl``).
 * ``metrics``, ``app``, ``main``: Prometheus, the ASGI routes and the uvicorn runner; these need

@@ -9,7 +9,7 @@ Management plane:
 | ``GET /v1/config`` | 200 model statics (``BackendConfig``) |
 | ``GET /health`` | 200 empty; 500 error JSON when unhealthy |
 | ``GET /v2/health/live``, ``GET /v2/health/ready`` | 200 empty; 500 ``{"message": ...}`` when unhealthy |
-| ``POST /v1/pdlink/test/kv/pull`` | only with ``KvTransferConfig.testKv.enabled`` (test/demo surface) |
+| ``POST /v1/pdlink/test/kv/pull`` | only with ``KvTransferConfig.testKv.enabled`` (test/demo surface): 200 pulled and verified; 400 not JSON; 408; 413; 422 ``target`` is not a peer instance id; 503 no engine yet (``node.Unavailable``); an engine error: ``errors.http_status`` of its code (409 not linked, 504 timed out, ...); 500 a byte differs |
 
 Metrics plane (or the management plane when ``metricsPort == managementPort``): ``GET /metrics``.
 
@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any, cast
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -33,17 +33,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..status import LLMException, LLMStatusCode
+from ..native import core
+from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
+from .errors import http_status
 from .node import Node, Unavailable
 from .parsing import BodyDecoder
-from .validation import ROLES
+from .roles import ROLE_NAMES, ROLES
 
 __all__ = ["build_apps"]
 
 logger = logging.getLogger("pdlink.server")
 
 _RESET = "Reset to previous node status."
+_ROLE_LIST = ", ".join(ROLE_NAMES[:-1]) + " and " + ROLE_NAMES[-1]  # "prefill, decode and flex"
 
 
 def error(status: int, message: str, error_type: str) -> JSONResponse:
@@ -87,6 +90,14 @@ async def _read_body(request: Request, limit: int, seconds: float) -> bytes | No
     return await asyncio.wait_for(_read_limited(request, limit), seconds)
 
 
+def engine_error(e: LLMException) -> JSONResponse:
+    """The answer of a pdlink endpoint to an engine error: ``http_status`` of its code, and the
+    code's name as ``error_type``. (``POST /v1/role/*`` never answers this way: MindIE's contract.)"""
+    raw = e.status_code
+    code = raw if isinstance(raw, LLMStatusCode) else code_2_status(raw)
+    return error(http_status(code), str(e), code.name)
+
+
 def _timed_out(ms: int) -> JSONResponse:
     return error(408, f"the request body was not received within bodyTimeoutMs ({ms} ms)", "Request Timeout")
 
@@ -104,7 +115,7 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
     async def _role(request: Request) -> Response:
         name = request.path_params["role"]
         if name not in ROLES:
-            return error(404, f"unknown role {name!r}: the roles are prefill, decode and flex", "NotFoundError")
+            return error(404, f"unknown role {name!r}: the roles are {_ROLE_LIST}", "NotFoundError")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             return error(400, f"Content-Type must be application/json, got {ctype or 'none'!r}", "Bad Request")
@@ -171,15 +182,14 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
         except (UnicodeDecodeError, ValueError, RecursionError):
             return error(400, "request body is not valid JSON", "Bad Request")
         target = data.get("target") if isinstance(data, dict) else None
-        if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < 2**64 - 1:
+        if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < core().ANY_CLUSTER:
             return error(422, "target must be a peer instance id (unsigned integer)", "Input validation error")
         try:
             return JSONResponse(await run_in_threadpool(node.test_pull, target))
         except Unavailable as e:
             return error(503, str(e), "Service Unavailable")
         except LLMException as e:
-            # pdlink raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
-            return error(503, str(e), cast(LLMStatusCode, e.status_code).name)
+            return engine_error(e)
         except ValueError as e:
             return error(500, f"KV verification failed: {e}", "Verification Failed")
 

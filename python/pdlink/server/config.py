@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast, overload
 
+from .. import environment
+
 __all__ = ["ConfigError", "Settings", "Plane", "TlsFiles", "KvTransfer", "TestKv", "ModelInfo", "load", "parse",
            "locate", "read_config_file", "MAX_CONFIG_BYTES", "EMBEDDED"]
 
@@ -426,8 +428,8 @@ def _link_secret(path: str | None, home: str | None, env: Mapping[str, str]) -> 
     """(secret, where it came from): ``linkSecretFile`` (mode 0600 or stricter, at most 4 KiB,
     surrounding whitespace ignored), else env ``PDLINK_LINK_SECRET`` (as the library), else none."""
     if path is None:
-        secret = env.get("PDLINK_LINK_SECRET", "")
-        return (secret, "env PDLINK_LINK_SECRET") if secret else ("", "none")
+        secret = environment.link_secret(env)
+        return (secret, f"env {environment.LINK_SECRET.name}") if secret else ("", "none")
     path = _resolve(home, path)
     try:
         st = os.stat(path)

@@ -46,13 +46,13 @@ from typing import Any, cast
 from ..engine import Engine, EngineOptions, Region, RemoteRegion
 from ..status import LLMException, LLMStatusCode
 from .config import Settings
-from .validation import ROLES, NodeInfo, RoleRequest
+from .roles import ROLES
+from .validation import NodeInfo, RoleRequest
 
 __all__ = ["Node", "Unavailable", "kv_pattern"]
 
 logger = logging.getLogger("pdlink.server")
 
-_LISTENING_ROLES = ("prefill", "flex")
 _SWITCH_ATTEMPTS = 5
 
 
@@ -302,7 +302,7 @@ class Node:
                 raise Unavailable(f"local identifies instance {cid}, but this server runs as instance {identity}; "
                                   "restart the server to change its identity")
             if self._role is None and not req.peers and not (
-                    req.role == "flex" and req.p_percentage is not None and 0 < req.p_percentage < 100):
+                    ROLES[req.role].takes_p_percentage and req.p_percentage is not None and 0 < req.p_percentage < 100):
                 raise Unavailable("the first role assignment must list peers (only flex with 0 < p_percentage < 100 "
                                   "may start without)")
             plan = self._plan(req)
@@ -343,7 +343,7 @@ class Node:
             self._evaluate()
 
     def _listen_for(self, plan: _Plan) -> tuple[tuple[str, int], ...]:
-        return plan.listen if plan.role in _LISTENING_ROLES else ()
+        return plan.listen if ROLES[plan.role].listens else ()
 
     def _create_engines(self, plan: _Plan) -> None:
         kv = self.settings.kv
@@ -355,7 +355,7 @@ class Node:
                 dev = plan.device_ids[i] if i < len(plan.device_ids) else str(i)
                 # Every setting comes from the server's configuration, none from the environment.
                 engines.append(Engine(EngineOptions(
-                    cluster_id=plan.cluster_id, role=ROLES[plan.role], listen=_address(listen, i),
+                    cluster_id=plan.cluster_id, role=ROLES[plan.role].engine_role, listen=_address(listen, i),
                     transport=kv.transport, secret=kv.link_secret,
                     payload_integrity=bool(kv.link_secret) and kv.payload_integrity, backend=kv.backend,
                     device_id=int(dev) if dev.isdigit() else i, hccl_one_sided=False,
@@ -402,7 +402,7 @@ class Node:
                 for attempt in range(_SWITCH_ATTEMPTS):
                     self._unlink([link.peer_cluster_id for link in engine.links()], [engine])
                     try:
-                        engine.switch_role(ROLES[plan.role], _address(listen, i))
+                        engine.switch_role(ROLES[plan.role].engine_role, _address(listen, i))
                         break
                     except LLMException as e:  # a peer linked in between: unlink again
                         if e.status_code != LLMStatusCode.LLM_EXIST_LINK or attempt == _SWITCH_ATTEMPTS - 1:
@@ -414,7 +414,7 @@ class Node:
                 assert self._engine_role is not None  # set when the engines were created
                 try:
                     self._unlink([link.peer_cluster_id for link in self._engines[i].links()], [self._engines[i]])
-                    self._engines[i].switch_role(ROLES[self._engine_role], _address(old, i))
+                    self._engines[i].switch_role(ROLES[self._engine_role].engine_role, _address(old, i))
                 except LLMException as e:
                     logger.error("device %d: could not restore role %s: %s", i, self._engine_role, e)
             with self._lock:
@@ -526,7 +526,7 @@ class Node:
         kv, model = self.settings.kv, self.settings.model
         with self._lock:
             service: dict[str, Any] = {"roleStatus": self._role_status, "currentRole": self._role or "none"}
-            if self._role == "flex" and self._p_percentage is not None:
+            if self._role is not None and ROLES[self._role].takes_p_percentage and self._p_percentage is not None:
                 service["p_percentage"] = self._p_percentage
             blocks = kv.test_kv.num_blocks * len(self._test_kv)
             engines = list(self._engines)

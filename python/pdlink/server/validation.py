@@ -32,14 +32,13 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
+from .roles import ROLES
+
 __all__ = ["ROLES", "BodyError", "Device", "NodeInfo", "RoleRequest", "parse_role_request", "cluster_id",
            "MAX_PEERS", "MAX_DEVICES"]
 
-# URL role -> the engine role's name (pdlink._core.Role)
-ROLES: dict[str, str] = {"prefill": "PROMPT", "decode": "DECODER", "flex": "MIX"}
 MAX_PEERS = 256
 MAX_DEVICES = 64
-_NO_CLUSTER = 2**64 - 1  # the native ANY_CLUSTER value; never a real id
 
 
 class BodyError(ValueError):
@@ -95,6 +94,13 @@ def cluster_id(node: NodeInfo) -> int:
     return value if value < 2**32 else value & (2**63 - 1)
 
 
+def _any_cluster() -> int:
+    """The native ``ANY_CLUSTER``, never a real instance id (loads the native module on first use)."""
+    from ..native import core
+
+    return int(core().ANY_CLUSTER)
+
+
 def _ip(value: Any, where: str, allow_unspecified: bool = False) -> str:
     if not isinstance(value, str):
         raise BodyError(f"{where} must be an IP address string, got {value!r}")
@@ -148,7 +154,7 @@ def _node(raw: Any, where: str) -> NodeInfo:
     has_id, has_host = raw.get("id") is not None, raw.get("host_ip") is not None
     if has_id != has_host:
         raise BodyError(f"{where}.id and {where}.host_ip must be given together or not at all")
-    node_id = _uint(raw["id"], f"{where}.id", _NO_CLUSTER - 1) if has_id else None
+    node_id = _uint(raw["id"], f"{where}.id", _any_cluster() - 1) if has_id else None
     host_ip = _ip(raw["host_ip"], f"{where}.host_ip") if has_host else None
     super_pod = raw.get("super_pod_id")
     if super_pod is not None:

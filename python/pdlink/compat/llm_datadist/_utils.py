@@ -20,9 +20,12 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ...status import LLMException, LLMStatusCode, as_llm_exception, raise_if_false, raise_if_true
+
+if TYPE_CHECKING:  # what the module __getattr__ below returns
+    from ..._core import INVALID_ID  # noqa: F401
 
 __all__ = [
     "UINT8_MAX",
@@ -34,6 +37,7 @@ __all__ = [
     "INT64_MAX",
     "UINT64_MAX",
     "INVALID_ID",
+    "invalid_id",
     "check_isinstance",
     "check_list_of",
     "check_dict",
@@ -66,9 +70,21 @@ INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-UINT64_MAX = 2**64 - 1
-# Marker for "no id" (default prefix_id, padding req_id).
-INVALID_ID = UINT64_MAX
+UINT64_MAX = 2**64 - 1  # the top of the uint64 range check_uint64 accepts
+
+
+def invalid_id() -> int:
+    """The marker for "no id" (default prefix_id, padding req_id): the native module's
+    ``INVALID_ID``, loaded on first use. ``INVALID_ID`` (module attribute) reads it too."""
+    from ...native import core
+
+    return int(core().INVALID_ID)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "INVALID_ID":  # read from the native module, so that importing this one does not load it
+        return invalid_id()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TypeSpec = type | Sequence[type]
 _C = TypeVar("_C", bound=type)
@@ -333,4 +349,4 @@ def check_layer_range(arg_name: str, layer_range: Any, allow_none: bool = True) 
 def is_valid_id(value: Any) -> bool:
     """True when ``value`` is an int in ``[0, 2**64-1)`` (i.e. a real req_id/prefix_id, not the
     ``INVALID_ID`` marker)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INVALID_ID
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < invalid_id()

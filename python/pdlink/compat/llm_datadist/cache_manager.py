@@ -51,7 +51,6 @@ __all__ = ["CacheManager"]
 
 logger = logging.getLogger("pdlink")
 
-_NO_ID = 2**64 - 1
 
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
@@ -62,11 +61,11 @@ def remote_target(key: KeyLike | None) -> Any:
     """The ``_core.Target`` addressing a remote cache by ``key``; ``None``: raw remote memory."""
     kinds = kv.TargetKind
     if key is None:
-        return kv.Target(kind=kinds.RAW, req_id=_NO_ID, prefix_id=_NO_ID)
+        return kv.Target(kind=kinds.RAW, req_id=kv.INVALID_ID, prefix_id=kv.INVALID_ID)
     if isinstance(key, BlocksCacheKey):
-        return kv.Target(kind=kinds.BLOCKS, model_id=key.model_id, req_id=_NO_ID, prefix_id=_NO_ID)
+        return kv.Target(kind=kinds.BLOCKS, model_id=key.model_id, req_id=kv.INVALID_ID, prefix_id=kv.INVALID_ID)
     if isinstance(key, CacheKeyByIdAndIndex):
-        return kv.Target(kind=kinds.ID_INDEX, req_id=_NO_ID, prefix_id=_NO_ID, cache_id=key.cache_id,
+        return kv.Target(kind=kinds.ID_INDEX, req_id=kv.INVALID_ID, prefix_id=kv.INVALID_ID, cache_id=key.cache_id,
                         batch_index=key.batch_index)
     req_ok, prefix_ok = is_valid_id(key.req_id), is_valid_id(key.prefix_id)
     raise_if_false(
@@ -75,8 +74,8 @@ def remote_target(key: KeyLike | None) -> Any:
         key,
     )
     if req_ok:
-        return kv.Target(kind=kinds.REQUEST_KEY, model_id=key.model_id, req_id=key.req_id, prefix_id=_NO_ID)
-    return kv.Target(kind=kinds.PREFIX_KEY, model_id=key.model_id, req_id=_NO_ID, prefix_id=key.prefix_id)
+        return kv.Target(kind=kinds.REQUEST_KEY, model_id=key.model_id, req_id=key.req_id, prefix_id=kv.INVALID_ID)
+    return kv.Target(kind=kinds.PREFIX_KEY, model_id=key.model_id, req_id=kv.INVALID_ID, prefix_id=key.prefix_id)
 
 
 def transfer_mode(name: str) -> Any:

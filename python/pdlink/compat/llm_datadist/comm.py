@@ -17,11 +17,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from ... import environment
+from ...native import core
 from ...status import LLMException, LLMStatusCode, handle_llm_status
 from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
 from .llm_types import RegisterMemStatus
@@ -31,12 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdlink")
 
-DEFAULT_PORT_BASE = 26800
 _DIAL_ATTEMPT_MS = 1000
 _RETRY_PAUSE_S = 0.05
 _MAX_COMM_NAME = 128
 _MAX_COMMS = 512
-_NO_LINK_YET = 2**64 - 1  # linked_since(this): only the latest link number
 
 
 def _param(msg: str) -> LLMException:
@@ -44,9 +43,7 @@ def _param(msg: str) -> LLMException:
 
 
 def port_base() -> int:
-    raw = os.environ.get("PDLINK_LINK_PORT_BASE", "")
-    if not raw:
-        return DEFAULT_PORT_BASE
+    raw = environment.link_port_base()
     raise_if_false(raw.isdigit() and 0 < int(raw) < 65536 - 64, f"PDLINK_LINK_PORT_BASE is not a port: {raw!r}")
     return int(raw)
 
@@ -163,7 +160,7 @@ class CommManager:
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:
             comm = _Comm(self._next_id, comm_name, peers, dial, time.monotonic() + self._link_total_s,
-                         self._engine.linked_since(_NO_LINK_YET)[0])
+                         self._engine.linked_since(core().LATEST_LINK_MARK)[0])
             self._next_id += 1
             self._comms[comm.comm_id] = comm
         if dial:

@@ -24,7 +24,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import kv
+from ... import environment, kv
+from ...environment import LIMIT_VARIABLES
 from ...status import LLMException, LLMStatusCode, code_2_status
 from ._utils import (
     check_dict,
@@ -81,20 +82,20 @@ _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.
 # pdlink options bounding what peers may make an engine spend (docs/security.md, "Limits"): option ->
 # (environment variable read when it is absent, field of _core.EngineLimits). Unset: the engine's
 # defaults, which live in C++ only.
-LIMIT_OPTIONS = {
-    "pdlink.MaxLinks": ("PDLINK_MAX_LINKS", "max_links"),
-    "pdlink.MaxLinksPerSource": ("PDLINK_MAX_LINKS_PER_SOURCE", "max_links_per_source"),
-    "pdlink.MaxHandshakes": ("PDLINK_MAX_HANDSHAKES", "max_handshakes"),
-    "pdlink.MaxHandshakesPerSource": ("PDLINK_MAX_HANDSHAKES_PER_SOURCE", "max_handshakes_per_source"),
-    "pdlink.HelloTimeoutMs": ("PDLINK_HELLO_TIMEOUT_MS", "hello_timeout_ms"),
-    "pdlink.PinTimeoutMs": ("PDLINK_PIN_TIMEOUT_MS", "pin_timeout_ms"),
-    "pdlink.HandshakeTimeoutMs": ("PDLINK_HANDSHAKE_TIMEOUT_MS", "handshake_timeout_ms"),
-    "pdlink.MaxNotificationsPerLink": ("PDLINK_MAX_NOTIFICATIONS_PER_LINK", "max_notifications_per_link"),
-    "pdlink.MaxNotificationBytes": ("PDLINK_MAX_NOTIFICATION_BYTES", "max_notification_bytes"),
-    "pdlink.MaxNotificationBytesPerLink": ("PDLINK_MAX_NOTIFICATION_BYTES_PER_LINK", "max_notification_bytes_per_link"),
-    "pdlink.MaxNotificationBytesPerSource": ("PDLINK_MAX_NOTIFICATION_BYTES_PER_SOURCE",
-                                             "max_notification_bytes_per_source"),
+_LIMIT_FIELDS = {
+    "pdlink.MaxLinks": "max_links",
+    "pdlink.MaxLinksPerSource": "max_links_per_source",
+    "pdlink.MaxHandshakes": "max_handshakes",
+    "pdlink.MaxHandshakesPerSource": "max_handshakes_per_source",
+    "pdlink.HelloTimeoutMs": "hello_timeout_ms",
+    "pdlink.PinTimeoutMs": "pin_timeout_ms",
+    "pdlink.HandshakeTimeoutMs": "handshake_timeout_ms",
+    "pdlink.MaxNotificationsPerLink": "max_notifications_per_link",
+    "pdlink.MaxNotificationBytes": "max_notification_bytes",
+    "pdlink.MaxNotificationBytesPerLink": "max_notification_bytes_per_link",
+    "pdlink.MaxNotificationBytesPerSource": "max_notification_bytes_per_source",
 }
+LIMIT_OPTIONS = {option: (LIMIT_VARIABLES[f].name, f) for option, f in _LIMIT_FIELDS.items()}
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
 # backend maps pools lazily (anonymous mmap), so untouched pool pages cost no memory.
 _V1_DEFAULT_POOL_BYTES = 1 << 30
@@ -168,7 +169,7 @@ def _parse_limits(options: dict[str, str]) -> dict[str, int]:
     """The limit options that are set, as EngineLimits fields; each a positive integer."""
     out = {}
     for option, (env, field) in LIMIT_OPTIONS.items():
-        raw = options.get(option) or os.environ.get(env)
+        raw = options.get(option) or environment.limit(field)
         if raw is None or raw == "":
             continue
         raise_if_false(isinstance(raw, str) and raw.isdigit() and 0 < int(raw) <= 2**31 - 1,
@@ -195,25 +196,25 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
         listen_ip, listen_port = _split_listen(options["llm.listenIpInfo"])
     dev_bytes, dev_shift = _pool(options, "llm.MemPoolConfig")
     host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
-    secret = options.get(SECRET_OPTION) or os.environ.get("PDLINK_LINK_SECRET") or ""
-    transport = options.get(TRANSPORT_OPTION) or os.environ.get("PDLINK_TRANSPORT") or "auto"
+    secret = options.get(SECRET_OPTION) or environment.link_secret() or ""
+    transport = options.get(TRANSPORT_OPTION) or environment.transport()
     raise_if_false(transport in _TRANSPORTS,
                    f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
     raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
-    backend = options.get(BACKEND_OPTION) or os.environ.get("PDLINK_BACKEND") or "auto"
+    backend = options.get(BACKEND_OPTION) or environment.backend()
     raise_if_false(backend in _BACKENDS,
                    f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(_BACKENDS)}, got {backend!r}")
     # CacheManager mode runs one engine: on the first listed device (KvCacheManager mode checks the
     # whole list itself, parse_v1_options).
     device = options.get("ge.exec.deviceId", "0").split(";")[0]
     raise_if_false(device.isdigit(), f"ge.exec.deviceId must be a device id, got {options.get('ge.exec.deviceId')!r}")
-    one_sided = options.get(ONE_SIDED_OPTION) or os.environ.get("PDLINK_HCCL_ONE_SIDED") or "0"
+    one_sided = options.get(ONE_SIDED_OPTION) or environment.hccl_one_sided()
     raise_if_false(one_sided in ("0", "1"),
                    f"{ONE_SIDED_OPTION} (or PDLINK_HCCL_ONE_SIDED) must be '0' or '1', got {one_sided!r}")
-    trusted = options.get(UCX_TRUST_OPTION) or os.environ.get("PDLINK_UCX_TRUSTED_NETWORK") or "0"
+    trusted = options.get(UCX_TRUST_OPTION) or environment.ucx_trusted_network()
     raise_if_false(trusted in ("0", "1"),
                    f"{UCX_TRUST_OPTION} (or PDLINK_UCX_TRUSTED_NETWORK) must be '0' or '1', got {trusted!r}")
-    integrity = options.get(INTEGRITY_OPTION) or os.environ.get("PDLINK_PAYLOAD_INTEGRITY") or "0"
+    integrity = options.get(INTEGRITY_OPTION) or environment.payload_integrity()
     raise_if_false(integrity in ("0", "1"),
                    f"{INTEGRITY_OPTION} (or PDLINK_PAYLOAD_INTEGRITY) must be '0' or '1', got {integrity!r}")
     raise_if_false(integrity == "0" or bool(secret),

@@ -20,7 +20,6 @@ from ..._enum import NamedIntEnum
 from ...status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from ._utils import (
     INT64_MAX,
-    INVALID_ID,
     check_int32,
     check_int64,
     check_isinstance,
@@ -30,6 +29,7 @@ from ._utils import (
     check_list_uint64,
     check_uint32,
     check_uint64,
+    invalid_id,
 )
 from .data_type import DataType, itemsize
 
@@ -305,7 +305,7 @@ class CacheKey:
         self._cluster_id = params["cluster_id"]
         self._req_id = params["req_id"]
         self._model_id = params.get("model_id", 0)
-        self._prefix_id = params.get("prefix_id", INVALID_ID)
+        self._prefix_id = params.get("prefix_id", invalid_id())
         check_uint64(cluster_name, self._cluster_id)
         check_uint64("req_id", self._req_id)
         check_uint64("model_id", self._model_id)
