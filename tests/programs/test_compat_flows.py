@@ -2,8 +2,8 @@
 
 Each flow keeps the shape of the connector it comes from (tests/peers/connectors.py): the same
 options, key conventions, cluster-id arithmetic and error handling. The v1 (old vllm-ascend) flow
-lives in compat/llm_datadist/test_v1_mode.py, the vllm-ascend CacheManager-connector flow in compat/llm_datadist/test_comm_link.py, the
-official samples in programs/test_programs.py.
+lives in compat/llm_datadist/test_v1_mode.py, the vllm-ascend CacheManager-connector flow in
+compat/llm_datadist/test_comm_link.py, the official samples in programs/test_programs.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 does not exist, 409 a conflict with the link or request state, 422 an invalid argument, 501 a
 feature not enabled, 503 a link / device / memory failure, 504 a timeout, 500 anything else.
 ``POST /v1/role/*`` keeps MindIE's fixed statuses and never reads it. docs/server.md shows the
-table; tests/test_server_errors.py checks that the two agree. The error body's ``error_type`` is
+table; tests/server/test_server_errors.py checks that the two agree. The error body's ``error_type`` is
 the code's name.
 """
 

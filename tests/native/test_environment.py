@@ -12,8 +12,9 @@ import pytest
 
 from internals import parse_engine_options
 from pdlink import EngineOptions, environment
+from where import REPO
 
-PYTHON = os.path.join(os.path.dirname(__file__), "..", "python", "pdlink")
+PYTHON = str(REPO / "python" / "pdlink")
 NATIVE_READS = {"PDLINK_ASCEND_LIB_DIR", "PDLINK_UCX_LIB_DIR", "PDLINK_LIBCRYPTO"}  # the C++ core reads these
 
 

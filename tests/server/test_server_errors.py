@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 
 import pytest
@@ -14,8 +13,9 @@ from internals import DEFAULT_CONFIG_JSON
 from pdlink.server import config as C
 from pdlink.server.errors import HTTP_STATUS_OF_CODE, http_status
 from pdlink.status import LLMException, LLMStatusCode
+from where import REPO
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "server.md")
+DOCS = REPO / "docs" / "server.md"
 
 
 def _doc_table() -> dict[str, int]:
