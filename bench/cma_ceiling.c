@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   int p[2];
   if (pipe(p) != 0) return 1;
   pid_t child = fork();
-  if (child == 0) {  /* the same addresses after fork: the child only holds them */
+  if (child == 0) { /* the same addresses after fork: the child only holds them */
     char x;
     if (read(p[0], &x, 1) < 0) _exit(1);
     _exit(0);
@@ -79,7 +79,9 @@ int main(int argc, char** argv) {
   }
   if (write(p[1], "x", 1) < 0) return 1;
   waitpid(child, NULL, 0);
-  printf("{\"block_us\": %.3f, \"block_and_word_us\": %.3f, \"proc_mem_block_us\": %.3f, "
-         "\"proc_mem_block_and_word_us\": %.3f}\n", med[0], med[1], med[2], med[3]);
+  printf(
+      "{\"block_us\": %.3f, \"block_and_word_us\": %.3f, \"proc_mem_block_us\": %.3f, "
+      "\"proc_mem_block_and_word_us\": %.3f}\n",
+      med[0], med[1], med[2], med[3]);
   return 0;
 }

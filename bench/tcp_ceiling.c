@@ -43,12 +43,12 @@
 
 #define MAX_STREAMS 64
 
-static size_t g_share;   /* bytes per stream per repetition */
-static long g_reps;      /* repetitions, warm-up included */
-static char *g_buf;      /* what the server sends / where the reader lands it */
-static int g_spin;       /* the "spin" mode */
+static size_t g_share; /* bytes per stream per repetition */
+static long g_reps;    /* repetitions, warm-up included */
+static char* g_buf;    /* what the server sends / where the reader lands it */
+static int g_spin;     /* the "spin" mode */
 
-static void die(const char *what) {
+static void die(const char* what) {
   perror(what);
   exit(2);
 }
@@ -66,7 +66,7 @@ static double cpu_seconds(int who) {
          (double)ru.ru_stime.tv_usec * 1e-6;
 }
 
-static void send_all(int fd, const char *p, size_t n) {
+static void send_all(int fd, const char* p, size_t n) {
   while (n > 0) {
     ssize_t k = send(fd, p, n, MSG_NOSIGNAL | (g_spin ? MSG_DONTWAIT : 0));
     if (k < 0 && g_spin && errno == EAGAIN) {
@@ -80,7 +80,7 @@ static void send_all(int fd, const char *p, size_t n) {
   }
 }
 
-static void recv_all(int fd, char *p, size_t n) {
+static void recv_all(int fd, char* p, size_t n) {
   while (n > 0) {
     ssize_t k = recv(fd, p, n, g_spin ? MSG_DONTWAIT : 0);
     if (k < 0 && g_spin && errno == EAGAIN) continue;
@@ -97,8 +97,8 @@ struct stream {
 };
 
 /* Server side of one stream: answer each request byte with this stream's share. */
-static void *serve(void *arg) {
-  struct stream *s = arg;
+static void* serve(void* arg) {
+  struct stream* s = arg;
   char req;
   for (long r = 0; r < g_reps; r++) {
     recv_all(s->fd, &req, 1);
@@ -108,8 +108,8 @@ static void *serve(void *arg) {
 }
 
 /* Reader side of one stream: per repetition, wait for the start, request, land the share. */
-static void *land(void *arg) {
-  struct stream *s = arg;
+static void* land(void* arg) {
+  struct stream* s = arg;
   const char req = 'r';
   for (long r = 0; r < g_reps; r++) {
     pthread_barrier_wait(s->start);
@@ -120,12 +120,12 @@ static void *land(void *arg) {
   return NULL;
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   if (argc != 4 && argc != 5) {
     fprintf(stderr, "usage: %s BYTES REPS STREAMS [block|spin]\n", argv[0]);
     return 2;
   }
-  const char *mode = argc == 5 ? argv[4] : "block";
+  const char* mode = argc == 5 ? argv[4] : "block";
   if (strcmp(mode, "block") != 0 && strcmp(mode, "spin") != 0) {
     fprintf(stderr, "the mode is block or spin, not %s\n", mode);
     return 2;
@@ -145,8 +145,8 @@ int main(int argc, char **argv) {
   struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = 0};
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t alen = sizeof addr;
-  if (lfd < 0 || bind(lfd, (struct sockaddr *)&addr, sizeof addr) || listen(lfd, streams) ||
-      getsockname(lfd, (struct sockaddr *)&addr, &alen))
+  if (lfd < 0 || bind(lfd, (struct sockaddr*)&addr, sizeof addr) || listen(lfd, streams) ||
+      getsockname(lfd, (struct sockaddr*)&addr, &alen))
     die("listen");
 
   pid_t child = fork();
@@ -179,14 +179,14 @@ int main(int argc, char **argv) {
   pthread_barrier_init(&done, NULL, (unsigned)streams + 1);
   for (int i = 0; i < streams; i++) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr)) die("connect");
+    if (fd < 0 || connect(fd, (struct sockaddr*)&addr, sizeof addr)) die("connect");
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     char index = (char)i;
     send_all(fd, &index, 1);
     st[i] = (struct stream){.fd = fd, .index = i, .start = &start, .done = &done};
     pthread_create(&th[i], NULL, land, &st[i]);
   }
-  double *gbps = calloc((size_t)g_reps, sizeof(double));
+  double* gbps = calloc((size_t)g_reps, sizeof(double));
   double cpu0 = 0;
   for (long r = 0; r < g_reps; r++) {
     if (r == 1) cpu0 = cpu_seconds(RUSAGE_SELF);

@@ -193,10 +193,7 @@ struct BoundBatch {
 // The enums and plain structs of the engine's interface (engine/engine.h, transport/wire.h),
 // bound once: Python reads their values from here and never re-types them.
 void bindTypes(py::module_& m) {
-  py::enum_<Role>(m, "Role")
-      .value("PROMPT", Role::kPrompt)
-      .value("DECODER", Role::kDecoder)
-      .value("MIX", Role::kMix);
+  py::enum_<Role>(m, "Role").value("PROMPT", Role::kPrompt).value("DECODER", Role::kDecoder).value("MIX", Role::kMix);
   py::enum_<Placement>(m, "Placement").value("HOST", Placement::kHost).value("DEVICE", Placement::kDevice);
   py::enum_<Transport>(m, "Transport")
       .value("AUTO", Transport::kAuto)
@@ -269,8 +266,10 @@ void bindTypes(py::module_& m) {
       .def_readwrite("ucx_trusted_network", &EngineConfig::ucx_trusted_network)
       .def_readwrite("limits", &EngineConfig::limits);
   py::class_<CacheLayout>(m, "CacheLayout")
-      .def(py::init([](uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks,
-                       Placement placement) { return CacheLayout{num_tensors, tensor_size, num_slots, is_blocks, placement}; }),
+      .def(py::init(
+               [](uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, Placement placement) {
+                 return CacheLayout{num_tensors, tensor_size, num_slots, is_blocks, placement};
+               }),
            py::arg("num_tensors"), py::arg("tensor_size"), py::arg("num_slots"), py::arg("is_blocks"),
            py::arg("placement"))
       .def_readwrite("num_tensors", &CacheLayout::num_tensors)
@@ -322,8 +321,7 @@ void bindTypes(py::module_& m) {
            py::arg("size") = -1, py::arg("local_blocks") = std::vector<int64_t>{},
            py::arg("remote_blocks") = std::vector<int64_t>{}, py::arg("local_tensors") = std::vector<uint32_t>{},
            py::arg("remote_tensors") = std::vector<uint32_t>{}, py::arg("local_runs") = RunPairs{},
-           py::arg("remote_runs") = RunPairs{}, py::arg("local_absolute") = false,
-           py::arg("timeout_ms") = 0)
+           py::arg("remote_runs") = RunPairs{}, py::arg("local_absolute") = false, py::arg("timeout_ms") = 0)
       .def_readwrite("peer_cluster_id", &TransferSpec::peer_cluster_id)
       .def_readwrite("target", &TransferSpec::target)
       .def_readwrite("local_cache_id", &TransferSpec::local_cache_id)
@@ -351,7 +349,7 @@ PYBIND11_MODULE(_core, m) {
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
   m.attr("ANY_CLUSTER") = wire::kAnyCluster;
-  m.attr("INVALID_ID") = kInvalidId;  // an unset req_id / prefix_id / registration key
+  m.attr("INVALID_ID") = kInvalidId;                     // an unset req_id / prefix_id / registration key
   m.attr("LATEST_LINK_MARK") = Engine::kLatestLinkMark;  // linked_since(it): no peer, only the latest mark
   // The bounds on what one peer may make an engine spend (core/limits.h), bound once.
   {
@@ -472,11 +470,11 @@ PYBIND11_MODULE(_core, m) {
   py::class_<BoundPrepared>(m, "PreparedTransfer")
       .def("post", &BoundPrepared::post, py::arg("local"), py::arg("remote"), py::arg("push"), py::arg("op"))
       .def(
-          "read", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, false, "read"); },
-          py::arg("local"), py::arg("remote"))
+          "read", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, false, "read"); }, py::arg("local"),
+          py::arg("remote"))
       .def(
-          "write", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, true, "write"); },
-          py::arg("local"), py::arg("remote"))
+          "write", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, true, "write"); }, py::arg("local"),
+          py::arg("remote"))
       .def_property_readonly("block_size", [](const BoundPrepared& b) { return b.prepared->block_size; })
       .def_property_readonly("local_blocks", [](const BoundPrepared& b) { return b.prepared->local_blocks; })
       .def_property_readonly("remote_blocks", [](const BoundPrepared& b) { return b.prepared->remote_blocks; })
@@ -655,13 +653,17 @@ PYBIND11_MODULE(_core, m) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "remove_cache_key",
-          [](Engine& e, uint64_t req, uint64_t prefix, uint64_t model) { e.removeCacheKey(RequestKey{req, prefix, model}); },
+          [](Engine& e, uint64_t req, uint64_t prefix, uint64_t model) {
+            e.removeCacheKey(RequestKey{req, prefix, model});
+          },
           py::call_guard<py::gil_scoped_release>())
       .def(
-          "pull", [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.pull(spec), op.c_str()); },
+          "pull",
+          [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.pull(spec), op.c_str()); },
           py::arg("spec"), py::arg("op") = "pull", py::call_guard<py::gil_scoped_release>())
       .def(
-          "push", [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.push(spec), op.c_str()); },
+          "push",
+          [](Engine& e, const TransferSpec& spec, const std::string& op) { throwIfError(e.push(spec), op.c_str()); },
           py::arg("spec"), py::arg("op") = "push", py::call_guard<py::gil_scoped_release>())
       .def(
           "prepare",

@@ -48,8 +48,8 @@ inline void registerStatusTranslator() {
     } catch (const StatusError& e) {
       namespace py = pybind11;
       py::module_ status = py::module_::import("pdlink.status");
-      py::object exc = status.attr("native_exception")(static_cast<uint32_t>(e.status().code()), e.op(),
-                                                    e.status().message());
+      py::object exc =
+          status.attr("native_exception")(static_cast<uint32_t>(e.status().code()), e.op(), e.status().message());
       PyErr_SetObject(status.attr("LLMException").ptr(), exc.ptr());
     }
   });

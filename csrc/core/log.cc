@@ -23,10 +23,14 @@ LogLevel levelFromEnv() {
 
 const char* levelTag(LogLevel l) {
   switch (l) {
-    case LogLevel::kError: return "E";
-    case LogLevel::kWarn: return "W";
-    case LogLevel::kInfo: return "I";
-    case LogLevel::kDebug: return "D";
+    case LogLevel::kError:
+      return "E";
+    case LogLevel::kWarn:
+      return "W";
+    case LogLevel::kInfo:
+      return "I";
+    case LogLevel::kDebug:
+      return "D";
   }
   return "?";
 }
@@ -45,8 +49,8 @@ void logLine(LogLevel level, const std::string& line) {
   gmtime_r(&t, &tm);
   char ts[32];
   std::strftime(ts, sizeof(ts), "%H:%M:%S", &tm);
-  std::string out = std::string("[pdlink ") + levelTag(level) + " " + ts + " pid " +
-                    std::to_string(getpid()) + "] " + line + "\n";
+  std::string out =
+      std::string("[pdlink ") + levelTag(level) + " " + ts + " pid " + std::to_string(getpid()) + "] " + line + "\n";
   ssize_t ignored = ::write(STDERR_FILENO, out.data(), out.size());
   (void)ignored;
 }

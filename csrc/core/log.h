@@ -16,11 +16,11 @@ void logLine(LogLevel level, const std::string& line);
 
 }  // namespace pdlink
 
-#define PDLINK_LOG(level, expr)                                               \
-  do {                                                                        \
-    if (::pdlink::logEnabled(::pdlink::LogLevel::level)) {                    \
-      std::ostringstream _os;                                                 \
-      _os << expr;                                                            \
-      ::pdlink::logLine(::pdlink::LogLevel::level, _os.str());                \
-    }                                                                         \
+#define PDLINK_LOG(level, expr)                                \
+  do {                                                         \
+    if (::pdlink::logEnabled(::pdlink::LogLevel::level)) {     \
+      std::ostringstream _os;                                  \
+      _os << expr;                                             \
+      ::pdlink::logLine(::pdlink::LogLevel::level, _os.str()); \
+    }                                                          \
   } while (0)

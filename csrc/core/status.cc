@@ -4,32 +4,58 @@ namespace pdlink {
 
 const char* codeName(Code code) {
   switch (code) {
-    case Code::kSuccess: return "LLM_SUCCESS";
-    case Code::kFailed: return "LLM_FAILED";
-    case Code::kWaitProcessTimeout: return "LLM_WAIT_PROCESS_TIMEOUT";
-    case Code::kKvCacheNotExist: return "LLM_KV_CACHE_NOT_EXIST";
-    case Code::kRepeatRequest: return "LLM_REPEAT_REQUEST";
-    case Code::kRequestAlreadyCompleted: return "LLM_REQUEST_ALREADY_COMPLETED";
-    case Code::kParamInvalid: return "LLM_PARAM_INVALID";
-    case Code::kEngineFinalized: return "LLM_ENGINE_FINALIZED";
-    case Code::kNotYetLink: return "LLM_NOT_YET_LINK";
-    case Code::kAlreadyLink: return "LLM_ALREADY_LINK";
-    case Code::kLinkFailed: return "LLM_LINK_FAILED";
-    case Code::kUnlinkFailed: return "LLM_UNLINK_FAILED";
-    case Code::kNotifyPromptUnlinkFailed: return "LLM_NOTIFY_PROMPT_UNLINK_FAILED";
-    case Code::kClusterNumExceedLimit: return "LLM_CLUSTER_NUM_EXCEED_LIMIT";
-    case Code::kProcessingLink: return "LLM_PROCESSING_LINK";
-    case Code::kDeviceOutOfMemory: return "LLM_DEVICE_OUT_OF_MEMORY";
-    case Code::kPrefixAlreadyExist: return "LLM_PREFIX_ALREADY_EXIST";
-    case Code::kPrefixNotExist: return "LLM_PREFIX_NOT_EXIST";
-    case Code::kSeqLenOverLimit: return "LLM_SEQ_LENOVERLIMIT";
-    case Code::kNoFreeBlock: return "LLM_NO_FREE_BLOCK";
-    case Code::kBlocksOutOfMemory: return "LLM_BLOCKS_OUT_OF_MEMORY";
-    case Code::kExistLink: return "LLM_EXIST_LINK";
-    case Code::kFeatureNotEnabled: return "LLM_FEATURE_NOT_ENABLED";
-    case Code::kTimeout: return "LLM_TIMEOUT";
-    case Code::kLinkBusy: return "LLM_LINK_BUSY";
-    case Code::kOutOfMemory: return "LLM_OUT_OF_MEMORY";
+    case Code::kSuccess:
+      return "LLM_SUCCESS";
+    case Code::kFailed:
+      return "LLM_FAILED";
+    case Code::kWaitProcessTimeout:
+      return "LLM_WAIT_PROCESS_TIMEOUT";
+    case Code::kKvCacheNotExist:
+      return "LLM_KV_CACHE_NOT_EXIST";
+    case Code::kRepeatRequest:
+      return "LLM_REPEAT_REQUEST";
+    case Code::kRequestAlreadyCompleted:
+      return "LLM_REQUEST_ALREADY_COMPLETED";
+    case Code::kParamInvalid:
+      return "LLM_PARAM_INVALID";
+    case Code::kEngineFinalized:
+      return "LLM_ENGINE_FINALIZED";
+    case Code::kNotYetLink:
+      return "LLM_NOT_YET_LINK";
+    case Code::kAlreadyLink:
+      return "LLM_ALREADY_LINK";
+    case Code::kLinkFailed:
+      return "LLM_LINK_FAILED";
+    case Code::kUnlinkFailed:
+      return "LLM_UNLINK_FAILED";
+    case Code::kNotifyPromptUnlinkFailed:
+      return "LLM_NOTIFY_PROMPT_UNLINK_FAILED";
+    case Code::kClusterNumExceedLimit:
+      return "LLM_CLUSTER_NUM_EXCEED_LIMIT";
+    case Code::kProcessingLink:
+      return "LLM_PROCESSING_LINK";
+    case Code::kDeviceOutOfMemory:
+      return "LLM_DEVICE_OUT_OF_MEMORY";
+    case Code::kPrefixAlreadyExist:
+      return "LLM_PREFIX_ALREADY_EXIST";
+    case Code::kPrefixNotExist:
+      return "LLM_PREFIX_NOT_EXIST";
+    case Code::kSeqLenOverLimit:
+      return "LLM_SEQ_LENOVERLIMIT";
+    case Code::kNoFreeBlock:
+      return "LLM_NO_FREE_BLOCK";
+    case Code::kBlocksOutOfMemory:
+      return "LLM_BLOCKS_OUT_OF_MEMORY";
+    case Code::kExistLink:
+      return "LLM_EXIST_LINK";
+    case Code::kFeatureNotEnabled:
+      return "LLM_FEATURE_NOT_ENABLED";
+    case Code::kTimeout:
+      return "LLM_TIMEOUT";
+    case Code::kLinkBusy:
+      return "LLM_LINK_BUSY";
+    case Code::kOutOfMemory:
+      return "LLM_OUT_OF_MEMORY";
   }
   return "LLM_FAILED";
 }

@@ -77,8 +77,8 @@ class [[nodiscard]] Status {
 template <class T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}           // NOLINT: implicit by design
-  Result(Status status) : v_(std::move(status)) {}    // NOLINT: must not be OK
+  Result(T value) : v_(std::move(value)) {}         // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {}  // NOLINT: must not be OK
   bool ok() const { return std::holds_alternative<T>(v_); }
   const Status& status() const {
     static const Status kOk;
@@ -95,8 +95,8 @@ class [[nodiscard]] Result {
 }  // namespace pdlink
 
 // Propagate a non-OK Status to the caller.
-#define PDLINK_RETURN_IF_ERROR(expr)          \
-  do {                                        \
-    ::pdlink::Status _st = (expr);            \
-    if (!_st.ok()) return _st;                \
+#define PDLINK_RETURN_IF_ERROR(expr) \
+  do {                               \
+    ::pdlink::Status _st = (expr);   \
+    if (!_st.ok()) return _st;       \
   } while (0)

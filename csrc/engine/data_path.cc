@@ -30,8 +30,8 @@ void Engine::serve(const std::shared_ptr<Link>& link) {
   pin_epochs_.give(state.pin_epoch);  // moves first: a copy still running on our pins fails its check
   for (const std::string& key : state.exported) backend_->closeExport(key);
   if (!state.unlinked) {
-    std::string why = st.message().find("closed by peer") != std::string::npos ? "peer closed the connection"
-                                                                                : st.message();
+    std::string why =
+        st.message().find("closed by peer") != std::string::npos ? "peer closed the connection" : st.message();
     if (!link->broken()) PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: " << why);
     link->breakLink(why);
   }
@@ -96,18 +96,20 @@ bool ucxIsPathOf(const std::shared_ptr<ucx::UcxHub>& hub, Transport transport, c
 }
 
 Status ucxRefused(const Link& link) {
-  return Status(Code::kFeatureNotEnabled, link.payloadIntegrity()
-                                              ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
-                                              : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
-                                                "between hosts with ucx_trusted_network)");
+  return Status(Code::kFeatureNotEnabled,
+                link.payloadIntegrity()
+                    ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
+                    : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
+                      "between hosts with ucx_trusted_network)");
 }
 
 }  // namespace
 
 Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
   if (config_.one_way_links && link.initiator()) {  // our own one-way link: the peer may not use it
-    return Status(Code::kNotYetLink, "with one-way links only the side that linked reads or writes over a "
-                                     "link; connect on that side too");
+    return Status(Code::kNotYetLink,
+                  "with one-way links only the side that linked reads or writes over a "
+                  "link; connect on that side too");
   }
   const bool direct = h.flags & wire::kFlagDirect, device = h.flags & wire::kFlagDevice;
   const bool one_sided = h.flags & wire::kFlagOneSided;
@@ -140,8 +142,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
       state->exported.clear();
       state->pinned.clear();
       pins_expired_.fetch_add(1);
-      PDLINK_LOG(kInfo, clusterName(link->peer()) << " sent nothing for " << pinTimeoutMs()
-                                                  << " ms after a direct access: its pin expired");
+      PDLINK_LOG(kInfo, clusterName(link->peer())
+                            << " sent nothing for " << pinTimeoutMs() << " ms after a direct access: its pin expired");
       return Status::OK();
     }
     PDLINK_RETURN_IF_ERROR(ready);
@@ -179,7 +181,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
                           deadline);
     }
     if (!ucxIsPathOf(ucx_hub_, config_.transport, *link)) {
-      PDLINK_LOG(kDebug, "refused a ucx connect from " << clusterName(link->peer()) << ": " << ucxRefused(*link).message());
+      PDLINK_LOG(kDebug,
+                 "refused a ucx connect from " << clusterName(link->peer()) << ": " << ucxRefused(*link).message());
       return sendResponse(s, ucxRefused(*link), deadline);
     }
     return ucx_server_->connect(*link, s, body, deadline);
@@ -217,7 +220,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
     // same-host conditions apply.
     const bool direct = h.flags & wire::kFlagDirect || tb.target.kind != wire::TargetKind::kRaw;
     Status usable = !admitted.ok() ? admitted
-                    : direct && !link->sameHost() ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
+                    : direct && !link->sameHost()
+                        ? Status(Code::kFeatureNotEnabled, "direct reads need a same-host link")
                     : direct && device_transport_ ? Status(Code::kParamInvalid, "no direct reads here")
                                                   : Status::OK();
     if (usable.ok() && tb.target.kind == wire::TargetKind::kRaw) {
@@ -254,8 +258,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   }
   auto resolved = registry_.resolve(tb, is_write);
   if (!resolved.ok()) {
-    PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer())
-                                   << ": " << resolved.status().message());
+    PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link->peer()) << ": "
+                                   << resolved.status().message());
     return refuse(resolved.status());
   }
   const Resolved& r = resolved.value();
@@ -274,20 +278,24 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   }
   if (device || !any_device) device_runs.clear();  // staged only on the stream path
   if (device && !all_device) {
-    return refuse(raw ? Status(Code::kFeatureNotEnabled, "some of the addressed ranges are host memory: the stream "
-                                                         "path moves them")
-                      : Status(Code::kParamInvalid, "the addressed cache is in host memory; a device cache cannot be "
-                                                    "moved to or from it over this link (use placement DEVICE on "
-                                                    "both sides)"));
+    return refuse(raw ? Status(Code::kFeatureNotEnabled,
+                               "some of the addressed ranges are host memory: the stream "
+                               "path moves them")
+                      : Status(Code::kParamInvalid,
+                               "the addressed cache is in host memory; a device cache cannot be "
+                               "moved to or from it over this link (use placement DEVICE on "
+                               "both sides)"));
   }
   if (!device && any_device && (!raw || direct)) {
-    return refuse(raw ? Status(Code::kFeatureNotEnabled, "some of the addressed ranges are device memory: the stream "
-                                                         "path moves them")
-                      : Status(Code::kParamInvalid, "the addressed cache is in device memory; the other side's cache "
-                                                    "must be in device memory too (placement DEVICE, same backend)"));
+    return refuse(raw ? Status(Code::kFeatureNotEnabled,
+                               "some of the addressed ranges are device memory: the stream "
+                               "path moves them")
+                      : Status(Code::kParamInvalid,
+                               "the addressed cache is in device memory; the other side's cache "
+                               "must be in device memory too (placement DEVICE, same backend)"));
   }
-  ServeCall call{*link, s, h, r.addrs, r.tensors, r.base, r.runs, device_runs, payload.value(), deadline, false,
-                 state->exported, state->pin_epoch};
+  ServeCall call{*link,           s,        h,     r.addrs,         r.tensors,       r.base, r.runs, device_runs,
+                 payload.value(), deadline, false, state->exported, state->pin_epoch};
   Status served = serverFor(h.flags).serve(call);
   if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
   return served;
@@ -437,8 +445,8 @@ Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
     for (size_t i = 0; i < spec.local_runs.size(); ++i) {
       const wire::Run& l = spec.local_runs[i];
       uint64_t end = 0;
-      if (l.length == 0 || l.length != spec.remote_runs[i].length ||
-          __builtin_add_overflow(l.offset, l.length, &end) || end > L.tensor_size) {
+      if (l.length == 0 || l.length != spec.remote_runs[i].length || __builtin_add_overflow(l.offset, l.length, &end) ||
+          end > L.tensor_size) {
         return Status(Code::kParamInvalid, "local range [" + std::to_string(l.offset) + ", +" +
                                                std::to_string(l.length) + ") is outside the local tensors (" +
                                                std::to_string(L.tensor_size) + " bytes) or mismatches the remote one");
@@ -454,8 +462,8 @@ Result<TransferPlan> Engine::plan(const TransferSpec& spec, bool is_push) {
     }
     uint64_t len = spec.size > 0 ? static_cast<uint64_t>(spec.size) : stride;
     if (len > stride) {
-      return Status(Code::kParamInvalid, "size " + std::to_string(len) + " exceeds the local slot size " +
-                                             std::to_string(stride));
+      return Status(Code::kParamInvalid,
+                    "size " + std::to_string(len) + " exceeds the local slot size " + std::to_string(stride));
     }
     p.local_runs.push_back({spec.local_slot * stride, len});
     p.remote.runs.push_back({0, len});
@@ -603,14 +611,15 @@ Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& sp
     return Status(Code::kParamInvalid, "local and remote tensor lists differ in length");
   }
   for (uint32_t t : spec.local_tensors) {
-    if (t >= L.num_tensors) return Status(Code::kParamInvalid, "local tensor index " + std::to_string(t) + " out of range");
+    if (t >= L.num_tensors)
+      return Status(Code::kParamInvalid, "local tensor index " + std::to_string(t) + " out of range");
   }
   p->local_tensors = spec.local_tensors;
   p->remote_tensors = spec.remote_tensors;
   const size_t tensors = p->local_tensors.empty() ? L.num_tensors : p->local_tensors.size();
   if (tensors == 0 || tensors > limits::kMaxRequestTensors) {
-    return Status(Code::kParamInvalid, "a prepared transfer moves 1 to " + std::to_string(limits::kMaxRequestTensors) +
-                                           " tensors");
+    return Status(Code::kParamInvalid,
+                  "a prepared transfer moves 1 to " + std::to_string(limits::kMaxRequestTensors) + " tensors");
   }
   if (raw) {
     uint64_t end = 0;
@@ -635,8 +644,10 @@ Status Engine::post(PreparedTransfer& prep, const int64_t* local, const int64_t*
   const uint64_t now = registry_.published()->generation.load(std::memory_order_acquire);
   if (entry && now != prep.generation.load(std::memory_order_acquire)) {
     auto current = registry_.get(prep.local_cache_id);
-    if (!current.ok() || current.value() != entry) entry.reset();
-    else prep.generation.store(now, std::memory_order_release);  // re-prepared: still registered
+    if (!current.ok() || current.value() != entry)
+      entry.reset();
+    else
+      prep.generation.store(now, std::memory_order_release);  // re-prepared: still registered
   }
   if (!entry) {
     return Status(Code::kParamInvalid, "the prepared transfer's local cache " + std::to_string(prep.local_cache_id) +
@@ -741,8 +752,9 @@ Status Engine::transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, 
 Status Engine::serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
                                   Deadline deadline) {
   if (!device_transport_) {
-    return sendResponse(s, Status(Code::kFeatureNotEnabled, std::string("the peer's backend (") + backend_->name() +
-                                                                ") has no device channels"),
+    return sendResponse(s,
+                        Status(Code::kFeatureNotEnabled,
+                               std::string("the peer's backend (") + backend_->name() + ") has no device channels"),
                         deadline);
   }
   if (rendezvous.empty()) return sendResponse(s, Status(Code::kParamInvalid, "empty device channel request"), deadline);
@@ -775,8 +787,8 @@ Status Engine::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline d
   const bool offer = config_.one_sided && one_sided_;
   std::string body = rv + static_cast<char>(offer ? wire::kChannelOneSided : 0);
   wire::ResponseHeader rh;
-  Status st = request(*link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0},
-                      body, deadline, what, &rh);
+  Status st = request(*link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0}, body,
+                      deadline, what, &rh);
   if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
   std::string answer;
   const uint8_t offered = offer ? wire::kChannelOneSided : 0;

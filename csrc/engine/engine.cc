@@ -315,8 +315,8 @@ Listener::AcceptFn Engine::acceptor() {
         if (held == 0) slots_.per_source.erase(source);
         if (handshakes_refused_.fetch_add(1) % 1000 == 0) {  // one line per thousand, not one each
           PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress ("
-                                                        << slots_.total << " in all, " << held << " from "
-                                                        << source << ")");
+                                                        << slots_.total << " in all, " << held << " from " << source
+                                                        << ")");
         }
         return;
       }
@@ -377,8 +377,9 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
       const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
                                               (listen_port == listener_->port() || listen_port == 0));
       if (!same) {
-        return Status(Code::kFeatureNotEnabled, "with one-way links switch_role cannot change the listen "
-                                                "address; close the engine and open a new one");
+        return Status(Code::kFeatureNotEnabled,
+                      "with one-way links switch_role cannot change the listen "
+                      "address; close the engine and open a new one");
       }
       role_ = role;
       return Status::OK();
@@ -386,8 +387,8 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
     if (!links_.empty() || !linking_.empty()) {
       std::string ids;
       for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
-      return Status(Code::kExistLink, "cannot switch role while links exist (peer clusters: " + ids +
-                                          "); disconnect them first");
+      return Status(Code::kExistLink,
+                    "cannot switch role while links exist (peer clusters: " + ids + "); disconnect them first");
     }
     keep = !listen_ip.empty() && listener_ && listen_ip == listener_->ip() &&
            (listen_port == listener_->port() || listen_port == 0);
@@ -415,12 +416,12 @@ Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t list
   return Status::OK();
 }
 
-
 // ---------------------------------------------------------------- registry
 
 Result<std::shared_ptr<CacheEntry>> Engine::registerCache(const CacheLayout& layout, const std::vector<uint64_t>& addrs,
                                                           const std::vector<RequestKey>& keys,
-                                                          std::optional<uint64_t> blocks_model, bool remote_accessible) {
+                                                          std::optional<uint64_t> blocks_model,
+                                                          bool remote_accessible) {
   if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
   if (addrs.size() != layout.num_tensors || addrs.empty()) {
     return Status(Code::kParamInvalid, "expected " + std::to_string(layout.num_tensors) + " tensor addresses, got " +
@@ -442,13 +443,15 @@ Result<std::shared_ptr<CacheEntry>> Engine::registerCache(const CacheLayout& lay
 std::vector<Engine::PoolInfo> Engine::pools() const {
   std::vector<PoolInfo> out;
   for (const auto& pool : {device_pool_, host_pool_}) {
-    if (pool) out.push_back({pool == device_pool_ ? Placement::kDevice : Placement::kHost, pool->base(),
-                             pool->capacity(), pool->used()});
+    if (pool)
+      out.push_back(
+          {pool == device_pool_ ? Placement::kDevice : Placement::kHost, pool->base(), pool->capacity(), pool->used()});
   }
   return out;
 }
 
-Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& layout, const std::vector<RequestKey>& keys,
+Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& layout,
+                                                          const std::vector<RequestKey>& keys,
                                                           std::optional<uint64_t> blocks_model) {
   if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
   std::shared_ptr<MemPool> pool = layout.placement == Placement::kDevice ? device_pool_ : host_pool_;

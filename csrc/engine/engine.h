@@ -77,7 +77,7 @@ struct EngineLimits {
   uint32_t max_links = defaultMaxLinks();
   // Of those, accepted from one source: an IP address, or, for AF_UNIX connections, a uid.
   uint32_t max_links_per_source = 64;
-  uint32_t max_handshakes = 64;            // connections mid-handshake, from everyone
+  uint32_t max_handshakes = 64;             // connections mid-handshake, from everyone
   uint32_t max_handshakes_per_source = 16;  // of those, from one source (as above)
   // How long an incoming connection may take to send its hello; past it, or when the handshake
   // slots are full and a newcomer arrives, the oldest connection still silent is dropped.
@@ -109,9 +109,9 @@ struct EngineLimits {
 struct EngineConfig {
   uint64_t cluster_id = 0;
   Role role = Role::kMix;
-  std::string listen_ip;  // empty = do not listen (pure client)
-  uint16_t listen_port = 0;  // 0 = pick a free port
-  int64_t sync_timeout_ms = 1000;       // bounds each pull and push
+  std::string listen_ip;           // empty = do not listen (pure client)
+  uint16_t listen_port = 0;        // 0 = pick a free port
+  int64_t sync_timeout_ms = 1000;  // bounds each pull and push
   PoolConfig device_pool;
   PoolConfig host_pool;
   Transport transport = Transport::kAuto;
@@ -151,15 +151,15 @@ struct PeerAddress {
 
 // Counters of what peers made an engine spend (Engine::stats): for tests, logs and metrics.
 struct EngineStats {
-  size_t live_links = 0;         // links with channels (dialled and accepted)
-  size_t tombstones = 0;         // dead links still reported until unlinked (engine/link_table.h)
-  size_t handshakes = 0;         // connections in a handshake now
-  size_t threads = 0;            // engine threads running (serving, handshakes)
-  uint64_t handshakes_refused = 0;  // connections dropped for want of a handshake slot
-  uint64_t handshakes_evicted = 0;  // silent connections dropped to make room for a newcomer
-  uint64_t listener_backoffs = 0;   // times a listener paused for want of descriptors
-  uint64_t pins_expired = 0;        // pins released before the peer's next frame
-  size_t notifications = 0;         // notifications received and not yet taken
+  size_t live_links = 0;               // links with channels (dialled and accepted)
+  size_t tombstones = 0;               // dead links still reported until unlinked (engine/link_table.h)
+  size_t handshakes = 0;               // connections in a handshake now
+  size_t threads = 0;                  // engine threads running (serving, handshakes)
+  uint64_t handshakes_refused = 0;     // connections dropped for want of a handshake slot
+  uint64_t handshakes_evicted = 0;     // silent connections dropped to make room for a newcomer
+  uint64_t listener_backoffs = 0;      // times a listener paused for want of descriptors
+  uint64_t pins_expired = 0;           // pins released before the peer's next frame
+  size_t notifications = 0;            // notifications received and not yet taken
   uint64_t notifications_refused = 0;  // notifications refused because a queue bound was reached
 };
 
@@ -220,12 +220,12 @@ struct TransferSpec {
 // the generation, which is atomic); posts on one link are serialised like any transfer.
 struct PreparedTransfer {
   uint64_t peer_cluster_id = 0;
-  wire::Target target;          // kBlocks or kRaw
-  uint64_t remote_base = 0;     // kRaw: the peer's address of remote block 0
-  uint64_t remote_blocks = 0;   // kRaw: the blocks there (the bound on remote indices); kBlocks: 0
+  wire::Target target;         // kBlocks or kRaw
+  uint64_t remote_base = 0;    // kRaw: the peer's address of remote block 0
+  uint64_t remote_blocks = 0;  // kRaw: the blocks there (the bound on remote indices); kBlocks: 0
   int64_t local_cache_id = 0;
   uint64_t block_size = 0;
-  uint64_t local_blocks = 0;    // tensor_size / block_size of the local cache
+  uint64_t local_blocks = 0;                            // tensor_size / block_size of the local cache
   std::vector<uint32_t> local_tensors, remote_tensors;  // pairs; all local tensors i <-> i when empty
   std::weak_ptr<CacheEntry> local;
   std::atomic<uint64_t> generation{0};  // of this side's registry when `local` was last checked
@@ -281,8 +281,8 @@ class Engine {
   // The peer's registered memory as address ranges, sorted, with its registry generation: what
   // its raw-address (kRaw) checks accept (wire::RawTable; a range may also run across ranges that
   // follow each other exactly). A snapshot: a later release or re-index on the peer changes the
-  // generation (a registration adds ranges and keeps it). Blocking (the link's out mutex, one round trip by `timeout_ms`); kParamInvalid
-  // when the peer has more than limits::kMaxRequestTensors tensors registered.
+  // generation (a registration adds ranges and keeps it). Blocking (the link's out mutex, one round trip by
+  // `timeout_ms`); kParamInvalid when the peer has more than limits::kMaxRequestTensors tensors registered.
   Result<wire::RawTable> describeMemory(uint64_t cluster_id, int64_t timeout_ms);
   Status notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms);
   // Takes every notification received and not yet taken, in arrival order (per peer, the order it
@@ -321,8 +321,8 @@ class Engine {
   // or kRaw), the local cache and the tensor pairs; `block_size` divides the local tensors (0: the
   // local cache's own block size, its stride); for kRaw, `remote_bytes` is the registered length at
   // `remote_base`. kParamInvalid for a bad description; nothing is sent to the peer.
-  Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size,
-                                                    uint64_t remote_base, uint64_t remote_bytes);
+  Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size, uint64_t remote_base,
+                                                    uint64_t remote_bytes);
   // Moves local block local[i] <-> remote block remote[i] for i < n (coalescing consecutive pairs),
   // a pull or a push, bounded by the sync timeout. Errors as pull/push; kParamInvalid for an index
   // out of range or a local cache that is no longer registered.
@@ -382,9 +382,9 @@ class Engine {
   struct HandshakeSlot {
     Engine* engine = nullptr;
     std::string source;
-    uint64_t arrival = 0;      // order of arrival (Slots::silent)
-    int silent = -1;           // the connection's descriptor, while it has not sent its hello
-    bool evicted = false;      // made room for a newcomer: its thread is on its way out
+    uint64_t arrival = 0;  // order of arrival (Slots::silent)
+    int silent = -1;       // the connection's descriptor, while it has not sent its hello
+    bool evicted = false;  // made room for a newcomer: its thread is on its way out
     void release();
     ~HandshakeSlot() { release(); }
   };
@@ -480,18 +480,18 @@ class Engine {
   std::shared_ptr<MemPool> host_pool_;
 
   mutable std::mutex mu_;
-  bool initialized_ = false;                         // guarded by mu_
-  bool stopping_ = false;                            // guarded by mu_
-  Role role_ = Role::kMix;                           // guarded by mu_
-  LinkTable links_;                                  // guarded by mu_
-  std::set<uint64_t> linking_;                       // link attempts in flight, guarded by mu_
+  bool initialized_ = false;    // guarded by mu_
+  bool stopping_ = false;       // guarded by mu_
+  Role role_ = Role::kMix;      // guarded by mu_
+  LinkTable links_;             // guarded by mu_
+  std::set<uint64_t> linking_;  // link attempts in flight, guarded by mu_
   struct Dialling {
     uint64_t peer;
     std::string endpoint;
   };
-  std::map<wire::Nonce, Dialling> dialling_;  // links being dialled, by nonce; guarded by mu_
+  std::map<wire::Nonce, Dialling> dialling_;            // links being dialled, by nonce; guarded by mu_
   std::deque<std::pair<uint64_t, uint64_t>> link_log_;  // (number, peer) of the latest links, guarded by mu_
-  uint64_t link_seq_ = 0;                            // guarded by mu_
+  uint64_t link_seq_ = 0;                               // guarded by mu_
 
   // Listeners are destroyed (which joins their thread) only outside mu_.
   std::unique_ptr<Listener> listener_;       // from listen_ip_info / switch_role, guarded by mu_
@@ -509,7 +509,7 @@ class Engine {
     std::shared_ptr<cma::Grant> grant;
     std::shared_ptr<const crypto::Key> session_key;  // the forward channel's (with a link secret)
     bool integrity = false;                          // payload integrity agreed on it
-    std::shared_ptr<Link> link;       // set by the REVERSE handler when the link is installed
+    std::shared_ptr<Link> link;                      // set by the REVERSE handler when the link is installed
     bool done = false;
   };
   std::map<wire::Nonce, std::shared_ptr<PendingLink>> pending_;  // guarded by mu_
@@ -519,7 +519,7 @@ class Engine {
   // when the handshake ends.
   struct Slots {
     size_t total = 0;
-    size_t evicting = 0;  // evicted, their threads not yet ended (not in total)
+    size_t evicting = 0;   // evicted, their threads not yet ended (not in total)
     uint64_t evicted = 0;  // ever
     std::map<std::string, size_t> per_source;
     uint64_t arrivals = 0;
@@ -538,7 +538,7 @@ class Engine {
     };
     std::map<uint64_t, Share> per_peer;
     std::map<std::string, uint64_t> per_source;  // bytes from the links of one source
-    uint64_t bytes = 0;  // of all of them
+    uint64_t bytes = 0;                          // of all of them
     uint64_t refused = 0;
   };
   mutable std::mutex notify_mu_;

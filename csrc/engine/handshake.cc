@@ -16,7 +16,6 @@
 
 namespace pdlink::detail {
 
-
 void randomBytes(uint8_t* out, size_t n) {
   while (n > 0) {
     ssize_t got = ::getrandom(out, n, 0);
@@ -139,8 +138,8 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   if (*peer_id == wire::kAnyCluster) {
     *peer_id = ack.cluster_id;
   } else if (ack.cluster_id != *peer_id) {
-    return Status(Code::kLinkFailed, "the endpoint is " + clusterName(ack.cluster_id) + ", not " +
-                                         clusterName(*peer_id));
+    return Status(Code::kLinkFailed,
+                  "the endpoint is " + clusterName(ack.cluster_id) + ", not " + clusterName(*peer_id));
   }
   Transcript t;
   t.addHello(hello_frame, ack.cluster_id, ack.challenge);
@@ -149,16 +148,19 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   if (!constantTimeEqual(ack.proof, expected.value().data(), expected.value().size())) {
     static constexpr uint8_t kNoProof[wire::kProofBytes] = {0};
     if (secret.empty()) {
-      return Status(Code::kLinkFailed, "the peer requires a link secret and this engine has none: set the same "
-                                       "pdlink.LinkSecret (or PDLINK_LINK_SECRET) on both sides");
+      return Status(Code::kLinkFailed,
+                    "the peer requires a link secret and this engine has none: set the same "
+                    "pdlink.LinkSecret (or PDLINK_LINK_SECRET) on both sides");
     }
     if (std::memcmp(ack.proof, kNoProof, sizeof(kNoProof)) == 0) {
-      return Status(Code::kLinkFailed, "the peer has no link secret and this engine has one: set the same "
-                                       "pdlink.LinkSecret (or PDLINK_LINK_SECRET) on both sides");
+      return Status(Code::kLinkFailed,
+                    "the peer has no link secret and this engine has one: set the same "
+                    "pdlink.LinkSecret (or PDLINK_LINK_SECRET) on both sides");
     }
-    return Status(Code::kLinkFailed, "the peer's link secret differs from this engine's (it could not prove it "
-                                     "knows this one, or the handshake was altered on the way): set the same "
-                                     "pdlink.LinkSecret on both sides");
+    return Status(Code::kLinkFailed,
+                  "the peer's link secret differs from this engine's (it could not prove it "
+                  "knows this one, or the handshake was altered on the way): set the same "
+                  "pdlink.LinkSecret on both sides");
   }
   wire::ClientAuth auth = mine;
   t.addClientAuth(auth);
@@ -172,8 +174,8 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   uint16_t redirect_len = 0;
   PDLINK_RETURN_IF_ERROR(wire::decodeFixed(rbuf, sizeof(rbuf), result, &msg_len, &redirect_len));
   PDLINK_RETURN_IF_ERROR(s.readBounded(msg_len, wire::kMaxMessageBytes, deadline, &result->message, "auth text"));
-  PDLINK_RETURN_IF_ERROR(s.readBounded(redirect_len, limits::kUnixNameBytes, deadline, &result->redirect,
-                                       "redirect name"));
+  PDLINK_RETURN_IF_ERROR(
+      s.readBounded(redirect_len, limits::kUnixNameBytes, deadline, &result->redirect, "redirect name"));
   if (result->status != 0) return Status(Code::kLinkFailed, "peer refused the link: " + result->message);
   // The verdict, its redirect and its address count only when they come from the prover, unaltered.
   t.addVerdict(s.isUnix(), *result);
@@ -185,8 +187,8 @@ Status helloExchange(Socket& s, wire::Hello hello, const std::string& secret, co
   // A redirect answers only a FORWARD TCP channel that offered to take one; addresses come only on
   // AF_UNIX channels; payload integrity only on an authenticated link that the dialler offered it
   // to, or whose acceptor wants it.
-  const bool may_redirect = !s.isUnix() && hello.channel == wire::Channel::kForward &&
-                            (hello.flags & wire::kHelloSameHost);
+  const bool may_redirect =
+      !s.isUnix() && hello.channel == wire::Channel::kForward && (hello.flags & wire::kHelloSameHost);
   if ((!result->redirect.empty() && !may_redirect) || (result->gen_addr != 0 && !s.isUnix()) ||
       ((result->flags & wire::kAuthPayloadIntegrity) && secret.empty())) {
     return Status(Code::kLinkFailed,

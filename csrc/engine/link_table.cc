@@ -6,9 +6,8 @@ namespace pdlink {
 
 namespace {
 LinkInfo infoOf(const Link& l) {
-  return LinkInfo{l.peer(),          l.peerAddress(),   l.initiator(),        l.broken(),
-                  l.brokenReason(), l.transport(),     l.authenticated(),    l.payloadIntegrity(),
-                  l.devicePathNames(), l.lanes()};
+  return LinkInfo{l.peer(),      l.peerAddress(),   l.initiator(),        l.broken(),          l.brokenReason(),
+                  l.transport(), l.authenticated(), l.payloadIntegrity(), l.devicePathNames(), l.lanes()};
 }
 }  // namespace
 
@@ -69,7 +68,7 @@ void LinkTable::retire(const std::shared_ptr<Link>& link, size_t max_tombstones)
   if (it == entries_.end()) return;
   Entry& e = it->second;
   std::shared_ptr<Link>& slot = link->initiator() ? e.dialled : e.accepted;
-  if (slot != link) return;  // replaced or unlinked meanwhile
+  if (slot != link) return;              // replaced or unlinked meanwhile
   if (one_way_ && !link->initiator()) {  // the peer's link: nothing of it stays here
     forget(link);
     return;
@@ -80,7 +79,8 @@ void LinkTable::retire(const std::shared_ptr<Link>& link, size_t max_tombstones)
   while (tombstones() > max_tombstones) {  // forget the oldest
     auto oldest = entries_.end();
     for (auto jt = entries_.begin(); jt != entries_.end(); ++jt) {
-      if (jt->second.tombstone && (oldest == entries_.end() || jt->second.tombstone->seq < oldest->second.tombstone->seq)) {
+      if (jt->second.tombstone &&
+          (oldest == entries_.end() || jt->second.tombstone->seq < oldest->second.tombstone->seq)) {
         oldest = jt;
       }
     }

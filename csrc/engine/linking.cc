@@ -17,8 +17,8 @@ namespace pdlink {
 using namespace detail;  // NOLINT: this file is part of the engine
 
 Status detail::linkDown(uint64_t peer, const std::string& reason) {
-  return Status(Code::kLinkFailed, "the link to " + clusterName(peer) + " is down (" + reason +
-                                       "); disconnect, then connect again");
+  return Status(Code::kLinkFailed,
+                "the link to " + clusterName(peer) + " is down (" + reason + "); disconnect, then connect again");
 }
 
 Status detail::linkDown(const Link& link) { return linkDown(link.peer(), link.brokenReason()); }
@@ -31,9 +31,9 @@ Status detail::linkError(const PeerAddress& peer, const Status& st) {
 
 struct Engine::Dialled {
   Socket fwd, rev;
-  pid_t pid = 0;                 // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
+  pid_t pid = 0;  // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
   uid_t uid = 0;
-  uint64_t published_addr = 0;   // its Registry::Published words (AF_UNIX channels only)
+  uint64_t published_addr = 0;  // its Registry::Published words (AF_UNIX channels only)
   std::shared_ptr<cma::Grant> grant;
   Session fwd_session, rev_session;  // with a link secret: the channels' keys
   wire::Nonce nonce{};               // the forward channel's hello
@@ -64,9 +64,8 @@ std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t 
   std::vector<uint64_t> ids(peers.size(), wire::kAnyCluster);
   std::vector<std::future<Status>> futures;
   for (size_t i = 0; i < peers.size(); ++i) {
-    futures.push_back(std::async(std::launch::async, [this, &peers, &ids, i, timeout_ms] {
-      return linkOne(peers[i], timeout_ms, &ids[i]);
-    }));
+    futures.push_back(std::async(
+        std::launch::async, [this, &peers, &ids, i, timeout_ms] { return linkOne(peers[i], timeout_ms, &ids[i]); }));
   }
   std::vector<Status> out;
   for (auto& f : futures) out.push_back(f.get());
@@ -83,7 +82,8 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (known && peer.cluster_id == config_.cluster_id) {
-      return Status(Code::kParamInvalid, "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
+      return Status(Code::kParamInvalid,
+                    "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
     }
     // A link entity of this side (a dead one too, until unlinked) for this peer: llm_datadist
     // answers LLM_ALREADY_LINK. (So a peer that linked to us first makes our own link attempt
@@ -105,8 +105,8 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
                                            " links, the most it may have (pdlink.MaxLinks); unlink one first");
     }
     if (!linking_.insert(guard_key).second) {
-      return Status(Code::kProcessingLink, "a link to " + (known ? clusterName(peer.cluster_id) : where) +
-                                               " is in progress");
+      return Status(Code::kProcessingLink,
+                    "a link to " + (known ? clusterName(peer.cluster_id) : where) + " is in progress");
     }
   }
   struct Unmark {
@@ -134,8 +134,8 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
     } else if (reached || config_.transport == Transport::kCma) {
       return linkError(peer, local.status());
     } else {
-      PDLINK_LOG(kInfo, "same-host channels to " << clusterName(peer_id) << " unavailable ("
-                                                 << local.status().message() << "); using tcp");
+      PDLINK_LOG(kInfo, "same-host channels to " << clusterName(peer_id) << " unavailable (" << local.status().message()
+                                                 << "); using tcp");
       peer_id = peer.cluster_id;
       dialled = dialTcp(peer, false, &peer_id, deadline, &redirect);
       if (!dialled.ok()) return linkError(peer, dialled.status());
@@ -169,9 +169,8 @@ Status Engine::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* li
       return Status(Code::kAlreadyLink, clusterName(peer_id) + " is already linked");
     }
     if (link->broken()) return linkError(peer, confirmed);
-    PDLINK_LOG(kWarn, "dropping the link that claimed to come from " << clusterName(peer_id) << " ("
-                                                                       << claimed->peerAddress() << "): "
-                                                                       << confirmed.message());
+    PDLINK_LOG(kWarn, "dropping the link that claimed to come from "
+                          << clusterName(peer_id) << " (" << claimed->peerAddress() << "): " << confirmed.message());
     {
       std::lock_guard<std::mutex> lock(mu_);
       links_.forget(claimed);
@@ -257,8 +256,7 @@ Result<Engine::Dialled> Engine::dialTcp(const PeerAddress& peer, bool offer_same
   return d;
 }
 
-Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer_id, Deadline deadline,
-                                         bool* reached) {
+Result<Engine::Dialled> Engine::dialUnix(const std::string& name, uint64_t* peer_id, Deadline deadline, bool* reached) {
   *reached = false;
   Dialled d;
   auto fwd = Socket::connectUnix(name, deadline);
@@ -344,8 +342,8 @@ void Engine::installLink(const std::shared_ptr<Link>& link) {
 
 Status Engine::confirmDialled(Link& link, const Link& claimed, Deadline deadline) {
   std::lock_guard<std::mutex> out(link.outMutex());
-  const std::string body = std::string(reinterpret_cast<const char*>(claimed.nonce().data()), claimed.nonce().size()) +
-                           claimed.endpoint();
+  const std::string body =
+      std::string(reinterpret_cast<const char*>(claimed.nonce().data()), claimed.nonce().size()) + claimed.endpoint();
   wire::ResponseHeader rh;
   Status st = request(link, wire::RequestHeader{wire::Op::kConfirm, static_cast<uint32_t>(body.size()), 0}, body,
                       deadline, "confirming a link with", &rh);
@@ -379,8 +377,9 @@ Status Engine::serveConfirm(const Link& link, Stream& s, const std::string& body
            (it != dialling_.end() && it->second.peer == link.peer() && it->second.endpoint == endpoint);
   }
   if (ours) return sendResponse(s, Status::OK(), deadline);
-  return sendResponse(s, Status(Code::kNotYetLink, "this engine did not dial that link to " + clusterName(config_.cluster_id)),
-                      deadline);
+  return sendResponse(
+      s, Status(Code::kNotYetLink, "this engine did not dial that link to " + clusterName(config_.cluster_id)),
+      deadline);
 }
 
 bool Engine::stillAlive(const std::shared_ptr<Link>& link) {
@@ -626,9 +625,10 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
       handshaking_.insert(tracked);
       if (st.ok()) {
         pending_cv_.notify_all();
-        pending_cv_.wait_until(lock, std::chrono::steady_clock::now() +
-                                         std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll())),
-                               [&] { return pending->done || stopping_; });
+        pending_cv_.wait_until(
+            lock,
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll())),
+            [&] { return pending->done || stopping_; });
       }
       if (auto it = pending_.find(hello.nonce); it != pending_.end() && it->second == pending) pending_.erase(it);
       if (pending->done) link = pending->link;
@@ -663,7 +663,8 @@ void Engine::handleIncoming(Socket sock, HandshakeSlot* slot) {
   std::unique_lock<std::mutex> out_lock;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    auto deadline_tp = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll()));
+    auto deadline_tp =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, deadline.remainingMsForPoll()));
     // The FORWARD thread registers the nonce before it acks, so an unknown nonce is refused at
     // once; a known one may still be parking its socket, which takes microseconds.
     pending_cv_.wait_until(lock, deadline_tp, [&] {
@@ -753,9 +754,9 @@ Status Engine::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
       Status remote;
       if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
       if (!st.ok()) {
-        result = Status(Code::kNotifyPromptUnlinkFailed,
-                        "unlinked locally, but " + clusterName(cluster_id) + " could not be told (" + st.message() +
-                            "); disconnect on that side too");
+        result = Status(Code::kNotifyPromptUnlinkFailed, "unlinked locally, but " + clusterName(cluster_id) +
+                                                             " could not be told (" + st.message() +
+                                                             "); disconnect on that side too");
       }
     }
     link->breakLink("unlinked by this side");

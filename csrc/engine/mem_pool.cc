@@ -2,8 +2,8 @@
 
 namespace pdlink {
 
-Result<std::shared_ptr<MemPool>> MemPool::create(std::shared_ptr<Backend> backend, Placement placement,
-                                                 uint64_t bytes, uint32_t page_shift) {
+Result<std::shared_ptr<MemPool>> MemPool::create(std::shared_ptr<Backend> backend, Placement placement, uint64_t bytes,
+                                                 uint32_t page_shift) {
   if (bytes == 0) return Status(Code::kParamInvalid, "memory pool size must be > 0");
   if (page_shift < 10 || page_shift >= 31) {
     return Status(Code::kParamInvalid, "page_shift must be in [10, 31), got " + std::to_string(page_shift));
@@ -20,9 +20,7 @@ Result<std::shared_ptr<MemPool>> MemPool::create(std::shared_ptr<Backend> backen
   return pool;
 }
 
-MemPool::~MemPool() {
-  backend_->release(placement_, reinterpret_cast<void*>(base_), size_);
-}
+MemPool::~MemPool() { backend_->release(placement_, reinterpret_cast<void*>(base_), size_); }
 
 Result<uint64_t> MemPool::allocate(uint64_t bytes) {
   if (bytes > size_) {  // also keeps the rounding below from wrapping around

@@ -20,8 +20,8 @@ namespace pdlink {
 
 class MemPool {
  public:
-  static Result<std::shared_ptr<MemPool>> create(std::shared_ptr<Backend> backend, Placement placement,
-                                                 uint64_t bytes, uint32_t page_shift);
+  static Result<std::shared_ptr<MemPool>> create(std::shared_ptr<Backend> backend, Placement placement, uint64_t bytes,
+                                                 uint32_t page_shift);
   ~MemPool();
 
   // kOutOfMemory (with the sizes in the message) when no free range is large enough.

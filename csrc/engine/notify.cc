@@ -11,16 +11,14 @@ namespace pdlink {
 
 using detail::linkDown;
 
-Status Engine::notify(uint64_t cluster_id, const std::string& name, const std::string& message,
-                      int64_t timeout_ms) {
+Status Engine::notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms) {
   // Checked here too, so an oversized notification is the caller's error, not a protocol violation
   // that would cost the link.
   if (name.size() > limits::kMaxNotifyNameBytes || message.size() > limits::kMaxNotifyMessageBytes) {
-    return Status(Code::kParamInvalid, "a notification's name may have at most " +
-                                           std::to_string(limits::kMaxNotifyNameBytes) + " bytes and its message " +
-                                           std::to_string(limits::kMaxNotifyMessageBytes) + " (got " +
-                                           std::to_string(name.size()) + " and " + std::to_string(message.size()) +
-                                           ")");
+    return Status(Code::kParamInvalid,
+                  "a notification's name may have at most " + std::to_string(limits::kMaxNotifyNameBytes) +
+                      " bytes and its message " + std::to_string(limits::kMaxNotifyMessageBytes) + " (got " +
+                      std::to_string(name.size()) + " and " + std::to_string(message.size()) + ")");
   }
   if (timeout_ms <= 0) return Status(Code::kParamInvalid, "the notification timeout must be positive");
   auto link_r = usableLink(cluster_id);
@@ -57,8 +55,10 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
     return st;
   }
   if (config_.one_way_links && link.initiator()) {  // as admitAccess: our own one-way link
-    return sendResponse(s, Status(Code::kNotYetLink, "with one-way links only the side that linked notifies over a "
-                                                     "link; connect on that side too"),
+    return sendResponse(s,
+                        Status(Code::kNotYetLink,
+                               "with one-way links only the side that linked notifies over a "
+                               "link; connect on that side too"),
                         deadline);
   }
   const EngineLimits& lim = config_.limits;
@@ -83,9 +83,9 @@ Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body,
                                            std::to_string(lim.max_notification_bytes_per_source) +
                                            " bytes per source; retry after it took them");
     } else if (inbox_.bytes + bytes > lim.max_notification_bytes) {
-      queued = Status(Code::kLinkBusy, "its unread notifications would pass its limit of " +
-                                           std::to_string(lim.max_notification_bytes) +
-                                           " bytes; retry after it took them");
+      queued =
+          Status(Code::kLinkBusy, "its unread notifications would pass its limit of " +
+                                      std::to_string(lim.max_notification_bytes) + " bytes; retry after it took them");
     } else {
       ++mine.count;
       mine.bytes += bytes;

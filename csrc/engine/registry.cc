@@ -12,7 +12,8 @@ RegistryMutex::RegistryMutex() {
 #ifdef __GLIBC__
   pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
 #endif
-  if (pthread_rwlock_init(&rw_, &attr) != 0) throw std::system_error(errno, std::generic_category(), "pthread_rwlock_init");
+  if (pthread_rwlock_init(&rw_, &attr) != 0)
+    throw std::system_error(errno, std::generic_category(), "pthread_rwlock_init");
   pthread_rwlockattr_destroy(&attr);
 }
 
@@ -32,9 +33,9 @@ void RegistryMutex::unlock_shared() { pthread_rwlock_unlock(&rw_); }
 namespace {
 
 Status tooManySteps(uint64_t max_steps) {
-  return Status(Code::kParamInvalid, "the address ranges of this request run across more than " +
-                                         std::to_string(max_steps) +
-                                         " registrations in all (max_request_span_steps); split it into several requests");
+  return Status(Code::kParamInvalid,
+                "the address ranges of this request run across more than " + std::to_string(max_steps) +
+                    " registrations in all (max_request_span_steps); split it into several requests");
 }
 
 }  // namespace
@@ -49,8 +50,8 @@ Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::v
   std::unique_lock<RegistryMutex> lock(mu_);
   if (keys.size() > entry.layout.num_slots) {
     return Status(Code::kParamInvalid, "cache_keys has " + std::to_string(keys.size()) +
-                                           " keys but the cache has only " +
-                                           std::to_string(entry.layout.num_slots) + " batch slots");
+                                           " keys but the cache has only " + std::to_string(entry.layout.num_slots) +
+                                           " batch slots");
   }
   // Check every key before binding any, so a rejected call changes nothing.
   std::set<std::pair<uint64_t, uint64_t>> seen_req, seen_prefix;
@@ -65,15 +66,14 @@ Result<std::shared_ptr<CacheEntry>> Registry::add(CacheEntry entry, const std::v
     if (k.hasPrefix()) {
       auto ix = std::make_pair(k.prefix_id, k.model_id);
       if (prefix_index_.count(ix) || !seen_prefix.insert(ix).second) {
-        return Status(Code::kParamInvalid, "prefix key (prefix_id=" + std::to_string(k.prefix_id) +
-                                               ", model_id=" + std::to_string(k.model_id) +
-                                               ") is already bound to a cache");
+        return Status(Code::kParamInvalid, "prefix key (prefix_id=" + std::to_string(k.prefix_id) + ", model_id=" +
+                                               std::to_string(k.model_id) + ") is already bound to a cache");
       }
     }
   }
   if (entry.blocks_model && blocks_index_.count(*entry.blocks_model)) {
-    return Status(Code::kParamInvalid, "a blocks cache is already registered under model_id " +
-                                           std::to_string(*entry.blocks_model));
+    return Status(Code::kParamInvalid,
+                  "a blocks cache is already registered under model_id " + std::to_string(*entry.blocks_model));
   }
   entry.id = next_id_++;
   auto sp = std::make_shared<CacheEntry>(std::move(entry));
@@ -123,8 +123,8 @@ Status Registry::unregister(int64_t id) {
     return Status(Code::kParamInvalid, "no registered cache with id " + std::to_string(id));
   }
   if (it->second->owned) {
-    return Status(Code::kParamInvalid, "cache " + std::to_string(id) +
-                                           " was allocated from a memory pool; use deallocate_cache");
+    return Status(Code::kParamInvalid,
+                  "cache " + std::to_string(id) + " was allocated from a memory pool; use deallocate_cache");
   }
   bumpLocked();
   if (it->second->blocks_model) blocks_index_.erase(*it->second->blocks_model);
@@ -203,9 +203,7 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   std::shared_ptr<CacheEntry> entry;
   uint64_t slot = 0;
   bool slotted = true;
-  auto notFound = [&]() {
-    return Status(Code::kKvCacheNotExist, "no cache is published here under " + t.describe());
-  };
+  auto notFound = [&]() { return Status(Code::kKvCacheNotExist, "no cache is published here under " + t.describe()); };
   {  // the indexes, under the lock; the checks below read only the entry, which does not change
     std::shared_lock<RegistryMutex> lock(mu_);
     switch (t.kind) {
@@ -244,22 +242,20 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   }
   if (body.block_size != 0 && body.block_size != L.stride()) {
     return Status(Code::kParamInvalid, "block size mismatch: requester uses " + std::to_string(body.block_size) +
-                                           " bytes per block, " + t.describe() + " has " +
-                                           std::to_string(L.stride()));
+                                           " bytes per block, " + t.describe() + " has " + std::to_string(L.stride()));
   }
   const uint64_t limit = slotted ? L.stride() : L.tensor_size;
   for (uint32_t tensor : body.tensors) {
     if (tensor >= L.num_tensors) {
-      return Status(Code::kParamInvalid, "tensor index " + std::to_string(tensor) + " out of range: " +
-                                             t.describe() + " has " + std::to_string(L.num_tensors) + " tensors");
+      return Status(Code::kParamInvalid, "tensor index " + std::to_string(tensor) + " out of range: " + t.describe() +
+                                             " has " + std::to_string(L.num_tensors) + " tensors");
     }
   }
   for (const wire::Run& run : body.runs) {
     uint64_t end = 0;
     if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) || end > limit) {
-      return Status(Code::kParamInvalid, "access [" + std::to_string(run.offset) + ", +" +
-                                             std::to_string(run.length) + ") is outside " + t.describe() +
-                                             " (" + std::to_string(limit) + " bytes)");
+      return Status(Code::kParamInvalid, "access [" + std::to_string(run.offset) + ", +" + std::to_string(run.length) +
+                                             ") is outside " + t.describe() + " (" + std::to_string(limit) + " bytes)");
     }
   }
   Resolved r;
@@ -277,7 +273,7 @@ Status Registry::resolveRaw(const std::vector<wire::Run>& runs, bool for_write, 
   r.keep.clear();
   r.run_placements.clear();
   if (runs.size() > max_steps) return tooManySteps(max_steps);  // every range takes a step at least
-  std::set<const CacheEntry*> kept;  // used only once a request touched kKeepScan caches
+  std::set<const CacheEntry*> kept;                             // used only once a request touched kKeepScan caches
   uint64_t steps = 0;
   size_t i = 0;
   while (i < runs.size()) {
@@ -392,7 +388,8 @@ Result<wire::CacheDescriptor> Registry::describe(uint64_t model_id) const {
   std::shared_lock<RegistryMutex> lock(mu_);
   auto it = blocks_index_.find(model_id);
   if (it == blocks_index_.end()) {
-    return Status(Code::kKvCacheNotExist, "no blocks cache is published here under model_id " + std::to_string(model_id));
+    return Status(Code::kKvCacheNotExist,
+                  "no blocks cache is published here under model_id " + std::to_string(model_id));
   }
   const CacheEntry& e = *caches_.at(it->second);
   wire::CacheDescriptor d;

@@ -186,8 +186,8 @@ class Registry {
   // One run of a raw resolution, under the shared lock: its steps counted into *steps (at most
   // max_steps in all), each cache it touches added to out->keep once (`kept`: their entries, for
   // requests that touch many), its placement appended to out->run_placements.
-  Status resolveRawRunLocked(const wire::Run& run, bool for_write, uint64_t max_steps, uint64_t* steps,
-                             Resolved* out, std::set<const CacheEntry*>* kept) const;
+  Status resolveRawRunLocked(const wire::Run& run, bool for_write, uint64_t max_steps, uint64_t* steps, Resolved* out,
+                             std::set<const CacheEntry*>* kept) const;
   void eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::iterator it);
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);
@@ -209,7 +209,7 @@ class Registry {
   alignas(16) Published published_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> caches_;
-  std::set<int64_t> id_refs_;                               // allocated caches not yet deallocated
+  std::set<int64_t> id_refs_;                                // allocated caches not yet deallocated
   std::map<int64_t, std::map<uint64_t, Binding>> bindings_;  // cache id -> slot -> key
   KeyIndex req_index_;
   KeyIndex prefix_index_;

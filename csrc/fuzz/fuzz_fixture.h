@@ -37,21 +37,21 @@ namespace pdlink::fuzz {
 
 // First input byte (mod kModeCount) selects what the rest is.
 enum Mode : uint8_t {
-  kModeHello = 0,        // Hello prefix, then (if long enough) the challenge
-  kModeClientAuth = 1,   // ClientAuth
-  kModeHelloAck = 2,     // HelloAck fixed part
-  kModeAuthResult = 3,   // AuthResult fixed part
-  kModeRequest = 4,      // RequestHeader
-  kModeResponse = 5,     // ResponseHeader
-  kModeBody = 6,         // TransferBody, then Registry::resolve / commitRead / describe
-  kModeDescriptor = 7,   // CacheDescriptor (a requester reads it)
-  kModeServe = 8,        // the real serving loop (Engine::serveStream) over a sequence of steps
-  kModeDirectAnswer = 9, // u16 expected pieces, then a DirectAnswer (a requester reads it)
-  kModeAddresses = 10,   // u16 expected count, then an address list (a requester reads it)
-  kModeIpcAnswer = 11,   // u8 tensors, u8 runs, runs (2 x u16), then an IpcAnswer: the requester's check
-  kModeNotify = 12,      // NotifyBody (the serving side reads it)
-  kModeRawTable = 13,    // RawTable (a kDescribe answer of a kRaw target)
-  kModeUcxAddress = 14,  // u8 UCX release selector, then a UCX worker address (ucx::checkWorkerAddress)
+  kModeHello = 0,         // Hello prefix, then (if long enough) the challenge
+  kModeClientAuth = 1,    // ClientAuth
+  kModeHelloAck = 2,      // HelloAck fixed part
+  kModeAuthResult = 3,    // AuthResult fixed part
+  kModeRequest = 4,       // RequestHeader
+  kModeResponse = 5,      // ResponseHeader
+  kModeBody = 6,          // TransferBody, then Registry::resolve / commitRead / describe
+  kModeDescriptor = 7,    // CacheDescriptor (a requester reads it)
+  kModeServe = 8,         // the real serving loop (Engine::serveStream) over a sequence of steps
+  kModeDirectAnswer = 9,  // u16 expected pieces, then a DirectAnswer (a requester reads it)
+  kModeAddresses = 10,    // u16 expected count, then an address list (a requester reads it)
+  kModeIpcAnswer = 11,    // u8 tensors, u8 runs, runs (2 x u16), then an IpcAnswer: the requester's check
+  kModeNotify = 12,       // NotifyBody (the serving side reads it)
+  kModeRawTable = 13,     // RawTable (a kDescribe answer of a kRaw target)
+  kModeUcxAddress = 14,   // u8 UCX release selector, then a UCX worker address (ucx::checkWorkerAddress)
   kModeCount = 15,
 };
 
@@ -128,8 +128,15 @@ struct CacheSpec {
 inline std::vector<CacheSpec> cacheSpecs() {
   const RequestKey none;
   return {
-      {2, 256, 4, false, {fixtureKey(1, kInvalidId, 0), fixtureKey(kInvalidId, 2, 0), none, fixtureKey(3, 4, 1)},
-       std::nullopt, true, false, false},
+      {2,
+       256,
+       4,
+       false,
+       {fixtureKey(1, kInvalidId, 0), fixtureKey(kInvalidId, 2, 0), none, fixtureKey(3, 4, 1)},
+       std::nullopt,
+       true,
+       false,
+       false},
       {3, 256, 8, true, {}, 0, false, false, false},
       {2, 200, 2, false, {fixtureKey(5, kInvalidId, 0), fixtureKey(6, 6, 2)}, std::nullopt, true, true, false},
       {1, 256, 4, true, {}, 7, true, true, false},

@@ -141,8 +141,7 @@ int main(int argc, char** argv) {
   wire::IpcAnswer ipc;
   ipc.keys = {"ipc-key-0", "ipc-key-1"};
   ipc.spans = {64, 64};
-  seed("ipc-answer", kModeIpcAnswer,
-       std::string("\x01\x01\x10\x00\x1f\x00\x40\x00\x0f\x00", 10) + wire::encode(ipc));
+  seed("ipc-answer", kModeIpcAnswer, std::string("\x01\x01\x10\x00\x1f\x00\x40\x00\x0f\x00", 10) + wire::encode(ipc));
 
   seed("notify", kModeNotify, wire::encode(wire::NotifyBody{"req-1", "kv ready"}));
   seed("raw-table", kModeRawTable, wire::encode(wire::RawTable{7, {{0x1000, 4096}, {0x1000, 64}, {0x9000, 8192}}}));
@@ -157,26 +156,26 @@ int main(int argc, char** argv) {
     return out;
   };
   const std::string ucx122(1, '\x0a');
-  seed("ucx-address-v1-network", kModeUcxAddress, ucx122 + hex(
-      "208cbb089ec7c42fe400060002c0000202cf1917b751389763344bd7e037370013230082e13d000e0102ac88c7aa08e6"
-      "52a6f9ffffefcf1917b75138539e3e4bd7e037370113230082b5638680"));
-  seed("ucx-address-v1-any", kModeUcxAddress, ucx122 + hex(
-      "20257022df8ea29caa0000637577cc2b320040975000000000004f030088d5f7fb8d2c97cd7d01060002c0000202cf19"
-      "17b751389763344bd7e037370013230082e045010e0102ac88c7aa08e652a6f9ffffefcf1917b75138539e3e4bd7e037"
-      "370113230082ce130208ac88c7aa08e652268d5377cc2b320000705077ccab33004f23008837802d00000000000308ac"
-      "88c7aa08e65226a7d377cc2b320000705077ccab33004f230088904600c0030000c00408ac88c7aa08e65226478bbd37"
-      "063600242e5077ccab330092210084904600008680"));
-  seed("ucx-address-v2-network", kModeUcxAddress, ucx122 + hex(
-      "61022121617344c70db700060002c0000202cf190c015a0080008b0082ea5d008e0102ac88c7aa08e652a6f9ffffefcf"
-      "190c015a0180008b0082c31f"));
-  seed("ucx-address-v2-any", kModeUcxAddress, ucx122 + hex(
-      "61028fc41f4b0722d44c000063754426000080001b00885b959bcbab67775101060002c0000202cf190c015a0080008b"
-      "0082ea67010e0102ac88c7aa08e652a6f9ffffefcf190c015a0180008b0082a32d0208ac88c7aa08e652268d5344e543"
-      "0081009b00883d802d00000000000308ac88c7aa08e65226a7d344e5430081009b0088944600c0030000c00488ac88c7"
-      "aa08e65226478bfb554300000099008494460000"));
-  seed("ucx-address-v1-debug-info-network", kModeUcxAddress, ucx122 + hex(
-      "30121628608cb3963c08766d3a313830383400060002c0000202cf1917b751389763344bd7e037370013230082e5fd00"
-      "0e0102ac88c7aa08e652a6f9ffffefcf1917b75138539e3e4bd7e037370113230082bdc78680"));
+  seed("ucx-address-v1-network", kModeUcxAddress,
+       ucx122 + hex("208cbb089ec7c42fe400060002c0000202cf1917b751389763344bd7e037370013230082e13d000e0102ac88c7aa08e6"
+                    "52a6f9ffffefcf1917b75138539e3e4bd7e037370113230082b5638680"));
+  seed("ucx-address-v1-any", kModeUcxAddress,
+       ucx122 + hex("20257022df8ea29caa0000637577cc2b320040975000000000004f030088d5f7fb8d2c97cd7d01060002c0000202cf19"
+                    "17b751389763344bd7e037370013230082e045010e0102ac88c7aa08e652a6f9ffffefcf1917b75138539e3e4bd7e037"
+                    "370113230082ce130208ac88c7aa08e652268d5377cc2b320000705077ccab33004f23008837802d00000000000308ac"
+                    "88c7aa08e65226a7d377cc2b320000705077ccab33004f230088904600c0030000c00408ac88c7aa08e65226478bbd37"
+                    "063600242e5077ccab330092210084904600008680"));
+  seed("ucx-address-v2-network", kModeUcxAddress,
+       ucx122 + hex("61022121617344c70db700060002c0000202cf190c015a0080008b0082ea5d008e0102ac88c7aa08e652a6f9ffffefcf"
+                    "190c015a0180008b0082c31f"));
+  seed("ucx-address-v2-any", kModeUcxAddress,
+       ucx122 + hex("61028fc41f4b0722d44c000063754426000080001b00885b959bcbab67775101060002c0000202cf190c015a0080008b"
+                    "0082ea67010e0102ac88c7aa08e652a6f9ffffefcf190c015a0180008b0082a32d0208ac88c7aa08e652268d5344e543"
+                    "0081009b00883d802d00000000000308ac88c7aa08e65226a7d344e5430081009b0088944600c0030000c00488ac88c7"
+                    "aa08e65226478bfb554300000099008494460000"));
+  seed("ucx-address-v1-debug-info-network", kModeUcxAddress,
+       ucx122 + hex("30121628608cb3963c08766d3a313830383400060002c0000202cf1917b751389763344bd7e037370013230082e5fd00"
+                    "0e0102ac88c7aa08e652a6f9ffffefcf1917b75138539e3e4bd7e037370113230082bdc78680"));
 
   // Transfer bodies that the fixture accepts, one per target kind.
   using K = wire::TargetKind;
@@ -210,9 +209,9 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, poolkey);
   s += frame(wire::Op::kCommit, poolkey);
   s += frame(wire::Op::kRead, blocks, wire::kFlagDirect);
-  s += frame(wire::Op::kRead, blocks, wire::kFlagDevice);                            // HCCL two-sided
-  s += frame(wire::Op::kWrite, blocks, wire::kFlagDevice | wire::kFlagDirect);       // same-host IPC
-  s += frame(wire::Op::kRead, blocks, wire::kFlagDevice | wire::kFlagOneSided);      // HCCL one-sided
+  s += frame(wire::Op::kRead, blocks, wire::kFlagDevice);                        // HCCL two-sided
+  s += frame(wire::Op::kWrite, blocks, wire::kFlagDevice | wire::kFlagDirect);   // same-host IPC
+  s += frame(wire::Op::kRead, blocks, wire::kFlagDevice | wire::kFlagOneSided);  // HCCL one-sided
   s += frame(wire::Op::kDescribe, blocks7);
   s += frame(wire::Op::kDescribe, body(K::kRaw, {}, {}));  // the memory table, answered on any link
   s += frame(wire::Op::kRead, body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}}));

@@ -15,8 +15,7 @@ namespace pdlink::fuzz {
 
 class MemoryStream final : public Stream {
  public:
-  MemoryStream(const uint8_t* data, size_t size, size_t keep = size_t{1} << 20)
-      : in_(data), size_(size), keep_(keep) {}
+  MemoryStream(const uint8_t* data, size_t size, size_t keep = size_t{1} << 20) : in_(data), size_(size), keep_(keep) {}
 
   Status sendv(std::vector<iovec>& iov, Deadline) override {
     for (iovec& v : iov) {

@@ -127,7 +127,7 @@ inline bool unpackLikeUcx(const uint8_t* buffer, unsigned api_minor, ModelResult
         uint32_t prio_cap_flags;
         std::memcpy(&prio_cap_flags, ptr + 12, 4);
         (void)prio_cap_flags;
-        if (bandwidth < 0) bandwidth = std::fabs(bandwidth);  // rescaled by UCX, stays > 0
+        if (bandwidth < 0) bandwidth = std::fabs(bandwidth);           // rescaled by UCX, stays > 0
         if (!(bandwidth > 0) && !std::isnan(bandwidth)) return false;  // "invalid bandwidth"
         attr_len = 16;
       } else {

@@ -48,13 +48,12 @@
 namespace pdlink::fuzz {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                                   \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "wire_fuzz: invariant violated: %s (%s:%d)\n", #cond, __FILE__, \
-                   __LINE__);                                                              \
-      std::abort();                                                                        \
-    }                                                                                      \
+#define FUZZ_CHECK(cond)                                                                              \
+  do {                                                                                                \
+    if (!(cond)) {                                                                                    \
+      std::fprintf(stderr, "wire_fuzz: invariant violated: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
+      std::abort();                                                                                   \
+    }                                                                                                 \
   } while (0)
 
 bool prefixIs(const std::string& encoded, const uint8_t* p, size_t n) {
@@ -348,9 +347,10 @@ void checkNoAddresses(const EngineFixture& fx, const std::string& out, const std
     for (const Region& g : fx.regions) {
       const bool table_entry = v == g.addr && next == g.size;
       if (v >= g.addr && v < g.addr + g.size && !table_entry && in.find(out.substr(i, 8)) == std::string::npos) {
-        std::fprintf(stderr, "wire_fuzz: the serving loop sent address %#llx (cache %lld) on a link that is not "
-                     "same-host, at output byte %zu\n", static_cast<unsigned long long>(v),
-                     static_cast<long long>(g.cache_id), i);
+        std::fprintf(stderr,
+                     "wire_fuzz: the serving loop sent address %#llx (cache %lld) on a link that is not "
+                     "same-host, at output byte %zu\n",
+                     static_cast<unsigned long long>(v), static_cast<long long>(g.cache_id), i);
         std::abort();
       }
     }
@@ -449,7 +449,7 @@ void fuzzUcxAddress(const uint8_t* p, size_t n) {
   }
   const ucx::WorkerAddressLayout& L = parsed.value();
   ModelResult m;
-  FUZZ_CHECK(unpackLikeUcx(buf.get(), minor, &m));  // UCX neither aborts nor refuses it
+  FUZZ_CHECK(unpackLikeUcx(buf.get(), minor, &m));      // UCX neither aborts nor refuses it
   FUZZ_CHECK(!m.empty_list && m.end == buf.get() + n);  // UCX reads exactly its bytes
   FUZZ_CHECK(m.addr_version == L.version && m.entries.size() == L.entries.size() && !L.entries.empty() &&
              L.entries.size() <= 128);
@@ -476,21 +476,51 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t* p = data + 1;
   const size_t n = size - 1;
   switch (data[0] % kModeCount) {
-    case kModeHello: fuzzHello(p, n); break;
-    case kModeClientAuth: fuzzClientAuth(p, n); break;
-    case kModeHelloAck: fuzzHelloAck(p, n); break;
-    case kModeAuthResult: fuzzAuthResult(p, n); break;
-    case kModeRequest: fuzzRequest(p, n); break;
-    case kModeResponse: fuzzResponse(p, n); break;
-    case kModeBody: fuzzBody(p, n); break;
-    case kModeDescriptor: fuzzDescriptor(p, n); break;
-    case kModeServe: fuzzServe(p, n); break;
-    case kModeDirectAnswer: fuzzDirectAnswer(p, n); break;
-    case kModeAddresses: fuzzAddresses(p, n); break;
-    case kModeIpcAnswer: fuzzIpcAnswer(p, n); break;
-    case kModeNotify: fuzzNotify(p, n); break;
-    case kModeRawTable: fuzzRawTable(p, n); break;
-    case kModeUcxAddress: fuzzUcxAddress(p, n); break;
+    case kModeHello:
+      fuzzHello(p, n);
+      break;
+    case kModeClientAuth:
+      fuzzClientAuth(p, n);
+      break;
+    case kModeHelloAck:
+      fuzzHelloAck(p, n);
+      break;
+    case kModeAuthResult:
+      fuzzAuthResult(p, n);
+      break;
+    case kModeRequest:
+      fuzzRequest(p, n);
+      break;
+    case kModeResponse:
+      fuzzResponse(p, n);
+      break;
+    case kModeBody:
+      fuzzBody(p, n);
+      break;
+    case kModeDescriptor:
+      fuzzDescriptor(p, n);
+      break;
+    case kModeServe:
+      fuzzServe(p, n);
+      break;
+    case kModeDirectAnswer:
+      fuzzDirectAnswer(p, n);
+      break;
+    case kModeAddresses:
+      fuzzAddresses(p, n);
+      break;
+    case kModeIpcAnswer:
+      fuzzIpcAnswer(p, n);
+      break;
+    case kModeNotify:
+      fuzzNotify(p, n);
+      break;
+    case kModeRawTable:
+      fuzzRawTable(p, n);
+      break;
+    case kModeUcxAddress:
+      fuzzUcxAddress(p, n);
+      break;
   }
   return 0;
 }

@@ -104,7 +104,7 @@ CacheLayout layout(uint64_t bytes, uint64_t slots, bool blocks) {
 }
 
 Transport transport = Transport::kAuto;
-std::string secret;            // --secret: authenticated links (every frame sealed)
+std::string secret;              // --secret: authenticated links (every frame sealed)
 bool payload_integrity = false;  // --integrity 1: payloads sealed too
 
 std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, uint64_t pool_bytes = 0) {
@@ -224,8 +224,8 @@ int stress(int seconds) {
   std::shared_ptr<PreparedTransfer> prepared;
   Buffers prepared_local(kTensors, kBlocks * kBlockBytes);
   {
-    int64_t id = registerOrDie(*D, layout(prepared_local.bytes, kBlocks, true), prepared_local, {}, std::nullopt,
-                               false);
+    int64_t id =
+        registerOrDie(*D, layout(prepared_local.bytes, kBlocks, true), prepared_local, {}, std::nullopt, false);
     auto r = D->prepare(blocksSpec(kP, 0, id, {}, {}), 0, 0, 0);
     if (!expectOk(r.status(), "prepare")) return 1;
     prepared = r.value();
@@ -266,7 +266,7 @@ int stress(int seconds) {
   std::mutex q_mu;
   std::condition_variable q_cv;
   std::deque<uint64_t> published;  // request ids whose caches P filled
-  threads.emplace_back([&] {  // P: publish pool caches under fresh request keys
+  threads.emplace_back([&] {       // P: publish pool caches under fresh request keys
     for (uint64_t req = 1000; !stop; ++req) {
       {
         std::unique_lock<std::mutex> lock(q_mu);
@@ -396,11 +396,12 @@ int stress(int seconds) {
   if (pulls == 0 || pushes == 0 || keyed == 0 || relinks == 0 || notified == 0 || prefixed + prefix_absent == 0) {
     fail("some thread made no progress");
   }
-  std::printf("stress: %llu block pulls, %llu push+pull rounds, %llu keyed pulls, %llu prefix pulls (%llu absent), "
-              "%llu link cycles\n",
-              static_cast<unsigned long long>(pulls.load()), static_cast<unsigned long long>(pushes.load()),
-              static_cast<unsigned long long>(keyed.load()), static_cast<unsigned long long>(prefixed.load()),
-              static_cast<unsigned long long>(prefix_absent.load()), static_cast<unsigned long long>(relinks.load()));
+  std::printf(
+      "stress: %llu block pulls, %llu push+pull rounds, %llu keyed pulls, %llu prefix pulls (%llu absent), "
+      "%llu link cycles\n",
+      static_cast<unsigned long long>(pulls.load()), static_cast<unsigned long long>(pushes.load()),
+      static_cast<unsigned long long>(keyed.load()), static_cast<unsigned long long>(prefixed.load()),
+      static_cast<unsigned long long>(prefix_absent.load()), static_cast<unsigned long long>(relinks.load()));
   D->finalize();
   P->finalize();
   return failures == 0 ? 0 : 1;

@@ -84,8 +84,8 @@ void checkMoved(const Guarded& dst, const Guarded& before, const Guarded& src, c
     for (uint64_t i = 0; i < dst.mem[t].size(); ++i) {
       if (dst.mem[t][i] != expected.mem[t][i]) {
         const bool guard = i < kGuard || i >= kGuard + dst.bytes;
-        check(false, what + ": tensor " + std::to_string(t) + (guard ? " guard byte " : " byte ") +
-                         std::to_string(i) + " differs");
+        check(false, what + ": tensor " + std::to_string(t) + (guard ? " guard byte " : " byte ") + std::to_string(i) +
+                         " differs");
         break;
       }
     }
@@ -170,8 +170,7 @@ void conformance(Transport transport, const char* name) {
       {"a block outside the peer's cache", blocksSpec(d_id, 10, {int64_t(kBlocks)}, {0}), false, Code::kParamInvalid},
       {"a missing tensor", missing_tensor, false, Code::kParamInvalid},
       {"an unknown model", blocksSpec(d_id, 99, {0}, {0}), false, Code::kKvCacheNotExist},
-      {"a push into a cache that is not remote accessible", blocksSpec(d_id, 12, {0}, {0}), true,
-       Code::kParamInvalid},
+      {"a push into a cache that is not remote accessible", blocksSpec(d_id, 12, {0}, {0}), true, Code::kParamInvalid},
   };
   for (const Refused& r : refused) {
     Guarded d0 = d_kv, p0 = p_kv, s0 = p_sink, r0 = p_ro;
@@ -240,8 +239,7 @@ void capsCases() {
   for (const Want& w : wants) {
     const PathCaps& c = w.caps;
     check(std::string(c.name) == w.name && c.request_flags == w.flags && c.cross_host == w.cross_host &&
-              c.one_sided == w.one_sided && c.device_memory == w.device_memory &&
-              c.device_channel == w.device_channel,
+              c.one_sided == w.one_sided && c.device_memory == w.device_memory && c.device_channel == w.device_channel,
           std::string("caps of ") + w.name);
     check((c.request_flags & wire::kFlagDevice) == (c.device_memory ? wire::kFlagDevice : 0),
           std::string(w.name) + ": device memory and kFlagDevice go together");

@@ -27,8 +27,8 @@ inline void check(bool ok, const std::string& what) {
 
 // `st` has exactly the code `want`.
 inline void checkCode(const Status& st, Code want, const std::string& what) {
-  check(st.code() == want, what + ": expected code " + std::to_string(static_cast<int>(want)) + ", got " +
-                               st.toString());
+  check(st.code() == want,
+        what + ": expected code " + std::to_string(static_cast<int>(want)) + ", got " + st.toString());
 }
 
 // A CPU engine initialised with `config`; exits the program (status 1) when it cannot start.

@@ -12,8 +12,7 @@
 namespace u = pdlink::ucx;
 
 #define SAME(ours, theirs) static_assert(static_cast<long long>(ours) == static_cast<long long>(theirs), #ours)
-#define AT(ours, theirs, field) \
-  static_assert(offsetof(u::ours, field) == offsetof(theirs, field), #ours "::" #field)
+#define AT(ours, theirs, field) static_assert(offsetof(u::ours, field) == offsetof(theirs, field), #ours "::" #field)
 
 SAME(u::kOk, UCS_OK);
 SAME(u::kInProgress, UCS_INPROGRESS);

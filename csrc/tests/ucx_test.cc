@@ -21,12 +21,11 @@
 //   - why the ucx transport needs ucx_trusted_network: in a child process, UCX's own ucp_ep_create
 //     on worker addresses of random bytes (what a hostile peer could send): UCX aborts the process;
 //   - and why pdlink checks every address first (checkWorkerAddress): this UCX's own addresses
-//     pass (v1, v2 and with debug info); one byte short, one byte more, another version, an empty one are refused, and so are
-//     every random address (the child lives) and built ones UCX would misread (a transport this side
-//     has without its device or interface address, md index 64, 0 paths, a bandwidth that is not a
-//     number, endpoint addresses, 129 transports, no devices, a v2 active-message segment of 64
-//     bytes); of 600 mutants of a real address, UCX takes the ones the check lets through without
-//     dying (a child process), per scope;
+//     pass (v1, v2 and with debug info); one byte short, one byte more, another version, an empty one are refused, and
+//     so are every random address (the child lives) and built ones UCX would misread (a transport this side has without
+//     its device or interface address, md index 64, 0 paths, a bandwidth that is not a number, endpoint addresses, 129
+//     transports, no devices, a v2 active-message segment of 64 bytes); of 600 mutants of a real address, UCX takes the
+//     ones the check lets through without dying (a child process), per scope;
 //   - B's worker destroyed: A's next send returns by its deadline; on a network worker's endpoint
 //     (which asks UCX to report a peer's death) it fails, kLinkFailed or kTimeout;
 //   - with shared memory alone (UCX_TLS=sm): a network worker cannot be made; the any-transport
@@ -135,7 +134,8 @@ void checkLanes(const std::vector<std::string>& lanes, Scope scope, const char* 
   if (scope == Scope::kNetwork) check(!anyLaneOf(lanes, shm), name + ": no shared-memory lane: " + all);
   const std::string setting = tls ? tls : "";
   if (setting == "tcp") check(anyLaneOf(lanes, {"tcp"}) && !anyLaneOf(lanes, shm), name + ": tcp lanes: " + all);
-  if (setting == "sm,tcp" && scope == Scope::kAny) check(anyLaneOf(lanes, shm), name + ": a shared-memory lane: " + all);
+  if (setting == "sm,tcp" && scope == Scope::kAny)
+    check(anyLaneOf(lanes, shm), name + ": a shared-memory lane: " + all);
 }
 
 // Progresses `w` whenever its event fd says so, until `stop`.
@@ -198,8 +198,8 @@ bool probePut(RmaContext& from, const std::string& peer_address, const std::stri
     std::vector<uint8_t> payload(64, 0x5C);
     RequestParam param;
     std::vector<ucs_status_ptr_t> reqs;
-    reqs.push_back(api->ucp_put_nbx(ep, payload.data(), payload.size(), reinterpret_cast<uint64_t>(target), rkey,
-                                    &param));
+    reqs.push_back(
+        api->ucp_put_nbx(ep, payload.data(), payload.size(), reinterpret_cast<uint64_t>(target), rkey, &param));
     reqs.push_back(api->ucp_ep_flush_nbx(ep, &param));
     Deadline deadline = Deadline::afterMs(1500);
     completed = true;
@@ -254,7 +254,8 @@ void testWhyNoRma(const UcpApi* api, UcxWorker& b, Guarded& b_buffer, const char
   bool asserted = tls != nullptr && (std::string(tls) == "tcp" || std::string(tls) == "sm,tcp");
 
   std::vector<uint8_t> outside0 = outside;
-  bool done = probePut(probe, other.address, key, outside.data() + 100, [&] { api->ucp_worker_progress(other.worker); });
+  bool done =
+      probePut(probe, other.address, key, outside.data() + 100, [&] { api->ucp_worker_progress(other.worker); });
   bool landed = done && outside != outside0;
   std::printf("  an RMA-enabled context: a put outside its mapped range, through a read-only key: %s\n",
               landed ? "landed" : "did not land");
@@ -329,8 +330,12 @@ void testMoves(const UcpApi* api, Scope scope) {
                             Deadline::afterMs(10000));
       check(st.ok(), name + ": send " + std::to_string(p.length) + " bytes: " + st.message());
     }
-    bool all = pollUntil([&] { std::lock_guard<std::mutex> l(mu); return received + static_cast<int>(errors.size()) == 3; },
-                         10000);
+    bool all = pollUntil(
+        [&] {
+          std::lock_guard<std::mutex> l(mu);
+          return received + static_cast<int>(errors.size()) == 3;
+        },
+        10000);
     check(all && errors.empty(), name + ": three messages received" + (errors.empty() ? "" : ": " + errors[0]));
     {
       std::lock_guard<std::mutex> l(mu);
@@ -343,7 +348,12 @@ void testMoves(const UcpApi* api, Scope scope) {
     sink0 = sink;
     uint64_t header = kBytes - 100;
     st = ep.value()->send(kPlaceId, &header, sizeof(header), source.data(), 4096, Deadline::afterMs(10000));
-    bool dropped = pollUntil([&] { std::lock_guard<std::mutex> l(mu); return refused == 1; }, 10000);
+    bool dropped = pollUntil(
+        [&] {
+          std::lock_guard<std::mutex> l(mu);
+          return refused == 1;
+        },
+        10000);
     check(dropped, name + ": a message past the buffer was refused by the handler");
     checkExact(sink0, sink, sink0, {}, name + ": after a message past the buffer");
   }
@@ -370,7 +380,8 @@ void testMoves(const UcpApi* api, Scope scope) {
     } else {
       // Same-host endpoints do not ask (shared memory cannot tell): a small send may complete into
       // the dead peer's queue. pdlink's control link is what reports the peer's death there.
-      std::printf("  %s: a send to a destroyed worker: %s\n", name.c_str(), st.ok() ? "completed" : st.message().c_str());
+      std::printf("  %s: a send to a destroyed worker: %s\n", name.c_str(),
+                  st.ok() ? "completed" : st.message().c_str());
     }
     check(s < 10.0, name + ": a send to a destroyed worker returned after " + std::to_string(s) + " s");
   }
@@ -467,8 +478,8 @@ void testAddressCheck(const UcpApi* api) {
     const std::string name = scope == Scope::kNetwork ? "network" : "any-transport";
     const std::string& a = w.value()->address();
     Result<WorkerAddressLayout> own = parseWorkerAddress(reinterpret_cast<const uint8_t*>(a.data()), a.size(), minor);
-    check(own.ok() && !own.value().entries.empty(), name + ": this UCX's own address parses: " +
-                                                         (own.ok() ? "" : own.status().message()));
+    check(own.ok() && !own.value().entries.empty(),
+          name + ": this UCX's own address parses: " + (own.ok() ? "" : own.status().message()));
     if (!own.ok()) continue;
     std::printf("  %s worker address: %zu bytes, v%u, %zu devices, %zu transports\n", name.c_str(), a.size(),
                 own.value().version + 1, own.value().devices, own.value().entries.size());
@@ -497,11 +508,21 @@ void testAddressCheck(const UcpApi* api) {
             for (int k = 1 + next() % 3; k > 0; --k) {
               size_t at = next() % m.size();
               switch (next() % 5) {
-                case 0: m[at] = static_cast<char>(next()); break;
-                case 1: m[at] ^= static_cast<char>(1u << (next() % 8)); break;
-                case 2: m.resize(at + 1); break;
-                case 3: m.insert(m.begin() + at, static_cast<char>(next())); break;
-                default: if (m.size() > 1) m.erase(m.begin() + at); break;
+                case 0:
+                  m[at] = static_cast<char>(next());
+                  break;
+                case 1:
+                  m[at] ^= static_cast<char>(1u << (next() % 8));
+                  break;
+                case 2:
+                  m.resize(at + 1);
+                  break;
+                case 3:
+                  m.insert(m.begin() + at, static_cast<char>(next()));
+                  break;
+                default:
+                  if (m.size() > 1) m.erase(m.begin() + at);
+                  break;
               }
             }
             Result<std::unique_ptr<UcxEndpoint>> ep = fresh.value()->connect(m);
@@ -537,8 +558,8 @@ void testAddressCheck(const UcpApi* api) {
           w.status().message().find("worker address") == std::string::npos) {
         continue;  // no network worker under this UCX_TLS
       }
-      check(w.ok() && w.value()->lanesToSelf().ok(), kv + ": a worker opens and connects to its own address: " +
-                                                         (w.ok() ? "" : w.status().message()));
+      check(w.ok() && w.value()->lanesToSelf().ok(),
+            kv + ": a worker opens and connects to its own address: " + (w.ok() ? "" : w.status().message()));
     }
     ::unsetenv(name.c_str());
   }
@@ -552,7 +573,8 @@ void testAddressCheck(const UcpApi* api) {
   };
   const std::string dev6("\x00\x02\x7f\x00\x00\x01", 6);
   checkCode(verdict(AddressBuilder().device(0, 6, dev6, csum, 1).end()), Code::kSuccess, "address: a built one passes");
-  checkCode(verdict(AddressBuilder().device(0, 0x46, dev6, csum, 1).end()), Code::kSuccess, "address: with a paths byte");
+  checkCode(verdict(AddressBuilder().device(0, 0x46, dev6, csum, 1).end()), Code::kSuccess,
+            "address: with a paths byte");
   checkCode(verdict(AddressBuilder().device(0, 0, "", csum, 1).end()), Code::kParamInvalid,
             "address: a transport this side has, without its device address");
   checkCode(verdict(AddressBuilder().device(0, 6, dev6, csum, 1, 1e9f, 0).end()), Code::kParamInvalid,

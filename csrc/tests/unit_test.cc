@@ -68,8 +68,8 @@ void requestHeaderCases() {
   bad[5] = static_cast<char>(0x80);
   checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "request header: an unknown flag");
   // one-sided only together with device, and nothing else
-  for (uint8_t flags : {wire::kFlagOneSided, static_cast<uint8_t>(wire::kFlagOneSided | wire::kFlagDirect),
-                        wire::kKnownFlags}) {
+  for (uint8_t flags :
+       {wire::kFlagOneSided, static_cast<uint8_t>(wire::kFlagOneSided | wire::kFlagDirect), wire::kKnownFlags}) {
     f = wire::encode(wire::RequestHeader{wire::Op::kRead, 0, 0, flags});
     checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
               "request header: flags " + std::to_string(flags));
@@ -150,8 +150,8 @@ void ucxCases() {
     f = wire::encode(wire::UcxHello{1, size, "a"});
     checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "ucx hello: size " + std::to_string(size));
   }
-  for (uint32_t size : {1u, wire::kMinUcxChunkBytes / 2, wire::kMinUcxChunkBytes + 1, wire::kMaxUcxChunkBytes * 2,
-                        0xffffffffu}) {
+  for (uint32_t size :
+       {1u, wire::kMinUcxChunkBytes / 2, wire::kMinUcxChunkBytes + 1, wire::kMaxUcxChunkBytes * 2, 0xffffffffu}) {
     f = wire::encode(wire::UcxHello{1, size, "a"});
     checkCode(wire::decode(bytes(f), f.size(), &out), Code::kLinkFailed, "ucx hello: size " + std::to_string(size));
   }
@@ -235,9 +235,9 @@ void descriptorAndAnswerCases() {
         wire::CacheDescriptor{5, 4096, 256, {}},
         wire::CacheDescriptor{5, 4096, 256, std::vector<uint64_t>(limits::kMaxRequestTensors + 1, 1)}}) {
     f = wire::encode(bad);
-    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
-              "descriptor: stride " + std::to_string(bad.stride) + ", " + std::to_string(bad.addrs.size()) +
-                  " addresses");
+    checkCode(
+        wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
+        "descriptor: stride " + std::to_string(bad.stride) + ", " + std::to_string(bad.addrs.size()) + " addresses");
   }
   check(f.size() > wire::kMaxDescriptorBytes, "descriptor: one past the tensor limit is longer than the most read");
 
@@ -270,7 +270,8 @@ void descriptorAndAnswerCases() {
   check(f.size() == wire::directAnswerBytes(3), "direct answer: encoded size");
   wire::DirectAnswer da;
   checkCode(wire::decode(bytes(f), f.size(), 3, &da), Code::kSuccess, "direct answer: round trip");
-  check(da.pin_epoch == 9 && da.epoch_addr == 0x7f00 && da.addrs == a.addrs && da.lengths == a.lengths, "direct answer: fields round-trip");
+  check(da.pin_epoch == 9 && da.epoch_addr == 0x7f00 && da.addrs == a.addrs && da.lengths == a.lengths,
+        "direct answer: fields round-trip");
   checkCode(wire::decode(bytes(f), f.size(), 2, &da), Code::kLinkFailed, "direct answer: more pieces than asked");
   checkCode(wire::decode(bytes(f), f.size(), 4, &da), Code::kLinkFailed, "direct answer: fewer pieces than asked");
   checkCode(wire::decode(bytes(f), f.size(), limits::kMaxRequestPieces + 1, &da), Code::kLinkFailed,
@@ -304,7 +305,8 @@ CacheEntry userCache(std::vector<uint8_t>* mem, uint32_t tensors, bool blocks, s
   mem->assign(uint64_t{tensors} * kSlots * kStride, 0);
   CacheEntry e;
   e.layout = CacheLayout{tensors, kSlots * kStride, kSlots, blocks, Placement::kHost};
-  for (uint32_t t = 0; t < tensors; ++t) e.addrs.push_back(reinterpret_cast<uint64_t>(mem->data()) + t * kSlots * kStride);
+  for (uint32_t t = 0; t < tensors; ++t)
+    e.addrs.push_back(reinterpret_cast<uint64_t>(mem->data()) + t * kSlots * kStride);
   e.blocks_model = model;
   e.remote_accessible = remote;
   return e;
@@ -389,16 +391,17 @@ void rawSpanCases() {
     e.addrs = {reinterpret_cast<uint64_t>(extra.data())};
     const auto t0 = std::chrono::steady_clock::now();
     auto added = reg.add(std::move(e), {});
-    worst_ms = std::max(worst_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    worst_ms =
+        std::max(worst_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     check(added.ok() && reg.unregister(added.value()->id).ok(), "raw spans: add and unregister while readers resolve");
   }
   stop.store(true);
   for (auto& t : readers) t.join();
   std::printf("  raw spans: one request of %llu steps resolves in %.1f ms; an add waited %.2f ms at worst\n",
               static_cast<unsigned long long>(limits::kMaxRequestSpanSteps), request_ms, worst_ms);
-  check(worst_ms < std::max(50.0, request_ms / 4),
-        "raw spans: an add waited " + std::to_string(worst_ms) + " ms behind readers (a request takes " +
-            std::to_string(request_ms) + " ms)");
+  check(worst_ms < std::max(50.0, request_ms / 4), "raw spans: an add waited " + std::to_string(worst_ms) +
+                                                       " ms behind readers (a request takes " +
+                                                       std::to_string(request_ms) + " ms)");
 }
 
 void registryCases() {
@@ -410,10 +413,10 @@ void registryCases() {
   const uint64_t gen0 = reg.published()->generation.load();
 
   // refused adds change nothing, and do not use up an id
-  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), {reqKey(9, 0), reqKey(2, 0)}).status(),
-            Code::kParamInvalid, "registry: a key already bound");
-  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), {reqKey(9, 0), reqKey(9, 0)}).status(),
-            Code::kParamInvalid, "registry: a key repeated in one call");
+  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), {reqKey(9, 0), reqKey(2, 0)}).status(), Code::kParamInvalid,
+            "registry: a key already bound");
+  checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), {reqKey(9, 0), reqKey(9, 0)}).status(), Code::kParamInvalid,
+            "registry: a key repeated in one call");
   checkCode(reg.add(userCache(&m3, 1, false, std::nullopt), std::vector<RequestKey>(kSlots + 1, RequestKey{})).status(),
             Code::kParamInvalid, "registry: more keys than slots");
   checkCode(reg.add(userCache(&m3, 1, true, 7), {}).status(), Code::kParamInvalid,
@@ -459,7 +462,8 @@ void registryCases() {
   checkCode(reg.resolve(by_id, false).status(), Code::kKvCacheNotExist, "registry: a batch index past the cache");
   by_id.target.batch_index = 0;
   by_id.target.cache_id = 3;
-  checkCode(reg.resolve(by_id, true).status(), Code::kParamInvalid, "registry: a write into a cache not remote accessible");
+  checkCode(reg.resolve(by_id, true).status(), Code::kParamInvalid,
+            "registry: a write into a cache not remote accessible");
   check(reg.resolve(by_id, false).ok(), "registry: a read of a cache not remote accessible");
 
   // blocks: the whole tensor, the block size checked
@@ -643,8 +647,8 @@ void memPoolCases() {
   check(got.size() == 4 && got[3] - got[2] >= 2 * 4096, "pool: the 2-page allocation does not overlap the next");
 
   checkCode(pool->allocate(12 * 4096).status(), Code::kOutOfMemory, "pool: more than is free");
-  for (uint64_t huge : {uint64_t{17} * 4096, std::numeric_limits<uint64_t>::max(),
-                        std::numeric_limits<uint64_t>::max() - 4094}) {
+  for (uint64_t huge :
+       {uint64_t{17} * 4096, std::numeric_limits<uint64_t>::max(), std::numeric_limits<uint64_t>::max() - 4094}) {
     checkCode(pool->allocate(huge).status(), Code::kOutOfMemory, "pool: allocate " + std::to_string(huge));
   }
   check(pool->used() == 5 * 4096, "pool: refused allocations took nothing");

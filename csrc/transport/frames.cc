@@ -92,8 +92,8 @@ Status moveChunked(Stream& s, bool sending, const std::vector<Segment>& pieces, 
   uint64_t total = 0;
   for (const Segment& g : pieces) total += g.length;  // checked sums: no overflow
   // One chunk, or the whole payload when smaller; not zeroed.
-  std::unique_ptr<uint8_t[]> staging(new uint8_t[std::min<uint64_t>(std::max<uint64_t>(total, 1),
-                                                                     limits::kPayloadChunkBytes)]);
+  std::unique_ptr<uint8_t[]> staging(
+      new uint8_t[std::min<uint64_t>(std::max<uint64_t>(total, 1), limits::kPayloadChunkBytes)]);
   std::vector<iovec> chunk;        // the destination (or source) pieces of the current chunk
   std::vector<uint8_t> on_device;  // per piece of the chunk
   size_t filled = 0;

@@ -33,8 +33,7 @@ Status readAnswer(Stream& s, uint64_t len, uint64_t max, Deadline deadline, std:
 // `frame` (sending only): the frame that precedes the payload (its header), sent in the same write
 // when the stream has no tags. The caller guarantees every piece lies in memory it may touch.
 Status movePayload(Stream& s, bool sending, const std::vector<uint64_t>& addrs, const std::vector<uint32_t>& tensors,
-                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline,
-                   std::vector<iovec> frame = {});
+                   uint64_t base, const std::vector<wire::Run>& runs, Deadline deadline, std::vector<iovec> frame = {});
 // movePayload of pieces some of which (`device[i]` non-zero) lie in a device backend's DEVICE memory,
 // which the host cannot address: the payload moves chunk by chunk (limits::kPayloadChunkBytes)
 // through one host buffer, `backend.copy` moving those pieces' bytes between it and DEVICE memory;

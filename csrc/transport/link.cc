@@ -47,9 +47,7 @@ const char* Link::transport() const {
   return out_.isUnix() ? "unix" : "tcp";
 }
 
-std::vector<std::string> Link::lanes() const {
-  return host_path_ ? host_path_->lanes() : std::vector<std::string>{};
-}
+std::vector<std::string> Link::lanes() const { return host_path_ ? host_path_->lanes() : std::vector<std::string>{}; }
 
 bool Link::inProcess() const { return peer_process_.pid != 0 && peer_process_.pid == ::getpid(); }
 

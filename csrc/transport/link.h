@@ -41,10 +41,10 @@ struct LinkInfo {
   bool broken = false;
   std::string broken_reason;
   std::string transport;
-  bool authenticated = false;      // every frame is sealed under a session key (a link secret)
-  bool payload_integrity = false;  // and so is every payload
+  bool authenticated = false;             // every frame is sealed under a session key (a link secret)
+  bool payload_integrity = false;         // and so is every payload
   std::vector<std::string> device_paths;  // the paths of this side's DEVICE-memory requests, in the order tried
-  std::vector<std::string> lanes;  // what the host path moves bytes over (ucx: "tcp/lo", ...)
+  std::vector<std::string> lanes;         // what the host path moves bytes over (ucx: "tcp/lo", ...)
 };
 
 class Link {
@@ -82,7 +82,7 @@ class Link {
   // succeeded, else the stream), and, on a device backend, the ones for DEVICE memory in the order
   // they are tried. Owned by the link (host path) or by the engine (device paths), which outlives it.
   void setPaths(std::unique_ptr<DataPath> host, std::vector<DataPath*> device);
-  DataPath& hostPath() { return *host_path_; }  // requires outMutex()
+  DataPath& hostPath() { return *host_path_; }                                 // requires outMutex()
   const std::vector<DataPath*>& devicePaths() const { return device_paths_; }  // requires outMutex()
   // A device path the peer turned down for good (IPC with a runtime that cannot share memory).
   void dropDevicePath(const DataPath* path);  // requires outMutex()
@@ -96,7 +96,7 @@ class Link {
   // Device channels (Backend::DeviceChannel), one per direction like the sockets: `out` carries
   // the bytes of this side's requests (this side created it, rank 0), `in` those of the peer's
   // requests (set and used only by the serving thread). Created on first use, dropped on failure.
-  DeviceChannel* outDevice() const { return out_device_.get(); }  // requires outMutex()
+  DeviceChannel* outDevice() const { return out_device_.get(); }                       // requires outMutex()
   void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
   DeviceChannel* inDevice() const { return in_device_.get(); }
   void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
@@ -151,16 +151,16 @@ class Link {
   Socket out_;
   Socket in_;
   std::unique_ptr<AuthStream> out_auth_, in_auth_;  // set before the link is shared, then constant
-  std::mutex out_mu_;  // held for a whole request/response exchange on out_
+  std::mutex out_mu_;                               // held for a whole request/response exchange on out_
   struct PeerProcess {
     pid_t pid = 0;
     uint64_t published_addr = 0;
     std::shared_ptr<const cma::Process> process;
   };
-  PeerProcess peer_process_;  // set before the link is shared, then constant
+  PeerProcess peer_process_;             // set before the link is shared, then constant
   std::unique_ptr<DataPath> host_path_;  // set before the link is shared
   std::vector<DataPath*> device_paths_;  // guarded by out_mu_
-  std::shared_ptr<cma::Grant> grant_;  // set before the link is shared; dropped by breakLink under state_mu_
+  std::shared_ptr<cma::Grant> grant_;    // set before the link is shared; dropped by breakLink under state_mu_
   std::string peer_address_;
   std::string source_;
   wire::Nonce nonce_{};
@@ -169,8 +169,8 @@ class Link {
   std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
   std::shared_ptr<void> server_state_;         // serving thread only
   mutable std::mutex state_mu_;
-  bool broken_ = false;       // guarded by state_mu_
-  std::string broken_reason_;  // guarded by state_mu_
+  bool broken_ = false;                         // guarded by state_mu_
+  std::string broken_reason_;                   // guarded by state_mu_
   std::vector<std::string> device_path_names_;  // guarded by state_mu_; follows device_paths_
 };
 

@@ -65,8 +65,8 @@ void Listener::run() {
     backing_off = true;
     if (!logged) {
       PDLINK_LOG(kWarn, "cannot accept connections on " << (ip_.empty() ? "the same-host socket" : ip_) << ": "
-                                                       << std::strerror(error) << "; retrying every " << kBackoffMs
-                                                       << " ms until it can");
+                                                        << std::strerror(error) << "; retrying every " << kBackoffMs
+                                                        << " ms until it can");
       logged = true;
     }
   }

@@ -49,11 +49,11 @@ struct TransferPlan {
 
 // What a path is, as typed fields (reported by links(), used to pick and to order paths).
 struct PathCaps {
-  const char* name = "";       // "tcp", "unix", "cma", "ipc", "hccl-one-sided", "hccl"
-  uint8_t request_flags = 0;   // the wire::kFlag* bits its requests carry (what the server dispatches on)
-  bool cross_host = false;     // reaches a peer on another host
-  bool one_sided = false;      // the peer's threads do not copy the bytes (they only check and pin)
-  bool device_memory = false;  // moves DEVICE memory of a device backend; else host memory
+  const char* name = "";        // "tcp", "unix", "cma", "ipc", "hccl-one-sided", "hccl"
+  uint8_t request_flags = 0;    // the wire::kFlag* bits its requests carry (what the server dispatches on)
+  bool cross_host = false;      // reaches a peer on another host
+  bool one_sided = false;       // the peer's threads do not copy the bytes (they only check and pin)
+  bool device_memory = false;   // moves DEVICE memory of a device backend; else host memory
   bool device_channel = false;  // needs the link's device channel (Engine::ensureDeviceChannel)
 };
 

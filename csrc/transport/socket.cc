@@ -330,7 +330,8 @@ Result<ListenSocket> ListenSocket::bindUnix(const std::string& name) {
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr.value().first), addr.value().second) != 0) {
     return Status(Code::kFailed, "cannot bind unix socket @" + name + ": " + strerror(errno));
   }
-  if (::listen(fd, 128) != 0) return Status(Code::kFailed, "listen on unix socket failed: " + std::string(strerror(errno)));
+  if (::listen(fd, 128) != 0)
+    return Status(Code::kFailed, "listen on unix socket failed: " + std::string(strerror(errno)));
   return ls;
 }
 

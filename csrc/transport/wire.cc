@@ -263,8 +263,8 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
   uint8_t kind = 0;
   uint32_t count = 0;
   Target& t = out->target;
-  if (!r.get(&kind) || !r.get(&t.model_id) || !r.get(&t.req_id) || !r.get(&t.prefix_id) ||
-      !r.get(&t.cache_id) || !r.get(&t.batch_index) || !r.get(&out->block_size)) {
+  if (!r.get(&kind) || !r.get(&t.model_id) || !r.get(&t.req_id) || !r.get(&t.prefix_id) || !r.get(&t.cache_id) ||
+      !r.get(&t.batch_index) || !r.get(&out->block_size)) {
     return malformed("transfer");
   }
   if (kind < 1 || kind > 5) return malformed("transfer");
@@ -278,8 +278,7 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
   const uint64_t tensors = count;
   out->tensors.resize(count);
   for (uint32_t i = 0; i < count; ++i) r.get(&out->tensors[i]);
-  if (!r.get(&count) || count > r.left() / (2 * sizeof(uint64_t)) ||
-      tensors * count > limits::kMaxRequestPieces) {
+  if (!r.get(&count) || count > r.left() / (2 * sizeof(uint64_t)) || tensors * count > limits::kMaxRequestPieces) {
     return malformed("transfer");
   }
   out->runs.resize(count);
@@ -308,10 +307,10 @@ std::string encode(const AuthResult& r) {
 Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len, uint16_t* redirect_len) {
   Reader r(p, n);
   uint32_t magic = 0;
-  if (!r.get(&magic) || magic != kAuthMagic || !r.get(&out->status) || !r.get(message_len) ||
-      !r.get(redirect_len) || !r.get(&out->gen_addr) || !r.get(&out->flags) || *message_len > kMaxMessageBytes ||
-      *redirect_len > limits::kUnixNameBytes || !isKnownCode(out->status) || (out->flags & ~kAuthPayloadIntegrity) != 0 ||
-      n < kAuthResultFixedBytes) {
+  if (!r.get(&magic) || magic != kAuthMagic || !r.get(&out->status) || !r.get(message_len) || !r.get(redirect_len) ||
+      !r.get(&out->gen_addr) || !r.get(&out->flags) || *message_len > kMaxMessageBytes ||
+      *redirect_len > limits::kUnixNameBytes || !isKnownCode(out->status) ||
+      (out->flags & ~kAuthPayloadIntegrity) != 0 || n < kAuthResultFixedBytes) {
     return malformed("auth-result");
   }
   std::memcpy(out->tag, p + kAuthResultFixedBytes - sizeof(out->tag), sizeof(out->tag));

@@ -146,13 +146,13 @@ std::string encode(const AuthResult& r);
 Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len, uint16_t* redirect_len);
 
 enum class Op : uint8_t {
-  kRead = 1,    // serve bytes of a registered cache       -> Response + payload
-  kWrite = 2,   // payload follows; store into a cache       -> Response
-  kCommit = 3,  // a read by request key completed: release  (no response)
-  kUnlink = 4,  // the peer tears the link down              -> Response
-  kPing = 5,    // liveness check (check_link_status)          -> Response
-  kDescribe = 6,  // a kBlocks target's layout for direct reads (same-host) -> Response + CacheDescriptor
-  kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
+  kRead = 1,           // serve bytes of a registered cache       -> Response + payload
+  kWrite = 2,          // payload follows; store into a cache       -> Response
+  kCommit = 3,         // a read by request key completed: release  (no response)
+  kUnlink = 4,         // the peer tears the link down              -> Response
+  kPing = 5,           // liveness check (check_link_status)          -> Response
+  kDescribe = 6,       // a kBlocks target's layout for direct reads (same-host) -> Response + CacheDescriptor
+  kRelease = 7,        // a direct (kFlagDirect) access finished     (no response)
   kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
   kNotify = 9,         // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
   kUcxConnect = 10,    // body: a UcxHello (the requester's UCX worker) -> Response + UcxHello (the server's)
@@ -210,7 +210,7 @@ Status decode(const uint8_t* p, size_t n, UcxHello* out);
 constexpr uint8_t kChannelOneSided = 1;
 struct RequestHeader {
   Op op = Op::kRead;
-  uint32_t body_len = 0;    // at most kMaxBodyBytes
+  uint32_t body_len = 0;  // at most kMaxBodyBytes
   uint64_t payload_len = 0;
   uint8_t flags = 0;  // a combination above; which ones a link accepts: Engine::admit
 };

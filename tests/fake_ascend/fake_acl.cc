@@ -146,8 +146,8 @@ struct Device {
   char* base = nullptr;    // PROT_NONE view: the addresses callers see
   char* shadow = nullptr;  // RW view of the same pages, used only inside the fakes
   uint64_t size = 0;
-  Context ctx{};           // the default context; stable for the life of the process
-  std::mutex mu;           // guards the allocator and the default stream
+  Context ctx{};                             // the default context; stable for the life of the process
+  std::mutex mu;                             // guards the allocator and the default stream
   std::map<uint64_t, uint64_t> free_blocks;  // offset -> length
   std::map<uint64_t, Alloc> allocs;          // offset -> live allocation
   uint64_t in_use = 0;
@@ -243,12 +243,12 @@ int check_device_id(const char* fn, int32_t id) {
 
 struct Import {  // an IPC-imported region in this process
   std::string key;
-  char* base;      // PROT_NONE mapping (page aligned)
-  char* shadow;    // RW mapping of the same pages
+  char* base;    // PROT_NONE mapping (page aligned)
+  char* shadow;  // RW mapping of the same pages
   size_t map_len;
-  char* user;      // the address handed out (base + offset within the first page)
+  char* user;  // the address handed out (base + offset within the first page)
   uint64_t size;
-  int fd;          // the exporter's arena memfd
+  int fd;             // the exporter's arena memfd
   uint64_t file_off;  // file offset of `base`
   uint64_t file_size;
   int device;
@@ -322,8 +322,10 @@ int prepare_copy(const char* fn, void* dst, size_t destMax, const void* src, siz
     return fail(fn, ACL_ERROR_INVALID_PARAM, "dst [%p, +%zu) is not inside one live device allocation", dst, count);
   if (ws == Where::kBad)
     return fail(fn, ACL_ERROR_INVALID_PARAM, "src [%p, +%zu) is not inside one live device allocation", src, count);
-  static const Where kWant[4][2] = {{Where::kHost, Where::kHost}, {Where::kDevice, Where::kHost},
-                                    {Where::kHost, Where::kDevice}, {Where::kDevice, Where::kDevice}};
+  static const Where kWant[4][2] = {{Where::kHost, Where::kHost},
+                                    {Where::kDevice, Where::kHost},
+                                    {Where::kHost, Where::kDevice},
+                                    {Where::kDevice, Where::kDevice}};
   if (kind != ACL_MEMCPY_DEFAULT && (kWant[kind][0] != wd || kWant[kind][1] != ws))
     return fail(fn, ACL_ERROR_INVALID_PARAM, "kind %d does not match the pointers (dst is %s memory, src is %s memory)",
                 static_cast<int>(kind), where_name(wd), where_name(ws));
@@ -734,10 +736,13 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t cou
   std::shared_ptr<Stream> st;
   if (int rc = resolve_stream(__func__, stream, dev, &st)) return rc;
   // Host buffers are read/written when the task runs, as with the real DMA engine.
-  push(*st, [d, s, count] {
-    if (count) memmove(d, s, count);
-    return 0;
-  }, __func__);
+  push(
+      *st,
+      [d, s, count] {
+        if (count) memmove(d, s, count);
+        return 0;
+      },
+      __func__);
   return ACL_SUCCESS;
 }
 #endif
@@ -764,14 +769,17 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
     std::lock_guard<std::mutex> lk(e->mu);
     gen = ++e->recorded;
   }
-  push(*s, [e, gen] {
-    {
-      std::lock_guard<std::mutex> lk(e->mu);
-      if (e->done < gen) e->done = gen;
-    }
-    e->cv.notify_all();
-    return 0;
-  }, __func__);
+  push(
+      *s,
+      [e, gen] {
+        {
+          std::lock_guard<std::mutex> lk(e->mu);
+          if (e->done < gen) e->done = gen;
+        }
+        e->cv.notify_all();
+        return 0;
+      },
+      __func__);
   return ACL_SUCCESS;
 }
 
@@ -886,8 +894,16 @@ aclError aclrtIpcMemImportByKey(void** devPtr, const char* key, uint64_t /*flags
     close(fd);
     return fail(__func__, ACL_ERROR_RT_DRV_INTERNAL_ERROR, "cannot map the imported region");
   }
-  Import im{key, static_cast<char*>(base), static_cast<char*>(shadow), len, static_cast<char*>(base) + delta,
-            rep.size, fd, moff, rep.file_size, rep.device};
+  Import im{key,
+            static_cast<char*>(base),
+            static_cast<char*>(shadow),
+            len,
+            static_cast<char*>(base) + delta,
+            rep.size,
+            fd,
+            moff,
+            rep.file_size,
+            rep.device};
   std::lock_guard<std::mutex> lk(ipc().mu);
   ipc().imports.push_back(im);
   *devPtr = im.user;
@@ -923,8 +939,10 @@ aclError aclrtDeviceGetBareTgid(int32_t* pid) {
 int fake_ascend_inject(const char* fn, int rc, int after_n, int times) {
   Control& c = control();
   std::lock_guard<std::mutex> lk(c.mu);
-  if (!fn) c.inject.clear();
-  else c.inject[fn] = {rc, after_n, times, 0};
+  if (!fn)
+    c.inject.clear();
+  else
+    c.inject[fn] = {rc, after_n, times, 0};
   return 0;
 }
 

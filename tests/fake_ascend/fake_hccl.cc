@@ -87,21 +87,38 @@ __attribute__((format(printf, 3, 4))) HcclResult fail(const char* fn, HcclResult
 }
 
 // Count the call, apply injection, then require a current device on the calling thread.
-#define HCCL_BEGIN()                                                            \
-  do {                                                                          \
-    if (int rc_ = H().enter(__func__))                                          \
-      return fail(__func__, static_cast<HcclResult>(rc_), "injected failure");  \
-    if (H().current_device(__func__) < 0) return HCCL_E_RUNTIME;                \
+#define HCCL_BEGIN()                                                                                            \
+  do {                                                                                                          \
+    if (int rc_ = H().enter(__func__)) return fail(__func__, static_cast<HcclResult>(rc_), "injected failure"); \
+    if (H().current_device(__func__) < 0) return HCCL_E_RUNTIME;                                                \
   } while (0)
 
 size_t dtype_size(int dt) {
   switch (dt) {
-    case 0: case 7: case 14: case 15: case 16: case 17: return 1;  // INT8 UINT8 HIF8 FP8*
-    case 1: case 3: case 8: case 11: return 2;                     // INT16 FP16 UINT16 BFP16
-    case 2: case 4: case 9: return 4;                              // INT32 FP32 UINT32
-    case 5: case 6: case 10: return 8;                             // INT64 UINT64 FP64
-    case 12: return 16;                                            // INT128
-    default: return 0;
+    case 0:
+    case 7:
+    case 14:
+    case 15:
+    case 16:
+    case 17:
+      return 1;  // INT8 UINT8 HIF8 FP8*
+    case 1:
+    case 3:
+    case 8:
+    case 11:
+      return 2;  // INT16 FP16 UINT16 BFP16
+    case 2:
+    case 4:
+    case 9:
+      return 4;  // INT32 FP32 UINT32
+    case 5:
+    case 6:
+    case 10:
+      return 8;  // INT64 UINT64 FP64
+    case 12:
+      return 16;  // INT128
+    default:
+      return 0;
   }
 }
 
@@ -109,7 +126,7 @@ size_t dtype_size(int dt) {
 
 struct RemoteSeg {  // a peer segment published by HcclCommPrepare
   uint64_t addr, size;
-  char* shadow;     // where it is mapped here
+  char* shadow;  // where it is mapped here
 };
 
 struct Mem {  // HcclRegisterGlobalMem
@@ -120,8 +137,8 @@ struct Mem {  // HcclRegisterGlobalMem
 struct Comm {
   uint32_t magic = kCommMagic;
   uint32_t rank = 0;
-  int out_fd = -1;  // my items -> peer; the peer's acks come back on it
-  int in_fd = -1;   // the peer's items -> me; my acks go back on it
+  int out_fd = -1;           // my items -> peer; the peer's acks come back on it
+  int in_fd = -1;            // the peer's items -> me; my acks go back on it
   std::mutex out_mu, in_mu;  // one batch per direction at a time, so items pair in order
   std::atomic<bool> broken{false};
   std::atomic<int> async_err{HCCL_SUCCESS};
@@ -259,8 +276,10 @@ int run_batch(const std::shared_ptr<Comm>& c, const std::vector<Item>& sends, co
   // Sends run on a helper thread while this thread receives: both ranks may batch sends and
   // receives at the same time, and a send completes only once the peer receives it.
   std::thread helper;
-  if (!sends.empty() && !recvs.empty()) helper = std::thread(do_sends);
-  else if (!sends.empty()) do_sends();
+  if (!sends.empty() && !recvs.empty())
+    helper = std::thread(do_sends);
+  else if (!sends.empty())
+    do_sends();
   if (!recvs.empty()) {
     rr = recv_items(*c, recvs, tmo);
     if (rr) c->fail(rr);
@@ -398,8 +417,8 @@ HcclResult connect_root(const RootBlob& b, Clock::time_point deadline, Comm& c) 
   for (int fd : ch) {
     Welcome w{};
     int e = fake::sock_recv(fd, &w, sizeof w, ms_left(deadline));
-    HcclResult r = e == ETIMEDOUT ? HCCL_E_TIMEOUT
-                   : e           ? HCCL_E_TCP_CONNECT
+    HcclResult r = e == ETIMEDOUT             ? HCCL_E_TIMEOUT
+                   : e                        ? HCCL_E_TCP_CONNECT
                    : w.magic != kWelcomeMagic ? HCCL_E_TCP_CONNECT
                                               : static_cast<HcclResult>(w.status);
     if (r != HCCL_SUCCESS) {
@@ -419,8 +438,8 @@ struct SegWire {  // one bound segment in a Prepare table
   int32_t fd_index, pad;
 };
 
-HcclResult one_sided(const char* fn, bool put, HcclComm comm, uint32_t remoteRank, HcclOneSideOpDesc* desc,
-                     uint32_t n, aclrtStream stream) {
+HcclResult one_sided(const char* fn, bool put, HcclComm comm, uint32_t remoteRank, HcclOneSideOpDesc* desc, uint32_t n,
+                     aclrtStream stream) {
   auto c = find_comm(comm);
   if (!c) return fail(fn, HCCL_E_PARA, "unknown communicator %p", comm);
   if (remoteRank != 1 - c->rank) return fail(fn, HCCL_E_PARA, "remote rank %u is not the peer", remoteRank);
@@ -450,10 +469,13 @@ HcclResult one_sided(const char* fn, bool put, HcclComm comm, uint32_t remoteRan
   }
   if (ops.empty()) return HCCL_SUCCESS;
   // The task holds the communicator, hence the peer mappings, until it has run.
-  int rc = H().enqueue(stream, [c, ops] {
-    for (const Op& op : ops) memmove(op.dst, op.src, op.bytes);
-    return 0;
-  }, fn);
+  int rc = H().enqueue(
+      stream,
+      [c, ops] {
+        for (const Op& op : ops) memmove(op.dst, op.src, op.bytes);
+        return 0;
+      },
+      fn);
   if (rc) return rc == ACL_ERROR_RT_CONTEXT_NULL ? HCCL_E_RUNTIME : HCCL_E_PARA;
   return HCCL_SUCCESS;
 }
@@ -483,7 +505,8 @@ HcclResult prepare(Comm& c, int tmo) {
   if (e) return io_result(e);
   HcclResult r = HCCL_SUCCESS;
   std::vector<SegWire> theirs(pf.magic == kFrameMagic && pf.type == kTable && pf.count <= 4096 ? pf.count : 0);
-  if (theirs.size() != pf.count) r = HCCL_E_TCP_TRANSFER;
+  if (theirs.size() != pf.count)
+    r = HCCL_E_TCP_TRANSFER;
   else if (!theirs.empty())
     r = io_result(fake::sock_recv(c.in_fd, theirs.data(), theirs.size() * sizeof(SegWire), tmo));
   std::vector<RemoteSeg> segs;
@@ -567,8 +590,9 @@ HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo* rootInfo, u
   HcclResult r = rank == 0 ? accept_peer(b, deadline, *c) : connect_root(b, deadline, *c);
   if (r == HCCL_E_PARA && rank == 0)
     return fail(__func__, r, "rank 0 must run in the process that created the root info, which is used once");
-  if (r) return fail(__func__, r, "rank %u could not join (%s)", rank,
-                     r == HCCL_E_TIMEOUT ? "HCCL_CONNECT_TIMEOUT expired" : "refused or link error");
+  if (r)
+    return fail(__func__, r, "rank %u could not join (%s)", rank,
+                r == HCCL_E_TIMEOUT ? "HCCL_CONNECT_TIMEOUT expired" : "refused or link error");
   std::lock_guard<std::mutex> lk(reg().mu);
   reg().comms[c.get()] = c;
   *comm = c.get();
@@ -610,13 +634,31 @@ HcclResult HcclBatchSendRecv(HcclSendRecvItem* sendRecvInfo, uint32_t itemNum, H
 
 const char* HcclGetErrorString(HcclResult code) {
   H().enter(__func__);
-  static const char* const kNames[] = {
-      "HCCL_SUCCESS",        "HCCL_E_PARA",         "HCCL_E_PTR",          "HCCL_E_MEMORY",     "HCCL_E_INTERNAL",
-      "HCCL_E_NOT_SUPPORT",  "HCCL_E_NOT_FOUND",    "HCCL_E_UNAVAIL",      "HCCL_E_SYSCALL",    "HCCL_E_TIMEOUT",
-      "HCCL_E_OPEN_FILE_FAILURE", "HCCL_E_TCP_CONNECT", "HCCL_E_ROCE_CONNECT", "HCCL_E_TCP_TRANSFER",
-      "HCCL_E_ROCE_TRANSFER", "HCCL_E_RUNTIME",     "HCCL_E_DRV",          "HCCL_E_PROFILING",  "HCCL_E_CCE",
-      "HCCL_E_NETWORK",      "HCCL_E_AGAIN",        "HCCL_E_REMOTE",       "HCCL_E_SUSPENDING", "HCCL_E_OPRETRY_FAIL",
-      "HCCL_E_OOM"};
+  static const char* const kNames[] = {"HCCL_SUCCESS",
+                                       "HCCL_E_PARA",
+                                       "HCCL_E_PTR",
+                                       "HCCL_E_MEMORY",
+                                       "HCCL_E_INTERNAL",
+                                       "HCCL_E_NOT_SUPPORT",
+                                       "HCCL_E_NOT_FOUND",
+                                       "HCCL_E_UNAVAIL",
+                                       "HCCL_E_SYSCALL",
+                                       "HCCL_E_TIMEOUT",
+                                       "HCCL_E_OPEN_FILE_FAILURE",
+                                       "HCCL_E_TCP_CONNECT",
+                                       "HCCL_E_ROCE_CONNECT",
+                                       "HCCL_E_TCP_TRANSFER",
+                                       "HCCL_E_ROCE_TRANSFER",
+                                       "HCCL_E_RUNTIME",
+                                       "HCCL_E_DRV",
+                                       "HCCL_E_PROFILING",
+                                       "HCCL_E_CCE",
+                                       "HCCL_E_NETWORK",
+                                       "HCCL_E_AGAIN",
+                                       "HCCL_E_REMOTE",
+                                       "HCCL_E_SUSPENDING",
+                                       "HCCL_E_OPRETRY_FAIL",
+                                       "HCCL_E_OOM"};
   int i = static_cast<int>(code);
   return i >= 0 && i < static_cast<int>(sizeof kNames / sizeof kNames[0]) ? kNames[i] : "HCCL_E_UNKNOWN";
 }

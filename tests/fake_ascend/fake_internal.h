@@ -68,10 +68,20 @@ inline uint64_t env_size(const char* name, uint64_t dflt) {
   unsigned long long n = strtoull(v, &end, 0);
   if (end == v) return dflt;
   switch (*end) {
-    case 'k': case 'K': n <<= 10; break;
-    case 'm': case 'M': n <<= 20; break;
-    case 'g': case 'G': n <<= 30; break;
-    default: break;
+    case 'k':
+    case 'K':
+      n <<= 10;
+      break;
+    case 'm':
+    case 'M':
+      n <<= 20;
+      break;
+    case 'g':
+    case 'G':
+      n <<= 30;
+      break;
+    default:
+      break;
   }
   return n;
 }
@@ -100,8 +110,7 @@ inline int wait_fd(int fd, short events, int timeout_ms) {
 // Sends exactly n bytes, waiting at most timeout_ms (< 0: forever) for each bit of progress, so a
 // stuck peer costs a bounded wait. `fds` (SCM_RIGHTS) ride on the first byte. Non-blocking per
 // call (MSG_DONTWAIT), so it works on blocking sockets too. Returns 0, ETIMEDOUT or an errno.
-inline int sock_send(int fd, const void* buf, size_t n, int timeout_ms, const int* fds = nullptr,
-                     int nfds = 0) {
+inline int sock_send(int fd, const void* buf, size_t n, int timeout_ms, const int* fds = nullptr, int nfds = 0) {
   const char* p = static_cast<const char*>(buf);
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * kMaxFds)];
   while (n > 0) {
@@ -157,8 +166,10 @@ inline int sock_recv(int fd, void* buf, size_t n, int timeout_ms, int* fds = nul
         for (int i = 0; i < k; ++i) {
           int got;
           memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
-          if (*nfds < max_fds) fds[(*nfds)++] = got;
-          else close(got);
+          if (*nfds < max_fds)
+            fds[(*nfds)++] = got;
+          else
+            close(got);
         }
       }
       p += r;

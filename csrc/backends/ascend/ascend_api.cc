@@ -30,8 +30,9 @@ Result<std::string> findLibraryDir(std::vector<std::string>* searched) {
     searched->push_back(explicit_dir);
     if (isFile(explicit_dir + "/libascendcl.so")) return explicit_dir;
     return Status(Code::kFeatureNotEnabled,
-                  "PDLINK_ASCEND_LIB_DIR=" + explicit_dir + " has no libascendcl.so; point it at the CANN lib64 "
-                  "directory, or unset it to search $ASCEND_HOME_PATH, $ASCEND_TOOLKIT_HOME and the loader path");
+                  "PDLINK_ASCEND_LIB_DIR=" + explicit_dir +
+                      " has no libascendcl.so; point it at the CANN lib64 "
+                      "directory, or unset it to search $ASCEND_HOME_PATH, $ASCEND_TOOLKIT_HOME and the loader path");
   }
   for (const char* var : {"ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"}) {
     std::string home = envOr(var);
@@ -157,36 +158,73 @@ Result<const AscendApi*> loadOnce() {
 
 const char* aclCodeName(int rc) {
   switch (rc) {
-    case ACL_SUCCESS: return "ACL_SUCCESS";
-    case ACL_ERROR_INVALID_PARAM: return "ACL_ERROR_INVALID_PARAM";
-    case ACL_ERROR_UNINITIALIZE: return "ACL_ERROR_UNINITIALIZE";
-    case ACL_ERROR_REPEAT_INITIALIZE: return "ACL_ERROR_REPEAT_INITIALIZE";
-    case ACL_ERROR_BAD_ALLOC: return "ACL_ERROR_BAD_ALLOC";
-    case ACL_ERROR_INVALID_DEVICE: return "ACL_ERROR_INVALID_DEVICE";
-    case ACL_ERROR_RT_PARAM_INVALID: return "ACL_ERROR_RT_PARAM_INVALID";
-    case ACL_ERROR_RT_INVALID_DEVICEID: return "ACL_ERROR_RT_INVALID_DEVICEID";
-    case ACL_ERROR_RT_CONTEXT_NULL: return "ACL_ERROR_RT_CONTEXT_NULL";
-    case ACL_ERROR_RT_WAIT_TIMEOUT: return "ACL_ERROR_RT_WAIT_TIMEOUT";
-    case ACL_ERROR_RT_FEATURE_NOT_SUPPORT: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
-    case ACL_ERROR_RT_MEMORY_ALLOCATION: return "ACL_ERROR_RT_MEMORY_ALLOCATION";
-    case ACL_ERROR_RT_NO_DEVICE: return "ACL_ERROR_RT_NO_DEVICE";
-    case ACL_ERROR_RT_NO_PERMISSION: return "ACL_ERROR_RT_NO_PERMISSION";
-    case ACL_ERROR_RT_DEVICE_OOM: return "ACL_ERROR_RT_DEVICE_OOM";
-    case ACL_ERROR_RT_INTERNAL_ERROR: return "ACL_ERROR_RT_INTERNAL_ERROR";
-    case ACL_ERROR_RT_STREAM_SYNC_TIMEOUT: return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
-    case ACL_ERROR_RT_EVENT_SYNC_TIMEOUT: return "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT";
-    default: return "ACL error";
+    case ACL_SUCCESS:
+      return "ACL_SUCCESS";
+    case ACL_ERROR_INVALID_PARAM:
+      return "ACL_ERROR_INVALID_PARAM";
+    case ACL_ERROR_UNINITIALIZE:
+      return "ACL_ERROR_UNINITIALIZE";
+    case ACL_ERROR_REPEAT_INITIALIZE:
+      return "ACL_ERROR_REPEAT_INITIALIZE";
+    case ACL_ERROR_BAD_ALLOC:
+      return "ACL_ERROR_BAD_ALLOC";
+    case ACL_ERROR_INVALID_DEVICE:
+      return "ACL_ERROR_INVALID_DEVICE";
+    case ACL_ERROR_RT_PARAM_INVALID:
+      return "ACL_ERROR_RT_PARAM_INVALID";
+    case ACL_ERROR_RT_INVALID_DEVICEID:
+      return "ACL_ERROR_RT_INVALID_DEVICEID";
+    case ACL_ERROR_RT_CONTEXT_NULL:
+      return "ACL_ERROR_RT_CONTEXT_NULL";
+    case ACL_ERROR_RT_WAIT_TIMEOUT:
+      return "ACL_ERROR_RT_WAIT_TIMEOUT";
+    case ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
+      return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
+    case ACL_ERROR_RT_MEMORY_ALLOCATION:
+      return "ACL_ERROR_RT_MEMORY_ALLOCATION";
+    case ACL_ERROR_RT_NO_DEVICE:
+      return "ACL_ERROR_RT_NO_DEVICE";
+    case ACL_ERROR_RT_NO_PERMISSION:
+      return "ACL_ERROR_RT_NO_PERMISSION";
+    case ACL_ERROR_RT_DEVICE_OOM:
+      return "ACL_ERROR_RT_DEVICE_OOM";
+    case ACL_ERROR_RT_INTERNAL_ERROR:
+      return "ACL_ERROR_RT_INTERNAL_ERROR";
+    case ACL_ERROR_RT_STREAM_SYNC_TIMEOUT:
+      return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
+    case ACL_ERROR_RT_EVENT_SYNC_TIMEOUT:
+      return "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT";
+    default:
+      return "ACL error";
   }
 }
 
 const char* hcclCodeName(int rc) {
-  static const char* const kNames[] = {
-      "HCCL_SUCCESS",      "HCCL_E_PARA",         "HCCL_E_PTR",           "HCCL_E_MEMORY",     "HCCL_E_INTERNAL",
-      "HCCL_E_NOT_SUPPORT", "HCCL_E_NOT_FOUND",   "HCCL_E_UNAVAIL",       "HCCL_E_SYSCALL",    "HCCL_E_TIMEOUT",
-      "HCCL_E_OPEN_FILE_FAILURE", "HCCL_E_TCP_CONNECT", "HCCL_E_ROCE_CONNECT", "HCCL_E_TCP_TRANSFER",
-      "HCCL_E_ROCE_TRANSFER", "HCCL_E_RUNTIME",   "HCCL_E_DRV",           "HCCL_E_PROFILING",  "HCCL_E_CCE",
-      "HCCL_E_NETWORK",    "HCCL_E_AGAIN",        "HCCL_E_REMOTE",        "HCCL_E_SUSPENDING", "HCCL_E_OPRETRY_FAIL",
-      "HCCL_E_OOM"};
+  static const char* const kNames[] = {"HCCL_SUCCESS",
+                                       "HCCL_E_PARA",
+                                       "HCCL_E_PTR",
+                                       "HCCL_E_MEMORY",
+                                       "HCCL_E_INTERNAL",
+                                       "HCCL_E_NOT_SUPPORT",
+                                       "HCCL_E_NOT_FOUND",
+                                       "HCCL_E_UNAVAIL",
+                                       "HCCL_E_SYSCALL",
+                                       "HCCL_E_TIMEOUT",
+                                       "HCCL_E_OPEN_FILE_FAILURE",
+                                       "HCCL_E_TCP_CONNECT",
+                                       "HCCL_E_ROCE_CONNECT",
+                                       "HCCL_E_TCP_TRANSFER",
+                                       "HCCL_E_ROCE_TRANSFER",
+                                       "HCCL_E_RUNTIME",
+                                       "HCCL_E_DRV",
+                                       "HCCL_E_PROFILING",
+                                       "HCCL_E_CCE",
+                                       "HCCL_E_NETWORK",
+                                       "HCCL_E_AGAIN",
+                                       "HCCL_E_REMOTE",
+                                       "HCCL_E_SUSPENDING",
+                                       "HCCL_E_OPRETRY_FAIL",
+                                       "HCCL_E_OOM"};
   return rc >= 0 && rc < static_cast<int>(sizeof(kNames) / sizeof(kNames[0])) ? kNames[rc] : "HCCL error";
 }
 
@@ -202,7 +240,8 @@ Result<const AscendApi*> AscendApi::load() {
 Code mapVendorCode(Vendor vendor, int rc) {
   if (vendor == Vendor::kAcl) {
     switch (rc) {
-      case ACL_SUCCESS: return Code::kSuccess;
+      case ACL_SUCCESS:
+        return Code::kSuccess;
       case ACL_ERROR_INVALID_PARAM:
       case ACL_ERROR_RT_PARAM_INVALID:
       case ACL_ERROR_INVALID_DEVICE:
@@ -225,15 +264,18 @@ Code mapVendorCode(Vendor vendor, int rc) {
     }
   }
   switch (rc) {
-    case HCCL_SUCCESS: return Code::kSuccess;
+    case HCCL_SUCCESS:
+      return Code::kSuccess;
     case HCCL_E_PARA:
     case HCCL_E_PTR:
       return Code::kParamInvalid;
-    case HCCL_E_TIMEOUT: return Code::kTimeout;
+    case HCCL_E_TIMEOUT:
+      return Code::kTimeout;
     case HCCL_E_MEMORY:
     case HCCL_E_OOM:
       return Code::kDeviceOutOfMemory;
-    case HCCL_E_NOT_SUPPORT: return Code::kFeatureNotEnabled;
+    case HCCL_E_NOT_SUPPORT:
+      return Code::kFeatureNotEnabled;
     case HCCL_E_TCP_CONNECT:
     case HCCL_E_ROCE_CONNECT:
     case HCCL_E_TCP_TRANSFER:

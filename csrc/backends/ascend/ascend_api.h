@@ -49,13 +49,13 @@ struct AscendApi {
   PDLINK_ACL_FN(aclGetRecentErrMsg)
   PDLINK_ACL_FN(aclrtSynchronizeStreamWithTimeout)  // feature "sync_timeout"
   PDLINK_ACL_FN(aclrtGetPhyDevIdByLogicDevId)
-  PDLINK_ACL_FN(aclrtIpcMemGetExportKey)            // feature "ipc": these four together
+  PDLINK_ACL_FN(aclrtIpcMemGetExportKey)  // feature "ipc": these four together
   PDLINK_ACL_FN(aclrtIpcMemSetImportPid)
   PDLINK_ACL_FN(aclrtIpcMemImportByKey)
   PDLINK_ACL_FN(aclrtIpcMemClose)
   PDLINK_ACL_FN(HcclGetErrorString)
   PDLINK_ACL_FN(HcclGetCommAsyncError)
-  PDLINK_ACL_FN(HcclRegisterGlobalMem)              // feature "one_sided": these seven together
+  PDLINK_ACL_FN(HcclRegisterGlobalMem)  // feature "one_sided": these seven together
   PDLINK_ACL_FN(HcclDeregisterGlobalMem)
   PDLINK_ACL_FN(HcclCommBindMem)
   PDLINK_ACL_FN(HcclCommUnbindMem)

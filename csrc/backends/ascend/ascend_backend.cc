@@ -29,9 +29,7 @@ class ContextGuard {
   ~ContextGuard() {
     if (switched_ && prev_) api_->aclrtSetCurrentContext(prev_);
   }
-  Status status() const {
-    return rc_ == ACL_SUCCESS ? Status::OK() : api_->aclError("aclrtSetCurrentContext", rc_);
-  }
+  Status status() const { return rc_ == ACL_SUCCESS ? Status::OK() : api_->aclError("aclrtSetCurrentContext", rc_); }
 
  private:
   const AscendApi* api_;
@@ -41,7 +39,8 @@ class ContextGuard {
 };
 
 aclrtMemcpyKind copyKind(Placement dst, Placement src) {
-  if (dst == Placement::kDevice) return src == Placement::kDevice ? ACL_MEMCPY_DEVICE_TO_DEVICE : ACL_MEMCPY_HOST_TO_DEVICE;
+  if (dst == Placement::kDevice)
+    return src == Placement::kDevice ? ACL_MEMCPY_DEVICE_TO_DEVICE : ACL_MEMCPY_HOST_TO_DEVICE;
   return src == Placement::kDevice ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_HOST;
 }
 
@@ -225,8 +224,9 @@ Result<std::shared_ptr<AscendBackend>> AscendBackend::create(const AscendApi* ap
   if ((rc = api->aclrtGetDeviceCount(&count)) != ACL_SUCCESS) return api->aclError("aclrtGetDeviceCount", rc);
   if (count == 0) return Status(Code::kFeatureNotEnabled, "Ascend backend unavailable: the runtime reports no device");
   if (device_id < 0 || static_cast<uint32_t>(device_id) >= count) {
-    return Status(Code::kParamInvalid, "device_id " + std::to_string(device_id) + " out of range: the runtime reports " +
-                                           std::to_string(count) + " device(s)");
+    return Status(Code::kParamInvalid, "device_id " + std::to_string(device_id) +
+                                           " out of range: the runtime reports " + std::to_string(count) +
+                                           " device(s)");
   }
   // aclrtSetDevice binds the calling thread; put back what the thread had (the application's).
   aclrtContext prev = nullptr;
@@ -239,7 +239,7 @@ Result<std::shared_ptr<AscendBackend>> AscendBackend::create(const AscendApi* ap
   int32_t phy = device_id;
   if (api->aclrtGetPhyDevIdByLogicDevId) (void)api->aclrtGetPhyDevIdByLogicDevId(device_id, &phy);
   PDLINK_LOG(kInfo, "Ascend backend on device " << device_id << " (physical " << phy << ") from "
-                                                 << (api->library_dir.empty() ? "the loader path" : api->library_dir));
+                                                << (api->library_dir.empty() ? "the loader path" : api->library_dir));
   return std::shared_ptr<AscendBackend>(new AscendBackend(api, device_id, ctx));
 }
 

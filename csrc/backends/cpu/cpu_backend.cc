@@ -18,8 +18,7 @@ class CpuBackend final : public Backend {
     // mmap rather than malloc: pools are large, page-aligned, and returned to the OS on release.
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
-      return Status(Code::kOutOfMemory,
-                    "cannot map " + std::to_string(bytes) + " bytes: " + std::strerror(errno));
+      return Status(Code::kOutOfMemory, "cannot map " + std::to_string(bytes) + " bytes: " + std::strerror(errno));
     }
     return p;
   }

@@ -120,7 +120,8 @@ Status Process::copyRange(bool write, const std::vector<iovec>& local, const std
       uint64_t addr = reinterpret_cast<uint64_t>(remote[i].iov_base);
       size_t left = local[i].iov_len;
       while (left > 0) {
-        if (addr > static_cast<uint64_t>(INT64_MAX) - left) return failure(Code::kParamInvalid, pid_, write, "bad address");
+        if (addr > static_cast<uint64_t>(INT64_MAX) - left)
+          return failure(Code::kParamInvalid, pid_, write, "bad address");
         ssize_t got = write ? ::pwrite(mem_fd_, at, left, static_cast<off_t>(addr))
                             : ::pread(mem_fd_, at, left, static_cast<off_t>(addr));
         if (got < 0 && errno == EINTR) continue;
@@ -177,7 +178,8 @@ Status Process::copy(bool write, const std::vector<iovec>& local, const std::vec
   return copyChecked(write, local, remote);
 }
 
-Result<uint64_t> Process::readThenWord(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t word_addr) const {
+Result<uint64_t> Process::readThenWord(std::vector<iovec>& local, std::vector<iovec>& remote,
+                                       uint64_t word_addr) const {
   if (local.size() != remote.size()) return Status(Code::kParamInvalid, "direct copy: range lists differ");
   size_t total = 0;
   for (const iovec& v : local) total += v.iov_len;

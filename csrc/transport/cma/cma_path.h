@@ -46,7 +46,7 @@ class CmaPath : public DataPath {
   const std::shared_ptr<const cma::Process> process_;
   const uint64_t published_addr_;
   std::map<uint64_t, wire::CacheDescriptor> descriptors_;  // model_id -> the peer's layout; out mutex
-  std::optional<wire::RawTable> raw_table_;  // the peer's registered memory; out mutex
+  std::optional<wire::RawTable> raw_table_;                // the peer's registered memory; out mutex
 };
 
 // Answers a checked direct access with the addresses of exactly the resolved ranges and the serving

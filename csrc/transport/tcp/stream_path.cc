@@ -42,12 +42,13 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
     if (!st.ok()) return failTransfer(link, st, what);
     return awaitResponse(link, deadline, what, &rh);
   }
-  st = request(link, wire::RequestHeader{wire::Op::kRead, static_cast<uint32_t>(body.size()), 0}, body, deadline,
-               what, &rh);
+  st = request(link, wire::RequestHeader{wire::Op::kRead, static_cast<uint32_t>(body.size()), 0}, body, deadline, what,
+               &rh);
   if (!st.ok()) return st;
   if (rh.payload_len != p.payload) {
-    return failTransfer(link, Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) +
-                                                            " bytes, expected " + std::to_string(p.payload)),
+    return failTransfer(link,
+                        Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) + " bytes, expected " +
+                                                      std::to_string(p.payload)),
                         what);
   }
   st = move(s, false, p.local_addrs, p.local_tensors, 0, p.local_runs, p.local_device_runs, backend_, deadline);

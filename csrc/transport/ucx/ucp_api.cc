@@ -43,15 +43,17 @@ Result<const UcpApi*> loadOnce() {
   if (env != nullptr && *env != '\0') {
     std::string path = std::string(env) + "/" + kSoname;
     if (!isFile(path)) {
-      return Status(Code::kFeatureNotEnabled, "ucx unavailable: PDLINK_UCX_LIB_DIR=" + std::string(env) +
-                                                  " has no " + kSoname + "; point it at UCX's lib directory, or "
+      return Status(Code::kFeatureNotEnabled, "ucx unavailable: PDLINK_UCX_LIB_DIR=" + std::string(env) + " has no " +
+                                                  kSoname +
+                                                  "; point it at UCX's lib directory, or "
                                                   "unset it to use the libucx package or the system's UCX");
     }
     candidates.push_back(path);
   } else {
     {
       std::lock_guard<std::mutex> lock(g_dir_mu);
-      if (!g_wheel_dir.empty() && isFile(g_wheel_dir + "/" + kSoname)) candidates.push_back(g_wheel_dir + "/" + kSoname);
+      if (!g_wheel_dir.empty() && isFile(g_wheel_dir + "/" + kSoname))
+        candidates.push_back(g_wheel_dir + "/" + kSoname);
     }
     candidates.push_back(kSoname);
   }
@@ -114,8 +116,8 @@ Result<const UcpApi*> loadOnce() {
   bind(lib, "ucp_ep_query", &api->ucp_ep_query, &optional_missing);
   if (!missing.empty()) {
     delete api;
-    return Status(Code::kFeatureNotEnabled,
-                  "ucx unavailable: " + loaded + " lacks " + join(missing) + " (UCX 1." + std::to_string(kApiMinor) + " or newer is needed)");
+    return Status(Code::kFeatureNotEnabled, "ucx unavailable: " + loaded + " lacks " + join(missing) + " (UCX 1." +
+                                                std::to_string(kApiMinor) + " or newer is needed)");
   }
   unsigned major = 0, minor = 0, release = 0;
   api->ucp_get_version(&major, &minor, &release);
@@ -126,9 +128,8 @@ Result<const UcpApi*> loadOnce() {
                                                 "; pdlink needs UCX 1." + std::to_string(kApiMinor) + " or newer");
   }
   Dl_info info{};
-  api->library = ::dladdr(reinterpret_cast<void*>(api->ucp_init_version), &info) && info.dli_fname
-                     ? info.dli_fname
-                     : loaded;
+  api->library =
+      ::dladdr(reinterpret_cast<void*>(api->ucp_init_version), &info) && info.dli_fname ? info.dli_fname : loaded;
   api->version = std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
   api->minor = minor;
   return static_cast<const UcpApi*>(api);

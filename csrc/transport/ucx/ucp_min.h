@@ -36,7 +36,6 @@ typedef void (*ucp_err_handler_cb_t)(void* arg, ucp_ep_h ep, ucs_status_t status
 typedef void (*ucp_am_recv_data_nbx_callback_t)(void* request, ucs_status_t status, size_t length, void* user_data);
 }
 
-
 // ucs_status_t values pdlink tells apart.
 constexpr ucs_status_t kOk = 0;
 constexpr ucs_status_t kInProgress = 1;
@@ -214,11 +213,9 @@ using ucp_config_release_t = void (*)(ucp_config_t* config);
 using ucp_config_modify_t = ucs_status_t (*)(ucp_config_t* config, const char* name, const char* value);
 using ucp_get_version_t = void (*)(unsigned* major_version, unsigned* minor_version, unsigned* release_number);
 using ucp_init_version_t = ucs_status_t (*)(unsigned api_major_version, unsigned api_minor_version,
-                                            const Params* params, const ucp_config_t* config,
-                                            ucp_context_h* context_p);
+                                            const Params* params, const ucp_config_t* config, ucp_context_h* context_p);
 using ucp_cleanup_t = void (*)(ucp_context_h context_p);
-using ucp_worker_create_t = ucs_status_t (*)(ucp_context_h context, const WorkerParams* params,
-                                             ucp_worker_h* worker_p);
+using ucp_worker_create_t = ucs_status_t (*)(ucp_context_h context, const WorkerParams* params, ucp_worker_h* worker_p);
 using ucp_worker_destroy_t = void (*)(ucp_worker_h worker);
 using ucp_worker_query_t = ucs_status_t (*)(ucp_worker_h worker, WorkerAttr* attr);
 using ucp_worker_release_address_t = void (*)(ucp_worker_h worker, ucp_address_t* address);
@@ -232,8 +229,7 @@ using ucp_ep_flush_nbx_t = ucs_status_ptr_t (*)(ucp_ep_h ep, const RequestParam*
 using ucp_ep_query_t = ucs_status_t (*)(ucp_ep_h ep, EpAttr* attr);
 using ucp_mem_map_t = ucs_status_t (*)(ucp_context_h context, const MemMapParams* params, ucp_mem_h* memh_p);
 using ucp_mem_unmap_t = ucs_status_t (*)(ucp_context_h context, ucp_mem_h memh);
-using ucp_rkey_pack_t = ucs_status_t (*)(ucp_context_h context, ucp_mem_h memh, void** rkey_buffer_p,
-                                         size_t* size_p);
+using ucp_rkey_pack_t = ucs_status_t (*)(ucp_context_h context, ucp_mem_h memh, void** rkey_buffer_p, size_t* size_p);
 using ucp_rkey_buffer_release_t = void (*)(void* rkey_buffer);
 using ucp_ep_rkey_unpack_t = ucs_status_t (*)(ucp_ep_h ep, const void* rkey_buffer, ucp_rkey_h* rkey_p);
 using ucp_rkey_destroy_t = void (*)(ucp_rkey_h rkey);

@@ -71,7 +71,7 @@ Result<std::shared_ptr<UcxHub>> UcxHub::open(bool decide_auto) {
       hub->auto_between_hosts_ = autoPicksUcx(lanes.value());
     } else {
       PDLINK_LOG(kInfo, "ucx: cannot tell the network worker's transports (" << lanes.status().message()
-                                                                            << "); auto keeps tcp between hosts");
+                                                                             << "); auto keeps tcp between hosts");
     }
   }
   UcxHub* raw = hub.get();
@@ -149,7 +149,8 @@ Status UcxHub::await(Expectation& e, Deadline deadline, const char* what) {
   if (deadline.isNever()) {
     e.cv.wait(lock, done);
   } else {
-    while (!done() && !deadline.expired()) e.cv.wait_for(lock, std::chrono::milliseconds(deadline.remainingMsForPoll()));
+    while (!done() && !deadline.expired())
+      e.cv.wait_for(lock, std::chrono::milliseconds(deadline.remainingMsForPoll()));
   }
   const uint64_t missing = e.remaining;
   e.open = false;  // under e.mu: no copy runs now, and none starts after this
@@ -214,8 +215,8 @@ Status sendChunks(UcxEndpoint& ep, uint64_t token, const std::vector<Segment>& p
 struct ServerLink {
   std::shared_ptr<UcxHub> hub;  // before ep: destroyed after it
   std::unique_ptr<UcxEndpoint> ep;
-  uint64_t pull_token = 0;  // the requester's, for the bytes of its reads
-  uint64_t push_token = 0;  // ours, for the bytes of its writes
+  uint64_t pull_token = 0;   // the requester's, for the bytes of its reads
+  uint64_t push_token = 0;   // ours, for the bytes of its writes
   uint32_t chunk_bytes = 0;  // the link's message size (ours to choose, chunkBytesFor)
   std::shared_ptr<Expectation> pushes;
   ~ServerLink() {
@@ -260,7 +261,8 @@ Status UcxPath::connect(Link& link, Deadline deadline, const char* what) {
   st = readAnswer(link.out(), rh.payload_len, wire::kMaxUcxHelloBytes, deadline, &payload, "ucx connect answer");
   wire::UcxHello theirs;
   if (st.ok()) st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &theirs);
-  if (st.ok() && theirs.chunk_bytes == 0) st = Status(Code::kLinkFailed, "the peer's ucx connect answer has no message size");
+  if (st.ok() && theirs.chunk_bytes == 0)
+    st = Status(Code::kLinkFailed, "the peer's ucx connect answer has no message size");
   if (!st.ok()) return failTransfer(link, st, what);
   Result<std::unique_ptr<ucx::UcxEndpoint>> ep = worker.connect(theirs.address);
   if (!ep.ok()) return failTransfer(link, ep.status(), what);
@@ -281,7 +283,7 @@ Status UcxPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
     Status st = connect(link, deadline, what);
     if (st.code() == Code::kFeatureNotEnabled && fallback_ && !link.broken()) {
       PDLINK_LOG(kInfo, "ucx: the peer serves no ucx path (" << st.message() << "); this link keeps "
-                                                                          << fallback_->caps().name);
+                                                             << fallback_->caps().name);
       declined_.store(true);
       return fallback_->transfer(link, p, is_push, deadline, what);
     }
@@ -330,17 +332,18 @@ Status UcxServer::connect(Link& link, Stream& s, const std::string& body, Deadli
   state->chunk_bytes = ucx::chunkBytesFor(state->ep->lanes());
   state->pushes = hub_->expect(&state->push_token);
   link.serverState() = state;
-  return sendAnswer(s, wire::encode(wire::UcxHello{state->push_token, state->chunk_bytes, worker.address()}),
-                    deadline);
+  return sendAnswer(s, wire::encode(wire::UcxHello{state->push_token, state->chunk_bytes, worker.address()}), deadline);
 }
 
 Status UcxServer::serve(ServeCall& call) {
   auto state = std::static_pointer_cast<ucx::ServerLink>(call.link.serverState());
-  if (!state) return sendResponse(call.stream, Status(Code::kParamInvalid, "ucx is not connected on this link"),
-                                  call.deadline);
+  if (!state)
+    return sendResponse(call.stream, Status(Code::kParamInvalid, "ucx is not connected on this link"), call.deadline);
   if (!call.device_runs.empty()) {
-    return sendResponse(call.stream, Status(Code::kFeatureNotEnabled, "some of the addressed ranges are device "
-                                                                      "memory: the stream path moves them"),
+    return sendResponse(call.stream,
+                        Status(Code::kFeatureNotEnabled,
+                               "some of the addressed ranges are device "
+                               "memory: the stream path moves them"),
                         call.deadline);
   }
   const std::vector<Segment> ranges = pieces(call.addrs, call.tensors, call.base, call.runs);
@@ -352,10 +355,10 @@ Status UcxServer::serve(ServeCall& call) {
   uint64_t chunks = 0;
   for (const Segment& r : ranges) chunks += (r.length + state->chunk_bytes - 1) / state->chunk_bytes;
   if (chunks > ucx::kMaxChunksPerTransfer) {
-    return sendResponse(call.stream, Status(Code::kParamInvalid, "a ucx write of " + std::to_string(chunks) +
-                                                                     " messages is more than one transfer may be (" +
-                                                                     std::to_string(ucx::kMaxChunksPerTransfer) +
-                                                                     "); split it"),
+    return sendResponse(call.stream,
+                        Status(Code::kParamInvalid, "a ucx write of " + std::to_string(chunks) +
+                                                        " messages is more than one transfer may be (" +
+                                                        std::to_string(ucx::kMaxChunksPerTransfer) + "); split it"),
                         call.deadline);
   }
   ucx::UcxHub::open(*state->pushes, ranges, state->chunk_bytes);

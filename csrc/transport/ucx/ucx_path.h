@@ -60,8 +60,8 @@ struct Chunks {
 struct Expectation {
   std::mutex mu;
   std::condition_variable cv;
-  bool open = false;    // guarded by mu
-  Chunks chunks;        // guarded by mu
+  bool open = false;         // guarded by mu
+  Chunks chunks;             // guarded by mu
   std::vector<bool> landed;  // guarded by mu: one bit per chunk
   uint64_t remaining = 0;    // guarded by mu
 };
@@ -141,7 +141,7 @@ class UcxPath : public DataPath {
   std::unique_ptr<ucx::UcxEndpoint> ep_;  // out mutex
   uint64_t pull_token_ = 0;               // what the peer stamps the bytes of our reads with
   std::shared_ptr<ucx::Expectation> pulls_;
-  uint64_t push_token_ = 0;  // the peer's token for the bytes of our writes
+  uint64_t push_token_ = 0;   // the peer's token for the bytes of our writes
   uint32_t chunk_bytes_ = 0;  // the link's message size, the server's choice (set with ep_)
   mutable std::mutex lanes_mu_;
   std::vector<std::string> lanes_;  // guarded by lanes_mu_: ep_'s, once connected

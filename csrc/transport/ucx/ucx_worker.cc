@@ -55,8 +55,9 @@ Result<std::string> transportsFor(Scope scope, const char* user) {
   }
   if (kept.empty()) {
     return Status(Code::kFeatureNotEnabled,
-                  "UCX_TLS=" + tls + " names no network transport, and a peer not proven to be on this host "
-                  "may not use shared memory; add one (tcp, rc, dc, ud, ib) or link same-host peers only");
+                  "UCX_TLS=" + tls +
+                      " names no network transport, and a peer not proven to be on this host "
+                      "may not use shared memory; add one (tcp, rc, dc, ud, ib) or link same-host peers only");
   }
   return joinComma(kept);
 }
@@ -122,30 +123,29 @@ unsigned unpackRelease(unsigned packed, unsigned minor) {
   return packed + static_cast<unsigned>(std::max(0, base)) * range;
 }
 
-constexpr uint8_t kFlagLast = 0x80;           // last device (dev len), last transport (iface len)
-constexpr uint8_t kFlagHasEpAddr = 0x40;      // iface len: endpoint addresses follow
-constexpr uint8_t kFlagNumPaths = 0x40;       // dev len: a paths byte follows
-constexpr uint8_t kFlagSysDevice = 0x20;      // dev len: a system-device byte follows
-constexpr uint8_t kFlagEmptyDevice = 0x80;    // md byte: the device lists no transports
+constexpr uint8_t kFlagLast = 0x80;         // last device (dev len), last transport (iface len)
+constexpr uint8_t kFlagHasEpAddr = 0x40;    // iface len: endpoint addresses follow
+constexpr uint8_t kFlagNumPaths = 0x40;     // dev len: a paths byte follows
+constexpr uint8_t kFlagSysDevice = 0x20;    // dev len: a system-device byte follows
+constexpr uint8_t kFlagEmptyDevice = 0x80;  // md byte: the device lists no transports
 constexpr uint8_t kHeaderDebugInfo = 1, kHeaderUuid = 2, kHeaderClientId = 4, kHeaderKnown = 0x0f;
-constexpr unsigned kAttrAmSync = 2;               // v2 attribute flags: UCP_ADDR_IFACE_FLAG_AM_SYNC
-constexpr unsigned kMinAmSegmentBytes = 512;      // UCX's own are 8 KiB (tcp, shared memory), ~4 KiB (ud)
-constexpr size_t kMaxResources = 128;  // UCP_MAX_RESOURCES
-constexpr unsigned kMaxMds = 64;       // UCP_MAX_MDS
-constexpr unsigned kLegacyMdRelease = 18;  // UCX >= 1.19 clears bits 5-6 of md indexes from <= 1.18
+constexpr unsigned kAttrAmSync = 2;           // v2 attribute flags: UCP_ADDR_IFACE_FLAG_AM_SYNC
+constexpr unsigned kMinAmSegmentBytes = 512;  // UCX's own are 8 KiB (tcp, shared memory), ~4 KiB (ud)
+constexpr size_t kMaxResources = 128;         // UCP_MAX_RESOURCES
+constexpr unsigned kMaxMds = 64;              // UCP_MAX_MDS
+constexpr unsigned kLegacyMdRelease = 18;     // UCX >= 1.19 clears bits 5-6 of md indexes from <= 1.18
 
 }  // namespace
 
 Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsigned minor) {
   if (minor < kAddressMinorFirst || minor > kAddressMinorLast) {
-    return Status(Code::kFeatureNotEnabled, "ucx worker addresses of UCX 1." + std::to_string(minor) +
-                                                " are not a layout pdlink knows (UCX 1." +
-                                                std::to_string(kAddressMinorFirst) + " .. 1." +
-                                                std::to_string(kAddressMinorLast) + ")");
+    return Status(Code::kFeatureNotEnabled,
+                  "ucx worker addresses of UCX 1." + std::to_string(minor) + " are not a layout pdlink knows (UCX 1." +
+                      std::to_string(kAddressMinorFirst) + " .. 1." + std::to_string(kAddressMinorLast) + ")");
   }
   if (n == 0) return malformed(0, "empty");
-  if (n > kMaxWorkerAddressBytes) return malformed(0, std::to_string(n) + " bytes, more than " +
-                                                          std::to_string(kMaxWorkerAddressBytes));
+  if (n > kMaxWorkerAddressBytes)
+    return malformed(0, std::to_string(n) + " bytes, more than " + std::to_string(kMaxWorkerAddressBytes));
   AddressReader r(p, n);
   WorkerAddressLayout out;
   uint8_t header = 0, flags = 0;
@@ -158,7 +158,8 @@ Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsig
     if (!r.byte(&flags)) return malformed(r.at(), "no flags byte");
     release = unpackRelease(header >> 4, minor);
   } else {
-    return malformed(0, "address version " + std::to_string(out.version) + " (UCX knows v1 and v2; it aborts on others)");
+    return malformed(0,
+                     "address version " + std::to_string(out.version) + " (UCX knows v1 and v2; it aborts on others)");
   }
   if (flags & ~kHeaderKnown) return malformed(r.at() - 1, "unknown header flags " + std::to_string(flags));
   if ((out.version == 0 || (flags & kHeaderUuid)) && !r.take(8)) return malformed(r.at(), "no worker uuid");
@@ -322,9 +323,10 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
   Result<WorkerAddressLayout> own =
       parseWorkerAddress(reinterpret_cast<const uint8_t*>(w->address_.data()), w->address_.size(), w->minor_);
   if (!own.ok()) {
-    return Status(Code::kFeatureNotEnabled, "ucx: UCX " + api->version + " cannot be used: pdlink checks every "
-                                            "worker address a peer sends before UCX reads it, and " +
-                                            own.status().message());
+    return Status(Code::kFeatureNotEnabled, "ucx: UCX " + api->version +
+                                                " cannot be used: pdlink checks every "
+                                                "worker address a peer sends before UCX reads it, and " +
+                                                own.status().message());
   }
   w->own_layout_ = std::move(own.value());
 
@@ -340,8 +342,8 @@ UcxWorker::~UcxWorker() {
 
 Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_address) {
   // Nothing a peer sent reaches UCX unchecked: UCX aborts on, or reads past, what it cannot parse.
-  Status valid = checkWorkerAddress(reinterpret_cast<const uint8_t*>(peer_address.data()), peer_address.size(),
-                                    minor_, own_layout_);
+  Status valid = checkWorkerAddress(reinterpret_cast<const uint8_t*>(peer_address.data()), peer_address.size(), minor_,
+                                    own_layout_);
   if (!valid.ok()) return Status(Code::kParamInvalid, "ucx: the peer's worker address was refused: " + valid.message());
   std::string padded = peer_address;
   padded.append(kAddressPadBytes, '\0');
@@ -373,8 +375,8 @@ Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_
     if (api_->ucp_ep_query(ep->ep_, &attr) == kOk) {
       for (unsigned i = 0; i < std::min(attr.transports.num_entries, 32u); ++i) {
         if (entries[i].transport_name == nullptr) continue;
-        std::string lane = std::string(entries[i].transport_name) + "/" +
-                           (entries[i].device_name ? entries[i].device_name : "");
+        std::string lane =
+            std::string(entries[i].transport_name) + "/" + (entries[i].device_name ? entries[i].device_name : "");
         if (std::find(ep->lanes_.begin(), ep->lanes_.end(), lane) == ep->lanes_.end()) ep->lanes_.push_back(lane);
       }
     }
@@ -531,7 +533,8 @@ Status UcxEndpoint::sendAll(unsigned id, const std::vector<Message>& messages, s
     while (api->ucp_request_check_status(pending[i]) == kInProgress) api->ucp_worker_progress(worker_->worker_);
     api->ucp_request_free(pending[i]);
   }
-  if (st == kErrTimedOut) return Status(Code::kTimeout, "ucx send: not complete by the deadline; the endpoint was closed");
+  if (st == kErrTimedOut)
+    return Status(Code::kTimeout, "ucx send: not complete by the deadline; the endpoint was closed");
   return toStatus(failed() ? __atomic_load_n(&error_, __ATOMIC_ACQUIRE) : st, "ucx send");
 }
 

@@ -130,8 +130,8 @@ class UcxWorker;
 struct AmIncoming {
   const uint8_t* header = nullptr;  // the sender's header bytes
   size_t header_length = 0;
-  size_t length = 0;                // the message's data bytes
-  bool rendezvous = false;          // the data is still at the sender (UCX's rendezvous)
+  size_t length = 0;        // the message's data bytes
+  bool rendezvous = false;  // the data is still at the sender (UCX's rendezvous)
   // The data when it arrived with the header (not rendezvous): valid during the handler's call.
   const uint8_t* bytes() const { return rendezvous ? nullptr : static_cast<const uint8_t*>(data_); }
   // Takes the data into [buffer, +length): copied now when it arrived with the header, else
