@@ -30,12 +30,15 @@ step "fuzz: toolchain"
 apt_install clang libclang-rt-dev
 tools_venv
 
-# build DIR [CMAKE ARGS...]: the fuzz target and the seed generator.
+# build DIR TARGETS [CMAKE ARGS...]: those targets (wire_fuzz, the fuzz target; make_seeds, the seed
+# generator). Each compiles the whole core, so the seeded builds make only wire_fuzz: the seeds do
+# not depend on the seeded bug, and every run takes them from the main build's make_seeds.
 build() {
-  local out=$1
-  shift
+  local out=$1 targets=$2
+  shift 2
   CC=clang CXX=clang++ configure "$out" -DPDLINK_BUILD_FUZZ=ON "$@"
-  cmake --build "$out" --target wire_fuzz make_seeds >"$out.log" 2>&1 || { tail -n 60 "$out.log"; exit 1; }
+  # shellcheck disable=SC2086
+  cmake --build "$out" --target $targets >"$out.log" 2>&1 || { tail -n 60 "$out.log"; exit 1; }
 }
 
 # fuzz BINARY SECONDS WORKDIR [SEED GLOB]: runs it on fresh seeds (those matching the glob, default
@@ -44,7 +47,7 @@ fuzz() {
   local bin=$1 seconds=$2 work=$3 only=${4:-*}
   rm -rf "$work"
   mkdir -p "$work/seeds" "$work/corpus" "$work/all"
-  "$(dirname "$bin")/make_seeds" "$work/all" >/dev/null
+  "$dir/build/make_seeds" "$work/all" >/dev/null
   # shellcheck disable=SC2086
   cp "$work"/all/$only "$work/seeds/"
   rc=0
@@ -53,7 +56,7 @@ fuzz() {
 }
 
 step "fuzz: build wire_fuzz (clang, -fsanitize=fuzzer,address,undefined)"
-build "$dir/build"
+build "$dir/build" "wire_fuzz make_seeds"
 
 # report WORKDIR: the run's figures; on a finding, the log tail and the inputs, and exit 1.
 report() {
@@ -85,7 +88,7 @@ report "$dir/run-ucx-address"
 missed=0
 for kind in reserve flag offset; do
   step "fuzz: seeded bug '$kind' must be found within ${FUZZ_SEEDED_SECONDS} s"
-  build "$dir/seeded-$kind" -DPDLINK_FUZZ_SEEDED_BUG="$kind"
+  build "$dir/seeded-$kind" wire_fuzz -DPDLINK_FUZZ_SEEDED_BUG="$kind"
   start=$SECONDS
   fuzz "$dir/seeded-$kind/wire_fuzz" "$FUZZ_SEEDED_SECONDS" "$dir/seeded-$kind-run"
   took=$((SECONDS - start))

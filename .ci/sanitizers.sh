@@ -8,6 +8,8 @@
 #     (libasan preloaded into Python; leak detection off there, since Python itself leaks at exit).
 #     The heavy (load and soak) tests are left out here: with them the run took 21 of CI's 90
 #     minutes (2026-12-03); they run plain in .ci/run and, for the concurrency files, under TSan.
+#     So is tests/server (a tenth of the suite's time): the REST layer is Python, and the engine
+#     calls it makes are the ones every other folder makes.
 #  2. TSan: the same with PDLINK_SANITIZE=thread, running the concurrency-heavy test files; and
 #     csrc/tests/concurrency_test (engines in one process, threads pulling, pushing, linking,
 #     unlinking and re-registering at once) over TCP and over direct memory access; and
@@ -115,7 +117,7 @@ pip_build asan address,undefined
 run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,undefined \
   FAKE_ASCEND_CXXFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer" \
   ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-  "$CI_OUT/asan-venv/bin/python" -m pytest tests -q -s -p no:cacheprovider -m "not heavy"
+  "$CI_OUT/asan-venv/bin/python" -m pytest tests --ignore=tests/server -q -s -p no:cacheprovider -m "not heavy"
 
 # ------------------------------------------------------------------------------------ 2. TSan
 step "TSan: the module built with PDLINK_SANITIZE=thread; the concurrency-heavy tests"
