@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import socket
 
-from pdlink import RegisterMemStatus
+from llm_datadist import RegisterMemStatus
 from peer import Peer
 from peers import kv
 from poll import wait_until

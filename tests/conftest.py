@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir  # noqa: E402
 from internals import direct_access_permitted, ucx_info  # noqa: E402
-from pdlink import BlocksCacheKey, LLMStatusCode  # noqa: E402
+from llm_datadist import BlocksCacheKey
+from pdlink import LLMStatusCode
 from peer import Peer  # noqa: E402
 from peers import kv  # noqa: E402
 from verify import Snapshot, check_transfer, rows  # noqa: E402

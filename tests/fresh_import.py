@@ -40,9 +40,10 @@ def module_surface() -> str:
     compat = "pdlink.compat.llm_datadist."
     assert compat + "kv_cache_manager" not in sys.modules and compat + "tensor" not in sys.modules
     from llm_datadist import KvCacheManager, TensorDesc, Tensor, CacheTask  # noqa: F401, I001 - in this order
-    import pdlink
+    from pdlink.compat.llm_datadist import kv_cache_manager, tensor, transfer
 
-    assert KvCacheManager is pdlink.KvCacheManager and TensorDesc is pdlink.TensorDesc and CacheTask is pdlink.CacheTask
+    assert KvCacheManager is kv_cache_manager.KvCacheManager and TensorDesc is tensor.TensorDesc
+    assert CacheTask is transfer.CacheTask
     from llm_datadist.v2.llm_types import RegisterMemStatus, Cache, Memtype, MemInfo  # noqa: F401, I001
     from llm_datadist.v2.cache_manager import CacheManager  # noqa: F401
     from llm_datadist.v2.llm_datadist import LLMDataDist  # noqa: F401

@@ -1,11 +1,13 @@
 """pdlink: move KV caches between prefill and decode instances.
 
-An open implementation of the ``llm_datadist`` Python API (Huawei Ascend LLM-DataDist) on a
-portable C++ core, and pdlink's own engine API (``pdlink.Engine``, docs/native_api.md).
-``import pdlink`` is light: the native module and the heavier submodules
-load on first use of a name that needs them.
+pdlink's own engine API (``pdlink.Engine``, docs/native_api.md) on a portable C++ core. The
+drop-ins sit on top of it: ``import llm_datadist`` (Huawei Ascend LLM-DataDist's Python API) and
+``import hixl`` (CANN's hixl), also reachable as ``pdlink.compat.llm_datadist`` and
+``pdlink.compat.hixl``; this package exports none of their own names. ``import pdlink`` is light:
+the native module and the heavier submodules load on first use of a name that needs them.
 
-    from pdlink import LLMDataDist, LLMRole, LLMConfig, CacheDesc, BlocksCacheKey
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
+        engine.connect("127.0.0.1:26000")
 """
 
 from __future__ import annotations
@@ -15,37 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Public name -> submodule that defines it. Mirrors llm_datadist's eager export list (llm_datadist_api.md §1.1).
+# Public name -> submodule that defines it: pdlink's status codes and exceptions, and its engine API
+# (docs/native_api.md).
 _EXPORTS = {
     "LLMStatusCode": "status",
     "LLMException": "status",
-    "Status": "status",
-    "code_2_status": "status",
-    "LLMRole": "compat.llm_datadist.configs",
-    "LLMClusterInfo": "compat.llm_datadist.configs",
-    "LlmConfig": "compat.llm_datadist.configs",
-    "LLMConfig": "compat.llm_datadist.configs",
-    "DataType": "compat.llm_datadist.data_type",
-    "Placement": "compat.llm_datadist.llm_types",
-    "RegisterMemStatus": "compat.llm_datadist.llm_types",
-    "Memtype": "compat.llm_datadist.llm_types",
-    "MemInfo": "compat.llm_datadist.llm_types",
-    "CacheDesc": "compat.llm_datadist.llm_types",
-    "CacheKey": "compat.llm_datadist.llm_types",
-    "CacheKeyByIdAndIndex": "compat.llm_datadist.llm_types",
-    "BlocksCacheKey": "compat.llm_datadist.llm_types",
-    "Cache": "compat.llm_datadist.llm_types",
-    "KvCache": "compat.llm_datadist.llm_types",
-    "LayerSynchronizer": "compat.llm_datadist.llm_types",
-    "TransferConfig": "compat.llm_datadist.llm_types",
-    "TransferWithCacheKeyConfig": "compat.llm_datadist.llm_types",
-    "CacheTask": "compat.llm_datadist.transfer",
-    "CacheManager": "compat.llm_datadist.cache_manager",
-    "KvCacheManager": "compat.llm_datadist.kv_cache_manager",
-    "TensorDesc": "compat.llm_datadist.tensor",
-    "Tensor": "compat.llm_datadist.tensor",
-    "LLMDataDist": "compat.llm_datadist.llm_datadist",
-    # pdlink's own engine API (docs/native_api.md)
     "BatchTransfer": "engine",
     "Engine": "engine",
     "EngineOptions": "engine",
@@ -68,28 +44,6 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for type checkers
-    from .compat.llm_datadist.cache_manager import CacheManager  # noqa: F401
-    from .compat.llm_datadist.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: F401
-    from .compat.llm_datadist.data_type import DataType  # noqa: F401
-    from .compat.llm_datadist.kv_cache_manager import KvCacheManager  # noqa: F401
-    from .compat.llm_datadist.llm_datadist import LLMDataDist  # noqa: F401
-    from .compat.llm_datadist.llm_types import (  # noqa: F401
-        BlocksCacheKey,
-        Cache,
-        CacheDesc,
-        CacheKey,
-        CacheKeyByIdAndIndex,
-        KvCache,
-        LayerSynchronizer,
-        MemInfo,
-        Memtype,
-        Placement,
-        RegisterMemStatus,
-        TransferConfig,
-        TransferWithCacheKeyConfig,
-    )
-    from .compat.llm_datadist.tensor import Tensor, TensorDesc  # noqa: F401
-    from .compat.llm_datadist.transfer import CacheTask  # noqa: F401
     from .engine import (  # noqa: F401
         BatchTransfer,
         Engine,
@@ -113,17 +67,28 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         NotFound,
         NotSupported,
         OutOfMemory,
-        Status,
         TransferTimeout,
-        code_2_status,
     )
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+# llm_datadist's own names, which this package exported once and no longer does: asking for one says
+# where it is (docs/compatibility.md).
+_LLM_DATADIST_NAMES = frozenset({
+    "Status", "LLMRole", "LLMClusterInfo", "LlmConfig", "LLMConfig", "DataType", "Placement", "RegisterMemStatus",
+    "Memtype", "MemInfo", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "Cache", "KvCache",
+    "LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask", "CacheManager",
+    "KvCacheManager", "TensorDesc", "Tensor", "LLMDataDist"})
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
+        if name in _LLM_DATADIST_NAMES:
+            raise AttributeError(f"pdlink.{name} is llm_datadist's: `from llm_datadist import {name}`")
+        if name == "code_2_status":
+            raise AttributeError("pdlink.code_2_status is llm_datadist's: "
+                                 "`from llm_datadist.status import code_2_status`")
         raise AttributeError(f"module 'pdlink' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value

@@ -1,7 +1,7 @@
 """Type stubs for the native module ``pdlink._core`` (csrc/bindings/module.cc).
 
 The module mirrors the C++ engine and makes no policy decisions; use ``pdlink.Engine`` (or
-``pdlink.LLMDataDist``).
+``llm_datadist.LLMDataDist``).
 Failures raise ``pdlink.status.LLMException`` with ``status_code`` set; every method that may
 block releases the GIL.
 """

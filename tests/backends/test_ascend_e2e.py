@@ -24,7 +24,8 @@ import pytest
 
 from backend_env import Variant, peer_env
 from conftest import DECODER_ID, PROMPT_ID, Pair, only, reader
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, Placement
+from llm_datadist import BlocksCacheKey, CacheKey, DataType, Placement
+from pdlink import LLMException
 from pdlink import LLMStatusCode as S
 from peer import Peer
 from peers import ascend_e2e, fake_ascend, kv

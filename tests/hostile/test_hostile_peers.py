@@ -20,7 +20,8 @@ import rawwire
 import ucx_addresses
 from backend_env import Variant
 from conftest import Pair, only
-from pdlink import BlocksCacheKey, LLMStatusCode, Placement
+from llm_datadist import BlocksCacheKey, Placement
+from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
 from poll import wait_until

@@ -21,7 +21,8 @@ import pdlink
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
-from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
+from llm_datadist import BlocksCacheKey
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native
 from poll import hang_guard, wait_until

@@ -21,7 +21,8 @@ import internals
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMRole, LLMStatusCode
+from llm_datadist import BlocksCacheKey, CacheKey, DataType, LLMRole
+from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
 from poll import hang_guard, wait_until

@@ -21,8 +21,9 @@ import pytest
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
+from llm_datadist import CacheKeyByIdAndIndex
 from mitm import Channel, Proxy, Request, sealed_payload
-from pdlink import CacheKeyByIdAndIndex, LLMException, LLMStatusCode
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
 from poll import wait_until

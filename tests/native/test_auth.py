@@ -16,7 +16,8 @@ import rawwire
 from backend_env import Variant, peer_env
 from conftest import pulled
 from internals import core as _core
-from pdlink import BlocksCacheKey, LLMException, LLMStatusCode
+from llm_datadist import BlocksCacheKey
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv
 from poll import wait_until

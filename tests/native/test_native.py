@@ -14,17 +14,8 @@ import pytest
 
 import pdlink
 from internals import as_llm_exception, core, error_class, open_engine
-from pdlink import (
-    InvalidArgument,
-    LinkError,
-    LLMException,
-    LLMRole,
-    NotFound,
-    NotSupported,
-    OutOfMemory,
-    Placement,
-    TransferTimeout,
-)
+from llm_datadist import LLMRole, Placement
+from pdlink import InvalidArgument, LinkError, LLMException, NotFound, NotSupported, OutOfMemory, TransferTimeout
 from pdlink import LLMStatusCode as S
 from pdlink.native import placement_of, role_of, transport_of
 

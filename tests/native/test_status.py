@@ -7,7 +7,9 @@ from enum import IntEnum
 import pytest
 
 from internals import handle_llm_status, raise_if_false, raise_if_true
-from pdlink import LLMException, LLMStatusCode, Status, code_2_status
+from llm_datadist import Status
+from llm_datadist.status import code_2_status
+from pdlink import LLMException, LLMStatusCode
 
 EXPECTED_CODES = {
     "LLM_SUCCESS": 0,

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair, only, reader
 from fake_ascend.build import build
-from pdlink import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException
+from llm_datadist import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType
+from pdlink import LLMException
 from pdlink import LLMStatusCode as S
 from peers import fake_ascend, kv
 from poll import wait_until

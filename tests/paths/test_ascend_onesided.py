@@ -21,7 +21,8 @@ import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair, only, reader
 from internals import parse_engine_options
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException
+from llm_datadist import BlocksCacheKey, CacheKey, DataType
+from pdlink import LLMException
 from pdlink import LLMStatusCode as S
 from peers import fake_ascend, kv
 from poll import wait_until

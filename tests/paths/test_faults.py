@@ -16,7 +16,8 @@ import pytest
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode
+from llm_datadist import BlocksCacheKey, CacheKey, DataType, LLMRole
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv, workers
 from poll import hang_guard, wait_until

@@ -21,7 +21,7 @@ import pytest
 
 from backend_env import Variant
 from conftest import PROMPT_ID
-from pdlink import BlocksCacheKey, DataType
+from llm_datadist import BlocksCacheKey, DataType
 from peer import Peer
 from peers import kv, load
 from poll import wait_until

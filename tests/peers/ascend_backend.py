@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 import internals
-from pdlink import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement
+from llm_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from pdlink import LLMException, LLMStatusCode
 from pdlink.device import DeviceMemory, backend_info, open_backend
 from peers import fake_ascend
 

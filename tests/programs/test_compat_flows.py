@@ -15,7 +15,8 @@ import pytest
 
 from backend_env import peer_env
 from conftest import PROMPT_ID, Pair
-from pdlink import BlocksCacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode
+from llm_datadist import BlocksCacheKey, CacheKeyByIdAndIndex, DataType
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import connectors, kv
 from verify import Snapshot, assert_same, check_transfer, rows

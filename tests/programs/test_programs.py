@@ -33,16 +33,8 @@ import pytest
 from backend_env import Variant
 from comm_util import free_port, rank_table, wait_ok
 from conftest import moved, only
-from pdlink import (
-    BlocksCacheKey,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    RegisterMemStatus,
-)
+from llm_datadist import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, RegisterMemStatus
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
 from poll import wait_until

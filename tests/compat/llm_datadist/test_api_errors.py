@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair, moved
-from pdlink import (
+from llm_datadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
@@ -25,10 +25,9 @@ from pdlink import (
     DataType,
     LLMClusterInfo,
     LLMDataDist,
-    LLMException,
     LLMRole,
-    LLMStatusCode,
 )
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import api_errors, kv
 from peers.api_errors import Named

@@ -15,7 +15,8 @@ import pytest
 from backend_env import peer_env
 from comm_util import free_port, rank_table, wait_ok
 from internals import parse_rank_table
-from pdlink import BlocksCacheKey, DataType, LLMException, LLMStatusCode, RegisterMemStatus
+from llm_datadist import BlocksCacheKey, DataType, RegisterMemStatus
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv
 from poll import hang_guard, wait_until

@@ -6,7 +6,8 @@ from enum import IntEnum
 import pytest
 
 from internals import ip_to_int, role_to_option
-from pdlink import LLMClusterInfo, LLMConfig, LlmConfig, LLMException, LLMRole, LLMStatusCode
+from llm_datadist import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole
+from pdlink import LLMException, LLMStatusCode
 
 
 def _param_invalid(excinfo):

@@ -18,7 +18,8 @@ import pytest
 
 from backend_env import peer_env
 from conftest import reader
-from pdlink import BlocksCacheKey, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from llm_datadist import BlocksCacheKey, CacheKey, DataType, Placement
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv, local_ops
 from verify import Copy, Snapshot, assert_same, check_transfer, pattern, rows

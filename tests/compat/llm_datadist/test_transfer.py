@@ -11,16 +11,8 @@ import pytest
 
 import internals
 from conftest import DECODER_ID, PROMPT_ID, Pair, moved, only
-from pdlink import (
-    BlocksCacheKey,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from llm_datadist import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from pdlink import LLMException, LLMStatusCode
 from peers import kv, workers
 from poll import hang_guard, wait_until
 from verify import Copy, assert_same, nothing, rows

@@ -18,19 +18,18 @@ import pytest
 
 from conftest import DECODER_ID, PROMPT_ID, Pair
 from internals import transfer_cache_async
-from pdlink import (
+from llm_datadist import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKeyByIdAndIndex,
     DataType,
     LayerSynchronizer,
-    LLMException,
-    LLMStatusCode,
     Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv
 from peers import transfer_async as ta
@@ -456,8 +455,7 @@ def test_configs_are_not_mutated() -> None:
 
 def test_cache_task_is_exported() -> None:
     import llm_datadist
-    import pdlink
-    from pdlink import CacheTask
+    from llm_datadist import CacheTask
 
-    assert pdlink.CacheTask is CacheTask and llm_datadist.CacheTask is CacheTask
+    assert llm_datadist.CacheTask is CacheTask
     assert "CacheTask" in llm_datadist.__all__

@@ -5,7 +5,7 @@ from enum import Enum, IntEnum
 import pytest
 
 from internals import PushType, register_mem_status_from_int
-from pdlink import (
+from llm_datadist import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -14,8 +14,6 @@ from pdlink import (
     DataType,
     KvCache,
     LayerSynchronizer,
-    LLMException,
-    LLMStatusCode,
     MemInfo,
     Memtype,
     Placement,
@@ -23,6 +21,7 @@ from pdlink import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from pdlink import LLMException, LLMStatusCode
 
 U64 = 2**64 - 1
 

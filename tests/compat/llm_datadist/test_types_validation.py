@@ -8,7 +8,8 @@ import pytest
 import fresh_import
 from internals import itemsize
 from internals import validation_utils as u
-from pdlink import DataType, LLMException, LLMStatusCode
+from llm_datadist import DataType
+from pdlink import LLMException, LLMStatusCode
 from where import REPO
 
 _PYTHON_DIR = str(REPO / "python")

@@ -23,15 +23,8 @@ from typing import Any
 import pytest
 
 from backend_env import peer_env
-from pdlink import (
-    BlocksCacheKey,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMException,
-    LLMRole,
-    Placement,
-)
+from llm_datadist import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from pdlink import LLMException
 from pdlink import LLMStatusCode as S
 from peer import Peer
 from peers import v1
