@@ -141,6 +141,9 @@ class Backend {
 // The CPU backend: both placements are ordinary host memory (backends/cpu/cpu_backend.cc).
 std::shared_ptr<Backend> makeCpuBackend();
 
+// The names openBackend takes (bound for Python as _core.BACKENDS).
+inline constexpr const char* kBackendNames[] = {"auto", "cpu", "ascend"};
+
 // The backend of that name for that device: "cpu", "ascend", or "auto" (Ascend when its libraries
 // load and report a device, else CPU). kFeatureNotEnabled, naming the reason, when the named
 // backend cannot be used here (backends/open_backend.cc).

@@ -16,7 +16,9 @@ Result<std::shared_ptr<Backend>> openBackend(const std::string& name, int32_t de
     return *cpu;
   }
   if (name != "ascend" && name != "auto") {
-    return Status(Code::kParamInvalid, "unknown backend '" + name + "' (available: auto, cpu, ascend)");
+    std::string names;
+    for (const char* n : kBackendNames) names += std::string(names.empty() ? "" : ", ") + n;
+    return Status(Code::kParamInvalid, "unknown backend '" + name + "' (available: " + names + ")");
   }
   auto api = ascend::AscendApi::load();
   Result<std::shared_ptr<Backend>> r = api.status();

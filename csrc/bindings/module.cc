@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
 #include <optional>
 #include <type_traits>
 
@@ -349,6 +350,11 @@ PYBIND11_MODULE(_core, m) {
   bindings::registerStatusTranslator();
   m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
   m.attr("ANY_CLUSTER") = wire::kAnyCluster;
+  {
+    py::tuple backends(std::size(kBackendNames));
+    for (size_t i = 0; i < std::size(kBackendNames); ++i) backends[i] = kBackendNames[i];
+    m.attr("BACKENDS") = backends;  // the names open_backend takes
+  }
   m.attr("INVALID_ID") = kInvalidId;                     // an unset req_id / prefix_id / registration key
   m.attr("LATEST_LINK_MARK") = Engine::kLatestLinkMark;  // linked_since(it): no peer, only the latest mark
   // The bounds on what one peer may make an engine spend (core/limits.h), bound once.

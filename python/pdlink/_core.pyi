@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
+BACKENDS: tuple[str, ...]  # the names open_backend takes (csrc/backends/backend.h kBackendNames)
 INVALID_ID: int  # an unset req_id / prefix_id / registration key (csrc/engine/registry.h kInvalidId)
 LATEST_LINK_MARK: int  # Engine.linked_since(it) lists no peer, only the latest mark
 LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)

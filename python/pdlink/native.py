@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["core", "open_engine", "role_of", "transport_of", "placement_of"]
+__all__ = ["core", "open_engine", "role_of", "transport_of", "placement_of", "transport_names", "backend_names"]
 
 
 _core_module: Any = None
@@ -55,6 +55,16 @@ def _member(enum_type: Any, what: str, value: str | enum.Enum) -> Any:
 def role_of(value: str | enum.Enum) -> Any:
     """``_core.Role`` by name (``LLMRole.PROMPT`` or ``"PROMPT"``)."""
     return _member(core().Role, "role", value)
+
+
+def transport_names() -> tuple[str, ...]:
+    """The transport names engines take (``"auto"``, ``"tcp"``, ...): ``_core.Transport``'s members."""
+    return tuple(name.lower() for name in core().Transport.__members__)
+
+
+def backend_names() -> tuple[str, ...]:
+    """The backend names engines take (``"auto"``, ``"cpu"``, ...): ``_core.BACKENDS``."""
+    return tuple(core().BACKENDS)
 
 
 def transport_of(value: str | enum.Enum) -> Any:

@@ -5,6 +5,7 @@ two)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import pdlink
-from internals import as_llm_exception, core, error_class, open_engine
+from internals import DEFAULT_CONFIG_JSON, as_llm_exception, core, error_class, open_engine
 from llm_datadist import LLMRole, Placement
 from pdlink import InvalidArgument, LinkError, LLMException, NotFound, NotSupported, OutOfMemory, TransferTimeout
 from pdlink import LLMStatusCode as S
@@ -27,6 +28,28 @@ def test_enums_are_read_by_name_from_the_native_module() -> None:
     assert placement_of(Placement.HOST) is core.Placement.HOST
     with pytest.raises(ValueError, match=r"unknown transport 'udp'; one of \['auto', 'cma', 'tcp', 'ucx'\]"):
         transport_of("udp")
+
+
+def test_transport_and_backend_names_come_from_the_native_module() -> None:
+    """The names every layer accepts are the engine's: llm_datadist's options and the server's
+    configuration refuse what the native module does not list, and list what it does."""
+    from llm_datadist import LLMDataDist
+    from pdlink.native import backend_names, transport_names
+    from pdlink.server import config as C
+
+    assert transport_names() == tuple(name.lower() for name in core.Transport.__members__)
+    assert transport_names() == ("auto", "tcp", "cma", "ucx") and backend_names() == ("auto", "cpu", "ascend")
+    for name in transport_names():
+        assert transport_of(name).name.lower() == name
+    with pytest.raises(LLMException, match=re.escape(str(sorted(transport_names())))) as e:
+        LLMDataDist(LLMRole.PROMPT, 1).init({"pdlink.Transport": "rdma"})
+    assert e.value.status_code == S.LLM_PARAM_INVALID
+    with pytest.raises(LLMException, match=re.escape(str(list(backend_names())))):
+        LLMDataDist(LLMRole.PROMPT, 1).init({"pdlink.Backend": "npu"})
+    raw = json.loads(DEFAULT_CONFIG_JSON)
+    raw["KvTransferConfig"]["transport"] = "rdma"
+    with pytest.raises(C.ConfigError, match=re.escape(f"transport must be one of {list(transport_names())}")):
+        C.parse(raw, C.EMBEDDED, None, {})
 
 
 def test_a_transfer_spec_is_built_in_one_call() -> None:

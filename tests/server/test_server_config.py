@@ -202,7 +202,7 @@ def test_hostile_client_bounds(tmp_path):
 
 
 @pytest.mark.parametrize("kv,match", [
-    ({"backend": "npu"}, r"backend must be one of \['cpu', 'ascend', 'auto'\]"),
+    ({"backend": "npu"}, r"backend must be one of \['auto', 'cpu', 'ascend'\]"),
     ({"transport": "rdma"}, "transport"),
     ({"deviceCount": 0}, "deviceCount"),
     ({"listenIpSource": "pod_ip"}, "listenIpSource"),

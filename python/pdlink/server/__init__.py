@@ -8,7 +8,7 @@ controller can assign roles and peers at run time. See docs/server.md.
 Modules:
 
 * ``config``: MindIE ``config.json`` (ServerConfig, BackendConfig) plus pdlink's
-  ``KvTransferConfig`` section; file location, security checks, defaults (stdlib only).
+  ``KvTransferConfig`` section; file location, security checks, defaults (imports the stdlib only).
 * ``defaults``: the embedded default configuration, documented.
 * ``validation``: the role-assignment body rules (stdlib only, and the native ``ANY_CLUSTER`` once a
   body names an ``id``).

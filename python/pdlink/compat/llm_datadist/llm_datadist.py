@@ -24,7 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import environment, kv
+from ... import environment, kv, native
 from ...environment import LIMIT_VARIABLES
 from ...status import LLMException, LLMStatusCode, code_2_status
 from ._utils import (
@@ -56,7 +56,6 @@ _HOST_POOL_LIMIT = 20 * 1024**3  # llm_datadist documents host pools of at most 
 # pdlink option: how links move bytes. "auto": direct memory access between processes of one host
 # (cross-memory attach) when permitted, else TCP; "tcp" / "cma" force one.
 TRANSPORT_OPTION = "pdlink.Transport"
-_TRANSPORTS = ("auto", "tcp", "cma", "ucx")  # pdlink.Transport / PDLINK_TRANSPORT values
 # pdlink option: a shared secret every linked engine must prove it knows (challenge-response; the
 # secret never crosses the wire). The environment variable PDLINK_LINK_SECRET works the same.
 SECRET_OPTION = "pdlink.LinkSecret"
@@ -69,7 +68,6 @@ INTEGRITY_OPTION = "pdlink.PayloadIntegrity"
 # docs/ascend.md); "auto": Ascend when its libraries load and report a device, else CPU. The
 # environment variable PDLINK_BACKEND works the same.
 BACKEND_OPTION = "pdlink.Backend"
-_BACKENDS = ("auto", "cpu", "ascend")
 # pdlink option, Ascend backend: "1" moves DEVICE bytes over HCCL with one-sided access
 # (HcclBatchGet/Put) when both ends enable it and their runtimes have it; "0" (default):
 # two-sided HcclBatchSendRecv. The environment variable PDLINK_HCCL_ONE_SIDED works the same.
@@ -198,12 +196,14 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
     host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
     secret = options.get(SECRET_OPTION) or environment.link_secret() or ""
     transport = options.get(TRANSPORT_OPTION) or environment.transport()
-    raise_if_false(transport in _TRANSPORTS,
-                   f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
+    transports = native.transport_names()
+    raise_if_false(transport in transports,
+                   f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(transports)}, got {transport!r}")
     raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
     backend = options.get(BACKEND_OPTION) or environment.backend()
-    raise_if_false(backend in _BACKENDS,
-                   f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(_BACKENDS)}, got {backend!r}")
+    backends = native.backend_names()
+    raise_if_false(backend in backends,
+                   f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(backends)}, got {backend!r}")
     # CacheManager mode runs one engine: on the first listed device (KvCacheManager mode checks the
     # whole list itself, parse_v1_options).
     device = options.get("ge.exec.deviceId", "0").split(";")[0]
