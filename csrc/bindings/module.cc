@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <iterator>
 #include <optional>
 #include <type_traits>
@@ -15,6 +16,7 @@
 #include "bindings/status_bridge.h"
 #include "engine/engine.h"
 #include "core/limits.h"
+#include "core/spans.h"
 #include "transport/cma/cma.h"
 #include "transport/ucx/ucp_api.h"
 #include "transport/ucx/ucx_worker.h"
@@ -376,6 +378,20 @@ PYBIND11_MODULE(_core, m) {
   bindTypes(m);
   // Whether this process currently lets same-host peers read its memory (cma::Grant).
   m.def("ptrace_grant_active", &cma::Grant::active);
+  // MemoryMap.covers: core/spans.h's rule, each range on its own (no request bound on the steps).
+  m.def(
+      "covers",
+      [](std::vector<std::pair<uint64_t, uint64_t>> ranges, const std::vector<uint64_t>& addresses,
+         const std::vector<uint64_t>& lengths) {
+        if (addresses.size() != lengths.size()) throw py::value_error("addresses and lengths differ in length");
+        std::vector<wire::Run> sorted, runs;
+        for (const auto& [offset, length] : ranges) sorted.push_back({offset, length});
+        std::sort(sorted.begin(), sorted.end(),
+                  [](const wire::Run& a, const wire::Run& b) { return a.offset < b.offset; });
+        for (size_t i = 0; i < addresses.size(); ++i) runs.push_back({addresses[i], lengths[i]});
+        return spans::covers(sorted, runs, UINT64_MAX);
+      },
+      py::arg("ranges"), py::arg("addresses"), py::arg("lengths"));
   // The links' MAC (libcrypto's, core/crypto.h), exposed so tests can check it against Python's.
   m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
     std::string k = key, m = msg;

@@ -4,6 +4,8 @@
 #include <shared_mutex>
 #include <system_error>
 
+#include "core/spans.h"
+
 namespace pdlink {
 
 RegistryMutex::RegistryMutex() {
@@ -290,36 +292,34 @@ Status Registry::resolveRaw(const std::vector<wire::Run>& runs, bool for_write, 
 Status Registry::resolveRawRunLocked(const wire::Run& run, bool for_write, uint64_t max_steps, uint64_t* steps,
                                      Resolved* out, std::set<const CacheEntry*>* kept) const {
   Resolved& r = *out;
-  uint64_t end = 0;
-  if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) {
-    return Status(Code::kParamInvalid, "invalid address range");
-  }
-  // The range must lie in registered memory: inside one tensor, or across tensors that follow
-  // each other exactly (hixl counts contiguous registrations as one), at most kMaxRawSpan of
-  // them. Each step takes, among the kRawCandidates tensors that start closest at or below the
-  // current address, the one that reaches farthest (O(log tensors) per step).
-  uint64_t at = run.offset;
+  // The range must lie in registered memory by the rule of core/spans.h; each tensor a step
+  // reaches is checked and referenced.
+  const RawTensor* best = nullptr;  // what the last reach() found
   const CacheEntry* first = nullptr;
-  for (size_t step = 0; at < end && step < limits::kMaxRawSpan; ++step) {
-    const RawTensor* best = nullptr;
+  Status refused;
+  auto reach = [&](uint64_t at) {
+    best = nullptr;
     auto it = raw_index_.upper_bound(at);
     for (size_t k = 0; k < limits::kRawCandidates && it != raw_index_.begin(); ++k) {
       --it;
       if (it->second.end > at && (best == nullptr || it->second.end > best->end)) best = &it->second;
     }
-    if (best == nullptr) break;
-    if (++*steps > max_steps) return tooManySteps(max_steps);
+    return best == nullptr ? at : best->end;
+  };
+  auto visit = [&] {
     const CacheEntry& found = *best->entry;
     if (for_write && !found.remote_accessible) {
-      return Status(Code::kParamInvalid, "cache " + std::to_string(found.id) + " is not remote accessible");
+      refused = Status(Code::kParamInvalid, "cache " + std::to_string(found.id) + " is not remote accessible");
+      return false;
     }
     // Host and device memory move by different means (a device backend's DEVICE memory only through
     // its copies and channels): one range is one of them.
     if (first == nullptr) {
       first = &found;
     } else if (found.layout.placement != first->layout.placement) {
-      return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
-                                             std::to_string(run.length) + ") spans HOST and DEVICE memory");
+      refused = Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
+                                                std::to_string(run.length) + ") spans HOST and DEVICE memory");
+      return false;
     }
     // One reference per distinct cache: the last one added, a scan of the first few, then a set.
     bool have = !r.keep.empty() && r.keep.back().get() == &found;
@@ -332,14 +332,23 @@ Status Registry::resolveRawRunLocked(const wire::Run& run, bool for_write, uint6
       have = !kept->insert(&found).second;
     }
     if (!have) r.keep.push_back(caches_.at(found.id));
-    at = best->end;
+    return true;
+  };
+  switch (spans::walk(run.offset, run.length, max_steps, steps, reach, visit)) {
+    case spans::Walk::kCovered:
+      r.run_placements.push_back(first->layout.placement);
+      return Status::OK();
+    case spans::Walk::kInvalid:
+      return Status(Code::kParamInvalid, "invalid address range");
+    case spans::Walk::kTooManySteps:
+      return tooManySteps(max_steps);
+    case spans::Walk::kRefused:
+      return refused;
+    case spans::Walk::kNotCovered:
+      break;
   }
-  if (at < end) {
-    return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
-                                           std::to_string(run.length) + ") is not inside registered memory");
-  }
-  r.run_placements.push_back(first->layout.placement);
-  return Status::OK();
+  return Status(Code::kParamInvalid, "address range [" + std::to_string(run.offset) + ", +" +
+                                         std::to_string(run.length) + ") is not inside registered memory");
 }
 
 void Registry::commitRead(const wire::Target& t, const std::vector<uint32_t>& tensors) {

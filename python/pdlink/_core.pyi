@@ -20,6 +20,8 @@ LATEST_LINK_MARK: int  # Engine.linked_since(it) lists no peer, only the latest 
 LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
 
 def ptrace_grant_active() -> bool: ...  # same-host peers may read this process now (proven links exist)
+# whether every [addresses[i], +lengths[i]) lies in the ranges by the registry's rule (csrc/core/spans.h)
+def covers(ranges: Sequence[tuple[int, int]], addresses: Sequence[int], lengths: Sequence[int]) -> bool: ...
 
 def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the links' MAC, libcrypto's (tests)
 def crypto_library() -> str: ...  # where libcrypto was loaded from; raises LLMException when it cannot be

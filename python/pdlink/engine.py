@@ -229,26 +229,10 @@ class MemoryMap:
 
     def covers(self, addresses: Addresses, lengths: Addresses) -> bool:
         """Whether every ``[addresses[i], +lengths[i])`` (non-empty) lies in this memory: inside
-        one range, or across ranges that follow each other exactly, as the engine checks it."""
-        addr = np.asarray(addresses, np.uint64)
-        size = np.asarray(lengths, np.uint64)
-        if addr.shape != size.shape or addr.ndim != 1:
-            raise ValueError("addresses and lengths must be one-dimensional and of one length")
-        if not self.ranges:
-            return addr.size == 0
-        spans = np.array(self.ranges, np.uint64)
-        starts, ends = spans[:, 0], spans[:, 0] + spans[:, 1]
-        # the union of ranges that overlap or touch, then one containing interval per descriptor
-        # (ranges are sorted by start)
-        reach = np.maximum.accumulate(ends)
-        new = np.ones(len(starts), bool)
-        new[1:] = starts[1:] > reach[:-1]
-        first = np.flatnonzero(new)
-        m_start = starts[first]
-        m_end = np.maximum.reduceat(ends, first)
-        end = addr + size
-        i = np.searchsorted(m_start, addr, side="right").astype(np.int64) - 1
-        return bool(((size > 0) & (end > addr) & (i >= 0) & (end <= m_end[np.maximum(i, 0)])).all())
+        one range, or across at most ``LIMITS["max_raw_span"]`` ranges that follow each other
+        exactly. The engine's own check (csrc/core/spans.h), so a list it accepts is one the peer
+        accepts. ``ValueError`` when the two sequences differ in length."""
+        return bool(core().covers(self.ranges, [int(a) for a in addresses], [int(n) for n in lengths]))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,23 @@ def test_transport_and_backend_names_come_from_the_native_module() -> None:
         C.parse(raw, C.EMBEDDED, None, {})
 
 
+def test_memory_map_covers_by_the_engines_rule() -> None:
+    """MemoryMap.covers is the registry's check (csrc/core/spans.h): inside one range or across at
+    most max_raw_span ranges that follow each other exactly, whatever order the ranges come in.
+    csrc/tests/unit_test.cc checks the registry on the same shapes (64 adjacent tensors: yes; 65: no)."""
+    span = core.LIMITS["max_raw_span"]
+    ranges = [(0x10000 + 64 * i, 64) for i in reversed(range(span + 1))]  # adjacent, given unsorted
+    m = pdlink.MemoryMap(0, tuple(ranges))
+    assert m.covers([0x10000], [64 * span])  # across exactly max_raw_span ranges
+    assert m.covers([0x10000 + 64], [64 * span]) and m.covers(np.array([0x10010], np.uint64), [64 * span - 32])
+    assert not m.covers([0x10000], [64 * (span + 1)])  # one range more than a request may cross
+    assert not m.covers([0x10000 + 64 * span], [65])  # past the end
+    assert not m.covers([0x10000], [0]) and not m.covers([0xFFFF], [2])
+    assert m.covers([], []) and not pdlink.MemoryMap(0, ()).covers([0x10000], [1])
+    with pytest.raises(ValueError, match="differ in length"):
+        m.covers([0x10000, 0x10040], [64])
+
+
 def test_a_transfer_spec_is_built_in_one_call() -> None:
     target = core.Target(kind=core.TargetKind.REQUEST_KEY, model_id=2, req_id=9)
     spec = core.TransferSpec(peer_cluster_id=1, target=target, local_cache_id=4, mode=core.TransferMode.EXPLICIT,

@@ -5,38 +5,19 @@
 #include <cstring>
 
 #include "core/limits.h"
+#include "core/spans.h"
 #include "transport/cma/cma.h"
 #include "transport/frames.h"
 
 namespace pdlink {
 
 namespace {
-// Whether every run lies in the table's memory as the server would find it (Registry::resolve,
-// with the same bounds, core/limits.h): inside one range, or across ranges that follow each other
-// exactly, at most limits::kMaxRawSpan of them per run and limits::kMaxRequestSpanSteps for all the
-// runs together. A request the server would refuse is not read directly either: it goes the
-// checked way, which reports the server's own error.
+// Whether every run lies in the table's memory as the server would find it (Registry::resolve:
+// the rule of core/spans.h with the server's bound on a request's steps). A request the server
+// would refuse is not read directly either: it goes the checked way, which reports the server's
+// own error.
 bool inRawTable(const wire::RawTable& table, const std::vector<wire::Run>& runs) {
-  const std::vector<wire::Run>& ranges = table.ranges;
-  uint64_t steps = 0;
-  for (const wire::Run& run : runs) {
-    uint64_t end = 0;
-    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end)) return false;
-    uint64_t at = run.offset;
-    for (size_t step = 0; at < end && step < limits::kMaxRawSpan; ++step) {
-      uint64_t reach = at;
-      auto it = std::upper_bound(ranges.begin(), ranges.end(), at,
-                                 [](uint64_t a, const wire::Run& x) { return a < x.offset; });
-      for (size_t k = 0; k < limits::kRawCandidates && it != ranges.begin(); ++k) {
-        --it;
-        reach = std::max(reach, it->offset + it->length);
-      }
-      if (reach == at || ++steps > limits::kMaxRequestSpanSteps) return false;
-      at = reach;
-    }
-    if (at < end) return false;
-  }
-  return true;
+  return spans::covers(table.ranges, runs, limits::kMaxRequestSpanSteps);
 }
 }  // namespace
 
