@@ -10,9 +10,6 @@
 #include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
 #include "transport/path.h"
-#include "transport/cma/cma_path.h"
-#include "transport/device/hccl_path.h"
-#include "transport/device/ipc_path.h"
 #include "transport/frames.h"
 #include "transport/tcp/stream_path.h"
 #include "transport/ucx/ucx_path.h"
@@ -176,7 +173,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
     // Refused as admitAccess refuses what this engine does not serve on this link: answered, the
     // link kept (a requester that picked ucx on its own falls back to its stream), nothing of the
     // address read.
-    if (!ucx_server_) {
+    auto* ucx_server = static_cast<UcxServer*>(paths_.serverFor(wire::kFlagUcx));  // the ucx entry's
+    if (!ucx_server) {
       return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
                           deadline);
     }
@@ -185,7 +183,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
                  "refused a ucx connect from " << clusterName(link->peer()) << ": " << ucxRefused(*link).message());
       return sendResponse(s, ucxRefused(*link), deadline);
     }
-    return ucx_server_->connect(*link, s, body, deadline);
+    return ucx_server->connect(*link, s, body, deadline);
   }
   if (h.op == wire::Op::kUnlink) {
     {
@@ -296,42 +294,29 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   }
   ServeCall call{*link,           s,        h,     r.addrs,         r.tensors,       r.base, r.runs, device_runs,
                  payload.value(), deadline, false, state->exported, state->pin_epoch};
-  Status served = serverFor(h.flags).serve(call);
+  // The flags name the path (wire::decode lets through only the path combinations): admitted above,
+  // served by that path's entry, where this engine has its server.
+  PathServer* server = paths_.serverFor(h.flags);
+  if (!server) return refuse(Status(Code::kFeatureNotEnabled, "this engine does not serve that path"));
+  Status served = server->serve(call);
   if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
   return served;
 }
 
-PathServer& Engine::serverFor(uint8_t flags) {
-  // admitAccess let through only the combinations a path of this engine serves.
-  if (flags & wire::kFlagDevice) {
-    if (flags & wire::kFlagDirect) return *ipc_server_;
-    if (flags & wire::kFlagOneSided) return *one_sided_server_;
-    return *hccl_server_;
-  }
-  if (flags & wire::kFlagUcx) return *ucx_server_;
-  return flags & wire::kFlagDirect ? *cma_server_ : *stream_server_;
-}
-
 void Engine::choosePaths(Link& link, bool direct) {
-  std::unique_ptr<DataPath> host;
+  LinkFacts f;
+  f.same_host = link.sameHost();
+  f.unix_socket = link.outSocket().isUnix();
   if (direct) {
-    host = std::make_unique<CmaPath>(link.peerProcess(), link.peerPublishedAddr());
-  } else if (ucxIsPathOf(ucx_hub_, config_.transport, link)) {
-    // Picked by auto (between hosts, over an RDMA-capable UCX): the stream stays behind for a peer
-    // without ucx. Forced: that peer's refusal is the transfer's result.
-    std::unique_ptr<DataPath> fallback;
-    if (config_.transport == Transport::kAuto) fallback = std::make_unique<StreamPath>(link.outSocket().isUnix());
-    host = std::make_unique<UcxPath>(ucx_hub_, link.sameHost(), std::move(fallback));
-  } else {
-    host = std::make_unique<StreamPath>(link.outSocket().isUnix());
+    f.direct = link.peerProcess();
+    f.published_addr = link.peerPublishedAddr();
   }
-  std::vector<DataPath*> device;
-  if (device_transport_) {
-    if (ipc_ && link.sameHost()) device.push_back(ipc_path_.get());
-    if (config_.one_sided && one_sided_) device.push_back(one_sided_path_.get());
-    device.push_back(hccl_path_.get());
-  }
-  link.setPaths(std::move(host), std::move(device));
+  if (ucxIsPathOf(ucx_hub_, config_.transport, link)) f.ucx = ucx_hub_;
+  f.auto_transport = config_.transport == Transport::kAuto;
+  f.config_one_sided = config_.one_sided;
+  f.offer = BackendOffer{device_transport_, ipc_, one_sided_};
+  ChosenPaths chosen = paths_.choose(f);
+  link.setPaths(std::move(chosen.host), std::move(chosen.device));
 }
 
 // ---------------------------------------------------------------- transfers

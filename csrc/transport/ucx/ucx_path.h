@@ -27,6 +27,7 @@
 
 #include "backends/backend.h"
 #include "transport/path.h"
+#include "transport/path_table.h"
 #include "transport/ucx/ucx_worker.h"
 
 namespace pdlink {
@@ -124,6 +125,8 @@ constexpr uint64_t kMaxChunksPerTransfer = uint64_t{1} << 26;
 class UcxPath : public DataPath {
  public:
   UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host, std::unique_ptr<DataPath> fallback = nullptr);
+  // What the path is while the peer takes ucx (caps() is the fallback's once it declined).
+  static const PathCaps& ucxCaps() { return kCaps; }
   ~UcxPath() override;
   const PathCaps& caps() const override;
   std::vector<std::string> lanes() const override;
@@ -133,7 +136,7 @@ class UcxPath : public DataPath {
   // kUcxConnect, once per link: the endpoint to the peer's worker, the peer's token for our pushes.
   Status connect(Link& link, Deadline deadline, const char* what);
 
-  PathCaps caps_;
+  static const PathCaps kCaps;
   std::shared_ptr<ucx::UcxHub> hub_;  // before ep_: destroyed after it
   const bool same_host_;
   std::unique_ptr<DataPath> fallback_;
@@ -158,5 +161,10 @@ class UcxServer : public PathServer {
  private:
   std::shared_ptr<ucx::UcxHub> hub_;
 };
+
+// ucx's table entry: applies where ucx is the link's host path (LinkFacts::ucx), keeping the stream
+// behind under auto for a peer without ucx. Its server exists only while the engine has UCX
+// workers: Engine::initialize sets it (PathTable::setServer), finalize drops it.
+PathEntry ucxEntry();
 
 }  // namespace pdlink
