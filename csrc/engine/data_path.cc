@@ -53,6 +53,9 @@ Status Engine::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeS
 }
 
 Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const {
+  // Flags no path of this engine's table names are malformed, as wire::decode finds every other
+  // combination no path names (kFlagTestPath is named only where a test build registered its path).
+  if (!paths_.names(h.flags)) return wire::malformed("request");
   // Only reads and writes take flags or a payload (and a describe for direct reads kFlagDirect);
   // which flags depends on what this link and this engine negotiated (admitAccess). A frame
   // outside that is a protocol violation: the link is dropped.
@@ -239,8 +242,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   const bool is_write = h.op == wire::Op::kWrite;
   const bool direct = h.flags & wire::kFlagDirect;
   const bool device = h.flags & wire::kFlagDevice;
-  const bool ucx = h.flags & wire::kFlagUcx;
-  const bool in_stream = is_write && !direct && !device && !ucx;  // the payload follows in this stream
+  const bool in_stream = is_write && h.flags == 0;  // the stream path's: the payload follows in this stream
   if (!payload.ok() || h.payload_len != (in_stream ? payload.value() : 0)) {
     // The stream cannot be resynchronised without a trustworthy length.
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
@@ -306,6 +308,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
 void Engine::choosePaths(Link& link, bool direct) {
   LinkFacts f;
   f.same_host = link.sameHost();
+  f.in_process = link.inProcess();
   f.unix_socket = link.outSocket().isUnix();
   if (direct) {
     f.direct = link.peerProcess();

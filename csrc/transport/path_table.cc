@@ -9,7 +9,14 @@
 
 namespace pdlink {
 
+namespace {
+PathEntry (*test_path)() = nullptr;  // registerTestPath
+}  // namespace
+
+void registerTestPath(PathEntry (*make)()) { test_path = make; }
+
 void registerPaths(std::vector<PathEntry>& table, Backend& backend, const BackendOffer& offer) {
+  if (test_path) table.push_back(test_path());
   // host paths
   table.push_back(cmaEntry());
   table.push_back(ucxEntry());
@@ -21,6 +28,13 @@ void registerPaths(std::vector<PathEntry>& table, Backend& backend, const Backen
 }
 
 PathTable::PathTable(Backend& backend, const BackendOffer& offer) { registerPaths(entries_, backend, offer); }
+
+bool PathTable::names(uint8_t flags) const {
+  for (const PathEntry& e : entries_) {
+    if (e.caps.request_flags == flags) return true;
+  }
+  return false;
+}
 
 PathServer* PathTable::serverFor(uint8_t flags) const {
   for (const PathEntry& e : entries_) {

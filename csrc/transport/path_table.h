@@ -34,6 +34,7 @@ struct BackendOffer {
 // at to say whether it applies to the link and to make the link's requesting side.
 struct LinkFacts {
   bool same_host = false;    // the kernel proved the peer runs on this host (Link::sameHost)
+  bool in_process = false;   // and it is this process (Link::inProcess)
   bool unix_socket = false;  // the link's channels are AF_UNIX connections
   // Direct access proven (the probe read of the peer's published words succeeded): the peer's
   // process and where its registry publishes. Null: no direct access on this link.
@@ -72,6 +73,8 @@ class PathTable {
  public:
   // Every path of registerPaths, in its order.
   PathTable(Backend& backend, const BackendOffer& offer);
+  // Whether an entry's request_flags equal `flags` (served here or not).
+  bool names(uint8_t flags) const;
   // The server of the entry whose request_flags equal `flags` exactly; null when there is none or
   // it has no server (the caller refuses the request). `flags` come from the peer: nothing else
   // decides which server runs.
@@ -91,5 +94,9 @@ class PathTable {
 // The registration list: each path's entry, one line each, in the order they are tried (host paths:
 // the first applicable one; device paths: every applicable one, in order).
 void registerPaths(std::vector<PathEntry>& table, Backend& backend, const BackendOffer& offer);
+// Registers the path of a test build (its request_flags: wire::kFlagTestPath), tried first by every
+// PathTable made afterwards; the one line a test program adds (csrc/tests/path_test.cc). Not
+// thread-safe: call before any engine exists. Without it no engine names kFlagTestPath.
+void registerTestPath(PathEntry (*make)());
 
 }  // namespace pdlink
