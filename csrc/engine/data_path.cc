@@ -83,28 +83,6 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   return Status::OK();
 }
 
-namespace {
-
-// Whether ucx is `link`'s host path as this engine picks it (choosePaths): forced, or auto between
-// hosts over an RDMA-capable UCX, and never with payload integrity (nor on a cma link: a link cma
-// serves is a same-host one, which auto never puts on ucx, and forcing ucx never picks cma). The
-// serving side takes ucx frames only where this holds, so a peer cannot make UCX parse its bytes
-// on a link this engine keeps on tcp or cma.
-bool ucxIsPathOf(const std::shared_ptr<ucx::UcxHub>& hub, Transport transport, const Link& link) {
-  return hub && !link.payloadIntegrity() &&
-         (transport == Transport::kUcx || (!link.sameHost() && hub->autoBetweenHosts()));
-}
-
-Status ucxRefused(const Link& link) {
-  return Status(Code::kFeatureNotEnabled,
-                link.payloadIntegrity()
-                    ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
-                    : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
-                      "between hosts with ucx_trusted_network)");
-}
-
-}  // namespace
-
 Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
   if (config_.one_way_links && link.initiator()) {  // our own one-way link: the peer may not use it
     return Status(Code::kNotYetLink,
@@ -124,7 +102,9 @@ Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const
   }
   if (one_sided && !one_sided_) return Status(Code::kFeatureNotEnabled, "no one-sided access on this runtime");
   if ((h.flags & wire::kFlagUcx) && !ucx_hub_) return Status(Code::kFeatureNotEnabled, "this engine has no ucx path");
-  if ((h.flags & wire::kFlagUcx) && !ucxIsPathOf(ucx_hub_, config_.transport, link)) return ucxRefused(link);
+  if ((h.flags & wire::kFlagUcx) && !ucx::isPathOf(ucx_hub_.get(), config_.transport == Transport::kUcx, link)) {
+    return ucx::refused(link);
+  }
   return Status::OK();
 }
 
@@ -173,20 +153,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kNotify) return serveNotify(*link, s, body, deadline);
   if (h.op == wire::Op::kConfirm) return serveConfirm(*link, s, body, deadline);
   if (h.op == wire::Op::kUcxConnect) {
-    // Refused as admitAccess refuses what this engine does not serve on this link: answered, the
-    // link kept (a requester that picked ucx on its own falls back to its stream), nothing of the
-    // address read.
     auto* ucx_server = static_cast<UcxServer*>(paths_.serverFor(wire::kFlagUcx));  // the ucx entry's
-    if (!ucx_server) {
-      return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
-                          deadline);
-    }
-    if (!ucxIsPathOf(ucx_hub_, config_.transport, *link)) {
-      PDLINK_LOG(kDebug,
-                 "refused a ucx connect from " << clusterName(link->peer()) << ": " << ucxRefused(*link).message());
-      return sendResponse(s, ucxRefused(*link), deadline);
-    }
-    return ucx_server->connect(*link, s, body, deadline);
+    return answerUcxConnect(ucx_server, config_.transport == Transport::kUcx, *link, s, body, deadline);
   }
   if (h.op == wire::Op::kUnlink) {
     {
@@ -314,7 +282,7 @@ void Engine::choosePaths(Link& link, bool direct) {
     f.direct = link.peerProcess();
     f.published_addr = link.peerPublishedAddr();
   }
-  if (ucxIsPathOf(ucx_hub_, config_.transport, link)) f.ucx = ucx_hub_;
+  if (ucx::isPathOf(ucx_hub_.get(), config_.transport == Transport::kUcx, link)) f.ucx = ucx_hub_;
   f.auto_transport = config_.transport == Transport::kAuto;
   f.config_one_sided = config_.one_sided;
   f.offer = BackendOffer{device_transport_, ipc_, one_sided_};

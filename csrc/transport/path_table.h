@@ -40,8 +40,8 @@ struct LinkFacts {
   // process and where its registry publishes. Null: no direct access on this link.
   std::shared_ptr<const cma::Process> direct;
   uint64_t published_addr = 0;
-  // ucx is this link's host path (as the engine decides it: forced, or auto between hosts): the
-  // engine's UCX workers. Null: not ucx.
+  // ucx is this link's host path (ucx::isPathOf: forced, or auto between hosts): the engine's UCX
+  // workers. Null: not ucx.
   std::shared_ptr<ucx::UcxHub> ucx;
   bool auto_transport = false;    // the engine's transport is auto (not forced)
   bool config_one_sided = false;  // the engine's configuration enables one-sided access

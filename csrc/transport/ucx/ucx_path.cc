@@ -375,6 +375,36 @@ Status UcxServer::serve(ServeCall& call) {
   return sendResponse(call.stream, Status::OK(), call.deadline);
 }
 
+namespace ucx {
+
+bool isPathOf(const UcxHub* hub, bool forced, const Link& link) {
+  return hub && !link.payloadIntegrity() && (forced || (!link.sameHost() && hub->autoBetweenHosts()));
+}
+
+Status refused(const Link& link) {
+  return Status(Code::kFeatureNotEnabled,
+                link.payloadIntegrity()
+                    ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
+                    : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
+                      "between hosts with ucx_trusted_network)");
+}
+
+}  // namespace ucx
+
+Status answerUcxConnect(UcxServer* server, bool forced, Link& link, Stream& s, const std::string& body,
+                        Deadline deadline) {
+  if (!server) {
+    return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
+                        deadline);
+  }
+  if (!ucx::isPathOf(server->hub(), forced, link)) {
+    PDLINK_LOG(kDebug,
+               "refused a ucx connect from " << clusterName(link.peer()) << ": " << ucx::refused(link).message());
+    return sendResponse(s, ucx::refused(link), deadline);
+  }
+  return server->connect(link, s, body, deadline);
+}
+
 PathEntry ucxEntry() {
   PathEntry e;
   e.caps = UcxPath::ucxCaps();
