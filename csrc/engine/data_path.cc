@@ -10,9 +10,6 @@
 #include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
 #include "transport/path.h"
-#include "transport/cma/cma_path.h"
-#include "transport/device/hccl_path.h"
-#include "transport/device/ipc_path.h"
 #include "transport/frames.h"
 #include "transport/tcp/stream_path.h"
 #include "transport/ucx/ucx_path.h"
@@ -56,6 +53,9 @@ Status Engine::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeS
 }
 
 Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const {
+  // Flags no path of this engine's table names are malformed, as wire::decode finds every other
+  // combination no path names (kFlagTestPath is named only where a test build registered its path).
+  if (!paths_.names(h.flags)) return wire::malformed("request");
   // Only reads and writes take flags or a payload (and a describe for direct reads kFlagDirect);
   // which flags depends on what this link and this engine negotiated (admitAccess). A frame
   // outside that is a protocol violation: the link is dropped.
@@ -83,28 +83,6 @@ Status Engine::admitHeader(const Link& link, const wire::RequestHeader& h) const
   return Status::OK();
 }
 
-namespace {
-
-// Whether ucx is `link`'s host path as this engine picks it (choosePaths): forced, or auto between
-// hosts over an RDMA-capable UCX, and never with payload integrity (nor on a cma link: a link cma
-// serves is a same-host one, which auto never puts on ucx, and forcing ucx never picks cma). The
-// serving side takes ucx frames only where this holds, so a peer cannot make UCX parse its bytes
-// on a link this engine keeps on tcp or cma.
-bool ucxIsPathOf(const std::shared_ptr<ucx::UcxHub>& hub, Transport transport, const Link& link) {
-  return hub && !link.payloadIntegrity() &&
-         (transport == Transport::kUcx || (!link.sameHost() && hub->autoBetweenHosts()));
-}
-
-Status ucxRefused(const Link& link) {
-  return Status(Code::kFeatureNotEnabled,
-                link.payloadIntegrity()
-                    ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
-                    : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
-                      "between hosts with ucx_trusted_network)");
-}
-
-}  // namespace
-
 Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const {
   if (config_.one_way_links && link.initiator()) {  // our own one-way link: the peer may not use it
     return Status(Code::kNotYetLink,
@@ -124,7 +102,9 @@ Status Engine::admitAccess(const Link& link, const wire::RequestHeader& h) const
   }
   if (one_sided && !one_sided_) return Status(Code::kFeatureNotEnabled, "no one-sided access on this runtime");
   if ((h.flags & wire::kFlagUcx) && !ucx_hub_) return Status(Code::kFeatureNotEnabled, "this engine has no ucx path");
-  if ((h.flags & wire::kFlagUcx) && !ucxIsPathOf(ucx_hub_, config_.transport, link)) return ucxRefused(link);
+  if ((h.flags & wire::kFlagUcx) && !ucx::isPathOf(ucx_hub_.get(), config_.transport == Transport::kUcx, link)) {
+    return ucx::refused(link);
+  }
   return Status::OK();
 }
 
@@ -173,19 +153,8 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   if (h.op == wire::Op::kNotify) return serveNotify(*link, s, body, deadline);
   if (h.op == wire::Op::kConfirm) return serveConfirm(*link, s, body, deadline);
   if (h.op == wire::Op::kUcxConnect) {
-    // Refused as admitAccess refuses what this engine does not serve on this link: answered, the
-    // link kept (a requester that picked ucx on its own falls back to its stream), nothing of the
-    // address read.
-    if (!ucx_server_) {
-      return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
-                          deadline);
-    }
-    if (!ucxIsPathOf(ucx_hub_, config_.transport, *link)) {
-      PDLINK_LOG(kDebug,
-                 "refused a ucx connect from " << clusterName(link->peer()) << ": " << ucxRefused(*link).message());
-      return sendResponse(s, ucxRefused(*link), deadline);
-    }
-    return ucx_server_->connect(*link, s, body, deadline);
+    auto* ucx_server = static_cast<UcxServer*>(paths_.serverFor(wire::kFlagUcx));  // the ucx entry's
+    return answerUcxConnect(ucx_server, config_.transport == Transport::kUcx, *link, s, body, deadline);
   }
   if (h.op == wire::Op::kUnlink) {
     {
@@ -241,8 +210,7 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   const bool is_write = h.op == wire::Op::kWrite;
   const bool direct = h.flags & wire::kFlagDirect;
   const bool device = h.flags & wire::kFlagDevice;
-  const bool ucx = h.flags & wire::kFlagUcx;
-  const bool in_stream = is_write && !direct && !device && !ucx;  // the payload follows in this stream
+  const bool in_stream = is_write && h.flags == 0;  // the stream path's: the payload follows in this stream
   if (!payload.ok() || h.payload_len != (in_stream ? payload.value() : 0)) {
     // The stream cannot be resynchronised without a trustworthy length.
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": inconsistent payload length");
@@ -296,42 +264,30 @@ Status Engine::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState
   }
   ServeCall call{*link,           s,        h,     r.addrs,         r.tensors,       r.base, r.runs, device_runs,
                  payload.value(), deadline, false, state->exported, state->pin_epoch};
-  Status served = serverFor(h.flags).serve(call);
+  // The flags name the path (wire::decode lets through only the path combinations): admitted above,
+  // served by that path's entry, where this engine has its server.
+  PathServer* server = paths_.serverFor(h.flags);
+  if (!server) return refuse(Status(Code::kFeatureNotEnabled, "this engine does not serve that path"));
+  Status served = server->serve(call);
   if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
   return served;
 }
 
-PathServer& Engine::serverFor(uint8_t flags) {
-  // admitAccess let through only the combinations a path of this engine serves.
-  if (flags & wire::kFlagDevice) {
-    if (flags & wire::kFlagDirect) return *ipc_server_;
-    if (flags & wire::kFlagOneSided) return *one_sided_server_;
-    return *hccl_server_;
-  }
-  if (flags & wire::kFlagUcx) return *ucx_server_;
-  return flags & wire::kFlagDirect ? *cma_server_ : *stream_server_;
-}
-
 void Engine::choosePaths(Link& link, bool direct) {
-  std::unique_ptr<DataPath> host;
+  LinkFacts f;
+  f.same_host = link.sameHost();
+  f.in_process = link.inProcess();
+  f.unix_socket = link.outSocket().isUnix();
   if (direct) {
-    host = std::make_unique<CmaPath>(link.peerProcess(), link.peerPublishedAddr());
-  } else if (ucxIsPathOf(ucx_hub_, config_.transport, link)) {
-    // Picked by auto (between hosts, over an RDMA-capable UCX): the stream stays behind for a peer
-    // without ucx. Forced: that peer's refusal is the transfer's result.
-    std::unique_ptr<DataPath> fallback;
-    if (config_.transport == Transport::kAuto) fallback = std::make_unique<StreamPath>(link.outSocket().isUnix());
-    host = std::make_unique<UcxPath>(ucx_hub_, link.sameHost(), std::move(fallback));
-  } else {
-    host = std::make_unique<StreamPath>(link.outSocket().isUnix());
+    f.direct = link.peerProcess();
+    f.published_addr = link.peerPublishedAddr();
   }
-  std::vector<DataPath*> device;
-  if (device_transport_) {
-    if (ipc_ && link.sameHost()) device.push_back(ipc_path_.get());
-    if (config_.one_sided && one_sided_) device.push_back(one_sided_path_.get());
-    device.push_back(hccl_path_.get());
-  }
-  link.setPaths(std::move(host), std::move(device));
+  if (ucx::isPathOf(ucx_hub_.get(), config_.transport == Transport::kUcx, link)) f.ucx = ucx_hub_;
+  f.auto_transport = config_.transport == Transport::kAuto;
+  f.config_one_sided = config_.one_sided;
+  f.offer = BackendOffer{device_transport_, ipc_, one_sided_};
+  ChosenPaths chosen = paths_.choose(f);
+  link.setPaths(std::move(chosen.host), std::move(chosen.device));
 }
 
 // ---------------------------------------------------------------- transfers

@@ -9,9 +9,6 @@
 #include "core/log.h"
 #include "engine/engine_internal.h"
 #include "transport/cma/cma.h"
-#include "transport/cma/cma_path.h"
-#include "transport/device/hccl_path.h"
-#include "transport/device/ipc_path.h"
 #include "transport/tcp/stream_path.h"
 #include "transport/ucx/ucx_path.h"
 
@@ -33,14 +30,7 @@ Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
       device_transport_(caps.device_transport),
       ipc_(caps.device_transport && hasFeature(caps, "ipc")),
       one_sided_(caps.device_transport && hasFeature(caps, "one_sided")),
-      stream_server_(std::make_unique<StreamServer>(*backend_)),
-      cma_server_(std::make_unique<CmaServer>()),
-      hccl_server_(std::make_unique<HcclServer>()),
-      one_sided_server_(std::make_unique<OneSidedServer>()),
-      ipc_server_(std::make_unique<IpcServer>(*backend_)),
-      hccl_path_(std::make_unique<HcclPath>()),
-      one_sided_path_(std::make_unique<OneSidedPath>()),
-      ipc_path_(std::make_unique<IpcPath>(*backend_)),
+      paths_(*backend_, BackendOffer{device_transport_, ipc_, one_sided_}),
       staged_path_(std::make_unique<StreamPath>(false, backend_.get())) {}
 
 Engine::~Engine() { finalize(); }
@@ -124,7 +114,7 @@ Status Engine::initialize(const EngineConfig& config) {
   }
   if (hub) {
     ucx_hub_ = std::move(hub);
-    ucx_server_ = std::make_unique<UcxServer>(ucx_hub_);
+    paths_.setServer(wire::kFlagUcx, std::make_unique<UcxServer>(ucx_hub_));
   }
   role_ = config.role;
   stopping_ = false;
@@ -172,7 +162,7 @@ void Engine::finalize() {
   }
   device_pool_.reset();
   host_pool_.reset();
-  ucx_server_.reset();
+  paths_.setServer(wire::kFlagUcx, nullptr);
   ucx_hub_.reset();  // the workers go with the last link that still holds them
   initialized_ = false;
   stopping_ = false;

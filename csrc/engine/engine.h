@@ -38,6 +38,7 @@
 #include "engine/link_table.h"
 #include "engine/mem_pool.h"
 #include "transport/path.h"
+#include "transport/path_table.h"
 #include "engine/pin_epochs.h"
 #include "engine/registry.h"
 #include "transport/listener.h"
@@ -48,7 +49,6 @@ namespace pdlink {
 namespace ucx {
 class UcxHub;
 }
-class UcxServer;
 
 // Values match llm_datadist.LLMRole.
 enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
@@ -364,11 +364,10 @@ class Engine {
   Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
                       const char* what);
   Result<std::shared_ptr<Link>> usableLink(uint64_t peer);
-  // The paths of this side's requests on a new link (before it is shared): `direct` (cma) when
-  // chooseTransport allowed it, else the stream; the device paths of this engine's backend.
+  // The paths of this side's requests on a new link (before it is shared), as the path table picks
+  // them from what the handshake proved (`direct`: chooseTransport allowed cma) and what this
+  // engine offers (PathTable::choose).
   void choosePaths(Link& link, bool direct);
-  // The serving side of the path a request's flags name (admitted by admitAccess).
-  PathServer& serverFor(uint8_t flags);
 
   Result<std::unique_ptr<Listener>> startListener(const std::string& ip, uint16_t port);
   // The AF_UNIX listener same-host diallers are redirected to, under a random abstract name
@@ -460,16 +459,15 @@ class Engine {
   const bool device_transport_;
   const bool ipc_;
   const bool one_sided_;
-  // The data paths (transport/path.h): the serving side of each, and the requesting side of the
-  // device paths (a link's host path is its own object, Link::hostPath).
-  std::unique_ptr<PathServer> stream_server_, cma_server_, hccl_server_, one_sided_server_, ipc_server_;
+  // The data paths (transport/path_table.h): the serving side of each, and the requesting side of
+  // the device paths (a link's host path is its own object, Link::hostPath). The ucx entry's
+  // server is set by initialize and dropped by finalize.
+  PathTable paths_;
   PinEpochs pin_epochs_;  // one word per served link
   // Transport::kUcx, or kAuto with ucx_trusted_network where UCX loads: the engine's UCX workers
-  // (shared with its links' paths, which may outlive finalize) and the ucx path's server; set by
-  // initialize, dropped by finalize.
+  // (shared with its links' paths, which may outlive finalize); set by initialize, dropped by
+  // finalize.
   std::shared_ptr<ucx::UcxHub> ucx_hub_;
-  std::unique_ptr<UcxServer> ucx_server_;
-  std::unique_ptr<DataPath> hccl_path_, one_sided_path_, ipc_path_;
   // The stream path that stages DEVICE memory: descriptor lists mixing HOST and DEVICE memory, on
   // either side, on any link (transferPart).
   std::unique_ptr<DataPath> staged_path_;

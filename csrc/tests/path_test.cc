@@ -1,8 +1,13 @@
 // The data-path conformance suite and unit tests of the path interface (transport/path.h), in one
-// process over loopback: what every host path must do, run on each (the stream over tcp, cma).
+// process over loopback: what every host path must do, run on each host path of the registration
+// table (transport/path_table.h), the test build's own path (pipe_path.h, registered below) included.
 //
-// Usage: path_test [--transport tcp|cma|all]   (default all; cma is skipped, with a message, where
-//        the kernel does not let this process read itself with process_vm_readv)
+// Usage: path_test [--transport NAME|all]   (a host path's name: pipe, cma, tcp; default all; cma is
+//        skipped, with a message, where the kernel does not let this process read itself with
+//        process_vm_readv)
+// Paths the suite cannot link here are checked without a peer (their caps, their table lookup and
+// when they apply): ucx needs the UCX library and a trusted network (ucx_test runs it), the device
+// paths (ipc, hccl-one-sided, hccl) a device backend (docs/ascend.md).
 // Conformance, per path: two linked CPU engines, P (cluster 1, listening) and D (cluster 2), their
 // caches in guarded buffers (64 bytes of a fixed pattern before and after every tensor):
 //   - the link reports the path's name (LinkInfo::transport);
@@ -14,7 +19,9 @@
 //     either side changed, and the link still moves exact bytes afterwards;
 //   - a transfer of more pieces than one request may name (limits::kMaxRequestPieces) is split and
 //     exact;
-// and the interface's unit cases: every path's PathCaps, and the IPC span / answer / copy helpers.
+// and the interface's unit cases: every path's PathCaps, the table's lookup (exact flags, nothing
+// for flags no path names or a path this engine does not serve) and its choice of a link's paths,
+// and the IPC span / answer / copy helpers.
 // Exit status 0 when every check passed, 1 otherwise (the failures are printed).
 #include <sys/socket.h>
 #include <unistd.h>
@@ -29,11 +36,14 @@
 #include "core/limits.h"
 #include "engine/engine.h"
 #include "transport/path.h"
+#include "transport/path_table.h"
 #include "transport/cma/cma.h"
 #include "transport/cma/cma_path.h"
 #include "transport/device/hccl_path.h"
 #include "transport/device/ipc_path.h"
 #include "transport/tcp/stream_path.h"
+#include "transport/ucx/ucx_path.h"
+#include "pipe_path.h"
 #include "test_engines.h"
 
 using namespace pdlink;
@@ -228,7 +238,10 @@ void capsCases() {
   IpcPath ipc(*backend);
   HcclPath hccl;
   OneSidedPath one_sided;
+  testing::PipePath pipe;
   const Want wants[] = {
+      {"pipe", pipe.caps(), wire::kFlagTestPath, false, false, false, false},
+      {"ucx", UcxPath::ucxCaps(), wire::kFlagUcx, true, false, false, false},
       {"tcp", tcp.caps(), 0, true, false, false, false},
       {"unix", unix_stream.caps(), 0, false, false, false, false},
       {"cma", cma.caps(), wire::kFlagDirect, false, true, false, false},
@@ -244,6 +257,73 @@ void capsCases() {
     check((c.request_flags & wire::kFlagDevice) == (c.device_memory ? wire::kFlagDevice : 0),
           std::string(w.name) + ": device memory and kFlagDevice go together");
   }
+}
+
+std::vector<std::string> names(const std::vector<DataPath*>& paths) {
+  std::vector<std::string> out;
+  for (const DataPath* p : paths) out.push_back(p->caps().name);
+  return out;
+}
+
+void tableCases(Backend& backend) {
+  const PathTable cpu(backend, BackendOffer{}), device(backend, BackendOffer{true, true, true});
+  const std::vector<std::string> order{"pipe", "cma", "ucx", "tcp", "ipc", "hccl-one-sided", "hccl"};
+  check(cpu.entries().size() == order.size(), "the table has every registered path");
+  for (size_t i = 0; i < cpu.entries().size() && i < order.size(); ++i) {
+    const PathEntry& e = cpu.entries()[i];
+    check(e.caps.name == order[i], "table entry " + std::to_string(i) + " is " + order[i] + ", not " + e.caps.name);
+    check(cpu.names(e.caps.request_flags), std::string(e.caps.name) + ": its flags are named");
+    check(cpu.serverFor(e.caps.request_flags) == e.server.get(), std::string(e.caps.name) + ": its flags find it");
+    for (size_t j = 0; j < i; ++j) {
+      check(cpu.entries()[j].caps.request_flags != e.caps.request_flags,
+            std::string(e.caps.name) + ": flags of its own");
+    }
+    check((e.shared != nullptr) == e.caps.device_memory && (e.make != nullptr) == !e.caps.device_memory,
+          std::string(e.caps.name) + ": a host path makes one per link, a device path is shared");
+  }
+  // Served on a CPU backend: the host paths but ucx (its server comes with an initialised engine's
+  // UCX workers); on a device backend also every device path.
+  for (const PathEntry& e : cpu.entries()) {
+    const bool served = !e.caps.device_memory && e.caps.request_flags != wire::kFlagUcx;
+    check((e.server != nullptr) == served, std::string(e.caps.name) + ": served on a CPU backend");
+  }
+  for (const PathEntry& e : device.entries()) {
+    check((e.server != nullptr) == (e.caps.request_flags != wire::kFlagUcx),
+          std::string(e.caps.name) + ": served on a device backend");
+  }
+  // Flags no path names: none, so no server (admitHeader drops the link).
+  for (uint8_t flags : {uint8_t{wire::kFlagOneSided}, uint8_t{wire::kFlagDirect | wire::kFlagUcx},
+                        uint8_t{wire::kFlagTestPath | wire::kFlagDirect}, uint8_t{0x80}}) {
+    check(!device.names(flags) && device.serverFor(flags) == nullptr,
+          "flags " + std::to_string(flags) + " name no path");
+  }
+  // What a link gets: the first applicable host path, then every applicable device path in order.
+  LinkFacts f;
+  ChosenPaths c = cpu.choose(f);
+  check(c.host && std::string(c.host->caps().name) == "tcp" && c.device.empty(), "a link between hosts: tcp only");
+  f.same_host = f.unix_socket = true;
+  c = cpu.choose(f);
+  check(c.host && std::string(c.host->caps().name) == "unix", "a same-host link without direct access: unix");
+  f.in_process = true;
+  c = cpu.choose(f);
+  check(c.host && std::string(c.host->caps().name) == "unix", "an in-process link under a forced transport: unix");
+  f.auto_transport = true;
+  c = cpu.choose(f);
+  check(c.host && std::string(c.host->caps().name) == "pipe", "an in-process link under auto: the pipe path");
+  f.offer = BackendOffer{true, true, true};
+  f.config_one_sided = true;
+  check(names(device.choose(f).device) == std::vector<std::string>{"ipc", "hccl-one-sided", "hccl"},
+        "device paths on a same-host link: ipc, one-sided, two-sided");
+  f.same_host = f.in_process = false;
+  check(names(device.choose(f).device) == std::vector<std::string>{"hccl-one-sided", "hccl"},
+        "device paths between hosts: one-sided, two-sided");
+  f.config_one_sided = false;
+  check(names(device.choose(f).device) == std::vector<std::string>{"hccl"},
+        "device paths without one-sided in the configuration: two-sided");
+  f.offer = BackendOffer{true, false, false};
+  f.config_one_sided = f.same_host = true;
+  check(names(device.choose(f).device) == std::vector<std::string>{"hccl"},
+        "device paths where the runtime has neither IPC nor one-sided: two-sided");
 }
 
 void ipcCases() {
@@ -281,18 +361,32 @@ bool cmaPermitted() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  registerTestPath(testing::pipeEntry);  // the test build's path, ahead of every built-in one
   std::string which = "all";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::string(argv[i]) == "--transport") which = argv[i + 1];
   }
+  auto backend = makeCpuBackend();
   capsCases();
+  tableCases(*backend);
   ipcCases();
-  if (which == "all" || which == "tcp") conformance(Transport::kTcp, "tcp");
-  if (which == "all" || which == "cma") {
-    if (cmaPermitted()) {
+  // Every host path of the table, linked the way that makes an engine pick it.
+  const PathTable table(*backend, BackendOffer{});
+  for (const PathEntry& e : table.entries()) {
+    const std::string name = e.caps.name;
+    if (e.caps.device_memory || (which != "all" && which != name)) continue;
+    if (name == "pipe") {
+      conformance(Transport::kAuto, "pipe");  // an in-process link under auto
+    } else if (name == "tcp") {
+      conformance(Transport::kTcp, "tcp");
+    } else if (name == "cma" && cmaPermitted()) {
       conformance(Transport::kCma, "cma");
-    } else {
+    } else if (name == "cma") {
       std::fprintf(stderr, "path cma: skipped (process_vm_readv of this process is not permitted here)\n");
+    } else if (name == "ucx") {
+      std::fprintf(stderr, "path ucx: caps and lookup only (a link needs UCX and a trusted network: ucx_test)\n");
+    } else {
+      check(false, "path " + name + ": no way to link over it in this suite");
     }
   }
   std::fprintf(stderr, failures ? "path_test: %d failure(s)\n" : "path_test: every check passed\n", failures);

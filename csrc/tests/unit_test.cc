@@ -132,6 +132,14 @@ void ucxCases() {
     checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
               "request header: ucx with flag " + std::to_string(other));
   }
+  // kFlagTestPath likewise (the engine then drops it unless a test build registered its path)
+  f = wire::encode(wire::RequestHeader{wire::Op::kRead, 10, 0, wire::kFlagTestPath});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: the test path's flag alone");
+  for (uint8_t other : {wire::kFlagDirect, wire::kFlagDevice, wire::kFlagUcx}) {
+    f = wire::encode(wire::RequestHeader{wire::Op::kRead, 10, 0, static_cast<uint8_t>(wire::kFlagTestPath | other)});
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed,
+              "request header: the test path's flag with flag " + std::to_string(other));
+  }
   // a UcxHello: a token, a message size (0, or a power of two in [16 KiB, 1 MiB]) and 1 ..
   // kMaxUcxAddressBytes bytes of address
   wire::UcxHello hello{0x1122334455667788ull, 65536, std::string("\0addr\xff", 6)};

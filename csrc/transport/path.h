@@ -9,7 +9,8 @@
 //  - PathServer, the serving side: one object per engine and path, chosen by a request's flags,
 //    called by the link's serving thread with a request the engine admitted and resolved.
 // Each path sits in a folder of its own: transport/tcp (the stream), transport/cma (direct reads of
-// a same-host peer's memory), transport/device (HCCL two-sided and one-sided, same-host IPC).
+// a same-host peer's memory), transport/ucx, transport/device (HCCL two-sided and one-sided,
+// same-host IPC); transport/path_table.h registers them.
 #pragma once
 
 #include <atomic>

@@ -41,11 +41,11 @@ class Reader {
   size_t pos_ = 0;
 };
 
+}  // namespace
+
 Status malformed(const char* what) {
   return Status(Code::kLinkFailed, std::string("malformed ") + what + " frame from peer");
 }
-
-}  // namespace
 
 bool HostHint::sameHost(const HostHint& o) const {
   static const uint8_t zero[16] = {0};
@@ -161,7 +161,8 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   }
   if (op < 1 || op > kMaxOp || (out->flags & ~kKnownFlags) ||
       ((out->flags & kFlagOneSided) && out->flags != (kFlagDevice | kFlagOneSided)) ||
-      ((out->flags & kFlagUcx) && out->flags != kFlagUcx) || out->body_len > kMaxBodyBytes) {
+      ((out->flags & kFlagUcx) && out->flags != kFlagUcx) ||
+      ((out->flags & kFlagTestPath) && out->flags != kFlagTestPath) || out->body_len > kMaxBodyBytes) {
     return malformed("request");
   }
   out->op = static_cast<Op>(op);

@@ -189,7 +189,11 @@ constexpr uint8_t kFlagOneSided = 4;
 // (transport/ucx/ucx_path.h). kRead: the server sends the messages, then the Response. kWrite:
 // Response (accepted), the requester sends the messages, then a second Response (stored).
 constexpr uint8_t kFlagUcx = 8;
-constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx;
+// kRead/kWrite with kFlagTestPath (alone): the path of a test build (csrc/tests/pipe_path.h). An
+// engine whose path table has no such path drops a link that sends it as malformed, as decode drops
+// every other combination no path names (Engine::admitHeader).
+constexpr uint8_t kFlagTestPath = 16;
+constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx | kFlagTestPath;
 // A kUcxConnect body and its answer: the token the sender's expected messages carry, the size of
 // the link's messages (chunk_bytes: 0 in the request, the server's choice in the answer, both
 // directions use it; else a power of two in [kMinUcxChunkBytes, kMaxUcxChunkBytes]), then the
@@ -217,6 +221,8 @@ struct RequestHeader {
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);
 Status decode(const uint8_t* p, size_t n, RequestHeader* out);
+// What every decoder answers for a frame it refuses: kLinkFailed, "malformed <what> frame from peer".
+Status malformed(const char* what);
 
 struct ResponseHeader {
   uint32_t status = 0;

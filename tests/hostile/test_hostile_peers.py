@@ -176,6 +176,16 @@ def test_flags_for_paths_the_link_did_not_negotiate_are_refused_without_addresse
     victim.pulled([2])
 
 
+def test_the_test_paths_flag_drops_only_that_link(peers: Callable[..., Peer], victim: Pair) -> None:
+    """kFlagTestPath names a path only a C++ test build registers (csrc/tests/pipe_path.h): an engine
+    drops the link as malformed, as for any flags no path of its table names, and serves the rest."""
+    a = attacker_links(peers, victim)
+    assert a.call(hostile.exchange, tensor_read(1, 1, rawwire.FLAG_TEST_PATH)) == "closed"
+    victim.pulled([3])
+    a.call(hostile.close)
+    victim.pulled([4])
+
+
 def ucx_hello(size: int, address: bytes = b"\xa5" * 64) -> bytes:
     """A kUcxConnect frame: u64 token, u32 message size, the worker address (here bytes that abort
     UCX when it parses them: docs/ucx.md, "Trust")."""

@@ -240,4 +240,15 @@ Status CmaServer::serve(ServeCall& call) {
   return sendAnswer(call.stream, wire::encode(answer), call.deadline);
 }
 
+PathEntry cmaEntry() {
+  PathEntry e;
+  e.caps = CmaPath(nullptr, 0).caps();
+  e.server = std::make_unique<CmaServer>();
+  e.applies = [](const LinkFacts& f) { return f.direct != nullptr; };
+  e.make = [](const LinkFacts& f) -> std::unique_ptr<DataPath> {
+    return std::make_unique<CmaPath>(f.direct, f.published_addr);
+  };
+  return e;
+}
+
 }  // namespace pdlink

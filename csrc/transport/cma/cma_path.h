@@ -16,6 +16,7 @@
 
 #include "transport/cma/cma.h"
 #include "transport/path.h"
+#include "transport/path_table.h"
 
 namespace pdlink {
 
@@ -55,5 +56,9 @@ class CmaServer : public PathServer {
  public:
   Status serve(ServeCall& call) override;
 };
+
+// cma's table entry: applies where the handshake proved direct access (LinkFacts::direct), served
+// always (admitAccess lets a direct request through on a same-host link only).
+PathEntry cmaEntry();
 
 }  // namespace pdlink

@@ -125,4 +125,22 @@ Status OneSidedServer::serve(ServeCall& call) {
   return sendAnswer(call.stream, list, call.deadline);
 }
 
+PathEntry hcclEntry(const BackendOffer& offer) {
+  PathEntry e;
+  e.shared = std::make_unique<HcclPath>();
+  e.caps = e.shared->caps();
+  if (offer.device_transport) e.server = std::make_unique<HcclServer>();
+  e.applies = [](const LinkFacts& f) { return f.offer.device_transport; };
+  return e;
+}
+
+PathEntry oneSidedEntry(const BackendOffer& offer) {
+  PathEntry e;
+  e.shared = std::make_unique<OneSidedPath>();
+  e.caps = e.shared->caps();
+  if (offer.one_sided) e.server = std::make_unique<OneSidedServer>();
+  e.applies = [](const LinkFacts& f) { return f.config_one_sided && f.offer.one_sided; };
+  return e;
+}
+
 }  // namespace pdlink

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "transport/path.h"
+#include "transport/path_table.h"
 
 namespace pdlink {
 
@@ -46,5 +47,11 @@ class OneSidedServer : public PathServer {
  public:
   Status serve(ServeCall& call) override;
 };
+
+// HCCL's table entries. Two-sided: applies to every link of a device backend, served there.
+// One-sided: applies where the configuration enables it and the runtime has it, served where the
+// runtime has it.
+PathEntry hcclEntry(const BackendOffer& offer);
+PathEntry oneSidedEntry(const BackendOffer& offer);
 
 }  // namespace pdlink

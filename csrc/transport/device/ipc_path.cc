@@ -123,4 +123,13 @@ std::vector<DeviceCopy> ipcCopies(const std::vector<uint64_t>& local_bases, cons
   return copies;
 }
 
+PathEntry ipcEntry(Backend& backend, const BackendOffer& offer) {
+  PathEntry e;
+  e.shared = std::make_unique<IpcPath>(backend);
+  e.caps = e.shared->caps();
+  if (offer.ipc) e.server = std::make_unique<IpcServer>(backend);
+  e.applies = [](const LinkFacts& f) { return f.offer.ipc && f.same_host; };
+  return e;
+}
+
 }  // namespace pdlink

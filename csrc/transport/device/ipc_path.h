@@ -10,6 +10,7 @@
 
 #include "backends/backend.h"
 #include "transport/path.h"
+#include "transport/path_table.h"
 
 namespace pdlink {
 
@@ -50,5 +51,9 @@ Status checkIpcAnswer(const wire::IpcAnswer& answer, const std::vector<wire::Run
 std::vector<DeviceCopy> ipcCopies(const std::vector<uint64_t>& local_bases, const std::vector<wire::Run>& local_runs,
                                   const std::vector<uint64_t>& remote_bases, const std::vector<wire::Run>& remote_runs,
                                   bool is_push);
+
+// IPC's table entry: applies to a proven same-host link where the runtime shares device memory,
+// served there.
+PathEntry ipcEntry(Backend& backend, const BackendOffer& offer);
 
 }  // namespace pdlink

@@ -68,4 +68,13 @@ Status StreamServer::serve(ServeCall& call) {
               call.deadline, {{head.data(), head.size()}});
 }
 
+PathEntry streamEntry(Backend& backend) {
+  PathEntry e;
+  e.caps = StreamPath(false).caps();
+  e.server = std::make_unique<StreamServer>(backend);
+  e.applies = [](const LinkFacts&) { return true; };
+  e.make = [](const LinkFacts& f) -> std::unique_ptr<DataPath> { return std::make_unique<StreamPath>(f.unix_socket); };
+  return e;
+}
+
 }  // namespace pdlink

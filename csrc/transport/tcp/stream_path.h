@@ -9,6 +9,7 @@
 #pragma once
 
 #include "transport/path.h"
+#include "transport/path_table.h"
 
 namespace pdlink {
 
@@ -36,5 +37,8 @@ class StreamServer : public PathServer {
  private:
   Backend& backend_;
 };
+
+// The stream's table entry: applies to every link (the last host path tried), served always.
+PathEntry streamEntry(Backend& backend);
 
 }  // namespace pdlink

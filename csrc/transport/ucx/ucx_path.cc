@@ -11,6 +11,7 @@
 
 #include "core/log.h"
 #include "transport/frames.h"
+#include "transport/tcp/stream_path.h"
 
 namespace pdlink {
 namespace ucx {
@@ -229,11 +230,10 @@ struct ServerLink {
 
 // ------------------------------------------------------------------------------ UcxPath
 
+const PathCaps UcxPath::kCaps{"ucx", wire::kFlagUcx, true, false, false, false};
+
 UcxPath::UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host, std::unique_ptr<DataPath> fallback)
     : hub_(std::move(hub)), same_host_(same_host), fallback_(std::move(fallback)) {
-  caps_.name = "ucx";
-  caps_.request_flags = wire::kFlagUcx;
-  caps_.cross_host = true;
   pulls_ = hub_->expect(&pull_token_);
 }
 
@@ -242,7 +242,7 @@ UcxPath::~UcxPath() {
   hub_->forget(pull_token_);
 }
 
-const PathCaps& UcxPath::caps() const { return declined_.load() ? fallback_->caps() : caps_; }
+const PathCaps& UcxPath::caps() const { return declined_.load() ? fallback_->caps() : kCaps; }
 
 std::vector<std::string> UcxPath::lanes() const {
   if (declined_.load()) return fallback_->lanes();
@@ -373,6 +373,50 @@ Status UcxServer::serve(ServeCall& call) {
     return st;  // late bytes may still be on their way: drop the link
   }
   return sendResponse(call.stream, Status::OK(), call.deadline);
+}
+
+namespace ucx {
+
+bool isPathOf(const UcxHub* hub, bool forced, const Link& link) {
+  return hub && !link.payloadIntegrity() && (forced || (!link.sameHost() && hub->autoBetweenHosts()));
+}
+
+Status refused(const Link& link) {
+  return Status(Code::kFeatureNotEnabled,
+                link.payloadIntegrity()
+                    ? "ucx is not used on a link with payload integrity (its bytes are sealed on the stream)"
+                    : "this engine does not use ucx on this link (pdlink.Transport=ucx, or auto "
+                      "between hosts with ucx_trusted_network)");
+}
+
+}  // namespace ucx
+
+Status answerUcxConnect(UcxServer* server, bool forced, Link& link, Stream& s, const std::string& body,
+                        Deadline deadline) {
+  if (!server) {
+    return sendResponse(s, Status(Code::kFeatureNotEnabled, "this engine has no ucx path (pdlink.Transport=ucx)"),
+                        deadline);
+  }
+  if (!ucx::isPathOf(server->hub(), forced, link)) {
+    PDLINK_LOG(kDebug,
+               "refused a ucx connect from " << clusterName(link.peer()) << ": " << ucx::refused(link).message());
+    return sendResponse(s, ucx::refused(link), deadline);
+  }
+  return server->connect(link, s, body, deadline);
+}
+
+PathEntry ucxEntry() {
+  PathEntry e;
+  e.caps = UcxPath::ucxCaps();
+  e.applies = [](const LinkFacts& f) { return f.ucx != nullptr; };
+  e.make = [](const LinkFacts& f) -> std::unique_ptr<DataPath> {
+    // Picked by auto (between hosts, over an RDMA-capable UCX): the stream stays behind for a peer
+    // without ucx. Forced: that peer's refusal is the transfer's result.
+    std::unique_ptr<DataPath> fallback;
+    if (f.auto_transport) fallback = std::make_unique<StreamPath>(f.unix_socket);
+    return std::make_unique<UcxPath>(f.ucx, f.same_host, std::move(fallback));
+  };
+  return e;
 }
 
 }  // namespace pdlink

@@ -27,6 +27,7 @@
 
 #include "backends/backend.h"
 #include "transport/path.h"
+#include "transport/path_table.h"
 #include "transport/ucx/ucx_worker.h"
 
 namespace pdlink {
@@ -115,6 +116,15 @@ class UcxHub {
 // refused (UcxServer::serve).
 constexpr uint64_t kMaxChunksPerTransfer = uint64_t{1} << 26;
 
+// Whether ucx is `link`'s host path as an engine with these workers (null: none) picks it:
+// `forced` (Transport::kUcx), or auto between hosts over an RDMA-capable UCX, and never with payload
+// integrity (nor on a cma link: a link cma serves is a same-host one, which auto never puts on ucx,
+// and forcing ucx never picks cma). The serving side takes ucx frames only where this holds, so a
+// peer cannot make UCX parse its bytes on a link the engine keeps on tcp or cma.
+bool isPathOf(const UcxHub* hub, bool forced, const Link& link);
+// Why ucx is not `link`'s path (kFeatureNotEnabled), for a peer that asked for it anyway.
+Status refused(const Link& link);
+
 }  // namespace ucx
 
 // The requesting side on one link. With a `fallback` (the path `auto` would have used: the engine
@@ -124,6 +134,8 @@ constexpr uint64_t kMaxChunksPerTransfer = uint64_t{1} << 26;
 class UcxPath : public DataPath {
  public:
   UcxPath(std::shared_ptr<ucx::UcxHub> hub, bool same_host, std::unique_ptr<DataPath> fallback = nullptr);
+  // What the path is while the peer takes ucx (caps() is the fallback's once it declined).
+  static const PathCaps& ucxCaps() { return kCaps; }
   ~UcxPath() override;
   const PathCaps& caps() const override;
   std::vector<std::string> lanes() const override;
@@ -133,7 +145,7 @@ class UcxPath : public DataPath {
   // kUcxConnect, once per link: the endpoint to the peer's worker, the peer's token for our pushes.
   Status connect(Link& link, Deadline deadline, const char* what);
 
-  PathCaps caps_;
+  static const PathCaps kCaps;
   std::shared_ptr<ucx::UcxHub> hub_;  // before ep_: destroyed after it
   const bool same_host_;
   std::unique_ptr<DataPath> fallback_;
@@ -151,6 +163,7 @@ class UcxPath : public DataPath {
 class UcxServer : public PathServer {
  public:
   explicit UcxServer(std::shared_ptr<ucx::UcxHub> hub) : hub_(std::move(hub)) {}
+  const ucx::UcxHub* hub() const { return hub_.get(); }
   Status serve(ServeCall& call) override;
   // Answers kUcxConnect (`body`: the requester's UcxHello) on `link`'s serving thread.
   Status connect(Link& link, Stream& s, const std::string& body, Deadline deadline);
@@ -158,5 +171,18 @@ class UcxServer : public PathServer {
  private:
   std::shared_ptr<ucx::UcxHub> hub_;
 };
+
+// Answers a kUcxConnect frame on `link`'s serving thread (`forced`: as for ucx::isPathOf). Where
+// this engine has no ucx path (`server` null) or ucx is not the link's path, refused as admitAccess
+// refuses what the engine does not serve on a link: answered, the link kept (a requester that
+// picked ucx on its own falls back to its stream), nothing of the address read. Else
+// UcxServer::connect. Non-OK: the link is dropped.
+Status answerUcxConnect(UcxServer* server, bool forced, Link& link, Stream& s, const std::string& body,
+                        Deadline deadline);
+
+// ucx's table entry: applies where ucx is the link's host path (LinkFacts::ucx), keeping the stream
+// behind under auto for a peer without ucx. Its server exists only while the engine has UCX
+// workers: Engine::initialize sets it (PathTable::setServer), finalize drops it.
+PathEntry ucxEntry();
 
 }  // namespace pdlink
