@@ -28,6 +28,7 @@ from peers import hostile, kv, native, overlaps, spans
 from verify import assert_same
 
 TCP = {"PDLINK_TRANSPORT": "tcp"}
+LIMITS = internals.core.LIMITS
 VICTIM, HONEST = 1, 2
 TOTAL = 4096
 CANDIDATES = 16  # limits::kRawCandidates (not exposed in LIMITS)
@@ -134,3 +135,25 @@ def test_a_range_inside_one_registration_is_served_whatever_overlaps_it(peers: C
     the first registration, so by the documented rule it is covered and served."""
     layout = [(0, TOTAL)] + [(1 + i, 8) for i in range(CANDIDATES)]
     assert _agreement(peers, layout, [(200, 10)]) == (True, True, True, True)
+
+
+@pytest.mark.xfail(strict=True, reason="finding: _core.covers counts no steps (UINT64_MAX), the peer refuses a "
+                                       "request past max_request_span_steps and Engine.read does not split by "
+                                       "steps: covers says yes to a list the read is refused for")
+def test_covers_of_a_list_past_the_request_step_bound_matches_the_read(peers: Callable[..., Peer]) -> None:
+    """64 adjacent one-byte registrations; a descriptor list of max_request_span_steps / 64 + 1
+    ranges each across all 64 (one step past the bound): ``MemoryMap.covers`` ("a list it accepts
+    is one the peer accepts") and an honest ``Engine.read`` of that list must agree."""
+    span = LIMITS["max_raw_span"]
+    layout = [(i, 1) for i in range(span)]
+    victim, honest, _attacker, base = setup(peers, layout)
+    count = LIMITS["max_request_span_steps"] // span + 1
+    q = [(base, span)] * count
+    says = honest.call(overlaps.remote_covers, VICTIM, q)
+    try:
+        honest.call_within(120, native.descriptors, VICTIM, "dst", [(0, span)] * count, q, "read")
+        read = True
+    except LLMException as e:
+        read = False
+        assert e.status_code == S.LLM_PARAM_INVALID and "max_request_span_steps" in str(e), e
+    assert says == read, (says, read)
