@@ -157,3 +157,18 @@ def test_covers_of_a_list_past_the_request_step_bound_matches_the_read(peers: Ca
         read = False
         assert e.status_code == S.LLM_PARAM_INVALID and "max_request_span_steps" in str(e), e
     assert says == read, (says, read)
+
+
+def test_the_span_bound_is_exact_and_covers_agrees(peers: Callable[..., Peer]) -> None:
+    """65 adjacent one-byte registrations, then an overlapping pair: a range across 64 of them is
+    served, across 65 refused; a range across two overlapping registrations is served; covers
+    (local and remote) agrees with the victim on each."""
+    span = LIMITS["max_raw_span"]
+    layout = [(i, 1) for i in range(span + 1)] + [(1000, 100), (1050, 100)]
+    victim, honest, attacker, base = setup(peers, layout)
+    for query, want in [([(0, span)], True), ([(1, span)], True), ([(0, span + 1)], False),
+                        ([(1000, 150)], True), ([(1000, 151)], False), ([(999, 2)], False)]:
+        q = [(base + o, n) for o, n in query]
+        got = (victim.call(overlaps.local_covers, q), honest.call(overlaps.remote_covers, VICTIM, q),
+               served(attacker, q), honest_reads(honest, q))
+        assert got == (want,) * 4, (query, got)
