@@ -1,5 +1,5 @@
 """Every value of a request's flag byte, on every op that takes a body or none, on every link kind
-(tcp and cma same-host, each with and without a link secret): the serving dispatch
+(tcp, cma same-host and forced ucx, each with and without a link secret): the serving dispatch
 (transport/path_table: ``PathTable::serverFor``; engine/data_path.cc: ``admitHeader``,
 ``admitAccess``) must reach only a path this engine's table names and this link admitted.
 
@@ -49,11 +49,24 @@ def frames(base: int, current: bytes) -> dict[int, bytes]:
     }
 
 
-@pytest.mark.parametrize("same_host", [False, True], ids=["tcp", "cma"])
+UCX_ENV = {"PDLINK_TRANSPORT": "ucx", "UCX_TLS": "tcp", "PDLINK_UCX_TRUSTED_NETWORK": "1"}
+ENVS = {"tcp": {"PDLINK_TRANSPORT": "tcp"}, "cma": {}, "ucx": UCX_ENV}
+
+
+def _ucx_loads() -> bool:
+    from pdlink.native import core
+
+    return bool(core().ucx_info()["loaded"])
+
+
+@pytest.mark.parametrize("kind", sorted(ENVS))
 @pytest.mark.parametrize("secret", ["", "s3cret"], ids=["open", "secret"])
-def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer], same_host: bool,
+def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer], kind: str,
                                                        secret: str) -> None:
-    env = {} if same_host else {"PDLINK_TRANSPORT": "tcp"}
+    if kind == "ucx" and not _ucx_loads():
+        pytest.skip("needs UCX (pip install \".[ucx]\")")
+    same_host = kind == "cma"
+    env = ENVS[kind]
     victim = peers("victim", env=env)
     port = victim.call(native.start, VICTIM, listen=True, secret=secret or None)
     base = victim.call(overlaps.register_layout, TOTAL, [(0, TOTAL)], 5)
