@@ -50,7 +50,10 @@ def frames(base: int, current: bytes) -> dict[int, bytes]:
 
 
 UCX_ENV = {"PDLINK_TRANSPORT": "ucx", "UCX_TLS": "tcp", "PDLINK_UCX_TRUSTED_NETWORK": "1"}
-ENVS = {"tcp": {"PDLINK_TRANSPORT": "tcp"}, "cma": {}, "ucx": UCX_ENV}
+# auto with the trusted-network statement: the engine has ucx workers, but a tcp link without RDMA
+# is not a ucx link (ucx::isPathOf), so its kFlagUcx requests are refused (ucx::refused)
+UCX_AUTO_ENV = {"UCX_TLS": "tcp", "PDLINK_UCX_TRUSTED_NETWORK": "1"}
+ENVS = {"tcp": {"PDLINK_TRANSPORT": "tcp"}, "cma": {}, "ucx": UCX_ENV, "ucx-auto": UCX_AUTO_ENV}
 
 
 def _ucx_loads() -> bool:
@@ -63,7 +66,7 @@ def _ucx_loads() -> bool:
 @pytest.mark.parametrize("secret", ["", "s3cret"], ids=["open", "secret"])
 def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer], kind: str,
                                                        secret: str) -> None:
-    if kind == "ucx" and not _ucx_loads():
+    if kind.startswith("ucx") and not _ucx_loads():
         pytest.skip("needs UCX (pip install \".[ucx]\")")
     same_host = kind == "cma"
     env = ENVS[kind]
