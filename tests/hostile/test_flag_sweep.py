@@ -21,7 +21,7 @@ import pytest
 import rawwire
 from pdlink import LLMStatusCode as S
 from peer import Peer
-from peers import flagsweep, hostile, kv, native, overlaps, spans
+from peers import flagsweep, hostile, kv, native, overlaps
 from verify import assert_same
 
 VICTIM, HONEST = 1, 2

@@ -14,7 +14,6 @@ same table.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 
 import pytest

@@ -7,14 +7,13 @@ call.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
 
 import rawwire
 from peers.hostile import ATTACKER_IP, _words
-
-import ctypes
 
 NO_ANSWER = {rawwire.OP_COMMIT, rawwire.OP_RELEASE}
 

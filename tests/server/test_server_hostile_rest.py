@@ -86,7 +86,6 @@ VALID = {"local": {"server_ip": "127.0.0.1", "device": [{"device_logical_id": "0
 
 def test_the_role_table_maps_each_rest_name_to_its_engine_role() -> None:
     from llm_datadist import LLMRole
-
     from pdlink.native import core
 
     assert {r.name: r.engine_role for r in ROLES.values()} == {"prefill": "PROMPT", "decode": "DECODER",
@@ -156,7 +155,8 @@ PULL_GARBAGE = [
     b'{"target": 1e400}', b'{"target": 7.0}', b'{"target": -1}',
     b'{"target": true}', b'{"target": null}', b'{"target": [7]}', b'{"target": {"a": 7}}',
     b'{"target": 18446744073709551615}', b'{"target": 18446744073709551616}', b'{"target": 1' + b"0" * 4000 + b"}",
-    b'{"Target": 7}', b'{"target": 7, "target": "x"}', b"\xef\xbb\xbf{\"target\": 7}", '{"target": 7}'.encode("utf-16"), b"\xff", b'{"target": "\\ud800"}', b"[" * 3000 + b"]" * 1000, b'{"target":' * 2000,
+    b'{"Target": 7}', b'{"target": 7, "target": "x"}', b"\xef\xbb\xbf{\"target\": 7}", '{"target": 7}'.encode("utf-16"),
+    b"\xff", b'{"target": "\\ud800"}', b"[" * 3000 + b"]" * 1000, b'{"target":' * 2000,
     b" " * 5000,
 ]
 
