@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import rawwire
+from conftest import UCX_WHY_NOT, require_for_ucx
 from pdlink import LLMStatusCode as S
 from peer import Peer
 from peers import flagsweep, hostile, kv, native, overlaps
@@ -56,18 +58,13 @@ UCX_AUTO_ENV = {"UCX_TLS": "tcp", "PDLINK_UCX_TRUSTED_NETWORK": "1"}
 ENVS = {"tcp": {"PDLINK_TRANSPORT": "tcp"}, "cma": {}, "ucx": UCX_ENV, "ucx-auto": UCX_AUTO_ENV}
 
 
-def _ucx_loads() -> bool:
-    from pdlink.native import core
-
-    return bool(core().ucx_info()["loaded"])
-
 
 @pytest.mark.parametrize("kind", sorted(ENVS))
 @pytest.mark.parametrize("secret", ["", "s3cret"], ids=["open", "secret"])
 def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer], kind: str,
                                                        secret: str) -> None:
-    if kind.startswith("ucx") and not _ucx_loads():
-        pytest.skip("needs UCX (pip install \".[ucx]\")")
+    if kind.startswith("ucx"):
+        require_for_ucx(UCX_WHY_NOT)  # a failure under PDLINK_REQUIRE_UCX=1 (.ci/ucx.sh)
     same_host = kind == "cma"
     env = ENVS[kind]
     victim = peers("victim", env=env)
@@ -84,7 +81,8 @@ def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer
         h.sock.close()
         assert h.result is not None and h.result.redirect, h.message
         unix = h.result.redirect
-    results = attacker.call_within(600, flagsweep.sweep, port, frames(base, current), secret.encode(), unix)
+    results: dict[tuple[int, int], Any] = attacker.call_within(
+        600, flagsweep.sweep, port, frames(base, current), secret.encode(), unix)
 
     bad = []
     for (op, flags), got in sorted(results.items()):

@@ -39,7 +39,7 @@ def local_covers(ranges: list[tuple[int, int]]) -> bool:
 
 
 def local_table() -> list[tuple[int, int]]:
-    return [tuple(r) for r in native._engine().local_memory().ranges]
+    return [(int(a), int(n)) for a, n in native._engine().local_memory().ranges]
 
 
 def remote_covers(peer: int, ranges: list[tuple[int, int]]) -> bool:

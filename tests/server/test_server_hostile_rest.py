@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.parse
+from typing import Any
 
 import pytest
 
@@ -80,8 +81,9 @@ def app():
     decoder.close()
 
 
-VALID = {"local": {"server_ip": "127.0.0.1", "device": [{"device_logical_id": "0", "device_ip": "127.0.0.1"}]},
-         "peers": [{"server_ip": "127.0.0.2", "device": [{"device_logical_id": "0", "device_ip": "127.0.0.2"}]}]}
+VALID: dict[str, Any] = {
+    "local": {"server_ip": "127.0.0.1", "device": [{"device_logical_id": "0", "device_ip": "127.0.0.1"}]},
+    "peers": [{"server_ip": "127.0.0.2", "device": [{"device_logical_id": "0", "device_ip": "127.0.0.2"}]}]}
 
 
 def test_the_role_table_maps_each_rest_name_to_its_engine_role() -> None:
