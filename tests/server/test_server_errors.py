@@ -13,6 +13,7 @@ from internals import DEFAULT_CONFIG_JSON
 from pdlink.server import config as C
 from pdlink.server.errors import HTTP_STATUS_OF_CODE, http_status
 from pdlink.status import LLMException, LLMStatusCode
+from server_util import asgi_post
 from where import REPO
 
 DOCS = REPO / "docs" / "server.md"
@@ -65,25 +66,6 @@ class _Node:
         raise self.error
 
 
-async def _post(app, path: str, body: bytes) -> tuple[int, dict]:
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
-             "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
-
-
 def _pull(error: BaseException, body: bytes = b'{"target": 7}') -> tuple[int, dict]:
     pytest.importorskip("starlette")
     from pdlink.server.app import build_apps
@@ -92,7 +74,7 @@ def _pull(error: BaseException, body: bytes = b'{"target": 7}') -> tuple[int, di
     raw.setdefault("KvTransferConfig", {})["testKv"] = {"enabled": True}
     settings = C.parse(raw, C.EMBEDDED, None, {})
     app = build_apps(settings, _Node(error), None, None)[0]  # type: ignore[arg-type]
-    return asyncio.run(_post(app, "/v1/pdlink/test/kv/pull", body))
+    return asyncio.run(asgi_post(app, "/v1/pdlink/test/kv/pull", body))
 
 
 @pytest.mark.parametrize("code", [LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_TIMEOUT,

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.parse
 from typing import Any
 
 import pytest
 
 from internals import DEFAULT_CONFIG_JSON
+from server_util import asgi_post
 
 pytest.importorskip("starlette")
 
@@ -45,27 +45,6 @@ class SpyNode:
 class Metrics:
     def role_request(self, code: int) -> None:
         pass
-
-
-async def _post(app, path: str, body: bytes, ctype: bytes = b"application/json") -> tuple[int, dict]:
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    raw = path.encode("utf-8", "surrogateescape")
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "path": urllib.parse.unquote(path), "raw_path": raw, "query_string": b"", "root_path": "",
-             "scheme": "http", "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], json.loads(data) if data else {}
 
 
 @pytest.fixture
@@ -106,7 +85,7 @@ NEAR_MISSES = ["Prefill", "PREFILL", "prefill ", " prefill", "prefill%00", "pref
 @pytest.mark.parametrize("name", NEAR_MISSES)
 def test_a_role_name_that_is_not_exactly_one_of_the_table_is_404_and_changes_nothing(app, name: str) -> None:
     application, node = app
-    status, doc = asyncio.run(_post(application, f"/v1/role/{name}", json.dumps(VALID).encode()))
+    status, doc = asyncio.run(asgi_post(application, f"/v1/role/{name}", json.dumps(VALID).encode()))
     assert status in (404, 405), (name, status, doc)
     assert node.calls == []
 
@@ -114,7 +93,7 @@ def test_a_role_name_that_is_not_exactly_one_of_the_table_is_404_and_changes_not
 @pytest.mark.parametrize("name", sorted(ROLES))
 def test_an_honest_post_reaches_the_node(app, name: str) -> None:
     application, node = app
-    status, doc = asyncio.run(_post(application, f"/v1/role/{name}", json.dumps(VALID).encode()))
+    status, doc = asyncio.run(asgi_post(application, f"/v1/role/{name}", json.dumps(VALID).encode()))
     assert status == 200, doc
     assert [c[0] for c in node.calls] == ["accept"] and node.calls[0][1].role == name
 
@@ -146,7 +125,7 @@ GARBAGE = [
 def test_a_garbage_role_body_gets_a_4xx_and_changes_nothing(app, role: str) -> None:
     application, node = app
     for body in GARBAGE:
-        status, doc = asyncio.run(_post(application, f"/v1/role/{role}", body))
+        status, doc = asyncio.run(asgi_post(application, f"/v1/role/{role}", body))
         assert 400 <= status < 500, (body[:80], status, doc)
         assert set(doc) == {"error", "error_type"}, doc
     assert node.calls == []
@@ -166,12 +145,12 @@ PULL_GARBAGE = [
 def test_a_garbage_pull_body_gets_a_4xx_and_never_pulls(app) -> None:
     application, node = app
     for body in PULL_GARBAGE:
-        status, doc = asyncio.run(_post(application, "/v1/pdlink/test/kv/pull", body))
+        status, doc = asyncio.run(asgi_post(application, "/v1/pdlink/test/kv/pull", body))
         assert 400 <= status < 500, (body[:80], status, doc)
         assert set(doc) == {"error", "error_type"}, doc
     for ctype in (b"text/plain", b"application/jsonx", b"", b"application/json\x00"):
-        status, _ = asyncio.run(_post(application, "/v1/pdlink/test/kv/pull", b'{"target": 7}', ctype))
+        status, _ = asyncio.run(asgi_post(application, "/v1/pdlink/test/kv/pull", b'{"target": 7}', ctype))
         assert status == 400, ctype
     assert node.calls == []
-    status, doc = asyncio.run(_post(application, "/v1/pdlink/test/kv/pull", b'{"target": 7}'))
+    status, doc = asyncio.run(asgi_post(application, "/v1/pdlink/test/kv/pull", b'{"target": 7}'))
     assert status == 200 and node.calls == [("test_pull", 7)], doc
