@@ -150,14 +150,15 @@ Status Process::copyRange(bool write, const std::vector<iovec>& local, const std
   return Status::OK();
 }
 
-Status Process::copyChecked(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote) const {
+Status Process::copyChecked(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote,
+                            bool ordered) const {
   PDLINK_RETURN_IF_ERROR(alive());
   size_t total = 0;
   for (const iovec& v : local) total += v.iov_len;
   Status st;
   // A large copy is split between this thread and a helper: the kernel copies page by page on
   // the calling CPU, so one thread leaves memory bandwidth unused (measured: bench/).
-  if (total < kSplitBytes || local.size() < 2) {
+  if (ordered || total < kSplitBytes || local.size() < 2) {
     st = copyRange(write, local, remote, 0, local.size());
   } else {
     size_t half = 0, acc = 0;
@@ -183,14 +184,16 @@ Result<uint64_t> Process::readThenWord(std::vector<iovec>& local, std::vector<io
   if (local.size() != remote.size()) return Status(Code::kParamInvalid, "direct copy: range lists differ");
   size_t total = 0;
   for (const iovec& v : local) total += v.iov_len;
-  if (total >= kSplitBytes && local.size() >= 2) {  // split: no order between the halves and a word
+  if (total >= kSplitBytes) {  // may be split between two threads: the word only after both halves
     PDLINK_RETURN_IF_ERROR(copyChecked(false, local, remote));
     return readWord(word_addr);
   }
   uint64_t word = 0;
   local.push_back({&word, sizeof(word)});
   remote.push_back({reinterpret_cast<void*>(word_addr), sizeof(word)});
-  Status st = copyChecked(false, local, remote);  // one thread: the copies happen in order
+  // One ordered copy, so the word is read after every byte (appended, it makes one more range, which
+  // copyChecked must not hand to a second thread).
+  Status st = copyChecked(false, local, remote, /*ordered=*/true);
   local.pop_back();
   remote.pop_back();
   if (!st.ok()) return st;

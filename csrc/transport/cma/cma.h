@@ -69,7 +69,9 @@ class Process {
   Status alive() const;
   Status copyRange(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote, size_t begin,
                    size_t end) const;
-  Status copyChecked(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote) const;
+  // `ordered`: in one thread, so the ranges are copied in their order (never split between threads).
+  Status copyChecked(bool write, const std::vector<iovec>& local, const std::vector<iovec>& remote,
+                     bool ordered = false) const;
 
   const pid_t pid_;
   const int pidfd_;
