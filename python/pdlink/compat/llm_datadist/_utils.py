@@ -73,9 +73,11 @@ INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1  # the top of the uint64 range check_uint64 accepts
 
 
+@functools.cache
 def invalid_id() -> int:
     """The marker for "no id" (default prefix_id, padding req_id): the native module's
-    ``INVALID_ID``, loaded on first use. ``INVALID_ID`` (module attribute) reads it too."""
+    ``INVALID_ID``, read once, on first use (every CacheKey asks). ``INVALID_ID`` (module
+    attribute) reads it too."""
     from ...native import core
 
     return int(core().INVALID_ID)
