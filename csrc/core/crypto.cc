@@ -4,6 +4,10 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <optional>
+#include <string>
+
+#include "core/environment.h"
 
 namespace pdlink {
 
@@ -44,7 +48,8 @@ struct Api {
 const Api& api() {
   static Api* a = [] {
     auto* out = new Api;
-    const char* forced = std::getenv("PDLINK_LIBCRYPTO");
+    const std::optional<std::string> forced_name = environment::read(environment::kLibcrypto);
+    const char* forced = forced_name ? forced_name->c_str() : nullptr;
     const char* names[] = {"libcrypto.so.3", "libcrypto.so"};
     void* lib = nullptr;
     std::string tried;

@@ -8,13 +8,13 @@
 #include <ctime>
 #include <string>
 
+#include "core/environment.h"
+
 namespace pdlink {
 namespace {
 
 LogLevel levelFromEnv() {
-  const char* v = std::getenv("PDLINK_LOG_LEVEL");
-  if (v == nullptr) return LogLevel::kWarn;
-  std::string s(v);
+  std::string s = environment::read(environment::kLogLevel).value_or("");
   if (s == "error") return LogLevel::kError;
   if (s == "info") return LogLevel::kInfo;
   if (s == "debug") return LogLevel::kDebug;

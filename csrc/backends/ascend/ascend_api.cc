@@ -8,6 +8,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "core/environment.h"
 #include "core/log.h"
 
 namespace pdlink::ascend {
@@ -25,7 +26,7 @@ std::string envOr(const char* name) {
 
 // Where libascendcl.so is: a directory, "" for the default loader path, or an error.
 Result<std::string> findLibraryDir(std::vector<std::string>* searched) {
-  std::string explicit_dir = envOr("PDLINK_ASCEND_LIB_DIR");
+  std::string explicit_dir = environment::read(environment::kAscendLibDir).value_or("");
   if (!explicit_dir.empty()) {
     searched->push_back(explicit_dir);
     if (isFile(explicit_dir + "/libascendcl.so")) return explicit_dir;

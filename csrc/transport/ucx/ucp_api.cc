@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include "core/environment.h"
+
 namespace pdlink::ucx {
 namespace {
 
@@ -38,7 +40,8 @@ void bind(void* lib, const char* name, F* slot, std::vector<std::string>* missin
 }
 
 Result<const UcpApi*> loadOnce() {
-  const char* env = std::getenv("PDLINK_UCX_LIB_DIR");
+  const std::optional<std::string> dir = environment::read(environment::kUcxLibDir);
+  const char* env = dir ? dir->c_str() : nullptr;
   std::vector<std::string> candidates;  // paths for dlopen; a bare soname searches the loader path
   if (env != nullptr && *env != '\0') {
     std::string path = std::string(env) + "/" + kSoname;

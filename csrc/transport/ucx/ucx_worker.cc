@@ -9,6 +9,8 @@
 #include <set>
 #include <vector>
 
+#include "core/environment.h"
+
 namespace pdlink::ucx {
 namespace {
 
@@ -80,7 +82,8 @@ bool anyLaneOf(const std::vector<std::string>& lanes, const std::vector<std::str
 }
 
 bool autoPicksUcx(const std::vector<std::string>& network_lanes) {
-  return anyLaneOf(network_lanes, autoFamilies(std::getenv("PDLINK_UCX_AUTO_TRANSPORTS")));
+  const std::optional<std::string> setting = environment::read(environment::kUcxAutoTransports);
+  return anyLaneOf(network_lanes, autoFamilies(setting ? setting->c_str() : nullptr));
 }
 
 // ------------------------------------------------------------------------------ worker addresses
