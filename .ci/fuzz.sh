@@ -9,10 +9,12 @@
 # model of UCX's own reader), and those get a run of their own, FUZZ_UCX_SECONDS (default 30), from
 # their seeds alone.
 #
-# Then, to show the fuzzer finds what it is there to find, it builds the target three more times,
-# each with one deliberate bug compiled in (core/seeded_bug.h: an unbounded reserve, an unchecked
-# flag, an unchecked reply span), and fails unless each is found within FUZZ_SEEDED_SECONDS
-# (default 60). FUZZ_SEEDED=0 skips that part.
+# Then, to show the fuzzer finds what it is there to find, it runs three more targets of the same
+# build, each with one deliberate bug compiled in (core/seeded_bug.h: an unbounded reserve, an
+# unchecked flag, an unchecked reply span), and fails unless each is found within
+# FUZZ_SEEDED_SECONDS (default 60). FUZZ_SEEDED=0 skips that part. The core is compiled once for all
+# four targets and the seed generator; only the sources that include seeded_bug.h are compiled per
+# target (CMakeLists.txt).
 # Installs clang and its runtime libraries with apt-get when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,15 +32,12 @@ step "fuzz: toolchain"
 apt_install clang libclang-rt-dev
 tools_venv
 
-# build DIR TARGETS [CMAKE ARGS...]: those targets (wire_fuzz, the fuzz target; make_seeds, the seed
-# generator). Each compiles the whole core, so the seeded builds make only wire_fuzz: the seeds do
-# not depend on the seeded bug, and every run takes them from the main build's make_seeds.
+# build TARGETS...: those targets of the fuzz build ($dir/build): wire_fuzz, the fuzz target;
+# wire_fuzz_<bug>, the seeded ones; make_seeds, the seed generator.
 build() {
-  local out=$1 targets=$2
-  shift 2
-  CC=clang CXX=clang++ configure "$out" -DPDLINK_BUILD_FUZZ=ON "$@"
-  # shellcheck disable=SC2086
-  cmake --build "$out" --target $targets >"$out.log" 2>&1 || { tail -n 60 "$out.log"; exit 1; }
+  local out="$dir/build"
+  [ -f "$out/build.ninja" ] || CC=clang CXX=clang++ configure "$out" -DPDLINK_BUILD_FUZZ=ON
+  cmake --build "$out" --target "$@" >>"$out.log" 2>&1 || { tail -n 60 "$out.log"; exit 1; }
 }
 
 # fuzz BINARY SECONDS WORKDIR [SEED GLOB]: runs it on fresh seeds (those matching the glob, default
@@ -56,7 +55,8 @@ fuzz() {
 }
 
 step "fuzz: build wire_fuzz (clang, -fsanitize=fuzzer,address,undefined)"
-build "$dir/build" "wire_fuzz make_seeds"
+rm -rf "$dir/build" "$dir/build.log"
+build wire_fuzz make_seeds
 
 # report WORKDIR: the run's figures; on a finding, the log tail and the inputs, and exit 1.
 report() {
@@ -88,9 +88,9 @@ report "$dir/run-ucx-address"
 missed=0
 for kind in reserve flag offset; do
   step "fuzz: seeded bug '$kind' must be found within ${FUZZ_SEEDED_SECONDS} s"
-  build "$dir/seeded-$kind" wire_fuzz -DPDLINK_FUZZ_SEEDED_BUG="$kind"
+  build "wire_fuzz_$kind"
   start=$SECONDS
-  fuzz "$dir/seeded-$kind/wire_fuzz" "$FUZZ_SEEDED_SECONDS" "$dir/seeded-$kind-run"
+  fuzz "$dir/build/wire_fuzz_$kind" "$FUZZ_SEEDED_SECONDS" "$dir/seeded-$kind-run"
   took=$((SECONDS - start))
   what=$(grep -m1 -E 'ERROR: libFuzzer|ERROR: AddressSanitizer|runtime error|invariant violated|wire_fuzz: ' \
     "$dir/seeded-$kind-run/fuzz.log" || true)

@@ -1,8 +1,9 @@
 // Deliberate bugs, to show that the fuzzer finds each kind (docs/reliability.md, "Fuzzing").
 //
-// Compiled in only by a fuzz build configured with -DPDLINK_FUZZ_SEEDED_BUG=<kind> (.ci/fuzz.sh
-// --seeded <kind>); every other build has PDLINK_SEEDED_BUG 0, and `bug()` is then a constant false
-// the compiler removes. Never enable one outside a fuzz build.
+// Compiled in only by the fuzz build's seeded targets (wire_fuzz_reserve, wire_fuzz_flag,
+// wire_fuzz_offset: CMakeLists.txt compiles the sources that include this header once per target
+// with PDLINK_SEEDED_BUG set; .ci/fuzz.sh runs them); every other build has PDLINK_SEEDED_BUG 0, and
+// `bug()` is then a constant false the compiler removes. Never enable one outside a fuzz build.
 #pragma once
 
 #ifndef PDLINK_SEEDED_BUG
