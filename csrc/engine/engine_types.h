@@ -58,7 +58,7 @@ struct EngineLimits {
   uint32_t max_notifications_per_link = 4096;
   uint64_t max_notification_bytes = uint64_t{16} << 20;
   uint64_t max_notification_bytes_per_link = uint64_t{1} << 20;  // of those, from one peer
-  // and from all the links of one source (an IP address, or a local uid: Engine::sourceOf).
+  // and from all the links of one source (an IP address, or a local uid: LinkManager::sourceOf).
   uint64_t max_notification_bytes_per_source = uint64_t{4} << 20;
 
   // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and

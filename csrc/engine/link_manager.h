@@ -4,7 +4,7 @@
 // attempts in flight and the nonces being dialled; the listeners (listen address, link()'s
 // rendezvous endpoint, the same-host AF_UNIX socket) and the acceptor they share; the handshake
 // slots (EngineLimits::max_handshakes, _per_source) and the incoming links waiting for their
-// REVERSE channel. It dials (link, linking.cc's half of the handshake through
+// REVERSE channel. It dials (link; the dialler's half of the handshake is
 // detail::helloExchange), accepts (handleIncoming: the acceptor's half, engine/handshake.cc),
 // unlinks, probes links, chooses each new link's transport and paths, and sets up a link's device
 // channel for this side's requests. It does not serve a link: a link it installs is handed to the
