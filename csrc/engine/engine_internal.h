@@ -1,6 +1,7 @@
 // Internal helpers shared by the engine's source files (engine.cc, link_manager.cc, handshake.cc,
-// request_server.cc, notify.cc, transfers.cc). Not part of the engine's interface; outside csrc/engine only the fuzz target
-// includes it (it drives the engine's own serving loop and handshake).
+// request_server.cc, notify.cc, transfers.cc). Not part of the engine's interface; outside
+// csrc/engine only the fuzz target includes it (it drives the engine's own serving loop and
+// handshake).
 #pragma once
 
 #include <cstddef>
