@@ -1,9 +1,9 @@
 // Limits: the bounds on what one peer can make this process spend, in one table.
 //
 // Every count or size a peer sends is checked against these before anything is allocated for it
-// (transport/wire.h decoders, Engine::admit). Both ends of a link apply the same table: a
+// (transport/wire.h decoders, RequestServer::admit). Both ends of a link apply the same table: a
 // requester splits a transfer that would exceed a per-request bound into several requests
-// (Engine::plan), so honest callers never meet them; a server refuses a request that exceeds one.
+// (Transfers::plan), so honest callers never meet them; a server refuses a request that exceeds one.
 // The binding exposes the table once (pdlink._core.LIMITS); Python never re-types a value.
 #pragma once
 

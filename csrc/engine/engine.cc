@@ -1,6 +1,7 @@
-// Engine lifecycle, threads, listeners and roles, and the cache registry calls.
-// Links and their handshake are in linking.cc and handshake.cc, serving and transfers in data_path.cc
-// (the data paths themselves under transport/, transport/path.h).
+// The Engine facade (engine/engine.h): lifecycle (initialize and finalize, which order the parts'
+// steps), stats, the cache registry calls and local copies; everything else is handed to the link
+// manager (link_manager.cc, handshake.cc), the request server (request_server.cc, notify.cc) or
+// transfers (transfers.cc).
 #include "engine/engine.h"
 
 #include <sys/resource.h>
@@ -16,43 +17,28 @@ namespace pdlink {
 
 using namespace detail;  // NOLINT: this file is part of the engine
 
-namespace {
-bool hasFeature(const Capabilities& c, const char* name) {
-  auto it = c.features.find(name);
-  return it != c.features.end() && it->second;
-}
-}  // namespace
-
 Engine::Engine(std::shared_ptr<Backend> backend) : Engine(backend, backend->capabilities()) {}
 
 Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
-    : backend_(std::move(backend)),
-      device_transport_(caps.device_transport),
-      ipc_(caps.device_transport && hasFeature(caps, "ipc")),
-      one_sided_(caps.device_transport && hasFeature(caps, "one_sided")),
-      paths_(*backend_, BackendOffer{device_transport_, ipc_, one_sided_}),
-      staged_path_(std::make_unique<StreamPath>(false, backend_.get())) {}
+    : state_(std::move(backend), caps),
+      link_manager_(state_, [this](const std::shared_ptr<Link>& link) { server_.serve(link); }),
+      server_(state_, link_manager_),
+      transfers_(state_, link_manager_) {}
 
 Engine::~Engine() { finalize(); }
 
-bool Engine::initialized() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return initialized_;
-}
+bool Engine::initialized() const { return state_.isInitialized(); }
 
 Role Engine::role() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return role_;
+  std::lock_guard<std::mutex> lock(state_.mu);
+  return state_.role;
 }
 
-uint16_t Engine::listenPort() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return listener_ ? listener_->port() : 0;
-}
+uint16_t Engine::listenPort() const { return link_manager_.listenPort(); }
 
 Status Engine::initialize(const EngineConfig& config) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (initialized_) return Status::OK();
+  std::lock_guard<std::mutex> lock(state_.mu);
+  if (state_.initialized) return Status::OK();
   if (config.sync_timeout_ms <= 0) return Status(Code::kParamInvalid, "sync timeout must be > 0 ms");
   if (config.payload_integrity && config.link_secret.empty()) {
     return Status(Code::kParamInvalid, "payload integrity needs a link secret (pdlink.LinkSecret)");
@@ -77,149 +63,83 @@ Status Engine::initialize(const EngineConfig& config) {
       return opened.status();
     }
   }
-  config_ = config;
-  links_.setOneWay(config.one_way_links);
+  state_.config = config;
+  link_manager_.setOneWayLocked(config.one_way_links);
   if (config.device_pool.bytes > 0) {
-    auto pool = MemPool::create(backend_, Placement::kDevice, config.device_pool.bytes, config.device_pool.page_shift);
+    auto pool =
+        MemPool::create(state_.backend, Placement::kDevice, config.device_pool.bytes, config.device_pool.page_shift);
     if (!pool.ok()) return pool.status();
-    device_pool_ = pool.value();
+    state_.device_pool = pool.value();
   }
   if (config.host_pool.bytes > 0) {
-    auto pool = MemPool::create(backend_, Placement::kHost, config.host_pool.bytes, config.host_pool.page_shift);
+    auto pool = MemPool::create(state_.backend, Placement::kHost, config.host_pool.bytes, config.host_pool.page_shift);
     if (!pool.ok()) {
-      device_pool_.reset();
+      state_.device_pool.reset();
       return pool.status();
     }
-    host_pool_ = pool.value();
+    state_.host_pool = pool.value();
   }
   if (!config.listen_ip.empty()) {
-    auto l = startListener(config.listen_ip, config.listen_port);
-    if (!l.ok()) {
-      device_pool_.reset();
-      host_pool_.reset();
-      return l.status();
-    }
-    listener_ = std::move(l.value());
-  }
-  hint_ = localHint();
-  if (config.transport != Transport::kTcp) {
-    std::string name;
-    auto u = startUnixListener(&name);
-    if (u.ok()) {
-      unix_listener_ = std::move(u.value());
-      unix_name_ = name;
-    } else {
-      PDLINK_LOG(kWarn, "no same-host socket (" << u.status().message() << "); links to this engine use tcp");
+    Status listening = link_manager_.listenLocked(config.listen_ip, config.listen_port);
+    if (!listening.ok()) {
+      state_.device_pool.reset();
+      state_.host_pool.reset();
+      return listening;
     }
   }
+  state_.hint = localHint();
+  if (config.transport != Transport::kTcp) link_manager_.listenUnixLocked();
   if (hub) {
-    ucx_hub_ = std::move(hub);
-    paths_.setServer(wire::kFlagUcx, std::make_unique<UcxServer>(ucx_hub_));
+    state_.ucx_hub = std::move(hub);
+    state_.paths.setServer(wire::kFlagUcx, std::make_unique<UcxServer>(state_.ucx_hub));
   }
-  role_ = config.role;
-  stopping_ = false;
-  initialized_ = true;
-  PDLINK_LOG(kInfo, "engine " << config.cluster_id << " initialised on backend " << backend_->name()
-                              << (listener_ ? ", listening on port " + std::to_string(listener_->port()) : ""));
+  state_.role = config.role;
+  state_.stopping = false;
+  state_.initialized = true;
+  PDLINK_LOG(kInfo, "engine " << config.cluster_id << " initialised on backend " << state_.backend->name()
+                              << (link_manager_.listeningLocked()
+                                      ? ", listening on port " + std::to_string(link_manager_.listenPortLocked())
+                                      : ""));
   return Status::OK();
 }
 
 void Engine::finalize() {
   std::vector<std::shared_ptr<Link>> links;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!initialized_) return;
-    stopping_ = true;
-    links = links_.removeAll();
+    std::lock_guard<std::mutex> lock(state_.mu);
+    if (!state_.initialized) return;
+    state_.stopping = true;
+    links = link_manager_.takeAllLocked();
   }
-  stopListeners();
-  for (auto& link : links) {
-    if (!link->broken()) {
-      std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
-      if (out.owns_lock()) {  // tell the peer, best effort, without waiting on a busy link
-        wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
-        std::string frame = wire::encode(h);
-        (void)link->out().sendFrame(frame, Deadline::afterMs(200));
-      }
-    }
-    link->breakLink("engine finalized");
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (Socket* s : handshaking_) s->shutdown();
-  }
-  pending_cv_.notify_all();
-  {
-    std::unique_lock<std::mutex> lock(threads_->mu);
-    threads_->cv.wait(lock, [&] { return threads_->running == 0; });
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  pending_.clear();
-  registry_.clear();
-  {
-    std::lock_guard<std::mutex> inbox(notify_mu_);  // unread notifications go with the links
-    inbox_ = Inbox{};
-  }
-  device_pool_.reset();
-  host_pool_.reset();
-  paths_.setServer(wire::kFlagUcx, nullptr);
-  ucx_hub_.reset();  // the workers go with the last link that still holds them
-  initialized_ = false;
-  stopping_ = false;
-}
-
-// ---------------------------------------------------------------- threads
-
-void Engine::spawn(std::function<void()> fn) {
-  // Detached: a thread that ends frees its stack at once, with nobody to join it. `threads_`
-  // counts the running ones so that finalize can wait for them; a thread's last act is the
-  // decrement, and the counter it then touches it co-owns, so the engine may go right after.
-  std::shared_ptr<Threads> t = threads_;
-  {
-    std::lock_guard<std::mutex> lock(t->mu);
-    ++t->running;
-  }
-  try {
-    std::thread([t, fn = std::move(fn)]() mutable {
-      fn();
-      fn = nullptr;  // what it captured (a link, a socket) goes before the count does
-      std::lock_guard<std::mutex> lock(t->mu);
-      if (--t->running == 0) t->cv.notify_all();
-    }).detach();
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(t->mu);
-    if (--t->running == 0) t->cv.notify_all();
-    throw;
-  }
+  link_manager_.stopListeners();
+  LinkManager::closeAll(links);
+  link_manager_.shutdownHandshakes();
+  state_.waitThreads();
+  std::lock_guard<std::mutex> lock(state_.mu);
+  link_manager_.clearPendingLocked();
+  state_.registry.clear();
+  server_.clearNotifications();  // unread notifications go with the links
+  state_.device_pool.reset();
+  state_.host_pool.reset();
+  state_.paths.setServer(wire::kFlagUcx, nullptr);
+  state_.ucx_hub.reset();  // the workers go with the last link that still holds them
+  state_.initialized = false;
+  state_.stopping = false;
 }
 
 EngineStats Engine::stats() const {
   EngineStats s;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    s.live_links = links_.live();
-    s.tombstones = links_.tombstones();
-    s.handshakes = slots_.total;
-    s.handshakes_evicted = slots_.evicted;
-    for (const Listener* l : {listener_.get(), comm_listener_.get(), unix_listener_.get()}) {
-      if (l) s.listener_backoffs += l->backoffs();
-    }
+    std::lock_guard<std::mutex> lock(state_.mu);
+    link_manager_.addStatsLocked(&s);
   }
-  s.handshakes_refused = handshakes_refused_.load();
-  s.pins_expired = pins_expired_.load();
-  {
-    std::lock_guard<std::mutex> lock(notify_mu_);
-    s.notifications = inbox_.queue.size();
-    s.notifications_refused = inbox_.refused;
-  }
-  {
-    std::lock_guard<std::mutex> lock(threads_->mu);
-    s.threads = threads_->running;
-  }
+  s.handshakes_refused = link_manager_.handshakesRefused();
+  server_.addStats(&s);
+  s.threads = state_.threadsRunning();
   return s;
 }
 
-// ---------------------------------------------------------------- listener and roles
+// ---------------------------------------------------------------- limits
 
 uint32_t EngineLimits::defaultMaxLinks() {
   rlimit fds{};
@@ -228,182 +148,57 @@ uint32_t EngineLimits::defaultMaxLinks() {
   return static_cast<uint32_t>(std::min<rlim_t>(512, (fds.rlim_cur - kReservedDescriptors) / kDescriptorsPerLink));
 }
 
-std::string Engine::sourceOf(const Socket& s) {
-  // A local peer is its user: every process of one uid shares one share, whichever way it comes
-  // (AF_UNIX, or TCP from a loopback address), so many processes or many loopback addresses gain
-  // an attacker nothing. A remote peer is its IP address.
-  if (s.isUnix()) {
-    auto cred = s.peerCredentials();
-    return cred.ok() ? "uid " + std::to_string(cred.value().uid) : s.peer();
-  }
-  auto uid = s.loopbackPeerUid();
-  if (uid.ok()) return "uid " + std::to_string(uid.value());
-  const std::string& p = s.peer();
-  return p.substr(0, p.rfind(':'));
-}
-
-void Engine::HandshakeSlot::release() {
-  if (!engine) return;
-  std::lock_guard<std::mutex> lock(engine->mu_);
-  engine->hearLocked(this);
-  if (evicted) {
-    --engine->slots_.evicting;  // its place was counted out when it was evicted
-  } else {
-    --engine->slots_.total;
-    auto it = engine->slots_.per_source.find(source);
-    if (it != engine->slots_.per_source.end() && --it->second == 0) engine->slots_.per_source.erase(it);
-  }
-  engine = nullptr;
-}
-
-void Engine::hearLocked(HandshakeSlot* slot) {
-  if (slot->silent < 0) return;
-  slots_.silent.erase(slot->arrival);
-  slot->silent = -1;
-}
-
-bool Engine::evictSilentLocked(const std::string& newcomer, bool same_source) {
-  // The oldest connection (of the newcomer's source, or of anyone) that has not sent its hello yet
-  // makes room: its place is the newcomer's at once. Its thread wakes from its read and ends; until it has,
-  // it counts as evicting, and at most kEvictingPerSlot x max_handshakes of those may be in flight.
-  if (slots_.evicting >= kEvictingPerSlot * size_t{config_.limits.max_handshakes}) return false;
-  for (auto it = slots_.silent.begin(); it != slots_.silent.end(); ++it) {
-    HandshakeSlot* victim = it->second;
-    if (same_source && victim->source != newcomer) continue;
-    // Wakes its thread's read; the descriptor stays open (and so is never another's) until that
-    // thread, which heard() first, closes it.
-    (void)::shutdown(victim->silent, SHUT_RDWR);
-    victim->silent = -1;
-    victim->evicted = true;
-    ++slots_.evicting;
-    ++slots_.evicted;
-    --slots_.total;
-    auto share = slots_.per_source.find(victim->source);
-    if (--share->second == 0 && victim->source != newcomer) slots_.per_source.erase(share);  // the caller holds its own
-    slots_.silent.erase(it);
-    return true;
-  }
-  return false;
-}
-
-Listener::AcceptFn Engine::acceptor() {
-  return [this](Socket s) {
-    // A handshake slot is taken here, on the listener's thread, before any thread is started: a
-    // flood from one source runs out of its own slots, not everyone's.
-    auto slot = std::make_shared<HandshakeSlot>();
-    const std::string source = sourceOf(s);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
-      const EngineLimits& lim = config_.limits;
-      size_t& mine = slots_.per_source[source];
-      // Full: a connection that speaks at once is not locked out by silent ones (evictSilentLocked).
-      const bool room = (mine < lim.max_handshakes_per_source || evictSilentLocked(source, true)) &&
-                        (slots_.total < lim.max_handshakes || evictSilentLocked(source, false));
-      if (!room) {
-        const size_t held = mine;  // read before the erase below frees it
-        if (held == 0) slots_.per_source.erase(source);
-        if (handshakes_refused_.fetch_add(1) % 1000 == 0) {  // one line per thousand, not one each
-          PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress ("
-                                                        << slots_.total << " in all, " << held << " from " << source
-                                                        << ")");
-        }
-        return;
-      }
-      ++mine;
-      ++slots_.total;
-      slot->engine = this;
-      slot->source = source;
-      slot->arrival = ++slots_.arrivals;
-      slot->silent = s.fd();  // evictable until its hello arrives (handleIncoming)
-      slots_.silent[slot->arrival] = slot.get();
-    }
-    auto holder = std::make_shared<Socket>(std::move(s));
-    try {
-      spawn([this, holder, slot] { handleIncoming(std::move(*holder), slot.get()); });
-    } catch (const std::exception& e) {  // no thread to be had: drop this connection, keep listening
-      PDLINK_LOG(kWarn, "dropping connection from " << holder->peer() << ": " << e.what());
-      slot->release();
-    }
-  };
-}
-
-Result<std::unique_ptr<Listener>> Engine::startListener(const std::string& ip, uint16_t port) {
-  return Listener::start(ip, port, acceptor());
-}
-
-Result<std::unique_ptr<Listener>> Engine::startUnixListener(std::string* name) {
-  uint8_t rnd[16];
-  randomBytes(rnd, sizeof(rnd));
-  static const char* hex = "0123456789abcdef";
-  *name = "pdlink-";
-  for (uint8_t b : rnd) {
-    name->push_back(hex[b >> 4]);
-    name->push_back(hex[b & 15]);
-  }
-  return Listener::startUnix(*name, acceptor());
-}
-
-void Engine::stopListeners() {
-  std::unique_ptr<Listener> a, b, c;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    a = std::move(listener_);
-    b = std::move(comm_listener_);
-    c = std::move(unix_listener_);
-    unix_name_.clear();
-  }
-  // Destroyed outside mu_: the accept callback takes it.
-}
+// ---------------------------------------------------------------- links, serving, transfers
 
 Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
-  std::unique_ptr<Listener> old, fresh;
-  bool keep = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!initialized_) return Status(Code::kFailed, "engine is not initialized");
-    if (config_.one_way_links) {
-      // As llm_datadist's hixl backend: the role is a label; links and listener stay as they are.
-      const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
-                                              (listen_port == listener_->port() || listen_port == 0));
-      if (!same) {
-        return Status(Code::kFeatureNotEnabled,
-                      "with one-way links switch_role cannot change the listen "
-                      "address; close the engine and open a new one");
-      }
-      role_ = role;
-      return Status::OK();
-    }
-    if (!links_.empty() || !linking_.empty()) {
-      std::string ids;
-      for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
-      return Status(Code::kExistLink,
-                    "cannot switch role while links exist (peer clusters: " + ids + "); disconnect them first");
-    }
-    keep = !listen_ip.empty() && listener_ && listen_ip == listener_->ip() &&
-           (listen_port == listener_->port() || listen_port == 0);
-    // The new address is bound before the old one is given up, so a failed switch changes
-    // nothing; only a move to the same port on another address must release the old one first.
-    if (!keep && !listen_ip.empty() && listener_ && listen_port == listener_->port()) old = std::move(listener_);
-  }
-  old.reset();  // joins the accept thread, outside mu_
-  if (!keep && !listen_ip.empty()) {
-    auto l = startListener(listen_ip, listen_port);
-    if (!l.ok()) return l.status();
-    fresh = std::move(l.value());
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!keep) {
-      old = std::move(listener_);
-      listener_ = std::move(fresh);
-    }
-    role_ = role;
-    PDLINK_LOG(kInfo, "engine " << config_.cluster_id << " switched to role " << static_cast<int>(role)
-                                << (listener_ ? ", listening on port " + std::to_string(listener_->port())
-                                              : ", not listening"));
-  }
-  return Status::OK();
+  return link_manager_.switchRole(role, listen_ip, listen_port);
+}
+
+std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
+                                 std::vector<uint64_t>* peer_ids) {
+  return link_manager_.link(peers, timeout_ms, peer_ids);
+}
+
+std::vector<Status> Engine::unlink(const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
+  return link_manager_.unlink(ids, timeout_ms, force);
+}
+
+std::vector<LinkInfo> Engine::links() const { return link_manager_.links(); }
+
+uint64_t Engine::linkedSince(uint64_t after, std::vector<uint64_t>* peers) const {
+  return link_manager_.linkedSince(after, peers);
+}
+
+Status Engine::ping(uint64_t cluster_id, int64_t timeout_ms) { return link_manager_.ping(cluster_id, timeout_ms); }
+
+Result<uint16_t> Engine::startCommListener(const std::string& ip, uint16_t port) {
+  return link_manager_.startCommListener(ip, port);
+}
+
+Status Engine::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state) {
+  return server_.serveStream(link, in, state);
+}
+
+Status Engine::notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms) {
+  return server_.notify(cluster_id, name, message, timeout_ms);
+}
+
+std::vector<Notification> Engine::takeNotifications() { return server_.takeNotifications(); }
+
+Result<wire::RawTable> Engine::describeMemory(uint64_t cluster_id, int64_t timeout_ms) {
+  return transfers_.describeMemory(cluster_id, timeout_ms);
+}
+
+Status Engine::pull(const TransferSpec& spec) { return transfers_.pull(spec); }
+Status Engine::push(const TransferSpec& spec) { return transfers_.push(spec); }
+
+Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& spec, uint64_t block_size,
+                                                          uint64_t remote_base, uint64_t remote_bytes) {
+  return transfers_.prepare(spec, block_size, remote_base, remote_bytes);
+}
+
+Status Engine::post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push) {
+  return transfers_.post(p, local, remote, n, is_push);
 }
 
 // ---------------------------------------------------------------- registry
@@ -427,15 +222,15 @@ Result<std::shared_ptr<CacheEntry>> Engine::registerCache(const CacheLayout& lay
   e.owned = false;
   e.remote_accessible = remote_accessible;
   e.blocks_model = blocks_model;
-  return registry_.add(std::move(e), keys);
+  return state_.registry.add(std::move(e), keys);
 }
 
 std::vector<Engine::PoolInfo> Engine::pools() const {
   std::vector<PoolInfo> out;
-  for (const auto& pool : {device_pool_, host_pool_}) {
+  for (const auto& pool : {state_.device_pool, state_.host_pool}) {
     if (pool)
-      out.push_back(
-          {pool == device_pool_ ? Placement::kDevice : Placement::kHost, pool->base(), pool->capacity(), pool->used()});
+      out.push_back({pool == state_.device_pool ? Placement::kDevice : Placement::kHost, pool->base(), pool->capacity(),
+                     pool->used()});
   }
   return out;
 }
@@ -444,7 +239,7 @@ Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& lay
                                                           const std::vector<RequestKey>& keys,
                                                           std::optional<uint64_t> blocks_model) {
   if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
-  std::shared_ptr<MemPool> pool = layout.placement == Placement::kDevice ? device_pool_ : host_pool_;
+  std::shared_ptr<MemPool> pool = layout.placement == Placement::kDevice ? state_.device_pool : state_.host_pool;
   if (!pool) {
     return Status(Code::kFeatureNotEnabled, std::string("no ") +
                                                 (layout.placement == Placement::kDevice ? "device" : "host") +
@@ -463,12 +258,12 @@ Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& lay
     if (!a.ok()) return a.status();  // ~CacheEntry returns what was taken so far
     e.addrs.push_back(a.value());
   }
-  return registry_.add(std::move(e), keys);
+  return state_.registry.add(std::move(e), keys);
 }
 
-Status Engine::deallocateCache(int64_t id, bool expect_blocks) { return registry_.deallocate(id, expect_blocks); }
-Status Engine::unregisterCache(int64_t id) { return registry_.unregister(id); }
-void Engine::removeCacheKey(const RequestKey& key) { registry_.removeKey(key); }
+Status Engine::deallocateCache(int64_t id, bool expect_blocks) { return state_.registry.deallocate(id, expect_blocks); }
+Status Engine::unregisterCache(int64_t id) { return state_.registry.unregister(id); }
+void Engine::removeCacheKey(const RequestKey& key) { state_.registry.removeKey(key); }
 
 Status Engine::copyLocal(const std::vector<uint64_t>& dst_addrs, Placement dst_placement,
                          const std::vector<uint64_t>& src_addrs, Placement src_placement,
@@ -476,9 +271,9 @@ Status Engine::copyLocal(const std::vector<uint64_t>& dst_addrs, Placement dst_p
   if (dst_addrs.size() != src_addrs.size()) return Status(Code::kParamInvalid, "tensor counts differ");
   for (size_t t = 0; t < dst_addrs.size(); ++t) {
     for (const CopyRun& r : runs) {
-      PDLINK_RETURN_IF_ERROR(backend_->copy(reinterpret_cast<void*>(dst_addrs[t] + r.dst_offset), dst_placement,
-                                            reinterpret_cast<const void*>(src_addrs[t] + r.src_offset), src_placement,
-                                            r.length));
+      PDLINK_RETURN_IF_ERROR(state_.backend->copy(reinterpret_cast<void*>(dst_addrs[t] + r.dst_offset), dst_placement,
+                                                  reinterpret_cast<const void*>(src_addrs[t] + r.src_offset),
+                                                  src_placement, r.length));
     }
   }
   return Status::OK();

@@ -1,6 +1,7 @@
-// Internal helpers shared by the engine's source files (engine.cc, linking.cc, handshake.cc,
-// data_path.cc). Not part of the engine's interface; outside csrc/engine only the fuzz target
-// includes it (it drives the engine's own serving loop and handshake).
+// Internal helpers shared by the engine's source files (engine.cc, link_manager.cc, handshake.cc,
+// request_server.cc, notify.cc, transfers.cc). Not part of the engine's interface; outside
+// csrc/engine only the fuzz target includes it (it drives the engine's own serving loop and
+// handshake).
 #pragma once
 
 #include <cstddef>
@@ -28,7 +29,7 @@ constexpr size_t kMaxPeersPerCall = 16;
 Status linkDown(const Link& link);
 Status linkDown(uint64_t peer, const std::string& reason);
 // A link another peer wants to take over is found dead only after pings sent with these waits
-// for an answer go unanswered (Engine::stillAlive): a window of kProbeWindowMs.
+// for an answer go unanswered (LinkManager::stillAlive): a window of kProbeWindowMs.
 constexpr int64_t kProbeWaitsMs[] = {500, 1000, 1500};
 constexpr int64_t kProbeWindowMs = 500 + 1000 + 1500;
 // Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.

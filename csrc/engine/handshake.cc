@@ -1,10 +1,12 @@
 // The handshake of a link's channels: transcripts, proofs, session keys and the dialler's half
-// (declared in engine/handshake.h; the acceptor's half is in linking.cc).
+// (declared in engine/handshake.h), and the acceptor's half (LinkManager::handleIncoming and its
+// steps, engine/link_manager.h).
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -13,6 +15,8 @@
 #include "core/log.h"
 #include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
+#include "engine/link_manager.h"
+#include "transport/cma/cma.h"
 
 namespace pdlink::detail {
 
@@ -210,3 +214,386 @@ Status versionMismatch(uint16_t peer_version) {
 }
 
 }  // namespace pdlink::detail
+
+// ---------------------------------------------------------------- the acceptor's half
+
+namespace pdlink {
+
+using namespace detail;  // NOLINT: this file is part of the engine
+
+// One incoming connection's handshake: what handleIncoming's steps read, decide and answer.
+struct LinkManager::Incoming {
+  Incoming(Socket& s, HandshakeSlot* sl, Deadline d) : sock(s), slot(sl), tracked(&s), deadline(d) {}
+  Socket& sock;  // handleIncoming's; moved out when the link is made
+  HandshakeSlot* slot;
+  Socket* tracked;  // the socket in handshaking_ (the parked forward channel, once parked)
+  const Deadline deadline;
+  const std::string from = sock.peer();
+  const bool local = sock.isUnix();
+  bool acked = false;  // once our HelloAck is out, a refusal is sent as an AuthResult
+  uint8_t buf[wire::kHelloBytes];
+  wire::Hello hello;
+  wire::ClientAuth client;
+  Transcript transcript;
+  wire::AuthResult ok;  // the verdict
+  Session session;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  std::shared_ptr<cma::Grant> grant;
+};
+
+void LinkManager::handleIncoming(Socket sock, HandshakeSlot* slot) {
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    if (s_.stopping) {
+      hearLocked(slot);
+      return;
+    }
+    handshaking_.insert(&sock);
+  }
+  // However this ends, the connection stops being evictable before its descriptor closes.
+  struct Heard {
+    LinkManager* e;
+    HandshakeSlot* slot;
+    ~Heard() {
+      std::lock_guard<std::mutex> lock(e->s_.mu);
+      e->hearLocked(slot);
+    }
+  } heard_at_exit{this, slot};
+  Incoming in(sock, slot, Deadline::afterMs(s_.config.limits.handshake_timeout_ms));
+  if (!readHello(in) || !authenticate(in) || !admitChannel(in)) return;
+  if (!sealVerdict(in)) return refuse(in, "cannot authenticate the link: libcrypto failed");
+  const std::string ok_frame = wire::encode(in.ok);
+  if (in.hello.channel == wire::Channel::kForward) return acceptForward(in, ok_frame);
+  acceptReverse(in, ok_frame);
+}
+
+void LinkManager::untrack(Incoming& in) {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  handshaking_.erase(in.tracked);
+}
+
+void LinkManager::heard(Incoming& in) {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  hearLocked(in.slot);
+}
+
+void LinkManager::refuse(Incoming& in, const std::string& why) {
+  PDLINK_LOG(kWarn, "refused link from " << in.from << ": " << why);
+  std::string frame;
+  if (in.acked) {
+    wire::AuthResult r;
+    r.status = static_cast<uint32_t>(Code::kLinkFailed);
+    r.message = why;
+    frame = wire::encode(r);
+  } else {
+    wire::HelloAck ack;
+    ack.status = static_cast<uint32_t>(Code::kLinkFailed);
+    ack.cluster_id = s_.config.cluster_id;
+    ack.message = why;
+    frame = wire::encode(ack);
+  }
+  (void)in.tracked->sendAll(frame.data(), frame.size(), Deadline::afterMs(200));
+  untrack(in);
+}
+
+bool LinkManager::readHello(Incoming& in) {
+  // A dialler sends its hello at once: a connection that stays silent is dropped long before the
+  // handshake timeout (or sooner, evicted by a newcomer when the slots are full).
+  const Deadline hello_deadline = Deadline::earliest(in.deadline, Deadline::afterMs(s_.config.limits.hello_timeout_ms));
+  Status st = in.sock.recvAll(in.buf, wire::kHelloPrefixBytes, hello_deadline);
+  if (st.ok()) st = wire::decodePrefix(in.buf, wire::kHelloPrefixBytes, &in.hello);
+  if (!st.ok()) {
+    heard(in);
+    PDLINK_LOG(kWarn, "dropped connection from " << in.from << ": " << st.message());
+    untrack(in);
+    return false;
+  }
+  if (in.hello.version != wire::kProtocolVersion) {
+    heard(in);
+    refuse(in, "protocol version mismatch: this engine speaks pdlink protocol " +
+                   std::to_string(wire::kProtocolVersion) + ", the dialler " + std::to_string(in.hello.version) +
+                   ": run the same pdlink release on both sides");
+    return false;
+  }
+  constexpr size_t kRest = wire::kHelloBytes - wire::kHelloPrefixBytes;
+  st = in.sock.recvAll(in.buf + wire::kHelloPrefixBytes, kRest, hello_deadline);
+  heard(in);
+  if (st.ok()) st = wire::decodeRest(in.buf + wire::kHelloPrefixBytes, kRest, &in.hello);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << in.from << ": " << st.message());
+    untrack(in);
+    return false;
+  }
+  if (in.hello.expected_peer != s_.config.cluster_id && in.hello.expected_peer != wire::kAnyCluster) {
+    refuse(in,
+           "this endpoint is " + clusterName(s_.config.cluster_id) + ", not " + clusterName(in.hello.expected_peer));
+    return false;
+  }
+  if (in.hello.cluster_id == s_.config.cluster_id) {
+    refuse(in, "peer uses this engine's own cluster id " + std::to_string(in.hello.cluster_id));
+    return false;
+  }
+  return true;
+}
+
+bool LinkManager::authenticate(Incoming& in) {
+  // Challenge-response: prove we know the link secret, then check the dialler's proof. Nothing
+  // about this engine's host or memory goes out, and nothing is reachable, before that check.
+  const std::string& secret = s_.config.link_secret;
+  wire::HelloAck ack;
+  ack.cluster_id = s_.config.cluster_id;
+  randomBytes(ack.challenge, sizeof(ack.challenge));
+  in.transcript.addHello(std::string(reinterpret_cast<const char*>(in.buf), sizeof(in.buf)), ack.cluster_id,
+                         ack.challenge);
+  auto server_proof = handshakeProof(secret, 'S', in.transcript);
+  if (!server_proof.ok()) {
+    refuse(in, sessionFailed(server_proof.status()).message());
+    return false;
+  }
+  std::memcpy(ack.proof, server_proof.value().data(), sizeof(ack.proof));
+  std::string ack_frame = wire::encode(ack);
+  Status st = in.sock.sendAll(ack_frame.data(), ack_frame.size(), in.deadline);
+  in.acked = true;
+  uint8_t auth_buf[wire::kClientAuthBytes];
+  if (st.ok()) st = in.sock.recvAll(auth_buf, sizeof(auth_buf), in.deadline);
+  if (st.ok()) st = wire::decode(auth_buf, sizeof(auth_buf), &in.client);
+  if (!st.ok()) {
+    PDLINK_LOG(kWarn, "dropped connection from " << in.from << " during authentication: " << st.message());
+    untrack(in);
+    return false;
+  }
+  in.transcript.addClientAuth(in.client);
+  auto expected = handshakeProof(secret, 'C', in.transcript);
+  if (!expected.ok()) {
+    refuse(in, sessionFailed(expected.status()).message());
+    return false;
+  }
+  if (!constantTimeEqual(in.client.proof, expected.value().data(), expected.value().size())) {
+    static constexpr uint8_t kNoProof[wire::kProofBytes] = {0};
+    const bool none = std::memcmp(in.client.proof, kNoProof, sizeof(kNoProof)) == 0;
+    refuse(in, std::string("authentication failed for ") + clusterName(in.hello.cluster_id) +
+                   (secret.empty() ? ": this engine has no link secret but the peer sent a proof"
+                    : none         ? ": the peer has no link secret"
+                                   : ": the peer does not know this engine's link secret"));
+    return false;
+  }
+  return true;
+}
+
+bool LinkManager::admitChannel(Incoming& in) {
+  // Same-host: a FORWARD TCP channel from a dialler that offers it and, by its hint, runs on this
+  // host is redirected to the AF_UNIX socket (which proves it); otherwise the link stays on TCP.
+  // Payload integrity when either side wants it (on an authenticated link only).
+  if (!s_.config.link_secret.empty() &&
+      (s_.config.payload_integrity || (in.hello.flags & wire::kHelloPayloadIntegrity))) {
+    in.ok.flags = wire::kAuthPayloadIntegrity;
+  }
+  if (in.local) {
+    if (s_.config.transport == Transport::kTcp) {
+      refuse(in, "this engine uses tcp only");
+      return false;
+    }
+    auto cred = in.sock.peerCredentials();
+    if (!cred.ok()) {
+      refuse(in, cred.status().message());
+      return false;
+    }
+    in.pid = cred.value().pid;
+    in.uid = cred.value().uid;
+    in.ok.gen_addr = reinterpret_cast<uint64_t>(s_.registry.published());
+    // The dialler probes this process before it completes the link.
+    if (in.pid != 0 && in.pid != ::getpid()) in.grant = cma::Grant::acquire();
+  } else if (in.hello.channel == wire::Channel::kForward) {
+    std::string name;
+    {
+      std::lock_guard<std::mutex> lock(s_.mu);
+      name = unix_name_;
+    }
+    if ((in.hello.flags & wire::kHelloSameHost) && s_.config.transport != Transport::kTcp && !name.empty() &&
+        s_.hint.sameHost(in.client.hint)) {
+      in.ok.redirect = name;
+      if (!sealVerdict(in)) {
+        refuse(in, "cannot authenticate the link: libcrypto failed");
+        return false;
+      }
+      const std::string frame = wire::encode(in.ok);
+      (void)in.sock.sendAll(frame.data(), frame.size(), in.deadline);
+      untrack(in);
+      return false;
+    }
+  }
+  if (!in.local && s_.config.transport == Transport::kCma) {
+    refuse(in, "transport 'cma' was forced here but the peer is not on this host or refuses it");
+    return false;
+  }
+  if (in.hello.channel == wire::Channel::kForward) {
+    size_t live = 0, waiting = 0, mine = 0;
+    {
+      std::lock_guard<std::mutex> lock(s_.mu);
+      live = links_.live();
+      waiting = pending_.size();
+      mine = links_.acceptedFrom(in.slot->source);
+      for (const auto& [nonce, p] : pending_) mine += p->source == in.slot->source ? 1 : 0;
+    }
+    if (live + waiting >= s_.config.limits.max_links) {
+      refuse(in, "this engine already has " + std::to_string(live) + " links, the most it may have");
+      return false;
+    }
+    if (mine >= s_.config.limits.max_links_per_source) {
+      refuse(in, "this engine already has " + std::to_string(mine) + " links from " + in.slot->source +
+                     ", the most one source may have (pdlink.MaxLinksPerSource)");
+      return false;
+    }
+  }
+  return true;
+}
+
+bool LinkManager::sealVerdict(Incoming& in) {
+  // The verdict carries a tag under the channel's session key, which covers the whole handshake.
+  in.transcript.addVerdict(in.local, in.ok);
+  auto derived = deriveSession(s_.config.link_secret, in.transcript);
+  if (!derived.ok()) return false;
+  in.session = std::move(derived.value());
+  in.session.integrity = in.ok.flags & wire::kAuthPayloadIntegrity;
+  std::memcpy(in.ok.tag, in.session.verdict_tag, sizeof(in.ok.tag));
+  return true;
+}
+
+void LinkManager::acceptForward(Incoming& in, const std::string& ok_frame) {
+  auto pending = std::make_shared<PendingLink>();
+  pending->peer = in.hello.cluster_id;
+  pending->source = in.slot->source;
+  pending->pid = in.pid;
+  pending->published_addr = in.local ? in.client.gen_addr : 0;
+  pending->grant = std::move(in.grant);
+  pending->session_key = std::move(in.session.key);
+  pending->integrity = in.session.integrity;
+  std::shared_ptr<Link> link;
+  {
+    std::unique_lock<std::mutex> lock(s_.mu);
+    if (s_.stopping || pending_.count(in.hello.nonce)) {
+      lock.unlock();
+      return refuse(in, "duplicate or late link attempt");
+    }
+    pending_[in.hello.nonce] = pending;
+  }
+  Status st = in.sock.sendAll(ok_frame.data(), ok_frame.size(), in.deadline);
+  {
+    std::unique_lock<std::mutex> lock(s_.mu);
+    // The REVERSE handler takes `sock` out of this frame under mu, so wait for it here.
+    pending->forward = std::make_unique<Socket>(std::move(in.sock));
+    handshaking_.erase(in.tracked);
+    in.tracked = pending->forward.get();
+    handshaking_.insert(in.tracked);
+    if (st.ok()) {
+      pending_cv_.notify_all();
+      pending_cv_.wait_until(
+          lock,
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, in.deadline.remainingMsForPoll())),
+          [&] { return pending->done || s_.stopping; });
+    }
+    if (auto it = pending_.find(in.hello.nonce); it != pending_.end() && it->second == pending) pending_.erase(it);
+    if (pending->done) link = pending->link;
+    if (!link) handshaking_.erase(in.tracked);
+  }
+  if (!link) {
+    PDLINK_LOG(kWarn, "incomplete link attempt from " << in.from << " (cluster " << in.hello.cluster_id << ")");
+    return;
+  }
+  PDLINK_LOG(kInfo, "accepted link from " << clusterName(in.hello.cluster_id) << " at " << in.from);
+  in.slot->release();  // the handshake is over: this thread serves the link from now on
+  serve_(link);
+}
+
+void LinkManager::acceptReverse(Incoming& in, const std::string& ok_frame) {
+  // REVERSE channel: completes the link whose FORWARD channel is waiting under the same nonce.
+  // A peer may not take over the cluster id of another peer's healthy link: only one that proved
+  // the secret (it is that cluster), or when a probe finds the old link dead (the peer restarted).
+  std::shared_ptr<Link> rival;
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    rival = links_.slot(in.hello.cluster_id, false);
+  }
+  // The probes take up to kProbeWindowMs of this handshake's time; without that much left, the
+  // old link is given the benefit of the doubt.
+  if (rival && s_.config.link_secret.empty() &&
+      (in.deadline.remainingMsForPoll() < kProbeWindowMs + kProbeWaitsMs[0] || stillAlive(rival))) {
+    return refuse(in, clusterName(in.hello.cluster_id) + " already has a healthy link from " + rival->peerAddress() +
+                          "; it must unlink first");
+  }
+  std::shared_ptr<Link> link;
+  std::unique_lock<std::mutex> out_lock;
+  {
+    std::unique_lock<std::mutex> lock(s_.mu);
+    link = completeLinkLocked(in, lock, &out_lock);
+    if (!link) return;  // refused
+  }
+  pending_cv_.notify_all();
+  if (!link->outSocket().sendAll(ok_frame.data(), ok_frame.size(), in.deadline).ok()) {
+    link->breakLink("peer went away during the handshake");
+  }
+}
+
+std::shared_ptr<Link> LinkManager::completeLinkLocked(Incoming& in, std::unique_lock<std::mutex>& lock,
+                                                      std::unique_lock<std::mutex>* out_lock) {
+  auto deadline_tp =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, in.deadline.remainingMsForPoll()));
+  // The FORWARD thread registers the nonce before it acks, so an unknown nonce is refused at
+  // once; a known one may still be parking its socket, which takes microseconds.
+  pending_cv_.wait_until(lock, deadline_tp, [&] {
+    auto it = pending_.find(in.hello.nonce);
+    return s_.stopping || it == pending_.end() || it->second->forward;
+  });
+  auto it = pending_.find(in.hello.nonce);
+  if (s_.stopping || it == pending_.end() || !it->second->forward || it->second->peer != in.hello.cluster_id ||
+      it->second->forward->isUnix() != in.local) {
+    lock.unlock();
+    refuse(in, "no matching forward channel for this link attempt");
+    return nullptr;
+  }
+  auto pending = it->second;
+  if (links_.live() >= s_.config.limits.max_links) {
+    lock.unlock();
+    refuse(in, "this engine already has the most links it may have");
+    return nullptr;
+  }
+  if (in.local && (pending->pid != in.pid || pending->published_addr != in.client.gen_addr)) {
+    lock.unlock();
+    refuse(in, "the two same-host channels come from different processes");
+    return nullptr;
+  }
+  if (pending->integrity != in.session.integrity) {
+    lock.unlock();
+    refuse(in, "the two channels disagree about payload integrity");
+    return nullptr;
+  }
+  handshaking_.erase(pending->forward.get());
+  handshaking_.erase(in.tracked);
+  // A forced transport that cannot be had here is refused now, before the link is installed.
+  std::shared_ptr<const cma::Process> process;
+  Status chosen = in.local ? chooseTransport(in.sock, in.pid, in.uid, pending->published_addr, &process) : Status::OK();
+  if (!chosen.ok()) {
+    lock.unlock();
+    refuse(in, chosen.message());
+    return nullptr;
+  }
+  std::string endpoint = pending->forward->peer();  // the dialler's end of its forward channel
+  auto link = std::make_shared<Link>(in.hello.cluster_id, std::move(in.sock), std::move(*pending->forward), false);
+  link->setOrigin(pending->source, in.hello.nonce, std::move(endpoint));
+  if (in.session.key) link->authenticate(std::move(in.session.key), pending->session_key, in.session.integrity);
+  const bool direct = process != nullptr;
+  link->setPeerProcess(in.pid, pending->published_addr, pending->grant, std::move(process));
+  choosePaths(*link, direct);
+  // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
+  // mutex under mu cannot deadlock.
+  *out_lock = std::unique_lock<std::mutex>(link->outMutex());
+  installLink(link);
+  // No longer waiting: counted as a live link from now on, not twice against pdlink.MaxLinks.
+  pending_.erase(it);
+  pending->link = link;
+  pending->done = true;
+  return link;
+}
+
+}  // namespace pdlink

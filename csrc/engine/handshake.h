@@ -1,6 +1,6 @@
 // The handshake of a link's two channels (transport/wire.h has the frames; docs/security.md the
 // scheme): both sides build the same transcript, prove the link secret over it, and derive each
-// channel's session key from it. Internal to the engine (linking.cc, handshake.cc).
+// channel's session key from it. Internal to the engine (link_manager.cc, handshake.cc).
 #pragma once
 
 #include <cstddef>

@@ -5,7 +5,7 @@
 // backend can keep one link per direction), plus, once its links died, a tombstone: what callers
 // still see of a dead link (LLMDataDist.links(), switch_role's LLM_EXIST_LINK) until they unlink
 // it. A tombstone holds no socket and no thread; a link whose channels died is turned into one by
-// its serving thread as that thread ends (Engine::serve), so its descriptors close as soon as no
+// its serving thread as that thread ends (RequestServer::serve), so its descriptors close as soon as no
 // transfer holds it any more. Tombstones are bounded: past the bound the oldest is forgotten.
 //
 // Symmetric use (CacheManager mode): a request takes the dialled link when it is usable, else the

@@ -1,17 +1,18 @@
 // Notifications: small (name, message) byte strings a peer queues here over its link, taken by the
-// application (Engine::notify, Engine::takeNotifications).
+// application (RequestServer::notify, RequestServer::takeNotifications).
 #include <utility>
 
 #include "core/limits.h"
 #include "core/log.h"
-#include "engine/engine.h"
+#include "engine/request_server.h"
 #include "engine/engine_internal.h"
 
 namespace pdlink {
 
 using detail::linkDown;
 
-Status Engine::notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms) {
+Status RequestServer::notify(uint64_t cluster_id, const std::string& name, const std::string& message,
+                             int64_t timeout_ms) {
   // Checked here too, so an oversized notification is the caller's error, not a protocol violation
   // that would cost the link.
   if (name.size() > limits::kMaxNotifyNameBytes || message.size() > limits::kMaxNotifyMessageBytes) {
@@ -21,7 +22,7 @@ Status Engine::notify(uint64_t cluster_id, const std::string& name, const std::s
                       std::to_string(name.size()) + " and " + std::to_string(message.size()) + ")");
   }
   if (timeout_ms <= 0) return Status(Code::kParamInvalid, "the notification timeout must be positive");
-  auto link_r = usableLink(cluster_id);
+  auto link_r = links_.usableLink(cluster_id);
   if (!link_r.ok()) return link_r.status();
   std::shared_ptr<Link> link = link_r.value();
   const std::string body = wire::encode(wire::NotifyBody{name, message});
@@ -36,7 +37,7 @@ Status Engine::notify(uint64_t cluster_id, const std::string& name, const std::s
   return st;
 }
 
-std::vector<Notification> Engine::takeNotifications() {
+std::vector<Notification> RequestServer::takeNotifications() {
   std::lock_guard<std::mutex> lock(notify_mu_);
   std::vector<Notification> out(std::make_move_iterator(inbox_.queue.begin()),
                                 std::make_move_iterator(inbox_.queue.end()));
@@ -47,21 +48,33 @@ std::vector<Notification> Engine::takeNotifications() {
   return out;
 }
 
-Status Engine::serveNotify(const Link& link, Stream& s, const std::string& body, Deadline deadline) {
+void RequestServer::clearNotifications() {
+  std::lock_guard<std::mutex> inbox(notify_mu_);  // unread notifications go with the links
+  inbox_ = Inbox{};
+}
+
+void RequestServer::addStats(EngineStats* s) const {
+  s->pins_expired = pins_expired_.load();
+  std::lock_guard<std::mutex> lock(notify_mu_);
+  s->notifications = inbox_.queue.size();
+  s->notifications_refused = inbox_.refused;
+}
+
+Status RequestServer::serveNotify(const Link& link, Stream& s, const std::string& body, Deadline deadline) {
   wire::NotifyBody nb;
   Status st = wire::decode(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &nb);
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link.peer()) << ": " << st.message());
     return st;
   }
-  if (config_.one_way_links && link.initiator()) {  // as admitAccess: our own one-way link
+  if (s_.config.one_way_links && link.initiator()) {  // as admitAccess: our own one-way link
     return sendResponse(s,
                         Status(Code::kNotYetLink,
                                "with one-way links only the side that linked notifies over a "
                                "link; connect on that side too"),
                         deadline);
   }
-  const EngineLimits& lim = config_.limits;
+  const EngineLimits& lim = s_.config.limits;
   const uint64_t bytes = nb.name.size() + nb.message.size();
   Status queued;
   {

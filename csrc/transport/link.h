@@ -112,7 +112,7 @@ class Link {
   void setPeerAddress(std::string address) { peer_address_ = std::move(address); }  // before the link is shared
   // Who made the link, for a confirmation (Engine::confirmDialled): its forward hello's nonce, and
   // the forward channel's dialling end ("ip:port" as the acceptor saw it, or "unix:pid N"). An
-  // accepted link also keeps its source (Engine::sourceOf), for the per-source share. Set before
+  // accepted link also keeps its source (LinkManager::sourceOf), for the per-source share. Set before
   // the link is shared.
   void setOrigin(std::string source, const wire::Nonce& nonce, std::string endpoint) {
     source_ = std::move(source);

@@ -28,7 +28,7 @@
 
 namespace pdlink {
 
-// Byte runs for both sides of one request (Engine::plan): the local cache's tensors and runs, and
+// Byte runs for both sides of one request (Transfers::plan): the local cache's tensors and runs, and
 // the body the peer resolves on its side.
 struct TransferPlan {
   std::shared_ptr<const void> local;  // the local cache, kept registered until the transfer is over
@@ -39,12 +39,12 @@ struct TransferPlan {
   std::vector<wire::Run> local_runs;
   wire::TransferBody remote;  // target, block size, remote tensors and runs
   uint64_t payload = 0;
-  // A local_absolute plan of a device backend (Engine::planAbsolute) that touches DEVICE memory:
+  // A local_absolute plan of a device backend (Transfers::planAbsolute) that touches DEVICE memory:
   // per local run, whether it lies in DEVICE memory, which the stream path moves through host
   // staging (moveStagedPayload). Empty otherwise.
   std::vector<uint8_t> local_device_runs;
   // The last request of the transfer: only it commits a pulled request key. A transfer of more
-  // than limits::kMaxRequestPieces pieces is split into several requests (Engine::transfer).
+  // than limits::kMaxRequestPieces pieces is split into several requests (Transfers::transfer).
   bool commit = true;
 };
 
@@ -55,7 +55,7 @@ struct PathCaps {
   bool cross_host = false;      // reaches a peer on another host
   bool one_sided = false;       // the peer's threads do not copy the bytes (they only check and pin)
   bool device_memory = false;   // moves DEVICE memory of a device backend; else host memory
-  bool device_channel = false;  // needs the link's device channel (Engine::ensureDeviceChannel)
+  bool device_channel = false;  // needs the link's device channel (LinkManager::ensureDeviceChannel)
 };
 
 // The requesting side of a path on one link.
@@ -76,7 +76,7 @@ class DataPath {
   virtual Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) = 0;
 };
 
-// One read or write the engine admitted (Engine::admitAccess) and resolved in its registry, for the
+// One read or write the engine admitted (RequestServer::admitAccess) and resolved in its registry, for the
 // path its flags name: exactly the checked ranges, addrs[t] + base + run.offset for every t of
 // `tensors` and every run. A path touches nothing else.
 struct ServeCall {

@@ -1,6 +1,6 @@
 // The registration table of the data paths (transport/path.h): one ordered entry per path, saying
 // what the path is, serving its requests, and, for a new link, whether it applies and what its
-// requesting side is. The engine keeps one table (Engine::paths_) and asks it two things: which
+// requesting side is. The engine keeps one table (EngineState::paths) and asks it two things: which
 // server a request's flags name (serverFor), and which paths a new link uses (choose). Each path's
 // folder makes its own entry (e.g. cmaEntry, transport/cma/cma_path.h); registerPaths lists them,
 // one line each, in the order they are tried.

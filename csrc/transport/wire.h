@@ -29,7 +29,7 @@
 // After the handshake, frames are a fixed RequestHeader (+ body + payload) answered by a
 // ResponseHeader (+ message + payload). Nothing read off the wire is trusted: decoders bound every
 // length and count (core/limits.h) before anything is allocated for it, the serving side admits a
-// request only for the paths its link negotiated (Engine::admit) and checks every access against
+// request only for the paths its link negotiated (RequestServer::admit) and checks every access against
 // its registered caches (engine/registry.h), and the requester checks every answer against what it
 // asked for.
 #pragma once
@@ -191,7 +191,7 @@ constexpr uint8_t kFlagOneSided = 4;
 constexpr uint8_t kFlagUcx = 8;
 // kRead/kWrite with kFlagTestPath (alone): the path of a test build (csrc/tests/pipe_path.h). An
 // engine whose path table has no such path drops a link that sends it as malformed, as decode drops
-// every other combination no path names (Engine::admitHeader).
+// every other combination no path names (RequestServer::admitHeader).
 constexpr uint8_t kFlagTestPath = 16;
 constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx | kFlagTestPath;
 // A kUcxConnect body and its answer: the token the sender's expected messages carry, the size of
@@ -216,7 +216,7 @@ struct RequestHeader {
   Op op = Op::kRead;
   uint32_t body_len = 0;  // at most kMaxBodyBytes
   uint64_t payload_len = 0;
-  uint8_t flags = 0;  // a combination above; which ones a link accepts: Engine::admit
+  uint8_t flags = 0;  // a combination above; which ones a link accepts: RequestServer::admit
 };
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);

@@ -1,6 +1,6 @@
 """Every value of a request's flag byte, on every op that takes a body or none, on every link kind
 (tcp, cma same-host and forced ucx, each with and without a link secret): the serving dispatch
-(transport/path_table: ``PathTable::serverFor``; engine/data_path.cc: ``admitHeader``,
+(transport/path_table: ``PathTable::serverFor``; engine/request_server.cc: ``admitHeader``,
 ``admitAccess``) must reach only a path this engine's table names and this link admitted.
 
 A raw attacker from 127.0.0.2 (tests/peers/flagsweep.py: a fresh link per frame, sealed frames

@@ -28,8 +28,12 @@ CmaPath::CmaPath(std::shared_ptr<const cma::Process> process, uint64_t published
   caps_.one_sided = true;
 }
 
+const std::string& CmaPath::encodedBody(const TransferPlan& p, std::string& body) {
+  if (body.empty()) body = wire::encode(p.remote);
+  return body;
+}
+
 Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) {
-  Stream& s = link.out();
   // Reused per thread (cleared here, kept in capacity): a small read allocates nothing.
   thread_local std::vector<iovec> local, lv, rv;
   local.clear();
@@ -40,10 +44,6 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   }
   const wire::Target& target = p.remote.target;
   std::string body;  // encoded only when a frame carries it; the cached-read path sends none
-  auto encoded = [&]() -> const std::string& {
-    if (body.empty()) body = wire::encode(p.remote);
-    return body;
-  };
 
   // Fast paths, reads of a blocks cache or of registered memory by address: with the peer's layout
   // (or table) cached, one process_vm_readv and no round trip. The peer's registry generation is
@@ -53,101 +53,143 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   // read is redone the checked way. Any run the cached layout does not hold goes the checked way
   // too, which reports the peer's own error.
   if (!is_push && target.kind == wire::TargetKind::kBlocks) {
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      auto it = descriptors_.find(target.model_id);
-      if (it == descriptors_.end()) {
-        std::string payload;
-        Status st = describe(link, encoded(), 0, wire::kMaxDescriptorBytes, deadline, what, &payload);
-        if (!st.ok() && link.broken()) return st;
-        if (!st.ok()) break;
-        wire::CacheDescriptor desc;
-        st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
-        if (!st.ok()) return failTransfer(link, st, what);
-        it = descriptors_.emplace(target.model_id, std::move(desc)).first;
-      }
-      const wire::CacheDescriptor& c = it->second;
-      bool fits = p.remote.block_size == 0 || p.remote.block_size == c.stride;
-      for (uint32_t t : p.remote.tensors) fits = fits && t < c.addrs.size();
-      for (const wire::Run& r : p.remote.runs) {
-        uint64_t end = 0;
-        fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
-      }
-      if (!fits) break;
-      lv.clear();
-      rv.clear();
-      size_t k = 0;
-      for (uint32_t t : p.remote.tensors) {
-        for (const wire::Run& r : p.remote.runs) {
-          lv.push_back(local[k++]);
-          rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
-        }
-      }
-      Result<bool> same = readChecked(lv, rv, c.generation);
-      if (!same.ok()) return failTransfer(link, same.status(), what);
-      if (same.value()) return Status::OK();
-      descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
-    }
+    std::optional<Status> done = readCachedBlocks(link, p, local, lv, rv, body, deadline, what);
+    if (done) return *done;
   }
   if (!is_push && target.kind == wire::TargetKind::kRaw && p.remote.tensors.size() == 1) {
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      const bool cached = raw_table_.has_value();
-      if (!cached) {
-        std::string payload;
-        Status st = describe(link, encoded(), wire::kFlagDirect, wire::kMaxRawTableBytes, deadline, what, &payload);
-        if (!st.ok() && link.broken()) return st;
-        if (!st.ok()) break;
-        wire::RawTable table;
-        st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &table);
-        if (!st.ok()) return failTransfer(link, st, what);
-        raw_table_ = std::move(table);
-      }
-      bool fits = inRawTable(*raw_table_, p.remote.runs);
-      if (!fits && cached) {  // registered since the table was fetched (adds keep the generation)?
-        raw_table_.reset();
-        continue;
-      }
-      if (!fits) break;
-      lv.assign(local.begin(), local.end());
-      rv.clear();
-      for (const wire::Run& r : p.remote.runs) {
-        rv.push_back({reinterpret_cast<void*>(r.offset), static_cast<size_t>(r.length)});
-      }
-      Result<bool> same = readChecked(lv, rv, raw_table_->generation);
-      if (!same.ok()) return failTransfer(link, same.status(), what);
-      if (same.value()) return Status::OK();
-      raw_table_.reset();  // the peer's registrations changed
-    }
+    std::optional<Status> done = readCachedRaw(link, p, local, lv, rv, body, deadline, what);
+    if (done) return *done;
   }
+  return checkedAccess(link, p, is_push, local, body, deadline, what);
+}
 
+std::optional<Status> CmaPath::readCachedBlocks(Link& link, const TransferPlan& p, const std::vector<iovec>& local,
+                                                std::vector<iovec>& lv, std::vector<iovec>& rv, std::string& body,
+                                                Deadline deadline, const char* what) {
+  const wire::Target& target = p.remote.target;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto it = descriptors_.find(target.model_id);
+    if (it == descriptors_.end()) {
+      std::string payload;
+      Status st = describe(link, encodedBody(p, body), 0, wire::kMaxDescriptorBytes, deadline, what, &payload);
+      if (!st.ok() && link.broken()) return st;
+      if (!st.ok()) break;
+      wire::CacheDescriptor desc;
+      st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &desc);
+      if (!st.ok()) return failTransfer(link, st, what);
+      it = descriptors_.emplace(target.model_id, std::move(desc)).first;
+    }
+    const wire::CacheDescriptor& c = it->second;
+    bool fits = p.remote.block_size == 0 || p.remote.block_size == c.stride;
+    for (uint32_t t : p.remote.tensors) fits = fits && t < c.addrs.size();
+    for (const wire::Run& r : p.remote.runs) {
+      uint64_t end = 0;
+      fits = fits && r.length > 0 && !__builtin_add_overflow(r.offset, r.length, &end) && end <= c.tensor_size;
+    }
+    if (!fits) break;
+    lv.clear();
+    rv.clear();
+    size_t k = 0;
+    for (uint32_t t : p.remote.tensors) {
+      for (const wire::Run& r : p.remote.runs) {
+        lv.push_back(local[k++]);
+        rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
+      }
+    }
+    Result<bool> same = readChecked(lv, rv, c.generation);
+    if (!same.ok()) return failTransfer(link, same.status(), what);
+    if (same.value()) return Status::OK();
+    descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
+  }
+  return std::nullopt;
+}
+
+std::optional<Status> CmaPath::readCachedRaw(Link& link, const TransferPlan& p, const std::vector<iovec>& local,
+                                             std::vector<iovec>& lv, std::vector<iovec>& rv, std::string& body,
+                                             Deadline deadline, const char* what) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const bool cached = raw_table_.has_value();
+    if (!cached) {
+      std::string payload;
+      Status st =
+          describe(link, encodedBody(p, body), wire::kFlagDirect, wire::kMaxRawTableBytes, deadline, what, &payload);
+      if (!st.ok() && link.broken()) return st;
+      if (!st.ok()) break;
+      wire::RawTable table;
+      st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), &table);
+      if (!st.ok()) return failTransfer(link, st, what);
+      raw_table_ = std::move(table);
+    }
+    bool fits = inRawTable(*raw_table_, p.remote.runs);
+    if (!fits && cached) {  // registered since the table was fetched (adds keep the generation)?
+      raw_table_.reset();
+      continue;
+    }
+    if (!fits) break;
+    lv.assign(local.begin(), local.end());
+    rv.clear();
+    for (const wire::Run& r : p.remote.runs) {
+      rv.push_back({reinterpret_cast<void*>(r.offset), static_cast<size_t>(r.length)});
+    }
+    Result<bool> same = readChecked(lv, rv, raw_table_->generation);
+    if (!same.ok()) return failTransfer(link, same.status(), what);
+    if (same.value()) return Status::OK();
+    raw_table_.reset();  // the peer's registrations changed
+  }
+  return std::nullopt;
+}
+
+Status CmaPath::checkedAccess(Link& link, TransferPlan& p, bool is_push, std::vector<iovec>& local, std::string& body,
+                              Deadline deadline, const char* what) {
   // Checked round trip: the peer validates and pins the target and answers with its addresses.
   // The pin lasts until this side's next frame, or until it expires on the peer: the peer's pin
   // epoch, read again after the copy, tells. A lapsed pin fails the transfer (a read may have
   // seen memory that was freed meanwhile, a write may have landed in it).
-  encoded();
+  encodedBody(p, body);
   wire::ResponseHeader rh;
   Status st = requestAccess(link, body, is_push, wire::kFlagDirect, deadline, what, &rh);
   if (!st.ok()) return st;
-  std::string payload;
   wire::DirectAnswer answer;
+  st = readDirectAnswer(link, rh, local, deadline, &answer);
+  if (!st.ok()) return failTransfer(link, st, what);
+  std::vector<iovec> remote_iov(local.size());
+  for (size_t i = 0; i < local.size(); ++i) {
+    remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
+  }
+  Status copied = copyPinned(is_push, local, remote_iov, answer);
+  // Unpin on the peer; for a completed read by request key this is also the release of the key.
+  finishPinned(link, p, copied.ok(), is_push, body, deadline);
+  if (!copied.ok()) {
+    if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
+    return Status(copied.code(), std::string(what) + " " + clusterName(link.peer()) + ": " + copied.message());
+  }
+  return Status::OK();
+}
+
+Status CmaPath::readDirectAnswer(Link& link, const wire::ResponseHeader& rh, const std::vector<iovec>& local,
+                                 Deadline deadline, wire::DirectAnswer* answer) {
+  Stream& s = link.out();
+  std::string payload;
+  Status st;
   if (rh.payload_len != wire::directAnswerBytes(local.size())) {
     st = Status(Code::kLinkFailed, "peer answered a direct access of " + std::to_string(rh.payload_len) +
                                        " bytes, expected " + std::to_string(wire::directAnswerBytes(local.size())));
   } else {
     st = readAnswer(s, rh.payload_len, rh.payload_len, deadline, &payload, "direct-access answer");
     if (st.ok()) {
-      st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(), &answer);
+      st = wire::decode(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), local.size(), answer);
     }
   }
   for (size_t i = 0; st.ok() && i < local.size(); ++i) {
-    if (answer.lengths[i] != local[i].iov_len) {
+    if (answer->lengths[i] != local[i].iov_len) {
       st = Status(Code::kLinkFailed, "peer answered a range of the wrong length");
     }
   }
-  if (!st.ok()) return failTransfer(link, st, what);
-  std::vector<iovec> remote_iov(local.size());
-  for (size_t i = 0; i < local.size(); ++i) {
-    remote_iov[i] = {reinterpret_cast<void*>(answer.addrs[i]), local[i].iov_len};
-  }
+  return st;
+}
+
+Status CmaPath::copyPinned(bool is_push, std::vector<iovec>& local, std::vector<iovec>& remote_iov,
+                           const wire::DirectAnswer& answer) {
   // The addresses are the peer's, applied to the peer's process (proven by the kernel): at worst
   // they make this side copy the peer's own memory. So is the pin epoch word's, the serving link's.
   const uint64_t pin_epoch_word = answer.epoch_addr;
@@ -168,13 +210,7 @@ Status CmaPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline dea
   if (copied.ok() && epoch_after != answer.pin_epoch) {
     copied = Status(Code::kFailed, "the peer released its pin before the copy finished (pin expired); retry");
   }
-  // Unpin on the peer; for a completed read by request key this is also the release of the key.
-  finishPinned(link, p, copied.ok(), is_push, body, deadline);
-  if (!copied.ok()) {
-    if (copied.code() == Code::kLinkFailed) return failTransfer(link, copied, what);
-    return Status(copied.code(), std::string(what) + " " + clusterName(link.peer()) + ": " + copied.message());
-  }
-  return Status::OK();
+  return copied;
 }
 
 Status CmaPath::describe(Link& link, const std::string& body, uint8_t flags, uint64_t max_bytes, Deadline deadline,

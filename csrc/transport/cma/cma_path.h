@@ -41,6 +41,27 @@ class CmaPath : public DataPath {
   // generation word; true when it equals `generation` (nothing changed since the describe). False
   // leaves `local` untouched, except for a read over kBounceBytes whose copy raced a change.
   Result<bool> readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation);
+  // The steps of transfer(). `local`: this side's ranges, tensor by tensor and run by run; `lv`,
+  // `rv`: the caller's (thread-local) scratch; `body`: p.remote encoded, lazily (encodedBody).
+  static const std::string& encodedBody(const TransferPlan& p, std::string& body);
+  // The fast path of a read of a blocks cache (by its cached layout, fetched once by kDescribe), or
+  // of registered memory by address (by the cached table): the transfer's result, or nullopt when
+  // it goes the checked way (no usable layout, or it changed twice).
+  std::optional<Status> readCachedBlocks(Link& link, const TransferPlan& p, const std::vector<iovec>& local,
+                                         std::vector<iovec>& lv, std::vector<iovec>& rv, std::string& body,
+                                         Deadline deadline, const char* what);
+  std::optional<Status> readCachedRaw(Link& link, const TransferPlan& p, const std::vector<iovec>& local,
+                                      std::vector<iovec>& lv, std::vector<iovec>& rv, std::string& body,
+                                      Deadline deadline, const char* what);
+  // The checked round trip: the peer resolves and pins the ranges and answers with their
+  // addresses (readDirectAnswer checks its size and lengths); the copy then reads the peer's pin
+  // epoch word again (copyPinned), and finishPinned unpins.
+  Status checkedAccess(Link& link, TransferPlan& p, bool is_push, std::vector<iovec>& local, std::string& body,
+                       Deadline deadline, const char* what);
+  static Status readDirectAnswer(Link& link, const wire::ResponseHeader& rh, const std::vector<iovec>& local,
+                                 Deadline deadline, wire::DirectAnswer* answer);
+  Status copyPinned(bool is_push, std::vector<iovec>& local, std::vector<iovec>& remote_iov,
+                    const wire::DirectAnswer& answer);
   static constexpr size_t kBounceBytes = 256 * 1024;  // reads up to this size are staged (one memcpy)
 
   PathCaps caps_;

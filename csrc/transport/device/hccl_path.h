@@ -2,7 +2,7 @@
 // DEVICE memory of a device backend never travels in a link's stream: the request and the answer
 // do, the bytes go over the channel of their direction (Link::outDevice for this side's requests,
 // Link::inDevice for the peer's), which the engine sets up on first use
-// (Engine::ensureDeviceChannel).
+// (LinkManager::ensureDeviceChannel).
 //  - HcclPath: two-sided (HcclBatchSendRecv): after the peer accepted the request, both sides
 //    post their half; works for any DEVICE memory.
 //  - OneSidedPath: one-sided (HcclBatchGet/Put): the peer answers with the addresses of the

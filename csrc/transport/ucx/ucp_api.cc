@@ -39,10 +39,11 @@ void bind(void* lib, const char* name, F* slot, std::vector<std::string>* missin
   }
 }
 
-Result<const UcpApi*> loadOnce() {
+// loadOnce's steps. Where to look for libucp: PDLINK_UCX_LIB_DIR (which must hold it), else the
+// libucx wheel's directory where it has it, then the loader's search path.
+Status libraryCandidates(std::vector<std::string>* candidates) {
   const std::optional<std::string> dir = environment::read(environment::kUcxLibDir);
   const char* env = dir ? dir->c_str() : nullptr;
-  std::vector<std::string> candidates;  // paths for dlopen; a bare soname searches the loader path
   if (env != nullptr && *env != '\0') {
     std::string path = std::string(env) + "/" + kSoname;
     if (!isFile(path)) {
@@ -51,22 +52,26 @@ Result<const UcpApi*> loadOnce() {
                                                   "; point it at UCX's lib directory, or "
                                                   "unset it to use the libucx package or the system's UCX");
     }
-    candidates.push_back(path);
+    candidates->push_back(path);
   } else {
     {
       std::lock_guard<std::mutex> lock(g_dir_mu);
       if (!g_wheel_dir.empty() && isFile(g_wheel_dir + "/" + kSoname))
-        candidates.push_back(g_wheel_dir + "/" + kSoname);
+        candidates->push_back(g_wheel_dir + "/" + kSoname);
     }
-    candidates.push_back(kSoname);
+    candidates->push_back(kSoname);
   }
+  return Status::OK();
+}
+
+// The first candidate dlopen takes (*loaded: its path).
+Result<void*> openLibrary(const std::vector<std::string>& candidates, std::string* loaded) {
   void* lib = nullptr;
   std::vector<std::string> errors;
-  std::string loaded;
   for (const std::string& path : candidates) {
     lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (lib != nullptr) {
-      loaded = path;
+      *loaded = path;
       break;
     }
     const char* e = ::dlerror();
@@ -78,9 +83,12 @@ Result<const UcpApi*> loadOnce() {
                       "). Install pdlink's ucx extra (pip install \"pdlink[ucx]\", the libucx-cu12 wheel) or the "
                       "system's UCX (Debian: libucx0), or set PDLINK_UCX_LIB_DIR");
   }
-  auto* api = new UcpApi();  // lives for the process: the library is never unloaded
-  std::vector<std::string> missing;
-#define PDLINK_BIND(fn) bind(lib, #fn, &api->fn, &missing)
+  return lib;
+}
+
+// Every symbol pdlink needs (*missing: those the library lacks).
+void bindAll(void* lib, UcpApi* api, std::vector<std::string>* missing) {
+#define PDLINK_BIND(fn) bind(lib, #fn, &api->fn, missing)
   PDLINK_BIND(ucp_config_read);
   PDLINK_BIND(ucp_config_release);
   PDLINK_BIND(ucp_config_modify);
@@ -115,6 +123,18 @@ Result<const UcpApi*> loadOnce() {
   PDLINK_BIND(ucp_request_free);
   PDLINK_BIND(ucs_status_string);  // libucs, reached through libucp's dependencies
 #undef PDLINK_BIND
+}
+
+Result<const UcpApi*> loadOnce() {
+  std::vector<std::string> candidates;  // paths for dlopen; a bare soname searches the loader path
+  PDLINK_RETURN_IF_ERROR(libraryCandidates(&candidates));
+  std::string loaded;
+  Result<void*> opened = openLibrary(candidates, &loaded);
+  if (!opened.ok()) return opened.status();
+  void* lib = opened.value();
+  auto* api = new UcpApi();  // lives for the process: the library is never unloaded
+  std::vector<std::string> missing;
+  bindAll(lib, api, &missing);
   std::vector<std::string> optional_missing;
   bind(lib, "ucp_ep_query", &api->ucp_ep_query, &optional_missing);
   if (!missing.empty()) {

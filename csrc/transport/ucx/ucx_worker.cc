@@ -138,6 +138,115 @@ constexpr size_t kMaxResources = 128;         // UCP_MAX_RESOURCES
 constexpr unsigned kMaxMds = 64;              // UCP_MAX_MDS
 constexpr unsigned kLegacyMdRelease = 18;     // UCX >= 1.19 clears bits 5-6 of md indexes from <= 1.18
 
+// parseWorkerAddress's steps. The header: version, flags, then the worker uuid, client id and name
+// the flags announce; *release: the sender's release as a v2 header packs it (v1: 0 here).
+Status readAddressHeader(AddressReader& r, unsigned minor, WorkerAddressLayout* out, unsigned* release) {
+  uint8_t header = 0, flags = 0;
+  (void)r.byte(&header);
+  out->version = header & 0x0f;
+  if (out->version == 0) {
+    flags = header >> 4;
+  } else if (out->version == 1) {
+    if (!r.byte(&flags)) return malformed(r.at(), "no flags byte");
+    *release = unpackRelease(header >> 4, minor);
+  } else {
+    return malformed(0,
+                     "address version " + std::to_string(out->version) + " (UCX knows v1 and v2; it aborts on others)");
+  }
+  if (flags & ~kHeaderKnown) return malformed(r.at() - 1, "unknown header flags " + std::to_string(flags));
+  if ((out->version == 0 || (flags & kHeaderUuid)) && !r.take(8)) return malformed(r.at(), "no worker uuid");
+  if ((flags & kHeaderClientId) && !r.take(8)) return malformed(r.at(), "no client id");
+  if (flags & kHeaderDebugInfo) {
+    uint8_t len = 0;
+    if (!r.byte(&len) || !r.take(len)) return malformed(r.at(), "a worker name past the end");
+  }
+  return Status::OK();
+}
+
+// One transport of a device: its name checksum, attributes (checked as UCX would trip on them) and
+// interface address; *last_tl: it is the device's last.
+Status readTransport(AddressReader& r, bool v2, AddressEntry* e, bool* last_tl) {
+  const size_t tl_at = r.at();
+  const uint8_t* csum = r.take(2);
+  if (!csum) return malformed(tl_at, "a transport past the end");
+  e->tl_name_csum = static_cast<uint16_t>(csum[0] | csum[1] << 8);
+  const uint8_t* attr = r.take(v2 ? 8 : 16);
+  if (!attr) return malformed(tl_at, "transport attributes past the end");
+  if (!v2) {
+    float overhead, bandwidth, latency;
+    std::memcpy(&overhead, attr, 4);
+    std::memcpy(&bandwidth, attr + 4, 4);
+    std::memcpy(&latency, attr + 8, 4);
+    if (!std::isfinite(overhead) || !std::isfinite(bandwidth) || !std::isfinite(latency) || bandwidth == 0) {
+      return malformed(tl_at, "transport attributes that are not finite, or a zero bandwidth");
+    }
+  } else {
+    // The segment a v2 peer can receive bounds the messages UCX sends it on an AM lane, and UCX
+    // aborts when its rendezvous keys do not fit in one (ucp_ep.c: rkey_size <= am.max_bcopy).
+    const unsigned seg_bytes = (attr[4] | attr[5] << 8) * 64u, flags16 = attr[6] | attr[7] << 8;
+    if ((flags16 & kAttrAmSync) && seg_bytes < kMinAmSegmentBytes) {
+      return malformed(tl_at, "an active-message transport whose segment is " + std::to_string(seg_bytes) +
+                                  " bytes (at least " + std::to_string(kMinAmSegmentBytes) + ")");
+    }
+  }
+  uint8_t len = 0;
+  if (!r.byte(&len)) return malformed(r.at(), "an interface length past the end");
+  *last_tl = len & kFlagLast;
+  if (len & kFlagHasEpAddr) return malformed(r.at() - 1, "endpoint addresses (a worker address has none)");
+  size_t iface_len = len & 0x3f;
+  if (v2 && iface_len == 0x3f) {
+    uint8_t full = 0;
+    if (!r.byte(&full)) return malformed(r.at(), "an interface length past the end");
+    iface_len = full;
+  }
+  if (!r.take(iface_len)) return malformed(r.at(), "an interface address past the end");
+  e->iface_addr_len = iface_len;
+  return Status::OK();
+}
+
+// One device: its md index, device address and, unless it is empty, its transports (into
+// out->entries; [first, end) of them into *device_entries). A v1 sender's release comes from its
+// last empty device (*release); *last_device: it is the last.
+Status readDevice(AddressReader& r, bool v2, uint8_t md_mask, unsigned minor, WorkerAddressLayout* out,
+                  unsigned* release, std::vector<std::pair<size_t, size_t>>* device_entries, bool* last_device) {
+  const size_t device_at = r.at();
+  if (++out->devices > kMaxResources) return malformed(device_at, "more than 128 devices");
+  uint8_t md = 0, dev = 0;
+  if (!r.byte(&md)) return malformed(r.at(), "a device past the end");
+  const bool empty = md & kFlagEmptyDevice;
+  unsigned md_index = md & md_mask;
+  if (v2 && md_index == 0x7f) {  // extended: the whole next byte
+    uint8_t full = 0;
+    if (!r.byte(&full)) return malformed(r.at(), "an md index past the end");
+    md_index = full;
+  }
+  if (!r.byte(&dev)) return malformed(r.at(), "a device length past the end");
+  *last_device = dev & kFlagLast;
+  size_t dev_len = dev & 0x1f;
+  if (v2 && dev_len == 0x1f) {
+    uint8_t full = 0;
+    if (!r.byte(&full)) return malformed(r.at(), "a device length past the end");
+    dev_len = full;
+  }
+  uint8_t extra = 0;
+  if ((dev & kFlagNumPaths) && (!r.byte(&extra) || extra == 0)) return malformed(r.at(), "no paths or 0 paths");
+  if ((dev & kFlagSysDevice) && !r.byte(&extra)) return malformed(r.at(), "a system device past the end");
+  if (empty && *last_device && !v2) *release = unpackRelease(md_index & 0x0f, minor);
+  if (!r.take(dev_len)) return malformed(r.at(), "a device address past the end");
+  if (empty) return Status::OK();
+  const size_t first = out->entries.size();
+  for (bool last_tl = false; !last_tl;) {
+    if (out->entries.size() >= kMaxResources) return malformed(r.at(), "more than 128 transports");
+    AddressEntry e;
+    e.md_index = md_index;
+    e.dev_addr_len = dev_len;
+    PDLINK_RETURN_IF_ERROR(readTransport(r, v2, &e, &last_tl));
+    out->entries.push_back(e);
+  }
+  device_entries->emplace_back(first, out->entries.size());
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsigned minor) {
@@ -151,26 +260,8 @@ Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsig
     return malformed(0, std::to_string(n) + " bytes, more than " + std::to_string(kMaxWorkerAddressBytes));
   AddressReader r(p, n);
   WorkerAddressLayout out;
-  uint8_t header = 0, flags = 0;
-  (void)r.byte(&header);
-  out.version = header & 0x0f;
   unsigned release = 0;  // the sender's, as UCX reads it (v1: from its last empty device, else 0)
-  if (out.version == 0) {
-    flags = header >> 4;
-  } else if (out.version == 1) {
-    if (!r.byte(&flags)) return malformed(r.at(), "no flags byte");
-    release = unpackRelease(header >> 4, minor);
-  } else {
-    return malformed(0,
-                     "address version " + std::to_string(out.version) + " (UCX knows v1 and v2; it aborts on others)");
-  }
-  if (flags & ~kHeaderKnown) return malformed(r.at() - 1, "unknown header flags " + std::to_string(flags));
-  if ((out.version == 0 || (flags & kHeaderUuid)) && !r.take(8)) return malformed(r.at(), "no worker uuid");
-  if ((flags & kHeaderClientId) && !r.take(8)) return malformed(r.at(), "no client id");
-  if (flags & kHeaderDebugInfo) {
-    uint8_t len = 0;
-    if (!r.byte(&len) || !r.take(len)) return malformed(r.at(), "a worker name past the end");
-  }
+  PDLINK_RETURN_IF_ERROR(readAddressHeader(r, minor, &out, &release));
   if (r.at() < n && p[r.at()] == 0xff) return malformed(r.at(), "no devices");
   const bool v2 = out.version == 1;
   // 1.12 .. 1.18 read a v1 md index from bits 0-4 (bits 5-6 were flags); 1.19 on from bits 0-6,
@@ -178,75 +269,7 @@ Result<WorkerAddressLayout> parseWorkerAddress(const uint8_t* p, size_t n, unsig
   const uint8_t md_mask = (!v2 && minor < 19) ? 0x1f : 0x7f;
   std::vector<std::pair<size_t, size_t>> device_entries;  // per device with transports: [first, end) of entries
   for (bool last_device = false; !last_device;) {
-    const size_t device_at = r.at();
-    if (++out.devices > kMaxResources) return malformed(device_at, "more than 128 devices");
-    uint8_t md = 0, dev = 0;
-    if (!r.byte(&md)) return malformed(r.at(), "a device past the end");
-    const bool empty = md & kFlagEmptyDevice;
-    unsigned md_index = md & md_mask;
-    if (v2 && md_index == 0x7f) {  // extended: the whole next byte
-      uint8_t full = 0;
-      if (!r.byte(&full)) return malformed(r.at(), "an md index past the end");
-      md_index = full;
-    }
-    if (!r.byte(&dev)) return malformed(r.at(), "a device length past the end");
-    last_device = dev & kFlagLast;
-    size_t dev_len = dev & 0x1f;
-    if (v2 && dev_len == 0x1f) {
-      uint8_t full = 0;
-      if (!r.byte(&full)) return malformed(r.at(), "a device length past the end");
-      dev_len = full;
-    }
-    uint8_t extra = 0;
-    if ((dev & kFlagNumPaths) && (!r.byte(&extra) || extra == 0)) return malformed(r.at(), "no paths or 0 paths");
-    if ((dev & kFlagSysDevice) && !r.byte(&extra)) return malformed(r.at(), "a system device past the end");
-    if (empty && last_device && !v2) release = unpackRelease(md_index & 0x0f, minor);
-    if (!r.take(dev_len)) return malformed(r.at(), "a device address past the end");
-    if (empty) continue;
-    const size_t first = out.entries.size();
-    for (bool last_tl = false; !last_tl;) {
-      const size_t tl_at = r.at();
-      if (out.entries.size() >= kMaxResources) return malformed(tl_at, "more than 128 transports");
-      AddressEntry e;
-      e.md_index = md_index;
-      e.dev_addr_len = dev_len;
-      const uint8_t* csum = r.take(2);
-      if (!csum) return malformed(tl_at, "a transport past the end");
-      e.tl_name_csum = static_cast<uint16_t>(csum[0] | csum[1] << 8);
-      const uint8_t* attr = r.take(v2 ? 8 : 16);
-      if (!attr) return malformed(tl_at, "transport attributes past the end");
-      if (!v2) {
-        float overhead, bandwidth, latency;
-        std::memcpy(&overhead, attr, 4);
-        std::memcpy(&bandwidth, attr + 4, 4);
-        std::memcpy(&latency, attr + 8, 4);
-        if (!std::isfinite(overhead) || !std::isfinite(bandwidth) || !std::isfinite(latency) || bandwidth == 0) {
-          return malformed(tl_at, "transport attributes that are not finite, or a zero bandwidth");
-        }
-      } else {
-        // The segment a v2 peer can receive bounds the messages UCX sends it on an AM lane, and UCX
-        // aborts when its rendezvous keys do not fit in one (ucp_ep.c: rkey_size <= am.max_bcopy).
-        const unsigned seg_bytes = (attr[4] | attr[5] << 8) * 64u, flags16 = attr[6] | attr[7] << 8;
-        if ((flags16 & kAttrAmSync) && seg_bytes < kMinAmSegmentBytes) {
-          return malformed(tl_at, "an active-message transport whose segment is " + std::to_string(seg_bytes) +
-                                      " bytes (at least " + std::to_string(kMinAmSegmentBytes) + ")");
-        }
-      }
-      uint8_t len = 0;
-      if (!r.byte(&len)) return malformed(r.at(), "an interface length past the end");
-      last_tl = len & kFlagLast;
-      if (len & kFlagHasEpAddr) return malformed(r.at() - 1, "endpoint addresses (a worker address has none)");
-      size_t iface_len = len & 0x3f;
-      if (v2 && iface_len == 0x3f) {
-        uint8_t full = 0;
-        if (!r.byte(&full)) return malformed(r.at(), "an interface length past the end");
-        iface_len = full;
-      }
-      if (!r.take(iface_len)) return malformed(r.at(), "an interface address past the end");
-      e.iface_addr_len = iface_len;
-      out.entries.push_back(e);
-    }
-    device_entries.emplace_back(first, out.entries.size());
+    PDLINK_RETURN_IF_ERROR(readDevice(r, v2, md_mask, minor, &out, &release, &device_entries, &last_device));
   }
   if (!r.done()) return malformed(r.at(), std::to_string(n - r.at()) + " bytes after the last device");
   if (out.entries.empty()) return malformed(n, "no transports");

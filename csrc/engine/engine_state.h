@@ -1,0 +1,93 @@
+// EngineState: what the engine's parts share (engine.h's facade, LinkManager, RequestServer,
+// Transfers): the backend and what it offers, the data path table, the configuration, the
+// registry and pools, the one engine mutex and the flags it guards, and the engine's threads.
+//
+// Owned by the Engine facade, which creates it first and destroys it last; the three parts hold a
+// reference to it and never own each other.
+// Threading: `mu` is the engine's one mutex (lock order: `mu` before a Link's out mutex; the
+// registry's and the notification inbox's own mutexes are leaves). It guards `initialized`,
+// `stopping` and `role` here, and the link manager's tables (link_manager.h). `config`, `hint`,
+// the pools and `ucx_hub` are written only by initialize and finalize, which do not race with other
+// calls; everything else is immutable or has its own lock.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backends/backend.h"
+#include "engine/engine_types.h"
+#include "engine/mem_pool.h"
+#include "engine/pin_epochs.h"
+#include "engine/registry.h"
+#include "transport/path.h"
+#include "transport/path_table.h"
+
+namespace pdlink {
+
+namespace ucx {
+class UcxHub;
+}
+
+struct EngineState {
+  EngineState(std::shared_ptr<Backend> backend_in, const Capabilities& caps);
+
+  std::shared_ptr<Backend> backend;
+  // From backend->capabilities(), read once: device channels; same-host DEVICE transfers by IPC;
+  // a runtime with HCCL one-sided access.
+  const bool device_transport;
+  const bool ipc;
+  const bool one_sided;
+  // The data paths (transport/path_table.h): the serving side of each, and the requesting side of
+  // the device paths (a link's host path is its own object, Link::hostPath). The ucx entry's
+  // server is set by initialize and dropped by finalize.
+  PathTable paths;
+  PinEpochs pin_epochs;  // one word per served link
+  // Transport::kUcx, or kAuto with ucx_trusted_network where UCX loads: the engine's UCX workers
+  // (shared with its links' paths, which may outlive finalize); set by initialize, dropped by
+  // finalize.
+  std::shared_ptr<ucx::UcxHub> ucx_hub;
+  EngineConfig config;
+  wire::HostHint hint;  // set by initialize()
+  Registry registry;
+  std::shared_ptr<MemPool> device_pool;
+  std::shared_ptr<MemPool> host_pool;
+
+  mutable std::mutex mu;
+  bool initialized = false;  // guarded by mu
+  bool stopping = false;     // guarded by mu
+  Role role = Role::kMix;    // guarded by mu
+
+  // Takes mu.
+  bool isInitialized() const;
+  // How long a direct or IPC access of a peer stays pinned while it sends nothing
+  // (EngineLimits::pin_timeout_ms).
+  int64_t pinTimeoutMs() const {
+    const int64_t set = config.limits.pin_timeout_ms;
+    return set > 0 ? set : std::max<int64_t>(2 * config.sync_timeout_ms, 5000);
+  }
+  // The DEVICE memory a device channel prepares for one-sided access: the device pool and every
+  // registered DEVICE cache's tensors.
+  std::vector<Segment> preparedRegions() const;
+
+  // Starts an engine thread (detached; waitThreads waits for every one). Throws std::system_error
+  // when the system has no thread to give.
+  void spawn(std::function<void()> fn);
+  // Blocks until every thread spawn started has ended.
+  void waitThreads();
+  size_t threadsRunning() const;
+
+ private:
+  struct Threads {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t running = 0;  // guarded by mu
+  };
+  std::shared_ptr<Threads> threads_ = std::make_shared<Threads>();  // engine threads still running
+};
+
+}  // namespace pdlink

@@ -1,0 +1,830 @@
+// LinkManager (engine/link_manager.h): listeners and handshake slots, dialling, unlinking, probes,
+// each new link's transport and paths, device channels. The acceptor's half of the handshake is in
+// engine/handshake.cc.
+#include "engine/link_manager.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+
+#include "core/limits.h"
+#include "core/log.h"
+#include "engine/engine_internal.h"
+#include "transport/cma/cma.h"
+#include "transport/ucx/ucx_path.h"
+
+namespace pdlink {
+
+using namespace detail;  // NOLINT: this file is part of the engine
+
+Status detail::linkDown(uint64_t peer, const std::string& reason) {
+  return Status(Code::kLinkFailed,
+                "the link to " + clusterName(peer) + " is down (" + reason + "); disconnect, then connect again");
+}
+
+Status detail::linkDown(const Link& link) { return linkDown(link.peer(), link.brokenReason()); }
+
+Status detail::linkError(const PeerAddress& peer, const Status& st) {
+  Code code = st.code() == Code::kParamInvalid ? Code::kParamInvalid : Code::kLinkFailed;
+  return Status(code, "cannot link to " + clusterName(peer.cluster_id) + " at " + peer.ip + ":" +
+                          std::to_string(peer.port) + ": " + st.message());
+}
+
+LinkManager::LinkManager(EngineState& state, ServeFn serve) : s_(state), serve_(std::move(serve)) {}
+
+// ---------------------------------------------------------------- initialize, finalize, stats
+
+Status LinkManager::listenLocked(const std::string& ip, uint16_t port) {
+  auto l = startListener(ip, port);
+  if (!l.ok()) return l.status();
+  listener_ = std::move(l.value());
+  return Status::OK();
+}
+
+void LinkManager::listenUnixLocked() {
+  std::string name;
+  auto u = startUnixListener(&name);
+  if (u.ok()) {
+    unix_listener_ = std::move(u.value());
+    unix_name_ = name;
+  } else {
+    PDLINK_LOG(kWarn, "no same-host socket (" << u.status().message() << "); links to this engine use tcp");
+  }
+}
+
+void LinkManager::closeAll(const std::vector<std::shared_ptr<Link>>& links) {
+  for (auto& link : links) {
+    if (!link->broken()) {
+      std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
+      if (out.owns_lock()) {  // tell the peer, best effort, without waiting on a busy link
+        wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
+        std::string frame = wire::encode(h);
+        (void)link->out().sendFrame(frame, Deadline::afterMs(200));
+      }
+    }
+    link->breakLink("engine finalized");
+  }
+}
+
+void LinkManager::shutdownHandshakes() {
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    for (Socket* s : handshaking_) s->shutdown();
+  }
+  pending_cv_.notify_all();
+}
+
+void LinkManager::addStatsLocked(EngineStats* s) const {
+  s->live_links = links_.live();
+  s->tombstones = links_.tombstones();
+  s->handshakes = slots_.total;
+  s->handshakes_evicted = slots_.evicted;
+  for (const Listener* l : {listener_.get(), comm_listener_.get(), unix_listener_.get()}) {
+    if (l) s->listener_backoffs += l->backoffs();
+  }
+}
+
+uint16_t LinkManager::listenPort() const {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  return listenPortLocked();
+}
+
+// ---------------------------------------------------------------- for serving and transfers
+
+void LinkManager::forget(const std::shared_ptr<Link>& link) {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  links_.forget(link);
+}
+
+void LinkManager::retire(const std::shared_ptr<Link>& link) {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  links_.retire(link, s_.config.limits.max_links);
+}
+
+bool LinkManager::dialledBy(const Link& link, const wire::Nonce& nonce, const std::string& endpoint) const {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  std::shared_ptr<Link> own = links_.slot(link.peer(), true);
+  auto it = dialling_.find(nonce);
+  return (own && !own->broken() && own->nonce() == nonce && own->endpoint() == endpoint) ||
+         (it != dialling_.end() && it->second.peer == link.peer() && it->second.endpoint == endpoint);
+}
+
+struct LinkManager::Dialled {
+  Socket fwd, rev;
+  pid_t pid = 0;  // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
+  uid_t uid = 0;
+  uint64_t published_addr = 0;  // its Registry::Published words (AF_UNIX channels only)
+  std::shared_ptr<cma::Grant> grant;
+  Session fwd_session, rev_session;  // with a link secret: the channels' keys
+  wire::Nonce nonce{};               // the forward channel's hello
+  std::string endpoint;              // the forward channel's end here (Socket::localEndpoint)
+  std::shared_ptr<void> in_flight;   // keeps `nonce` confirmable while the link is made (markDialling)
+};
+
+std::shared_ptr<void> LinkManager::markDialling(const wire::Nonce& nonce, uint64_t peer, const std::string& endpoint) {
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    dialling_[nonce] = {peer, endpoint};
+  }
+  return std::shared_ptr<void>(nullptr, [this, nonce](void*) {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    dialling_.erase(nonce);
+  });
+}
+
+// ---------------------------------------------------------------- listeners and roles
+
+std::string LinkManager::sourceOf(const Socket& s) {
+  // A local peer is its user: every process of one uid shares one share, whichever way it comes
+  // (AF_UNIX, or TCP from a loopback address), so many processes or many loopback addresses gain
+  // an attacker nothing. A remote peer is its IP address.
+  if (s.isUnix()) {
+    auto cred = s.peerCredentials();
+    return cred.ok() ? "uid " + std::to_string(cred.value().uid) : s.peer();
+  }
+  auto uid = s.loopbackPeerUid();
+  if (uid.ok()) return "uid " + std::to_string(uid.value());
+  const std::string& p = s.peer();
+  return p.substr(0, p.rfind(':'));
+}
+
+void LinkManager::HandshakeSlot::release() {
+  if (!manager) return;
+  std::lock_guard<std::mutex> lock(manager->s_.mu);
+  manager->hearLocked(this);
+  if (evicted) {
+    --manager->slots_.evicting;  // its place was counted out when it was evicted
+  } else {
+    --manager->slots_.total;
+    auto it = manager->slots_.per_source.find(source);
+    if (it != manager->slots_.per_source.end() && --it->second == 0) manager->slots_.per_source.erase(it);
+  }
+  manager = nullptr;
+}
+
+void LinkManager::hearLocked(HandshakeSlot* slot) {
+  if (slot->silent < 0) return;
+  slots_.silent.erase(slot->arrival);
+  slot->silent = -1;
+}
+
+bool LinkManager::evictSilentLocked(const std::string& newcomer, bool same_source) {
+  // The oldest connection (of the newcomer's source, or of anyone) that has not sent its hello yet
+  // makes room: its place is the newcomer's at once. Its thread wakes from its read and ends; until it has,
+  // it counts as evicting, and at most kEvictingPerSlot x max_handshakes of those may be in flight.
+  if (slots_.evicting >= kEvictingPerSlot * size_t{s_.config.limits.max_handshakes}) return false;
+  for (auto it = slots_.silent.begin(); it != slots_.silent.end(); ++it) {
+    HandshakeSlot* victim = it->second;
+    if (same_source && victim->source != newcomer) continue;
+    // Wakes its thread's read; the descriptor stays open (and so is never another's) until that
+    // thread, which heard() first, closes it.
+    (void)::shutdown(victim->silent, SHUT_RDWR);
+    victim->silent = -1;
+    victim->evicted = true;
+    ++slots_.evicting;
+    ++slots_.evicted;
+    --slots_.total;
+    auto share = slots_.per_source.find(victim->source);
+    if (--share->second == 0 && victim->source != newcomer) slots_.per_source.erase(share);  // the caller holds its own
+    slots_.silent.erase(it);
+    return true;
+  }
+  return false;
+}
+
+Listener::AcceptFn LinkManager::acceptor() {
+  return [this](Socket s) {
+    // A handshake slot is taken here, on the listener's thread, before any thread is started: a
+    // flood from one source runs out of its own slots, not everyone's.
+    auto slot = std::make_shared<HandshakeSlot>();
+    const std::string source = sourceOf(s);
+    {
+      std::lock_guard<std::mutex> lock(s_.mu);
+      if (s_.stopping) return;
+      const EngineLimits& lim = s_.config.limits;
+      size_t& mine = slots_.per_source[source];
+      // Full: a connection that speaks at once is not locked out by silent ones (evictSilentLocked).
+      const bool room = (mine < lim.max_handshakes_per_source || evictSilentLocked(source, true)) &&
+                        (slots_.total < lim.max_handshakes || evictSilentLocked(source, false));
+      if (!room) {
+        const size_t held = mine;  // read before the erase below frees it
+        if (held == 0) slots_.per_source.erase(source);
+        if (handshakes_refused_.fetch_add(1) % 1000 == 0) {  // one line per thousand, not one each
+          PDLINK_LOG(kWarn, "dropping connection from " << s.peer() << ": too many handshakes in progress ("
+                                                        << slots_.total << " in all, " << held << " from " << source
+                                                        << ")");
+        }
+        return;
+      }
+      ++mine;
+      ++slots_.total;
+      slot->manager = this;
+      slot->source = source;
+      slot->arrival = ++slots_.arrivals;
+      slot->silent = s.fd();  // evictable until its hello arrives (handleIncoming)
+      slots_.silent[slot->arrival] = slot.get();
+    }
+    auto holder = std::make_shared<Socket>(std::move(s));
+    try {
+      s_.spawn([this, holder, slot] { handleIncoming(std::move(*holder), slot.get()); });
+    } catch (const std::exception& e) {  // no thread to be had: drop this connection, keep listening
+      PDLINK_LOG(kWarn, "dropping connection from " << holder->peer() << ": " << e.what());
+      slot->release();
+    }
+  };
+}
+
+Result<std::unique_ptr<Listener>> LinkManager::startListener(const std::string& ip, uint16_t port) {
+  return Listener::start(ip, port, acceptor());
+}
+
+Result<std::unique_ptr<Listener>> LinkManager::startUnixListener(std::string* name) {
+  uint8_t rnd[16];
+  randomBytes(rnd, sizeof(rnd));
+  static const char* hex = "0123456789abcdef";
+  *name = "pdlink-";
+  for (uint8_t b : rnd) {
+    name->push_back(hex[b >> 4]);
+    name->push_back(hex[b & 15]);
+  }
+  return Listener::startUnix(*name, acceptor());
+}
+
+void LinkManager::stopListeners() {
+  std::unique_ptr<Listener> a, b, c;
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    a = std::move(listener_);
+    b = std::move(comm_listener_);
+    c = std::move(unix_listener_);
+    unix_name_.clear();
+  }
+  // Destroyed outside s_.mu: the accept callback takes it.
+}
+
+Status LinkManager::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
+  std::unique_ptr<Listener> old, fresh;
+  bool keep = false;
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    if (!s_.initialized) return Status(Code::kFailed, "engine is not initialized");
+    if (s_.config.one_way_links) {
+      // As llm_datadist's hixl backend: the role is a label; links and listener stay as they are.
+      const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
+                                              (listen_port == listener_->port() || listen_port == 0));
+      if (!same) {
+        return Status(Code::kFeatureNotEnabled,
+                      "with one-way links switch_role cannot change the listen "
+                      "address; close the engine and open a new one");
+      }
+      s_.role = role;
+      return Status::OK();
+    }
+    if (!links_.empty() || !linking_.empty()) {
+      std::string ids;
+      for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+      return Status(Code::kExistLink,
+                    "cannot switch role while links exist (peer clusters: " + ids + "); disconnect them first");
+    }
+    keep = !listen_ip.empty() && listener_ && listen_ip == listener_->ip() &&
+           (listen_port == listener_->port() || listen_port == 0);
+    // The new address is bound before the old one is given up, so a failed switch changes
+    // nothing; only a move to the same port on another address must release the old one first.
+    if (!keep && !listen_ip.empty() && listener_ && listen_port == listener_->port()) old = std::move(listener_);
+  }
+  old.reset();  // joins the accept thread, outside s_.mu
+  if (!keep && !listen_ip.empty()) {
+    auto l = startListener(listen_ip, listen_port);
+    if (!l.ok()) return l.status();
+    fresh = std::move(l.value());
+  }
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    if (!keep) {
+      old = std::move(listener_);
+      listener_ = std::move(fresh);
+    }
+    s_.role = role;
+    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << " switched to role " << static_cast<int>(role)
+                                << (listener_ ? ", listening on port " + std::to_string(listener_->port())
+                                              : ", not listening"));
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- links
+
+std::vector<Status> LinkManager::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
+                                      std::vector<uint64_t>* peer_ids) {
+  if (peers.size() > kMaxPeersPerCall) {
+    return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(peers.size()))};
+  }
+  if (!s_.isInitialized()) return {Status(Code::kFailed, "engine is not initialized")};
+  // Peers are linked in parallel: one slow or dead peer costs its own timeout, not everyone's.
+  std::vector<uint64_t> ids(peers.size(), wire::kAnyCluster);
+  std::vector<std::future<Status>> futures;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    futures.push_back(std::async(
+        std::launch::async, [this, &peers, &ids, i, timeout_ms] { return linkOne(peers[i], timeout_ms, &ids[i]); }));
+  }
+  std::vector<Status> out;
+  for (auto& f : futures) out.push_back(f.get());
+  if (peer_ids) *peer_ids = std::move(ids);
+  return out;
+}
+
+Status LinkManager::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_t* linked_id) {
+  const bool known = peer.cluster_id != wire::kAnyCluster;
+  std::shared_ptr<Link> claimed;  // an accepted link that claims to come from `peer`
+  const std::string where = peer.ip + ":" + std::to_string(peer.port);
+  // Guards against a second link attempt to the same peer, by id when known, else by address.
+  const uint64_t guard_key = known ? peer.cluster_id : std::hash<std::string>{}(where) | (uint64_t{1} << 63);
+  PDLINK_RETURN_IF_ERROR(admitLinkAttempt(peer, guard_key, &claimed, linked_id));
+  struct Unmark {
+    LinkManager* e;
+    uint64_t key;
+    ~Unmark() {
+      std::lock_guard<std::mutex> lock(e->s_.mu);
+      e->linking_.erase(key);
+    }
+  } unmark{this, guard_key};
+
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  uint64_t peer_id = peer.cluster_id;
+  auto dialled = dialChannels(peer, &peer_id, deadline);  // kept until the end: its nonce stays confirmable
+  if (!dialled.ok()) return dialled.status();
+  if (peer_id == s_.config.cluster_id) {
+    return linkError(peer, Status(Code::kParamInvalid, "the peer uses this engine's own cluster id"));
+  }
+  Dialled& d = dialled.value();
+  std::shared_ptr<const cma::Process> process;
+  Status st = chooseTransport(d.fwd, d.pid, d.uid, d.published_addr, &process);
+  if (!st.ok()) return linkError(peer, st);  // the peer sees the channels close
+  auto link = std::make_shared<Link>(peer_id, std::move(d.fwd), std::move(d.rev), true);
+  if (d.fwd_session.key) {
+    link->authenticate(std::move(d.fwd_session.key), std::move(d.rev_session.key), d.fwd_session.integrity);
+  }
+  const bool direct = process != nullptr;
+  link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant), std::move(process));
+  link->setPeerAddress(where);
+  link->setOrigin("", d.nonce, d.endpoint);
+  choosePaths(*link, direct);
+  if (claimed) PDLINK_RETURN_IF_ERROR(settleClaim(peer, peer_id, link, claimed, deadline, linked_id));
+  return finishLink(peer, peer_id, link, deadline, linked_id);
+}
+
+Status LinkManager::admitLinkAttempt(const PeerAddress& peer, uint64_t guard_key, std::shared_ptr<Link>* claimed,
+                                     uint64_t* linked_id) {
+  const bool known = peer.cluster_id != wire::kAnyCluster;
+  const std::string where = peer.ip + ":" + std::to_string(peer.port);
+  std::lock_guard<std::mutex> lock(s_.mu);
+  if (known && peer.cluster_id == s_.config.cluster_id) {
+    return Status(Code::kParamInvalid,
+                  "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));
+  }
+  // A link entity of this side (a dead one too, until unlinked) for this peer: llm_datadist
+  // answers LLM_ALREADY_LINK. (So a peer that linked to us first makes our own link attempt
+  // ALREADY_LINK: its link is symmetric. One-way links count only our own.) An accepted link
+  // alone is only a claim, though: the engine at the dialled address must confirm it is the
+  // other end of it (settleClaim).
+  for (const LinkInfo& l : links_.ownInfos()) {
+    if ((known && l.peer_cluster_id == peer.cluster_id) || (!known && l.peer_address == where)) {
+      if (known && !l.initiator && !l.broken) {
+        *claimed = links_.slot(peer.cluster_id, false);
+        if (*claimed) continue;
+      }
+      if (linked_id) *linked_id = l.peer_cluster_id;
+      return Status(Code::kAlreadyLink, clusterName(l.peer_cluster_id) + " is already linked");
+    }
+  }
+  if (links_.live() + linking_.size() >= s_.config.limits.max_links) {
+    return Status(Code::kLinkFailed, "this engine already has " + std::to_string(links_.live()) +
+                                         " links, the most it may have (pdlink.MaxLinks); unlink one first");
+  }
+  if (!linking_.insert(guard_key).second) {
+    return Status(Code::kProcessingLink,
+                  "a link to " + (known ? clusterName(peer.cluster_id) : where) + " is in progress");
+  }
+  return Status::OK();
+}
+
+Result<LinkManager::Dialled> LinkManager::dialChannels(const PeerAddress& peer, uint64_t* peer_id, Deadline deadline) {
+  const bool offer = s_.config.transport != Transport::kTcp;
+  std::string redirect;
+  auto dialled = dialTcp(peer, offer, peer_id, deadline, &redirect);
+  if (!dialled.ok()) return linkError(peer, dialled.status());
+  if (!redirect.empty()) {
+    // The acceptor is on this host (by the hints) and offers its AF_UNIX socket, where the kernel
+    // tells each side who the other is. Out of reach (another network namespace): TCP after all.
+    bool reached = false;
+    auto local = dialUnix(redirect, peer_id, deadline, &reached);
+    if (local.ok()) {
+      dialled = std::move(local);
+    } else if (reached || s_.config.transport == Transport::kCma) {
+      return linkError(peer, local.status());
+    } else {
+      PDLINK_LOG(kInfo, "same-host channels to " << clusterName(*peer_id) << " unavailable ("
+                                                 << local.status().message() << "); using tcp");
+      *peer_id = peer.cluster_id;
+      dialled = dialTcp(peer, false, peer_id, deadline, &redirect);
+      if (!dialled.ok()) return linkError(peer, dialled.status());
+    }
+  }
+  return dialled;
+}
+
+Status LinkManager::settleClaim(const PeerAddress& peer, uint64_t peer_id, const std::shared_ptr<Link>& link,
+                                const std::shared_ptr<Link>& claimed, Deadline deadline, uint64_t* linked_id) {
+  // The engine we dialled says whether it made the accepted link. Yes: that link is the one
+  // llm_datadist reports (ALREADY_LINK), and the new one is closed again, leaving nothing on
+  // either side. No: the accepted link is an impostor's, or stale; it is dropped and the
+  // dialled one used.
+  Status confirmed = confirmDialled(*link, *claimed, deadline);
+  if (confirmed.ok()) {
+    dropUnused(*link, deadline);
+    if (linked_id) *linked_id = peer_id;
+    return Status(Code::kAlreadyLink, clusterName(peer_id) + " is already linked");
+  }
+  if (link->broken()) return linkError(peer, confirmed);
+  PDLINK_LOG(kWarn, "dropping the link that claimed to come from "
+                        << clusterName(peer_id) << " (" << claimed->peerAddress() << "): " << confirmed.message());
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    links_.forget(claimed);
+  }
+  claimed->breakLink("claimed to come from " + clusterName(peer_id) + ", which did not dial it");
+  return Status::OK();
+}
+
+Status LinkManager::finishLink(const PeerAddress& peer, uint64_t peer_id, const std::shared_ptr<Link>& link,
+                               Deadline deadline, uint64_t* linked_id) {
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    if (s_.stopping || !s_.initialized) return Status(Code::kLinkFailed, "engine is finalizing");
+    installLink(link);
+  }
+  s_.spawn([this, link] { serve_(link); });
+  bool channel = false;
+  Status st;
+  std::unique_lock<std::mutex> out(link->outMutex());
+  // Set up this direction's device channel now rather than on the first pull when the link's first
+  // device path needs one: HCCL's communicator setup takes seconds on real hardware. (A same-host
+  // link uses IPC, and sets a channel up only if the peer turns IPC down.) A peer without device
+  // channels (a CPU backend) still links; its device transfers are refused then.
+  const bool wants_channel = !link->devicePaths().empty() && link->devicePaths().front()->caps().device_channel;
+  if (wants_channel) {
+    st = ensureDeviceChannel(link, deadline, "link to");
+    channel = link->outDevice() != nullptr;
+  }
+  out.unlock();
+  if (wants_channel) {
+    if (!st.ok() && st.code() != Code::kFeatureNotEnabled) {
+      (void)unlinkOne(peer_id, 1000, true);
+      return linkError(peer, st);
+    }
+    if (!st.ok()) PDLINK_LOG(kInfo, st.message());
+  }
+  if (linked_id) *linked_id = peer_id;
+  PDLINK_LOG(kInfo, "linked to " << clusterName(peer_id) << " at " << peer.ip << ":" << peer.port << " over "
+                                 << link->transport() << (channel ? " and a device channel" : ""));
+  return Status::OK();
+}
+
+namespace {
+
+// Both channels of a link agree on payload integrity (the acceptor decides it once per link).
+Status sameIntegrity(const Session& fwd, const Session& rev) {
+  if (fwd.integrity != rev.integrity) {
+    return Status(Code::kLinkFailed, "the peer agreed to payload integrity on one channel only");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<LinkManager::Dialled> LinkManager::dialTcp(const PeerAddress& peer, bool offer_same_host, uint64_t* peer_id,
+                                                  Deadline deadline, std::string* redirect) {
+  redirect->clear();
+  wire::Hello hello;
+  hello.cluster_id = s_.config.cluster_id;
+  hello.expected_peer = peer.cluster_id;
+  hello.nonce = makeNonce();
+  const uint8_t integrity = s_.config.payload_integrity ? wire::kHelloPayloadIntegrity : 0;
+  hello.flags = (offer_same_host ? wire::kHelloSameHost : 0) | integrity;
+  wire::ClientAuth mine;
+  if (offer_same_host) mine.hint = s_.hint;  // what the acceptor needs to decide on a redirect
+  Dialled d;
+  auto fwd = Socket::connect(peer.ip, peer.port, deadline);
+  if (!fwd.ok()) return fwd.status();
+  wire::AuthResult result;
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(fwd.value(), hello, s_.config.link_secret, mine, peer_id, &result, &d.fwd_session, deadline));
+  if (!result.redirect.empty()) {
+    *redirect = result.redirect;
+    return d;  // the acceptor closes this connection; the link is made on the AF_UNIX socket
+  }
+  d.nonce = hello.nonce;
+  d.endpoint = fwd.value().localEndpoint();
+  d.in_flight = markDialling(hello.nonce, *peer_id, d.endpoint);
+  auto rev = Socket::connect(peer.ip, peer.port, deadline);
+  if (!rev.ok()) return rev.status();
+  hello.channel = wire::Channel::kReverse;
+  hello.flags = integrity;
+  PDLINK_RETURN_IF_ERROR(helloExchange(rev.value(), hello, s_.config.link_secret, wire::ClientAuth{}, peer_id, &result,
+                                       &d.rev_session, deadline));
+  PDLINK_RETURN_IF_ERROR(sameIntegrity(d.fwd_session, d.rev_session));
+  d.fwd = std::move(fwd.value());
+  d.rev = std::move(rev.value());
+  return d;
+}
+
+Result<LinkManager::Dialled> LinkManager::dialUnix(const std::string& name, uint64_t* peer_id, Deadline deadline,
+                                                   bool* reached) {
+  *reached = false;
+  Dialled d;
+  auto fwd = Socket::connectUnix(name, deadline);
+  if (!fwd.ok()) return fwd.status();
+  *reached = true;
+  auto cred = fwd.value().peerCredentials();
+  if (!cred.ok()) return cred.status();
+  d.pid = cred.value().pid;
+  d.uid = cred.value().uid;
+  wire::Hello hello;
+  hello.cluster_id = s_.config.cluster_id;
+  hello.expected_peer = *peer_id;
+  hello.nonce = makeNonce();
+  hello.flags = s_.config.payload_integrity ? wire::kHelloPayloadIntegrity : 0;
+  wire::ClientAuth mine;
+  mine.hint = s_.hint;
+  mine.gen_addr = reinterpret_cast<uint64_t>(s_.registry.published());
+  wire::AuthResult result;
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(fwd.value(), hello, s_.config.link_secret, mine, peer_id, &result, &d.fwd_session, deadline));
+  d.published_addr = result.gen_addr;
+  d.nonce = hello.nonce;
+  d.endpoint = fwd.value().localEndpoint();
+  d.in_flight = markDialling(hello.nonce, *peer_id, d.endpoint);
+  // The acceptor (it has proven the secret by now) probes this process before it completes the
+  // link: let it read us from now on (released with `d` if the link does not come up). Not for a
+  // peer inside this process.
+  if (d.pid != 0 && d.pid != ::getpid()) d.grant = cma::Grant::acquire();
+  auto rev = Socket::connectUnix(name, deadline);
+  if (!rev.ok()) return rev.status();
+  auto cred2 = rev.value().peerCredentials();
+  if (!cred2.ok() || cred2.value().pid != d.pid) {
+    return Status(Code::kLinkFailed, "the two same-host channels reached different processes");
+  }
+  hello.channel = wire::Channel::kReverse;
+  PDLINK_RETURN_IF_ERROR(
+      helloExchange(rev.value(), hello, s_.config.link_secret, mine, peer_id, &result, &d.rev_session, deadline));
+  if (result.gen_addr != d.published_addr) {
+    return Status(Code::kLinkFailed, "the two same-host channels disagree about the peer");
+  }
+  PDLINK_RETURN_IF_ERROR(sameIntegrity(d.fwd_session, d.rev_session));
+  d.fwd = std::move(fwd.value());
+  d.rev = std::move(rev.value());
+  return d;
+}
+
+Status LinkManager::chooseTransport(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr,
+                                    std::shared_ptr<const cma::Process>* process) const {
+  process->reset();
+  if (s_.config.transport == Transport::kTcp || s_.config.transport == Transport::kUcx) return Status::OK();
+  if (peer_pid == 0) {
+    if (s_.config.transport == Transport::kCma) {
+      return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
+    }
+    return Status::OK();
+  }
+  // A proven same-host peer: copy directly if its process can be held for the life of the link
+  // (cma::Process) and this process may read it (Yama, same user). The probe reads the peer's
+  // published words, in the process the kernel named, never a claimed one.
+  auto opened = cma::Process::open(channel.fd(), peer_pid, peer_uid);
+  Result<uint64_t> word = opened.ok() ? opened.value()->readWord(published_addr) : Result<uint64_t>(opened.status());
+  if (word.ok()) {
+    PDLINK_LOG(kDebug, "same-host peer pid " << peer_pid << ": direct copies by " << opened.value()->modeName());
+    *process = std::move(opened.value());
+    return Status::OK();
+  }
+  if (s_.config.transport == Transport::kCma) return word.status();
+  PDLINK_LOG(kInfo, "same-host peer pid " << peer_pid << ": " << word.status().message() << "; streaming");
+  return Status::OK();
+}
+
+void LinkManager::installLink(const std::shared_ptr<Link>& link) {
+  link_log_.emplace_back(++link_seq_, link->peer());
+  if (link_log_.size() > limits::kLinkLogEntries) link_log_.pop_front();
+  if (std::shared_ptr<Link> old = links_.install(link)) {
+    // The peer re-linked without unlinking (it restarted, or force-unlinked its end), and its old
+    // link was dead, or the newcomer proved the secret (handleIncoming): the old entity is stale,
+    // as in llm_datadist's force re-link.
+    PDLINK_LOG(kInfo, "replacing stale link to " << clusterName(link->peer()));
+    old->breakLink("replaced by a new link from the peer");
+  }
+}
+
+Status LinkManager::confirmDialled(Link& link, const Link& claimed, Deadline deadline) {
+  std::lock_guard<std::mutex> out(link.outMutex());
+  const std::string body =
+      std::string(reinterpret_cast<const char*>(claimed.nonce().data()), claimed.nonce().size()) + claimed.endpoint();
+  wire::ResponseHeader rh;
+  Status st = request(link, wire::RequestHeader{wire::Op::kConfirm, static_cast<uint32_t>(body.size()), 0}, body,
+                      deadline, "confirming a link with", &rh);
+  if (st.ok() && rh.payload_len != 0) {
+    st = failTransfer(link, Status(Code::kLinkFailed, "malformed answer to a link confirmation"), "confirming with");
+  }
+  return st;
+}
+
+void LinkManager::dropUnused(Link& link, Deadline deadline) {
+  {
+    std::lock_guard<std::mutex> out(link.outMutex());
+    wire::ResponseHeader rh;
+    (void)request(link, wire::RequestHeader{wire::Op::kUnlink, 0, 0}, "", deadline, "closing a spare link to", &rh);
+  }
+  link.breakLink("not needed: the peer's own link to this engine serves");
+}
+
+bool LinkManager::stillAlive(const std::shared_ptr<Link>& link) {
+  if (link->broken()) return false;
+  std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
+  if (!out.owns_lock()) return true;  // a transfer (or another probe) is running on it
+  // Found dead only after a window of silence, not one missed answer: a ping, and another each
+  // time the wait for any answer doubles (kProbeWaitsMs). An owner that pauses for less than the
+  // window answers one of them, and keeps its link; the answers of every ping sent are read back.
+  const std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
+  size_t sent = 0;
+  Status st;
+  for (int64_t wait_ms : kProbeWaitsMs) {
+    st = link->out().sendFrame(frame, Deadline::afterMs(wait_ms));
+    if (!st.ok()) break;
+    ++sent;
+    st = link->out().waitReadable(Deadline::afterMs(wait_ms));
+    if (st.code() != Code::kTimeout) break;
+  }
+  for (size_t i = 0; st.ok() && i < sent; ++i) {
+    wire::ResponseHeader rh;
+    Status remote;
+    st = readResponse(link->out(), Deadline::afterMs(kProbeWaitsMs[0]), &rh, &remote);
+  }
+  if (!st.ok()) link->breakLink("found dead by probes over " + std::to_string(kProbeWindowMs) + " ms: " + st.message());
+  return st.ok();
+}
+
+std::vector<Status> LinkManager::unlink(const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
+  if (ids.size() > kMaxPeersPerCall) {
+    return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(ids.size()))};
+  }
+  std::vector<Status> out;
+  for (uint64_t id : ids) out.push_back(unlinkOne(id, timeout_ms, force));
+  return out;
+}
+
+Status LinkManager::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool force) {
+  std::vector<std::shared_ptr<Link>> links;
+  // One-way links: only our own goes, and the peer is not told (its end sees the channels close).
+  if (s_.config.one_way_links) force = true;
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    bool had = false;
+    links = links_.remove(cluster_id, &had);
+    if (!had && s_.config.one_way_links) return Status::OK();  // as the hixl backend: nothing to destroy
+    if (!had) return Status(Code::kNotYetLink, "no link to " + clusterName(cluster_id));
+  }
+  Status result;
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  for (const auto& link : links) {
+    if (!force && !link->broken()) {
+      // Tell the peer so it drops its end too; a dead peer cannot be told.
+      std::lock_guard<std::mutex> out(link->outMutex());
+      wire::RequestHeader h{wire::Op::kUnlink, 0, 0};
+      std::string frame = wire::encode(h);
+      Status st = link->out().sendFrame(frame, deadline);
+      wire::ResponseHeader rh;
+      Status remote;
+      if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+      if (!st.ok()) {
+        result = Status(Code::kNotifyPromptUnlinkFailed, "unlinked locally, but " + clusterName(cluster_id) +
+                                                             " could not be told (" + st.message() +
+                                                             "); disconnect on that side too");
+      }
+    }
+    link->breakLink("unlinked by this side");
+  }
+  PDLINK_LOG(kInfo, "unlinked " << clusterName(cluster_id) << (force ? " (force)" : ""));
+  return result;
+}
+
+Status LinkManager::ping(uint64_t cluster_id, int64_t timeout_ms) {
+  auto link_r = usableLink(cluster_id);
+  if (!link_r.ok()) return link_r.status();
+  std::shared_ptr<Link> link = link_r.value();
+  std::lock_guard<std::mutex> out(link->outMutex());
+  if (link->broken()) return linkDown(*link);
+  Deadline deadline = Deadline::afterMs(timeout_ms);
+  std::string frame = wire::encode(wire::RequestHeader{wire::Op::kPing, 0, 0});
+  Status st = link->out().sendFrame(frame, deadline);
+  wire::ResponseHeader rh;
+  Status remote;
+  if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
+  if (!st.ok()) return failTransfer(*link, st, "link check with");
+  return remote;
+}
+
+Result<uint16_t> LinkManager::startCommListener(const std::string& ip, uint16_t port) {
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    if (!s_.initialized) return Status(Code::kFailed, "engine is not initialized");
+    if (comm_listener_) {
+      if (comm_listener_->ip() == ip && (port == 0 || comm_listener_->port() == port)) return comm_listener_->port();
+      return Status(Code::kParamInvalid, "link() endpoint already bound to " + comm_listener_->ip() + ":" +
+                                             std::to_string(comm_listener_->port()));
+    }
+  }
+  auto l = startListener(ip, port);
+  if (!l.ok()) return l.status();
+  std::unique_ptr<Listener> extra;  // destroyed on return, outside s_.mu (its callback takes s_.mu)
+  std::lock_guard<std::mutex> lock(s_.mu);
+  if (comm_listener_) {
+    extra = std::move(l.value());  // lost a race with a concurrent call: keep the first
+  } else {
+    comm_listener_ = std::move(l.value());
+  }
+  return comm_listener_->port();
+}
+
+std::vector<LinkInfo> LinkManager::links() const {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  return links_.infos();
+}
+
+uint64_t LinkManager::linkedSince(uint64_t after, std::vector<uint64_t>* peers) const {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  peers->clear();
+  for (const auto& [seq, peer] : link_log_) {
+    if (seq > after) peers->push_back(peer);
+  }
+  return link_seq_;
+}
+
+// ---------------------------------------------------------------- paths and device channels
+
+void LinkManager::choosePaths(Link& link, bool direct) {
+  LinkFacts f;
+  f.same_host = link.sameHost();
+  f.in_process = link.inProcess();
+  f.unix_socket = link.outSocket().isUnix();
+  if (direct) {
+    f.direct = link.peerProcess();
+    f.published_addr = link.peerPublishedAddr();
+  }
+  if (ucx::isPathOf(s_.ucx_hub.get(), s_.config.transport == Transport::kUcx, link)) f.ucx = s_.ucx_hub;
+  f.auto_transport = s_.config.transport == Transport::kAuto;
+  f.config_one_sided = s_.config.one_sided;
+  f.offer = BackendOffer{s_.device_transport, s_.ipc, s_.one_sided};
+  ChosenPaths chosen = s_.paths.choose(f);
+  link.setPaths(std::move(chosen.host), std::move(chosen.device));
+}
+
+Result<std::shared_ptr<Link>> LinkManager::usableLink(uint64_t peer) {
+  std::lock_guard<std::mutex> lock(s_.mu);
+  if (!s_.initialized) return Status(Code::kFailed, "engine is not initialized");
+  if (std::shared_ptr<Link> link = links_.forRequests(peer)) return link;
+  if (auto why = links_.downReason(peer)) return linkDown(peer, *why);
+  return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; connect first");
+}
+
+Status LinkManager::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what) {
+  if (link->outDevice()) return Status::OK();
+  auto rendezvous = s_.backend->newRendezvous();
+  if (!rendezvous.ok()) return rendezvous.status();
+  const std::string& rv = rendezvous.value();
+  // One-sided access is offered when this runtime has it; the peer agrees when its runtime has it
+  // too (and its configuration allows it).
+  const bool offer = s_.config.one_sided && s_.one_sided;
+  std::string body = rv + static_cast<char>(offer ? wire::kChannelOneSided : 0);
+  wire::ResponseHeader rh;
+  Status st = request(*link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0}, body,
+                      deadline, what, &rh);
+  if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
+  std::string answer;
+  const uint8_t offered = offer ? wire::kChannelOneSided : 0;
+  if (rh.payload_len != 1 || !readAnswer(link->out(), 1, 1, deadline, &answer, "device channel answer").ok() ||
+      (static_cast<uint8_t>(answer[0]) & ~offered) != 0) {
+    return failTransfer(*link, Status(Code::kLinkFailed, "malformed device channel answer"), what);
+  }
+  const uint8_t agreed = static_cast<uint8_t>(answer[0]);
+  auto channel = s_.backend->joinChannel(rv, true);
+  if (channel.ok() && (agreed & wire::kChannelOneSided)) {
+    st = channel.value()->prepare(s_.preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
+    if (!st.ok()) channel = st;
+  }
+  if (!channel.ok()) return failTransfer(*link, channel.status(), what);  // the peer's half is in an unknown state
+  link->setOutDevice(std::move(channel.value()));
+  return Status::OK();
+}
+
+}  // namespace pdlink

@@ -1,0 +1,125 @@
+// RequestServer: serves the requests a peer sends over a link's `in` channel (docs/architecture.md,
+// "Data paths": the peer's serving thread), and holds the notifications peers send.
+//
+// Owns: the notification inbox (EngineLimits::max_notification*) and the count of expired pins. It
+// holds no link: the link manager hands it each link to serve (serve, on that link's engine
+// thread), and it reaches the link table only through the link manager (forget, retire,
+// dialledBy); the registry, the path table and the pin epochs are the engine's (EngineState).
+// Admission (admitHeader, admitAccess) is the only place that turns what a peer sent into work,
+// with wire's bounded decoders; every check a peer can reach runs before anything is resolved,
+// pinned or moved.
+//
+// Threading: one serving thread per link calls serve (or the fuzzer calls serveStream on its own
+// stream); any application thread calls notify and takeNotifications. notify_mu_ is a leaf lock;
+// EngineState::mu is taken only inside the link manager's calls. Transfers on one link's `out`
+// channel are serialised by its out mutex (notify takes it).
+// Errors: a non-OK Status from serving means the channel is unusable (the link is dropped); a
+// refusal the link survives is answered on the wire as the peer's error. No exception escapes
+// serveStream.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/deadline.h"
+#include "core/status.h"
+#include "engine/engine_state.h"
+#include "engine/engine_types.h"
+#include "engine/link_manager.h"
+#include "transport/link.h"
+#include "transport/stream.h"
+#include "transport/wire.h"
+
+namespace pdlink {
+
+class RequestServer {
+ public:
+  RequestServer(EngineState& state, LinkManager& links);
+  RequestServer(const RequestServer&) = delete;
+  RequestServer& operator=(const RequestServer&) = delete;
+
+  // What a link's serving keeps between requests (Engine::ServeState).
+  struct ServeState {
+    std::vector<std::shared_ptr<CacheEntry>> pinned;  // what a direct or IPC access of the peer uses
+    std::vector<std::string> exported;                // IPC keys exported for it
+    bool unlinked = false;                            // the peer unlinked
+    PinEpochs::Word* pin_epoch = nullptr;             // this link's (pin_epochs), while it is served
+  };
+  // The link's serving thread: serves its `in` channel until it fails or the peer unlinks, then
+  // breaks the link and leaves a tombstone (LinkManager::retire).
+  void serve(const std::shared_ptr<Link>& link);
+  // Serves the requests read from `in` on `link` until `in` fails or a frame drops the link
+  // (Engine::serveStream); no exception escapes.
+  Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
+
+  // Notifications (Engine::notify, Engine::takeNotifications).
+  Status notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms);
+  std::vector<Notification> takeNotifications();
+  // Drops every unread notification (finalize).
+  void clearNotifications();
+  // notifications, notifications_refused, pins_expired.
+  void addStats(EngineStats* s) const;
+
+ private:
+  // Serving one request read from `s`; a non-OK result means the channel is unusable. Its steps:
+  Status serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState* state);
+  // Waits for the peer's next frame; with pins held, at most the pin bound: past it the pins are
+  // released (*expired, OK) and serveOne ends without reading.
+  Status awaitRequest(const Link& link, Stream& s, ServeState* state, bool* expired);
+  // Reads and admits one request: its header (admitHeader), its body (bounded), the frame's tag.
+  Status readRequest(const Link& link, Stream& s, Deadline deadline, wire::RequestHeader* h, std::string* body);
+  // The requests without a transfer body (ping, device channel, notify, confirm, ucx connect,
+  // unlink): true when `h` is one, with its result in *result.
+  bool serveControl(const std::shared_ptr<Link>& link, Stream& s, const wire::RequestHeader& h, const std::string& body,
+                    Deadline deadline, ServeState* state, Status* result);
+  Status serveDescribe(const Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
+                       Deadline deadline);
+  // A read or write: admitted, resolved in the registry (exactly the checked ranges), placement
+  // checked, then served by the path its flags name.
+  Status serveAccess(Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
+                     Deadline deadline, ServeState* state);
+  // Device memory is reachable only through the device channel, host memory only without it
+  // (except staged kRaw runs on the stream path, marked in *device_runs): the refusal, or OK.
+  Status checkPlacement(const wire::RequestHeader& h, const wire::TransferBody& tb, const Resolved& r,
+                        std::vector<uint8_t>* device_runs) const;
+  // Admission (with wire's bounded decoders, the only place that turns what a peer sent into
+  // work). admitHeader: whether a frame of this kind and size may be read at all on this link
+  // (non-OK: a protocol violation, the link is dropped). admitAccess: whether a read or write may
+  // use the path its flags ask for on this link (non-OK: refused, the link stays).
+  Status admitHeader(const Link& link, const wire::RequestHeader& h) const;
+  Status admitAccess(const Link& link, const wire::RequestHeader& h) const;
+  Status serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
+                            Deadline deadline);
+  // A kNotify frame: queued within the limits and acknowledged (a refusal keeps the link); a
+  // malformed body drops the link.
+  Status serveNotify(const Link& link, Stream& s, const std::string& body, Deadline deadline);
+  // Answers kConfirm: whether this engine dialled (or is dialling) the asker with that nonce.
+  Status serveConfirm(const Link& link, Stream& s, const std::string& body, Deadline deadline);
+
+  EngineState& s_;
+  LinkManager& links_;
+  std::atomic<uint64_t> pins_expired_{0};
+
+  // Notifications received and not yet taken, with what the limits count. notify_mu_ is a leaf.
+  struct Inbox {
+    std::deque<Notification> queue;
+    struct Share {
+      size_t count = 0;    // unread notifications from one peer
+      uint64_t bytes = 0;  // of their names and messages
+    };
+    std::map<uint64_t, Share> per_peer;
+    std::map<std::string, uint64_t> per_source;  // bytes from the links of one source
+    uint64_t bytes = 0;                          // of all of them
+    uint64_t refused = 0;
+  };
+  mutable std::mutex notify_mu_;
+  Inbox inbox_;  // guarded by notify_mu_
+};
+
+}  // namespace pdlink

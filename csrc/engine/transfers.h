@@ -1,0 +1,70 @@
+// Transfers: this side's pulls, pushes, prepared posts and memory descriptions (docs/architecture.md,
+// "Data paths": the requesting side).
+//
+// Owns: the staged stream path (descriptor lists mixing HOST and DEVICE memory). It plans a
+// transfer against this side's registry (local indices and ranges checked here; the peer checks its
+// own side), splits it into requests within limits::kMaxRequestPieces, and posts each on the link's
+// path for the local memory (its host path, or its device paths in order). It reaches links only
+// through the link manager (usableLink, ensureDeviceChannel), and the registry through
+// EngineState.
+//
+// Threading: every public method is thread-safe and may block on a link: a transfer holds its
+// link's out mutex for all its requests (transfers on one link are serialised, on different links
+// run in parallel); it takes EngineState::mu only inside LinkManager::usableLink, never while
+// holding the out mutex. Called from application threads (the Engine facade).
+// Errors: kParamInvalid for a bad description (nothing sent), kNotYetLink / kLinkFailed for the
+// link, kTimeout past the deadline, otherwise the peer's refusal; a failed transfer that broke the
+// channel breaks the link (failTransfer).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/deadline.h"
+#include "core/status.h"
+#include "engine/engine_state.h"
+#include "engine/engine_types.h"
+#include "engine/link_manager.h"
+#include "transport/link.h"
+#include "transport/path.h"
+
+namespace pdlink {
+
+class Transfers {
+ public:
+  Transfers(EngineState& state, LinkManager& links);
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+
+  // As Engine::pull, push, prepare, post and describeMemory (engine.h).
+  Status pull(const TransferSpec& spec);
+  Status push(const TransferSpec& spec);
+  Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size, uint64_t remote_base,
+                                                    uint64_t remote_bytes);
+  Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push);
+  Result<wire::RawTable> describeMemory(uint64_t cluster_id, int64_t timeout_ms);
+
+ private:
+  Result<TransferPlan> plan(const TransferSpec& spec, bool is_push);
+  // The plan of a local_absolute spec, into *out (its vectors' capacity reused); the local caches
+  // are held in scratch->keep, which out->local points at without owning: the caller keeps both
+  // until the transfer is over.
+  Status planAbsolute(const TransferSpec& spec, Resolved* scratch, TransferPlan* out);
+  static std::vector<TransferPlan> split(const TransferPlan& p);
+  Status transfer(const TransferSpec& spec, bool is_push);
+  // Moves a planned transfer over `link` (split into requests within the per-request bounds).
+  Status execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms);
+  // One request of a transfer (requires the out mutex), on the link's path for the local cache's
+  // memory: its host path, or its device paths in order (transport/path.h).
+  Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
+                      const char* what);
+
+  EngineState& s_;
+  LinkManager& links_;
+  // The stream path that stages DEVICE memory: descriptor lists mixing HOST and DEVICE memory, on
+  // either side, on any link (transferPart).
+  std::unique_ptr<DataPath> staged_path_;
+};
+
+}  // namespace pdlink
