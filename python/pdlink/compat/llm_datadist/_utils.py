@@ -61,6 +61,7 @@ __all__ = [
     "llm_api",
     "llm_words",
     "llm_exception",
+    "llm_failure",
     "handle_llm_status",
     "raising_as",
     "raise_if_false",
@@ -144,12 +145,19 @@ def handle_llm_status(ret: int, func_name: str, info: Any) -> None:
         raise llm_exception(ret, func_name, info)
 
 
+def llm_failure(op: str, error: LLMException) -> LLMException:
+    """What llm_datadist raises when an engine call made for ``op`` raised ``error`` (``pdlink.Engine``'s,
+    any class of its hierarchy, its message the engine's): ``llm_exception(code, op, detail)``, the
+    engine's advice in llm_datadist's words (``llm_words``), with ``error``'s traceback. Raise it
+    ``from None``. ``raising_as`` is the usual way; hot paths call this from an ``except``."""
+    detail = llm_words(str(error.args[0])) if error.args else ""
+    return llm_exception(error.status_code, op, detail).with_traceback(error.__traceback__)
+
+
 class raising_as:  # noqa: N801 - used as a function: ``with raising_as("pull_blocks"):``
-    """Runs engine calls as llm_datadist's ``op``: an ``LLMException`` raised inside (``pdlink.Engine``'s,
-    any class of its hierarchy, its message the engine's) leaves as the one llm_datadist raises,
-    ``llm_exception(code, op, detail)`` with the engine's advice in llm_datadist's words
-    (``llm_words``) and the original traceback. Keeps no state: one may serve any number of threads.
-    Only engine calls belong inside: an error llm_datadist raised itself would be wrapped twice."""
+    """Runs engine calls as llm_datadist's ``op``: an ``LLMException`` raised inside leaves as
+    ``llm_failure(op, error)``. Keeps no state: one may serve any number of threads. Only engine
+    calls belong inside: an error llm_datadist raised itself would be wrapped twice."""
 
     __slots__ = ("op",)
 
@@ -162,8 +170,7 @@ class raising_as:  # noqa: N801 - used as a function: ``with raising_as("pull_bl
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         if isinstance(error, LLMException):
-            detail = llm_words(str(error.args[0])) if error.args else ""
-            raise llm_exception(error.status_code, self.op, detail).with_traceback(traceback) from None
+            raise llm_failure(self.op, error) from None
 
 
 def _plain_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,6 +29,7 @@ from ._utils import (
     handle_llm_status,
     is_valid_id,
     llm_api,
+    llm_failure,
     raise_if_false,
     raise_if_true,
     raising_as,
@@ -236,8 +237,10 @@ class CacheManager:
                     self._specs.clear()
                 self._specs[k] = spec
         engine = self._live_engine()
-        with raising_as(op):
+        try:  # not raising_as: a hot path, and a try costs nothing until it raises
             (engine.kv.push if is_push else engine.kv.pull)(spec)
+        except LLMException as e:
+            raise llm_failure(op, e) from None
 
     # At most this many prepared transfers (and as many slot specs) are kept per manager; past it they
     # are made again.
@@ -405,11 +408,12 @@ class CacheManager:
             prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
             if prepared is not None:
                 try:
-                    with raising_as("pull_blocks"):
-                        prepared.post(dst_blocks, src_blocks, False)
+                    prepared.post(dst_blocks, src_blocks, False)
                     return
                 except TypeError:
                     pass
+                except LLMException as e:
+                    raise llm_failure("pull_blocks", e) from None
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -464,11 +468,12 @@ class CacheManager:
             prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
             if prepared is not None:  # the common call (see pull_blocks)
                 try:
-                    with raising_as("push_blocks"):
-                        prepared.post(src_blocks, dst_blocks, True)
+                    prepared.post(src_blocks, dst_blocks, True)
                     return
                 except TypeError:
                     pass
+                except LLMException as e:
+                    raise llm_failure("push_blocks", e) from None
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
