@@ -25,7 +25,6 @@ __all__ = [
     "raise_if_false",
     "raise_if_true",
     "error_class",
-    "engine_error",
     "as_llm_exception",
     "InvalidArgument",
     "NotFound",
