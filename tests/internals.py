@@ -15,6 +15,7 @@ from pdlink._sysinfo import direct_access_permitted
 from pdlink.client import ClientError, ManagementClient, NodeSpec, NotReady, Response, RoleRejected, role_body
 from pdlink.compat.llm_datadist import _utils as validation_utils
 from pdlink.compat.llm_datadist import data_type as data_type_module
+from pdlink.compat.llm_datadist._utils import handle_llm_status
 from pdlink.compat.llm_datadist.comm import parse_rank_table
 from pdlink.compat.llm_datadist.configs import ip_to_int, role_to_option
 from pdlink.compat.llm_datadist.data_type import itemsize
@@ -22,13 +23,14 @@ from pdlink.compat.llm_datadist.llm_datadist import LIMIT_OPTIONS, parse_engine_
 from pdlink.compat.llm_datadist.llm_types import PushType, register_mem_status_from_int
 from pdlink.compat.llm_datadist.transfer import transfer_cache_async
 from pdlink.device import DeviceMemory, backend_info, open_backend
+from pdlink.native import core as native_core
 from pdlink.native import open_engine
 from pdlink.server import config as server_config
 from pdlink.server.defaults import DEFAULT_CONFIG_JSON
 from pdlink.server.parsing import structure_error
 from pdlink.server.tls import client_context, server_context
 from pdlink.server.validation import ROLES, BodyError, cluster_id, parse_role_request
-from pdlink.status import as_llm_exception, error_class, handle_llm_status, raise_if_false, raise_if_true
+from pdlink.status import as_llm_exception, error_class, raise_if_false, raise_if_true
 
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
@@ -42,12 +44,11 @@ __all__ = [
 ]
 
 core = _core  # the native module
+native_core()  # loaded as pdlink loads it: its errors registered (failed calls raise pdlink.status's classes)
 
 
 def ucx_info() -> dict[str, Any]:
     """What pdlink's UCX loader finds (loaded, error, library, version), the libucx wheel included."""
-    from pdlink.native import core as native_core
-
     return dict(native_core().ucx_info())
 
 

@@ -1,18 +1,21 @@
 // The single place where a core Status becomes a Python exception.
 //
-// Bound functions call throwIfError(status, "pull_blocks"); the translator registered by
-// registerStatusTranslator() turns the resulting StatusError into the pdlink.Engine exception for
-// its code (pdlink.status.native_exception: an LLMException subclass such as InvalidArgument, or
-// LLMException itself), with `status_code` set from the numeric code and the message formatted as
-// llm_datadist does: "<op> failed, error code is <LLMStatusCode.X>, <detail>.". The llm_datadist
-// layer turns these into plain LLMException (pdlink.status.as_llm_exception).
+// Bound functions call throwIfError(status) or valueOrThrow(result); the translator that
+// bindStatus() registers (bind_status.cc) raises, for the resulting StatusError, an instance of the
+// exception class registered for the Status's code, built from the Status alone:
+// `cls(status.message(), status_code=<registered code object>)`. The classes come from Python, once:
+// pdlink.native calls `_core._register_errors(pdlink.status.native_errors())` when it loads the
+// module (C++ imports no module of the package). Before that registration (a `_core` imported by
+// itself) a failed Status raises RuntimeError("LLM_NAME: message").
+//
+// The message is the engine's own ("no link to cluster 5; connect first"); whatever an API on top
+// adds (llm_datadist's "<op> failed, error code is <LLMStatusCode.X>, <detail>.") is that layer's
+// (python/pdlink/compat/llm_datadist/_utils.py raising_as).
 // Requires the GIL only inside the translator (pybind11 calls it with the GIL held).
 #pragma once
 
-#include <pybind11/pybind11.h>
-
 #include <exception>
-#include <string>
+#include <utility>
 
 #include "core/status.h"
 
@@ -20,39 +23,22 @@ namespace pdlink::bindings {
 
 class StatusError : public std::exception {
  public:
-  StatusError(Status st, std::string op) : status_(std::move(st)), op_(std::move(op)) {}
+  explicit StatusError(Status st) : status_(std::move(st)) {}
   const char* what() const noexcept override { return status_.message().c_str(); }
   const Status& status() const { return status_; }
-  const std::string& op() const { return op_; }
 
  private:
   Status status_;
-  std::string op_;
 };
 
-inline void throwIfError(const Status& st, const char* op) {
-  if (!st.ok()) throw StatusError(st, op);
+inline void throwIfError(const Status& st) {
+  if (!st.ok()) throw StatusError(st);
 }
 
 template <class T>
-T valueOrThrow(Result<T> r, const char* op) {
-  if (!r.ok()) throw StatusError(r.status(), op);
+T valueOrThrow(Result<T> r) {
+  if (!r.ok()) throw StatusError(r.status());
   return std::move(r).value();
-}
-
-inline void registerStatusTranslator() {
-  pybind11::register_exception_translator([](std::exception_ptr p) {
-    if (!p) return;
-    try {
-      std::rethrow_exception(p);
-    } catch (const StatusError& e) {
-      namespace py = pybind11;
-      py::module_ status = py::module_::import("pdlink.status");
-      py::object exc =
-          status.attr("native_exception")(static_cast<uint32_t>(e.status().code()), e.op(), e.status().message());
-      PyErr_SetObject(status.attr("LLMException").ptr(), exc.ptr());
-    }
-  });
 }
 
 }  // namespace pdlink::bindings

@@ -8,7 +8,7 @@
 //   kParamInvalid, kFeatureNotEnabled      fix the call; retrying the same call will fail again.
 //   kNotYetLink, kExistLink, kAlreadyLink   fix the link state first (link, unlink), then retry.
 //   kKvCacheNotExist                        the remote key is absent; retry after checking it.
-//   kTimeout, kLinkFailed                   the link is unusable: unlink_clusters and link again.
+//   kTimeout, kLinkFailed                   the link is unusable: disconnect, then connect again.
 //   kOutOfMemory                            free caches in the pool, then retry.
 // Threading: Status is a value type; copies are independent and safe to pass between threads.
 #pragma once

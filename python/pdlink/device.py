@@ -43,18 +43,19 @@ def open_backend(backend: str | None = None, device_id: int = 0) -> Any:
 def backend_info(backend: str | None = None, device_id: int = 0) -> dict[str, Any]:
     """What the backend of that name would be here, without raising.
 
-    Keys: ``name`` (the backend picked, or None when unusable), ``error`` (why not), ``device_id``,
+    Keys: ``name`` (the backend picked, or None when unusable), ``error`` (why not: the status
+    code's name and the engine's message, ``"LLM_FEATURE_NOT_ENABLED: ..."``), ``device_id``,
     ``device_memory``, ``device_transport``, ``features`` (optional vendor features present:
     ``ipc``, ``one_sided``, ``sync_timeout``, ``error_text``) and ``ascend`` (what the Ascend
     loader found: ``loaded``, ``library_dir``, ``missing_optional`` or ``error``).
     """
-    from .status import LLMException
+    from .status import LLMException, code_2_status
 
     info: dict[str, Any] = {"name": None, "error": "", "device_id": device_id}
     try:
         b = open_backend(backend, device_id)
     except LLMException as e:
-        info["error"] = str(e)
+        info["error"] = f"{code_2_status(e.status_code).name}: {e}"
     else:
         info["name"] = b.name
         info.update(b.capabilities())

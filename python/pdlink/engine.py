@@ -40,7 +40,7 @@ import numpy as np
 from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
-from .status import LLMStatusCode, native_exception
+from .status import LLMStatusCode, engine_error
 
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "MemoryPool", "Notification",
@@ -475,7 +475,7 @@ class Engine:
             raise ValueError(f"key must be an int in [0, 2**64 - 1), got {key!r}")
         where = placement_of(placement)
         layout = core().CacheLayout(len(addresses), length, length // block, True, where)
-        cache_id, _ = self._native.register_cache(layout, addresses, [], key, remote_writable, "register")
+        cache_id, _ = self._native.register_cache(layout, addresses, [], key, remote_writable)
         region = Region(tuple(addresses), length, where.name, block, key, int(cache_id))
         with self._lock:
             self._regions[region.cache_id] = region
@@ -514,7 +514,7 @@ class Engine:
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
         ((code, message, peer),) = self._native.link([(cluster_id, ip, port)], timeout)
         if code != LLMStatusCode.LLM_SUCCESS:
-            raise native_exception(code, "connect", message)
+            raise engine_error(code, message)
         return int(peer)
 
     def disconnect(self, peer: int, *, timeout_ms: int | None = None, force: bool = False) -> None:
@@ -522,19 +522,19 @@ class Engine:
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
         ((code, message),) = self._native.unlink([peer], timeout, force)
         if code != LLMStatusCode.LLM_SUCCESS:
-            raise native_exception(code, "disconnect", message)
+            raise engine_error(code, message)
 
     def remote_memory(self, peer: int, *, timeout_ms: int | None = None) -> MemoryMap:
         """The memory ``peer`` registered, as it checks descriptors against it (one round trip): to
         refuse a descriptor list before sending it, say. ``InvalidArgument`` when the peer has more
         than ``LIMITS["max_request_tensors"]`` tensors registered."""
         timeout = self.options.timeout_ms if timeout_ms is None else timeout_ms
-        generation, ranges = self._native.describe_memory(peer, timeout, "remote_memory")
+        generation, ranges = self._native.describe_memory(peer, timeout)
         return MemoryMap(int(generation), tuple((int(a), int(n)) for a, n in ranges))
 
     def ping(self, peer: int, *, timeout_ms: int | None = None) -> None:
         """One round trip to ``peer``; raises when it does not answer in time."""
-        self._native.ping(peer, self.options.timeout_ms if timeout_ms is None else timeout_ms, "ping")
+        self._native.ping(peer, self.options.timeout_ms if timeout_ms is None else timeout_ms)
 
     def notify(self, peer: int, message: bytes | str, *, name: bytes | str = b"",
                timeout_ms: int | None = None) -> None:
@@ -548,7 +548,7 @@ class Engine:
         max_notifications_per_link``, ``max_notification_bytes``: retry after it took them);
         otherwise as ``ping``."""
         self._native.notify(peer, _notify_bytes(name, "name"), _notify_bytes(message, "message"),
-                            self.options.timeout_ms if timeout_ms is None else timeout_ms, "notify")
+                            self.options.timeout_ms if timeout_ms is None else timeout_ms)
 
     def notify_async(self, peer: int, message: bytes | str, **kwargs: Any) -> Pending:
         return self._submit(self.notify, peer, message, **kwargs)

@@ -57,26 +57,26 @@ class KvCaches:
 
     The methods are the native engine's own (each call costs no Python frame):
 
-    - ``register(layout, addresses, keys, blocks_model, remote_accessible, op="register_cache")
-      -> (cache_id, addresses)``: the caller's memory, one address per tensor; ``keys[i]``
-      publishes batch slot ``i`` under a ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset);
-      ``blocks_model`` publishes a blocks cache under that model id; ``remote_accessible=False``
-      refuses peers' reads and writes of it.
-    - ``allocate(layout, keys, blocks_model, op="allocate_cache") -> (cache_id, addresses)``: the
-      same, the tensors taken from the engine's pool of the layout's placement (``LLM_OUT_OF_MEMORY``
-      when it has no room).
-    - ``deallocate(cache_id, blocks, op)``: returns an allocated cache to its pool (``blocks``:
+    - ``register(layout, addresses, keys, blocks_model, remote_accessible) -> (cache_id, addresses)``:
+      the caller's memory, one address per tensor; ``keys[i]`` publishes batch slot ``i`` under a
+      ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset); ``blocks_model`` publishes a
+      blocks cache under that model id; ``remote_accessible=False`` refuses peers' reads and writes
+      of it.
+    - ``allocate(layout, keys, blocks_model) -> (cache_id, addresses)``: the same, the tensors taken
+      from the engine's pool of the layout's placement (``LLM_OUT_OF_MEMORY`` when it has no room).
+    - ``deallocate(cache_id, blocks)``: returns an allocated cache to its pool (``blocks``:
       whether it is a blocks cache). ``unregister(cache_id)``: withdraws a registered one.
     - ``remove_key(req_id, prefix_id, model_id)``: unpublishes a key (its slot stays registered).
-    - ``pull(spec, op="pull")`` / ``push(spec, op="push")``: one transfer; nothing is committed
-      at either end unless every byte arrived.
-    - ``prepare(spec, block_size=0, remote_base=0, remote_bytes=0, op="prepare")``: a prepared
-      blocks transfer whose ``post(local_blocks, remote_blocks, push, op)`` moves blocks by index
-      (not a pin: a registry change on either side fails the next post cleanly).
-    - ``copy_local(dst_addresses, dst_placement, src_addresses, src_placement, runs, op)``: copies
+    - ``pull(spec)`` / ``push(spec)``: one transfer; nothing is committed at either end unless every
+      byte arrived.
+    - ``prepare(spec, block_size=0, remote_base=0, remote_bytes=0)``: a prepared blocks transfer
+      whose ``post(local_blocks, remote_blocks, push)`` moves blocks by index (not a pin: a
+      registry change on either side fails the next post cleanly).
+    - ``copy_local(dst_addresses, dst_placement, src_addresses, src_placement, runs)``: copies
       ``(dst_offset, src_offset, length)`` runs between two local caches' tensors.
 
-    ``op`` names the calling operation in error messages.
+    A failed call raises the ``pdlink.LLMException`` subclass of its status code, with the engine's
+    message.
     """
 
     register: Callable[..., tuple[int, list[int]]]

@@ -18,11 +18,14 @@ _core_module: Any = None
 
 
 def core() -> Any:
-    """The native module (imported on first use, so that ``import pdlink`` stays light)."""
+    """The native module (imported on first use, so that ``import pdlink`` stays light), its
+    errors registered: a failed ``Status`` raises the ``pdlink.status`` class of its code."""
     global _core_module
     if _core_module is None:
         from . import _core
+        from .status import native_errors
 
+        _core._register_errors(native_errors())
         _core.set_ucx_wheel_dir(_ucx_wheel_dir())
         _core_module = _core
     return _core_module

@@ -4,8 +4,10 @@ This module is pure Python and has no dependency on the native core, so it can b
 imported (and pickled exceptions can be restored) without building anything.
 
 Public names:
-    LLMStatusCode, LLMException, Status, code_2_status, handle_llm_status,
-    raise_if_false, raise_if_true
+    LLMStatusCode, LLMException, Status, code_2_status, raise_if_false, raise_if_true, and the
+    exception classes of pdlink.Engine (error_class, engine_error). llm_datadist's message format
+    ("<op> failed, error code is <code>, <detail>.", handle_llm_status) is the llm_datadist layer's
+    (pdlink.compat.llm_datadist._utils).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ __all__ = [
     "LLMException",
     "Status",
     "code_2_status",
-    "handle_llm_status",
     "raise_if_false",
     "raise_if_true",
     "error_class",
@@ -211,29 +212,19 @@ class Status:
         return f"Status({self._status_code!s})"
 
 
-def handle_llm_status(ret: int, func_name: str, info: Any) -> None:
-    """Raise ``LLMException`` for a non-zero native return code; do nothing for 0.
-
-    The message is ``"<func_name> failed, error code is <LLMStatusCode.NAME>, <info>."`` and
-    ``status_code`` is ``code_2_status(ret)``.
-    """
-    if int(ret) != int(LLMStatusCode.LLM_SUCCESS):
-        raise llm_exception(ret, func_name, info)
+def native_errors() -> dict[int, tuple[type[LLMException], LLMStatusCode]]:
+    """What the native module raises for each status code: ``{code: (error_class(code), code)}``.
+    ``pdlink.native`` gives it to ``_core._register_errors`` when it loads the module; the binding's
+    translator then raises ``cls(message, status_code=code)`` for a failed ``Status``, its message
+    the engine's own. Codes the table lacks raise as ``LLM_FAILED`` does."""
+    return {int(code): (error_class(code), code) for code in _CODE_TO_STATUS.values() if code >= 0}
 
 
-def llm_exception(ret: int, func_name: str, info: Any) -> LLMException:
-    """The ``LLMException`` (exactly that class) for native return code ``ret``, with llm_datadist's
-    message format, ``"<func_name> failed, error code is <LLMStatusCode.NAME>, <info>."``."""
-    code = code_2_status(ret)
-    return LLMException(_failed_message(code, func_name, info), status_code=code)
-
-
-def native_exception(ret: int, func_name: str, info: Any) -> LLMException:
-    """The error ``pdlink.Engine`` raises for native return code ``ret``: an instance of
-    ``error_class(ret)``, with the same message as ``llm_exception``. The native binding's
-    translator calls it for every failed ``Status``."""
-    code = code_2_status(ret)
-    return error_class(code)(_failed_message(code, func_name, info), status_code=code)
+def engine_error(code: LLMStatusCode | int, message: str) -> LLMException:
+    """The error ``pdlink.Engine`` raises for status ``code`` with the engine's ``message``, as the
+    native module raises it: an ``error_class(code)`` whose ``status_code`` is ``code_2_status(code)``."""
+    status = code_2_status(code)
+    return error_class(status)(message, status_code=status)
 
 
 def as_llm_exception(error: LLMException) -> LLMException:
@@ -243,10 +234,6 @@ def as_llm_exception(error: LLMException) -> LLMException:
         return error
     plain = LLMException(*error.args, status_code=error.status_code)
     return plain.with_traceback(error.__traceback__)
-
-
-def _failed_message(code: LLMStatusCode, func_name: str, info: Any) -> str:
-    return f"{func_name} failed, error code is {code!s}, {info}."
 
 
 def _format_message(fmt: Any, args: tuple, kwargs: dict) -> str:

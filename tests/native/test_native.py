@@ -217,6 +217,16 @@ def test_each_code_has_its_exception_class(code: S, cls: type, builtin: type) ->
     assert type(as_llm_exception(e)) is LLMException
 
 
+def test_the_native_module_raises_from_the_status_alone() -> None:
+    """A failed Status raises the class registered for its code (pdlink.status.native_errors), with
+    ``status_code`` and the engine's own message: no operation name, no llm_datadist format."""
+    with pytest.raises(InvalidArgument) as e:
+        core.open_backend("npu", 0)
+    assert e.value.status_code is S.LLM_PARAM_INVALID
+    assert str(e.value).startswith("unknown backend 'npu' (available: "), str(e.value)
+    assert "error code is" not in str(e.value)
+
+
 def test_engine_errors_speak_the_engines_words() -> None:
     """pdlink.Engine's advice names its own calls (connect, disconnect), never llm_datadist's."""
     dst = np.zeros(64, np.uint8)
@@ -226,7 +236,7 @@ def test_engine_errors_speak_the_engines_words() -> None:
         with pytest.raises(LinkError) as e:
             b.read(5, [(dst.ctypes.data, 8)], [(4096, 8)])
         assert e.value.status_code == S.LLM_NOT_YET_LINK
-        assert str(e.value).endswith("no link to cluster 5; connect first."), str(e.value)
+        assert str(e.value).endswith("no link to cluster 5; connect first"), str(e.value)
         b.connect(f"127.0.0.1:{a.listen_port}")
         with pytest.raises(LLMException) as e2:
             b.switch_role("PROMPT", listen="127.0.0.1:0")

@@ -198,7 +198,7 @@ def kv_allocate(placement: str, rows: int, row_bytes: int, model: int | None = N
 
 def kv_deallocate(cache_id: int, placement: str) -> int:
     """Returns an allocated blocks cache; the pool's bytes in use after."""
-    _engine().kv.deallocate(cache_id, True, "deallocate")
+    _engine().kv.deallocate(cache_id, True)
     return _pool_used(placement)
 
 

@@ -75,7 +75,7 @@ def _timed(metrics: Any, op: str, is_push: bool, nbytes: int, move: Any) -> floa
     try:
         move()
     except LLMException as e:
-        # pdlink raises LLMException with an LLMStatusCode (status.llm_exception), never a bare int.
+        # pdlink raises LLMException with an LLMStatusCode (status.engine_error), never a bare int.
         metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
         raise
     seconds = time.perf_counter() - t0

@@ -9,7 +9,7 @@ import fresh_import
 from internals import itemsize
 from internals import validation_utils as u
 from llm_datadist import DataType
-from pdlink import LLMException, LLMStatusCode
+from pdlink import LinkError, LLMException, LLMStatusCode
 from where import REPO
 
 _PYTHON_DIR = str(REPO / "python")
@@ -192,6 +192,24 @@ def test_raise_helpers_reexported():
     assert ei.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
     with pytest.raises(LLMException):
         u.raise_if_true(True, "x")
+
+
+def test_raising_as_gives_engine_errors_llm_datadists_format():
+    """An engine error (pdlink.Engine's class, the engine's message and words) leaves ``raising_as(op)``
+    as llm_datadist raises it: exactly LLMException, "<op> failed, error code is <code>, <detail>."."""
+    engine_error = LinkError("no link to cluster 5; connect first", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+    with pytest.raises(LLMException) as ei:
+        with u.raising_as("pull_blocks"):
+            raise engine_error
+    assert type(ei.value) is LLMException and ei.value.status_code is LLMStatusCode.LLM_NOT_YET_LINK
+    assert str(ei.value) == ("pull_blocks failed, error code is LLMStatusCode.LLM_NOT_YET_LINK, "
+                             "no link to cluster 5; call link_clusters first.")
+    assert ei.value.__cause__ is None and ei.value.__suppress_context__
+    with u.raising_as("pull_blocks"):  # nothing raised: nothing to do
+        pass
+    with pytest.raises(ValueError, match="^plain$"):  # not an engine error: it passes as it is
+        with u.raising_as("pull_blocks"):
+            raise ValueError("plain")
 
 
 # ---------------------------------------------------------------------------- data_type

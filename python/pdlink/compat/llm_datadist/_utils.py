@@ -7,7 +7,11 @@ Error conventions:
 * an int outside its C range -> ``ValueError``
   ``"<name>'s value is out of range,<v> is not a uint64 value."``;
 * semantic problems -> ``LLMException(status_code=LLM_PARAM_INVALID)`` through
-  ``raise_if_false`` / ``raise_if_true`` (defined in ``pdlink.status``, re-exported here).
+  ``raise_if_false`` / ``raise_if_true`` (defined in ``pdlink.status``, re-exported here);
+* a failed engine call -> ``LLMException`` (exactly that class) with llm_datadist's message,
+  ``"<op> failed, error code is <LLMStatusCode.X>, <detail>."``: the call runs in ``raising_as(op)``,
+  which turns the engine's error (``pdlink.Engine``'s class and words) into it; ``handle_llm_status``
+  raises the same for a return code.
 
 ``bool`` is a subclass of ``int`` in Python, but ``True``/``False`` are never accepted
 where an ``int`` is required: a bool only matches when ``bool`` itself is among the
@@ -20,9 +24,10 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from ...status import LLMException, LLMStatusCode, as_llm_exception, raise_if_false, raise_if_true
+from ...status import LLMException, LLMStatusCode, as_llm_exception, code_2_status, raise_if_false, raise_if_true
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ..._core import INVALID_ID  # noqa: F401
@@ -55,6 +60,10 @@ __all__ = [
     "is_valid_id",
     "llm_api",
     "llm_words",
+    "llm_exception",
+    "llm_failure",
+    "handle_llm_status",
+    "raising_as",
     "raise_if_false",
     "raise_if_true",
     "LLMException",
@@ -117,6 +126,51 @@ def in_llm_words(error: LLMException) -> LLMException:
     if plain.args and isinstance(plain.args[0], str):
         plain.args = (llm_words(plain.args[0]), *plain.args[1:])
     return plain
+
+
+def llm_exception(ret: int, func_name: str, info: Any) -> LLMException:
+    """The ``LLMException`` (exactly that class) for native return code ``ret``, with llm_datadist's
+    message format, ``"<func_name> failed, error code is <LLMStatusCode.NAME>, <info>."``."""
+    code = code_2_status(ret)
+    return LLMException(f"{func_name} failed, error code is {code!s}, {info}.", status_code=code)
+
+
+def handle_llm_status(ret: int, func_name: str, info: Any) -> None:
+    """Raise ``LLMException`` for a non-zero native return code; do nothing for 0.
+
+    The message is ``"<func_name> failed, error code is <LLMStatusCode.NAME>, <info>."`` and
+    ``status_code`` is ``code_2_status(ret)``.
+    """
+    if int(ret) != int(LLMStatusCode.LLM_SUCCESS):
+        raise llm_exception(ret, func_name, info)
+
+
+def llm_failure(op: str, error: LLMException) -> LLMException:
+    """What llm_datadist raises when an engine call made for ``op`` raised ``error`` (``pdlink.Engine``'s,
+    any class of its hierarchy, its message the engine's): ``llm_exception(code, op, detail)``, the
+    engine's advice in llm_datadist's words (``llm_words``), with ``error``'s traceback. Raise it
+    ``from None``. ``raising_as`` is the usual way; hot paths call this from an ``except``."""
+    detail = llm_words(str(error.args[0])) if error.args else ""
+    return llm_exception(error.status_code, op, detail).with_traceback(error.__traceback__)
+
+
+class raising_as:  # noqa: N801 - used as a function: ``with raising_as("pull_blocks"):``
+    """Runs engine calls as llm_datadist's ``op``: an ``LLMException`` raised inside leaves as
+    ``llm_failure(op, error)``. Keeps no state: one may serve any number of threads. Only engine
+    calls belong inside: an error llm_datadist raised itself would be wrapped twice."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if isinstance(error, LLMException):
+            raise llm_failure(self.op, error) from None
 
 
 def _plain_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

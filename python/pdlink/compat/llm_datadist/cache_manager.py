@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ... import kv
-from ...status import LLMException, LLMStatusCode, handle_llm_status
+from ...status import LLMException, LLMStatusCode
 from ._utils import (
     UINT32_MAX,
     check_dict,
@@ -26,10 +26,13 @@ from ._utils import (
     check_list_of,
     check_list_uint64,
     check_uint32,
+    handle_llm_status,
     is_valid_id,
     llm_api,
+    llm_failure,
     raise_if_false,
     raise_if_true,
+    raising_as,
 )
 from .llm_types import (
     BlocksCacheKey,
@@ -234,7 +237,10 @@ class CacheManager:
                     self._specs.clear()
                 self._specs[k] = spec
         engine = self._live_engine()
-        (engine.kv.push if is_push else engine.kv.pull)(spec, op)
+        try:  # not raising_as: a hot path, and a try costs nothing until it raises
+            (engine.kv.push if is_push else engine.kv.pull)(spec)
+        except LLMException as e:
+            raise llm_failure(op, e) from None
 
     # At most this many prepared transfers (and as many slot specs) are kept per manager; past it they
     # are made again.
@@ -253,7 +259,8 @@ class CacheManager:
             spec = kv.TransferSpec(peer_cluster_id=key.cluster_id, target=remote_target(key),
                                        local_cache_id=cache.cache_id, local_tensors=local_tensors,
                                        remote_tensors=remote_tensors)
-            prepared = engine.kv.prepare(spec, op=op)
+            with raising_as(op):
+                prepared = engine.kv.prepare(spec)
             if len(self._prepared) >= self._PREPARED_MAX:
                 self._prepared.clear()
             self._prepared[k] = prepared
@@ -288,7 +295,8 @@ class CacheManager:
         addrs = self._check_addrs(cache_desc, addrs, exact=True)
         keys = self._keys(cache_keys)
         ra = self._remote_accessible(cache_desc, remote_accessible)
-        handle = engine.kv.register(self._layout(cache_desc, False), addrs, keys, None, ra, "register_cache")
+        with raising_as("register_cache"):
+            handle = engine.kv.register(self._layout(cache_desc, False), addrs, keys, None, ra)
         return self._new_cache(cache_desc, handle, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
@@ -301,14 +309,16 @@ class CacheManager:
         addrs = self._check_addrs(cache_desc, addrs, exact=True)
         ra = self._remote_accessible(cache_desc, remote_accessible)
         model = blocks_cache_key.model_id if blocks_cache_key is not None else None
-        handle = engine.kv.register(self._layout(cache_desc, True), addrs, [], model, ra, "register_blocks_cache")
+        with raising_as("register_blocks_cache"):
+            handle = engine.kv.register(self._layout(cache_desc, True), addrs, [], model, ra)
         return self._new_cache(cache_desc, handle, True)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Remove a registered cache (and its keys). Call after unlinking its peers."""
         engine = self._live_engine()
         check_int64("cache_id", cache_id)
-        engine.kv.unregister(cache_id)
+        with raising_as("unregister_cache"):
+            engine.kv.unregister(cache_id)
         self._forget_prepared(cache_id)
 
     # ------------------------------------------------------------------ pool allocation
@@ -319,7 +329,8 @@ class CacheManager:
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         keys = self._keys(cache_keys)
         self._check_pool(cache_desc)
-        handle = engine.kv.allocate(self._layout(cache_desc, False), keys, None, "allocate_cache")
+        with raising_as("allocate_cache"):
+            handle = engine.kv.allocate(self._layout(cache_desc, False), keys, None)
         return self._new_cache(cache_desc, handle, False)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
@@ -329,7 +340,8 @@ class CacheManager:
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         self._check_pool(cache_desc)
         model = blocks_cache_key.model_id if blocks_cache_key is not None else None
-        handle = engine.kv.allocate(self._layout(cache_desc, True), [], model, "allocate_blocks_cache")
+        with raising_as("allocate_blocks_cache"):
+            handle = engine.kv.allocate(self._layout(cache_desc, True), [], model)
         return self._new_cache(cache_desc, handle, True)
 
     def deallocate_cache(self, cache: Cache) -> None:
@@ -338,7 +350,8 @@ class CacheManager:
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_true(cache.is_blocks_cache,
                       "deallocate_cache does not accept a blocks cache; use deallocate_blocks_cache")
-        engine.kv.deallocate(cache.cache_id, False, "deallocate_cache")
+        with raising_as("deallocate_cache"):
+            engine.kv.deallocate(cache.cache_id, False)
         self._forget_prepared(cache.cache_id)
         cache._invalidate()
 
@@ -347,7 +360,8 @@ class CacheManager:
         engine = self._live_engine()
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache; use deallocate_cache")
-        engine.kv.deallocate(cache.cache_id, True, "deallocate_blocks_cache")
+        with raising_as("deallocate_blocks_cache"):
+            engine.kv.deallocate(cache.cache_id, True)
         self._forget_prepared(cache.cache_id)
         cache._invalidate()
 
@@ -394,10 +408,12 @@ class CacheManager:
             prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
             if prepared is not None:
                 try:
-                    prepared.post(dst_blocks, src_blocks, False, "pull_blocks")
+                    prepared.post(dst_blocks, src_blocks, False)
                     return
                 except TypeError:
                     pass
+                except LLMException as e:
+                    raise llm_failure("pull_blocks", e) from None
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -408,8 +424,9 @@ class CacheManager:
         if isinstance(src_cache_key, BlocksCacheKey):
             _check_block_pairs(src_blocks, dst_blocks)
             src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
-            self._prepared_for("pull_blocks", src_cache_key, dst_cache, dst_t, src_t).post(
-                dst_blocks, src_blocks, False, "pull_blocks")
+            prepared = self._prepared_for("pull_blocks", src_cache_key, dst_cache, dst_t, src_t)
+            with raising_as("pull_blocks"):
+                prepared.post(dst_blocks, src_blocks, False)
             return
         else:
             raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
@@ -451,10 +468,12 @@ class CacheManager:
             prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
             if prepared is not None:  # the common call (see pull_blocks)
                 try:
-                    prepared.post(src_blocks, dst_blocks, True, "push_blocks")
+                    prepared.post(src_blocks, dst_blocks, True)
                     return
                 except TypeError:
                     pass
+                except LLMException as e:
+                    raise llm_failure("push_blocks", e) from None
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
@@ -464,8 +483,9 @@ class CacheManager:
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks src_cache")
         _check_block_pairs(src_blocks, dst_blocks)
         src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        self._prepared_for("push_blocks", dst_cache_key, src_cache, src_t, dst_t).post(
-            src_blocks, dst_blocks, True, "push_blocks")
+        prepared = self._prepared_for("push_blocks", dst_cache_key, src_cache, src_t, dst_t)
+        with raising_as("push_blocks"):
+            prepared.post(src_blocks, dst_blocks, True)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
@@ -514,8 +534,9 @@ class CacheManager:
         raise_if_false(length > 0 and offset + length <= min(d_stride, s_stride),
                        f"offset {offset} + size {length} exceeds the slot size ({min(d_stride, s_stride)} bytes)")
         runs = [(dst_batch_index * d_stride + offset, src_batch_index * s_stride + offset, length)]
-        engine.kv.copy_local(dst.tensor_addrs, kv.placement(dd.placement), src.tensor_addrs, kv.placement(sd.placement),
-                          runs, "copy_cache")
+        with raising_as("copy_cache"):
+            engine.kv.copy_local(dst.tensor_addrs, kv.placement(dd.placement), src.tensor_addrs,
+                                 kv.placement(sd.placement), runs)
 
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``."""
@@ -532,7 +553,8 @@ class CacheManager:
                 raise_if_false(0 <= dst < num_blocks, f"block index {dst} out of range [0, {num_blocks})")
             runs.extend((dst * stride, src * stride, stride) for dst in dsts)
         placement = kv.placement(cache.cache_desc.placement)
-        engine.kv.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs, "copy_blocks")
+        with raising_as("copy_blocks"):
+            engine.kv.copy_local(cache.tensor_addrs, placement, cache.tensor_addrs, placement, runs)
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
         """Swap blocks in (HOST -> DEVICE) or out (DEVICE -> HOST); accepts ``create_cpu_cache`` handles."""
@@ -557,8 +579,9 @@ class CacheManager:
             raise_if_false(0 <= s < s_n, f"src block {s} out of range [0, {s_n})")
             raise_if_false(0 <= d < d_n, f"dst block {d} out of range [0, {d_n})")
             runs.append((d * d_block, s * s_block, s_block))
-        engine.kv.copy_local(dst_cache.tensor_addrs, kv.placement(dst_desc.placement), src_cache.tensor_addrs,
-                          kv.placement(src_desc.placement), runs, "swap_blocks")
+        with raising_as("swap_blocks"):
+            engine.kv.copy_local(dst_cache.tensor_addrs, kv.placement(dst_desc.placement), src_cache.tensor_addrs,
+                                 kv.placement(src_desc.placement), runs)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
         """Reserved in llm_datadist (DEVICE memory after a UCE fault); not supported by pdlink."""

@@ -23,8 +23,16 @@ from typing import TYPE_CHECKING
 
 from ... import environment
 from ...native import core
-from ...status import LLMException, LLMStatusCode, handle_llm_status
-from ._utils import check_dict, check_isinstance, check_uint32, check_uint64, raise_if_false
+from ...status import LLMException, LLMStatusCode
+from ._utils import (
+    check_dict,
+    check_isinstance,
+    check_uint32,
+    check_uint64,
+    handle_llm_status,
+    raise_if_false,
+    raising_as,
+)
 from .llm_types import RegisterMemStatus
 
 if TYPE_CHECKING:
@@ -155,7 +163,8 @@ class CommManager:
                            f"communicator {comm_name!r} is already linked")
         if any(r > my_rank for r in ranks):  # higher ranks dial us: be reachable
             ip, port = endpoints[self._cluster_id]
-            self._engine.add_listener(f"{ip}:{port}")
+            with raising_as("link"):
+                self._engine.add_listener(f"{ip}:{port}")
         peers = {cid: ep for cid, ep in endpoints.items() if cid != self._cluster_id}
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:

@@ -39,6 +39,7 @@ from ._utils import (
     llm_api,
     raise_if_false,
     raise_if_true,
+    raising_as,
 )
 from .cache_manager import CacheManager, remote_target
 from .configs import LLMRole
@@ -211,9 +212,10 @@ class KvCacheManager:
             engine = self._cms[i]._engine
             try:
                 layout = kv_api.CacheLayout(1, 1, 1, False, kv_api.placement(Placement.DEVICE))
-                cache_id, _ = engine.kv.register(layout, [ctypes.addressof(_ID_PAD)], [], None, False,
-                                                    "allocate_cache")
-                engine.kv.unregister(cache_id)
+                with raising_as("allocate_cache"):
+                    cache_id, _ = engine.kv.register(layout, [ctypes.addressof(_ID_PAD)], [], None, False)
+                with raising_as("unregister_cache"):
+                    engine.kv.unregister(cache_id)
             except Exception as e:  # noqa: BLE001
                 logger.error("could not realign cache ids on device %d: %s", i, e)
 

@@ -37,6 +37,7 @@ from ._utils import (
     llm_words,
     raise_if_false,
     raise_if_true,
+    raising_as,
 )
 from .configs import LLMClusterInfo, LLMRole, role_to_option
 from .llm_types import Placement, RegisterMemStatus
@@ -106,7 +107,7 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
     ``parse_v1_options``). The engine module loads numpy: imported here, on first init."""
     from ...engine import Engine, EngineOptions, Limits, MemoryPool
 
-    return Engine(EngineOptions(
+    options = EngineOptions(
         cluster_id=cluster_id, role=role, listen=f"{listen_ip}:{listen_port}" if listen_ip else None,
         transport=cfg["transport"], secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
         backend=cfg["backend"], device_id=device_id, hccl_one_sided=cfg["hccl_one_sided"],
@@ -114,7 +115,9 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
         timeout_ms=cfg["sync_timeout_ms"], limits=Limits(**cfg["limits"]),
         device_pool=MemoryPool(cfg["device_pool_bytes"], cfg["device_page_shift"]),
         host_pool=MemoryPool(*host_pool) if host_pool else None,
-        one_way_links=one_way_links))
+        one_way_links=one_way_links)
+    with raising_as("init"):
+        return Engine(options)
 
 
 def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
@@ -714,8 +717,11 @@ class LLMDataDist:
         check_uint64("remote_cluster_id", remote_cluster_id)
         raise_if_false(self._role == LLMRole.DECODER,
                        f"check_link_status is not supported by {self._role}: it requires LLMRole.DECODER")
-        fan_out(len(self._engines),
-                lambda i: self._engines[i].ping(remote_cluster_id, timeout_ms=self._sync_timeout_ms))
+        def ping(i: int) -> None:
+            with raising_as("ping"):
+                self._engines[i].ping(remote_cluster_id, timeout_ms=self._sync_timeout_ms)
+
+        fan_out(len(self._engines), ping)
 
     # ------------------------------------------------------------------ roles
 
@@ -739,7 +745,8 @@ class LLMDataDist:
         ip, port = "", 0
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
-        engine.switch_role(role, f"{ip}:{port}" if ip else None)
+        with raising_as("switch_role"):
+            engine.switch_role(role, f"{ip}:{port}" if ip else None)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 
@@ -759,7 +766,8 @@ class LLMDataDist:
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-        self._engine.switch_role(role, f"{ip}:{port}" if ip else None)  # LLM_EXIST_LINK while any link remains
+        with raising_as("switch_role"):  # LLM_EXIST_LINK while any link remains
+            self._engine.switch_role(role, f"{ip}:{port}" if ip else None)
         self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...status import LLMException, LLMStatusCode
-from ._utils import check_isinstance, check_list_of, llm_api
+from ._utils import check_isinstance, check_list_of, llm_api, raising_as
 from .data_type import DataType, itemsize
 
 if TYPE_CHECKING:
@@ -170,7 +170,8 @@ class Tensor:
         nbytes = count * itemsize(desc.dtype)
         if self._device_engine is not None:
             host = np.empty(nbytes, dtype=np.uint8)
-            self._device_engine.copy(host.ctypes.data, self._addr, nbytes, src_placement="DEVICE")  # device -> host
+            with raising_as("copy"):  # device -> host
+                self._device_engine.copy(host.ctypes.data, self._addr, nbytes, src_placement="DEVICE")
             return host.view(storage).reshape(desc.shape)
         buf = (ctypes.c_uint8 * nbytes).from_address(self._addr)
         # ctypes arrays export the buffer protocol; numpy's stubs only list concrete buffer types

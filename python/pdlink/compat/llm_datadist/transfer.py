@@ -27,8 +27,16 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...status import LLMException, LLMStatusCode, code_2_status, handle_llm_status
-from ._utils import check_isinstance, check_list_uint64, check_uint32, check_uint64, llm_api, raise_if_false
+from ...status import LLMException, LLMStatusCode, code_2_status
+from ._utils import (
+    check_isinstance,
+    check_list_uint64,
+    check_uint32,
+    check_uint64,
+    handle_llm_status,
+    llm_api,
+    raise_if_false,
+)
 from .llm_types import BlocksCacheKey, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 
 __all__ = ["CacheTask", "transfer_cache_async"]

@@ -1,0 +1,268 @@
+// pdlink._core.Engine (engine/engine.h): every call that may block releases the GIL, and a failed
+// Status raises through the translator (status_bridge.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backends/backend.h"
+#include "bindings/bindings.h"
+#include "bindings/status_bridge.h"
+#include "engine/engine.h"
+#include "transport/wire.h"
+
+namespace py = pybind11;
+
+namespace pdlink::bindings {
+namespace {
+
+using StatusList = std::vector<std::pair<uint32_t, std::string>>;
+
+StatusList toList(const std::vector<Status>& in) {
+  StatusList out;
+  for (const Status& s : in) out.emplace_back(static_cast<uint32_t>(s.code()), s.message());
+  return out;
+}
+
+std::vector<RequestKey> makeKeys(const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys) {
+  std::vector<RequestKey> out;
+  for (auto& [req, prefix, model] : keys) out.push_back(RequestKey{req, prefix, model});
+  return out;
+}
+
+std::pair<int64_t, std::vector<uint64_t>> handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
+
+// Engine's lifetime: the constructors, initialize, finalize, what the engine is and spent.
+void defLifetime(py::class_<Engine>& cls) {
+  cls.def(py::init([](std::shared_ptr<Backend> backend) { return std::make_unique<Engine>(std::move(backend)); }),
+          py::arg("backend"))
+      .def(py::init(
+               [](const std::string& name) { return std::make_unique<Engine>(valueOrThrow(openBackend(name, 0))); }),
+           py::arg("backend") = "cpu")
+      .def(
+          "initialize",
+          [](Engine& e, const EngineConfig& c) {
+            const EngineLimits& l = c.limits;
+            if (l.max_links == 0 || l.max_links_per_source == 0 || l.max_handshakes == 0 ||
+                l.max_handshakes_per_source == 0 || l.hello_timeout_ms <= 0 || l.pin_timeout_ms < 0 ||
+                l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0 ||
+                l.max_notification_bytes_per_link == 0 || l.max_notification_bytes_per_source == 0) {
+              throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
+            }
+            throwIfError(e.initialize(c));
+          },
+          py::arg("config"), py::call_guard<py::gil_scoped_release>())
+      .def("finalize", &Engine::finalize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("initialized", &Engine::initialized)
+      .def_property_readonly("cluster_id", &Engine::clusterId)
+      .def_property_readonly("role", &Engine::role)
+      .def_property_readonly("listen_port", &Engine::listenPort)
+      .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
+      .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
+      .def_property_readonly("cache_count", &Engine::cacheCount)
+      .def("stats",
+           [](const Engine& e) {
+             EngineStats s = e.stats();
+             py::dict d;
+             d["live_links"] = s.live_links;
+             d["tombstones"] = s.tombstones;
+             d["handshakes"] = s.handshakes;
+             d["threads"] = s.threads;
+             d["handshakes_refused"] = s.handshakes_refused;
+             d["handshakes_evicted"] = s.handshakes_evicted;
+             d["listener_backoffs"] = s.listener_backoffs;
+             d["pins_expired"] = s.pins_expired;
+             d["notifications"] = s.notifications;
+             d["notifications_refused"] = s.notifications_refused;
+             return d;
+           })
+      .def("pools", [](const Engine& e) {
+        py::list out;
+        for (const Engine::PoolInfo& p : e.pools()) {
+          py::dict d;
+          d["placement"] = p.placement;
+          d["base"] = p.base;
+          d["capacity"] = p.capacity;
+          d["used"] = p.used;
+          out.append(d);
+        }
+        return out;
+      });
+}
+
+// Engine's links: roles, dialling, pings, notifications, listeners.
+void defLinks(py::class_<Engine>& cls) {
+  cls.def(
+         "switch_role",
+         [](Engine& e, Role role, const std::string& ip, uint16_t port) { throwIfError(e.switchRole(role, ip, port)); },
+         py::call_guard<py::gil_scoped_release>())
+      .def(
+          "link",
+          [](Engine& e, const std::vector<std::tuple<std::optional<uint64_t>, std::string, uint16_t>>& peers,
+             int64_t timeout_ms) {
+            std::vector<PeerAddress> addrs;
+            for (auto& [id, ip, port] : peers) addrs.push_back(PeerAddress{id.value_or(wire::kAnyCluster), ip, port});
+            std::vector<uint64_t> ids;
+            std::vector<Status> st = e.link(addrs, timeout_ms, &ids);
+            std::vector<std::tuple<uint32_t, std::string, uint64_t>> out;
+            for (size_t i = 0; i < st.size(); ++i) {
+              out.emplace_back(static_cast<uint32_t>(st[i].code()), st[i].message(),
+                               i < ids.size() ? ids[i] : wire::kAnyCluster);
+            }
+            return out;
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "ping",
+          [](Engine& e, uint64_t cluster_id, int64_t timeout_ms) { throwIfError(e.ping(cluster_id, timeout_ms)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "notify",
+          [](Engine& e, uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms) {
+            throwIfError(e.notify(cluster_id, name, message, timeout_ms));
+          },
+          py::arg("cluster_id"), py::arg("name"), py::arg("message"), py::arg("timeout_ms"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("take_notifications", &Engine::takeNotifications)
+      .def(
+          "start_comm_listener",
+          [](Engine& e, const std::string& ip, uint16_t port) { return valueOrThrow(e.startCommListener(ip, port)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "unlink",
+          [](Engine& e, const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
+            return toList(e.unlink(ids, timeout_ms, force));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("linked_since",
+           [](const Engine& e, uint64_t after) {
+             std::vector<uint64_t> peers;
+             uint64_t latest = e.linkedSince(after, &peers);
+             return std::make_pair(latest, peers);
+           })
+      .def("links", [](const Engine& e) {
+        py::list out;
+        for (const LinkInfo& l : e.links()) {
+          py::dict d;
+          d["peer_cluster_id"] = l.peer_cluster_id;
+          d["peer_address"] = l.peer_address;
+          d["initiator"] = l.initiator;
+          d["broken"] = l.broken;
+          d["broken_reason"] = l.broken_reason;
+          d["transport"] = l.transport;
+          d["authenticated"] = l.authenticated;
+          d["payload_integrity"] = l.payload_integrity;
+          d["device_paths"] = l.device_paths;
+          d["lanes"] = l.lanes;
+          out.append(d);
+        }
+        return out;
+      });
+}
+
+// Engine's caches: registration, pool allocation, keys.
+void defCaches(py::class_<Engine>& cls) {
+  cls.def(
+         "register_cache",
+         [](Engine& e, const CacheLayout& layout, const std::vector<uint64_t>& addrs,
+            const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys, std::optional<uint64_t> blocks_model,
+            bool remote_accessible) {
+           auto r = e.registerCache(layout, addrs, makeKeys(keys), blocks_model, remote_accessible);
+           return handle(valueOrThrow(std::move(r)));
+         },
+         py::arg("layout"), py::arg("addrs"), py::arg("keys"), py::arg("blocks_model"), py::arg("remote_accessible"),
+         py::call_guard<py::gil_scoped_release>())
+      .def(
+          "allocate_cache",
+          [](Engine& e, const CacheLayout& layout, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& keys,
+             std::optional<uint64_t> blocks_model) {
+            return handle(valueOrThrow(e.allocateCache(layout, makeKeys(keys), blocks_model)));
+          },
+          py::arg("layout"), py::arg("keys"), py::arg("blocks_model"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "deallocate_cache", [](Engine& e, int64_t id, bool blocks) { throwIfError(e.deallocateCache(id, blocks)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "unregister_cache", [](Engine& e, int64_t id) { throwIfError(e.unregisterCache(id)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "remove_cache_key",
+          [](Engine& e, uint64_t req, uint64_t prefix, uint64_t model) {
+            e.removeCacheKey(RequestKey{req, prefix, model});
+          },
+          py::call_guard<py::gil_scoped_release>());
+}
+
+// Engine's transfers: pulls, pushes, prepared transfers, descriptor lists, local copies.
+void defTransfers(py::class_<Engine>& cls) {
+  cls.def(
+         "pull", [](Engine& e, const TransferSpec& spec) { throwIfError(e.pull(spec)); }, py::arg("spec"),
+         py::call_guard<py::gil_scoped_release>())
+      .def(
+          "push", [](Engine& e, const TransferSpec& spec) { throwIfError(e.push(spec)); }, py::arg("spec"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prepare",
+          [](Engine& e, const TransferSpec& spec, uint64_t block_size, uint64_t remote_base, uint64_t remote_bytes) {
+            Result<std::shared_ptr<PreparedTransfer>> r = Status(Code::kFailed, "");
+            {
+              py::gil_scoped_release unlocked;
+              r = e.prepare(spec, block_size, remote_base, remote_bytes);
+            }
+            return BoundPrepared{&e, valueOrThrow(std::move(r))};
+          },
+          py::arg("spec"), py::arg("block_size") = 0, py::arg("remote_base") = 0, py::arg("remote_bytes") = 0,
+          py::keep_alive<0, 1>())
+      .def(
+          "describe_memory",
+          [](Engine& e, uint64_t cluster_id, int64_t timeout_ms) {
+            Result<wire::RawTable> r = Status(Code::kFailed, "");
+            {
+              py::gil_scoped_release unlocked;
+              r = e.describeMemory(cluster_id, timeout_ms);
+            }
+            wire::RawTable t = valueOrThrow(std::move(r));
+            std::vector<std::pair<uint64_t, uint64_t>> ranges;
+            ranges.reserve(t.ranges.size());
+            for (const wire::Run& run : t.ranges) ranges.emplace_back(run.offset, run.length);
+            return py::make_tuple(t.generation, ranges);
+          },
+          py::arg("cluster_id"), py::arg("timeout_ms"))
+      .def(
+          "batch",
+          [](Engine& e, uint64_t peer) {
+            BoundBatch b{&e, {}};
+            b.spec.peer_cluster_id = peer;
+            b.spec.target.kind = wire::TargetKind::kRaw;
+            b.spec.mode = TransferSpec::Mode::kExplicit;
+            b.spec.local_absolute = true;
+            return b;
+          },
+          py::arg("peer"), py::keep_alive<0, 1>())
+      .def(
+          "copy_local",
+          [](Engine& e, const std::vector<uint64_t>& dst, Placement dst_placement, const std::vector<uint64_t>& src,
+             Placement src_placement, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& runs) {
+            std::vector<Engine::CopyRun> rs;
+            for (auto& [d, s, n] : runs) rs.push_back({d, s, n});
+            throwIfError(e.copyLocal(dst, dst_placement, src, src_placement, rs));
+          },
+          py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+void bindEngine(py::module_& m) {
+  py::class_<Engine> cls(m, "Engine");
+  defLifetime(cls);
+  defLinks(cls);
+  defCaches(cls);
+  defTransfers(cls);
+}
+
+}  // namespace pdlink::bindings

@@ -1,0 +1,238 @@
+// pdlink._core's constants, and the enums and plain structs of the engine's interface
+// (engine/engine.h, transport/wire.h), bound once: Python reads their values from here and never
+// re-types them.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backends/backend.h"
+#include "bindings/bindings.h"
+#include "core/limits.h"
+#include "engine/engine.h"
+#include "transport/wire.h"
+
+namespace py = pybind11;
+
+namespace pdlink::bindings {
+namespace {
+
+using RunPairs = std::vector<std::pair<uint64_t, uint64_t>>;
+
+RunPairs runPairs(const std::vector<wire::Run>& runs) {
+  RunPairs out;
+  out.reserve(runs.size());
+  for (const wire::Run& r : runs) out.emplace_back(r.offset, r.length);
+  return out;
+}
+
+std::vector<wire::Run> wireRuns(const RunPairs& pairs) {
+  std::vector<wire::Run> out;
+  out.reserve(pairs.size());
+  for (auto& [offset, length] : pairs) out.push_back({offset, length});
+  return out;
+}
+
+void bindEnums(py::module_& m) {
+  py::enum_<Role>(m, "Role").value("PROMPT", Role::kPrompt).value("DECODER", Role::kDecoder).value("MIX", Role::kMix);
+  py::enum_<Placement>(m, "Placement").value("HOST", Placement::kHost).value("DEVICE", Placement::kDevice);
+  py::enum_<Transport>(m, "Transport")
+      .value("AUTO", Transport::kAuto)
+      .value("TCP", Transport::kTcp)
+      .value("CMA", Transport::kCma)
+      .value("UCX", Transport::kUcx);
+  py::enum_<wire::TargetKind>(m, "TargetKind")
+      .value("REQUEST_KEY", wire::TargetKind::kRequestKey)
+      .value("PREFIX_KEY", wire::TargetKind::kPrefixKey)
+      .value("ID_INDEX", wire::TargetKind::kIdIndex)
+      .value("BLOCKS", wire::TargetKind::kBlocks)
+      .value("RAW", wire::TargetKind::kRaw);
+  py::enum_<TransferSpec::Mode>(m, "TransferMode")
+      .value("SLOT_TO_SLOT", TransferSpec::Mode::kSlotToSlot)
+      .value("BLOCKS_TO_BLOCKS", TransferSpec::Mode::kBlocksToBlocks)
+      .value("SLOT_TO_BLOCKS", TransferSpec::Mode::kSlotToBlocks)
+      .value("EXPLICIT", TransferSpec::Mode::kExplicit);
+}
+
+void bindEngineLimits(py::module_& m) {
+  // What peers may make an engine spend (engine/engine.h EngineLimits); the defaults come from C++.
+  py::class_<EngineLimits>(m, "EngineLimits")
+      .def(py::init<>())
+      .def_readwrite("max_links", &EngineLimits::max_links)
+      .def_readwrite("max_links_per_source", &EngineLimits::max_links_per_source)
+      .def_readwrite("max_handshakes", &EngineLimits::max_handshakes)
+      .def_readwrite("max_handshakes_per_source", &EngineLimits::max_handshakes_per_source)
+      .def_readwrite("hello_timeout_ms", &EngineLimits::hello_timeout_ms)
+      .def_readwrite("pin_timeout_ms", &EngineLimits::pin_timeout_ms)
+      .def_readwrite("handshake_timeout_ms", &EngineLimits::handshake_timeout_ms)
+      .def_readwrite("max_notifications_per_link", &EngineLimits::max_notifications_per_link)
+      .def_readwrite("max_notification_bytes", &EngineLimits::max_notification_bytes)
+      .def_readwrite("max_notification_bytes_per_link", &EngineLimits::max_notification_bytes_per_link)
+      .def_readwrite("max_notification_bytes_per_source", &EngineLimits::max_notification_bytes_per_source)
+      .def("__repr__", [](const EngineLimits& l) {
+        return "EngineLimits(max_links=" + std::to_string(l.max_links) +
+               ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
+               ", max_handshakes=" + std::to_string(l.max_handshakes) +
+               ", max_handshakes_per_source=" + std::to_string(l.max_handshakes_per_source) +
+               ", hello_timeout_ms=" + std::to_string(l.hello_timeout_ms) +
+               ", pin_timeout_ms=" + std::to_string(l.pin_timeout_ms) +
+               ", handshake_timeout_ms=" + std::to_string(l.handshake_timeout_ms) +
+               ", max_notifications_per_link=" + std::to_string(l.max_notifications_per_link) +
+               ", max_notification_bytes=" + std::to_string(l.max_notification_bytes) +
+               ", max_notification_bytes_per_link=" + std::to_string(l.max_notification_bytes_per_link) +
+               ", max_notification_bytes_per_source=" + std::to_string(l.max_notification_bytes_per_source) + ")";
+      });
+}
+
+void bindEngineStructs(py::module_& m) {
+  // Received notifications (Engine::takeNotifications): name and message are the bytes sent.
+  py::class_<Notification>(m, "Notification")
+      .def_readonly("peer", &Notification::peer)
+      .def_property_readonly("name", [](const Notification& n) { return py::bytes(n.name); })
+      .def_property_readonly("message", [](const Notification& n) { return py::bytes(n.message); });
+  py::class_<PoolConfig>(m, "PoolConfig")
+      .def(py::init([](uint64_t bytes, uint32_t page_shift) { return PoolConfig{bytes, page_shift}; }),
+           py::arg("bytes") = 0, py::arg("page_shift") = PoolConfig{}.page_shift)
+      .def_readwrite("bytes", &PoolConfig::bytes)
+      .def_readwrite("page_shift", &PoolConfig::page_shift);
+  py::class_<EngineConfig>(m, "EngineConfig")
+      .def(py::init<>())
+      .def_readwrite("cluster_id", &EngineConfig::cluster_id)
+      .def_readwrite("role", &EngineConfig::role)
+      .def_readwrite("listen_ip", &EngineConfig::listen_ip)
+      .def_readwrite("listen_port", &EngineConfig::listen_port)
+      .def_readwrite("sync_timeout_ms", &EngineConfig::sync_timeout_ms)
+      .def_readwrite("device_pool", &EngineConfig::device_pool)
+      .def_readwrite("host_pool", &EngineConfig::host_pool)
+      .def_readwrite("transport", &EngineConfig::transport)
+      .def_readwrite("link_secret", &EngineConfig::link_secret)
+      .def_readwrite("payload_integrity", &EngineConfig::payload_integrity)
+      .def_readwrite("hccl_one_sided", &EngineConfig::one_sided)
+      .def_readwrite("one_way_links", &EngineConfig::one_way_links)
+      .def_readwrite("ucx_trusted_network", &EngineConfig::ucx_trusted_network)
+      .def_readwrite("limits", &EngineConfig::limits);
+}
+
+void bindCacheTypes(py::module_& m) {
+  py::class_<CacheLayout>(m, "CacheLayout")
+      .def(py::init(
+               [](uint32_t num_tensors, uint64_t tensor_size, uint64_t num_slots, bool is_blocks, Placement placement) {
+                 return CacheLayout{num_tensors, tensor_size, num_slots, is_blocks, placement};
+               }),
+           py::arg("num_tensors"), py::arg("tensor_size"), py::arg("num_slots"), py::arg("is_blocks"),
+           py::arg("placement"))
+      .def_readwrite("num_tensors", &CacheLayout::num_tensors)
+      .def_readwrite("tensor_size", &CacheLayout::tensor_size)
+      .def_readwrite("num_slots", &CacheLayout::num_slots)
+      .def_readwrite("is_blocks", &CacheLayout::is_blocks)
+      .def_readwrite("placement", &CacheLayout::placement);
+  py::class_<wire::Target>(m, "Target")
+      .def(py::init([](wire::TargetKind kind, uint64_t model_id, uint64_t req_id, uint64_t prefix_id, int64_t cache_id,
+                       uint64_t batch_index) {
+             return wire::Target{kind, model_id, req_id, prefix_id, cache_id, batch_index};
+           }),
+           py::kw_only(), py::arg("kind") = wire::TargetKind::kBlocks, py::arg("model_id") = 0, py::arg("req_id") = 0,
+           py::arg("prefix_id") = 0, py::arg("cache_id") = 0, py::arg("batch_index") = 0)
+      .def_readwrite("kind", &wire::Target::kind)
+      .def_readwrite("model_id", &wire::Target::model_id)
+      .def_readwrite("req_id", &wire::Target::req_id)
+      .def_readwrite("prefix_id", &wire::Target::prefix_id)
+      .def_readwrite("cache_id", &wire::Target::cache_id)
+      .def_readwrite("batch_index", &wire::Target::batch_index)
+      .def("__repr__", [](const wire::Target& t) { return "Target(" + t.describe() + ")"; });
+}
+
+void bindTransferSpec(py::module_& m) {
+  // One pull or push (engine/engine.h TransferSpec): runs are (offset, length) pairs.
+  py::class_<TransferSpec>(m, "TransferSpec")
+      .def(py::init([](uint64_t peer_cluster_id, const wire::Target& target, int64_t local_cache_id,
+                       TransferSpec::Mode mode, uint64_t local_slot, int64_t size, std::vector<int64_t> local_blocks,
+                       std::vector<int64_t> remote_blocks, std::vector<uint32_t> local_tensors,
+                       std::vector<uint32_t> remote_tensors, const RunPairs& local_runs, const RunPairs& remote_runs,
+                       bool local_absolute, int64_t timeout_ms) {
+             TransferSpec s;
+             s.peer_cluster_id = peer_cluster_id;
+             s.target = target;
+             s.local_cache_id = local_cache_id;
+             s.mode = mode;
+             s.local_slot = local_slot;
+             s.size = size;
+             s.local_blocks = std::move(local_blocks);
+             s.remote_blocks = std::move(remote_blocks);
+             s.local_tensors = std::move(local_tensors);
+             s.remote_tensors = std::move(remote_tensors);
+             s.local_runs = wireRuns(local_runs);
+             s.remote_runs = wireRuns(remote_runs);
+             s.local_absolute = local_absolute;
+             s.timeout_ms = timeout_ms;
+             return s;
+           }),
+           // one call builds a whole spec: a pull_blocks pays for one conversion, not one per field
+           py::kw_only(), py::arg("peer_cluster_id") = 0, py::arg("target") = wire::Target{},
+           py::arg("local_cache_id") = 0, py::arg("mode") = TransferSpec::Mode::kSlotToSlot, py::arg("local_slot") = 0,
+           py::arg("size") = -1, py::arg("local_blocks") = std::vector<int64_t>{},
+           py::arg("remote_blocks") = std::vector<int64_t>{}, py::arg("local_tensors") = std::vector<uint32_t>{},
+           py::arg("remote_tensors") = std::vector<uint32_t>{}, py::arg("local_runs") = RunPairs{},
+           py::arg("remote_runs") = RunPairs{}, py::arg("local_absolute") = false, py::arg("timeout_ms") = 0)
+      .def_readwrite("peer_cluster_id", &TransferSpec::peer_cluster_id)
+      .def_readwrite("target", &TransferSpec::target)
+      .def_readwrite("local_cache_id", &TransferSpec::local_cache_id)
+      .def_readwrite("local_absolute", &TransferSpec::local_absolute)
+      .def_readwrite("timeout_ms", &TransferSpec::timeout_ms)
+      .def_readwrite("mode", &TransferSpec::mode)
+      .def_readwrite("local_slot", &TransferSpec::local_slot)
+      .def_readwrite("size", &TransferSpec::size)
+      .def_readwrite("local_blocks", &TransferSpec::local_blocks)
+      .def_readwrite("remote_blocks", &TransferSpec::remote_blocks)
+      .def_readwrite("local_tensors", &TransferSpec::local_tensors)
+      .def_readwrite("remote_tensors", &TransferSpec::remote_tensors)
+      .def_property(
+          "local_runs", [](const TransferSpec& s) { return runPairs(s.local_runs); },
+          [](TransferSpec& s, const RunPairs& r) { s.local_runs = wireRuns(r); })
+      .def_property(
+          "remote_runs", [](const TransferSpec& s) { return runPairs(s.remote_runs); },
+          [](TransferSpec& s, const RunPairs& r) { s.remote_runs = wireRuns(r); });
+}
+
+}  // namespace
+
+void bindConstants(py::module_& m) {
+  m.attr("PROTOCOL_VERSION") = wire::kProtocolVersion;
+  m.attr("ANY_CLUSTER") = wire::kAnyCluster;
+  {
+    py::tuple backends(std::size(kBackendNames));
+    for (size_t i = 0; i < std::size(kBackendNames); ++i) backends[i] = kBackendNames[i];
+    m.attr("BACKENDS") = backends;  // the names open_backend takes
+  }
+  m.attr("INVALID_ID") = kInvalidId;                     // an unset req_id / prefix_id / registration key
+  m.attr("LATEST_LINK_MARK") = Engine::kLatestLinkMark;  // linked_since(it): no peer, only the latest mark
+  // The bounds on what one peer may make an engine spend (core/limits.h), bound once.
+  {
+    py::dict limits;
+    limits["max_request_tensors"] = limits::kMaxRequestTensors;
+    limits["max_request_pieces"] = limits::kMaxRequestPieces;
+    limits["max_request_span_steps"] = limits::kMaxRequestSpanSteps;
+    limits["max_raw_span"] = limits::kMaxRawSpan;
+    limits["max_body_bytes"] = limits::kMaxBodyBytes;
+    limits["max_message_bytes"] = limits::kMaxMessageBytes;
+    limits["read_chunk_bytes"] = limits::kReadChunkBytes;
+    limits["payload_chunk_bytes"] = limits::kPayloadChunkBytes;
+    limits["link_log_entries"] = limits::kLinkLogEntries;
+    limits["max_notify_name_bytes"] = limits::kMaxNotifyNameBytes;
+    limits["max_notify_message_bytes"] = limits::kMaxNotifyMessageBytes;
+    m.attr("LIMITS") = limits;
+  }
+}
+
+void bindTypes(py::module_& m) {
+  bindEnums(m);
+  bindEngineLimits(m);
+  bindEngineStructs(m);
+  bindCacheTypes(m);
+  bindTransferSpec(m);
+}
+
+}  // namespace pdlink::bindings
