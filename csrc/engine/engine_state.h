@@ -73,6 +73,10 @@ struct EngineState {
   // The DEVICE memory a device channel prepares for one-sided access: the device pool and every
   // registered DEVICE cache's tensors.
   std::vector<Segment> preparedRegions() const;
+  // What a path's connect and answer hooks see of this engine (transport/path.h).
+  PathEnv pathEnv() const {
+    return PathEnv{*backend, device_transport, config.one_sided, one_sided, [this] { return preparedRegions(); }};
+  }
 
   // Starts an engine thread (detached; waitThreads waits for every one). Throws std::system_error
   // when the system has no thread to give.

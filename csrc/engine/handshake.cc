@@ -17,6 +17,7 @@
 #include "engine/engine_internal.h"
 #include "engine/link_manager.h"
 #include "transport/cma/cma.h"
+#include "transport/cma/cma_path.h"
 
 namespace pdlink::detail {
 
@@ -239,7 +240,7 @@ struct LinkManager::Incoming {
   Session session;
   pid_t pid = 0;
   uid_t uid = 0;
-  std::shared_ptr<cma::Grant> grant;
+  std::shared_ptr<void> grant;  // cma's (cmaGrant)
 };
 
 void LinkManager::handleIncoming(Socket sock, HandshakeSlot* slot) {
@@ -403,7 +404,7 @@ bool LinkManager::admitChannel(Incoming& in) {
     in.uid = cred.value().uid;
     in.ok.gen_addr = reinterpret_cast<uint64_t>(s_.registry.published());
     // The dialler probes this process before it completes the link.
-    if (in.pid != 0 && in.pid != ::getpid()) in.grant = cma::Grant::acquire();
+    in.grant = cmaGrant(in.pid);
   } else if (in.hello.channel == wire::Channel::kForward) {
     std::string name;
     {
@@ -582,9 +583,9 @@ std::shared_ptr<Link> LinkManager::completeLinkLocked(Incoming& in, std::unique_
   auto link = std::make_shared<Link>(in.hello.cluster_id, std::move(in.sock), std::move(*pending->forward), false);
   link->setOrigin(pending->source, in.hello.nonce, std::move(endpoint));
   if (in.session.key) link->authenticate(std::move(in.session.key), pending->session_key, in.session.integrity);
-  const bool direct = process != nullptr;
-  link->setPeerProcess(in.pid, pending->published_addr, pending->grant, std::move(process));
-  choosePaths(*link, direct);
+  link->setPeerProcess(in.pid, pending->published_addr);
+  link->holdUntilBroken(pending->grant);
+  choosePaths(*link, std::move(process));
   // Nobody may send on the new link before our ack is out; the link is brand new, so taking its
   // mutex under mu cannot deadlock.
   *out_lock = std::unique_lock<std::mutex>(link->outMutex());

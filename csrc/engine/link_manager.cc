@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "engine/engine_internal.h"
 #include "transport/cma/cma.h"
+#include "transport/cma/cma_path.h"
 #include "transport/ucx/ucx_path.h"
 
 namespace pdlink {
@@ -116,8 +117,8 @@ struct LinkManager::Dialled {
   Socket fwd, rev;
   pid_t pid = 0;  // the acceptor, as SO_PEERCRED reports it (AF_UNIX channels only)
   uid_t uid = 0;
-  uint64_t published_addr = 0;  // its Registry::Published words (AF_UNIX channels only)
-  std::shared_ptr<cma::Grant> grant;
+  uint64_t published_addr = 0;       // its Registry::Published words (AF_UNIX channels only)
+  std::shared_ptr<void> grant;       // cma's (cmaGrant), for the link to hold until it breaks
   Session fwd_session, rev_session;  // with a link secret: the channels' keys
   wire::Nonce nonce{};               // the forward channel's hello
   std::string endpoint;              // the forward channel's end here (Socket::localEndpoint)
@@ -367,11 +368,11 @@ Status LinkManager::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_
   if (d.fwd_session.key) {
     link->authenticate(std::move(d.fwd_session.key), std::move(d.rev_session.key), d.fwd_session.integrity);
   }
-  const bool direct = process != nullptr;
-  link->setPeerProcess(d.pid, d.published_addr, std::move(d.grant), std::move(process));
+  link->setPeerProcess(d.pid, d.published_addr);
+  link->holdUntilBroken(std::move(d.grant));
   link->setPeerAddress(where);
   link->setOrigin("", d.nonce, d.endpoint);
-  choosePaths(*link, direct);
+  choosePaths(*link, std::move(process));
   if (claimed) PDLINK_RETURN_IF_ERROR(settleClaim(peer, peer_id, link, claimed, deadline, linked_id));
   return finishLink(peer, peer_id, link, deadline, linked_id);
 }
@@ -476,8 +477,9 @@ Status LinkManager::finishLink(const PeerAddress& peer, uint64_t peer_id, const 
   // channels (a CPU backend) still links; its device transfers are refused then.
   const bool wants_channel = !link->devicePaths().empty() && link->devicePaths().front()->caps().device_channel;
   if (wants_channel) {
-    st = ensureDeviceChannel(link, deadline, "link to");
-    channel = link->outDevice() != nullptr;
+    DataPath& first = *link->devicePaths().front();
+    st = first.connect(*link, s_.pathEnv(), deadline, "link to");
+    channel = first.usable(*link);
   }
   out.unlock();
   if (wants_channel) {
@@ -570,7 +572,7 @@ Result<LinkManager::Dialled> LinkManager::dialUnix(const std::string& name, uint
   // The acceptor (it has proven the secret by now) probes this process before it completes the
   // link: let it read us from now on (released with `d` if the link does not come up). Not for a
   // peer inside this process.
-  if (d.pid != 0 && d.pid != ::getpid()) d.grant = cma::Grant::acquire();
+  d.grant = cmaGrant(d.pid);
   auto rev = Socket::connectUnix(name, deadline);
   if (!rev.ok()) return rev.status();
   auto cred2 = rev.value().peerCredentials();
@@ -591,27 +593,9 @@ Result<LinkManager::Dialled> LinkManager::dialUnix(const std::string& name, uint
 
 Status LinkManager::chooseTransport(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr,
                                     std::shared_ptr<const cma::Process>* process) const {
-  process->reset();
-  if (s_.config.transport == Transport::kTcp || s_.config.transport == Transport::kUcx) return Status::OK();
-  if (peer_pid == 0) {
-    if (s_.config.transport == Transport::kCma) {
-      return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
-    }
-    return Status::OK();
-  }
-  // A proven same-host peer: copy directly if its process can be held for the life of the link
-  // (cma::Process) and this process may read it (Yama, same user). The probe reads the peer's
-  // published words, in the process the kernel named, never a claimed one.
-  auto opened = cma::Process::open(channel.fd(), peer_pid, peer_uid);
-  Result<uint64_t> word = opened.ok() ? opened.value()->readWord(published_addr) : Result<uint64_t>(opened.status());
-  if (word.ok()) {
-    PDLINK_LOG(kDebug, "same-host peer pid " << peer_pid << ": direct copies by " << opened.value()->modeName());
-    *process = std::move(opened.value());
-    return Status::OK();
-  }
-  if (s_.config.transport == Transport::kCma) return word.status();
-  PDLINK_LOG(kInfo, "same-host peer pid " << peer_pid << ": " << word.status().message() << "; streaming");
-  return Status::OK();
+  const bool allowed = s_.config.transport != Transport::kTcp && s_.config.transport != Transport::kUcx;
+  return cmaProbe(channel, peer_pid, peer_uid, published_addr, allowed, s_.config.transport == Transport::kCma,
+                  process);
 }
 
 void LinkManager::installLink(const std::shared_ptr<Link>& link) {
@@ -772,13 +756,13 @@ uint64_t LinkManager::linkedSince(uint64_t after, std::vector<uint64_t>* peers) 
 
 // ---------------------------------------------------------------- paths and device channels
 
-void LinkManager::choosePaths(Link& link, bool direct) {
+void LinkManager::choosePaths(Link& link, std::shared_ptr<const cma::Process> direct) {
   LinkFacts f;
   f.same_host = link.sameHost();
   f.in_process = link.inProcess();
   f.unix_socket = link.outSocket().isUnix();
   if (direct) {
-    f.direct = link.peerProcess();
+    f.direct = std::move(direct);
     f.published_addr = link.peerPublishedAddr();
   }
   if (ucx::isPathOf(s_.ucx_hub.get(), s_.config.transport == Transport::kUcx, link)) f.ucx = s_.ucx_hub;
@@ -795,36 +779,6 @@ Result<std::shared_ptr<Link>> LinkManager::usableLink(uint64_t peer) {
   if (std::shared_ptr<Link> link = links_.forRequests(peer)) return link;
   if (auto why = links_.downReason(peer)) return linkDown(peer, *why);
   return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; connect first");
-}
-
-Status LinkManager::ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what) {
-  if (link->outDevice()) return Status::OK();
-  auto rendezvous = s_.backend->newRendezvous();
-  if (!rendezvous.ok()) return rendezvous.status();
-  const std::string& rv = rendezvous.value();
-  // One-sided access is offered when this runtime has it; the peer agrees when its runtime has it
-  // too (and its configuration allows it).
-  const bool offer = s_.config.one_sided && s_.one_sided;
-  std::string body = rv + static_cast<char>(offer ? wire::kChannelOneSided : 0);
-  wire::ResponseHeader rh;
-  Status st = request(*link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0}, body,
-                      deadline, what, &rh);
-  if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
-  std::string answer;
-  const uint8_t offered = offer ? wire::kChannelOneSided : 0;
-  if (rh.payload_len != 1 || !readAnswer(link->out(), 1, 1, deadline, &answer, "device channel answer").ok() ||
-      (static_cast<uint8_t>(answer[0]) & ~offered) != 0) {
-    return failTransfer(*link, Status(Code::kLinkFailed, "malformed device channel answer"), what);
-  }
-  const uint8_t agreed = static_cast<uint8_t>(answer[0]);
-  auto channel = s_.backend->joinChannel(rv, true);
-  if (channel.ok() && (agreed & wire::kChannelOneSided)) {
-    st = channel.value()->prepare(s_.preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
-    if (!st.ok()) channel = st;
-  }
-  if (!channel.ok()) return failTransfer(*link, channel.status(), what);  // the peer's half is in an unknown state
-  link->setOutDevice(std::move(channel.value()));
-  return Status::OK();
 }
 
 }  // namespace pdlink

@@ -6,8 +6,8 @@
 // slots (EngineLimits::max_handshakes, _per_source) and the incoming links waiting for their
 // REVERSE channel. It dials (link; the dialler's half of the handshake is
 // detail::helloExchange), accepts (handleIncoming: the acceptor's half, engine/handshake.cc),
-// unlinks, probes links, chooses each new link's transport and paths, and sets up a link's device
-// channel for this side's requests. It does not serve a link: a link it installs is handed to the
+// unlinks, probes links, chooses each new link's transport and paths, and has a new link's first
+// device path set itself up (DataPath::connect). It does not serve a link: a link it installs is handed to the
 // `serve` function given at construction (RequestServer::serve, on an engine thread).
 //
 // Threading: every public method is thread-safe unless it says "Locked" (then the caller holds
@@ -15,7 +15,7 @@
 // mutex; the out mutex of a brand-new link is taken under mu). Listeners are destroyed (joining
 // their thread) only outside mu, since their accept callback takes it. Called by the Engine facade
 // (any application thread), by RequestServer (serving threads: forget, retire, dialledBy) and
-// Transfers (usableLink, ensureDeviceChannel); its own threads: one per listener, one handshake
+// Transfers (usableLink); its own threads: one per listener, one handshake
 // thread per incoming connection (which goes on to serve the link it accepted).
 // Errors: Status codes as the public API documents them (Engine::link, unlink, ping); a refused
 // incoming connection gets its reason on the wire and is logged, never thrown.
@@ -37,6 +37,7 @@
 #include "engine/engine_state.h"
 #include "engine/engine_types.h"
 #include "engine/link_table.h"
+#include "transport/cma/cma.h"
 #include "transport/link.h"
 #include "transport/listener.h"
 #include "transport/socket.h"
@@ -92,10 +93,6 @@ class LinkManager {
   // Whether this engine dialled (or is dialling) `link`'s peer with `nonce` from `endpoint` (the
   // answer to the peer's kConfirm).
   bool dialledBy(const Link& link, const wire::Nonce& nonce, const std::string& endpoint) const;
-  // The device channel of this side's requests on `link`, created on first use (requires the out
-  // mutex): a rendezvous the peer accepts, then both join. The peer's refusal (no device channels
-  // there) comes back as its status, the link intact.
-  Status ensureDeviceChannel(const std::shared_ptr<Link>& link, Deadline deadline, const char* what);
 
  private:
   // A handshake slot held by an incoming connection's thread; release() gives it back (once).
@@ -184,15 +181,15 @@ class LinkManager {
   // Whether the peer still answers on `link` (pings over a window of kProbeWindowMs, or a transfer
   // running on it); breaks it when not.
   bool stillAlive(const std::shared_ptr<Link>& link);
-  // Whether this side's requests copy the peer's memory directly: only for a peer the kernel
-  // identified (pid != 0) on the AF_UNIX `channel`, held as a cma::Process, after a probe read of
-  // its published words; `process` is then set. kLinkFailed when cma is forced and not possible.
+  // Whether this side's requests copy the peer's memory directly: the cma path's probe (cmaProbe,
+  // transport/cma/cma_path.h) as this engine's transport allows it; `process` is then set.
+  // kLinkFailed when cma is forced and not possible.
   Status chooseTransport(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr,
                          std::shared_ptr<const cma::Process>* process) const;
   // The paths of this side's requests on a new link (before it is shared), as the path table picks
-  // them from what the handshake proved (`direct`: chooseTransport allowed cma) and what this
-  // engine offers (PathTable::choose).
-  void choosePaths(Link& link, bool direct);
+  // them from what the handshake proved (`direct`: the peer's process where chooseTransport allowed
+  // cma, else null) and what this engine offers (PathTable::choose).
+  void choosePaths(Link& link, std::shared_ptr<const cma::Process> direct);
 
   EngineState& s_;
   const ServeFn serve_;
@@ -216,11 +213,11 @@ class LinkManager {
   // Incoming links waiting for their REVERSE channel, keyed by the initiator's nonce.
   struct PendingLink {
     uint64_t peer = 0;
-    std::string source;               // sourceOf the forward channel
-    std::unique_ptr<Socket> forward;  // the channel this side will serve
-    pid_t pid = 0;                    // SO_PEERCRED of an AF_UNIX forward channel
-    uint64_t published_addr = 0;      // from the forward channel's ClientAuth (AF_UNIX only)
-    std::shared_ptr<cma::Grant> grant;
+    std::string source;                              // sourceOf the forward channel
+    std::unique_ptr<Socket> forward;                 // the channel this side will serve
+    pid_t pid = 0;                                   // SO_PEERCRED of an AF_UNIX forward channel
+    uint64_t published_addr = 0;                     // from the forward channel's ClientAuth (AF_UNIX only)
+    std::shared_ptr<void> grant;                     // cma's (cmaGrant), for the link to hold until it breaks
     std::shared_ptr<const crypto::Key> session_key;  // the forward channel's (with a link secret)
     bool integrity = false;                          // payload integrity agreed on it
     std::shared_ptr<Link> link;                      // set by the REVERSE handler when the link is installed

@@ -10,6 +10,7 @@
 #include "core/log.h"
 #include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
+#include "transport/device/device_channel.h"
 #include "transport/frames.h"
 #include "transport/path.h"
 #include "transport/ucx/ucx_path.h"
@@ -127,7 +128,7 @@ bool RequestServer::serveControl(const std::shared_ptr<Link>& link, Stream& s, c
   if (h.op == wire::Op::kPing) {
     *result = sendResponse(s, Status::OK(), deadline);
   } else if (h.op == wire::Op::kDeviceChannel) {
-    *result = serveDeviceChannel(link, s, body, deadline);
+    *result = device::answerChannel(*link, s, body, s_.pathEnv(), deadline);
   } else if (h.op == wire::Op::kNotify) {
     *result = serveNotify(*link, s, body, deadline);
   } else if (h.op == wire::Op::kConfirm) {
@@ -331,34 +332,6 @@ Status RequestServer::serveConfirm(const Link& link, Stream& s, const std::strin
   return sendResponse(
       s, Status(Code::kNotYetLink, "this engine did not dial that link to " + clusterName(s_.config.cluster_id)),
       deadline);
-}
-
-Status RequestServer::serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
-                                         Deadline deadline) {
-  if (!s_.device_transport) {
-    return sendResponse(s,
-                        Status(Code::kFeatureNotEnabled,
-                               std::string("the peer's backend (") + s_.backend->name() + ") has no device channels"),
-                        deadline);
-  }
-  if (rendezvous.empty()) return sendResponse(s, Status(Code::kParamInvalid, "empty device channel request"), deadline);
-  const uint8_t wanted = rendezvous.back();  // channel options (wire::kChannelOneSided)
-  // Accept first, then join: the requester joins only after this answer, so a refusal never
-  // leaves it waiting in the vendor's communicator setup. The answer says which options apply.
-  const uint8_t agreed = wanted & (s_.config.one_sided ? wire::kChannelOneSided : 0);
-  PDLINK_RETURN_IF_ERROR(sendAnswer(s, std::string(1, static_cast<char>(agreed)), deadline));
-  auto channel = s_.backend->joinChannel(rendezvous.substr(0, rendezvous.size() - 1), false);
-  if (channel.ok() && (agreed & wire::kChannelOneSided)) {
-    Status st = channel.value()->prepare(s_.preparedRegions(), std::max(1, deadline.remainingMsForPoll() / 1000));
-    if (!st.ok()) channel = st;
-  }
-  if (!channel.ok()) {
-    PDLINK_LOG(kWarn, "device channel from " << clusterName(link->peer()) << ": " << channel.status().message());
-    return channel.status();
-  }
-  link->setInDevice(std::move(channel.value()));
-  PDLINK_LOG(kDebug, "device channel from " << clusterName(link->peer()) << " ready");
-  return Status::OK();
 }
 
 }  // namespace pdlink

@@ -94,8 +94,6 @@ class RequestServer {
   // use the path its flags ask for on this link (non-OK: refused, the link stays).
   Status admitHeader(const Link& link, const wire::RequestHeader& h) const;
   Status admitAccess(const Link& link, const wire::RequestHeader& h) const;
-  Status serveDeviceChannel(const std::shared_ptr<Link>& link, Stream& s, const std::string& rendezvous,
-                            Deadline deadline);
   // A kNotify frame: queued within the limits and acknowledged (a refusal keeps the link); a
   // malformed body drops the link.
   Status serveNotify(const Link& link, Stream& s, const std::string& body, Deadline deadline);

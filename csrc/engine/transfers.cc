@@ -441,7 +441,7 @@ Status Transfers::transferPart(const std::shared_ptr<Link>& link, TransferPlan& 
     if (path->caps().device_channel) {
       // A peer without device channels (a CPU backend) turns the channel down and moves nothing: a
       // descriptor list then goes staged over the stream (fallBack), anything else fails with it.
-      Status channel = links_.ensureDeviceChannel(link, deadline, what);
+      Status channel = path->connect(*link, s_.pathEnv(), deadline, what);
       if (channel.code() == Code::kFeatureNotEnabled && !link->broken()) {
         last = channel;
         continue;

@@ -5,7 +5,7 @@
 // transfer against this side's registry (local indices and ranges checked here; the peer checks its
 // own side), splits it into requests within limits::kMaxRequestPieces, and posts each on the link's
 // path for the local memory (its host path, or its device paths in order). It reaches links only
-// through the link manager (usableLink, ensureDeviceChannel), and the registry through
+// through the link manager (usableLink), and the registry through
 // EngineState.
 //
 // Threading: every public method is thread-safe and may block on a link: a transfer holds its

@@ -374,7 +374,7 @@ void fuzzServe(const uint8_t* p, size_t n) {
   const bool same_host = p[0] & 1;
   EngineFixture fx;
   auto link = std::make_shared<Link>(9, Socket(), Socket(), false);
-  if (same_host) link->setPeerProcess(::getpid(), 0, nullptr, nullptr);  // a peer the kernel put in this process
+  if (same_host) link->setPeerProcess(::getpid(), 0);  // a peer the kernel put in this process
   Engine::ServeState state;
   PinEpochs::Word pin_epoch{1};  // the serving loop takes one per link (RequestServer::serve)
   state.pin_epoch = &pin_epoch;

@@ -49,6 +49,23 @@ const char* Link::transport() const {
 
 std::vector<std::string> Link::lanes() const { return host_path_ ? host_path_->lanes() : std::vector<std::string>{}; }
 
+PathLinkState* Link::find(const States& states, const PathSlot& slot) {
+  for (const auto& [key, state] : states) {
+    if (key == &slot) return state.get();
+  }
+  return nullptr;
+}
+
+void Link::put(States& states, const PathSlot& slot, std::unique_ptr<PathLinkState> state) {
+  for (auto& [key, held] : states) {
+    if (key == &slot) {
+      held = std::move(state);
+      return;
+    }
+  }
+  if (state) states.emplace_back(&slot, std::move(state));
+}
+
 bool Link::inProcess() const { return peer_process_.pid != 0 && peer_process_.pid == ::getpid(); }
 
 bool Link::broken() const {
@@ -62,13 +79,13 @@ std::string Link::brokenReason() const {
 }
 
 void Link::breakLink(const std::string& reason) {
-  std::shared_ptr<cma::Grant> grant;
+  std::shared_ptr<void> held;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (broken_) return;
     broken_ = true;
     broken_reason_ = reason;
-    grant = std::move(grant_);  // a broken link copies nothing more: its peer needs no access to us
+    held = std::move(held_);  // a broken link copies nothing more: its peer needs no access to us
   }
   out_.shutdown();
   in_.shutdown();

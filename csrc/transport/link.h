@@ -20,18 +20,32 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/backend.h"
 #include "core/status.h"
 #include "transport/auth_stream.h"
-#include "transport/cma/cma.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
 
 namespace pdlink {
 
 class DataPath;  // transport/path.h
+
+// What a path keeps on one link (the device paths: their channels; ucx: its endpoint back to the
+// peer), defined in the path's folder. Dropped with the link.
+class PathLinkState {
+ public:
+  virtual ~PathLinkState() = default;
+};
+
+// A path's key to its state on every link: the path's folder defines one (a static PathSlot) per
+// kind of state it keeps; paths that share a state (the two HCCL paths, one device channel) share
+// the slot. The link knows none of them.
+struct PathSlot {
+  const char* name;
+};
 
 // What `Engine::links()` reports of one link (or of a dead link's tombstone, engine/link_table.h).
 struct LinkInfo {
@@ -59,50 +73,47 @@ class Link {
   // (SO_PEERCRED on both channels; transport/socket.h), and where its registry publishes the words a
   // direct reader checks (Registry::Published). Set before the link is shared, then constant.
   // pid 0: no same-host proof (TCP channels, or a peer whose pid this namespace cannot see). Only a
-  // proven link may use cma or IPC, and addresses a peer sends are applied to that pid only.
-  // `grant` keeps this process readable by same-host peers until the link breaks (cma::Grant).
-  // `process`: the handle this side's direct copies go through (cma::Process), null where this
-  // side does not copy directly.
-  void setPeerProcess(pid_t pid, uint64_t published_addr, std::shared_ptr<cma::Grant> grant,
-                      std::shared_ptr<const cma::Process> process) {
+  // proven link may use a same-host path, and addresses a peer sends are applied to that pid only.
+  void setPeerProcess(pid_t pid, uint64_t published_addr) {
     peer_process_.pid = pid;
     peer_process_.published_addr = published_addr;
-    peer_process_.process = std::move(process);
-    grant_ = std::move(grant);
   }
   // The kernel proved the peer runs on this host (see setPeerProcess).
   bool sameHost() const { return peer_process_.pid != 0; }
   bool inProcess() const;  // the peer is another engine of this process
 
   uint64_t peerPublishedAddr() const { return peer_process_.published_addr; }
-  const std::shared_ptr<const cma::Process>& peerProcess() const { return peer_process_.process; }
+  // Something a path keeps alive for as long as the link is not broken (cma: the grant that keeps
+  // this process readable by same-host peers, cma::Grant); set before the link is shared, dropped by
+  // breakLink. Null: nothing.
+  void holdUntilBroken(std::shared_ptr<void> held) { held_ = std::move(held); }
 
   // The data paths of this side's requests (transport/path.h), chosen when the link is made (before
-  // it is shared): the one for host memory (cma on a proven same-host link whose probe read
-  // succeeded, else the stream), and, on a device backend, the ones for DEVICE memory in the order
-  // they are tried. Owned by the link (host path) or by the engine (device paths), which outlives it.
+  // it is shared, by the engine's path table): the one for host memory, and, on a device backend,
+  // the ones for DEVICE memory in the order they are tried. Owned by the link (host path) or by the engine (device
+  // paths), which outlives it.
   void setPaths(std::unique_ptr<DataPath> host, std::vector<DataPath*> device);
   DataPath& hostPath() { return *host_path_; }                                 // requires outMutex()
   const std::vector<DataPath*>& devicePaths() const { return device_paths_; }  // requires outMutex()
-  // A device path the peer turned down for good (IPC with a runtime that cannot share memory).
+  // A device path the peer turned down for good (one whose peer's runtime lacks what it needs).
   void dropDevicePath(const DataPath* path);  // requires outMutex()
   // The names of devicePaths(), for links(): readable without outMutex() (a transfer may hold it).
   std::vector<std::string> devicePathNames() const;
-  // What links() reports: the host path's name ("cma", "unix" for a same-host stream, "tcp",
-  // "ucx"), and its lanes (DataPath::lanes).
+  // What links() reports: the host path's name (PathCaps::name), and its lanes (DataPath::lanes).
   const char* transport() const;
   std::vector<std::string> lanes() const;
 
-  // Device channels (Backend::DeviceChannel), one per direction like the sockets: `out` carries
-  // the bytes of this side's requests (this side created it, rank 0), `in` those of the peer's
-  // requests (set and used only by the serving thread). Created on first use, dropped on failure.
-  DeviceChannel* outDevice() const { return out_device_.get(); }                       // requires outMutex()
-  void setOutDevice(std::unique_ptr<DeviceChannel> c) { out_device_ = std::move(c); }  // requires outMutex()
-  DeviceChannel* inDevice() const { return in_device_.get(); }
-  void setInDevice(std::unique_ptr<DeviceChannel> c) { in_device_ = std::move(c); }
-  // What a path's server keeps for this link between the peer's requests (the ucx path: its
-  // endpoint back to the peer). Set and used only by the serving thread; dropped with the link.
-  std::shared_ptr<void>& serverState() { return server_state_; }
+  // What the paths keep for this link (PathLinkState), one per slot and side: `out` for this side's
+  // requests (requires outMutex()), `in` for the peer's (set and used only by the serving thread).
+  // Null until the path sets it; a path drops its state (set null) when it can no longer be trusted.
+  PathLinkState* outState(const PathSlot& slot) const { return find(out_states_, slot); }  // requires outMutex()
+  void setOutState(const PathSlot& slot, std::unique_ptr<PathLinkState> state) {           // requires outMutex()
+    put(out_states_, slot, std::move(state));
+  }
+  PathLinkState* inState(const PathSlot& slot) const { return find(in_states_, slot); }
+  void setInState(const PathSlot& slot, std::unique_ptr<PathLinkState> state) {
+    put(in_states_, slot, std::move(state));
+  }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -155,19 +166,20 @@ class Link {
   struct PeerProcess {
     pid_t pid = 0;
     uint64_t published_addr = 0;
-    std::shared_ptr<const cma::Process> process;
   };
+  using States = std::vector<std::pair<const PathSlot*, std::unique_ptr<PathLinkState>>>;
+  static PathLinkState* find(const States& states, const PathSlot& slot);
+  static void put(States& states, const PathSlot& slot, std::unique_ptr<PathLinkState> state);
   PeerProcess peer_process_;             // set before the link is shared, then constant
   std::unique_ptr<DataPath> host_path_;  // set before the link is shared
   std::vector<DataPath*> device_paths_;  // guarded by out_mu_
-  std::shared_ptr<cma::Grant> grant_;    // set before the link is shared; dropped by breakLink under state_mu_
+  std::shared_ptr<void> held_;           // set before the link is shared; dropped by breakLink under state_mu_
   std::string peer_address_;
   std::string source_;
   wire::Nonce nonce_{};
   std::string endpoint_;
-  std::unique_ptr<DeviceChannel> out_device_;  // guarded by out_mu_
-  std::unique_ptr<DeviceChannel> in_device_;   // serving thread only
-  std::shared_ptr<void> server_state_;         // serving thread only
+  States out_states_;  // guarded by out_mu_
+  States in_states_;   // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_
   std::string broken_reason_;                   // guarded by state_mu_

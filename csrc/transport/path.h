@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,7 +56,19 @@ struct PathCaps {
   bool cross_host = false;      // reaches a peer on another host
   bool one_sided = false;       // the peer's threads do not copy the bytes (they only check and pin)
   bool device_memory = false;   // moves DEVICE memory of a device backend; else host memory
-  bool device_channel = false;  // needs the link's device channel (LinkManager::ensureDeviceChannel)
+  bool device_channel = false;  // needs setting up on a link before its first transfer (DataPath::connect)
+};
+
+// What of the engine a path may use when it sets itself up on a link (DataPath::connect) or answers
+// the peer's setup: the backend, what the runtime and the configuration allow. Made by the engine
+// per call (EngineState::pathEnv).
+struct PathEnv {
+  Backend& backend;
+  bool device_transport = false;  // the backend has device channels
+  bool config_one_sided = false;  // the configuration enables one-sided access
+  bool one_sided = false;         // the runtime has one-sided access
+  // The memory a device channel prepares for one-sided access (EngineState::preparedRegions).
+  std::function<std::vector<Segment>()> prepared_regions;
 };
 
 // The requesting side of a path on one link.
@@ -66,6 +79,11 @@ class DataPath {
   // What the path moves bytes over beneath its name, where it has a choice (the ucx path: UCX's
   // "transport/device" lanes once connected); empty for the rest. Thread-safe.
   virtual std::vector<std::string> lanes() const { return {}; }
+  // Sets up what the path needs on `link` before it takes transfers there (the HCCL paths: the
+  // link's device channel for this side's requests), once; a no-op once done and for a path that
+  // needs nothing. Requires the link's out mutex. kFeatureNotEnabled with the link not broken: the
+  // peer turned it down (the link itself is fine); other failures have broken the link.
+  virtual Status connect(Link& link, const PathEnv& env, Deadline deadline, const char* what) { return Status::OK(); }
   // Whether this path may take transfers on `link` now (requires the link's out mutex).
   virtual bool usable(const Link& link) const { return true; }
   // Moves the bytes of `p` (pull: the peer's into local memory; push: the other way), by

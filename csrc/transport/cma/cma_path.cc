@@ -1,10 +1,13 @@
 // The cma path (transport/cma/cma_path.h).
 #include "transport/cma/cma_path.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 
 #include "core/limits.h"
+#include "core/log.h"
 #include "core/spans.h"
 #include "transport/cma/cma.h"
 #include "transport/frames.h"
@@ -285,6 +288,36 @@ PathEntry cmaEntry() {
     return std::make_unique<CmaPath>(f.direct, f.published_addr);
   };
   return e;
+}
+
+std::shared_ptr<void> cmaGrant(pid_t peer_pid) {
+  if (peer_pid == 0 || peer_pid == ::getpid()) return nullptr;
+  return cma::Grant::acquire();
+}
+
+Status cmaProbe(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr, bool allowed,
+                bool forced, std::shared_ptr<const cma::Process>* process) {
+  process->reset();
+  if (!allowed) return Status::OK();
+  if (peer_pid == 0) {
+    if (forced) {
+      return Status(Code::kLinkFailed, "transport 'cma' was forced but the peer is not on this host or refuses it");
+    }
+    return Status::OK();
+  }
+  // A proven same-host peer: copy directly if its process can be held for the life of the link
+  // (cma::Process) and this process may read it (Yama, same user). The probe reads the peer's
+  // published words, in the process the kernel named, never a claimed one.
+  auto opened = cma::Process::open(channel.fd(), peer_pid, peer_uid);
+  Result<uint64_t> word = opened.ok() ? opened.value()->readWord(published_addr) : Result<uint64_t>(opened.status());
+  if (word.ok()) {
+    PDLINK_LOG(kDebug, "same-host peer pid " << peer_pid << ": direct copies by " << opened.value()->modeName());
+    *process = std::move(opened.value());
+    return Status::OK();
+  }
+  if (forced) return word.status();
+  PDLINK_LOG(kInfo, "same-host peer pid " << peer_pid << ": " << word.status().message() << "; streaming");
+  return Status::OK();
 }
 
 }  // namespace pdlink

@@ -78,6 +78,20 @@ class CmaServer : public PathServer {
   Status serve(ServeCall& call) override;
 };
 
+// The cma path's part in making a link, which the link manager calls as it makes one.
+// The grant: keeps this process readable by the same-host peer `peer_pid` (cma::Grant) for as long
+// as the result lives (the link holds it until it breaks, Link::holdUntilBroken); null where there
+// is nothing to grant (pid 0: no same-host proof; a peer inside this process).
+std::shared_ptr<void> cmaGrant(pid_t peer_pid);
+// The probe: whether this side's requests copy the peer's memory directly, only for a peer the
+// kernel identified (peer_pid != 0) on the AF_UNIX `channel`, held as a cma::Process, after a probe
+// read of its published words (at `published_addr`, in the process the kernel named, never a claimed
+// one); *process is then set. `allowed`: the engine's transport may be cma (auto or forced);
+// `forced`: it is forced to cma, and a link where it is not possible fails (kLinkFailed, or the
+// probe's failure).
+Status cmaProbe(const Socket& channel, pid_t peer_pid, uid_t peer_uid, uint64_t published_addr, bool allowed,
+                bool forced, std::shared_ptr<const cma::Process>* process);
+
 // cma's table entry: applies where the handshake proved direct access (LinkFacts::direct), served
 // always (admitAccess lets a direct request through on a same-host link only).
 PathEntry cmaEntry();

@@ -1,6 +1,7 @@
 // The device-channel paths, two-sided and one-sided (transport/device/hccl_path.h).
 #include "transport/device/hccl_path.h"
 
+#include "transport/device/device_channel.h"
 #include "transport/frames.h"
 
 namespace pdlink {
@@ -21,7 +22,11 @@ HcclPath::HcclPath() {
   caps_.device_channel = true;
 }
 
-bool HcclPath::usable(const Link& link) const { return link.outDevice() != nullptr; }
+Status HcclPath::connect(Link& link, const PathEnv& env, Deadline deadline, const char* what) {
+  return device::ensureOutChannel(link, env, deadline, what);
+}
+
+bool HcclPath::usable(const Link& link) const { return device::outChannel(link) != nullptr; }
 
 Status HcclPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) {
   const std::string body = wire::encode(p.remote);
@@ -29,11 +34,11 @@ Status HcclPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline de
   Status st = requestAccess(link, body, is_push, wire::kFlagDevice, deadline, what, &rh);
   if (!st.ok()) return st;  // the peer refused the access, or the link failed
   if (rh.payload_len != 0) return failTransfer(link, Status(Code::kLinkFailed, "unexpected payload"), what);
-  DeviceChannel* channel = link.outDevice();
+  DeviceChannel* channel = device::outChannel(link);
   const std::vector<Segment> segments = localPieces(p);
   st = is_push ? channel->send(segments, deadline) : channel->recv(segments, deadline);
   if (!st.ok()) {
-    link.setOutDevice(nullptr);
+    device::dropOutChannel(link);
     return failTransfer(link, st, what);
   }
   if (is_push) return awaitResponse(link, deadline, what, &rh);  // stored on the peer
@@ -42,7 +47,7 @@ Status HcclPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline de
 }
 
 Status HcclServer::serve(ServeCall& call) {
-  DeviceChannel* channel = call.link.inDevice();
+  DeviceChannel* channel = device::inChannel(call.link);
   if (!channel) {
     return sendResponse(call.stream, Status(Code::kFailed, "no device channel on this link"), call.deadline);
   }
@@ -51,7 +56,7 @@ Status HcclServer::serve(ServeCall& call) {
   const bool is_write = call.header.op == wire::Op::kWrite;
   Status moved = is_write ? channel->recv(segments, call.deadline) : channel->send(segments, call.deadline);
   if (!moved.ok()) {  // the channel (and so the link) can no longer be trusted
-    call.link.setInDevice(nullptr);
+    device::dropInChannel(call.link);
     return moved;
   }
   return is_write ? sendResponse(call.stream, Status::OK(), call.deadline) : Status::OK();
@@ -66,10 +71,16 @@ OneSidedPath::OneSidedPath() {
   caps_.device_channel = true;
 }
 
-bool OneSidedPath::usable(const Link& link) const { return link.outDevice() && link.outDevice()->canPrepare(); }
+Status OneSidedPath::connect(Link& link, const PathEnv& env, Deadline deadline, const char* what) {
+  return device::ensureOutChannel(link, env, deadline, what);
+}
+
+bool OneSidedPath::usable(const Link& link) const {
+  return device::outChannel(link) && device::outChannel(link)->canPrepare();
+}
 
 Status OneSidedPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) {
-  DeviceChannel* channel = link.outDevice();
+  DeviceChannel* channel = device::outChannel(link);
   const std::vector<Segment> local = localPieces(p);
   for (const Segment& seg : local) {
     if (!channel->prepared(seg.addr, seg.length)) {
@@ -100,7 +111,7 @@ Status OneSidedPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadlin
   }
   Status moved = is_push ? channel->put(copies, deadline) : channel->get(copies, deadline);
   if (!moved.ok()) {
-    link.setOutDevice(nullptr);
+    device::dropOutChannel(link);
     return failTransfer(link, moved, what);  // unpins on the peer too: its serving thread sees the link go
   }
   // Unpin on the peer; for a completed read by request key this is also the release of the key.
@@ -111,7 +122,7 @@ Status OneSidedPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadlin
 Status OneSidedServer::serve(ServeCall& call) {
   // The addresses of exactly the checked ranges, each inside memory this side's channel prepared;
   // kept pinned until the peer's next frame.
-  DeviceChannel* channel = call.link.inDevice();
+  DeviceChannel* channel = device::inChannel(call.link);
   std::string list;
   for (const Segment& piece : pieces(call.addrs, call.tensors, call.base, call.runs)) {  // bounded: kMaxRequestPieces
     if (!channel || !channel->prepared(piece.addr, piece.length)) {

@@ -1,8 +1,8 @@
 // The device paths over a link's device channels (Backend::DeviceChannel; on Ascend, HCCL).
 // DEVICE memory of a device backend never travels in a link's stream: the request and the answer
-// do, the bytes go over the channel of their direction (Link::outDevice for this side's requests,
-// Link::inDevice for the peer's), which the engine sets up on first use
-// (LinkManager::ensureDeviceChannel).
+// do, the bytes go over the link's device channel of their direction (transport/device/
+// device_channel.h: device::outChannel for this side's requests, device::inChannel for the peer's),
+// which each path's connect() sets up on first use.
 //  - HcclPath: two-sided (HcclBatchSendRecv): after the peer accepted the request, both sides
 //    post their half; works for any DEVICE memory.
 //  - OneSidedPath: one-sided (HcclBatchGet/Put): the peer answers with the addresses of the
@@ -18,6 +18,8 @@ class HcclPath : public DataPath {
  public:
   HcclPath();
   const PathCaps& caps() const override { return caps_; }
+  // The link's device channel for this side's requests (device::ensureOutChannel).
+  Status connect(Link& link, const PathEnv& env, Deadline deadline, const char* what) override;
   bool usable(const Link& link) const override;
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
@@ -34,6 +36,7 @@ class OneSidedPath : public DataPath {
  public:
   OneSidedPath();
   const PathCaps& caps() const override { return caps_; }
+  Status connect(Link& link, const PathEnv& env, Deadline deadline, const char* what) override;
   // A channel whose runtime has one-sided access (memory registered after the link may still not
   // be prepared: then transfer() is kFeatureNotEnabled and the two-sided path takes it).
   bool usable(const Link& link) const override;

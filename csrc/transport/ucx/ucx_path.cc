@@ -212,15 +212,16 @@ Status sendChunks(UcxEndpoint& ep, uint64_t token, const std::vector<Segment>& p
   return flush();
 }
 
-// What the serving side keeps per link (Link::serverState).
-struct ServerLink {
+// What the serving side keeps per link (Link::inState under kServerSlot).
+const PathSlot kServerSlot{"ucx server"};
+struct ServerLink : PathLinkState {
   std::shared_ptr<UcxHub> hub;  // before ep: destroyed after it
   std::unique_ptr<UcxEndpoint> ep;
   uint64_t pull_token = 0;   // the requester's, for the bytes of its reads
   uint64_t push_token = 0;   // ours, for the bytes of its writes
   uint32_t chunk_bytes = 0;  // the link's message size (ours to choose, chunkBytesFor)
   std::shared_ptr<Expectation> pushes;
-  ~ServerLink() {
+  ~ServerLink() override {
     if (hub && push_token) hub->forget(push_token);
   }
 };
@@ -321,22 +322,24 @@ Status UcxServer::connect(Link& link, Stream& s, const std::string& body, Deadli
   wire::UcxHello theirs;
   Status st = wire::decode(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &theirs);
   if (!st.ok()) return st;  // a malformed frame: the link is dropped
-  if (link.serverState()) return sendResponse(s, Status(Code::kParamInvalid, "ucx is already connected"), deadline);
+  if (link.inState(ucx::kServerSlot))
+    return sendResponse(s, Status(Code::kParamInvalid, "ucx is already connected"), deadline);
   ucx::UcxWorker& worker = hub_->worker(link.sameHost());
   Result<std::unique_ptr<ucx::UcxEndpoint>> ep = worker.connect(theirs.address);
   if (!ep.ok()) return sendResponse(s, ep.status(), deadline);
-  auto state = std::make_shared<ucx::ServerLink>();
+  auto owned = std::make_unique<ucx::ServerLink>();
+  ucx::ServerLink* state = owned.get();
   state->hub = hub_;
   state->ep = std::move(ep.value());
   state->pull_token = theirs.token;
   state->chunk_bytes = ucx::chunkBytesFor(state->ep->lanes());
   state->pushes = hub_->expect(&state->push_token);
-  link.serverState() = state;
+  link.setInState(ucx::kServerSlot, std::move(owned));
   return sendAnswer(s, wire::encode(wire::UcxHello{state->push_token, state->chunk_bytes, worker.address()}), deadline);
 }
 
 Status UcxServer::serve(ServeCall& call) {
-  auto state = std::static_pointer_cast<ucx::ServerLink>(call.link.serverState());
+  auto* state = static_cast<ucx::ServerLink*>(call.link.inState(ucx::kServerSlot));
   if (!state)
     return sendResponse(call.stream, Status(Code::kParamInvalid, "ucx is not connected on this link"), call.deadline);
   if (!call.device_runs.empty()) {
