@@ -32,8 +32,6 @@ Status linkDown(uint64_t peer, const std::string& reason);
 // for an answer go unanswered (LinkManager::stillAlive): a window of kProbeWindowMs.
 constexpr int64_t kProbeWaitsMs[] = {500, 1000, 1500};
 constexpr int64_t kProbeWindowMs = 500 + 1000 + 1500;
-// Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.
-constexpr uint32_t kMaxRendezvousBytes = 8192;
 // kLinkFailed (kParamInvalid stays) for a link_clusters entry, naming the peer's address.
 Status linkError(const PeerAddress& peer, const Status& st);
 

@@ -75,7 +75,10 @@ struct EngineState {
   std::vector<Segment> preparedRegions() const;
   // What a path's connect and answer hooks see of this engine (transport/path.h).
   PathEnv pathEnv() const {
-    return PathEnv{*backend, device_transport, config.one_sided, one_sided, [this] { return preparedRegions(); }};
+    return PathEnv{
+        *backend, device_transport, config.one_sided, one_sided, config.transport == Transport::kUcx, [this] {
+          return preparedRegions();
+        }};
   }
 
   // Starts an engine thread (detached; waitThreads waits for every one). Throws std::system_error

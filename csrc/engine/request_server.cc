@@ -10,7 +10,6 @@
 #include "core/log.h"
 #include "core/seeded_bug.h"
 #include "engine/engine_internal.h"
-#include "transport/device/device_channel.h"
 #include "transport/frames.h"
 #include "transport/path.h"
 #include "transport/ucx/ucx_path.h"
@@ -127,15 +126,13 @@ bool RequestServer::serveControl(const std::shared_ptr<Link>& link, Stream& s, c
                                  const std::string& body, Deadline deadline, ServeState* state, Status* result) {
   if (h.op == wire::Op::kPing) {
     *result = sendResponse(s, Status::OK(), deadline);
-  } else if (h.op == wire::Op::kDeviceChannel) {
-    *result = device::answerChannel(*link, s, body, s_.pathEnv(), deadline);
   } else if (h.op == wire::Op::kNotify) {
     *result = serveNotify(*link, s, body, deadline);
   } else if (h.op == wire::Op::kConfirm) {
     *result = serveConfirm(*link, s, body, deadline);
-  } else if (h.op == wire::Op::kUcxConnect) {
-    auto* ucx_server = static_cast<UcxServer*>(s_.paths.serverFor(wire::kFlagUcx));  // the ucx entry's
-    *result = answerUcxConnect(ucx_server, s_.config.transport == Transport::kUcx, *link, s, body, deadline);
+  } else if (const PathEntry* path = s_.paths.connectEntry(static_cast<uint8_t>(h.op))) {
+    // A path's setup frame (kDeviceChannel, kUcxConnect): the path answers for itself.
+    *result = path->answer(*path, *link, s, body, s_.pathEnv(), deadline);
   } else if (h.op == wire::Op::kUnlink) {
     links_.forget(link);
     (void)sendResponse(s, Status::OK(), deadline);
@@ -281,11 +278,9 @@ Status RequestServer::admitHeader(const Link& link, const wire::RequestHeader& h
   if (h.op == wire::Op::kConfirm && (h.body_len < sizeof(wire::Nonce) || h.body_len > sizeof(wire::Nonce) + 64)) {
     return Status(Code::kLinkFailed, "a link confirmation is one nonce and one endpoint");
   }
-  if (h.op == wire::Op::kDeviceChannel && h.body_len > kMaxRendezvousBytes) {
-    return Status(Code::kLinkFailed, "oversized device channel request");
-  }
-  if (h.op == wire::Op::kUcxConnect && h.body_len > wire::kMaxUcxHelloBytes) {
-    return Status(Code::kLinkFailed, "oversized ucx connect request");
+  const PathEntry* path = s_.paths.connectEntry(static_cast<uint8_t>(h.op));
+  if (path && h.body_len > path->max_connect_body) {
+    return Status(Code::kLinkFailed, std::string("oversized ") + path->connect_what + " request");
   }
   if (h.op == wire::Op::kNotify && h.body_len > wire::kMaxNotifyBodyBytes) {
     return Status(Code::kLinkFailed, "oversized notification");

@@ -297,6 +297,24 @@ void tableCases(Backend& backend) {
     check(!device.names(flags) && device.serverFor(flags) == nullptr,
           "flags " + std::to_string(flags) + " name no path");
   }
+  // Setup frames answer for their path, on every backend (a CPU backend's device answer is its
+  // refusal): the device channel by the HCCL entry (the one-sided entry shares it), ucx connect by
+  // ucx's, each with its own bound; no other op names a path.
+  for (const PathTable* t : {&cpu, &device}) {
+    const PathEntry* channel = t->connectEntry(static_cast<uint8_t>(wire::Op::kDeviceChannel));
+    const PathEntry* ucx_connect = t->connectEntry(static_cast<uint8_t>(wire::Op::kUcxConnect));
+    check(channel && std::string(channel->caps.name) == "hccl" && channel->max_connect_body == 8192,
+          "the device channel frame is the HCCL entry's");
+    check(ucx_connect && std::string(ucx_connect->caps.name) == "ucx" &&
+              ucx_connect->max_connect_body == wire::kMaxUcxHelloBytes,
+          "the ucx connect frame is the ucx entry's");
+    for (uint8_t op = 0; op <= wire::kMaxOp + 1; ++op) {
+      if (op == static_cast<uint8_t>(wire::Op::kDeviceChannel) || op == static_cast<uint8_t>(wire::Op::kUcxConnect)) {
+        continue;
+      }
+      check(t->connectEntry(op) == nullptr, "op " + std::to_string(op) + " is no path's setup frame");
+    }
+  }
   // What a link gets: the first applicable host path, then every applicable device path in order.
   LinkFacts f;
   ChosenPaths c = cpu.choose(f);

@@ -67,6 +67,7 @@ struct PathEnv {
   bool device_transport = false;  // the backend has device channels
   bool config_one_sided = false;  // the configuration enables one-sided access
   bool one_sided = false;         // the runtime has one-sided access
+  bool forced_ucx = false;        // the engine's transport is forced to ucx (ucx::isPathOf)
   // The memory a device channel prepares for one-sided access (EngineState::preparedRegions).
   std::function<std::vector<Segment>()> prepared_regions;
 };

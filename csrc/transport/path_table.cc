@@ -52,6 +52,14 @@ void PathTable::setServer(uint8_t request_flags, std::unique_ptr<PathServer> ser
   }
 }
 
+const PathEntry* PathTable::connectEntry(uint8_t op) const {
+  if (op == 0) return nullptr;
+  for (const PathEntry& e : entries_) {
+    if (e.connect_op == op && e.answer) return &e;
+  }
+  return nullptr;
+}
+
 ChosenPaths PathTable::choose(const LinkFacts& facts) const {
   ChosenPaths chosen;
   for (const PathEntry& e : entries_) {

@@ -61,6 +61,17 @@ struct PathEntry {
   // A device path: the one requesting side every link shares (links hold it by pointer, and a
   // path that drops itself from a link is recognised by it: Link::dropDevicePath).
   std::unique_ptr<DataPath> shared;
+  // The frame the peer sets this path up on a link with (its DataPath::connect), where the path has
+  // one: its op (wire::Op::kDeviceChannel, kUcxConnect; a frame no entry names is not one), the
+  // largest body it takes (a larger one drops the link: "oversized <connect_what> request"), and the
+  // path's answer, on the link's serving thread with the body read and checked. A refusal is
+  // answered and the link kept; non-OK drops the link. Paths that share one setup (the two HCCL
+  // paths, one device channel) name it on one entry.
+  uint8_t connect_op = 0;
+  uint32_t max_connect_body = 0;
+  const char* connect_what = "";
+  Status (*answer)(const PathEntry& self, Link& link, Stream& s, const std::string& body, const PathEnv& env,
+                   Deadline deadline) = nullptr;
 };
 
 // What a new link uses: its host path, and its device paths in the order they are tried.
@@ -85,6 +96,8 @@ class PathTable {
   // The first applicable host entry's path, then every applicable device entry's, in table order.
   // Some host entry applies to every link (the stream).
   ChosenPaths choose(const LinkFacts& facts) const;
+  // The entry whose setup frame has op `op` (PathEntry::connect_op); null when no entry names it.
+  const PathEntry* connectEntry(uint8_t op) const;
   const std::vector<PathEntry>& entries() const { return entries_; }
 
  private:

@@ -18,6 +18,9 @@
 
 namespace pdlink::device {
 
+// Bodies of kDeviceChannel requests: an HCCL root info (4108 bytes) and one byte of options.
+constexpr uint32_t kMaxRendezvousBytes = 8192;
+
 // The channel of this side's requests (requires the out mutex) and dropping it (after a failure:
 // the channel can no longer be trusted).
 DeviceChannel* outChannel(const Link& link);

@@ -419,6 +419,13 @@ PathEntry ucxEntry() {
     if (f.auto_transport) fallback = std::make_unique<StreamPath>(f.unix_socket);
     return std::make_unique<UcxPath>(f.ucx, f.same_host, std::move(fallback));
   };
+  e.connect_op = static_cast<uint8_t>(wire::Op::kUcxConnect);
+  e.max_connect_body = wire::kMaxUcxHelloBytes;
+  e.connect_what = "ucx connect";
+  e.answer = [](const PathEntry& self, Link& link, Stream& s, const std::string& body, const PathEnv& env,
+                Deadline deadline) {
+    return answerUcxConnect(static_cast<UcxServer*>(self.server.get()), env.forced_ucx, link, s, body, deadline);
+  };
   return e;
 }
 
