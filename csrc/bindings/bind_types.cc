@@ -11,6 +11,7 @@
 
 #include "backends/backend.h"
 #include "bindings/bindings.h"
+#include "core/environment.h"
 #include "core/limits.h"
 #include "engine/engine.h"
 #include "transport/wire.h"
@@ -224,6 +225,17 @@ void bindConstants(py::module_& m) {
     limits["max_notify_name_bytes"] = limits::kMaxNotifyNameBytes;
     limits["max_notify_message_bytes"] = limits::kMaxNotifyMessageBytes;
     m.attr("LIMITS") = limits;
+  }
+  // The PDLINK_* variables the core reads itself (core/environment.h): (name, meaning, fallback or
+  // None, whether an empty setting is a value of its own), for pdlink.environment to list.
+  {
+    py::tuple variables(std::size(environment::kVariables));
+    for (size_t i = 0; i < std::size(environment::kVariables); ++i) {
+      const environment::Variable& v = *environment::kVariables[i];
+      variables[i] = py::make_tuple(v.name, v.meaning, v.fallback ? py::object(py::str(v.fallback)) : py::none(),
+                                    v.empty_is_value);
+    }
+    m.attr("NATIVE_VARIABLES") = variables;
   }
 }
 

@@ -19,6 +19,8 @@ BACKENDS: tuple[str, ...]  # the names open_backend takes (csrc/backends/backend
 INVALID_ID: int  # an unset req_id / prefix_id / registration key (csrc/engine/registry.h kInvalidId)
 LATEST_LINK_MARK: int  # Engine.linked_since(it) lists no peer, only the latest mark
 LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
+# the PDLINK_* variables the core reads (csrc/core/environment.h): name, meaning, default, empty_is_value
+NATIVE_VARIABLES: tuple[tuple[str, str, str | None, bool], ...]
 
 def ptrace_grant_active() -> bool: ...  # same-host peers may read this process now (proven links exist)
 # whether every [addresses[i], +lengths[i]) lies in the ranges by the registry's rule (csrc/core/spans.h)
