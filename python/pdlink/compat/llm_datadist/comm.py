@@ -21,8 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ... import environment
-from ...native import core
+from ... import constants, environment
 from ...status import LLMException, LLMStatusCode
 from ._utils import (
     check_dict,
@@ -169,7 +168,7 @@ class CommManager:
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:
             comm = _Comm(self._next_id, comm_name, peers, dial, time.monotonic() + self._link_total_s,
-                         self._engine.linked_since(core().LATEST_LINK_MARK)[0])
+                         self._engine.linked_since(constants.LATEST_LINK_MARK)[0])
             self._next_id += 1
             self._comms[comm.comm_id] = comm
         if dial:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import environment, kv, native
+from ... import constants, environment
 from ...environment import LIMIT_VARIABLES
 from ...status import LLMException, LLMStatusCode, code_2_status
 from ._utils import (
@@ -199,12 +199,12 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
     host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
     secret = options.get(SECRET_OPTION) or environment.link_secret() or ""
     transport = options.get(TRANSPORT_OPTION) or environment.transport()
-    transports = native.transport_names()
+    transports = constants.TRANSPORTS
     raise_if_false(transport in transports,
                    f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(transports)}, got {transport!r}")
     raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
     backend = options.get(BACKEND_OPTION) or environment.backend()
-    backends = native.backend_names()
+    backends = constants.BACKENDS
     raise_if_false(backend in backends,
                    f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(backends)}, got {backend!r}")
     # CacheManager mode runs one engine: on the first listed device (KvCacheManager mode checks the
@@ -604,7 +604,7 @@ class LLMDataDist:
             results.append(None)
             if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
                 ip, port = c.remote_ip_info_list[0]
-                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", kv.ANY_CLUSTER))
+                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", constants.ANY_CLUSTER))
             else:
                 ids.append(c.remote_cluster_id)
         done = iter(engine.disconnect_each(ids, timeout_ms=timeout, force=force) if ids else [])

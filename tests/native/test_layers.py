@@ -1,0 +1,98 @@
+"""The layers on ``pdlink.Engine`` (the llm_datadist and hixl drop-ins, the REST server) call only
+pdlink's public objects: ``pdlink.Engine``, what it returns (``Engine.kv`` and its objects), the
+public modules and names of ``pdlink``. None reaches the native module, ``pdlink._core``, or the
+raw helpers of ``pdlink.native`` (docs/architecture.md); this reads their source and says where
+one does."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+import pdlink
+
+PACKAGE = os.path.dirname(pdlink.__file__)
+LAYERS = ("compat", "server")
+# Modules a layer may not import, and names (attributes, variables) it may not use: the native
+# module, its loader's raw helpers, and the native engine under a pdlink object.
+FORBIDDEN_MODULES = ("pdlink._core", "pdlink.native")
+FORBIDDEN_NAMES = frozenset({"_core", "core", "_native", "native_core", "open_engine", "role_of", "transport_of",
+                             "placement_of", "transport_names", "backend_names"})
+
+
+def _layer_modules() -> list[tuple[str, str]]:
+    out = []
+    for layer in LAYERS:
+        for root, _, files in os.walk(os.path.join(PACKAGE, layer)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                    out.append((rel.removesuffix(".__init__"), path))
+    return sorted(out)
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _forbidden_module(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in FORBIDDEN_MODULES)
+
+
+def reaches_below(module: str, path: str) -> list[str]:
+    """Where the module at ``path`` (named ``module``) reaches the native module: ``line: what``."""
+    tree = ast.parse(open(path).read(), path)
+    is_package = path.endswith("__init__.py")
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [f"{line}: import {a.name}" for a in node.names if _forbidden_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, is_package, node)
+            for a in node.names:
+                if _forbidden_module(source) or _forbidden_module(f"{source}.{a.name}") or a.name in FORBIDDEN_NAMES:
+                    found.append(f"{line}: from {source} import {a.name}")
+        elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_NAMES:
+            found.append(f"{line}: .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
+            found.append(f"{line}: {node.id}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _forbidden_module(node.value):
+            found.append(f"{line}: {node.value!r}")
+    return found
+
+
+MODULES = _layer_modules()
+
+
+def test_every_layer_module_is_checked() -> None:
+    names = {m for m, _ in MODULES}
+    for expected in ("pdlink.compat.llm_datadist.cache_manager", "pdlink.compat.llm_datadist.llm_datadist",
+                     "pdlink.compat.llm_datadist.comm", "pdlink.compat.llm_datadist._utils",
+                     "pdlink.compat.hixl.hixl", "pdlink.server.node", "pdlink.server.app", "pdlink.server.config",
+                     "pdlink.server.validation"):
+        assert expected in names, expected
+
+
+@pytest.mark.parametrize("module,path", MODULES, ids=[m for m, _ in MODULES])
+def test_layer_reaches_only_pdlinks_public_objects(module: str, path: str) -> None:
+    assert reaches_below(module, path) == [], f"{module} reaches below pdlink.Engine"
+
+
+def test_the_check_sees_each_way_of_reaching_the_native_module(tmp_path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ...native import core\nfrom ... import _core\nimport pdlink._core\n"
+                   "x = engine._native.links()\ny = engine.kv._native\nimportlib.import_module('pdlink._core')\n"
+                   "from pdlink.native import transport_names\n")
+    found = reaches_below("pdlink.compat.llm_datadist.bad", str(bad))
+    assert [f.split(":")[0] for f in found].count("1") >= 1
+    for line in ("2", "3", "4", "5", "6", "7"):
+        assert any(f.startswith(line + ":") for f in found), (line, found)
