@@ -13,8 +13,9 @@ namespace pdlink::bindings {
 
 // bind_status.cc: the Status -> exception translator and _register_errors (status_bridge.h).
 void bindStatus(pybind11::module_& m);
-// bind_types.cc: the module's constants (PROTOCOL_VERSION, LIMITS, ...), and the engine's enums
-// and plain structs (Role, EngineConfig, Target, TransferSpec, ...).
+// bind_types.cc: the module's constants (PROTOCOL_VERSION, LIMITS, ...), the engine's enums and
+// plain structs (Role, EngineConfig, Target, TransferSpec, ...) and what it reports of itself
+// (LinkInfo, EngineStats, PoolInfo).
 void bindConstants(pybind11::module_& m);
 void bindTypes(pybind11::module_& m);
 // bind_backend.cc: Backend, open_backend, and what this process's libraries provide (the Ascend

@@ -33,7 +33,7 @@ import enum
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -42,15 +42,34 @@ from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, engine_error
 
+if TYPE_CHECKING:  # what the module __getattr__ below returns
+    from ._core import LinkInfo
+
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "MemoryPool", "Notification",
     "Pending", "PreparedTransfer", "Region", "RemoteRegion",
 ]
 
 T = TypeVar("T")
+
 Descriptors = np.ndarray | Sequence[tuple[int, int]]
 Indices = np.ndarray | Sequence[int]
 Addresses = np.ndarray | list[int]
+
+
+def __getattr__(name: str) -> Any:
+    # LinkInfo: one link of an engine (``Engine.links()``), the native module's bound class, read
+    # from it on first use so that importing this module does not load it. Read-only attributes
+    # ``peer_cluster_id``, ``peer_address``, ``initiator``, ``broken``, ``broken_reason``,
+    # ``transport``, ``authenticated``, ``payload_integrity``, ``device_paths`` (a tuple), and
+    # ``lanes``: what the host path moves bytes over beneath ``transport``, where it has a choice
+    # (for ``ucx``, UCX's lanes as ``"transport/device"``: ``"tcp/lo"``, ``"cma/memory"``,
+    # ``"rc_mlx5/mlx5_0:1"``, once the link's first transfer connected them; for ``cma``, how the
+    # copies reach the peer's process: ``"process_vm"`` or ``"proc_mem"``, docs/security.md; else
+    # empty); ``as_dict()`` gives them as a dict. Compares by value, hashes, pickles.
+    if name == "LinkInfo":
+        return core().LinkInfo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -245,28 +264,6 @@ class Notification:
     message: bytes
 
 
-@dataclass(frozen=True)
-class LinkInfo:
-    """One link of this engine (``Engine.links()``)."""
-
-    peer_cluster_id: int
-    peer_address: str
-    initiator: bool
-    broken: bool
-    broken_reason: str
-    transport: str
-    authenticated: bool
-    payload_integrity: bool
-    device_paths: tuple[str, ...]
-    #: What the host path moves bytes over beneath ``transport``, where it has a choice: for
-    #: ``ucx``, UCX's lanes as ``"transport/device"`` (``"tcp/lo"``, ``"cma/memory"``,
-    #: ``"rc_mlx5/mlx5_0:1"``) once the link's first transfer connected them; for ``cma``, how
-    #: the copies reach the peer's process: ``"process_vm"`` (``process_vm_readv`` by pid, for a
-    #: peer of this uid when this process is unprivileged) or ``"proc_mem"`` (a ``/proc/<pid>/mem``
-    #: descriptor bound to that process: docs/security.md); else empty.
-    lanes: tuple[str, ...] = ()
-
-
 class Pending:
     """An async call in flight: ``status()`` is ``"PENDING"``, ``"DONE"`` or ``"FAILED"``;
     ``wait()`` returns the call's result or raises its error."""
@@ -427,13 +424,14 @@ class Engine:
         return caps
 
     def links(self) -> list[LinkInfo]:
-        return [LinkInfo(**{**d, "device_paths": tuple(d["device_paths"]), "lanes": tuple(d["lanes"])})
-                for d in self._native.links()]
+        """This engine's links, one ``LinkInfo`` each (``pdlink.LinkInfo``: the engine's own record,
+        typed and read-only)."""
+        return self._native.links()
 
     def stats(self) -> dict[str, int]:
-        """What peers made this engine spend: live links, handshakes, threads, refusals."""
-        stats: dict[str, int] = self._native.stats()
-        return stats
+        """What peers made this engine spend: live links, handshakes, threads, refusals (the
+        fields of the engine's ``EngineStats``, by name)."""
+        return self._native.stats().as_dict()
 
     # ------------------------------------------------------------------ memory
 
@@ -585,7 +583,7 @@ class Engine:
 
     def linked_since(self, mark: int) -> tuple[int, list[int]]:
         """The mark to pass next time, and the peers whose links came up after ``mark`` (a mark
-        this call returned; 0: since the start; ``pdlink._core.LATEST_LINK_MARK``: none, only the current mark).
+        this call returned; 0: since the start; ``pdlink.LATEST_LINK_MARK``: none, only the current mark).
         Links that came and went between two calls are listed too."""
         latest, peers = self._native.linked_since(mark)
         return int(latest), [int(p) for p in peers]

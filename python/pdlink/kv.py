@@ -108,6 +108,6 @@ class KvCaches:
 
     def pools(self) -> list[dict[str, Any]]:
         """The engine's pools, one dict each: ``placement`` (a native ``Placement``), ``base``,
-        ``capacity`` and ``used`` (bytes)."""
-        return list(self._native.pools())
+        ``capacity`` and ``used`` (bytes; the fields of the engine's ``PoolInfo``)."""
+        return [pool.as_dict() for pool in self._native.pools()]
 

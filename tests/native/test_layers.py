@@ -96,3 +96,33 @@ def test_the_check_sees_each_way_of_reaching_the_native_module(tmp_path) -> None
     assert [f.split(":")[0] for f in found].count("1") >= 1
     for line in ("2", "3", "4", "5", "6", "7"):
         assert any(f.startswith(line + ":") for f in found), (line, found)
+
+
+def test_engine_reports_are_the_engines_own_typed_records() -> None:
+    """``links()``, ``stats()`` and ``kv.pools()`` pass the engine's records through: a link is the
+    bound ``pdlink.LinkInfo`` (read-only, by value, pickles), stats and pools keep their dict form,
+    filled from the typed ``EngineStats`` and ``PoolInfo``."""
+    import pickle
+
+    from internals import core, native_engine
+
+    options = pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0", host_pool=pdlink.MemoryPool(1 << 20))
+    with pdlink.Engine(options) as target, pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as dialler:
+        assert dialler.connect(f"127.0.0.1:{target.listen_port}") == 1
+        (link,) = dialler.links()
+        assert type(link) is pdlink.LinkInfo is core.LinkInfo
+        assert (link.peer_cluster_id, link.initiator, link.broken) == (1, True, False)
+        assert isinstance(link.device_paths, tuple) and isinstance(link.lanes, tuple)
+        assert pickle.loads(pickle.dumps(link)) == link and hash(pickle.loads(pickle.dumps(link))) == hash(link)
+        assert list(link.as_dict()) == ["peer_cluster_id", "peer_address", "initiator", "broken", "broken_reason",
+                                        "transport", "authenticated", "payload_integrity", "device_paths", "lanes"]
+        with pytest.raises(AttributeError):
+            link.broken = True  # type: ignore[misc]
+        stats = dialler.stats()
+        assert type(stats) is dict and stats["live_links"] == 1 and all(type(v) is int for v in stats.values())
+        native = native_engine(dialler).stats()  # the typed record under it
+        assert type(native) is core.EngineStats and native.live_links == 1 and native.as_dict() == stats
+        (pool,) = target.kv.pools()
+        assert (pool["placement"], pool["capacity"], pool["used"]) == (core.Placement.HOST, 1 << 20, 0)
+        assert [p.as_dict() for p in native_engine(target).pools()] == [pool]
+

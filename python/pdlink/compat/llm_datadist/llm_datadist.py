@@ -14,7 +14,6 @@ instance's cluster id; every operation fans out to all of them.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import ipaddress
 import json
 import logging
@@ -121,8 +120,7 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
 
 
 def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
-    return [{**dataclasses.asdict(link), "device_paths": list(link.device_paths), "lanes": list(link.lanes)}
-            for link in engine.links()]
+    return [link.as_dict() for link in engine.links()]
 
 
 def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, str]]:
