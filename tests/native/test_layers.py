@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -126,3 +127,27 @@ def test_engine_reports_are_the_engines_own_typed_records() -> None:
         assert (pool["placement"], pool["capacity"], pool["used"]) == (core.Placement.HOST, 1 << 20, 0)
         assert [p.as_dict() for p in native_engine(target).pools()] == [pool]
 
+
+def test_an_address_is_a_string_or_a_pair_passed_on_as_it_is() -> None:
+    """``connect``, ``connect_each``, ``add_listener`` and ``EngineOptions.listen`` take
+    ``"ip:port"`` or ``(ip, port)``; the layers pass pairs, never a string joined to be split again.
+    A pair is refused as its string would be."""
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen=("127.0.0.1", 0))) as target, \
+            pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as dialler:
+        port = target.listen_port
+        assert port > 0
+        assert dialler.connect(("127.0.0.1", port)) == 1
+        second = target.add_listener(("127.0.0.1", 0))
+        assert second > 0 and second != port
+        ((code, _, peer),) = dialler.connect_each([(None, ("127.0.0.1", port))])
+        assert (code, peer) == (pdlink.LLMStatusCode.LLM_ALREADY_LINK, 1)
+        dialler.disconnect(1)
+        assert dialler.connect(f"127.0.0.1:{second}") == 1
+        for bad, shown in ((("127.0.0.1", 70000), "'127.0.0.1:70000'"), (("", 5), "':5'"),
+                           (("127.0.0.1", -1), "'127.0.0.1:-1'"), (("a", 1, 2), "('a', 1, 2)")):
+            with pytest.raises(ValueError, match="address must be 'ip:port'.*got " + re.escape(shown)) as refused:
+                dialler.connect(bad)  # type: ignore[arg-type]
+            if isinstance(bad, tuple) and len(bad) == 2:  # as the joined string is refused, word for word
+                with pytest.raises(ValueError) as as_string:
+                    dialler.connect(f"{bad[0]}:{bad[1]}")
+                assert str(refused.value) == str(as_string.value)

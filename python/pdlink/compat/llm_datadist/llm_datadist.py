@@ -107,7 +107,7 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
     from ...engine import Engine, EngineOptions, Limits, MemoryPool
 
     options = EngineOptions(
-        cluster_id=cluster_id, role=role, listen=f"{listen_ip}:{listen_port}" if listen_ip else None,
+        cluster_id=cluster_id, role=role, listen=(listen_ip, listen_port) if listen_ip else None,
         transport=cfg["transport"], secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
         backend=cfg["backend"], device_id=device_id, hccl_one_sided=cfg["hccl_one_sided"],
         ucx_trusted_network=cfg["ucx_trusted_network"],
@@ -123,8 +123,8 @@ def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
     return [link.as_dict() for link in engine.links()]
 
 
-def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, str]]:
-    return [(cid, f"{ip}:{port}") for cid, ip, port in peers]
+def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, tuple[str, int]]]:
+    return [(cid, (ip, port)) for cid, ip, port in peers]
 
 
 def _int_ip_to_str(ip: int) -> str:
@@ -744,7 +744,7 @@ class LLMDataDist:
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
         with raising_as("switch_role"):
-            engine.switch_role(role, f"{ip}:{port}" if ip else None)
+            engine.switch_role(role, (ip, port) if ip else None)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 
@@ -765,7 +765,7 @@ class LLMDataDist:
         raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         with raising_as("switch_role"):  # LLM_EXIST_LINK while any link remains
-            self._engine.switch_role(role, f"{ip}:{port}" if ip else None)
+            self._engine.switch_role(role, (ip, port) if ip else None)
         self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
