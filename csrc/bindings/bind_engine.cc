@@ -35,7 +35,7 @@ std::vector<RequestKey> makeKeys(const std::vector<std::tuple<uint64_t, uint64_t
   return out;
 }
 
-std::pair<int64_t, std::vector<uint64_t>> handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
+CacheHandle handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
 
 // Engine's lifetime: the constructors, initialize, finalize, what the engine is and spent.
 void defLifetime(py::class_<Engine>& cls) {

@@ -278,6 +278,14 @@ void bindLinkInfo(py::module_& m) {
 
 void bindEngineReports(py::module_& m) {
   bindLinkInfo(m);
+  py::class_<CacheHandle>(m, "CacheHandle")
+      .def_readonly("cache_id", &CacheHandle::cache_id)
+      .def_property_readonly("addresses", [](const CacheHandle& h) { return py::tuple(py::cast(h.addresses)); })
+      .def("__iter__", [](const CacheHandle& h) { return py::iter(py::make_tuple(h.cache_id, h.addresses)); })
+      .def("__len__", [](const CacheHandle&) { return 2; })
+      .def("__repr__", [](const CacheHandle& h) {
+        return py::str("CacheHandle(cache_id={}, addresses={!r})").format(h.cache_id, py::tuple(py::cast(h.addresses)));
+      });
   py::class_<EngineStats>(m, "EngineStats")
       .def_readonly("live_links", &EngineStats::live_links)
       .def_readonly("tombstones", &EngineStats::tombstones)

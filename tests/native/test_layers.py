@@ -126,6 +126,15 @@ def test_engine_reports_are_the_engines_own_typed_records() -> None:
         (pool,) = target.kv.pools()
         assert (pool["placement"], pool["capacity"], pool["used"]) == (core.Placement.HOST, 1 << 20, 0)
         assert [p.as_dict() for p in native_engine(target).pools()] == [pool]
+        from pdlink import kv
+
+        handle = target.kv.allocate(kv.CacheLayout(2, 4096, 1, False, kv.placement("HOST")), [], None)
+        assert type(handle) is kv.CacheHandle and len(handle.addresses) == 2 and target.kv.count == 1
+        cache_id, addresses = handle  # unpacks as the (cache_id, addresses) it was
+        assert (cache_id, addresses) == (handle.cache_id, list(handle.addresses))
+        assert target.kv.pools()[0]["used"] > 0
+        target.kv.deallocate(cache_id, False)
+        assert target.kv.count == 0
 
 
 def test_an_address_is_a_string_or_a_pair_passed_on_as_it_is() -> None:
