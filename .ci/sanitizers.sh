@@ -46,7 +46,7 @@ findings=0
 # check LOG NAME: counts a finding when LOG, or a sanitizer log file, holds a report.
 check() {
   local log=$1 name=$2 files
-  files=$(find "$logs" -maxdepth 1 \( -name 'asan.*' -o -name 'tsan.*' \) | sort)
+  files=$(find "$logs" -maxdepth 1 \( -name 'asan.*' -o -name 'tsan.*' -o -name 'ubsan.*' \) | sort)
   if grep -qE "$report_pattern" "$log" || [ -n "$files" ]; then
     echo "SANITIZER FINDING in $name:"
     grep -nE -A 30 "$report_pattern" "$log" | head -n 120 || true
@@ -113,11 +113,13 @@ step "ASan+UBSan: the module built with PDLINK_SANITIZE=address,undefined; the t
 pip_build asan address,undefined
 # The fake Ascend libraries that the tests build (tests/fake_ascend) get the same sanitizer, so it
 # sees their threads, locks and memory too (FAKE_ASCEND_CXXFLAGS, read by their build.py).
-# -s: peer processes write to this log directly, so their reports are seen too.
+# The suite runs in two pytest workers (pyproject's addopts: -n auto), whose output, and their peers',
+# does not reach this log: every sanitizer writes its reports to files under $logs instead
+# (log_path), and check() counts any such file as a finding.
 run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,undefined \
   FAKE_ASCEND_CXXFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer" \
-  ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-  "$CI_OUT/asan-venv/bin/python" -m pytest tests --ignore=tests/server -q -s -p no:cacheprovider -m "not heavy"
+  ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan" \
+  "$CI_OUT/asan-venv/bin/python" -m pytest tests --ignore=tests/server -q -p no:cacheprovider -m "not heavy"
 
 # ------------------------------------------------------------------------------------ 2. TSan
 step "TSan: the module built with PDLINK_SANITIZE=thread; the concurrency-heavy tests"
@@ -127,7 +129,7 @@ run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread F
   TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$PWD/.ci/tsan.supp" \
   "$CI_OUT/tsan-venv/bin/python" -m pytest tests/compat/llm_datadist/test_transfer.py tests/compat/llm_datadist/test_transfer_async.py \
   tests/paths/test_faults.py tests/paths/test_load.py tests/compat/llm_datadist/test_comm_link.py tests/paths/test_ascend_ipc.py \
-  tests/paths/test_ascend_onesided.py tests/programs/test_programs.py -q -s -p no:cacheprovider -m "heavy or not heavy"
+  tests/paths/test_ascend_onesided.py tests/programs/test_programs.py -q -p no:cacheprovider -m "heavy or not heavy"
 
 step "TSan: concurrency_test"
 tsan_bin="$CI_OUT/tsan-skb"  # built by pip_build with the module

@@ -36,7 +36,7 @@ __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
     "as_llm_exception", "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate",
-    "ucx_info", "LIMIT_OPTIONS", "ip_to_int", "itemsize",
+    "ucx_info", "LIMIT_OPTIONS", "ip_to_int", "itemsize", "native_engine",
     "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
     "raise_if_true", "register_mem_status_from_int", "Response", "role_body", "role_to_option", "RoleRejected",
@@ -60,6 +60,11 @@ def cache_manager(engine: Any, remote_accessible: bool = True) -> Any:
     from pdlink.compat.llm_datadist.cache_manager import CacheManager
 
     return CacheManager(SimpleNamespace(_is_call_linked=False), engine, remote_accessible, {})
+
+
+def native_engine(engine: Any) -> Any:
+    """The ``pdlink._core.Engine`` under a ``pdlink.Engine``."""
+    return engine._native
 
 
 def engine(dd: Any) -> Any:

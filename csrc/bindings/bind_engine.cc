@@ -35,7 +35,7 @@ std::vector<RequestKey> makeKeys(const std::vector<std::tuple<uint64_t, uint64_t
   return out;
 }
 
-std::pair<int64_t, std::vector<uint64_t>> handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
+CacheHandle handle(const std::shared_ptr<CacheEntry>& e) { return {e->id, e->addrs}; }
 
 // Engine's lifetime: the constructors, initialize, finalize, what the engine is and spent.
 void defLifetime(py::class_<Engine>& cls) {
@@ -65,34 +65,8 @@ void defLifetime(py::class_<Engine>& cls) {
       .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
       .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
       .def_property_readonly("cache_count", &Engine::cacheCount)
-      .def("stats",
-           [](const Engine& e) {
-             EngineStats s = e.stats();
-             py::dict d;
-             d["live_links"] = s.live_links;
-             d["tombstones"] = s.tombstones;
-             d["handshakes"] = s.handshakes;
-             d["threads"] = s.threads;
-             d["handshakes_refused"] = s.handshakes_refused;
-             d["handshakes_evicted"] = s.handshakes_evicted;
-             d["listener_backoffs"] = s.listener_backoffs;
-             d["pins_expired"] = s.pins_expired;
-             d["notifications"] = s.notifications;
-             d["notifications_refused"] = s.notifications_refused;
-             return d;
-           })
-      .def("pools", [](const Engine& e) {
-        py::list out;
-        for (const Engine::PoolInfo& p : e.pools()) {
-          py::dict d;
-          d["placement"] = p.placement;
-          d["base"] = p.base;
-          d["capacity"] = p.capacity;
-          d["used"] = p.used;
-          out.append(d);
-        }
-        return out;
-      });
+      .def("stats", &Engine::stats)
+      .def("pools", &Engine::pools);
 }
 
 // Engine's links: roles, dialling, pings, notifications, listeners.
@@ -145,24 +119,7 @@ void defLinks(py::class_<Engine>& cls) {
              uint64_t latest = e.linkedSince(after, &peers);
              return std::make_pair(latest, peers);
            })
-      .def("links", [](const Engine& e) {
-        py::list out;
-        for (const LinkInfo& l : e.links()) {
-          py::dict d;
-          d["peer_cluster_id"] = l.peer_cluster_id;
-          d["peer_address"] = l.peer_address;
-          d["initiator"] = l.initiator;
-          d["broken"] = l.broken;
-          d["broken_reason"] = l.broken_reason;
-          d["transport"] = l.transport;
-          d["authenticated"] = l.authenticated;
-          d["payload_integrity"] = l.payload_integrity;
-          d["device_paths"] = l.device_paths;
-          d["lanes"] = l.lanes;
-          out.append(d);
-        }
-        return out;
-      });
+      .def("links", &Engine::links);
 }
 
 // Engine's caches: registration, pool allocation, keys.

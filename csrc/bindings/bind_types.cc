@@ -11,8 +11,10 @@
 
 #include "backends/backend.h"
 #include "bindings/bindings.h"
+#include "core/environment.h"
 #include "core/limits.h"
 #include "engine/engine.h"
+#include "transport/link.h"
 #include "transport/wire.h"
 
 namespace py = pybind11;
@@ -197,6 +199,134 @@ void bindTransferSpec(py::module_& m) {
           [](TransferSpec& s, const RunPairs& r) { s.remote_runs = wireRuns(r); });
 }
 
+// What the engine reports of itself: its links (transport/link.h LinkInfo), what peers made it
+// spend (EngineStats) and its pools (Engine::PoolInfo). Typed, read-only; each has as_dict() with
+// its fields in order (lists for sequences), and a link pickles (it crosses processes).
+py::dict linkDict(const LinkInfo& l) {
+  py::dict d;
+  d["peer_cluster_id"] = l.peer_cluster_id;
+  d["peer_address"] = l.peer_address;
+  d["initiator"] = l.initiator;
+  d["broken"] = l.broken;
+  d["broken_reason"] = l.broken_reason;
+  d["transport"] = l.transport;
+  d["authenticated"] = l.authenticated;
+  d["payload_integrity"] = l.payload_integrity;
+  d["device_paths"] = l.device_paths;
+  d["lanes"] = l.lanes;
+  return d;
+}
+
+py::tuple linkState(const LinkInfo& l) {
+  return py::make_tuple(l.peer_cluster_id, l.peer_address, l.initiator, l.broken, l.broken_reason, l.transport,
+                        l.authenticated, l.payload_integrity, py::tuple(py::cast(l.device_paths)),
+                        py::tuple(py::cast(l.lanes)));
+}
+
+LinkInfo makeLink(uint64_t peer_cluster_id, std::string peer_address, bool initiator, bool broken,
+                  std::string broken_reason, std::string transport, bool authenticated, bool payload_integrity,
+                  std::vector<std::string> device_paths, std::vector<std::string> lanes) {
+  LinkInfo l;
+  l.peer_cluster_id = peer_cluster_id;
+  l.peer_address = std::move(peer_address);
+  l.initiator = initiator;
+  l.broken = broken;
+  l.broken_reason = std::move(broken_reason);
+  l.transport = std::move(transport);
+  l.authenticated = authenticated;
+  l.payload_integrity = payload_integrity;
+  l.device_paths = std::move(device_paths);
+  l.lanes = std::move(lanes);
+  return l;
+}
+
+void bindLinkInfo(py::module_& m) {
+  py::class_<LinkInfo>(m, "LinkInfo")
+      .def(py::init(&makeLink), py::arg("peer_cluster_id"), py::arg("peer_address"), py::arg("initiator"),
+           py::arg("broken"), py::arg("broken_reason"), py::arg("transport"), py::arg("authenticated"),
+           py::arg("payload_integrity"), py::arg("device_paths"), py::arg("lanes") = std::vector<std::string>{})
+      .def_readonly("peer_cluster_id", &LinkInfo::peer_cluster_id)
+      .def_readonly("peer_address", &LinkInfo::peer_address)
+      .def_readonly("initiator", &LinkInfo::initiator)
+      .def_readonly("broken", &LinkInfo::broken)
+      .def_readonly("broken_reason", &LinkInfo::broken_reason)
+      .def_readonly("transport", &LinkInfo::transport)
+      .def_readonly("authenticated", &LinkInfo::authenticated)
+      .def_readonly("payload_integrity", &LinkInfo::payload_integrity)
+      .def_property_readonly("device_paths", [](const LinkInfo& l) { return py::tuple(py::cast(l.device_paths)); })
+      .def_property_readonly("lanes", [](const LinkInfo& l) { return py::tuple(py::cast(l.lanes)); })
+      .def("as_dict", &linkDict)
+      .def("__eq__",
+           [](const LinkInfo& a, py::object b) {
+             return py::isinstance<LinkInfo>(b) && linkState(a).equal(linkState(b.cast<const LinkInfo&>()));
+           })
+      .def("__hash__", [](const LinkInfo& l) { return py::hash(linkState(l)); })
+      .def("__repr__",
+           [](const LinkInfo& l) {
+             return py::str(
+                        "LinkInfo(peer_cluster_id={}, peer_address={!r}, initiator={}, broken={}, "
+                        "broken_reason={!r}, transport={!r}, authenticated={}, payload_integrity={}, "
+                        "device_paths={!r}, lanes={!r})")
+                 .format(*linkState(l));
+           })
+      .def(py::pickle(&linkState, [](const py::tuple& t) {
+        if (t.size() != 10) throw py::value_error("a LinkInfo's state has 10 fields");
+        return makeLink(t[0].cast<uint64_t>(), t[1].cast<std::string>(), t[2].cast<bool>(), t[3].cast<bool>(),
+                        t[4].cast<std::string>(), t[5].cast<std::string>(), t[6].cast<bool>(), t[7].cast<bool>(),
+                        t[8].cast<std::vector<std::string>>(), t[9].cast<std::vector<std::string>>());
+      }));
+}
+
+void bindEngineReports(py::module_& m) {
+  bindLinkInfo(m);
+  py::class_<CacheHandle>(m, "CacheHandle")
+      .def_readonly("cache_id", &CacheHandle::cache_id)
+      .def_property_readonly("addresses", [](const CacheHandle& h) { return py::tuple(py::cast(h.addresses)); })
+      .def("__iter__", [](const CacheHandle& h) { return py::iter(py::make_tuple(h.cache_id, h.addresses)); })
+      .def("__len__", [](const CacheHandle&) { return 2; })
+      .def("__repr__", [](const CacheHandle& h) {
+        return py::str("CacheHandle(cache_id={}, addresses={!r})").format(h.cache_id, py::tuple(py::cast(h.addresses)));
+      });
+  py::class_<EngineStats>(m, "EngineStats")
+      .def_readonly("live_links", &EngineStats::live_links)
+      .def_readonly("tombstones", &EngineStats::tombstones)
+      .def_readonly("handshakes", &EngineStats::handshakes)
+      .def_readonly("threads", &EngineStats::threads)
+      .def_readonly("handshakes_refused", &EngineStats::handshakes_refused)
+      .def_readonly("handshakes_evicted", &EngineStats::handshakes_evicted)
+      .def_readonly("listener_backoffs", &EngineStats::listener_backoffs)
+      .def_readonly("pins_expired", &EngineStats::pins_expired)
+      .def_readonly("notifications", &EngineStats::notifications)
+      .def_readonly("notifications_refused", &EngineStats::notifications_refused)
+      .def("as_dict", [](const EngineStats& s) {
+        py::dict d;
+        d["live_links"] = s.live_links;
+        d["tombstones"] = s.tombstones;
+        d["handshakes"] = s.handshakes;
+        d["threads"] = s.threads;
+        d["handshakes_refused"] = s.handshakes_refused;
+        d["handshakes_evicted"] = s.handshakes_evicted;
+        d["listener_backoffs"] = s.listener_backoffs;
+        d["pins_expired"] = s.pins_expired;
+        d["notifications"] = s.notifications;
+        d["notifications_refused"] = s.notifications_refused;
+        return d;
+      });
+  py::class_<Engine::PoolInfo>(m, "PoolInfo")
+      .def_readonly("placement", &Engine::PoolInfo::placement)
+      .def_readonly("base", &Engine::PoolInfo::base)
+      .def_readonly("capacity", &Engine::PoolInfo::capacity)
+      .def_readonly("used", &Engine::PoolInfo::used)
+      .def("as_dict", [](const Engine::PoolInfo& p) {
+        py::dict d;
+        d["placement"] = p.placement;
+        d["base"] = p.base;
+        d["capacity"] = p.capacity;
+        d["used"] = p.used;
+        return d;
+      });
+}
+
 }  // namespace
 
 void bindConstants(py::module_& m) {
@@ -225,6 +355,17 @@ void bindConstants(py::module_& m) {
     limits["max_notify_message_bytes"] = limits::kMaxNotifyMessageBytes;
     m.attr("LIMITS") = limits;
   }
+  // The PDLINK_* variables the core reads itself (core/environment.h): (name, meaning, fallback or
+  // None, whether an empty setting is a value of its own), for pdlink.environment to list.
+  {
+    py::tuple variables(std::size(environment::kVariables));
+    for (size_t i = 0; i < std::size(environment::kVariables); ++i) {
+      const environment::Variable& v = *environment::kVariables[i];
+      variables[i] = py::make_tuple(v.name, v.meaning, v.fallback ? py::object(py::str(v.fallback)) : py::none(),
+                                    v.empty_is_value);
+    }
+    m.attr("NATIVE_VARIABLES") = variables;
+  }
 }
 
 void bindTypes(py::module_& m) {
@@ -233,6 +374,7 @@ void bindTypes(py::module_& m) {
   bindEngineStructs(m);
   bindCacheTypes(m);
   bindTransferSpec(m);
+  bindEngineReports(m);
 }
 
 }  // namespace pdlink::bindings

@@ -5,7 +5,9 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "engine/engine.h"
 
@@ -13,8 +15,9 @@ namespace pdlink::bindings {
 
 // bind_status.cc: the Status -> exception translator and _register_errors (status_bridge.h).
 void bindStatus(pybind11::module_& m);
-// bind_types.cc: the module's constants (PROTOCOL_VERSION, LIMITS, ...), and the engine's enums
-// and plain structs (Role, EngineConfig, Target, TransferSpec, ...).
+// bind_types.cc: the module's constants (PROTOCOL_VERSION, LIMITS, ...), the engine's enums and
+// plain structs (Role, EngineConfig, Target, TransferSpec, ...), what it reports of itself
+// (LinkInfo, EngineStats, PoolInfo) and its cache handles (CacheHandle).
 void bindConstants(pybind11::module_& m);
 void bindTypes(pybind11::module_& m);
 // bind_backend.cc: Backend, open_backend, and what this process's libraries provide (the Ascend
@@ -24,6 +27,13 @@ void bindBackend(pybind11::module_& m);
 void bindTransfers(pybind11::module_& m);
 // bind_engine.cc: Engine.
 void bindEngine(pybind11::module_& m);
+
+// A cache the engine registered or allocated (Engine.register_cache, allocate_cache): its id and
+// one address per tensor. Unpacks as (cache_id, addresses).
+struct CacheHandle {
+  int64_t cache_id;
+  std::vector<uint64_t> addresses;
+};
 
 // A prepared transfer bound to the engine that posts it (the Python object keeps the engine alive).
 struct BoundPrepared {

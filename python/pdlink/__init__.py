@@ -41,9 +41,26 @@ _EXPORTS = {
     "LinkError": "status",
     "OutOfMemory": "status",
     "NotSupported": "status",
+    # the engine's constants (read from the native module on first use)
+    "ANY_CLUSTER": "constants",
+    "BACKENDS": "constants",
+    "INVALID_ID": "constants",
+    "LATEST_LINK_MARK": "constants",
+    "LIMITS": "constants",
+    "PROTOCOL_VERSION": "constants",
+    "TRANSPORTS": "constants",
 }
 
 if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for type checkers
+    from .constants import (  # noqa: F401
+        ANY_CLUSTER,
+        BACKENDS,
+        INVALID_ID,
+        LATEST_LINK_MARK,
+        LIMITS,
+        PROTOCOL_VERSION,
+        TRANSPORTS,
+    )
     from .engine import (  # noqa: F401
         BatchTransfer,
         Engine,

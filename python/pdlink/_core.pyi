@@ -7,7 +7,7 @@ Failures raise the exception class registered for their status code (``_register
 with ``status_code`` set and the engine's message); every method that may block releases the GIL.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -19,6 +19,8 @@ BACKENDS: tuple[str, ...]  # the names open_backend takes (csrc/backends/backend
 INVALID_ID: int  # an unset req_id / prefix_id / registration key (csrc/engine/registry.h kInvalidId)
 LATEST_LINK_MARK: int  # Engine.linked_since(it) lists no peer, only the latest mark
 LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
+# the PDLINK_* variables the core reads (csrc/core/environment.h): name, meaning, default, empty_is_value
+NATIVE_VARIABLES: tuple[tuple[str, str, str | None, bool], ...]
 
 def ptrace_grant_active() -> bool: ...  # same-host peers may read this process now (proven links exist)
 # whether every [addresses[i], +lengths[i]) lies in the ranges by the registry's rule (csrc/core/spans.h)
@@ -31,7 +33,6 @@ def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the links' MAC, libcry
 def crypto_library() -> str: ...  # where libcrypto was loaded from; raises LLMException when it cannot be
 
 _Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)
-_Handle = tuple[int, list[int]]  # (cache_id, tensor addresses)
 
 def ascend_info() -> dict[str, object]: ...  # what the Ascend loader found: loaded, error, library_dir, features
 def set_ucx_wheel_dir(dir: str) -> None: ...  # where the libucx package's libucp is (before ucx_info's first call)
@@ -121,6 +122,98 @@ class Notification:
     def name(self) -> bytes: ...
     @property
     def message(self) -> bytes: ...
+
+class LinkInfo:
+    """One link of an engine (Engine.links(); pdlink.LinkInfo): read-only, compares by value,
+    hashes, pickles."""
+
+    def __init__(
+        self,
+        peer_cluster_id: int,
+        peer_address: str,
+        initiator: bool,
+        broken: bool,
+        broken_reason: str,
+        transport: str,
+        authenticated: bool,
+        payload_integrity: bool,
+        device_paths: Sequence[str],
+        lanes: Sequence[str] = ...,
+    ) -> None: ...
+    @property
+    def peer_cluster_id(self) -> int: ...
+    @property
+    def peer_address(self) -> str: ...  # "ip:port"
+    @property
+    def initiator(self) -> bool: ...  # this side dialled
+    @property
+    def broken(self) -> bool: ...
+    @property
+    def broken_reason(self) -> str: ...
+    @property
+    def transport(self) -> str: ...  # "cma", "unix", "tcp" or "ucx"
+    @property
+    def authenticated(self) -> bool: ...  # every frame sealed under a session key
+    @property
+    def payload_integrity(self) -> bool: ...  # and every payload
+    @property
+    def device_paths(self) -> tuple[str, ...]: ...  # this side's DEVICE paths, in the order tried
+    @property
+    def lanes(self) -> tuple[str, ...]: ...  # what the host path moves bytes over ("tcp/lo", ...)
+    def as_dict(self) -> dict[str, Any]: ...  # the fields in order; device_paths and lanes as lists
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __getstate__(self) -> tuple[Any, ...]: ...
+    def __setstate__(self, state: tuple[Any, ...]) -> None: ...
+
+class CacheHandle:
+    """A cache an engine registered or allocated (Engine.register_cache, allocate_cache): its id and
+    one address per tensor; unpacks as ``cache_id, addresses = handle`` (addresses then a list)."""
+
+    @property
+    def cache_id(self) -> int: ...
+    @property
+    def addresses(self) -> tuple[int, ...]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def __len__(self) -> int: ...
+
+class EngineStats:
+    """What peers made an engine spend (Engine.stats()), read-only."""
+
+    @property
+    def live_links(self) -> int: ...  # links with channels (dialled and accepted)
+    @property
+    def tombstones(self) -> int: ...  # dead links still reported until unlinked
+    @property
+    def handshakes(self) -> int: ...  # connections in a handshake now
+    @property
+    def threads(self) -> int: ...  # engine threads running (serving, handshakes)
+    @property
+    def handshakes_refused(self) -> int: ...  # connections dropped for want of a handshake slot
+    @property
+    def handshakes_evicted(self) -> int: ...  # silent connections dropped to make room for a newcomer
+    @property
+    def listener_backoffs(self) -> int: ...  # times a listener paused for want of descriptors
+    @property
+    def pins_expired(self) -> int: ...  # pins released before the peer's next frame
+    @property
+    def notifications(self) -> int: ...  # notifications received and not yet taken
+    @property
+    def notifications_refused(self) -> int: ...  # refused because a queue bound was reached
+    def as_dict(self) -> dict[str, int]: ...  # the fields in order
+
+class PoolInfo:
+    """One memory pool of an engine (Engine.pools()), read-only."""
+
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def base(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...  # bytes
+    @property
+    def used(self) -> int: ...  # bytes
+    def as_dict(self) -> dict[str, Any]: ...  # placement, base, capacity, used
 
 class PoolConfig:
     bytes: int  # 0: no pool
@@ -236,10 +329,8 @@ class Engine:
     def backend_handle(self) -> Backend: ...
     @property
     def cache_count(self) -> int: ...
-    def pools(self) -> list[dict[str, Any]]: ...  # placement, base, capacity, used per memory pool
-    # live_links, tombstones, handshakes, threads, handshakes_refused, handshakes_evicted,
-    # listener_backoffs, pins_expired
-    def stats(self) -> dict[str, int]: ...
+    def pools(self) -> list[PoolInfo]: ...
+    def stats(self) -> EngineStats: ...
     def switch_role(self, role: Role, listen_ip: str, listen_port: int) -> None: ...
     def link(
         self, peers: Sequence[tuple[int | None, str, int]], timeout_ms: int
@@ -251,7 +342,7 @@ class Engine:
     def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> list[tuple[int, str]]: ...
     def linked_since(self, after: int) -> tuple[int, list[int]]:
         """(number of the latest link installed, peer ids of those numbered after ``after``)."""
-    def links(self) -> list[dict[str, int | str | bool | list[str]]]: ...
+    def links(self) -> list[LinkInfo]: ...
     def register_cache(
         self,
         layout: CacheLayout,
@@ -259,8 +350,8 @@ class Engine:
         keys: Sequence[_Key],
         blocks_model: int | None,
         remote_accessible: bool,
-    ) -> _Handle: ...
-    def allocate_cache(self, layout: CacheLayout, keys: Sequence[_Key], blocks_model: int | None) -> _Handle: ...
+    ) -> CacheHandle: ...
+    def allocate_cache(self, layout: CacheLayout, keys: Sequence[_Key], blocks_model: int | None) -> CacheHandle: ...
     def deallocate_cache(self, cache_id: int, blocks: bool) -> None: ...
     def unregister_cache(self, cache_id: int) -> None: ...
     def remove_cache_key(self, req_id: int, prefix_id: int, model_id: int) -> None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import cast
 
@@ -114,6 +115,29 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env() -> int:
+    """Every PDLINK_* variable pdlink reads (its Python layer's and its C++ core's), what each is set
+    to now, its default and its meaning; a PDLINK_* variable that is set but that pdlink does not
+    read (a misspelling) is named on stderr."""
+    from . import environment
+
+    variables = [(v, "python") for v in environment.VARIABLES] + [(v, "core") for v in environment.native_variables()]
+    for v, layer in variables:
+        raw = os.environ.get(v.name)
+        if raw is None:
+            now = "unset"
+        elif v is environment.LINK_SECRET:
+            now = "set (not shown)"
+        else:
+            now = repr(raw)
+        default = "none" if v.default is None else repr(v.default)
+        print(f"{v.name}={now}  [{layer}; default {default}] {v.meaning}")
+    known = {v.name for v, _ in variables}
+    for name in sorted(n for n in os.environ if n.startswith("PDLINK_") and n not in known):
+        print(f"pdlink env: {name} is set, but pdlink reads no variable of that name", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdlink",
                                      description="KV-cache transfer between prefill and decode instances")
@@ -125,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tensors", type=int, default=8, help="tensors in the cache, K and V of each layer (default 8)")
     demo.add_argument("--repeat", type=int, default=5, help="pulls per direction; the median is reported (default 5)")
     sub.add_parser("version", help="print versions")
+    sub.add_parser("env", help="print every PDLINK_* variable: what it is set to, its default and its meaning")
 
     serve = sub.add_parser("serve", help="run the MindIE-compatible management server (needs pdlink[server])",
                            description="Host one pdlink engine per local device behind MindIE's management API. "
@@ -182,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                        else "tcp (no RDMA transport among these; docs/ucx.md)")
             print(f"auto between hosts: {between}")
         return 0
+    if args.command == "env":
+        return _env()
     if args.command == "serve":
         return _serve(args)
     if args.command == "role":

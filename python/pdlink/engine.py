@@ -33,7 +33,7 @@ import enum
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -42,15 +42,36 @@ from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import LLMStatusCode, engine_error
 
+if TYPE_CHECKING:  # what the module __getattr__ below returns
+    from ._core import LinkInfo
+
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "MemoryPool", "Notification",
     "Pending", "PreparedTransfer", "Region", "RemoteRegion",
 ]
 
 T = TypeVar("T")
+
 Descriptors = np.ndarray | Sequence[tuple[int, int]]
 Indices = np.ndarray | Sequence[int]
 Addresses = np.ndarray | list[int]
+#: Where an engine listens or is dialled: ``"ip:port"``, or the pair ``(ip, port)`` (passed on as it is).
+Address = str | tuple[str, int]
+
+
+def __getattr__(name: str) -> Any:
+    # LinkInfo: one link of an engine (``Engine.links()``), the native module's bound class, read
+    # from it on first use so that importing this module does not load it. Read-only attributes
+    # ``peer_cluster_id``, ``peer_address``, ``initiator``, ``broken``, ``broken_reason``,
+    # ``transport``, ``authenticated``, ``payload_integrity``, ``device_paths`` (a tuple), and
+    # ``lanes``: what the host path moves bytes over beneath ``transport``, where it has a choice
+    # (for ``ucx``, UCX's lanes as ``"transport/device"``: ``"tcp/lo"``, ``"cma/memory"``,
+    # ``"rc_mlx5/mlx5_0:1"``, once the link's first transfer connected them; for ``cma``, how the
+    # copies reach the peer's process: ``"process_vm"`` or ``"proc_mem"``, docs/security.md; else
+    # empty); ``as_dict()`` gives them as a dict. Compares by value, hashes, pickles.
+    if name == "LinkInfo":
+        return core().LinkInfo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -94,7 +115,8 @@ class MemoryPool:
 class EngineOptions:
     """How an engine starts.
 
-    ``listen``: ``"ip:port"`` to accept links (port 0: any free port), ``None`` to only dial.
+    ``listen``: ``"ip:port"`` or ``(ip, port)`` to accept links (port 0: any free port), ``None``
+    to only dial.
     ``transport``: ``"auto"`` (direct memory access between processes of one host; else, with
     ``ucx_trusted_network`` and UCX finding an RDMA transport, ucx; else TCP),
     ``"tcp"``, ``"cma"`` or ``"ucx"`` (host memory as UCX messages: docs/ucx.md; needs
@@ -117,7 +139,7 @@ class EngineOptions:
 
     cluster_id: int
     role: str | enum.Enum = "MIX"
-    listen: str | None = None
+    listen: Address | None = None
     transport: str | None = None
     secret: str | None = None
     payload_integrity: bool = False
@@ -243,28 +265,6 @@ class Notification:
     peer: int
     name: bytes
     message: bytes
-
-
-@dataclass(frozen=True)
-class LinkInfo:
-    """One link of this engine (``Engine.links()``)."""
-
-    peer_cluster_id: int
-    peer_address: str
-    initiator: bool
-    broken: bool
-    broken_reason: str
-    transport: str
-    authenticated: bool
-    payload_integrity: bool
-    device_paths: tuple[str, ...]
-    #: What the host path moves bytes over beneath ``transport``, where it has a choice: for
-    #: ``ucx``, UCX's lanes as ``"transport/device"`` (``"tcp/lo"``, ``"cma/memory"``,
-    #: ``"rc_mlx5/mlx5_0:1"``) once the link's first transfer connected them; for ``cma``, how
-    #: the copies reach the peer's process: ``"process_vm"`` (``process_vm_readv`` by pid, for a
-    #: peer of this uid when this process is unprivileged) or ``"proc_mem"`` (a ``/proc/<pid>/mem``
-    #: descriptor bound to that process: docs/security.md); else empty.
-    lanes: tuple[str, ...] = ()
 
 
 class Pending:
@@ -404,9 +404,9 @@ class Engine:
         """``"PROMPT"``, ``"DECODER"`` or ``"MIX"``."""
         return str(self._native.role.name)
 
-    def switch_role(self, role: str | enum.Enum, listen: str | None = None) -> None:
+    def switch_role(self, role: str | enum.Enum, listen: Address | None = None) -> None:
         """Changes the role while the engine runs, with no link open (``LLM_EXIST_LINK``
-        otherwise: disconnect first). ``listen``: ``"ip:port"`` to listen there (moving the
+        otherwise: disconnect first). ``listen``: ``"ip:port"`` or ``(ip, port)`` to listen there (moving the
         listener if it is elsewhere), ``None`` to stop listening."""
         ip, port = _split_address(listen) if listen is not None else ("", 0)
         self._native.switch_role(role_of(role), ip, port)
@@ -427,13 +427,14 @@ class Engine:
         return caps
 
     def links(self) -> list[LinkInfo]:
-        return [LinkInfo(**{**d, "device_paths": tuple(d["device_paths"]), "lanes": tuple(d["lanes"])})
-                for d in self._native.links()]
+        """This engine's links, one ``LinkInfo`` each (``pdlink.LinkInfo``: the engine's own record,
+        typed and read-only)."""
+        return self._native.links()
 
     def stats(self) -> dict[str, int]:
-        """What peers made this engine spend: live links, handshakes, threads, refusals."""
-        stats: dict[str, int] = self._native.stats()
-        return stats
+        """What peers made this engine spend: live links, handshakes, threads, refusals (the
+        fields of the engine's ``EngineStats``, by name)."""
+        return self._native.stats().as_dict()
 
     # ------------------------------------------------------------------ memory
 
@@ -507,8 +508,8 @@ class Engine:
 
     # ------------------------------------------------------------------ peers
 
-    def connect(self, address: str, *, cluster_id: int | None = None, timeout_ms: int | None = None) -> int:
-        """Links to the engine listening at ``"ip:port"``; returns its cluster id (checked when
+    def connect(self, address: Address, *, cluster_id: int | None = None, timeout_ms: int | None = None) -> int:
+        """Links to the engine listening at ``"ip:port"`` (or ``(ip, port)``); returns its cluster id (checked when
         ``cluster_id`` is given). Raises ``LinkError`` (a ``ConnectionError``) when it cannot."""
         ip, port = _split_address(address)
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
@@ -558,16 +559,16 @@ class Engine:
         (each peer's in the order it sent them); a second call returns only newer ones."""
         return [Notification(n.peer, n.name, n.message) for n in self._native.take_notifications()]
 
-    def add_listener(self, address: str) -> int:
-        """Also accepts links at ``"ip:port"`` (a second listener beside ``EngineOptions.listen``:
+    def add_listener(self, address: Address) -> int:
+        """Also accepts links at ``"ip:port"`` or ``(ip, port)`` (a second listener beside ``EngineOptions.listen``:
         the rendezvous of llm_datadist's ``link()``); returns the bound port. Idempotent for the
         same address."""
         ip, port = _split_address(address)
         return int(self._native.start_comm_listener(ip, port))
 
-    def connect_each(self, peers: Sequence[tuple[int | None, str]], *,
+    def connect_each(self, peers: Sequence[tuple[int | None, Address]], *,
                      timeout_ms: int | None = None) -> list[tuple[LLMStatusCode, str, int]]:
-        """Links to several peers at once, each ``(cluster_id or None, "ip:port")``: one
+        """Links to several peers at once, each ``(cluster_id or None, "ip:port" or (ip, port))``: one
         ``(status code, message, peer cluster id)`` per peer, in order, without raising for a peer
         that failed (``LLM_ALREADY_LINK``: linked before). ``timeout_ms`` bounds the whole call."""
         addresses = [(cid, *_split_address(address)) for cid, address in peers]
@@ -585,12 +586,12 @@ class Engine:
 
     def linked_since(self, mark: int) -> tuple[int, list[int]]:
         """The mark to pass next time, and the peers whose links came up after ``mark`` (a mark
-        this call returned; 0: since the start; ``pdlink._core.LATEST_LINK_MARK``: none, only the current mark).
+        this call returned; 0: since the start; ``pdlink.LATEST_LINK_MARK``: none, only the current mark).
         Links that came and went between two calls are listed too."""
         latest, peers = self._native.linked_since(mark)
         return int(latest), [int(p) for p in peers]
 
-    def connect_async(self, address: str, **kwargs: Any) -> Pending:
+    def connect_async(self, address: Address, **kwargs: Any) -> Pending:
         return self._submit(self.connect, address, **kwargs)
 
     def disconnect_async(self, peer: int, **kwargs: Any) -> Pending:
@@ -714,7 +715,18 @@ def _notify_bytes(value: bytes | str, what: str) -> bytes:
     raise TypeError(f"a notification's {what} must be bytes or str, got {type(value).__name__}")
 
 
-def _split_address(address: str) -> tuple[str, int]:
+def _split_address(address: Address) -> tuple[str, int]:
+    """``(ip, port)`` of an address: a pair is checked and passed on as it is, a string split at its
+    last colon."""
+    if isinstance(address, tuple):
+        if len(address) != 2:
+            raise ValueError(f"address must be 'ip:port' or (ip, port), got {address!r}")
+        host, number = address
+        if (isinstance(host, str) and host and isinstance(number, int) and not isinstance(number, bool)
+                and 0 <= number <= 65535):
+            return host, number
+        # what the string would have been refused with: a pair is the string, not yet joined
+        raise ValueError(f"address must be 'ip:port', got {f'{host}:{number}'!r}")
     ip, sep, port = str(address).rpartition(":")
     if not sep or not ip or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"address must be 'ip:port', got {address!r}")

@@ -4,9 +4,12 @@ and one function per read (stdlib only; importing it loads nothing).
 An option given in code (``EngineOptions``, an llm_datadist option, the server's configuration)
 wins over the variable, and the variable over the default: each reader below returns the
 variable's text, or its default when it is unset or empty (None where there is none), and the
-caller puts its own option first and checks the value. (The C++ core reads its own:
-``PDLINK_ASCEND_LIB_DIR``, ``PDLINK_UCX_LIB_DIR``, ``PDLINK_LIBCRYPTO``, ...; docs/ascend.md,
-docs/ucx.md, docs/security.md.)
+caller puts its own option first and checks the value.
+
+The C++ core reads its own few (what it loads and how loudly it logs: ``PDLINK_LOG_LEVEL``,
+``PDLINK_ASCEND_LIB_DIR``, ``PDLINK_UCX_LIB_DIR``, ...), from its one table (csrc/core/environment.h);
+``native_variables()`` lists them from the native module, and ``pdlink env`` prints both kinds with
+what is set now.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Variable", "VARIABLES", "LIMIT_VARIABLES", "read", "transport", "link_secret", "backend",
-           "hccl_one_sided", "ucx_trusted_network", "payload_integrity", "link_port_base", "limit"]
+__all__ = ["Variable", "VARIABLES", "LIMIT_VARIABLES", "native_variables", "read", "transport", "link_secret",
+           "backend", "hccl_one_sided", "ucx_trusted_network", "payload_integrity", "link_port_base", "limit"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class Variable:
 
     name: str
     meaning: str
-    default: str | None  # the value when it is unset or empty (None: no value)
+    default: str | None  # the value when it is unset (or empty, unless empty_is_value; None: no value)
+    empty_is_value: bool = False  # an empty setting is a value of its own ("" lists nothing)
 
 
 TRANSPORT = Variable("PDLINK_TRANSPORT", "the link transport: auto, tcp, cma or ucx", "auto")
@@ -57,8 +61,20 @@ VARIABLES: tuple[Variable, ...] = (TRANSPORT, LINK_SECRET, BACKEND, HCCL_ONE_SID
 
 def read(variable: Variable, env: Mapping[str, str] | None = None) -> str | None:
     """``variable``'s text in ``env`` (default: the process environment); its default when it is
-    unset or empty."""
-    return (os.environ if env is None else env).get(variable.name) or variable.default
+    unset or (unless ``empty_is_value``) empty."""
+    value = (os.environ if env is None else env).get(variable.name)
+    if value is None or (value == "" and not variable.empty_is_value):
+        return variable.default
+    return value
+
+
+def native_variables() -> tuple[Variable, ...]:
+    """The variables the C++ core reads itself (``pdlink._core.NATIVE_VARIABLES``, from
+    csrc/core/environment.h); loads the native module."""
+    from .native import core
+
+    return tuple(Variable(name, meaning, default, empty_is_value)
+                 for name, meaning, default, empty_is_value in core().NATIVE_VARIABLES)
 
 
 def _set(variable: Variable, env: Mapping[str, str] | None) -> str:

@@ -30,15 +30,26 @@ from typing import TYPE_CHECKING, Any
 from .native import core, placement_of
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
-    from ._core import ANY_CLUSTER, INVALID_ID, CacheLayout, Target, TargetKind, TransferMode, TransferSpec  # noqa: F401
+    from ._core import (  # noqa: F401
+        ANY_CLUSTER,
+        INVALID_ID,
+        CacheHandle,
+        CacheLayout,
+        Target,
+        TargetKind,
+        TransferMode,
+        TransferSpec,
+    )
 
 __all__ = [
-    "ANY_CLUSTER", "CacheLayout", "KvCaches", "Target", "TargetKind", "TransferMode", "TransferSpec", "placement",
+    "ANY_CLUSTER", "CacheHandle", "CacheLayout", "KvCaches", "Target", "TargetKind", "TransferMode", "TransferSpec",
+    "placement",
 ]
 
 # Names read from the native module on first use (module __getattr__), so that importing this
 # module does not load it.
-_NATIVE_NAMES = ("CacheLayout", "Target", "TargetKind", "TransferSpec", "TransferMode", "ANY_CLUSTER", "INVALID_ID")
+_NATIVE_NAMES = ("CacheHandle", "CacheLayout", "Target", "TargetKind", "TransferSpec", "TransferMode", "ANY_CLUSTER",
+                 "INVALID_ID")
 
 def placement(value: str | enum.Enum) -> Any:
     """The native placement by name (``"HOST"``, ``"DEVICE"``, or an enum whose name is that)."""
@@ -57,12 +68,12 @@ class KvCaches:
 
     The methods are the native engine's own (each call costs no Python frame):
 
-    - ``register(layout, addresses, keys, blocks_model, remote_accessible) -> (cache_id, addresses)``:
+    - ``register(layout, addresses, keys, blocks_model, remote_accessible) -> CacheHandle``:
       the caller's memory, one address per tensor; ``keys[i]`` publishes batch slot ``i`` under a
       ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset); ``blocks_model`` publishes a
       blocks cache under that model id; ``remote_accessible=False`` refuses peers' reads and writes
       of it.
-    - ``allocate(layout, keys, blocks_model) -> (cache_id, addresses)``: the same, the tensors taken
+    - ``allocate(layout, keys, blocks_model) -> CacheHandle``: the same, the tensors taken
       from the engine's pool of the layout's placement (``LLM_OUT_OF_MEMORY`` when it has no room).
     - ``deallocate(cache_id, blocks)``: returns an allocated cache to its pool (``blocks``:
       whether it is a blocks cache). ``unregister(cache_id)``: withdraws a registered one.
@@ -75,12 +86,15 @@ class KvCaches:
     - ``copy_local(dst_addresses, dst_placement, src_addresses, src_placement, runs)``: copies
       ``(dst_offset, src_offset, length)`` runs between two local caches' tensors.
 
+    A ``CacheHandle`` (the native module's bound class) has the cache's ``cache_id`` and its
+    ``addresses`` (one per tensor), and unpacks as ``cache_id, addresses = handle``.
+
     A failed call raises the ``pdlink.LLMException`` subclass of its status code, with the engine's
     message.
     """
 
-    register: Callable[..., tuple[int, list[int]]]
-    allocate: Callable[..., tuple[int, list[int]]]
+    register: Callable[..., CacheHandle]
+    allocate: Callable[..., CacheHandle]
     deallocate: Callable[..., None]
     unregister: Callable[[int], None]
     remove_key: Callable[[int, int, int], None]
@@ -108,6 +122,6 @@ class KvCaches:
 
     def pools(self) -> list[dict[str, Any]]:
         """The engine's pools, one dict each: ``placement`` (a native ``Placement``), ``base``,
-        ``capacity`` and ``used`` (bytes)."""
-        return list(self._native.pools())
+        ``capacity`` and ``used`` (bytes; the fields of the engine's ``PoolInfo``)."""
+        return [pool.as_dict() for pool in self._native.pools()]
 

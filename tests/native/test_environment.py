@@ -1,7 +1,7 @@
-"""``pdlink.environment``: the one reader of the ``PDLINK_*`` variables in Python. Every variable
-the Python sources name is one of its variables (or one the C++ core reads), nothing else reads
-``os.environ`` for one, and each read gives the variable, else its default, and an option in
-code wins over both."""
+"""``pdlink.environment``: the one reader of the ``PDLINK_*`` variables in Python, and
+``core/environment.cc`` the one in C++. Every variable the sources name is one of theirs, nothing
+else reads the environment for one, each read gives the variable, else its default, an option in
+code wins over both, and ``pdlink env`` shows them all."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import pytest
 
 from internals import parse_engine_options
 from pdlink import EngineOptions, environment
+from pdlink.cli import main
 from where import REPO
 
 PYTHON = str(REPO / "python" / "pdlink")
-NATIVE_READS = {"PDLINK_ASCEND_LIB_DIR", "PDLINK_UCX_LIB_DIR", "PDLINK_LIBCRYPTO"}  # the C++ core reads these
+NATIVE_READS = {v.name for v in environment.native_variables()}  # the C++ core reads these
+# The C++ library's sources (the test programs and the fuzz harness read variables of their own).
+LIBRARY = [REPO / "csrc" / d for d in ("core", "engine", "transport", "backends", "bindings")]
 
 
 def _sources() -> dict[str, str]:
@@ -67,3 +70,45 @@ def test_option_over_variable_over_default(monkeypatch):
     parsed = parse_engine_options({})
     assert parsed["hccl_one_sided"] is True and parsed["backend"] == "auto"
     assert parse_engine_options({"pdlink.HcclOneSided": "0"})["hccl_one_sided"] is False
+
+
+def _library_sources() -> dict[str, str]:
+    return {str(path.relative_to(REPO)): path.read_text(encoding="utf-8")
+            for root in LIBRARY for path in sorted(root.rglob("*")) if path.suffix in (".cc", ".h")}
+
+
+def test_the_core_reads_its_variables_in_one_place():
+    reads = {path for path, text in _library_sources().items() if re.search(r"getenv\(\s*\"PDLINK_", text)}
+    assert reads == set(), reads
+    assert "std::getenv(variable.name)" in (REPO / "csrc" / "core" / "environment.cc").read_text(encoding="utf-8")
+
+
+def test_every_variable_the_core_names_is_a_variable_pdlink_reads():
+    named = {m for text in _library_sources().values()
+             for literal in re.findall(r'"[^"\n]*"', text) for m in re.findall(r"PDLINK_[A-Z0-9_]+", literal)}
+    assert NATIVE_READS <= named  # each is named in a message where it matters
+    assert named <= NATIVE_READS | {v.name for v in environment.VARIABLES}, named
+
+
+def test_native_variables_keep_an_empty_setting_where_it_means_something():
+    auto = {v.name: v for v in environment.native_variables()}["PDLINK_UCX_AUTO_TRANSPORTS"]
+    assert auto.empty_is_value and environment.read(auto, {auto.name: ""}) == ""
+    assert environment.read(auto, {}) is None  # unset: UCX's RDMA families (docs/ucx.md)
+    level = {v.name: v for v in environment.native_variables()}["PDLINK_LOG_LEVEL"]
+    assert environment.read(level, {level.name: ""}) == "warn"
+
+
+def test_pdlink_env_lists_every_variable_hides_the_secret_and_names_a_misspelling(monkeypatch, capsys):
+    for v in (*environment.VARIABLES, *environment.native_variables()):
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("PDLINK_LINK_SECRET", "s3cret-value")
+    monkeypatch.setenv("PDLINK_TRANSPORT", "tcp")
+    monkeypatch.setenv("PDLINK_TRANSPRT", "cma")
+    assert main(["env"]) == 0
+    out, err = capsys.readouterr()
+    lines = {line.split("=", 1)[0]: line for line in out.splitlines()}
+    assert set(lines) == {v.name for v in (*environment.VARIABLES, *environment.native_variables())}
+    assert lines["PDLINK_TRANSPORT"].startswith("PDLINK_TRANSPORT='tcp'  [python; default 'auto']")
+    assert lines["PDLINK_LOG_LEVEL"].startswith("PDLINK_LOG_LEVEL=unset  [core; default 'warn']")
+    assert "s3cret-value" not in out and lines["PDLINK_LINK_SECRET"].startswith("PDLINK_LINK_SECRET=set (not shown)")
+    assert err == "pdlink env: PDLINK_TRANSPRT is set, but pdlink reads no variable of that name\n"

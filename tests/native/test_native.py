@@ -101,7 +101,7 @@ def test_open_engine_applies_every_setting() -> None:
                     host_pool=(1 << 20, 12), limits={"max_links": 3})
     try:
         assert (e.cluster_id, e.role, e.listen_port > 0) == (7, core.Role.PROMPT, True)
-        assert [(p["placement"], p["capacity"]) for p in e.pools()] == [(core.Placement.HOST, 1 << 20)]
+        assert [(p.placement, p.capacity) for p in e.pools()] == [(core.Placement.HOST, 1 << 20)]
     finally:
         e.finalize()
 

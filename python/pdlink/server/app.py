@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..native import core
+from .. import constants
 from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
 from .errors import http_status
@@ -182,7 +182,7 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
         except (UnicodeDecodeError, ValueError, RecursionError):
             return error(400, "request body is not valid JSON", "Bad Request")
         target = data.get("target") if isinstance(data, dict) else None
-        if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < core().ANY_CLUSTER:
+        if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < constants.ANY_CLUSTER:
             return error(422, "target must be a peer instance id (unsigned integer)", "Input validation error")
         try:
             return JSONResponse(await run_in_threadpool(node.test_pull, target))

@@ -23,7 +23,7 @@ when that directory is named ``conf`` (MindIE's ``<home>/conf/config.json`` layo
 file's directory.
 
 This module imports the standard library only; reading a configuration loads the native module for
-the backend and transport names the engine takes (`pdlink.native.backend_names`, `transport_names`).
+the backend and transport names the engine takes (`pdlink.BACKENDS`, `pdlink.TRANSPORTS`).
 """
 
 from __future__ import annotations
@@ -455,7 +455,7 @@ def _link_secret(path: str | None, home: str | None, env: Mapping[str, str]) -> 
 
 
 def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvTransfer:
-    from ..native import backend_names, transport_names  # the names the engine takes (loads the native module)
+    from .. import constants  # the names the engine takes (loads the native module)
 
     kv = root.section("KvTransferConfig", strict=True)
     test = kv.section("testKv", strict=True)
@@ -469,8 +469,8 @@ def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvT
     if test_kv.num_tensors * test_kv.num_blocks * test_kv.block_bytes > (256 << 20):
         raise ConfigError("KvTransferConfig.testKv: numTensors * numBlocks * blockBytes must be at most 256 MiB")
     out = KvTransfer(
-        backend=kv.str("backend", "cpu", backend_names()),
-        transport=kv.str("transport", "auto", transport_names()),
+        backend=kv.str("backend", "cpu", constants.BACKENDS),
+        transport=kv.str("transport", "auto", constants.TRANSPORTS),
         device_count=kv.int("deviceCount", 1, 1, 16),
         listen_ip_source=kv.str("listenIpSource", "server_ip", ("server_ip", "device_ip", "host_ip")),
         listen_port_base=kv.int("listenPortBase", 26000, 1024, 65535),

@@ -83,9 +83,9 @@ def _timed(metrics: Any, op: str, is_push: bool, nbytes: int, move: Any) -> floa
     return seconds
 
 
-def _address(listen: tuple[tuple[str, int], ...], i: int) -> str | None:
-    """Device ``i``'s ``"ip:port"`` in ``listen``, None when it does not listen."""
-    return f"{listen[i][0]}:{listen[i][1]}" if listen else None
+def _address(listen: tuple[tuple[str, int], ...], i: int) -> tuple[str, int] | None:
+    """Device ``i``'s ``(ip, port)`` in ``listen``, None when it does not listen."""
+    return (listen[i][0], listen[i][1]) if listen else None
 
 
 def _disconnect(engine: Engine, cid: int, timeout_ms: int, force: bool) -> None:
@@ -178,7 +178,7 @@ class _LinkJob:
                     continue
                 ip, port = self.peer.addresses[i]
                 try:
-                    engine.connect(f"{ip}:{port}", cluster_id=cid, timeout_ms=kv.link_timeout_ms)
+                    engine.connect((ip, port), cluster_id=cid, timeout_ms=kv.link_timeout_ms)
                     linked[i] = True
                 except LLMException as e:
                     code = cast(LLMStatusCode, e.status_code)

@@ -96,9 +96,9 @@ def cluster_id(node: NodeInfo) -> int:
 
 def _any_cluster() -> int:
     """The native ``ANY_CLUSTER``, never a real instance id (loads the native module on first use)."""
-    from ..native import core
+    from .. import constants
 
-    return int(core().ANY_CLUSTER)
+    return constants.ANY_CLUSTER
 
 
 def _ip(value: Any, where: str, allow_unspecified: bool = False) -> str:

@@ -29,9 +29,9 @@ class Identity:
     port: int  # 0: no port (a client-only engine)
 
     @property
-    def address(self) -> str:
-        """What pdlink listens on or dials (``ip:port``)."""
-        return f"{self.host}:{self.port}"
+    def address(self) -> tuple[str, int]:
+        """What pdlink listens on or dials: ``(ip, port)``."""
+        return (self.host, self.port)
 
 
 def parse_identity(engine: str) -> Identity:

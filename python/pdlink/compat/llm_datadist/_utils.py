@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from ...status import LLMException, LLMStatusCode, as_llm_exception, code_2_status, raise_if_false, raise_if_true
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
-    from ..._core import INVALID_ID  # noqa: F401
+    from ...constants import INVALID_ID  # noqa: F401
 
 __all__ = [
     "UINT8_MAX",
@@ -84,16 +84,15 @@ UINT64_MAX = 2**64 - 1  # the top of the uint64 range check_uint64 accepts
 
 @functools.cache
 def invalid_id() -> int:
-    """The marker for "no id" (default prefix_id, padding req_id): the native module's
-    ``INVALID_ID``, read once, on first use (every CacheKey asks). ``INVALID_ID`` (module
-    attribute) reads it too."""
-    from ...native import core
+    """The marker for "no id" (default prefix_id, padding req_id): ``pdlink.INVALID_ID``, read
+    once, on first use (every CacheKey asks). ``INVALID_ID`` (module attribute) reads it too."""
+    from ... import constants
 
-    return int(core().INVALID_ID)
+    return constants.INVALID_ID
 
 
 def __getattr__(name: str) -> Any:
-    if name == "INVALID_ID":  # read from the native module, so that importing this one does not load it
+    if name == "INVALID_ID":  # read on first use, so that importing this module does not load the engine
         return invalid_id()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -164,9 +164,8 @@ class CacheManager:
     def _invalidate(self) -> None:
         self._initialized = False
 
-    def _new_cache(self, desc: CacheDesc, handle: tuple[int, list[int]], is_blocks: bool) -> Cache:
-        cache_id, addrs = handle
-        return Cache(cache_id, desc, list(addrs), is_blocks_cache=is_blocks)
+    def _new_cache(self, desc: CacheDesc, handle: kv.CacheHandle, is_blocks: bool) -> Cache:
+        return Cache(handle.cache_id, desc, list(handle.addresses), is_blocks_cache=is_blocks)
 
     @staticmethod
     def _layout(desc: CacheDesc, is_blocks: bool) -> Any:

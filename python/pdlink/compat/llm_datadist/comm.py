@@ -21,8 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ... import environment
-from ...native import core
+from ... import constants, environment
 from ...status import LLMException, LLMStatusCode
 from ._utils import (
     check_dict,
@@ -164,12 +163,12 @@ class CommManager:
         if any(r > my_rank for r in ranks):  # higher ranks dial us: be reachable
             ip, port = endpoints[self._cluster_id]
             with raising_as("link"):
-                self._engine.add_listener(f"{ip}:{port}")
+                self._engine.add_listener((ip, port))
         peers = {cid: ep for cid, ep in endpoints.items() if cid != self._cluster_id}
         dial = [cid for cid in peers if cluster_rank_info[cid] < my_rank]
         with self._lock:
             comm = _Comm(self._next_id, comm_name, peers, dial, time.monotonic() + self._link_total_s,
-                         self._engine.linked_since(core().LATEST_LINK_MARK)[0])
+                         self._engine.linked_since(constants.LATEST_LINK_MARK)[0])
             self._next_id += 1
             self._comms[comm.comm_id] = comm
         if dial:
@@ -187,7 +186,7 @@ class CommManager:
                 comm.failed = f"peers {pending} did not answer within the link time"
                 logger.warning("link %r: %s", comm.name, comm.failed)
                 return
-            peers = [(cid, f"{comm.peers[cid][0]}:{comm.peers[cid][1]}") for cid in pending]
+            peers = [(cid, comm.peers[cid]) for cid in pending]
             results = self._engine.connect_each(peers, timeout_ms=max(1, min(_DIAL_ATTEMPT_MS, left_ms)))
             done = {LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK}
             pending = [cid for cid, (code, _msg, _id) in zip(pending, results) if code not in done]

@@ -14,7 +14,6 @@ instance's cluster id; every operation fans out to all of them.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import ipaddress
 import json
 import logging
@@ -24,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import environment, kv, native
+from ... import constants, environment
 from ...environment import LIMIT_VARIABLES
 from ...status import LLMException, LLMStatusCode, code_2_status
 from ._utils import (
@@ -108,7 +107,7 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
     from ...engine import Engine, EngineOptions, Limits, MemoryPool
 
     options = EngineOptions(
-        cluster_id=cluster_id, role=role, listen=f"{listen_ip}:{listen_port}" if listen_ip else None,
+        cluster_id=cluster_id, role=role, listen=(listen_ip, listen_port) if listen_ip else None,
         transport=cfg["transport"], secret=cfg["link_secret"], payload_integrity=cfg["payload_integrity"],
         backend=cfg["backend"], device_id=device_id, hccl_one_sided=cfg["hccl_one_sided"],
         ucx_trusted_network=cfg["ucx_trusted_network"],
@@ -121,12 +120,11 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
 
 
 def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
-    return [{**dataclasses.asdict(link), "device_paths": list(link.device_paths), "lanes": list(link.lanes)}
-            for link in engine.links()]
+    return [link.as_dict() for link in engine.links()]
 
 
-def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, str]]:
-    return [(cid, f"{ip}:{port}") for cid, ip, port in peers]
+def _peers(peers: list[tuple[int | None, str, int]]) -> list[tuple[int | None, tuple[str, int]]]:
+    return [(cid, (ip, port)) for cid, ip, port in peers]
 
 
 def _int_ip_to_str(ip: int) -> str:
@@ -199,12 +197,12 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
     host_bytes, host_shift = _pool(options, "llm.HostMemPoolConfig")
     secret = options.get(SECRET_OPTION) or environment.link_secret() or ""
     transport = options.get(TRANSPORT_OPTION) or environment.transport()
-    transports = native.transport_names()
+    transports = constants.TRANSPORTS
     raise_if_false(transport in transports,
                    f"{TRANSPORT_OPTION} (or PDLINK_TRANSPORT) must be one of {sorted(transports)}, got {transport!r}")
     raise_if_false(host_bytes <= _HOST_POOL_LIMIT, f"llm.HostMemPoolConfig.memory_size exceeds 20 GB: {host_bytes}")
     backend = options.get(BACKEND_OPTION) or environment.backend()
-    backends = native.backend_names()
+    backends = constants.BACKENDS
     raise_if_false(backend in backends,
                    f"{BACKEND_OPTION} (or PDLINK_BACKEND) must be one of {list(backends)}, got {backend!r}")
     # CacheManager mode runs one engine: on the first listed device (KvCacheManager mode checks the
@@ -604,7 +602,7 @@ class LLMDataDist:
             results.append(None)
             if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
                 ip, port = c.remote_ip_info_list[0]
-                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", kv.ANY_CLUSTER))
+                ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", constants.ANY_CLUSTER))
             else:
                 ids.append(c.remote_cluster_id)
         done = iter(engine.disconnect_each(ids, timeout_ms=timeout, force=force) if ids else [])
@@ -746,7 +744,7 @@ class LLMDataDist:
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
         with raising_as("switch_role"):
-            engine.switch_role(role, f"{ip}:{port}" if ip else None)
+            engine.switch_role(role, (ip, port) if ip else None)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 
@@ -767,7 +765,7 @@ class LLMDataDist:
         raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         with raising_as("switch_role"):  # LLM_EXIST_LINK while any link remains
-            self._engine.switch_role(role, f"{ip}:{port}" if ip else None)
+            self._engine.switch_role(role, (ip, port) if ip else None)
         self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
