@@ -13,5 +13,7 @@ cd "$(dirname "$0")/.."
 step "connector: installing torch (CPU), msgspec and pyzmq"
 python -m pip install --quiet "torch==2.13.0+cpu" msgspec pyzmq
 step "connector: vllm-ascend's LLMDataDistCMgrConnector on pdlink"
-PDLINK_REQUIRE_CONNECTOR=1 PDLINK_TEST_CACHE="$CI_OUT/test-cache" python -m pytest -q -p no:cacheprovider \
+# -n 0: one test at a time. The connector binds its metadata socket at the KV port plus one, so two
+# tests side by side (pytest-xdist workers) could each take the other's port.
+PDLINK_REQUIRE_CONNECTOR=1 PDLINK_TEST_CACHE="$CI_OUT/test-cache" python -m pytest -q -p no:cacheprovider -n 0 \
   tests/programs/test_vllm_ascend_connector.py
