@@ -32,7 +32,7 @@ Status linkDown(uint64_t peer, const std::string& reason);
 // for an answer go unanswered (LinkManager::stillAlive): a window of kProbeWindowMs.
 constexpr int64_t kProbeWaitsMs[] = {500, 1000, 1500};
 constexpr int64_t kProbeWindowMs = 500 + 1000 + 1500;
-// kLinkFailed (kParamInvalid stays) for a link_clusters entry, naming the peer's address.
+// kLinkFailed (kParamInvalid stays) for one peer of a connect to several, naming its address.
 Status linkError(const PeerAddress& peer, const Status& st);
 
 }  // namespace pdlink::detail
