@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
+import pdlink
 import rawwire
 from conftest import Pair, only
 from pdlink import LLMStatusCode
@@ -312,3 +313,57 @@ def test_a_host_with_an_embedded_nul_is_refused(peers: Callable[..., Peer]) -> N
     finally:
         linked = dialler.call(native.links)
     assert linked == []
+
+
+# ------------------------------------------------------------------ notification shares and claimed ids
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the per-link notification share is kept per peer cluster id (notify.cc, Inbox::per_peer[link.peer()]), "
+    "not per link: a raw peer that links in claiming the cluster id of a peer this engine dialled (allowed: "
+    "'a link this engine dialled is never displaced', and only accepted links are rivals) fills that share, "
+    "and the genuine peer's notifications over its own link are refused LLM_LINK_BUSY; security.md, Limits: "
+    "MaxNotificationsPerLink 'notifications received from one peer', MaxNotificationBytesPerLink 'of those, "
+    "from one link'"))
+def test_an_impostors_notifications_do_not_use_up_the_share_of_the_link_this_engine_dialled(
+        peers: Callable[..., Peer]) -> None:
+    victim, honest, a = peers("victim"), peers("honest"), peers("attacker")
+    port = victim.call(native.start, 1, True, limits={"max_notifications_per_link": 4})
+    honest_port = honest.call(native.start, 2, True)
+    assert victim.call(native.connect, honest_port, 2) == 2  # the victim dials the honest peer (cluster 2)
+    assert a.call(hostile.link_raw, port, 2) == (0, "")  # an impostor links in claiming cluster 2
+    note = raw_request(rawwire.OP_NOTIFY, rawwire.notify_body(b"", b"x"))
+    assert [a.call(hostile.exchange, note) for _ in range(4)] == [(0, "", b"")] * 4  # its own link's share
+    honest.call(native.notify, 1, b"from the genuine cluster 2")  # its own link: a share of its own
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "LinkTable::forRequests (csrc/engine/link_table.cc) falls back from the link this engine dialled to an "
+    "accepted link of the same cluster id once the dialled one is broken; without a secret an accepted link's "
+    "cluster id is only a claim, and a newcomer claiming the id of a peer this engine dialled is admitted (only "
+    "accepted links are rivals, handshake.cc acceptReverse). So once the dialled peer's link breaks, the "
+    "engine's requests to that cluster (here a notification; equally reads and writes of its caches) go to the "
+    "impostor: security.md, 'A dialler gets the engine at the address it dialled'"))
+def test_requests_to_a_dialled_peer_never_go_to_an_impostor_that_claimed_its_id(peers: Callable[..., Peer]) -> None:
+    victim, honest, a = peers("victim"), peers("honest"), peers("attacker")
+    port = victim.call(native.start, 1, True)
+    honest_port = honest.call(native.start, 2, True)
+    assert victim.call(native.connect, honest_port, 2) == 2  # the victim dials the honest peer (cluster 2)
+    assert a.call(hostile.link_raw, port, 2) == (0, "")  # an impostor links in claiming cluster 2
+    a.call(hostile.answer_on_reverse)
+    honest.kill()  # the dialled link breaks
+    seen: list[list[pdlink.LinkInfo]] = []
+
+    def dialled_broken() -> bool:
+        seen.append(victim.call(native.links))
+        return not any(link.initiator and not link.broken for link in seen[-1])
+
+    try:
+        wait_until(dialled_broken, 20, "the victim sees its dialled link broken")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {seen[-1]}") from None
+    try:
+        victim.call(native.notify, 2, b"meant for the engine at the dialled address")
+    except Exception:  # noqa: BLE001 (refused or failed: what the test wants)
+        pass
+    assert a.call(hostile.reverse_seen) == [], "the impostor received the victim's request"

@@ -586,3 +586,30 @@ def stop_request_loop() -> list[object]:
         threading.Event().wait(0.01)
     _looping.clear()
     return [r[0] if isinstance(r, tuple) else r for r in _loop_results]
+
+
+
+_reverse_seen: list[tuple[int, bytes]] = []
+
+
+def answer_on_reverse() -> None:
+    """From a thread: reads each request the victim sends over the raw link's reverse channel (where
+    the victim is the requester), answers it with success, and records its (op, body) for
+    ``reverse_seen``."""
+    assert _client is not None
+    rev = _client.rev
+
+    def run() -> None:
+        try:
+            while True:
+                op, _flags, body, _plen = rawwire.read_request(rev)
+                _reverse_seen.append((op, body))
+                rev.sendall(rawwire.response())
+        except (ConnectionError, OSError, AssertionError, struct.error):
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def reverse_seen() -> list[tuple[int, bytes]]:
+    return list(_reverse_seen)
