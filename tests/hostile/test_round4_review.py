@@ -367,3 +367,19 @@ def test_requests_to_a_dialled_peer_never_go_to_an_impostor_that_claimed_its_id(
     except Exception:  # noqa: BLE001 (refused or failed: what the test wants)
         pass
     assert a.call(hostile.reverse_seen) == [], "the impostor received the victim's request"
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_setup_frames_before_the_reverse_channel_are_never_served(peers: Callable[..., Peer], victim: Pair) -> None:
+    """A peer completes only its forward channel and sends setup frames (a device channel, a ucx connect,
+    an unlink) at once, never opening the reverse channel: nothing is answered, the connection is dropped
+    at the handshake timeout (5 s), no link is installed, and on a same-host link the ptrace grant it held
+    while pending is not left behind beyond the decoder's own link."""
+    secret = victim.prefill.call(kv.secrets)
+    a = peers("attacker")
+    unix = a.call(hostile.redirect_name, victim.port, 40) if victim.variant.same_host else None
+    frames = (raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(ROOT_INFO + 1)) +
+              raw_request(rawwire.OP_UCX_CONNECT, ucx_body(76)) + raw_request(rawwire.OP_UNLINK, b""))
+    assert a.call_within(30, hostile.forward_only, victim.port, 40, unix, frames, 15.0) == "closed"
+    assert [link["peer_cluster_id"] for link in victim.prefill.call(kv.links)] == [2]
+    after(victim, secret)
