@@ -586,3 +586,51 @@ def stop_request_loop() -> list[object]:
         threading.Event().wait(0.01)
     _looping.clear()
     return [r[0] if isinstance(r, tuple) else r for r in _loop_results]
+
+
+
+_reverse_seen: list[tuple[int, bytes]] = []
+
+
+def answer_on_reverse() -> None:
+    """From a thread: reads each request the victim sends over the raw link's reverse channel (where
+    the victim is the requester), answers it with success, and records its (op, body) for
+    ``reverse_seen``."""
+    assert _client is not None
+    rev = _client.rev
+
+    def run() -> None:
+        try:
+            while True:
+                op, _flags, body, _plen = rawwire.read_request(rev)
+                _reverse_seen.append((op, body))
+                rev.sendall(rawwire.response())
+        except (ConnectionError, OSError, AssertionError, struct.error):
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def reverse_seen() -> list[tuple[int, bytes]]:
+    return list(_reverse_seen)
+
+
+def forward_only(port: int, cluster: int, unix: str | None, frames: bytes, wait_s: float) -> str:
+    """Completes only the forward channel's handshake (never the reverse one), sends `frames` on it at
+    once, and says what the victim did within `wait_s`: "closed", or "answered <bytes>"/"silent"."""
+    gen = ctypes.addressof(_words) if unix is not None else 0
+    h = rawwire.handshake(port, cluster=cluster, expected=rawwire.ANY, nonce=int.from_bytes(os.urandom(16), "little"),
+                          unix=unix, source=ATTACKER_IP, gen_addr=gen)
+    if h.status != 0:
+        return f"refused {h.status}: {h.message}"
+    h.sock.sendall(frames)
+    h.sock.settimeout(wait_s)
+    try:
+        data = h.sock.recv(4096)
+    except TimeoutError:
+        return "silent"
+    except OSError:
+        return "closed"
+    finally:
+        h.sock.close()
+    return "closed" if data == b"" else f"answered {data!r}"
