@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sanitizer runs; exits non-zero on any finding (a sanitizer report from any process, or a failing
-# test). 28 minutes on 2 cores on 2026-12-04 (the ASan suite 10, the TSan suite 10, the two
-# sanitized pip builds and the C++ programs the rest; docs/reliability.md).
+# test). 24 minutes on 2 cores on 2026-12-05 with other work beside it (the ASan suite 7, the TSan
+# suite 6, each in two pytest workers; the two sanitized pip builds and the C++ programs the rest;
+# docs/reliability.md).
 # Uses GCC's sanitizer runtimes (they come with g++); builds go under build/ci/.
 #  1. ASan + UBSan: the core and the Python module built with PDLINK_SANITIZE=address,undefined by
 #     pip (scikit-build-core) into their own virtualenv, and the default test suite run under it
