@@ -6,6 +6,7 @@
 
 #include <iterator>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -287,31 +288,28 @@ void bindEngineReports(py::module_& m) {
       .def("__repr__", [](const CacheHandle& h) {
         return py::str("CacheHandle(cache_id={}, addresses={!r})").format(h.cache_id, py::tuple(py::cast(h.addresses)));
       });
-  py::class_<EngineStats>(m, "EngineStats")
-      .def_readonly("live_links", &EngineStats::live_links)
-      .def_readonly("tombstones", &EngineStats::tombstones)
-      .def_readonly("handshakes", &EngineStats::handshakes)
-      .def_readonly("threads", &EngineStats::threads)
-      .def_readonly("handshakes_refused", &EngineStats::handshakes_refused)
-      .def_readonly("handshakes_evicted", &EngineStats::handshakes_evicted)
-      .def_readonly("listener_backoffs", &EngineStats::listener_backoffs)
-      .def_readonly("pins_expired", &EngineStats::pins_expired)
-      .def_readonly("notifications", &EngineStats::notifications)
-      .def_readonly("notifications_refused", &EngineStats::notifications_refused)
-      .def("as_dict", [](const EngineStats& s) {
-        py::dict d;
-        d["live_links"] = s.live_links;
-        d["tombstones"] = s.tombstones;
-        d["handshakes"] = s.handshakes;
-        d["threads"] = s.threads;
-        d["handshakes_refused"] = s.handshakes_refused;
-        d["handshakes_evicted"] = s.handshakes_evicted;
-        d["listener_backoffs"] = s.listener_backoffs;
-        d["pins_expired"] = s.pins_expired;
-        d["notifications"] = s.notifications;
-        d["notifications_refused"] = s.notifications_refused;
-        return d;
-      });
+  // Each counter named once: bound read-only and listed, in this order, by as_dict(). (Its size_t
+  // and uint64_t fields are one type on the LP64 platforms pdlink builds for.)
+  static_assert(std::is_same_v<size_t, uint64_t>, "EngineStats binds its counters as one type");
+  static const std::pair<const char*, uint64_t EngineStats::*> kStatsFields[] = {
+      {"live_links", &EngineStats::live_links},
+      {"tombstones", &EngineStats::tombstones},
+      {"handshakes", &EngineStats::handshakes},
+      {"threads", &EngineStats::threads},
+      {"handshakes_refused", &EngineStats::handshakes_refused},
+      {"handshakes_evicted", &EngineStats::handshakes_evicted},
+      {"listener_backoffs", &EngineStats::listener_backoffs},
+      {"pins_expired", &EngineStats::pins_expired},
+      {"notifications", &EngineStats::notifications},
+      {"notifications_refused", &EngineStats::notifications_refused},
+  };
+  py::class_<EngineStats> stats(m, "EngineStats");
+  for (const auto& [name, member] : kStatsFields) stats.def_readonly(name, member);
+  stats.def("as_dict", [](const EngineStats& s) {
+    py::dict d;
+    for (const auto& [name, member] : kStatsFields) d[name] = s.*member;
+    return d;
+  });
   py::class_<Engine::PoolInfo>(m, "PoolInfo")
       .def_readonly("placement", &Engine::PoolInfo::placement)
       .def_readonly("base", &Engine::PoolInfo::base)
