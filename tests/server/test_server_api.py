@@ -343,9 +343,13 @@ def test_an_assignment_that_fails_to_apply_is_reported(assigned):
     assert status["service"]["currentRole"] == "prefill"
     assert "cannot listen on 192.0.2.1" in status["pdlink"]["lastError"]
     assert status["pdlink"]["engineRole"] == "decode" and status["pdlink"]["devices"][0]["listen"] is None
-    assert c.post_role("prefill", body()).status == 200
-    status = wait_for(lambda: (s := c.status())["pdlink"]["engineRole"] == "prefill" and s, 10)
-    assert status["pdlink"]["lastError"] is None and status["service"]["roleStatus"] != "RoleUnknown"
+    good = c.post_role("prefill", body())
+    assert good.status == 200
+    # The engines take the role while the post is applied; its outcome is known once it is applied.
+    gen = int(good.headers["x-pdlink-generation"])
+    status = wait_for(lambda: (s := c.status())["pdlink"]["appliedGeneration"] == gen and s, 10)
+    assert status, c.status()
+    assert status["pdlink"]["engineRole"] == "prefill" and status["pdlink"]["lastError"] is None and status["service"]["roleStatus"] != "RoleUnknown"
 
 
 def test_concurrent_role_posts_are_serialised(assigned):
