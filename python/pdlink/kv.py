@@ -24,8 +24,11 @@ Errors are ``pdlink.LLMException`` subclasses carrying the engine's status code.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
 
 from .native import core, placement_of
 
@@ -42,9 +45,12 @@ if TYPE_CHECKING:  # what the module __getattr__ below returns
     )
 
 __all__ = [
-    "ANY_CLUSTER", "CacheHandle", "CacheLayout", "KvCaches", "Target", "TargetKind", "TransferMode", "TransferSpec",
-    "placement",
+    "ANY_CLUSTER", "CacheHandle", "CacheLayout", "Key", "KvCaches", "PreparedBlocks", "Target", "TargetKind",
+    "TransferMode", "TransferSpec", "placement",
 ]
+
+Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)
+Indices = npt.NDArray[np.int64] | Sequence[int]
 
 # Names read from the native module on first use (module __getattr__), so that importing this
 # module does not load it.
@@ -62,58 +68,102 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pdlink.kv' has no attribute {name!r}")
 
 
-class KvCaches:
-    """The keyed caches of one engine (``Engine.kv``). Thread-safe as the engine is; every call
-    releases the GIL while the engine works.
+class PreparedBlocks:
+    """A prepared blocks transfer (``KvCaches.prepare``): the local cache and the remote one (or
+    the remote raw range) described once; each ``post`` moves blocks by index, ``local[i]`` <->
+    ``remote[i]`` (index arrays: numpy int64, or anything numpy converts, passed to C++ without one
+    Python object per element).
 
-    The methods are the native engine's own (each call costs no Python frame):
+    Not a pin: a registry change on either side fails the next post cleanly and moves nothing.
+    Thread-safe; each post releases the GIL while the engine works."""
 
-    - ``register(layout, addresses, keys, blocks_model, remote_accessible) -> CacheHandle``:
-      the caller's memory, one address per tensor; ``keys[i]`` publishes batch slot ``i`` under a
-      ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset); ``blocks_model`` publishes a
-      blocks cache under that model id; ``remote_accessible=False`` refuses peers' reads and writes
-      of it.
-    - ``allocate(layout, keys, blocks_model) -> CacheHandle``: the same, the tensors taken
-      from the engine's pool of the layout's placement (``LLM_OUT_OF_MEMORY`` when it has no room).
-    - ``deallocate(cache_id, blocks)``: returns an allocated cache to its pool (``blocks``:
-      whether it is a blocks cache). ``unregister(cache_id)``: withdraws a registered one.
-    - ``remove_key(req_id, prefix_id, model_id)``: unpublishes a key (its slot stays registered).
-    - ``pull(spec)`` / ``push(spec)``: one transfer; nothing is committed at either end unless every
-      byte arrived.
-    - ``prepare(spec, block_size=0, remote_base=0, remote_bytes=0)``: a prepared blocks transfer
-      whose ``post(local_blocks, remote_blocks, push)`` moves blocks by index (not a pin: a
-      registry change on either side fails the next post cleanly).
-    - ``copy_local(dst_addresses, dst_placement, src_addresses, src_placement, runs)``: copies
-      ``(dst_offset, src_offset, length)`` runs between two local caches' tensors.
-
-    A ``CacheHandle`` (the native module's bound class) has the cache's ``cache_id`` and its
-    ``addresses`` (one per tensor), and unpacks as ``cache_id, addresses = handle``.
-
-    A failed call raises the ``pdlink.LLMException`` subclass of its status code, with the engine's
-    message.
-    """
-
-    register: Callable[..., CacheHandle]
-    allocate: Callable[..., CacheHandle]
-    deallocate: Callable[..., None]
-    unregister: Callable[[int], None]
-    remove_key: Callable[[int, int, int], None]
-    pull: Callable[..., None]
-    push: Callable[..., None]
-    prepare: Callable[..., Any]
-    copy_local: Callable[..., None]
+    __slots__ = ("_native",)
 
     def __init__(self, native: Any) -> None:
-        self.register = native.register_cache
-        self.allocate = native.allocate_cache
-        self.deallocate = native.deallocate_cache
-        self.unregister = native.unregister_cache
-        self.remove_key = native.remove_cache_key
-        self.pull = native.pull
-        self.push = native.push
-        self.prepare = native.prepare
-        self.copy_local = native.copy_local
         self._native = native
+
+    @property
+    def peer_cluster_id(self) -> int:
+        return int(self._native.peer_cluster_id)
+
+    @property
+    def block_size(self) -> int:
+        """Bytes per block."""
+        return int(self._native.block_size)
+
+    @property
+    def local_blocks(self) -> int:
+        """How many blocks the local cache has (a local index must be below it)."""
+        return int(self._native.local_blocks)
+
+    @property
+    def remote_blocks(self) -> int:
+        """A raw remote range's blocks (a remote index must be below it); 0 for a keyed blocks
+        cache, whose owner checks the indices at each post."""
+        return int(self._native.remote_blocks)
+
+    def post(self, local: Indices, remote: Indices, push: bool) -> None:
+        """Moves remote blocks ``remote[i]`` into local blocks ``local[i]`` (``push``: the other way);
+        all or nothing."""
+        self._native.post(local, remote, push)
+
+
+class KvCaches:
+    """The keyed caches of one engine (``Engine.kv``). Thread-safe as the engine is; every call
+    releases the GIL while the engine works. A failed call raises the ``pdlink.LLMException``
+    subclass of its status code, with the engine's message."""
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def register(self, layout: CacheLayout, addresses: Sequence[int], keys: Sequence[Key], blocks_model: int | None,
+                 remote_accessible: bool) -> CacheHandle:
+        """Registers the caller's memory as a cache, one address per tensor. ``keys[i]`` publishes
+        batch slot ``i`` under a ``(req_id, prefix_id, model_id)`` key (``INVALID_ID``: unset);
+        ``blocks_model`` publishes a blocks cache under that model id; ``remote_accessible=False``
+        refuses peers' reads and writes of it. A ``CacheHandle`` has the cache's ``cache_id`` and
+        its ``addresses`` (one per tensor), and unpacks as ``cache_id, addresses = handle``."""
+        return self._native.register_cache(layout, addresses, keys, blocks_model, remote_accessible)
+
+    def allocate(self, layout: CacheLayout, keys: Sequence[Key], blocks_model: int | None) -> CacheHandle:
+        """As ``register``, the tensors taken from the engine's pool of the layout's placement
+        (``LLM_OUT_OF_MEMORY`` when it has no room)."""
+        return self._native.allocate_cache(layout, keys, blocks_model)
+
+    def deallocate(self, cache_id: int, blocks: bool) -> None:
+        """Returns an allocated cache to its pool (``blocks``: whether it is a blocks cache)."""
+        self._native.deallocate_cache(cache_id, blocks)
+
+    def unregister(self, cache_id: int) -> None:
+        """Withdraws a registered cache."""
+        self._native.unregister_cache(cache_id)
+
+    def remove_key(self, req_id: int, prefix_id: int, model_id: int) -> None:
+        """Unpublishes a key (its slot stays registered)."""
+        self._native.remove_cache_key(req_id, prefix_id, model_id)
+
+    def pull(self, spec: TransferSpec) -> None:
+        """One transfer from the peer into a local cache; nothing is committed unless every byte
+        arrived."""
+        self._native.pull(spec)
+
+    def push(self, spec: TransferSpec) -> None:
+        """One transfer from a local cache into the peer's; nothing is committed unless every byte
+        arrived."""
+        self._native.push(spec)
+
+    def prepare(self, spec: TransferSpec, block_size: int = 0, remote_base: int = 0,
+                remote_bytes: int = 0) -> PreparedBlocks:
+        """A prepared blocks transfer for ``spec`` (``block_size`` 0: the local cache's; a raw
+        target's remote range is ``[remote_base, +remote_bytes)``). Nothing is sent until a post."""
+        return PreparedBlocks(self._native.prepare(spec, block_size, remote_base, remote_bytes))
+
+    def copy_local(self, dst_addresses: Sequence[int], dst_placement: Any, src_addresses: Sequence[int],
+                   src_placement: Any, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Copies ``(dst_offset, src_offset, length)`` runs between two local caches' tensors."""
+        self._native.copy_local(dst_addresses, dst_placement, src_addresses, src_placement, runs)
 
     @property
     def count(self) -> int:
@@ -124,4 +174,3 @@ class KvCaches:
         """The engine's pools, one dict each: ``placement`` (a native ``Placement``), ``base``,
         ``capacity`` and ``used`` (bytes; the fields of the engine's ``PoolInfo``)."""
         return [pool.as_dict() for pool in self._native.pools()]
-

@@ -594,6 +594,28 @@ def test_kv_caches_pull_blocks_of_a_published_cache_by_key(two: Two) -> None:
     assert_same(dst(), dst0, "destination")
 
 
+def test_kv_caches_prepared_blocks_move_both_ways(two: Two) -> None:
+    """``Engine.kv.prepare`` gives a ``pdlink.kv.PreparedBlocks`` whose posts pull and push blocks
+    by index; a post naming a block past the remote cache is refused by its owner and moves nothing."""
+    two.target.call(native.kv_register, "kv_src", ROWS, ROW, 3, 11)  # published as model 11
+    two.initiator.call(native.kv_register, "kv_dst", ROWS, ROW, 4)
+    remote = lambda: two.target.call(native.kv_snapshot, "kv_src")  # noqa: E731
+    local = lambda: two.initiator.call(native.kv_snapshot, "kv_dst")  # noqa: E731
+    pulled = [(6, 1), (0, 4)]  # (remote block, local block)
+    got = check_transfer(remote, local, lambda: two.initiator.call(
+        native.kv_post_prepared, TARGET, "kv_dst", 11, [d for _, d in pulled], [s for s, _ in pulled], False),
+        rows(pulled))
+    assert got == ("PreparedBlocks", ROW, 0)  # the keyed cache's owner checks remote indices
+    pushed = [(2, 5), (7, 3)]  # (local block, remote block)
+    check_transfer(local, remote, lambda: two.initiator.call(
+        native.kv_post_prepared, TARGET, "kv_dst", 11, [s for s, _ in pushed], [d for _, d in pushed], True),
+        rows(pushed))
+    with pytest.raises(LLMException) as e:
+        check_transfer(remote, local, lambda: two.initiator.call(
+            native.kv_post_prepared, TARGET, "kv_dst", 11, [0], [ROWS], False), rows([]))
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
 @pytest.mark.parametrize("placement", ["HOST", "DEVICE"])
 def test_kv_caches_come_from_the_options_pools(peers: Callable[..., Peer], variant: Variant, placement: str) -> None:
     lone = peers("lone", env=variant.env())

@@ -185,6 +185,18 @@ def kv_pull_blocks(peer: int, name: str, model: int, local: Sequence[int], remot
     _engine().kv.pull(spec)
 
 
+def kv_post_prepared(peer: int, name: str, model: int, local: Sequence[int], remote_blocks: Sequence[int],
+                     push: bool) -> tuple[str, int, int]:
+    """Blocks between cache ``name`` and the peer's blocks cache ``model`` by ``Engine.kv.prepare``
+    and one post (``push``: local -> remote); the prepared object's type name, its block size and
+    the remote side's block count."""
+    spec = kv.TransferSpec(peer_cluster_id=peer, target=kv.Target(kind=kv.TargetKind.BLOCKS, model_id=model),
+                           local_cache_id=_state["caches"][name][1])
+    prepared = _engine().kv.prepare(spec)
+    prepared.post(list(local), list(remote_blocks), push)
+    return type(prepared).__qualname__, prepared.block_size, prepared.remote_blocks
+
+
 def kv_snapshot(name: str) -> Snapshot:
     return _state["caches"][name][0].snapshot(name)
 

@@ -248,7 +248,7 @@ class CacheManager:
     def _prepared_for(self, op: str, key: BlocksCacheKey, cache: Cache, local_tensors: Sequence[int] = (),
                       remote_tensors: Sequence[int] = ()) -> Any:
         """The prepared blocks transfer between local ``cache`` and the remote blocks cache ``key``
-        (``_core.PreparedTransfer``), made on first use."""
+        (a ``pdlink.kv.PreparedBlocks``), made on first use."""
         engine = self._live_engine()
         k: tuple[Any, ...] = (cache.cache_id, key.cluster_id, key.model_id)  # what the plain calls look up
         if local_tensors or remote_tensors:
