@@ -12,6 +12,7 @@
 
 #include "backends/backend.h"
 #include "bindings/bindings.h"
+#include "bindings/record.h"
 #include "core/environment.h"
 #include "core/limits.h"
 #include "engine/engine.h"
@@ -201,85 +202,28 @@ void bindTransferSpec(py::module_& m) {
 }
 
 // What the engine reports of itself: its links (transport/link.h LinkInfo), what peers made it
-// spend (EngineStats) and its pools (Engine::PoolInfo). Typed, read-only; each has as_dict() with
-// its fields in order (lists for sequences), and a link pickles (it crosses processes).
-py::dict linkDict(const LinkInfo& l) {
-  py::dict d;
-  d["peer_cluster_id"] = l.peer_cluster_id;
-  d["peer_address"] = l.peer_address;
-  d["initiator"] = l.initiator;
-  d["broken"] = l.broken;
-  d["broken_reason"] = l.broken_reason;
-  d["transport"] = l.transport;
-  d["authenticated"] = l.authenticated;
-  d["payload_integrity"] = l.payload_integrity;
-  d["device_paths"] = l.device_paths;
-  d["lanes"] = l.lanes;
-  return d;
-}
-
-py::tuple linkState(const LinkInfo& l) {
-  return py::make_tuple(l.peer_cluster_id, l.peer_address, l.initiator, l.broken, l.broken_reason, l.transport,
-                        l.authenticated, l.payload_integrity, py::tuple(py::cast(l.device_paths)),
-                        py::tuple(py::cast(l.lanes)));
-}
-
-LinkInfo makeLink(uint64_t peer_cluster_id, std::string peer_address, bool initiator, bool broken,
-                  std::string broken_reason, std::string transport, bool authenticated, bool payload_integrity,
-                  std::vector<std::string> device_paths, std::vector<std::string> lanes) {
-  LinkInfo l;
-  l.peer_cluster_id = peer_cluster_id;
-  l.peer_address = std::move(peer_address);
-  l.initiator = initiator;
-  l.broken = broken;
-  l.broken_reason = std::move(broken_reason);
-  l.transport = std::move(transport);
-  l.authenticated = authenticated;
-  l.payload_integrity = payload_integrity;
-  l.device_paths = std::move(device_paths);
-  l.lanes = std::move(lanes);
-  return l;
-}
-
-void bindLinkInfo(py::module_& m) {
-  py::class_<LinkInfo>(m, "LinkInfo")
-      .def(py::init(&makeLink), py::arg("peer_cluster_id"), py::arg("peer_address"), py::arg("initiator"),
-           py::arg("broken"), py::arg("broken_reason"), py::arg("transport"), py::arg("authenticated"),
-           py::arg("payload_integrity"), py::arg("device_paths"), py::arg("lanes") = std::vector<std::string>{})
-      .def_readonly("peer_cluster_id", &LinkInfo::peer_cluster_id)
-      .def_readonly("peer_address", &LinkInfo::peer_address)
-      .def_readonly("initiator", &LinkInfo::initiator)
-      .def_readonly("broken", &LinkInfo::broken)
-      .def_readonly("broken_reason", &LinkInfo::broken_reason)
-      .def_readonly("transport", &LinkInfo::transport)
-      .def_readonly("authenticated", &LinkInfo::authenticated)
-      .def_readonly("payload_integrity", &LinkInfo::payload_integrity)
-      .def_property_readonly("device_paths", [](const LinkInfo& l) { return py::tuple(py::cast(l.device_paths)); })
-      .def_property_readonly("lanes", [](const LinkInfo& l) { return py::tuple(py::cast(l.lanes)); })
-      .def("as_dict", &linkDict)
-      .def("__eq__",
-           [](const LinkInfo& a, py::object b) {
-             return py::isinstance<LinkInfo>(b) && linkState(a).equal(linkState(b.cast<const LinkInfo&>()));
-           })
-      .def("__hash__", [](const LinkInfo& l) { return py::hash(linkState(l)); })
-      .def("__repr__",
-           [](const LinkInfo& l) {
-             return py::str(
-                        "LinkInfo(peer_cluster_id={}, peer_address={!r}, initiator={}, broken={}, "
-                        "broken_reason={!r}, transport={!r}, authenticated={}, payload_integrity={}, "
-                        "device_paths={!r}, lanes={!r})")
-                 .format(*linkState(l));
-           })
-      .def(py::pickle(&linkState, [](const py::tuple& t) {
-        if (t.size() != 10) throw py::value_error("a LinkInfo's state has 10 fields");
-        return makeLink(t[0].cast<uint64_t>(), t[1].cast<std::string>(), t[2].cast<bool>(), t[3].cast<bool>(),
-                        t[4].cast<std::string>(), t[5].cast<std::string>(), t[6].cast<bool>(), t[7].cast<bool>(),
-                        t[8].cast<std::vector<std::string>>(), t[9].cast<std::vector<std::string>>());
-      }));
-}
-
+// spend (EngineStats) and its pools (Engine::PoolInfo): read-only records, each field named once
+// (record.h).
 void bindEngineReports(py::module_& m) {
-  bindLinkInfo(m);
+  bindRecord(m, "LinkInfo",
+             std::make_tuple(field("peer_cluster_id", &LinkInfo::peer_cluster_id),
+                             field("peer_address", &LinkInfo::peer_address), field("initiator", &LinkInfo::initiator),
+                             field("broken", &LinkInfo::broken), field("broken_reason", &LinkInfo::broken_reason),
+                             field("transport", &LinkInfo::transport), field("authenticated", &LinkInfo::authenticated),
+                             field("payload_integrity", &LinkInfo::payload_integrity),
+                             field("device_paths", &LinkInfo::device_paths), field("lanes", &LinkInfo::lanes)));
+  bindRecord(m, "EngineStats",
+             std::make_tuple(
+                 field("live_links", &EngineStats::live_links), field("tombstones", &EngineStats::tombstones),
+                 field("handshakes", &EngineStats::handshakes), field("threads", &EngineStats::threads),
+                 field("handshakes_refused", &EngineStats::handshakes_refused),
+                 field("handshakes_evicted", &EngineStats::handshakes_evicted),
+                 field("listener_backoffs", &EngineStats::listener_backoffs),
+                 field("pins_expired", &EngineStats::pins_expired), field("notifications", &EngineStats::notifications),
+                 field("notifications_refused", &EngineStats::notifications_refused)));
+  bindRecord(m, "PoolInfo",
+             std::make_tuple(field("placement", &Engine::PoolInfo::placement), field("base", &Engine::PoolInfo::base),
+                             field("capacity", &Engine::PoolInfo::capacity), field("used", &Engine::PoolInfo::used)));
   py::class_<CacheHandle>(m, "CacheHandle")
       .def_readonly("cache_id", &CacheHandle::cache_id)
       .def_property_readonly("addresses", [](const CacheHandle& h) { return py::tuple(py::cast(h.addresses)); })
@@ -287,41 +231,6 @@ void bindEngineReports(py::module_& m) {
       .def("__len__", [](const CacheHandle&) { return 2; })
       .def("__repr__", [](const CacheHandle& h) {
         return py::str("CacheHandle(cache_id={}, addresses={!r})").format(h.cache_id, py::tuple(py::cast(h.addresses)));
-      });
-  // Each counter named once: bound read-only and listed, in this order, by as_dict(). (Its size_t
-  // and uint64_t fields are one type on the LP64 platforms pdlink builds for.)
-  static_assert(std::is_same_v<size_t, uint64_t>, "EngineStats binds its counters as one type");
-  static const std::pair<const char*, uint64_t EngineStats::*> kStatsFields[] = {
-      {"live_links", &EngineStats::live_links},
-      {"tombstones", &EngineStats::tombstones},
-      {"handshakes", &EngineStats::handshakes},
-      {"threads", &EngineStats::threads},
-      {"handshakes_refused", &EngineStats::handshakes_refused},
-      {"handshakes_evicted", &EngineStats::handshakes_evicted},
-      {"listener_backoffs", &EngineStats::listener_backoffs},
-      {"pins_expired", &EngineStats::pins_expired},
-      {"notifications", &EngineStats::notifications},
-      {"notifications_refused", &EngineStats::notifications_refused},
-  };
-  py::class_<EngineStats> stats(m, "EngineStats");
-  for (const auto& [name, member] : kStatsFields) stats.def_readonly(name, member);
-  stats.def("as_dict", [](const EngineStats& s) {
-    py::dict d;
-    for (const auto& [name, member] : kStatsFields) d[name] = s.*member;
-    return d;
-  });
-  py::class_<Engine::PoolInfo>(m, "PoolInfo")
-      .def_readonly("placement", &Engine::PoolInfo::placement)
-      .def_readonly("base", &Engine::PoolInfo::base)
-      .def_readonly("capacity", &Engine::PoolInfo::capacity)
-      .def_readonly("used", &Engine::PoolInfo::used)
-      .def("as_dict", [](const Engine::PoolInfo& p) {
-        py::dict d;
-        d["placement"] = p.placement;
-        d["base"] = p.base;
-        d["capacity"] = p.capacity;
-        d["used"] = p.used;
-        return d;
       });
 }
 

@@ -123,23 +123,12 @@ class Notification:
     @property
     def message(self) -> bytes: ...
 
-class LinkInfo:
-    """One link of an engine (Engine.links(); pdlink.LinkInfo): read-only, compares by value,
-    hashes, pickles."""
+# The engine's reports (LinkInfo, EngineStats, PoolInfo) are read-only records (csrc/bindings/record.h):
+# no public constructor; they compare and hash by value, pickle, and as_dict() lists the fields in order.
 
-    def __init__(
-        self,
-        peer_cluster_id: int,
-        peer_address: str,
-        initiator: bool,
-        broken: bool,
-        broken_reason: str,
-        transport: str,
-        authenticated: bool,
-        payload_integrity: bool,
-        device_paths: Sequence[str],
-        lanes: Sequence[str] = ...,
-    ) -> None: ...
+class LinkInfo:
+    """One link of an engine (Engine.links(); pdlink.LinkInfo)."""
+
     @property
     def peer_cluster_id(self) -> int: ...
     @property
@@ -178,7 +167,7 @@ class CacheHandle:
     def __len__(self) -> int: ...
 
 class EngineStats:
-    """What peers made an engine spend (Engine.stats()), read-only."""
+    """What peers made an engine spend (Engine.stats())."""
 
     @property
     def live_links(self) -> int: ...  # links with channels (dialled and accepted)
@@ -201,9 +190,13 @@ class EngineStats:
     @property
     def notifications_refused(self) -> int: ...  # refused because a queue bound was reached
     def as_dict(self) -> dict[str, int]: ...  # the fields in order
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __getstate__(self) -> tuple[Any, ...]: ...
+    def __setstate__(self, state: tuple[Any, ...]) -> None: ...
 
 class PoolInfo:
-    """One memory pool of an engine (Engine.pools()), read-only."""
+    """One memory pool of an engine (Engine.pools())."""
 
     @property
     def placement(self) -> Placement: ...
@@ -214,6 +207,10 @@ class PoolInfo:
     @property
     def used(self) -> int: ...  # bytes
     def as_dict(self) -> dict[str, Any]: ...  # placement, base, capacity, used
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __getstate__(self) -> tuple[Any, ...]: ...
+    def __setstate__(self, state: tuple[Any, ...]) -> None: ...
 
 class PoolConfig:
     bytes: int  # 0: no pool

@@ -123,9 +123,15 @@ def test_engine_reports_are_the_engines_own_typed_records() -> None:
         assert type(stats) is dict and stats["live_links"] == 1 and all(type(v) is int for v in stats.values())
         native = native_engine(dialler).stats()  # the typed record under it
         assert type(native) is core.EngineStats and native.live_links == 1 and native.as_dict() == stats
+        # one field table gives each record its attributes, as_dict, repr, equality and pickling
+        assert pickle.loads(pickle.dumps(native)) == native and repr(native).startswith("EngineStats(live_links=1, ")
+        assert repr(link) == "LinkInfo(" + ", ".join(f"{k}={getattr(link, k)!r}" for k in link.as_dict()) + ")"
+        with pytest.raises(TypeError):
+            core.LinkInfo()  # a record comes from the engine (or pickle), not from a constructor
         (pool,) = target.kv.pools()
         assert (pool["placement"], pool["capacity"], pool["used"]) == (core.Placement.HOST, 1 << 20, 0)
-        assert [p.as_dict() for p in native_engine(target).pools()] == [pool]
+        (native_pool,) = native_engine(target).pools()
+        assert native_pool.as_dict() == pool and pickle.loads(pickle.dumps(native_pool)) == native_pool
         from pdlink import kv
 
         handle = target.kv.allocate(kv.CacheLayout(2, 4096, 1, False, kv.placement("HOST")), [], None)
