@@ -132,7 +132,9 @@ Result<const UcpApi*> loadOnce() {
   Result<void*> opened = openLibrary(candidates, &loaded);
   if (!opened.ok()) return opened.status();
   void* lib = opened.value();
-  auto* api = new UcpApi();  // lives for the process: the library is never unloaded
+  // The library stays loaded for the process, even when it is refused below: its constructors have
+  // run (libucm may have hooked the allocator), so unloading it could leave those hooks dangling.
+  auto* api = new UcpApi();
   std::vector<std::string> missing;
   bindAll(lib, api, &missing);
   std::vector<std::string> optional_missing;
