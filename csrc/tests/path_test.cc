@@ -14,7 +14,8 @@
 //   - pipe, tcp: always; cma where the kernel lets this process read itself (process_vm_readv),
 //     else skipped;
 //   - ucx: where libucp loads (PDLINK_UCX_LIB_DIR, the loader path: transport/ucx/ucp_api.h), on
-//     engines with Transport::kUcx and ucx_trusted_network (both engines are this process);
+//     engines with Transport::kUcx and ucx_trusted_network (both engines are this process); UCX_TLS
+//     must name a network transport (or be unset): an engine refuses kUcx otherwise;
 //   - ipc, hccl-one-sided, hccl: on the Ascend backend over the FAKE libraries only (they must
 //     export fake_acl_peek/poke and fake_ascend_calls; real CANN is never used here), P on device
 //     0 and D on device 1 (FAKE_ASCEND_DEVICE_COUNT must leave 2), their caches in DEVICE memory,
