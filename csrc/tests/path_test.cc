@@ -714,7 +714,7 @@ int main(int argc, char** argv) {
         run.fault_rc = 21;  // HCCL_E_REMOTE
         run.fault_code = Code::kLinkFailed;
         run.fault_breaks = true;
-      } else {
+      } else if (name == "hccl") {
         run.transport = Transport::kTcp;
         run.link_name = "tcp";
         run.device_paths = {"hccl"};
@@ -722,6 +722,9 @@ int main(int argc, char** argv) {
         run.fault_rc = 21;  // the first of the two sides' calls fails; the other sees its peer's failure
         run.fault_code = Code::kLinkFailed;
         run.fault_breaks = true;
+      } else {
+        check(false, "path " + name + ": no way to link over this device path in this suite");
+        continue;
       }
       conformance(run);
     } else {
