@@ -23,12 +23,13 @@
 //     Transport::kAuto (same host); hccl-one-sided: Transport::kTcp with one_sided on both engines;
 //     hccl: Transport::kTcp. The fakes' call counters prove the path: each pull and push calls the
 //     path's own vendor function (aclrtIpcMemImportByKey; HcclBatchGet / HcclBatchPut;
-//     HcclBatchSendRecv) and none of the other paths'.
+//     HcclBatchSendRecv) and none of the other paths'. HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT
+//     default to 10 s and 20 s here (the fakes' 120 s unless the environment sets them).
 // Conformance, per path: two linked engines, P (cluster 1, listening) and D (cluster 2), their
 // caches guarded (64 bytes of a fixed pattern before and after every tensor), every cache
 // registered before the link (one-sided access reaches only memory registered before it):
 //   - the link reports its host path's name (LinkInfo::transport: the path itself, or for a device
-//     path the host path its link runs beside);
+//     path the host path its link runs beside) and its device paths in the order tried;
 //   - a pull of reversed, non-adjacent blocks, and a push back into another cache: the whole
 //     destination is the old bytes with exactly those blocks replaced, every guard intact, the
 //     source unchanged;
@@ -37,9 +38,10 @@
 //     either side changed, and the link still moves exact bytes afterwards;
 //   - a transfer of more pieces than one request may name (limits::kMaxRequestPieces) is split and
 //     exact;
-//   - device paths: a fault of the path's vendor call (fake_ascend_inject) fails the transfer,
-//     the fault counted as having happened, and the destination is unchanged; the link then moves
-//     exact bytes again, relinked where the fault broke it;
+//   - device paths: a fault of the path's vendor call (fake_ascend_inject, once) fails the pull with
+//     its exact code (ipc: the requester's import refused, kParamInvalid, the link kept; HCCL:
+//     kLinkFailed, the link broken), the faulted call counted as made, nothing of either side
+//     changed; the link, relinked where the fault broke it, then moves exact bytes again;
 // and the interface's unit cases: every path's PathCaps, the table's lookup (exact flags, nothing
 // for flags no path names or a path this engine does not serve) and its choice of a link's paths,
 // and the IPC span / answer / copy helpers.
