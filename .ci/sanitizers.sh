@@ -14,9 +14,13 @@
 #  2. TSan: the same with PDLINK_SANITIZE=thread, running the concurrency-heavy test files; and
 #     csrc/tests/concurrency_test (engines in one process, threads pulling, pushing, linking,
 #     unlinking and re-registering at once) over TCP and over direct memory access; and
-#     csrc/tests/path_test, the data-path conformance suite (every host path, the interface's units).
+#     csrc/tests/path_test, the data-path conformance suite (every host path, the device paths
+#     required: ipc, hccl-one-sided, hccl on the fake Ascend libraries built with the same
+#     sanitizer, the ones the TSan suite built, so no rebuild; the interface's units; ucx prints
+#     "skipped": .ci/ucx.sh runs it).
 #  3. ASan + LeakSanitizer: concurrency_test's link/pull/unlink/finalize loop (no leak; descriptors
-#     and threads back where they started) and its stress run, both transports; path_test; and
+#     and threads back where they started) and its stress run, both transports; path_test, the
+#     device paths required as under TSan (the fakes the ASan suite built); and
 #     csrc/tests/unit_test (the wire decoders, the registry and the memory pool, each on its own).
 # STRESS_SECONDS (default 15) sets the length of each stress run.
 set -euo pipefail
@@ -68,7 +72,8 @@ run() {
   shift
   "$@" >"$log" 2>&1 || rc=$?
   echo "$name: exit $rc, $((SECONDS - start)) s"
-  grep -E '^(stress|cycles): |^(path|unit)_test: |^[0-9]+ (passed|failed)' "$log" | tail -n 3 || true
+  # the summaries; and path_test's paths that did not run
+  grep -E '^(stress|cycles): |^(path|unit)_test: |^[0-9]+ (passed|failed)|^path [a-z-]+: skipped' "$log" | tail -n 8 || true
   if [ "$rc" -ne 0 ]; then
     echo "FAILED: $name (exit $rc). Log tail:"
     tail -n 40 "$log"
@@ -117,8 +122,9 @@ pip_build asan address,undefined
 # The suite runs in two pytest workers (pyproject's addopts: -n auto), whose output, and their peers',
 # does not reach this log: every sanitizer writes its reports to files under $logs instead
 # (log_path), and check() counts any such file as a finding.
+asan_fake_flags="-fsanitize=address,undefined -fno-omit-frame-pointer"
 run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,undefined \
-  FAKE_ASCEND_CXXFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer" \
+  FAKE_ASCEND_CXXFLAGS="$asan_fake_flags" \
   ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan" \
   "$CI_OUT/asan-venv/bin/python" -m pytest tests --ignore=tests/server -q -p no:cacheprovider -m "not heavy"
 
@@ -126,7 +132,8 @@ run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,
 step "TSan: the module built with PDLINK_SANITIZE=thread; the concurrency-heavy tests"
 pip_build tsan thread
 # .ci/tsan.supp: payload copies (ordered through the peer process, which TSan cannot see).
-run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread FAKE_ASCEND_CXXFLAGS=-fsanitize=thread \
+tsan_fake_flags=-fsanitize=thread
+run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread FAKE_ASCEND_CXXFLAGS="$tsan_fake_flags" \
   TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$PWD/.ci/tsan.supp" \
   "$CI_OUT/tsan-venv/bin/python" -m pytest tests/compat/llm_datadist/test_transfer.py tests/compat/llm_datadist/test_transfer_async.py \
   tests/paths/test_faults.py tests/paths/test_load.py tests/compat/llm_datadist/test_comm_link.py tests/paths/test_ascend_ipc.py \
@@ -134,8 +141,11 @@ run pytest-tsan env LD_PRELOAD="$tsan_lib $stdcxx_lib" PDLINK_SANITIZER=thread F
 
 step "TSan: concurrency_test"
 tsan_bin="$CI_OUT/tsan-skb"  # built by pip_build with the module
+# the data-path conformance suite: the device paths on the fakes with TSan (required: a skip is a
+# failure; build.py's cache holds the TSan suite's build of them, so this takes no compile)
+tsan_fakes=$(FAKE_ASCEND_CXXFLAGS="$tsan_fake_flags" python3 tests/fake_ascend/build.py full)
 run "tsan-path-conformance" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
-  "$tsan_bin/path_test"
+  "$tsan_bin/path_test" --require device --ascend-lib "$tsan_fakes"
 for transport in tcp cma; do
   run "tsan-stress-$transport" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logs/tsan" \
     "$tsan_bin/concurrency_test" stress --transport "$transport" --seconds "$STRESS_SECONDS"
@@ -149,9 +159,11 @@ step "ASan+LSan: concurrency_test"
 asan_bin="$CI_OUT/asan-skb"  # built by pip_build with the module
 run "asan-unit" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" "$asan_bin/unit_test"
-# the data-path conformance suite (csrc/tests/path_test.cc): every host path, the interface's units
+# the data-path conformance suite (csrc/tests/path_test.cc): every host path, the device paths on
+# the fakes with ASan (required, as under TSan; the ASan suite's build of them), the interface's units
+asan_fakes=$(FAKE_ASCEND_CXXFLAGS="$asan_fake_flags" python3 tests/fake_ascend/build.py full)
 run "asan-path-conformance" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
-  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" "$asan_bin/path_test"
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" "$asan_bin/path_test" --require device --ascend-lib "$asan_fakes"
 for transport in tcp cma; do
   run "lsan-cycles-$transport" env ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \

@@ -4,7 +4,10 @@
 #  2. ucx_abi_check: transport/ucx/ucp_min.h compiled against the wheel's own UCX headers (every
 #     constant and field offset pdlink declares must equal UCX's).
 #  3. csrc/tests/ucx_test against the wheel's libucp, with UCX_TLS=tcp, sm,tcp, sm and unset, and
-#     PDLINK_REQUIRE_UCX=1 (a library that does not load is a failure, not a skip).
+#     PDLINK_REQUIRE_UCX=1 (a library that does not load is a failure, not a skip); then
+#     csrc/tests/path_test's conformance cases on the ucx path, with UCX_TLS=tcp, sm,tcp and unset
+#     (sm alone names no network transport: an engine refuses it), `--require ucx` (a library that
+#     does not load is a failure there too); about a second each.
 #  4. pdlink version finds the wheel; then every test that names ucx, the shared suite's cpu-ucx and
 #     cpu-ucx-sm cells among them (about 7 minutes).
 # The sanitizer runs leave UCX out: libucp is not instrumented, and its memory hooks (UCX_MEM_EVENTS)
@@ -20,11 +23,11 @@ ucx_root=$(python -c 'import importlib.util, os; print(os.path.dirname(importlib
 echo "libucx at $ucx_root"
 
 build="$CI_OUT/ucx"
-step "ucx: building ucx_abi_check and ucx_test"
+step "ucx: building ucx_abi_check, ucx_test and path_test"
 (  # the build tools' virtualenv only for the build: the tests below run in the CI one
   tools_venv
   configure "$build" -DPDLINK_BUILD_TESTS=ON -DPDLINK_UCX_INCLUDE_DIR="$ucx_root/include"
-  ninja -C "$build" ucx_abi_check ucx_test >"$CI_OUT/ucx-build.log" 2>&1 || { cat "$CI_OUT/ucx-build.log"; exit 1; }
+  ninja -C "$build" ucx_abi_check ucx_test path_test >"$CI_OUT/ucx-build.log" 2>&1 || { cat "$CI_OUT/ucx-build.log"; exit 1; }
 )
 "$build/ucx_abi_check"
 
@@ -34,6 +37,14 @@ for tls in tcp sm,tcp sm ""; do
     UCX_TLS=$tls PDLINK_REQUIRE_UCX=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
   else
     env -u UCX_TLS PDLINK_REQUIRE_UCX=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
+  fi
+done
+for tls in tcp sm,tcp ""; do
+  step "ucx: path_test's conformance cases on the ucx path with UCX_TLS=${tls:-(unset)}"
+  if [ -n "$tls" ]; then
+    UCX_TLS=$tls PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 120 "$build/path_test" --transport ucx --require ucx
+  else
+    env -u UCX_TLS PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 120 "$build/path_test" --transport ucx --require ucx
   fi
 done
 
