@@ -1,7 +1,6 @@
 // The Status -> exception translator of pdlink._core and the setter that gives it its classes
 // (status_bridge.h).
 #include <pybind11/pybind11.h>
-
 #include <pybind11/stl.h>
 
 #include <cstdint>
