@@ -21,11 +21,14 @@ namespace py = pybind11;
 namespace pdlink::bindings {
 namespace {
 
-using StatusList = std::vector<std::pair<uint32_t, std::string>>;
-
-StatusList toList(const std::vector<Status>& in) {
-  StatusList out;
-  for (const Status& s : in) out.emplace_back(static_cast<uint32_t>(s.code()), s.message());
+// One LinkResult per status, peer ids[i] for the i-th (ANY_CLUSTER past the end: the one status of
+// a call that failed as a whole, kClusterNumExceedLimit or an engine not initialized).
+std::vector<LinkResult> toResults(std::vector<Status> st, const std::vector<uint64_t>& ids) {
+  std::vector<LinkResult> out;
+  out.reserve(st.size());
+  for (size_t i = 0; i < st.size(); ++i) {
+    out.push_back(LinkResult{std::move(st[i]), st.size() == ids.size() ? ids[i] : wire::kAnyCluster});
+  }
   return out;
 }
 
@@ -83,12 +86,7 @@ void defLinks(py::class_<Engine>& cls) {
             for (auto& [id, ip, port] : peers) addrs.push_back(PeerAddress{id.value_or(wire::kAnyCluster), ip, port});
             std::vector<uint64_t> ids;
             std::vector<Status> st = e.link(addrs, timeout_ms, &ids);
-            std::vector<std::tuple<uint32_t, std::string, uint64_t>> out;
-            for (size_t i = 0; i < st.size(); ++i) {
-              out.emplace_back(static_cast<uint32_t>(st[i].code()), st[i].message(),
-                               i < ids.size() ? ids[i] : wire::kAnyCluster);
-            }
-            return out;
+            return toResults(std::move(st), ids);
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
@@ -110,7 +108,7 @@ void defLinks(py::class_<Engine>& cls) {
       .def(
           "unlink",
           [](Engine& e, const std::vector<uint64_t>& ids, int64_t timeout_ms, bool force) {
-            return toList(e.unlink(ids, timeout_ms, force));
+            return toResults(e.unlink(ids, timeout_ms, force), ids);
           },
           py::call_guard<py::gil_scoped_release>())
       .def("linked_since",

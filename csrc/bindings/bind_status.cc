@@ -1,9 +1,12 @@
 // The Status -> exception translator of pdlink._core and the setter that gives it its classes
 // (status_bridge.h).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <exception>
+#include <optional>
+#include <string>
 
 #include "bindings/bindings.h"
 #include "bindings/status_bridge.h"
@@ -32,11 +35,7 @@ PyObject* errorEntry(Code code) {
 // Sets the Python error for a failed Status. A Python error while building it (a class whose
 // constructor raised) propagates as error_already_set, which pybind11 then restores.
 void raiseStatus(const Status& st) {
-  const std::string& text = st.message();
-  // Peers' messages are bytes off the wire: undecodable ones are replaced, never an error of their own.
-  py::str message = py::reinterpret_steal<py::str>(
-      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace"));
-  if (!message) throw py::error_already_set();
+  py::str message = messageText(st.message());
   PyObject* entry = errorEntry(st.code());
   if (entry == nullptr) {
     if (PyErr_Occurred()) throw py::error_already_set();
@@ -46,6 +45,7 @@ void raiseStatus(const Status& st) {
   py::tuple pair = py::reinterpret_borrow<py::tuple>(entry);
   py::object cls = pair[0];
   py::object error = cls(message, py::arg("status_code") = pair[1]);
+  error.attr("scope") = py::cast(st.scope());
   PyErr_SetObject(cls.ptr(), error.ptr());
 }
 
@@ -72,12 +72,57 @@ void registerErrors(const py::object& errors) {
   g_errors = copy;
 }
 
+std::string reprOf(const LinkResult& r) {
+  std::string s = std::string("LinkResult(") + codeName(r.status.code()) + ", scope=" + scopeName(r.status.scope()) +
+                  ", peer_cluster_id=" + std::to_string(r.peer_cluster_id);
+  std::string message = py::repr(messageText(r.status.message()));
+  return s + ", message=" + message + ")";
+}
+
 }  // namespace
+
+py::object codeObject(Code code) {
+  if (g_errors != nullptr) {
+    py::int_ key(static_cast<uint32_t>(code));
+    PyObject* entry = PyDict_GetItemWithError(g_errors, key.ptr());
+    if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (entry != nullptr) return py::reinterpret_borrow<py::tuple>(entry)[1];
+  }
+  return py::int_(static_cast<uint32_t>(code));
+}
+
+py::str messageText(const std::string& text) {
+  py::str message = py::reinterpret_steal<py::str>(
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace"));
+  if (!message) throw py::error_already_set();
+  return message;
+}
 
 void bindStatus(py::module_& m) {
   py::register_exception_translator(&translate);
   // pdlink.native calls it once, with pdlink.status.native_errors(): the class each code raises.
   m.def("_register_errors", &registerErrors, py::arg("errors"));
+  py::enum_<Scope>(m, "Scope", "What a failure concerns (core/status.h): the call, one link, or the engine.")
+      .value("CALL", Scope::kCall)
+      .value("LINK", Scope::kLink)
+      .value("ENGINE", Scope::kEngine);
+  py::class_<LinkResult>(m, "LinkResult")
+      // For layers that report a per-peer failure of their own beside the engine's (llm_datadist's
+      // per-cluster checks): `scope` None is the code's default scope.
+      .def(py::init(
+               [](uint32_t status, const std::string& message, uint64_t peer_cluster_id, std::optional<Scope> scope) {
+                 auto code = static_cast<Code>(status);
+                 if (!isKnownCode(status)) throw py::value_error("unknown status code " + std::to_string(status));
+                 return LinkResult{Status(code, scope.value_or(defaultScope(code)), message), peer_cluster_id};
+               }),
+           py::arg("status"), py::arg("message"), py::arg("peer_cluster_id"), py::arg("scope") = py::none())
+      .def_property_readonly("status", [](const LinkResult& r) { return codeObject(r.status.code()); })
+      .def_property_readonly("message", [](const LinkResult& r) { return messageText(r.status.message()); })
+      .def_property_readonly("scope", [](const LinkResult& r) { return r.status.scope(); })
+      .def_property_readonly("peer_cluster_id", [](const LinkResult& r) { return r.peer_cluster_id; })
+      .def_property_readonly("ok", [](const LinkResult& r) { return r.status.ok(); })
+      .def("check", [](const LinkResult& r) { throwIfError(r.status); })
+      .def("__repr__", &reprOf);
 }
 
 }  // namespace pdlink::bindings

@@ -13,7 +13,8 @@
 
 namespace pdlink::bindings {
 
-// bind_status.cc: the Status -> exception translator and _register_errors (status_bridge.h).
+// bind_status.cc: the Status -> exception translator and _register_errors (status_bridge.h),
+// Scope (core/status.h) and LinkResult.
 void bindStatus(pybind11::module_& m);
 // bind_types.cc: the module's constants (PROTOCOL_VERSION, LIMITS, ...), the engine's enums and
 // plain structs (Role, EngineConfig, Target, TransferSpec, ...), what it reports of itself
@@ -27,6 +28,15 @@ void bindBackend(pybind11::module_& m);
 void bindTransfers(pybind11::module_& m);
 // bind_engine.cc: Engine.
 void bindEngine(pybind11::module_& m);
+
+// One peer's outcome of Engine.link or Engine.unlink (pdlink.LinkResult): the Status and the
+// peer's cluster id (learned from the handshake for link; the id asked for with unlink; ANY_CLUSTER
+// when never learned). Read-only in Python: status (LLMStatusCode), message, scope, peer_cluster_id,
+// ok; check() raises the status's exception (the translator's) when it failed.
+struct LinkResult {
+  Status status;
+  uint64_t peer_cluster_id;
+};
 
 // A cache the engine registered or allocated (Engine.register_cache, allocate_cache): its id and
 // one address per tensor. Unpacks as (cache_id, addresses).

@@ -65,6 +65,41 @@ bool isKnownCode(uint32_t value) {
   return code == Code::kFailed || std::string(codeName(code)) != "LLM_FAILED";
 }
 
+Scope defaultScope(Code code) {
+  switch (code) {
+    case Code::kNotYetLink:
+    case Code::kAlreadyLink:
+    case Code::kLinkFailed:
+    case Code::kUnlinkFailed:
+    case Code::kNotifyPromptUnlinkFailed:
+    case Code::kProcessingLink:
+    case Code::kLinkBusy:
+    case Code::kTimeout:
+    case Code::kWaitProcessTimeout:
+      return Scope::kLink;
+    case Code::kEngineFinalized:
+    case Code::kOutOfMemory:
+    case Code::kDeviceOutOfMemory:
+    case Code::kBlocksOutOfMemory:
+    case Code::kNoFreeBlock:
+      return Scope::kEngine;
+    default:
+      return Scope::kCall;
+  }
+}
+
+const char* scopeName(Scope scope) {
+  switch (scope) {
+    case Scope::kCall:
+      return "CALL";
+    case Scope::kLink:
+      return "LINK";
+    case Scope::kEngine:
+      return "ENGINE";
+  }
+  return "CALL";
+}
+
 std::string Status::toString() const {
   std::string s = codeName(code_);
   if (!message_.empty()) s += ": " + message_;

@@ -10,6 +10,22 @@
 //   kKvCacheNotExist                        the remote key is absent; retry after checking it.
 //   kTimeout, kLinkFailed                   the link is unusable: disconnect, then connect again.
 //   kOutOfMemory                            free caches in the pool, then retry.
+//
+// Scope: what a failure concerns, so that a caller knows what else it affects without reading
+// codes (a Status carries it; Python reads it as `_core.Scope`, pdlink.Scope):
+//   kCall    the call itself: a bad argument, an absent key, a feature this engine lacks, a call
+//            that the engine's state does not allow yet (switch_role while links exist). Other
+//            calls, links and the engine are unaffected.
+//   kLink    one peer's link: it failed, timed out, was refused, is busy, is not (or already)
+//            linked, or the peer refused a request because of its own state. Other peers' links,
+//            and calls in the same batch to other peers, are unaffected.
+//   kEngine  this engine: not initialised (or finalised), out of memory or another resource (the
+//            link cap, descriptors). Every call on it may fail the same way until that changes.
+// The rule: a Status built from a code alone takes defaultScope(code) (the table in status.cc);
+// a site whose failure concerns something else than its code's family passes the scope
+// explicitly (the engine-not-initialised kFailed, the link cap's kLinkFailed, a peer's refusal
+// that names the peer's own engine). Scope does not cross the wire: a peer's status read off the
+// wire takes its code's default, and the code stays the only thing the wire and LLM-DataDist see.
 // Threading: Status is a value type; copies are independent and safe to pass between threads.
 #pragma once
 
@@ -50,26 +66,47 @@ enum class Code : uint32_t {
   kOutOfMemory = 0x5010B01C,
 };
 
+// What a failure concerns (above). Values are stable: Python and tests read them by name.
+enum class Scope : uint8_t {
+  kCall = 0,
+  kLink = 1,
+  kEngine = 2,
+};
+
 // The LLMStatusCode member name for a code ("LLM_TIMEOUT"); "LLM_FAILED" for unknown values.
 const char* codeName(Code code);
 // True when `value` is one of the codes above (used to validate codes read off the wire).
 bool isKnownCode(uint32_t value);
+// The scope a failure with `code` has unless its site says otherwise: kLink for the link codes
+// (kNotYetLink, kAlreadyLink, kLinkFailed, kUnlinkFailed, kNotifyPromptUnlinkFailed,
+// kProcessingLink, kLinkBusy, kTimeout, kWaitProcessTimeout), kEngine for kEngineFinalized and the
+// out-of-memory codes (kOutOfMemory, kDeviceOutOfMemory, kBlocksOutOfMemory, kNoFreeBlock), kCall
+// for every other code (kSuccess included).
+Scope defaultScope(Code code);
+// "CALL", "LINK", "ENGINE" (the names _core.Scope binds).
+const char* scopeName(Scope scope);
 
 class [[nodiscard]] Status {
  public:
   Status() = default;  // success
-  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+  // The scope is defaultScope(code).
+  Status(Code code, std::string message) : code_(code), scope_(defaultScope(code)), message_(std::move(message)) {}
+  // A failure whose scope is not its code's default (see "Scope" above).
+  Status(Code code, Scope scope, std::string message) : code_(code), scope_(scope), message_(std::move(message)) {}
 
   static Status OK() { return Status(); }
 
   bool ok() const { return code_ == Code::kSuccess; }
   Code code() const { return code_; }
+  // kCall for OK.
+  Scope scope() const { return scope_; }
   const std::string& message() const { return message_; }
   // "LLM_TIMEOUT: pull from cluster 2 timed out after 1000 ms"
   std::string toString() const;
 
  private:
   Code code_ = Code::kSuccess;
+  Scope scope_ = Scope::kCall;
   std::string message_;
 };
 

@@ -207,7 +207,7 @@ Result<std::shared_ptr<CacheEntry>> Engine::registerCache(const CacheLayout& lay
                                                           const std::vector<RequestKey>& keys,
                                                           std::optional<uint64_t> blocks_model,
                                                           bool remote_accessible) {
-  if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
+  if (!initialized()) return Status(Code::kFailed, Scope::kEngine, "engine is not initialized");
   if (addrs.size() != layout.num_tensors || addrs.empty()) {
     return Status(Code::kParamInvalid, "expected " + std::to_string(layout.num_tensors) + " tensor addresses, got " +
                                            std::to_string(addrs.size()));
@@ -238,7 +238,7 @@ std::vector<Engine::PoolInfo> Engine::pools() const {
 Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& layout,
                                                           const std::vector<RequestKey>& keys,
                                                           std::optional<uint64_t> blocks_model) {
-  if (!initialized()) return Status(Code::kFailed, "engine is not initialized");
+  if (!initialized()) return Status(Code::kFailed, Scope::kEngine, "engine is not initialized");
   std::shared_ptr<MemPool> pool = layout.placement == Placement::kDevice ? state_.device_pool : state_.host_pool;
   if (!pool) {
     return Status(Code::kFeatureNotEnabled, std::string("no ") +

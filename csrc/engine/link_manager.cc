@@ -271,7 +271,7 @@ Status LinkManager::switchRole(Role role, const std::string& listen_ip, uint16_t
   bool keep = false;
   {
     std::lock_guard<std::mutex> lock(s_.mu);
-    if (!s_.initialized) return Status(Code::kFailed, "engine is not initialized");
+    if (!s_.initialized) return Status(Code::kFailed, Scope::kEngine, "engine is not initialized");
     if (s_.config.one_way_links) {
       // As llm_datadist's hixl backend: the role is a label; links and listener stay as they are.
       const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
@@ -323,7 +323,7 @@ std::vector<Status> LinkManager::link(const std::vector<PeerAddress>& peers, int
   if (peers.size() > kMaxPeersPerCall) {
     return {Status(Code::kClusterNumExceedLimit, "at most 16 clusters per call, got " + std::to_string(peers.size()))};
   }
-  if (!s_.isInitialized()) return {Status(Code::kFailed, "engine is not initialized")};
+  if (!s_.isInitialized()) return {Status(Code::kFailed, Scope::kEngine, "engine is not initialized")};
   // Peers are linked in parallel: one slow or dead peer costs its own timeout, not everyone's.
   std::vector<uint64_t> ids(peers.size(), wire::kAnyCluster);
   std::vector<std::future<Status>> futures;
@@ -402,8 +402,9 @@ Status LinkManager::admitLinkAttempt(const PeerAddress& peer, uint64_t guard_key
     }
   }
   if (links_.live() + linking_.size() >= s_.config.limits.max_links) {
-    return Status(Code::kLinkFailed, "this engine already has " + std::to_string(links_.live()) +
-                                         " links, the most it may have (pdlink.MaxLinks); unlink one first");
+    return Status(Code::kLinkFailed, Scope::kEngine,  // out of links: any new link fails alike
+                  "this engine already has " + std::to_string(links_.live()) +
+                      " links, the most it may have (pdlink.MaxLinks); unlink one first");
   }
   if (!linking_.insert(guard_key).second) {
     return Status(Code::kProcessingLink,
@@ -721,7 +722,7 @@ Status LinkManager::ping(uint64_t cluster_id, int64_t timeout_ms) {
 Result<uint16_t> LinkManager::startCommListener(const std::string& ip, uint16_t port) {
   {
     std::lock_guard<std::mutex> lock(s_.mu);
-    if (!s_.initialized) return Status(Code::kFailed, "engine is not initialized");
+    if (!s_.initialized) return Status(Code::kFailed, Scope::kEngine, "engine is not initialized");
     if (comm_listener_) {
       if (comm_listener_->ip() == ip && (port == 0 || comm_listener_->port() == port)) return comm_listener_->port();
       return Status(Code::kParamInvalid, "link() endpoint already bound to " + comm_listener_->ip() + ":" +
@@ -775,7 +776,7 @@ void LinkManager::choosePaths(Link& link, std::shared_ptr<const cma::Process> di
 
 Result<std::shared_ptr<Link>> LinkManager::usableLink(uint64_t peer) {
   std::lock_guard<std::mutex> lock(s_.mu);
-  if (!s_.initialized) return Status(Code::kFailed, "engine is not initialized");
+  if (!s_.initialized) return Status(Code::kFailed, Scope::kEngine, "engine is not initialized");
   if (std::shared_ptr<Link> link = links_.forRequests(peer)) return link;
   if (auto why = links_.downReason(peer)) return linkDown(peer, *why);
   return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; connect first");

@@ -14,7 +14,8 @@
 //     generation, unregister, and the reference counting that returns a pool-allocated cache's
 //     memory once its id and keys are gone;
 //   - the memory pool (engine/mem_pool.h): page-aligned, disjoint allocations, kOutOfMemory at the
-//     end and for sizes past the pool (none wraps around), release that merges neighbours.
+//     end and for sizes past the pool (none wraps around), release that merges neighbours;
+//   - Status's scope (core/status.h): each code's default, an explicit scope kept, OK's kCall.
 //
 // Usage: unit_test. Exit status 0 when every check passed, 1 otherwise (the failures are printed).
 #include <algorithm>
@@ -678,9 +679,34 @@ void memPoolCases() {
   check(whole.ok() && whole.value() == pool->base(), "pool: released neighbours merged back into one range");
 }
 
+// ---------------------------------------------------------------- status scopes
+
+void statusScopeCases() {
+  for (Code c :
+       {Code::kNotYetLink, Code::kAlreadyLink, Code::kLinkFailed, Code::kUnlinkFailed, Code::kNotifyPromptUnlinkFailed,
+        Code::kProcessingLink, Code::kLinkBusy, Code::kTimeout, Code::kWaitProcessTimeout}) {
+    check(Status(c, "x").scope() == Scope::kLink, std::string("link scope of ") + codeName(c));
+  }
+  for (Code c : {Code::kEngineFinalized, Code::kOutOfMemory, Code::kDeviceOutOfMemory, Code::kBlocksOutOfMemory,
+                 Code::kNoFreeBlock}) {
+    check(Status(c, "x").scope() == Scope::kEngine, std::string("engine scope of ") + codeName(c));
+  }
+  for (Code c : {Code::kFailed, Code::kParamInvalid, Code::kFeatureNotEnabled, Code::kKvCacheNotExist, Code::kExistLink,
+                 Code::kClusterNumExceedLimit}) {
+    check(Status(c, "x").scope() == Scope::kCall, std::string("call scope of ") + codeName(c));
+  }
+  check(Status::OK().scope() == Scope::kCall, "OK's scope");
+  Status explicit_scope(Code::kFailed, Scope::kEngine, "engine is not initialized");
+  check(explicit_scope.scope() == Scope::kEngine && explicit_scope.code() == Code::kFailed, "an explicit scope");
+  Status copy = explicit_scope;
+  check(copy.scope() == Scope::kEngine, "a copy keeps the scope");
+  check(std::string(scopeName(Scope::kLink)) == "LINK", "scope names");
+}
+
 }  // namespace
 
 int main() {
+  statusScopeCases();
   requestHeaderCases();
   responseHeaderCases();
   transferBodyCases();

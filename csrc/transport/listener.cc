@@ -29,7 +29,8 @@ Result<std::unique_ptr<Listener>> Listener::start(ListenSocket socket, std::stri
   l->socket_ = std::move(socket);
   l->on_accept_ = std::move(on_accept);
   l->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (l->wake_fd_ < 0) return Status(Code::kFailed, std::string("eventfd failed: ") + std::strerror(errno));
+  if (l->wake_fd_ < 0)
+    return Status(Code::kFailed, Scope::kEngine, std::string("eventfd failed: ") + std::strerror(errno));
   l->thread_ = std::thread([raw = l.get()] { raw->run(); });
   return l;
 }

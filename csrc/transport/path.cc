@@ -23,7 +23,9 @@ Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::Resp
   Status st = readResponse(link.out(), deadline, rh, &remote);
   if (!st.ok()) return failTransfer(link, st, what);
   if (!remote.ok()) {  // the peer refused this request; the link itself is fine
-    return Status(remote.code(), std::string(what) + " " + clusterName(link.peer()) + ": " + remote.message());
+    // A refusal for the peer's own engine (out of memory, finalised) concerns that peer, not this engine.
+    Scope scope = remote.scope() == Scope::kEngine ? Scope::kLink : remote.scope();
+    return Status(remote.code(), scope, std::string(what) + " " + clusterName(link.peer()) + ": " + remote.message());
   }
   return Status::OK();
 }

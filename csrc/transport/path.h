@@ -140,7 +140,8 @@ bool usesKeyCommit(wire::TargetKind kind);
 // rest becomes kLinkFailed, both naming what to do.
 Status failTransfer(Link& link, const Status& st, const char* what);
 // Reads the response to a request on the link's out channel: a transport failure poisons the link
-// (failTransfer); a refusal by the peer comes back as the peer's status, the link intact.
+// (failTransfer); a refusal by the peer comes back as the peer's status, the link intact (its
+// scope the code's default, but kLink where that is kEngine: the peer's engine, not this one).
 Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::ResponseHeader* rh);
 // Sends header + body on the out channel, then awaitResponse.
 Status request(Link& link, const wire::RequestHeader& header, const std::string& body, Deadline deadline,

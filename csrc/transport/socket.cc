@@ -300,7 +300,7 @@ Result<ListenSocket> ListenSocket::bind(const std::string& ip, uint16_t port) {
   auto addr = resolve(ip, port);
   if (!addr.ok()) return addr.status();
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return Status(Code::kFailed, "socket() failed: " + std::string(strerror(errno)));
+  if (fd < 0) return Status(Code::kFailed, Scope::kEngine, "socket() failed: " + std::string(strerror(errno)));
   ListenSocket ls;
   ls.fd_ = fd;
   int one = 1;
@@ -323,7 +323,7 @@ Result<ListenSocket> ListenSocket::bindUnix(const std::string& name) {
   auto addr = unixAddress(name);
   if (!addr.ok()) return addr.status();
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return Status(Code::kFailed, "socket(AF_UNIX) failed: " + std::string(strerror(errno)));
+  if (fd < 0) return Status(Code::kFailed, Scope::kEngine, "socket(AF_UNIX) failed: " + std::string(strerror(errno)));
   ListenSocket ls;
   ls.fd_ = fd;
   ls.unix_ = true;

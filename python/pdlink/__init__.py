@@ -27,6 +27,7 @@ _EXPORTS = {
     "EngineOptions": "engine",
     "Limits": "engine",
     "LinkInfo": "engine",
+    "LinkResult": "engine",
     "MemoryMap": "engine",
     "MemoryPool": "engine",
     "KvCaches": "kv",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "PreparedTransfer": "engine",
     "Region": "engine",
     "RemoteRegion": "engine",
+    "Scope": "engine",
     "InvalidArgument": "status",
     "NotFound": "status",
     "TransferTimeout": "status",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         EngineOptions,
         Limits,
         LinkInfo,
+        LinkResult,
         MemoryMap,
         MemoryPool,
         Notification,
@@ -74,6 +77,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         PreparedTransfer,
         Region,
         RemoteRegion,
+        Scope,
     )
     from .kv import KvCaches  # noqa: F401
     from .status import (  # noqa: F401

@@ -4,7 +4,8 @@ The module mirrors the C++ engine and makes no policy decisions; use ``pdlink.En
 ``llm_datadist.LLMDataDist``).
 Failures raise the exception class registered for their status code (``_register_errors``, which
 ``pdlink.native.core()`` calls with ``pdlink.status.native_errors()``: an ``LLMException`` subclass
-with ``status_code`` set and the engine's message); every method that may block releases the GIL.
+with ``status_code`` set, the engine's message, and ``scope``, a ``Scope``); every method that may
+block releases the GIL. ``Engine.link`` and ``unlink`` return one ``LinkResult`` per peer instead.
 """
 
 from collections.abc import Iterator, Mapping, Sequence
@@ -12,6 +13,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+
+from .status import LLMStatusCode
 
 PROTOCOL_VERSION: int
 ANY_CLUSTER: int  # a peer cluster id to be learned from the handshake
@@ -122,6 +125,30 @@ class Notification:
     def name(self) -> bytes: ...
     @property
     def message(self) -> bytes: ...
+
+class Scope(_Enum):
+    """What a failure concerns (csrc/core/status.h; pdlink.Scope)."""
+
+    CALL: ClassVar[Scope]  # the call (a bad argument, an absent key): nothing else is affected
+    LINK: ClassVar[Scope]  # one peer's link (failed, timed out, refused, busy): other peers are not
+    ENGINE: ClassVar[Scope]  # this engine (not initialised, finalised, out of memory or links)
+
+class LinkResult:
+    """One peer's outcome of Engine.link / unlink (pdlink.LinkResult): read-only."""
+
+    # scope None: the code's default scope (csrc/core/status.h defaultScope)
+    def __init__(self, status: int, message: str, peer_cluster_id: int, scope: Scope | None = None) -> None: ...
+    @property
+    def status(self) -> LLMStatusCode: ...  # the registered code object (a plain int before _register_errors)
+    @property
+    def message(self) -> str: ...  # the engine's words; empty on success
+    @property
+    def scope(self) -> Scope: ...  # CALL on success
+    @property
+    def peer_cluster_id(self) -> int: ...  # ANY_CLUSTER when never learned
+    @property
+    def ok(self) -> bool: ...
+    def check(self) -> None: ...  # raises the status's exception (as a failed call does) unless ok
 
 # The engine's reports (LinkInfo, EngineStats, PoolInfo) are read-only records (csrc/bindings/record.h):
 # no public constructor; they compare and hash by value, pickle, and as_dict() lists the fields in order.
@@ -331,12 +358,12 @@ class Engine:
     def switch_role(self, role: Role, listen_ip: str, listen_port: int) -> None: ...
     def link(
         self, peers: Sequence[tuple[int | None, str, int]], timeout_ms: int
-    ) -> list[tuple[int, str, int]]: ...  # (status code, message, peer cluster id) per peer
+    ) -> list[LinkResult]: ...  # one per peer (one in all for a call that failed as a whole)
     def ping(self, cluster_id: int, timeout_ms: int) -> None: ...
     def notify(self, cluster_id: int, name: str | bytes, message: str | bytes, timeout_ms: int) -> None: ...
     def take_notifications(self) -> list[Notification]: ...
     def start_comm_listener(self, ip: str, port: int) -> int: ...
-    def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> list[tuple[int, str]]: ...
+    def unlink(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> list[LinkResult]: ...
     def linked_since(self, after: int) -> tuple[int, list[int]]:
         """(number of the latest link installed, peer ids of those numbered after ``after``)."""
     def links(self) -> list[LinkInfo]: ...

@@ -40,14 +40,13 @@ import numpy as np
 from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
-from .status import LLMStatusCode, engine_error
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
-    from ._core import LinkInfo
+    from ._core import LinkInfo, LinkResult, Scope
 
 __all__ = [
-    "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "MemoryMap", "MemoryPool", "Notification",
-    "Pending", "PreparedTransfer", "Region", "RemoteRegion",
+    "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "LinkResult", "MemoryMap", "MemoryPool",
+    "Notification", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "Scope",
 ]
 
 T = TypeVar("T")
@@ -69,8 +68,19 @@ def __getattr__(name: str) -> Any:
     # ``"rc_mlx5/mlx5_0:1"``, once the link's first transfer connected them; for ``cma``, how the
     # copies reach the peer's process: ``"process_vm"`` or ``"proc_mem"``, docs/security.md; else
     # empty); ``as_dict()`` gives them as a dict. Compares by value, hashes, pickles.
-    if name == "LinkInfo":
-        return core().LinkInfo
+    #
+    # LinkResult: one peer's outcome of ``Engine.connect_each`` / ``disconnect_each``, the native
+    # module's bound class. Read-only ``status`` (an ``LLMStatusCode``), ``message`` (the engine's
+    # words; empty on success), ``scope`` (a ``Scope``), ``peer_cluster_id`` and ``ok``;
+    # ``check()`` raises what the engine raises for that status (``error_class``; nothing when ok).
+    # ``LinkResult(status, message, peer_cluster_id, scope=None)`` makes one (scope None: the
+    # code's own, as the engine gives it).
+    #
+    # Scope: what a failure concerns (csrc/core/status.h): ``CALL`` (the call: a bad argument),
+    # ``LINK`` (that peer's link: others are unaffected) or ``ENGINE`` (this engine: not
+    # initialised, finalised, out of resources). Exceptions the engine raises carry it as ``.scope``.
+    if name in ("LinkInfo", "LinkResult", "Scope"):
+        return getattr(core(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -513,17 +523,15 @@ class Engine:
         ``cluster_id`` is given). Raises ``LinkError`` (a ``ConnectionError``) when it cannot."""
         ip, port = _split_address(address)
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
-        ((code, message, peer),) = self._native.link([(cluster_id, ip, port)], timeout)
-        if code != LLMStatusCode.LLM_SUCCESS:
-            raise engine_error(code, message)
-        return int(peer)
+        (result,) = self._native.link([(cluster_id, ip, port)], timeout)
+        result.check()
+        return int(result.peer_cluster_id)
 
     def disconnect(self, peer: int, *, timeout_ms: int | None = None, force: bool = False) -> None:
         """Drops the link to ``peer`` (telling it; ``force``: even when it cannot be told)."""
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
-        ((code, message),) = self._native.unlink([peer], timeout, force)
-        if code != LLMStatusCode.LLM_SUCCESS:
-            raise engine_error(code, message)
+        (result,) = self._native.unlink([peer], timeout, force)
+        result.check()
 
     def remote_memory(self, peer: int, *, timeout_ms: int | None = None) -> MemoryMap:
         """The memory ``peer`` registered, as it checks descriptors against it (one round trip): to
@@ -567,22 +575,25 @@ class Engine:
         return int(self._native.start_comm_listener(ip, port))
 
     def connect_each(self, peers: Sequence[tuple[int | None, Address]], *,
-                     timeout_ms: int | None = None) -> list[tuple[LLMStatusCode, str, int]]:
+                     timeout_ms: int | None = None) -> list[LinkResult]:
         """Links to several peers at once, each ``(cluster_id or None, "ip:port" or (ip, port))``: one
-        ``(status code, message, peer cluster id)`` per peer, in order, without raising for a peer
-        that failed (``LLM_ALREADY_LINK``: linked before). ``timeout_ms`` bounds the whole call."""
+        ``pdlink.LinkResult`` per peer, in order (``status``, ``message``, ``scope``, the peer's
+        ``peer_cluster_id``), without raising for a peer that failed (``LLM_ALREADY_LINK``: linked
+        before). A peer that failed does not fail the others: its ``scope`` is ``Scope.LINK``
+        (``CALL`` for a bad address, ``ENGINE`` when this engine cannot link at all). A call that fails
+        as a whole (more than 16 peers: ``LLM_CLUSTER_NUM_EXCEED_LIMIT``; an engine not initialised)
+        gives one result, whatever the number of peers. ``timeout_ms`` bounds the whole call."""
         addresses = [(cid, *_split_address(address)) for cid, address in peers]
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
-        return [(LLMStatusCode(code), str(message), int(peer))
-                for code, message, peer in self._native.link(addresses, timeout)]
+        return list(self._native.link(addresses, timeout))
 
     def disconnect_each(self, peers: Sequence[int], *, timeout_ms: int | None = None,
-                        force: bool = False) -> list[tuple[LLMStatusCode, str]]:
-        """``disconnect`` for several peers: one ``(status code, message)`` per peer, in order,
-        without raising (``LLM_NOT_YET_LINK``: no link to that peer)."""
+                        force: bool = False) -> list[LinkResult]:
+        """``disconnect`` for several peers: one ``pdlink.LinkResult`` per peer, in order, its
+        ``peer_cluster_id`` the id asked for, without raising (``LLM_NOT_YET_LINK``: no link to that
+        peer). More than 16 peers: one ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` result."""
         timeout = self.options.connect_timeout_ms if timeout_ms is None else timeout_ms
-        results = self._native.unlink(list(peers), timeout, force)
-        return [(LLMStatusCode(code), str(message)) for code, message in results]
+        return list(self._native.unlink(list(peers), timeout, force))
 
     def linked_since(self, mark: int) -> tuple[int, list[int]]:
         """The mark to pass next time, and the peers whose links came up after ``mark`` (a mark

@@ -116,7 +116,12 @@ class LLMException(RuntimeError):
     ``LLMException(msg, status_code=c)`` is an ``LLMException`` itself, as CANN's is: what
     ``llm_datadist`` raises is always exactly this class. ``pdlink.Engine`` raises the subclasses
     below (``error_class``), which ``except LLMException`` catches too.
+
+    ``scope``: what the failure concerns, a ``pdlink.Scope`` (``CALL``, ``LINK``, ``ENGINE``;
+    docs/native_api.md, "Errors") on an error the native engine raised; ``None`` on one made in Python.
     """
+
+    scope: Any = None  # the native translator sets it on the instance (csrc/bindings/status_bridge.h)
 
     def __new__(cls, *args: Any, status_code: LLMStatusCode | int = LLMStatusCode.LLM_SUCCESS) -> Any:
         base = OSError if issubclass(cls, OSError) else RuntimeError  # TimeoutError, ConnectionError

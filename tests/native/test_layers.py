@@ -154,8 +154,8 @@ def test_an_address_is_a_string_or_a_pair_passed_on_as_it_is() -> None:
         assert dialler.connect(("127.0.0.1", port)) == 1
         second = target.add_listener(("127.0.0.1", 0))
         assert second > 0 and second != port
-        ((code, _, peer),) = dialler.connect_each([(None, ("127.0.0.1", port))])
-        assert (code, peer) == (pdlink.LLMStatusCode.LLM_ALREADY_LINK, 1)
+        (result,) = dialler.connect_each([(None, ("127.0.0.1", port))])
+        assert (result.status, result.peer_cluster_id) == (pdlink.LLMStatusCode.LLM_ALREADY_LINK, 1)
         dialler.disconnect(1)
         assert dialler.connect(f"127.0.0.1:{second}") == 1
         for bad, shown in ((("127.0.0.1", 70000), "'127.0.0.1:70000'"), (("", 5), "':5'"),

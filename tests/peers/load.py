@@ -36,7 +36,7 @@ def start_engines(count: int, first_id: int) -> None:
 
 def link_all(port: int, timeout_ms: int = 10000) -> list[int]:
     """Every engine links to the prompt (cluster 1) at ``port``; their status codes."""
-    return [int(e.connect_each([(1, f"127.0.0.1:{port}")], timeout_ms=timeout_ms)[0][0]) for e, _, _, _ in _ENGINES]
+    return [int(e.connect_each([(1, f"127.0.0.1:{port}")], timeout_ms=timeout_ms)[0].status) for e, _, _, _ in _ENGINES]
 
 
 def _worker(i: int, pulls: int) -> None:

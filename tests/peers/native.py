@@ -220,11 +220,11 @@ def _pool_used(placement: str) -> int:
 
 
 def connect_each(peers: Sequence[tuple[int | None, str]]) -> list[tuple[int, str, int]]:
-    return [(int(code), message, peer) for code, message, peer in _engine().connect_each(peers, timeout_ms=3000)]
+    return [(int(r.status), r.message, r.peer_cluster_id) for r in _engine().connect_each(peers, timeout_ms=3000)]
 
 
 def disconnect_each(peers: Sequence[int]) -> list[int]:
-    return [int(code) for code, _ in _engine().disconnect_each(peers, timeout_ms=3000)]
+    return [int(r.status) for r in _engine().disconnect_each(peers, timeout_ms=3000)]
 
 
 def linked_since(mark: int) -> tuple[int, list[int]]:

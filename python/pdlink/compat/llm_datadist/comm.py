@@ -189,7 +189,7 @@ class CommManager:
             peers = [(cid, comm.peers[cid]) for cid in pending]
             results = self._engine.connect_each(peers, timeout_ms=max(1, min(_DIAL_ATTEMPT_MS, left_ms)))
             done = {LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK}
-            pending = [cid for cid, (code, _msg, _id) in zip(pending, results) if code not in done]
+            pending = [cid for cid, result in zip(pending, results) if result.status not in done]
             if pending:
                 comm.cancelled.wait(_RETRY_PAUSE_S)  # the peer may not have called link() yet
 
@@ -230,10 +230,10 @@ class CommManager:
         with self._lock:
             self._comms.pop(comm_id, None)
         # Both members call unlink(); whichever comes second finds the link already gone.
-        for code, msg, *_ in self._engine.disconnect_each(list(comm.peers), timeout_ms=timeout_ms):
-            if code not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_NOT_YET_LINK,
-                            LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED):
-                handle_llm_status(code, "unlink", msg)
+        for result in self._engine.disconnect_each(list(comm.peers), timeout_ms=timeout_ms):
+            if result.status not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_NOT_YET_LINK,
+                                     LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED):
+                handle_llm_status(result.status, "unlink", result.message)
 
     def close(self) -> None:
         with self._lock:

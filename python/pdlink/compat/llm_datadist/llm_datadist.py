@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import constants, environment
 from ...environment import LIMIT_VARIABLES
-from ...status import LLMException, LLMStatusCode, code_2_status
+from ...status import LLMException, LLMStatusCode
 from ._utils import (
     check_dict,
     check_int32,
@@ -42,7 +42,7 @@ from .configs import LLMClusterInfo, LLMRole, role_to_option
 from .llm_types import Placement, RegisterMemStatus
 
 if TYPE_CHECKING:
-    from ...engine import Engine
+    from ...engine import Engine, LinkResult
 
 __all__ = ["LLMDataDist"]
 
@@ -299,17 +299,22 @@ def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
     }
 
 
-def _combine_device_results(count: int, per_device: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
-    """One (code, message) per cluster from each device's results: the first failure wins."""
+def _combine_device_results(count: int, per_device: list[list[LinkResult]]) -> list[LinkResult]:
+    """One ``LinkResult`` per cluster from each device's results: the first failure wins (its message
+    naming the device when there are several)."""
+    from ...engine import LinkResult as make
+
     out = []
     for j in range(count):
-        picked: tuple[Any, ...] = (int(LLMStatusCode.LLM_SUCCESS), "")
+        picked = make(LLMStatusCode.LLM_SUCCESS, "", constants.ANY_CLUSTER)
         for i, results in enumerate(per_device):
-            res = results[j] if j < len(results) else (results[0] if results else (int(LLMStatusCode.LLM_FAILED),
-                                                                                  "no result"))
-            if code_2_status(res[0]) != LLMStatusCode.LLM_SUCCESS:
-                msg = f"device {i}: {res[1]}" if len(per_device) > 1 else res[1]
-                picked = (res[0], msg)
+            if results:
+                res = results[j] if j < len(results) else results[0]
+            else:
+                res = make(LLMStatusCode.LLM_FAILED, "no result", constants.ANY_CLUSTER)
+            if not res.ok:
+                picked = res if len(per_device) == 1 else make(res.status, f"device {i}: {res.message}",
+                                                               res.peer_cluster_id, res.scope)
                 break
         out.append(picked)
     return out
@@ -533,19 +538,19 @@ class LLMDataDist:
                                f"cluster {c.remote_cluster_id} needs a local_ip_info (append_local_ip_info)")
 
     @staticmethod
-    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: list[tuple[Any, ...]]
+    def _results(op: str, clusters: Sequence[LLMClusterInfo], results: list[LinkResult]
                  ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         codes = []
         overall = LLMStatusCode.LLM_SUCCESS
-        for cluster, (code, message, *_) in zip(clusters, results):
-            status = code_2_status(code)
-            codes.append(status)
-            if status != LLMStatusCode.LLM_SUCCESS:
-                overall = status
-                logger.warning("%s: cluster %s: %s: %s", op, cluster.remote_cluster_id, status, llm_words(message))
+        for cluster, result in zip(clusters, results):
+            codes.append(result.status)
+            if not result.ok:
+                overall = result.status
+                logger.warning("%s: cluster %s: %s: %s", op, cluster.remote_cluster_id, result.status,
+                               llm_words(result.message))
         if len(results) > len(codes):  # a call-level failure before any per-cluster work
-            overall = code_2_status(results[0][0])
-            logger.warning("%s: %s: %s", op, overall, llm_words(results[0][1]))
+            overall = results[0].status
+            logger.warning("%s: %s: %s", op, overall, llm_words(results[0].message))
         return overall, codes
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
@@ -591,13 +596,17 @@ class LLMDataDist:
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
         by_address = {link.peer_address: link.peer_cluster_id for link in engine.links()}
-        results: list[tuple[Any, ...] | None] = []
+        results: list[LinkResult | None] = []
         ids = []
         for c in clusters:
             if not (force or self._one_way) and len(c.remote_ip_info_list) != 1:
-                results.append((int(LLMStatusCode.LLM_PARAM_INVALID),
-                                f"a non-force unlink needs exactly one remote_ip_info, got {len(c.remote_ip_info_list)}"
-                                " (or pass force=True)"))
+                from ...engine import LinkResult
+
+                results.append(LinkResult(
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"a non-force unlink needs exactly one remote_ip_info, got {len(c.remote_ip_info_list)}"
+                    " (or pass force=True)",
+                    constants.ANY_CLUSTER if c.remote_cluster_id is None else c.remote_cluster_id))
                 continue
             results.append(None)
             if c.remote_cluster_id is None:  # linked by address (see _check_clusters)
@@ -673,7 +682,7 @@ class LLMDataDist:
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
 
-        def link(i: int) -> list[tuple[Any, ...]]:
+        def link(i: int) -> list[LinkResult]:
             peers = [(c.remote_cluster_id, _int_ip_to_str(c.remote_ip_info_list[i][0]), c.remote_ip_info_list[i][1])
                      for c in clusters]
             return self._engines[i].connect_each(_peers(peers), timeout_ms=timeout)
@@ -682,10 +691,10 @@ class LLMDataDist:
         combined = _combine_device_results(len(clusters), per_device)
         if len(self._engines) > 1:  # a cluster is linked on every device or on none
             for j, c in enumerate(clusters):
-                if code_2_status(combined[j][0]) == LLMStatusCode.LLM_SUCCESS:
+                if combined[j].ok:
                     continue
                 for i, results in enumerate(per_device):
-                    if j < len(results) and code_2_status(results[j][0]) == LLMStatusCode.LLM_SUCCESS:
+                    if j < len(results) and results[j].ok:
                         self._engines[i].disconnect_each([check_uint64("remote_cluster_id", c.remote_cluster_id)],
                                                          timeout_ms=timeout)
         return self._results("link_clusters", clusters, combined)
