@@ -224,7 +224,8 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, blocks, wire::kFlagUcx);  // an engine without the ucx path refuses it
   // Path connects a CPU engine without ucx refuses, the link kept: ucx's, a device channel's.
   s += pathConnectFrame(wire::kFlagUcx, wire::encode(wire::UcxHello{7, 0, std::string(40, 'a')}));
-  s += pathConnectFrame(wire::kFlagDevice, std::string(4108, '\x5a') + '\x01');
+  // (a short rendezvous: the fuzzer's inputs are at most 4 KiB, .ci/fuzz.sh)
+  s += pathConnectFrame(wire::kFlagDevice, std::string(16, '\x5a') + '\x01');
   s += notifyFrame(wire::NotifyBody{"req-11", "written"});
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
   s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};
@@ -240,8 +241,11 @@ int main(int argc, char** argv) {
   seed("serve-path-connect-no-setup", kModeServe, std::string(1, '\0') + ping + pathConnectFrame(0, "x"));
   seed("serve-path-connect-unknown", kModeServe, std::string(1, '\0') + ping + pathConnectFrame(0x80, "x"));
   seed("serve-path-connect-short", kModeServe, std::string(1, '\0') + ping + bodyFrame(wire::Op::kPathConnect, ""));
+  // (announced, with only the path's header sent: the link is dropped before the rest is read)
+  const wire::RequestHeader oversized{wire::Op::kPathConnect, 1 + wire::kMaxUcxHelloBytes + 1, 0};
   seed("serve-path-connect-oversized", kModeServe,
-       std::string(1, '\0') + ping + pathConnectFrame(wire::kFlagUcx, std::string(wire::kMaxUcxHelloBytes + 1, 'a')));
+       std::string(1, '\0') + ping + std::string(1, static_cast<char>(kStepFrame)) + wire::encode(oversized) +
+           std::string(1, static_cast<char>(wire::kFlagUcx)));
 
   std::printf("wrote %d seeds to %s\n", written, dir.c_str());
   return 0;
