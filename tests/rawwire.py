@@ -1,4 +1,4 @@
-"""A raw speaker of pdlink's wire protocol (v4), for hostile-peer and hostile-server tests: it says
+"""A raw speaker of pdlink's wire protocol (v5), for hostile-peer and hostile-server tests: it says
 exactly the bytes a test wants, well-formed or not. Layouts: csrc/transport/wire.h and
 docs/architecture.md, "Wire protocol"."""
 
@@ -11,7 +11,7 @@ import os
 import socket
 import struct
 
-VERSION = 4
+VERSION = 5
 HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC, RESPONSE_MAGIC = (
     0x4B4C4450, 0x414C4450, 0x524C4450, 0x514C4450, 0x534C4450)
 HELLO_BYTES = 56
@@ -22,9 +22,13 @@ TAG_BYTES = 16
 HELLO_SAME_HOST, HELLO_PAYLOAD_INTEGRITY = 1, 2
 AUTH_PAYLOAD_INTEGRITY = 1
 
-(OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE, OP_DEVICE_CHANNEL, OP_NOTIFY,
- OP_UCX_CONNECT, OP_CONFIRM) = range(1, 12)
+(OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE) = range(1, 8)
+OP_NOTIFY, OP_CONFIRM, OP_PATH_CONNECT = 9, 11, 12
+# v4's device-channel and ucx-connect frames: unknown ops since v5 (a frame with either is dropped).
+OLD_OP_DEVICE_CHANNEL, OLD_OP_UCX_CONNECT = 8, 10
 FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED, FLAG_UCX = 1, 2, 4, 8
+# A path-connect header names its path by the flags its requests carry (wire::kPathConnectHeaderBytes).
+PATH_DEVICE_CHANNEL, PATH_UCX = FLAG_DEVICE, FLAG_UCX
 FLAG_TEST_PATH = 16  # the path of a C++ test build only (csrc/tests/pipe_path.h)
 KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW = range(1, 6)
 ANY = 2**64 - 1
@@ -227,6 +231,14 @@ def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expec
 
 def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0) -> bytes:
     return struct.pack("<IBBHIQ", REQUEST_MAGIC, op, flags, 0, len(body), payload_len) + body
+
+
+def path_connect(path: int, setup: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
+    """A kPathConnect frame: its header (the path's id, one byte), then the path's setup body;
+    ``body_len`` overrides the announced length (header included)."""
+    body = bytes([path]) + setup
+    blen = len(body) if body_len is None else body_len
+    return struct.pack("<IBBHIQ", REQUEST_MAGIC, OP_PATH_CONNECT, flags, 0, blen, payload_len) + body
 
 
 def body_header(kind: int = KIND_BLOCKS, model: int = 0, req: int = ANY, prefix: int = ANY, cache_id: int = 0,

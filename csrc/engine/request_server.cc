@@ -1,5 +1,5 @@
 // RequestServer (engine/request_server.h): a link's serving loop, admission, and the requests
-// that are not transfers (ping, unlink, confirm, device channels). Notifications are in notify.cc;
+// that are not transfers (ping, unlink, confirm, path connects). Notifications are in notify.cc;
 // the data paths' serving halves under transport/ (transport/path.h).
 #include "engine/request_server.h"
 
@@ -61,14 +61,15 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * s_.config.sync_timeout_ms, 5000));
   wire::RequestHeader h;
   std::string body;
-  PDLINK_RETURN_IF_ERROR(readRequest(*link, s, deadline, &h, &body));
+  const PathEntry* setup = nullptr;
+  PDLINK_RETURN_IF_ERROR(readRequest(*link, s, deadline, &h, &body, &setup));
   // The requester sends its next frame only after its direct or IPC copy finished: unpin.
   for (const std::string& key : state->exported) s_.backend->closeExport(key);
   state->exported.clear();
   state->pinned.clear();
 
   Status result;
-  if (serveControl(link, s, h, body, deadline, state, &result)) return result;
+  if (serveControl(link, s, h, body, setup, deadline, state, &result)) return result;
 
   wire::TransferBody tb;
   Status st = wire::decode(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &tb);
@@ -108,31 +109,43 @@ Status RequestServer::awaitRequest(const Link& link, Stream& s, ServeState* stat
 }
 
 Status RequestServer::readRequest(const Link& link, Stream& s, Deadline deadline, wire::RequestHeader* h,
-                                  std::string* body) {
+                                  std::string* body, const PathEntry** setup) {
+  *setup = nullptr;
   uint8_t hbuf[wire::kRequestHeaderBytes];
   PDLINK_RETURN_IF_ERROR(s.recvAll(hbuf, sizeof(hbuf), deadline));
   Status st = wire::decode(hbuf, sizeof(hbuf), h);
   if (st.ok()) st = admitHeader(link, *h);
+  uint32_t body_len = h->body_len;
+  if (st.ok() && h->op == wire::Op::kPathConnect) {
+    // The header naming the path comes first (admitHeader checked it is there): the rest is bounded
+    // by that path's entry before any of it is read.
+    uint8_t path = 0;
+    static_assert(wire::kPathConnectHeaderBytes == sizeof(path), "the header is the path's id");
+    PDLINK_RETURN_IF_ERROR(s.recvAll(&path, sizeof(path), deadline));
+    body_len -= wire::kPathConnectHeaderBytes;
+    st = admitSetup(path, body_len, setup);
+  }
   if (!st.ok()) {
     PDLINK_LOG(kWarn, "dropping link to " << clusterName(link.peer()) << ": " << st.message());
     return st;
   }
-  PDLINK_RETURN_IF_ERROR(s.readBounded(h->body_len, wire::kMaxBodyBytes, deadline, body, "request body"));
+  PDLINK_RETURN_IF_ERROR(s.readBounded(body_len, wire::kMaxBodyBytes, deadline, body, "request body"));
   // On an authenticated link, nothing of a frame is acted on before its tag checked out.
   return s.checkFrame(deadline);
 }
 
 bool RequestServer::serveControl(const std::shared_ptr<Link>& link, Stream& s, const wire::RequestHeader& h,
-                                 const std::string& body, Deadline deadline, ServeState* state, Status* result) {
+                                 const std::string& body, const PathEntry* setup, Deadline deadline, ServeState* state,
+                                 Status* result) {
   if (h.op == wire::Op::kPing) {
     *result = sendResponse(s, Status::OK(), deadline);
   } else if (h.op == wire::Op::kNotify) {
     *result = serveNotify(*link, s, body, deadline);
   } else if (h.op == wire::Op::kConfirm) {
     *result = serveConfirm(*link, s, body, deadline);
-  } else if (const PathEntry* path = s_.paths.connectEntry(static_cast<uint8_t>(h.op))) {
-    // A path's setup frame (kDeviceChannel, kUcxConnect): the path answers for itself.
-    *result = path->answer(*path, *link, s, body, s_.pathEnv(), deadline);
+  } else if (h.op == wire::Op::kPathConnect) {
+    // A path's setup frame: the path its header names (readRequest found it) answers for itself.
+    *result = setup->answer(*setup, *link, s, body, s_.pathEnv(), deadline);
   } else if (h.op == wire::Op::kUnlink) {
     links_.forget(link);
     (void)sendResponse(s, Status::OK(), deadline);
@@ -278,14 +291,29 @@ Status RequestServer::admitHeader(const Link& link, const wire::RequestHeader& h
   if (h.op == wire::Op::kConfirm && (h.body_len < sizeof(wire::Nonce) || h.body_len > sizeof(wire::Nonce) + 64)) {
     return Status(Code::kLinkFailed, "a link confirmation is one nonce and one endpoint");
   }
-  const PathEntry* path = s_.paths.connectEntry(static_cast<uint8_t>(h.op));
-  if (path && h.body_len > path->max_connect_body) {
-    return Status(Code::kLinkFailed, std::string("oversized ") + path->connect_what + " request");
+  if (h.op == wire::Op::kPathConnect && h.body_len < wire::kPathConnectHeaderBytes) {
+    return Status(Code::kLinkFailed, "a path connect without its header");
+  }
+  // Past every path's bound (admitSetup checks the named path's once the header is read).
+  if (h.op == wire::Op::kPathConnect && h.body_len > wire::kPathConnectHeaderBytes + s_.paths.maxConnectBody()) {
+    return Status(Code::kLinkFailed, "oversized path connect request");
   }
   if (h.op == wire::Op::kNotify && h.body_len > wire::kMaxNotifyBodyBytes) {
     return Status(Code::kLinkFailed, "oversized notification");
   }
   if (h.op == wire::Op::kRead && h.payload_len != 0) return Status(Code::kLinkFailed, "a payload on a read");
+  return Status::OK();
+}
+
+Status RequestServer::admitSetup(uint8_t path, uint32_t setup_len, const PathEntry** setup) const {
+  const PathEntry* entry = s_.paths.setupEntry(path);
+  if (!entry)
+    return Status(Code::kLinkFailed,
+                  "a path connect naming path " + std::to_string(path) + ", which has no setup frame");
+  if (setup_len > entry->max_connect_body) {
+    return Status(Code::kLinkFailed, std::string("oversized ") + entry->connect_what + " request");
+  }
+  *setup = entry;
   return Status::OK();
 }
 

@@ -72,12 +72,15 @@ class RequestServer {
   // Waits for the peer's next frame; with pins held, at most the pin bound: past it the pins are
   // released (*expired, OK) and serveOne ends without reading.
   Status awaitRequest(const Link& link, Stream& s, ServeState* state, bool* expired);
-  // Reads and admits one request: its header (admitHeader), its body (bounded), the frame's tag.
-  Status readRequest(const Link& link, Stream& s, Deadline deadline, wire::RequestHeader* h, std::string* body);
-  // The requests without a transfer body (ping, device channel, notify, confirm, ucx connect,
+  // Reads and admits one request: its header (admitHeader), its body (bounded), the frame's tag. A
+  // kPathConnect's header is read first and admitted (admitSetup: *setup, the entry it names), then
+  // only the rest, the path's setup body, goes to *body. Non-OK: the link is dropped.
+  Status readRequest(const Link& link, Stream& s, Deadline deadline, wire::RequestHeader* h, std::string* body,
+                     const PathEntry** setup);
+  // The requests without a transfer body (ping, notify, confirm, path connect (answered by `setup`),
   // unlink): true when `h` is one, with its result in *result.
   bool serveControl(const std::shared_ptr<Link>& link, Stream& s, const wire::RequestHeader& h, const std::string& body,
-                    Deadline deadline, ServeState* state, Status* result);
+                    const PathEntry* setup, Deadline deadline, ServeState* state, Status* result);
   Status serveDescribe(const Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
                        Deadline deadline);
   // A read or write: admitted, resolved in the registry (exactly the checked ranges), placement
@@ -93,6 +96,10 @@ class RequestServer {
   // (non-OK: a protocol violation, the link is dropped). admitAccess: whether a read or write may
   // use the path its flags ask for on this link (non-OK: refused, the link stays).
   Status admitHeader(const Link& link, const wire::RequestHeader& h) const;
+  // admitSetup: whether a kPathConnect whose header names `path` may have a setup body of
+  // `setup_len` bytes read: the path has an entry with a setup frame (*setup) and the body is within
+  // its bound (non-OK: the link is dropped, nothing of the body read).
+  Status admitSetup(uint8_t path, uint32_t setup_len, const PathEntry** setup) const;
   Status admitAccess(const Link& link, const wire::RequestHeader& h) const;
   // A kNotify frame: queued within the limits and acknowledged (a refusal keeps the link); a
   // malformed body drops the link.

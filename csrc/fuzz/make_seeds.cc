@@ -59,6 +59,11 @@ std::string bodyFrame(wire::Op op, const std::string& encoded) {
 
 std::string notifyFrame(const wire::NotifyBody& b) { return bodyFrame(wire::Op::kNotify, wire::encode(b)); }
 
+// A kPathConnect frame naming `path`, with the path's setup body.
+std::string pathConnectFrame(uint8_t path, const std::string& setup) {
+  return bodyFrame(wire::Op::kPathConnect, wire::pathConnectBody(path, setup));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,10 +114,10 @@ int main(int argc, char** argv) {
   req.body_len = 61;
   req.payload_len = 4096;
   seed("request-write", kModeRequest, wire::encode(req));
-  req.op = wire::Op::kDeviceChannel;
-  req.body_len = 4109;  // an HCCL root info and the options byte
+  req.op = wire::Op::kPathConnect;
+  req.body_len = wire::kPathConnectHeaderBytes + 4109;  // the path's id, an HCCL root info and the options byte
   req.payload_len = 0;
-  seed("request-device-channel", kModeRequest, wire::encode(req));
+  seed("request-path-connect", kModeRequest, wire::encode(req));
   req.op = wire::Op::kRead;
   req.body_len = 61;
   req.flags = wire::kFlagDevice | wire::kFlagOneSided;
@@ -217,7 +222,10 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}}));
   s += frame(wire::Op::kWrite, reqkey);
   s += frame(wire::Op::kRead, blocks, wire::kFlagUcx);  // an engine without the ucx path refuses it
-  s += bodyFrame(wire::Op::kUcxConnect, wire::encode(wire::UcxHello{7, 0, std::string(40, 'a')}));
+  // Path connects a CPU engine without ucx refuses, the link kept: ucx's, a device channel's.
+  s += pathConnectFrame(wire::kFlagUcx, wire::encode(wire::UcxHello{7, 0, std::string(40, 'a')}));
+  // (a short rendezvous: the fuzzer's inputs are at most 4 KiB, .ci/fuzz.sh)
+  s += pathConnectFrame(wire::kFlagDevice, std::string(16, '\x5a') + '\x01');
   s += notifyFrame(wire::NotifyBody{"req-11", "written"});
   s += std::string{static_cast<char>(kStepDeallocate), 3, 0};
   s += std::string{static_cast<char>(kStepRemoveKey), 6, 6, 2};
@@ -227,6 +235,17 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kRead, byid);
   seed("serve-tcp", kModeServe, std::string(1, '\0') + s);
   seed("serve-same-host", kModeServe, std::string(1, '\1') + s);
+  // Path connects that drop the link, after a ping: one naming a path without a setup frame (the
+  // stream's), one naming no path, a short header, one past the named path's bound.
+  const std::string ping = bodyFrame(wire::Op::kPing, "");
+  seed("serve-path-connect-no-setup", kModeServe, std::string(1, '\0') + ping + pathConnectFrame(0, "x"));
+  seed("serve-path-connect-unknown", kModeServe, std::string(1, '\0') + ping + pathConnectFrame(0x80, "x"));
+  seed("serve-path-connect-short", kModeServe, std::string(1, '\0') + ping + bodyFrame(wire::Op::kPathConnect, ""));
+  // (announced, with only the path's header sent: the link is dropped before the rest is read)
+  const wire::RequestHeader oversized{wire::Op::kPathConnect, 1 + wire::kMaxUcxHelloBytes + 1, 0};
+  seed("serve-path-connect-oversized", kModeServe,
+       std::string(1, '\0') + ping + std::string(1, static_cast<char>(kStepFrame)) + wire::encode(oversized) +
+           std::string(1, static_cast<char>(wire::kFlagUcx)));
 
   std::printf("wrote %d seeds to %s\n", written, dir.c_str());
   return 0;

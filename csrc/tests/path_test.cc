@@ -65,6 +65,7 @@
 #include "transport/path_table.h"
 #include "transport/cma/cma.h"
 #include "transport/cma/cma_path.h"
+#include "transport/device/device_channel.h"
 #include "transport/device/hccl_path.h"
 #include "transport/device/ipc_path.h"
 #include "transport/tcp/stream_path.h"
@@ -493,22 +494,23 @@ void tableCases(Backend& backend) {
     check(!device.names(flags) && device.serverFor(flags) == nullptr,
           "flags " + std::to_string(flags) + " name no path");
   }
-  // Setup frames answer for their path, on every backend (a CPU backend's device answer is its
-  // refusal): the device channel by the HCCL entry (the one-sided entry shares it), ucx connect by
-  // ucx's, each with its own bound; no other op names a path.
+  // kPathConnect headers name paths by their request flags, on every backend (a CPU backend's device
+  // answer is its refusal): the device channel is the HCCL entry's (the one-sided entry shares it),
+  // ucx connect ucx's, each with its own bound; every other id, an entry's without a setup frame or
+  // none, names no setup (the link is dropped). The bound before the header is read is the largest.
   for (const PathTable* t : {&cpu, &device}) {
-    const PathEntry* channel = t->connectEntry(static_cast<uint8_t>(wire::Op::kDeviceChannel));
-    const PathEntry* ucx_connect = t->connectEntry(static_cast<uint8_t>(wire::Op::kUcxConnect));
+    const PathEntry* channel = t->setupEntry(device::kChannelPath);
+    const PathEntry* ucx_connect = t->setupEntry(wire::kFlagUcx);
     check(channel && std::string(channel->caps.name) == "hccl" && channel->max_connect_body == 8192,
-          "the device channel frame is the HCCL entry's");
+          "the device channel's setup is the HCCL entry's");
     check(ucx_connect && std::string(ucx_connect->caps.name) == "ucx" &&
               ucx_connect->max_connect_body == wire::kMaxUcxHelloBytes,
-          "the ucx connect frame is the ucx entry's");
-    for (uint8_t op = 0; op <= wire::kMaxOp + 1; ++op) {
-      if (op == static_cast<uint8_t>(wire::Op::kDeviceChannel) || op == static_cast<uint8_t>(wire::Op::kUcxConnect)) {
-        continue;
-      }
-      check(t->connectEntry(op) == nullptr, "op " + std::to_string(op) + " is no path's setup frame");
+          "the ucx connect is the ucx entry's");
+    check(t->maxConnectBody() == 8192, "the largest setup bound is the device channel's");
+    for (int path = 0; path <= 255; ++path) {
+      if (path == device::kChannelPath || path == wire::kFlagUcx) continue;
+      check(t->setupEntry(static_cast<uint8_t>(path)) == nullptr,
+            "path " + std::to_string(path) + " has no setup frame");
     }
   }
   // What a link gets: the first applicable host path, then every applicable device path in order.

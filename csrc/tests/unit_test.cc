@@ -59,12 +59,27 @@ void requestHeaderCases() {
   std::string bad = f;
   bad[0] ^= 1;
   checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "request header: bad magic");
-  for (uint8_t op : {uint8_t{0}, static_cast<uint8_t>(wire::kMaxOp + 1), uint8_t{255}}) {
+  // 8 and 10: v4's device-channel and ucx-connect frames, unknown since kPathConnect replaced them.
+  for (uint8_t op : {uint8_t{0}, uint8_t{8}, uint8_t{10}, static_cast<uint8_t>(wire::kMaxOp + 1), uint8_t{255}}) {
     bad = f;
     bad[4] = static_cast<char>(op);
     checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed,
               "request header: op " + std::to_string(op));
   }
+  for (uint8_t op = 0; op <= wire::kMaxOp + 1; ++op) {
+    bad = f;
+    bad[4] = static_cast<char>(op);
+    bad[5] = 0;
+    const bool known = op == 1 || op == 2 || op == 3 || op == 4 || op == 5 || op == 6 || op == 7 || op == 9 ||
+                       op == 11 || op == static_cast<uint8_t>(wire::Op::kPathConnect);
+    check(wire::isOp(op) == known, "request header: op " + std::to_string(op) + " known or not");
+    checkCode(wire::decode(bytes(bad), bad.size(), &got), known ? Code::kSuccess : Code::kLinkFailed,
+              "request header: decoding op " + std::to_string(op));
+  }
+  // A kPathConnect body: the path's id, then its setup body.
+  check(wire::pathConnectBody(wire::kFlagUcx, "hello") == std::string("\x08hello", 6) &&
+            wire::pathConnectBody(wire::kFlagDevice, "") == std::string(1, '\x02'),
+        "path connect body: the header byte, then the setup body");
   bad = f;
   bad[5] = static_cast<char>(0x80);
   checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "request header: an unknown flag");

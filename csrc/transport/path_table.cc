@@ -1,6 +1,8 @@
 // The registration table of the data paths (transport/path_table.h).
 #include "transport/path_table.h"
 
+#include <algorithm>
+
 #include "transport/cma/cma_path.h"
 #include "transport/device/hccl_path.h"
 #include "transport/device/ipc_path.h"
@@ -52,12 +54,19 @@ void PathTable::setServer(uint8_t request_flags, std::unique_ptr<PathServer> ser
   }
 }
 
-const PathEntry* PathTable::connectEntry(uint8_t op) const {
-  if (op == 0) return nullptr;
+const PathEntry* PathTable::setupEntry(uint8_t path) const {
   for (const PathEntry& e : entries_) {
-    if (e.connect_op == op && e.answer) return &e;
+    if (e.caps.request_flags == path) return e.answer ? &e : nullptr;
   }
   return nullptr;
+}
+
+uint32_t PathTable::maxConnectBody() const {
+  uint32_t most = 0;
+  for (const PathEntry& e : entries_) {
+    if (e.answer) most = std::max(most, e.max_connect_body);
+  }
+  return most;
 }
 
 ChosenPaths PathTable::choose(const LinkFacts& facts) const {

@@ -61,13 +61,16 @@ struct PathEntry {
   // A device path: the one requesting side every link shares (links hold it by pointer, and a
   // path that drops itself from a link is recognised by it: Link::dropDevicePath).
   std::unique_ptr<DataPath> shared;
-  // The frame the peer sets this path up on a link with (its DataPath::connect), where the path has
-  // one: its op (wire::Op::kDeviceChannel, kUcxConnect; a frame no entry names is not one), the
-  // largest body it takes (a larger one drops the link: "oversized <connect_what> request"), and the
-  // path's answer, on the link's serving thread with the body read and checked. A refusal is
-  // answered and the link kept; non-OK drops the link. Paths that share one setup (the two HCCL
-  // paths, one device channel) name it on one entry.
-  uint8_t connect_op = 0;
+  // How the peer sets this path up on a link (its DataPath::connect), where the path needs that: a
+  // wire::Op::kPathConnect frame whose header names this entry by caps.request_flags, and whose
+  // setup body (the rest) is at most max_connect_body bytes (a larger one drops the link:
+  // "oversized <connect_what> request"; nothing of it is read). `answer` serves it on the link's
+  // serving thread with the setup body read and its frame checked, whether or not this engine has
+  // the path's server: where the path cannot be set up here it answers a refusal. A refusal is
+  // answered and the link kept; non-OK drops the link. An entry without `answer` has no setup
+  // frame: a kPathConnect naming it drops the link, as one naming no entry does. Paths that share
+  // one setup (the two HCCL paths, one device channel) name it on one entry. Adding a path with a
+  // setup frame takes no new op: its entry sets these three.
   uint32_t max_connect_body = 0;
   const char* connect_what = "";
   Status (*answer)(const PathEntry& self, Link& link, Stream& s, const std::string& body, const PathEnv& env,
@@ -96,8 +99,12 @@ class PathTable {
   // The first applicable host entry's path, then every applicable device entry's, in table order.
   // Some host entry applies to every link (the stream).
   ChosenPaths choose(const LinkFacts& facts) const;
-  // The entry whose setup frame has op `op` (PathEntry::connect_op); null when no entry names it.
-  const PathEntry* connectEntry(uint8_t op) const;
+  // The entry a kPathConnect header names (`path`: its caps.request_flags) when it has a setup frame
+  // (an answer); null otherwise (the caller drops the link). `path` comes from the peer.
+  const PathEntry* setupEntry(uint8_t path) const;
+  // The largest max_connect_body of the entries with a setup frame: no kPathConnect body is longer
+  // than this plus its header.
+  uint32_t maxConnectBody() const;
   const std::vector<PathEntry>& entries() const { return entries_; }
 
  private:

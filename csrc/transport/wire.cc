@@ -159,7 +159,7 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   if (!r.get(&op) || !r.get(&out->flags) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
     return malformed("request");
   }
-  if (op < 1 || op > kMaxOp || (out->flags & ~kKnownFlags) ||
+  if (!isOp(op) || (out->flags & ~kKnownFlags) ||
       ((out->flags & kFlagOneSided) && out->flags != (kFlagDevice | kFlagOneSided)) ||
       ((out->flags & kFlagUcx) && out->flags != kFlagUcx) ||
       ((out->flags & kFlagTestPath) && out->flags != kFlagTestPath) || out->body_len > kMaxBodyBytes) {
@@ -167,6 +167,17 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   }
   out->op = static_cast<Op>(op);
   return Status::OK();
+}
+
+bool isOp(uint8_t op) {
+  // 8 and 10: v4's device-channel and ucx-connect frames, replaced by kPathConnect.
+  return op >= 1 && op <= kMaxOp && op != 8 && op != 10;
+}
+
+std::string pathConnectBody(uint8_t path, const std::string& setup) {
+  std::string body(1, static_cast<char>(path));
+  static_assert(kPathConnectHeaderBytes == 1, "the header is the path's id");
+  return body + setup;
 }
 
 std::string encode(const UcxHello& h) {

@@ -1,4 +1,4 @@
-// The pdlink wire protocol (version 3), spoken over each channel of a link.
+// The pdlink wire protocol (version 5), spoken over each channel of a link.
 //
 // A link is two stream connections opened by the initiator to the acceptor:
 //   FORWARD: the initiator sends requests, the acceptor serves them;
@@ -49,7 +49,7 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
-constexpr uint16_t kProtocolVersion = 4;
+constexpr uint16_t kProtocolVersion = 5;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;
@@ -146,20 +146,38 @@ std::string encode(const AuthResult& r);
 Status decodeFixed(const uint8_t* p, size_t n, AuthResult* out, uint32_t* message_len, uint16_t* redirect_len);
 
 enum class Op : uint8_t {
-  kRead = 1,           // serve bytes of a registered cache       -> Response + payload
-  kWrite = 2,          // payload follows; store into a cache       -> Response
-  kCommit = 3,         // a read by request key completed: release  (no response)
-  kUnlink = 4,         // the peer tears the link down              -> Response
-  kPing = 5,           // liveness check (check_link_status)          -> Response
-  kDescribe = 6,       // a kBlocks target's layout for direct reads (same-host) -> Response + CacheDescriptor
-  kRelease = 7,        // a direct (kFlagDirect) access finished     (no response)
-  kDeviceChannel = 8,  // body: a backend rendezvous; both sides join a device channel -> Response
-  kNotify = 9,         // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
-  kUcxConnect = 10,    // body: a UcxHello (the requester's UCX worker) -> Response + UcxHello (the server's)
-  kConfirm = 11,       // body: a Nonce and an endpoint (<= 64 bytes); "did you dial the link to me
-                       // whose hello had it, from there?" -> Response
+  kRead = 1,      // serve bytes of a registered cache       -> Response + payload
+  kWrite = 2,     // payload follows; store into a cache       -> Response
+  kCommit = 3,    // a read by request key completed: release  (no response)
+  kUnlink = 4,    // the peer tears the link down              -> Response
+  kPing = 5,      // liveness check (check_link_status)          -> Response
+  kDescribe = 6,  // a kBlocks target's layout for direct reads (same-host) -> Response + CacheDescriptor
+  kRelease = 7,   // a direct (kFlagDirect) access finished     (no response)
+  // 8 and 10 were v4's kDeviceChannel and kUcxConnect: since v5 every path's setup is kPathConnect,
+  // and a frame with either op is malformed, as is any op not listed here (isOp).
+  kNotify = 9,        // body: a NotifyBody, queued for the application (Engine::notifications) -> Response
+  kConfirm = 11,      // body: a Nonce and an endpoint (<= 64 bytes); "did you dial the link to me
+                      // whose hello had it, from there?" -> Response
+  kPathConnect = 12,  // body: a path-connect header naming a path, then that path's setup body
+                      // (below) -> that path's answer
 };
-constexpr uint8_t kMaxOp = 11;
+constexpr uint8_t kMaxOp = 12;
+// Whether `op` is an op of this version (the decoder drops a frame with any other).
+bool isOp(uint8_t op);
+
+// kPathConnect: the peer sets one path up on this link (its DataPath::connect); the path answers for
+// itself (transport/path_table.h, PathEntry::answer). Its body starts with a fixed header of
+// kPathConnectHeaderBytes: `u8 path`, the PathCaps::request_flags of the path's table entry (the
+// flags its requests carry, so one id names a path on the wire in every frame). The rest is that
+// path's own setup body, at most its PathEntry::max_connect_body bytes: a device channel's
+// rendezvous and options byte (path kFlagDevice: the HCCL entry, which the one-sided path shares),
+// a UcxHello (path kFlagUcx). The serving side reads the header before the rest and drops the link
+// when it names no path with a setup frame, or when the rest is past that path's bound
+// (engine/request_server.h, readRequest); a path that cannot be set up on this engine refuses it,
+// answered, the link kept.
+constexpr uint32_t kPathConnectHeaderBytes = 1;
+// The body of a kPathConnect frame: the header naming `path`, then `setup` (the path's own body).
+std::string pathConnectBody(uint8_t path, const std::string& setup);
 
 // kRead/kWrite with kFlagDirect (same-host links only): the server checks the access as usual but
 // answers with a DirectAnswer (the absolute address of every piece, and its pin epoch) instead of
@@ -185,16 +203,18 @@ constexpr uint8_t kFlagDevice = 2;
 // refuses with kFeatureNotEnabled and the requester uses the two-sided transfer.
 constexpr uint8_t kFlagOneSided = 4;
 // kRead/kWrite with kFlagUcx (alone; engines with the ucx path, host memory only): checked as
-// usual; the bytes then move as UCX Active Messages between the endpoints of kUcxConnect
-// (transport/ucx/ucx_path.h). kRead: the server sends the messages, then the Response. kWrite:
-// Response (accepted), the requester sends the messages, then a second Response (stored).
+// usual; the bytes then move as UCX Active Messages between the endpoints the ucx path's
+// kPathConnect set up (transport/ucx/ucx_path.h). kRead: the server sends the messages, then the
+// Response. kWrite: Response (accepted), the requester sends the messages, then a second Response
+// (stored).
 constexpr uint8_t kFlagUcx = 8;
 // kRead/kWrite with kFlagTestPath (alone): the path of a test build (csrc/tests/pipe_path.h). An
 // engine whose path table has no such path drops a link that sends it as malformed, as decode drops
 // every other combination no path names (RequestServer::admitHeader).
 constexpr uint8_t kFlagTestPath = 16;
 constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx | kFlagTestPath;
-// A kUcxConnect body and its answer: the token the sender's expected messages carry, the size of
+// The ucx path's kPathConnect setup body and its answer (a UcxHello): the token the sender's
+// expected messages carry, the size of
 // the link's messages (chunk_bytes: 0 in the request, the server's choice in the answer, both
 // directions use it; else a power of two in [kMinUcxChunkBytes, kMaxUcxChunkBytes]), then the
 // sender's UCX worker address (opaque bytes, at most kMaxUcxAddressBytes).
@@ -209,8 +229,9 @@ struct UcxHello {
 };
 std::string encode(const UcxHello& h);
 Status decode(const uint8_t* p, size_t n, UcxHello* out);
-// kDeviceChannel body: the rendezvous, then one byte of channel options; the response carries one
-// byte, the options the server agreed to. Both then join; with kChannelOneSided agreed both prepare.
+// The device channel's kPathConnect setup body (path kFlagDevice): the rendezvous, then one byte of channel options;
+// the response carries one byte, the options the server agreed to. Both then join; with kChannelOneSided agreed both
+// prepare.
 constexpr uint8_t kChannelOneSided = 1;
 struct RequestHeader {
   Op op = Op::kRead;

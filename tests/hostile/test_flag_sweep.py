@@ -44,8 +44,7 @@ def frames(base: int, current: bytes) -> dict[int, bytes]:
         rawwire.OP_RELEASE: rawwire.request(rawwire.OP_RELEASE, rawwire.blocks_body()),
         rawwire.OP_PING: rawwire.request(rawwire.OP_PING, b""),
         rawwire.OP_NOTIFY: rawwire.request(rawwire.OP_NOTIFY, rawwire.notify_body(b"n", b"m")),
-        rawwire.OP_UCX_CONNECT: rawwire.request(rawwire.OP_UCX_CONNECT, struct.pack("<QI", 7, 0) + b"\xa5" * 64),
-        rawwire.OP_DEVICE_CHANNEL: rawwire.request(rawwire.OP_DEVICE_CHANNEL, bytes(16)),
+        rawwire.OP_PATH_CONNECT: rawwire.path_connect(rawwire.PATH_UCX, struct.pack("<QI", 7, 0) + b"\xa5" * 64),
         rawwire.OP_CONFIRM: rawwire.request(rawwire.OP_CONFIRM, bytes(16) + b"127.0.0.1:1"),
         rawwire.OP_UNLINK: rawwire.request(rawwire.OP_UNLINK, b""),
     }

@@ -187,9 +187,9 @@ def test_the_test_paths_flag_drops_only_that_link(peers: Callable[..., Peer], vi
 
 
 def ucx_hello(size: int, address: bytes = b"\xa5" * 64) -> bytes:
-    """A kUcxConnect frame: u64 token, u32 message size, the worker address (here bytes that abort
-    UCX when it parses them: docs/ucx.md, "Trust")."""
-    return rawwire.request(rawwire.OP_UCX_CONNECT, struct.pack("<QI", 7, size) + address)
+    """The ucx path's kPathConnect frame: its header, then u64 token, u32 message size, the worker
+    address (here bytes that abort UCX when it parses them: docs/ucx.md, "Trust")."""
+    return rawwire.path_connect(rawwire.PATH_UCX, struct.pack("<QI", 7, size) + address)
 
 
 # ucx connect requests the decoder refuses before UCX sees the address: the link is dropped

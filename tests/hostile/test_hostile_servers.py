@@ -69,9 +69,10 @@ def start_attacker(peers: Callable[..., Peer], mode: str, redirect: bool = False
     return a, a.call(hostile.serve, mode, redirect, **params)
 
 
-def asked(attacker: Peer, op: int, flags: int = 0) -> bool:
-    """The attacker received a request of this kind (so its reply is what the victim refused)."""
-    return any(o["event"] == "request" and o["op"] == op and o["flags"] == flags
+def asked(attacker: Peer, op: int, flags: int = 0, path: int | None = None) -> bool:
+    """The attacker received a request of this kind (so its reply is what the victim refused);
+    ``path``: a path connect's header names that path."""
+    return any(o["event"] == "request" and o["op"] == op and o["flags"] == flags and o.get("path") == path
                for o in attacker.call(hostile.observed))
 
 
@@ -184,7 +185,7 @@ def test_a_malformed_ucx_connect_answer_fails_that_pull_before_ucx_sees_it(peers
     before = victim.call(kv.snapshot, "kv")
     err = failed_pull(victim)
     assert err.status_code == LLMStatusCode.LLM_LINK_FAILED, err
-    assert asked(attacker, rawwire.OP_UCX_CONNECT)
+    assert asked(attacker, rawwire.OP_PATH_CONNECT, path=rawwire.PATH_UCX)
     assert not asked(attacker, rawwire.OP_READ, rawwire.FLAG_UCX)
     assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's cache after a refused ucx answer")
     assert victim.call(kv.unlink, PROMPT_ID, port, True) == LLMStatusCode.LLM_SUCCESS
@@ -352,7 +353,7 @@ def test_a_malformed_device_channel_answer_fails_the_link(peers: Callable[..., P
                                                           victim: Peer, mode: str) -> None:
     attacker, port = start_attacker(peers, mode)
     assert link_attacker(victim, port) == (LLMStatusCode.LLM_LINK_FAILED, [LLMStatusCode.LLM_LINK_FAILED])
-    assert asked(attacker, rawwire.OP_DEVICE_CHANNEL)
+    assert asked(attacker, rawwire.OP_PATH_CONNECT, path=rawwire.PATH_DEVICE_CHANNEL)
     assert victim.call(kv.links) == []
     honest_pull_works(peers, variant, victim)
 

@@ -1,9 +1,11 @@
 """The hostile review of round 4 (the engine split into LinkManager / RequestServer / Transfers; path
-setup frames dispatched through the path table): a raw peer (tests/peers/hostile.py) sends setup
-frames for paths its link was not admitted to, sends them twice, oversized, undersized, with flags or
-a payload, racing its own unlink, and ops no table names. Each case asserts what docs/security.md
-promises: the exact refusal with the link kept, or only that link dropped; the victim's unregistered
-secret unchanged; the honest decoder still pulls byte-exact afterwards."""
+setup frames dispatched through the path table, since v5 one kPathConnect frame whose header names
+the path): a raw peer (tests/peers/hostile.py) sends setup frames for paths its link was not admitted
+to, sends them twice, oversized, undersized, with flags or a payload, racing its own unlink, naming
+paths without a setup frame or none, with a cut header, v4's setup ops, and ops no table names. Each
+case asserts what docs/security.md promises: the exact refusal with the link kept, or only that link
+dropped; the victim's unregistered secret unchanged; the honest decoder still pulls byte-exact
+afterwards."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ SHAPE = (16, 4096)
 DEVICE_CHANNEL_BOUND = 8192  # security.md, Limits: "device-channel body 8 KiB"
 UCX_HELLO_BOUND = 12 + 4096  # wire::kMaxUcxHelloBytes: token, message size, a worker address of 4 KiB
 ROOT_INFO = 4108  # an HCCL root info
+DEVICE = rawwire.PATH_DEVICE_CHANNEL  # the HCCL entry's id, which names the device channel's setup
+UCX = rawwire.PATH_UCX
 
 
 @pytest.fixture
@@ -58,6 +62,11 @@ def ucx_body(n: int) -> bytes:
     return struct.pack("<QI", 7, 1 << 16) + b"\xa5" * max(0, n - 12)
 
 
+def setup(path: int, body: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
+    """A kPathConnect frame naming ``path`` (``body_len``: the announced length, header included)."""
+    return rawwire.path_connect(path, body, flags=flags, payload_len=payload_len, body_len=body_len)
+
+
 PING = raw_request(rawwire.OP_PING, b"")
 
 
@@ -80,12 +89,12 @@ def after(victim: Pair, secret: list[bytes], blocks: int = 3) -> None:
 @only("cpu-tcp", "cpu-cma")
 def test_a_device_channel_frame_on_a_cpu_engine_is_refused_twice_and_the_link_kept(peers: Callable[..., Peer],
                                                                                    victim: Pair) -> None:
-    """A kDeviceChannel frame (a root info and the one-sided option) to an engine without device
-    channels: answered LLM_FEATURE_NOT_ENABLED, the link kept; again; and at the body bound."""
+    """A device channel's kPathConnect (a root info and the one-sided option) to an engine without
+    device channels: answered LLM_FEATURE_NOT_ENABLED, the link kept; again; and at the body bound."""
     secret = victim.prefill.call(kv.secrets)
     a = attacker_links(peers, victim)
     for n in (ROOT_INFO + 1, ROOT_INFO + 1, DEVICE_CHANNEL_BOUND, 1, 0):
-        refused_kept(a, raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(n)), S.LLM_FEATURE_NOT_ENABLED)
+        refused_kept(a, setup(DEVICE, channel_body(n)), S.LLM_FEATURE_NOT_ENABLED)
     after(victim, secret)
 
 
@@ -93,16 +102,16 @@ def test_a_device_channel_frame_on_a_cpu_engine_is_refused_twice_and_the_link_ke
 @pytest.mark.parametrize("case", ["over_the_bound", "announced_4MiB", "flags", "payload"])
 def test_a_device_channel_frame_out_of_its_shape_drops_only_that_link(peers: Callable[..., Peer], victim: Pair,
                                                                       case: str) -> None:
-    """One byte past the 8 KiB bound, a body announced at the request bound (only its header sent),
-    flags, or a payload length on a device-channel frame: the link is dropped before the body is read,
-    on every backend; the victim serves its honest decoder during and after."""
+    """One byte past the 8 KiB bound, a body announced at the request bound (only the path's header
+    sent), flags, or a payload length on a device channel's kPathConnect: the link is dropped before
+    the setup body is read, on every backend; the victim serves its honest decoder during and after."""
     secret = victim.prefill.call(kv.secrets)
     a = attacker_links(peers, victim)
     frame = {
-        "over_the_bound": raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(DEVICE_CHANNEL_BOUND + 1)),
-        "announced_4MiB": raw_request(rawwire.OP_DEVICE_CHANNEL, b"", body_len=4 * 1024 * 1024),
-        "flags": raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(ROOT_INFO + 1), flags=rawwire.FLAG_DEVICE),
-        "payload": raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(ROOT_INFO + 1), payload_len=64),
+        "over_the_bound": setup(DEVICE, channel_body(DEVICE_CHANNEL_BOUND + 1)),
+        "announced_4MiB": setup(DEVICE, b"", body_len=4 * 1024 * 1024),
+        "flags": setup(DEVICE, channel_body(ROOT_INFO + 1), flags=rawwire.FLAG_DEVICE),
+        "payload": setup(DEVICE, channel_body(ROOT_INFO + 1), payload_len=64),
     }[case]
     assert a.call(hostile.exchange, frame) == "closed"
     victim.pulled([2])
@@ -116,14 +125,14 @@ def test_a_device_channel_frame_out_of_its_shape_drops_only_that_link(peers: Cal
 @only("cpu-tcp", "cpu-cma", "ascend-fake")
 def test_a_ucx_connect_on_a_link_without_ucx_is_refused_and_the_link_kept(peers: Callable[..., Peer],
                                                                           victim: Pair) -> None:
-    """kUcxConnect on an engine without a ucx path (security.md: "answered LLM_FEATURE_NOT_ENABLED
+    """The ucx path's kPathConnect on an engine without a ucx path (security.md: "answered LLM_FEATURE_NOT_ENABLED
     before anything of them is read ... the link kept"): a well-formed hello, one whose worker
     address would abort UCX, one whose message size is malformed, an empty body, twice each."""
     secret = victim.prefill.call(kv.secrets)
     a = attacker_links(peers, victim)
     for body in (ucx_body(76), ucx_body(UCX_HELLO_BOUND), struct.pack("<QI", 7, 3) + b"\xa5" * 64, b"", b"\x01"):
         for _ in range(2):
-            refused_kept(a, raw_request(rawwire.OP_UCX_CONNECT, body), S.LLM_FEATURE_NOT_ENABLED)
+            refused_kept(a, setup(UCX, body), S.LLM_FEATURE_NOT_ENABLED)
     after(victim, secret)
 
 
@@ -131,15 +140,15 @@ def test_a_ucx_connect_on_a_link_without_ucx_is_refused_and_the_link_kept(peers:
 @pytest.mark.parametrize("case", ["over_the_bound", "flags", "payload"])
 def test_a_ucx_connect_out_of_its_shape_drops_only_that_link(peers: Callable[..., Peer], victim: Pair,
                                                              case: str) -> None:
-    """Past the ucx hello's bound, with flags, with a payload: the header alone drops the link (the
-    bound is checked before the path is asked, even on a link that would refuse ucx: nothing of the
-    body is read)."""
+    """Past the ucx hello's bound, with flags, with a payload: the headers alone drop the link (the
+    ucx entry's bound is checked once the path's header is read, before the path is asked, even on a
+    link that would refuse ucx: nothing of the setup body is read)."""
     secret = victim.prefill.call(kv.secrets)
     a = attacker_links(peers, victim)
     frame = {
-        "over_the_bound": raw_request(rawwire.OP_UCX_CONNECT, ucx_body(UCX_HELLO_BOUND + 1)),
-        "flags": raw_request(rawwire.OP_UCX_CONNECT, ucx_body(76), flags=rawwire.FLAG_UCX),
-        "payload": raw_request(rawwire.OP_UCX_CONNECT, ucx_body(76), payload_len=8),
+        "over_the_bound": setup(UCX, ucx_body(UCX_HELLO_BOUND + 1)),
+        "flags": setup(UCX, ucx_body(76), flags=rawwire.FLAG_UCX),
+        "payload": setup(UCX, ucx_body(76), payload_len=8),
     }[case]
     assert a.call(hostile.exchange, frame) == "closed"
     a.call(hostile.close)
@@ -157,10 +166,65 @@ def test_ucx_flagged_accesses_without_a_ucx_path_are_refused_and_the_link_kept(p
     read = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX)
     write = rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX)
     refused_kept(a, read, S.LLM_FEATURE_NOT_ENABLED)
-    refused_kept(a, raw_request(rawwire.OP_UCX_CONNECT, ucx_body(76)), S.LLM_FEATURE_NOT_ENABLED)
+    refused_kept(a, setup(UCX, ucx_body(76)), S.LLM_FEATURE_NOT_ENABLED)
     refused_kept(a, read, S.LLM_FEATURE_NOT_ENABLED)
     refused_kept(a, write, S.LLM_FEATURE_NOT_ENABLED)
     assert_same(victim.prefill.call(kv.snapshot, "kv"), before, "the victim's cache")
+    after(victim, secret)
+
+
+# ------------------------------------------------------------------ path-connect headers
+
+# Ids a kPathConnect header may carry that name no path with a setup frame: the stream's, cma's, IPC's
+# and one-sided's entries (no setup of their own: one-sided shares the device channel, named by the
+# HCCL entry's id), the test build's path (not in this table), flag bytes no entry has.
+NO_SETUP = {"stream": 0, "cma": 1, "ipc": 3, "one_sided": 6, "test_path": 16, "unknown_0x80": 0x80,
+            "unknown_255": 255}
+
+
+@only("cpu-tcp", "cpu-cma", "ascend-fake")
+@pytest.mark.parametrize("path", sorted(NO_SETUP))
+def test_a_path_connect_naming_no_setup_drops_only_that_link(peers: Callable[..., Peer], victim: Pair,
+                                                             path: str) -> None:
+    """A kPathConnect whose header names a path without a setup frame, or no path: the link is dropped
+    (as for an op no one names), nothing of the setup body read; the victim serves its honest decoder
+    during and after."""
+    secret = victim.prefill.call(kv.secrets)
+    a = attacker_links(peers, victim)
+    assert a.call(hostile.exchange, PING) == (0, "", b"")
+    assert a.call(hostile.exchange, setup(NO_SETUP[path], ucx_body(76))) == "closed"
+    victim.pulled([2])
+    a.call(hostile.close)
+    after(victim, secret)
+
+
+# The frames that drop the link at its headers: no room for the path's header, an announced body past
+# every path's bound (only the path's header sent), v4's device-channel and ucx-connect frames with
+# the bodies v4 took (unknown ops since v5), and one naming no path past every bound.
+HEADER_CASES = {
+    "no_header": raw_request(rawwire.OP_PATH_CONNECT, b""),
+    "past_every_bound": setup(DEVICE, b"", body_len=1 + DEVICE_CHANNEL_BOUND + 1),
+    "unknown_past_every_bound": setup(0x80, b"\xa5" * (DEVICE_CHANNEL_BOUND + 1)),
+    "v4_device_channel": raw_request(rawwire.OLD_OP_DEVICE_CHANNEL, channel_body(ROOT_INFO + 1)),
+    "v4_ucx_connect": raw_request(rawwire.OLD_OP_UCX_CONNECT, ucx_body(76)),
+}
+
+
+@only("cpu-tcp", "cpu-cma", "ascend-fake")
+@pytest.mark.parametrize("case", sorted(HEADER_CASES))
+def test_a_path_connect_cut_short_oversized_or_in_v4s_shape_drops_only_that_link(peers: Callable[..., Peer],
+                                                                                 victim: Pair, case: str) -> None:
+    """Each frame drops the link it came on (security.md, "Limits"); the victim serves its honest
+    decoder during and after, and a new link of the same peer is served (refusals answered, the link
+    kept)."""
+    secret = victim.prefill.call(kv.secrets)
+    a = attacker_links(peers, victim)
+    assert a.call(hostile.exchange, HEADER_CASES[case]) == "closed"
+    victim.pulled([2])
+    a.call(hostile.close)
+    b = attacker_links(peers, victim, 10)
+    assert b.call(hostile.exchange, PING) == (0, "", b"")
+    b.call(hostile.close)
     after(victim, secret)
 
 
@@ -168,18 +232,18 @@ def test_ucx_flagged_accesses_without_a_ucx_path_are_refused_and_the_link_kept(p
 
 
 @only("cpu-tcp", "cpu-cma", "ascend-fake")
-@pytest.mark.parametrize("op", [rawwire.OP_DEVICE_CHANNEL, rawwire.OP_UCX_CONNECT])
-def test_a_setup_frame_racing_its_links_unlink(peers: Callable[..., Peer], victim: Pair, op: int) -> None:
+@pytest.mark.parametrize("path", [DEVICE, UCX], ids=["device_channel", "ucx"])
+def test_a_setup_frame_racing_its_links_unlink(peers: Callable[..., Peer], victim: Pair, path: int) -> None:
     """A setup frame, the link's unlink and another setup frame in one write: the first is answered
     (or the link dropped on a device backend whose join fails), the unlink ends the link, and the frame
     after it is never served; repeated on new links, the victim keeps serving and leaks no link."""
     secret = victim.prefill.call(kv.secrets)
-    body = channel_body(ROOT_INFO + 1) if op == rawwire.OP_DEVICE_CHANNEL else ucx_body(76)
-    setup = raw_request(op, body)
+    body = channel_body(ROOT_INFO + 1) if path == DEVICE else ucx_body(76)
+    frame = setup(path, body)
     unlink = raw_request(rawwire.OP_UNLINK, b"")
     for i in range(4):
         a = attacker_links(peers, victim, 30 + i)
-        a.call(hostile.send, setup + unlink + setup)
+        a.call(hostile.send, frame + unlink + frame)
         a.call(hostile.close)
     after(victim, secret)
 
@@ -216,9 +280,10 @@ def test_confirm_frames_out_of_shape_drop_the_link_and_an_unknown_nonce_is_denie
 
 
 @only("cpu-tcp", "cpu-cma")
-@pytest.mark.parametrize("op", [0, 12, 13, 64, 255])
+@pytest.mark.parametrize("op", [0, rawwire.OLD_OP_DEVICE_CHANNEL, rawwire.OLD_OP_UCX_CONNECT, 13, 64, 255])
 def test_an_op_no_one_names_drops_only_that_link(peers: Callable[..., Peer], victim: Pair, op: int) -> None:
-    """An op outside the protocol (no control frame, no path's setup frame): the link is dropped."""
+    """An op outside the protocol (no control frame, not kPathConnect; 8 and 10 were v4's device-channel
+    and ucx-connect frames): the link is dropped."""
     secret = victim.prefill.call(kv.secrets)
     a = attacker_links(peers, victim)
     assert a.call(hostile.exchange, raw_request(op, rawwire.blocks_body())) == "closed"
@@ -250,11 +315,11 @@ def test_the_ptrace_grant_ends_with_a_raw_same_host_link_whatever_setup_frames_i
     a = attacker_links(peers, pair)
     assert {link["transport"] for link in pair.prefill.call(kv.links)} == {"cma"}
     grant_is(pair, True, "the grant for the raw same-host link")
-    refused_kept(a, raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(ROOT_INFO + 1)), S.LLM_FEATURE_NOT_ENABLED)
-    refused_kept(a, raw_request(rawwire.OP_UCX_CONNECT, ucx_body(76)), S.LLM_FEATURE_NOT_ENABLED)
+    refused_kept(a, setup(DEVICE, channel_body(ROOT_INFO + 1)), S.LLM_FEATURE_NOT_ENABLED)
+    refused_kept(a, setup(UCX, ucx_body(76)), S.LLM_FEATURE_NOT_ENABLED)
     assert pair.prefill.call(kv.ptrace_grant_active) is True
     if end == "malformed_frame":
-        assert a.call(hostile.exchange, raw_request(rawwire.OP_DEVICE_CHANNEL, b"", body_len=1 << 20)) == "closed"
+        assert a.call(hostile.exchange, setup(DEVICE, b"", body_len=1 << 20)) == "closed"
     elif end == "unlink":
         assert a.call(hostile.exchange, raw_request(rawwire.OP_UNLINK, b"")) == (0, "", b"")
     a.call(hostile.close)
@@ -378,8 +443,8 @@ def test_setup_frames_before_the_reverse_channel_are_never_served(peers: Callabl
     secret = victim.prefill.call(kv.secrets)
     a = peers("attacker")
     unix = a.call(hostile.redirect_name, victim.port, 40) if victim.variant.same_host else None
-    frames = (raw_request(rawwire.OP_DEVICE_CHANNEL, channel_body(ROOT_INFO + 1)) +
-              raw_request(rawwire.OP_UCX_CONNECT, ucx_body(76)) + raw_request(rawwire.OP_UNLINK, b""))
+    frames = (setup(DEVICE, channel_body(ROOT_INFO + 1)) + setup(UCX, ucx_body(76)) +
+              raw_request(rawwire.OP_UNLINK, b""))
     assert a.call_within(30, hostile.forward_only, victim.port, 40, unix, frames, 15.0) == "closed"
     assert [link["peer_cluster_id"] for link in victim.prefill.call(kv.links)] == [2]
     after(victim, secret)

@@ -336,19 +336,24 @@ def test_the_acceptor_says_which_proof_failed(peers: Callable[..., Peer], varian
     assert (h.stage, h.status) == ("auth", S.LLM_LINK_FAILED) and says in h.message, h
 
 
-def test_a_peer_of_another_protocol_version_is_named_as_such(peers: Callable[..., Peer], variant: Variant) -> None:
+@pytest.mark.parametrize("other", [rawwire.VERSION + 1, 4], ids=["newer", "v4"])
+def test_a_peer_of_another_protocol_version_is_named_as_such(peers: Callable[..., Peer], variant: Variant,
+                                                             other: int) -> None:
     """Both directions: an acceptor refuses a Hello of another version saying so; a dialler told
-    another version by the endpoint it dials says so."""
+    another version by the endpoint it dials says so. v4 (before kPathConnect replaced its
+    device-channel and ucx-connect frames) is one such version."""
     p = peers("prefill", env=variant.env())
     port = p.call(kv.start, "prompt", PROMPT_ID, listen=True)
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(rawwire.hello(version=rawwire.VERSION + 1))
+        s.sendall(rawwire.hello(version=other))
         ack = rawwire.read_ack(s)
-    assert ack.status == S.LLM_LINK_FAILED and "protocol version mismatch" in ack.message, ack
+    assert ack.status == S.LLM_LINK_FAILED, ack
+    assert ack.message == (f"protocol version mismatch: this engine speaks pdlink protocol {rawwire.VERSION}, the "
+                           f"dialler {other}: run the same pdlink release on both sides"), ack
     a = peers("attacker")
-    hostile_port = a.call(hostile.serve, "ack_other_version")
+    hostile_port = a.call(hostile.serve, "ack_other_version", version=other)
     victim = peers("decode", env=variant.env())
     victim.call(kv.start, "decoder", DECODER_ID)
     status, log = victim.call(kv.link_logged, PROMPT_ID, hostile_port, ip=hostile.ATTACKER_IP)
     assert status == S.LLM_LINK_FAILED
-    assert any(f"the peer speaks pdlink protocol {rawwire.VERSION + 1}" in line for line in log), log
+    assert any(f"the peer speaks pdlink protocol {other}" in line for line in log), log

@@ -94,8 +94,8 @@ def test_auto_with_ucx_keeps_cma_on_one_host(peers: Callable[..., Peer]) -> None
 
 
 def ucx_connect(address: bytes) -> bytes:
-    """A kUcxConnect request: the requester's token, message size 0 (the server picks it), ``address``."""
-    return rawwire.request(rawwire.OP_UCX_CONNECT, struct.pack("<QI", 7, 0) + address)
+    """The ucx path's kPathConnect: the requester's token, message size 0 (the server picks it), ``address``."""
+    return rawwire.path_connect(rawwire.PATH_UCX, struct.pack("<QI", 7, 0) + address)
 
 
 UCX_READ = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, 64),)), flags=rawwire.FLAG_UCX)
@@ -106,7 +106,7 @@ NOT_HERE = "this engine does not use ucx on this link (pdlink.Transport=ucx, or 
 @pytest.mark.parametrize("link", ["tcp", "cma"])
 def test_ucx_frames_are_refused_on_a_link_an_auto_engine_keeps_off_ucx(peers: Callable[..., Peer], link: str) -> None:
     """An auto engine with UCX and the trusted-network statement takes ucx frames only on links it
-    would put on ucx itself: a raw peer's kUcxConnect and kFlagUcx read on a TCP link between
+    would put on ucx itself: a raw peer's ucx kPathConnect and kFlagUcx read on a TCP link between
     "hosts" where no listed transport is there (PDLINK_UCX_AUTO_TRANSPORTS=""), or on a same-host
     link (cma, which auto never puts on ucx), are answered LLM_FEATURE_NOT_ENABLED before anything
     of the address is read; the link keeps serving, and an honest peer's transfers are byte-exact."""
@@ -129,7 +129,7 @@ def test_ucx_frames_are_refused_on_a_link_an_auto_engine_keeps_off_ucx(peers: Ca
 
 def test_a_malformed_worker_address_to_an_auto_engine_on_ucx_is_refused(peers: Callable[..., Peer]) -> None:
     """An auto engine that puts links between hosts on ucx (PDLINK_UCX_AUTO_TRANSPORTS=tcp) takes a
-    raw peer's kUcxConnect on a TCP link, and checks its worker address before UCX sees it: bytes
+    raw peer's ucx kPathConnect on a TCP link, and checks its worker address before UCX sees it: bytes
     UCX aborts on, a real address cut short or lengthened, one whose tcp transport lacks its device
     address, one with endpoint addresses, are answered LLM_PARAM_INVALID and the link kept; a real
     address reaches UCX. The honest peer (over ucx, from a pid namespace of its own) moves

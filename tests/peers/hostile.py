@@ -125,7 +125,7 @@ def _handshake_and_serve(srv: _Server, conn: socket.socket, local: bool) -> None
         conn.sendall(rawwire.ack(cluster=77))
         return
     if mode == "ack_other_version":
-        conn.sendall(rawwire.ack(cluster=expected, version=rawwire.VERSION + 1))
+        conn.sendall(rawwire.ack(cluster=expected, version=srv.params.get("version", rawwire.VERSION + 1)))
         return
     if mode == "silent_after_hello":  # a handshake that never progresses
         _idle(conn)
@@ -274,6 +274,8 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
         if op in (rawwire.OP_READ, rawwire.OP_WRITE, rawwire.OP_DESCRIBE, rawwire.OP_COMMIT, rawwire.OP_RELEASE):
             kind, tensors, runs = rawwire.parse_body(body)
             rec.update(kind=kind, tensors=tensors, runs=runs)
+        if op == rawwire.OP_PATH_CONNECT:
+            rec.update(path=body[0] if body else None)  # the header: the path it sets up
         srv.observed.append(rec)
         if op in (rawwire.OP_COMMIT, rawwire.OP_RELEASE):
             continue
@@ -341,7 +343,7 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             addrs = params["addresses"]
             victims = [(addrs[i % len(addrs)] + o, n) for i, _ in enumerate(rec["tensors"]) for o, n in rec["runs"]]
             conn.sendall(rawwire.response(payload=rawwire.direct_answer(7, _epoch_addr(srv), victims)))
-        elif op == rawwire.OP_UCX_CONNECT and mode.startswith("ucx_"):
+        elif rec.get("path") == rawwire.PATH_UCX and mode.startswith("ucx_"):
             # a UcxHello (u64 token, u32 message size, worker address) with a message size out of
             # bounds or missing, or one too long to read; its "address" is bytes that would abort
             # UCX (docs/ucx.md, "Trust") if the victim got as far as making an endpoint of them
@@ -349,11 +351,11 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             hello = struct.pack("<QI", 7, size) + b"\xa5" * 64
             conn.sendall(rawwire.response(payload_len=1 << 40) if mode == "ucx_huge_answer"
                          else rawwire.response(payload=hello))
-        elif op == rawwire.OP_DEVICE_CHANNEL and mode == "devchan_unoffered_option":
+        elif rec.get("path") == rawwire.PATH_DEVICE_CHANNEL and mode == "devchan_unoffered_option":
             conn.sendall(rawwire.response(payload=b"\x01"))  # agrees to one-sided, which was not offered
-        elif op == rawwire.OP_DEVICE_CHANNEL and mode == "devchan_long_answer":
+        elif rec.get("path") == rawwire.PATH_DEVICE_CHANNEL and mode == "devchan_long_answer":
             conn.sendall(rawwire.response(payload=b"\x00" * 9))
-        elif op == rawwire.OP_DEVICE_CHANNEL:
+        elif rec.get("path") == rawwire.PATH_DEVICE_CHANNEL:
             conn.sendall(rawwire.response(status=0x5010B019, message=b"no device channels"))
         elif mode == "ipc_wrong_span":
             key = b"attacker-key".ljust(64, b"\0")

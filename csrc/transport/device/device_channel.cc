@@ -37,9 +37,9 @@ Status ensureOutChannel(Link& link, const PathEnv& env, Deadline deadline, const
   // One-sided access is offered when this runtime has it; the peer agrees when its runtime has it
   // too (and its configuration allows it).
   const bool offer = env.config_one_sided && env.one_sided;
-  std::string body = rv + static_cast<char>(offer ? wire::kChannelOneSided : 0);
+  std::string body = wire::pathConnectBody(kChannelPath, rv + static_cast<char>(offer ? wire::kChannelOneSided : 0));
   wire::ResponseHeader rh;
-  Status st = request(link, wire::RequestHeader{wire::Op::kDeviceChannel, static_cast<uint32_t>(body.size()), 0}, body,
+  Status st = request(link, wire::RequestHeader{wire::Op::kPathConnect, static_cast<uint32_t>(body.size()), 0}, body,
                       deadline, what, &rh);
   if (!st.ok()) return st;  // refused (no device channels there): the link itself is fine
   std::string answer;

@@ -142,9 +142,8 @@ PathEntry hcclEntry(const BackendOffer& offer) {
   e.caps = e.shared->caps();
   if (offer.device_transport) e.server = std::make_unique<HcclServer>();
   e.applies = [](const LinkFacts& f) { return f.offer.device_transport; };
-  // The link's device channel, which the one-sided entry shares (answered where this backend has
-  // none too: the refusal).
-  e.connect_op = static_cast<uint8_t>(wire::Op::kDeviceChannel);
+  // The link's device channel, which the one-sided entry shares: a kPathConnect naming this entry
+  // (device::kChannelPath), answered where this backend has none too (the refusal).
   e.max_connect_body = device::kMaxRendezvousBytes;
   e.connect_what = "device channel";
   e.answer = [](const PathEntry&, Link& link, Stream& s, const std::string& body, const PathEnv& env,

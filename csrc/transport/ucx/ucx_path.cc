@@ -253,9 +253,11 @@ std::vector<std::string> UcxPath::lanes() const {
 
 Status UcxPath::connect(Link& link, Deadline deadline, const char* what) {
   ucx::UcxWorker& worker = hub_->worker(same_host_);
-  std::string body = wire::encode(wire::UcxHello{pull_token_, 0, worker.address()});
+  // The path's kPathConnect: its header names the ucx entry (kCaps, whatever caps() says now).
+  std::string body =
+      wire::pathConnectBody(kCaps.request_flags, wire::encode(wire::UcxHello{pull_token_, 0, worker.address()}));
   wire::ResponseHeader rh;
-  Status st = request(link, wire::RequestHeader{wire::Op::kUcxConnect, static_cast<uint32_t>(body.size()), 0}, body,
+  Status st = request(link, wire::RequestHeader{wire::Op::kPathConnect, static_cast<uint32_t>(body.size()), 0}, body,
                       deadline, what, &rh);
   if (!st.ok()) return st;  // a refusal (the peer has no ucx path) leaves the link as it was
   std::string payload;
@@ -419,7 +421,8 @@ PathEntry ucxEntry() {
     if (f.auto_transport) fallback = std::make_unique<StreamPath>(f.unix_socket);
     return std::make_unique<UcxPath>(f.ucx, f.same_host, std::move(fallback));
   };
-  e.connect_op = static_cast<uint8_t>(wire::Op::kUcxConnect);
+  // The ucx connect: a kPathConnect naming this entry, answered where this engine has no ucx path
+  // too (the refusal).
   e.max_connect_body = wire::kMaxUcxHelloBytes;
   e.connect_what = "ucx connect";
   e.answer = [](const PathEntry& self, Link& link, Stream& s, const std::string& body, const PathEnv& env,

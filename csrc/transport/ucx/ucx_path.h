@@ -6,7 +6,7 @@
 //    progresses both (sleeping on their event fds), and the expectations: for each link and
 //    direction, the pieces the current request may land, under a random 64-bit token.
 //  - UcxPath (requesting side, per link) and UcxServer (serving side, per engine), speaking
-//    wire::Op::kUcxConnect once per link and wire::kFlagUcx reads and writes (transport/wire.h).
+//    a wire::Op::kPathConnect naming it once per link and wire::kFlagUcx reads and writes (transport/wire.h).
 //
 // Every message is one chunk (at most the link's chunk size) of one checked piece, sent whole with its header
 // (UCX's eager protocol; no rendezvous, so no transfer writes into a caller's memory after the call
@@ -142,7 +142,7 @@ class UcxPath : public DataPath {
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
  private:
-  // kUcxConnect, once per link: the endpoint to the peer's worker, the peer's token for our pushes.
+  // Its kPathConnect, once per link: the endpoint to the peer's worker, the peer's token for our pushes.
   Status connect(Link& link, Deadline deadline, const char* what);
 
   static const PathCaps kCaps;
@@ -165,14 +165,14 @@ class UcxServer : public PathServer {
   explicit UcxServer(std::shared_ptr<ucx::UcxHub> hub) : hub_(std::move(hub)) {}
   const ucx::UcxHub* hub() const { return hub_.get(); }
   Status serve(ServeCall& call) override;
-  // Answers kUcxConnect (`body`: the requester's UcxHello) on `link`'s serving thread.
+  // Answers the ucx kPathConnect (`body`: its setup body, the requester's UcxHello) on `link`'s serving thread.
   Status connect(Link& link, Stream& s, const std::string& body, Deadline deadline);
 
  private:
   std::shared_ptr<ucx::UcxHub> hub_;
 };
 
-// Answers a kUcxConnect frame on `link`'s serving thread (`forced`: as for ucx::isPathOf). Where
+// Answers the ucx path's kPathConnect on `link`'s serving thread (`forced`: as for ucx::isPathOf). Where
 // this engine has no ucx path (`server` null) or ucx is not the link's path, refused as admitAccess
 // refuses what the engine does not serve on a link: answered, the link kept (a requester that
 // picked ucx on its own falls back to its stream), nothing of the address read. Else

@@ -56,7 +56,7 @@ bool autoPicksUcx(const std::vector<std::string>& network_lanes);
 
 // ------------------------------------------------------------------ worker addresses
 //
-// A worker address is what a peer sends in kUcxConnect (and a server in its answer), and UCX
+// A worker address is what a peer sends in the ucx path's kPathConnect (and a server in its answer), and UCX
 // trusts it: ucp_ep_create takes it without a length and ucp_address_unpack (ucp/wireup/address.c)
 // walks it by the lengths and flags inside it, aborting on an unknown version and reading past the
 // end of a short one; the transports then read their device and interface addresses by their own
