@@ -34,9 +34,9 @@ step "ucx: building ucx_abi_check, ucx_test and path_test"
 for tls in tcp sm,tcp sm ""; do
   step "ucx: ucx_test with UCX_TLS=${tls:-(unset)}"
   if [ -n "$tls" ]; then
-    UCX_TLS=$tls PDLINK_REQUIRE_UCX=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
+    UCX_TLS=$tls PDLINK_REQUIRE_UCX=1 PDLINK_REQUIRE_NETNS=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
   else
-    env -u UCX_TLS PDLINK_REQUIRE_UCX=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
+    env -u UCX_TLS PDLINK_REQUIRE_UCX=1 PDLINK_REQUIRE_NETNS=1 PDLINK_UCX_LIB_DIR="$ucx_root/lib" timeout 300 "$build/ucx_test"
   fi
 done
 for tls in tcp sm,tcp ""; do

@@ -104,7 +104,7 @@ void bindLoaders(py::module_& m) {
     Result<std::vector<std::string>> lanes = Status(Code::kFailed, "not probed");
     {
       py::gil_scoped_release unlocked;
-      Result<std::unique_ptr<ucx::UcxWorker>> worker = ucx::UcxWorker::open(ucx::Scope::kNetwork);
+      Result<std::unique_ptr<ucx::UcxWorker>> worker = ucx::UcxWorker::open(ucx::WorkerScope::kNetwork);
       lanes = worker.ok() ? worker.value()->lanesToSelf() : Result<std::vector<std::string>>(worker.status());
     }
     py::dict d;

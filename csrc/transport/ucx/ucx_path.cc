@@ -60,9 +60,9 @@ Segment Chunks::at(uint64_t i) const {
 
 Result<std::shared_ptr<UcxHub>> UcxHub::open(bool decide_auto) {
   std::shared_ptr<UcxHub> hub(new UcxHub());
-  Result<std::unique_ptr<UcxWorker>> network = UcxWorker::open(Scope::kNetwork);
+  Result<std::unique_ptr<UcxWorker>> network = UcxWorker::open(WorkerScope::kNetwork);
   if (!network.ok()) return network.status();
-  Result<std::unique_ptr<UcxWorker>> local = UcxWorker::open(Scope::kAny);
+  Result<std::unique_ptr<UcxWorker>> local = UcxWorker::open(WorkerScope::kAny);
   if (!local.ok()) return local.status();
   hub->network_ = std::move(network.value());
   hub->local_ = std::move(local.value());

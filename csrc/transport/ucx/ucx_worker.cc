@@ -40,9 +40,9 @@ std::string joinComma(const std::vector<std::string>& v) {
 
 }  // namespace
 
-Result<std::string> transportsFor(Scope scope, const char* user) {
+Result<std::string> transportsFor(WorkerScope scope, const char* user) {
   std::string tls = user ? user : "";
-  if (scope == Scope::kAny) return tls;  // "" (unset or empty): UCX's default, all
+  if (scope == WorkerScope::kAny) return tls;  // "" (unset or empty): UCX's default, all
   if (tls.empty() || tls == "all") return std::string("^sm,self");
   if (tls[0] == '^') {
     std::vector<std::string> names = split(tls.substr(1));
@@ -303,7 +303,7 @@ Status checkWorkerAddress(const uint8_t* p, size_t n, unsigned minor, const Work
 
 // ------------------------------------------------------------------------------ UcxWorker
 
-Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
+Result<std::unique_ptr<UcxWorker>> UcxWorker::open(WorkerScope scope) {
   Result<const UcpApi*> loaded = load();
   if (!loaded.ok()) return loaded.status();
   const UcpApi* api = loaded.value();
@@ -338,7 +338,7 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::open(Scope scope) {
 
   WorkerAttr attr;
   attr.field_mask = kWorkerAttrFieldAddress | kWorkerAttrFieldAddressFlags;
-  attr.address_flags = scope == Scope::kNetwork ? kWorkerAddressFlagNetOnly : 0;
+  attr.address_flags = scope == WorkerScope::kNetwork ? kWorkerAddressFlagNetOnly : 0;
   st = api->ucp_worker_query(w->worker_, &attr);
   if (st != kOk) return toStatus(st, "ucx: reading the worker's address");
   w->address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
@@ -377,7 +377,7 @@ Result<std::unique_ptr<UcxEndpoint>> UcxWorker::connect(const std::string& peer_
   EpParams params;
   params.field_mask = kEpParamFieldRemoteAddress | kEpParamFieldErrHandlingMode | kEpParamFieldErrHandler;
   params.address = reinterpret_cast<const ucp_address_t*>(padded.data());
-  if (scope_ == Scope::kAny) {
+  if (scope_ == WorkerScope::kAny) {
     // A peer the kernel proved to be on this host: UCX's shared-memory transports cannot report
     // its death (an endpoint that asks for that gets none of them), so this one does not ask.
     // pdlink notices a dead same-host peer itself: its control link closes, and every wait on

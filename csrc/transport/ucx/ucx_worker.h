@@ -13,8 +13,8 @@
 //
 // Shared memory: a worker address is opaque bytes that tell UCX how to reach a peer, including
 // through shared memory with a named process (posix, sysv, cma, xpmem). A worker of
-// Scope::kNetwork is made with every shared-memory and loopback transport removed from its
-// UCX_TLS, so whatever an address says it reaches peers over the network only. Scope::kAny (all
+// WorkerScope::kNetwork is made with every shared-memory and loopback transport removed from its
+// UCX_TLS, so whatever an address says it reaches peers over the network only. WorkerScope::kAny (all
 // of the user's UCX_TLS) is for peers the kernel proved to be on this host.
 //
 // Threading: a worker is created UCS_THREAD_MODE_MULTI; its calls may come from any thread. Message
@@ -33,14 +33,14 @@
 
 namespace pdlink::ucx {
 
-enum class Scope { kNetwork, kAny };
+enum class WorkerScope { kNetwork, kAny };
 
 // The UCX_TLS value a worker of `scope` is made with, from the user's UCX_TLS (`user`, null when
 // unset): kAny keeps it ("" for UCX's default); kNetwork removes shared memory and loopback ("sm"
 // and its members posix, sysv, cma, knem, xpmem; "shm", "mm"; "self") from a list, or adds "sm"
 // and "self" to a "^" exclusion, or is "^sm,self" when unset or "all". kFeatureNotEnabled when
 // nothing is left.
-Result<std::string> transportsFor(Scope scope, const char* user);
+Result<std::string> transportsFor(WorkerScope scope, const char* user);
 
 // A lane's transport family: its name up to the first '_' ("rc" of "rc_mlx5", "tcp" of "tcp").
 std::string transportFamily(const std::string& lane);
@@ -199,14 +199,14 @@ class UcxWorker {
 
   // A context (UCP_FEATURE_AM | UCP_FEATURE_WAKEUP) and worker whose transports `scope` allows.
   // kFeatureNotEnabled when UCX is not loadable or allows nothing; kFailed when UCX fails.
-  static Result<std::unique_ptr<UcxWorker>> open(Scope scope);
+  static Result<std::unique_ptr<UcxWorker>> open(WorkerScope scope);
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
 
-  Scope scope() const { return scope_; }
+  WorkerScope scope() const { return scope_; }
   const std::string& transports() const { return transports_; }
-  // This worker's address as a peer needs it (network devices only for Scope::kNetwork).
+  // This worker's address as a peer needs it (network devices only for WorkerScope::kNetwork).
   const std::string& address() const { return address_; }
   // An endpoint to the worker at `peer_address` (bytes a peer sent, see the file comment): refused
   // with kParamInvalid, before UCX sees any of it, unless checkWorkerAddress accepts it against this
@@ -239,14 +239,14 @@ class UcxWorker {
     UcxWorker* worker;
     Handler handler;
   };
-  UcxWorker(const UcpApi* api, Scope scope) : api_(api), scope_(scope) {}
+  UcxWorker(const UcpApi* api, WorkerScope scope) : api_(api), scope_(scope) {}
   static ucs_status_t onMessage(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                 const AmRecvParam* param);
   // Progresses until `request` (a ucp_*_nbx result) completes or `deadline` passes; frees it.
   // kErrTimedOut leaves the request pending (the caller ends it by closing its endpoint).
   ucs_status_t wait(ucs_status_ptr_t request, Deadline deadline);
   const UcpApi* api_;
-  Scope scope_;
+  WorkerScope scope_;
   std::string transports_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
