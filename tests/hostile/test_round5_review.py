@@ -593,3 +593,69 @@ def test_report_records_of_a_raw_peers_link_are_what_the_doc_says(peers: Callabl
     assert {"peer_cluster_id", "peer_address", "transport", "device_paths", "lanes", "authenticated",
             "broken", "broken_reason"} <= set(link["fields"]), link
     assert link["pickles_equal"] and link["hash_equal"] and not link["writable"] and link["cluster"] == 9, link
+
+
+# ------------------------------------------------------------------ a raw peer's answers to the victim's own requests
+
+
+def raw_peer_answering(peers: Callable[..., Peer], answer: str) -> Peer:
+    """A victim (cluster 1, 1 s timeouts, a region "dst") linked by a raw peer (cluster 9) that answers
+    the victim's requests on its reverse channel as ``answer`` says."""
+    victim, a = peers("victim"), peers("attacker")
+    port = victim.call(native.start, 1, True, 1000)
+    victim.call(native.register, "dst", 4, 64, None)
+    assert a.call(hostile.link_raw, port, 9) == (0, "")
+    if answer == "not_utf8":
+        a.call(round5.answer_on_reverse_with, int(S.LLM_LINK_FAILED), NOT_UTF8)
+    elif answer != "silent":
+        a.call(round5.answer_on_reverse_with, int(S[answer]), b"no")
+    return victim
+
+
+ANSWERS = ["silent", "not_utf8", *[c.name for c in ENGINE_CODES]]
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_a_raw_peers_answers_on_the_reverse_channel_are_link_scope(peers: Callable[..., Peer], answer: str) -> None:
+    """The victim's own requests to a raw peer that linked in (a notification, a memory-table describe,
+    a read, a write, then its unlink), answered with an engine-scope code, with words that are not UTF-8,
+    or not at all: each fails as that peer's failure (LINK scope; the engine's error class, never an
+    exception of another kind), the unlink is not held hostage (the link is gone either way:
+    security.md, Identities), and the victim's reports still read."""
+    victim = raw_peer_answering(peers, answer)
+    for call, outcome in victim.call(round5.victim_calls, 9, "dst").items():
+        if call == "ping":
+            continue  # test_a_raw_peers_answer_to_a_ping_is_link_scope
+        assert outcome[0] == "raised" and outcome[3] == "LINK", (call, outcome)
+    outcome = victim.call(round5.victim_disconnect_each, 9)
+    assert outcome[0] == "ok", outcome
+    [(status, _message, scope)] = outcome[1]
+    assert status == S.LLM_SUCCESS or scope == "LINK", outcome
+    assert all(link.broken or link.peer_cluster_id != 9 for link in victim.call(native.links))
+    reports_work(victim)
+
+
+@pytest.mark.parametrize("answer", ["silent", "not_utf8"])
+def test_a_raw_peers_silent_or_garbled_answer_to_a_ping_is_link_scope(peers: Callable[..., Peer],
+                                                                     answer: str) -> None:
+    victim = raw_peer_answering(peers, answer)
+    outcome = victim.call(round5.victim_ping, 9)
+    assert outcome[0] == "raised" and outcome[3] == "LINK", outcome
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Engine.ping passes the status a peer answers straight to the caller with that code's default scope "
+    "and the peer's own words as the whole message: a raw peer that linked in answers the victim's ping "
+    "(on the link's reverse channel) with LLM_ENGINE_FINALIZED and the victim's ping raises "
+    "LLMException(LLM_ENGINE_FINALIZED, scope=ENGINE, message 'no'); with LLM_OUT_OF_MEMORY, OutOfMemory, "
+    "scope ENGINE. native_api.md, Errors: ENGINE means 'this engine ... every call on it may fail alike', "
+    "LINK covers a peer that refused for its own state, and the scope 'is decided where the engine makes "
+    "the status'. Every other request of the victim (notify, remote_memory, read, write) says 'cluster 9: "
+    "...' with scope LINK for the same answer (test_a_raw_peers_answers_on_the_reverse_channel_are_link_scope), "
+    "so a hostile peer can make only a ping report this engine as finalized or out of memory"))
+@pytest.mark.parametrize("code", ENGINE_CODES, ids=lambda c: c.name)
+def test_a_raw_peers_answer_to_a_ping_is_link_scope(peers: Callable[..., Peer], code: LLMStatusCode) -> None:
+    victim = raw_peer_answering(peers, code.name)
+    outcome = victim.call(round5.victim_ping, 9)
+    assert outcome[0] == "raised" and outcome[2] == int(code), outcome
+    assert outcome[3] == "LINK", outcome

@@ -358,3 +358,62 @@ def report_records() -> dict[str, Any]:
                              "hash_equal": hash(copy) == hash(link), "writable": writable,
                              "cluster": link.peer_cluster_id})
     return out
+
+
+def answer_on_reverse_with(status: int, message: bytes) -> None:
+    """From a thread: answers each request the victim sends over the raw link's reverse channel with
+    ``status`` and ``message``."""
+    c = hostile._client
+    assert c is not None
+    rev = c.rev
+
+    def run() -> None:
+        try:
+            while True:
+                op, _flags, _body, plen = rawwire.read_request(rev)
+                if op == rawwire.OP_WRITE and plen:
+                    rawwire.recv_exact(rev, plen)
+                if op in (rawwire.OP_COMMIT, rawwire.OP_RELEASE):
+                    continue
+                rev.sendall(rawwire.response(status=status, message=message))
+        except (ConnectionError, OSError, AssertionError, struct.error):
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def victim_disconnect_each(peer: int) -> tuple[Any, ...]:
+    from peers.native import _engine
+
+    def run() -> list[tuple[int, str, str | None]]:
+        return [(int(r.status), r.message, None if r.scope is None else r.scope.name)
+                for r in _engine().disconnect_each([peer], timeout_ms=2000)]
+
+    return _outcome(run)
+
+
+def victim_notify(peer: int) -> tuple[Any, ...]:
+    from peers.native import _engine
+
+    return _outcome(lambda: _engine().notify(peer, b"hello", name=b"n"))
+
+
+def victim_ping(peer: int) -> tuple[Any, ...]:
+    from peers.native import _engine
+
+    return _outcome(lambda: _engine().ping(peer))
+
+
+def victim_remote_memory(peer: int) -> tuple[Any, ...]:
+    from peers.native import _engine
+
+    return _outcome(lambda: _engine().remote_memory(peer))
+
+
+def victim_calls(peer: int, name: str | None) -> dict[str, tuple[Any, ...]]:
+    """Every request this engine makes of ``peer`` that a test can start from the API: its outcome."""
+    out = {"notify": victim_notify(peer), "ping": victim_ping(peer), "remote_memory": victim_remote_memory(peer)}
+    if name is not None:
+        out["read"] = victim_read(peer, name, 0x10000)
+        out["write"] = victim_read(peer, name, 0x10000, "write")
+    return out
