@@ -608,7 +608,7 @@ def raw_peer_answering(peers: Callable[..., Peer], answer: str) -> Peer:
     if answer == "not_utf8":
         a.call(round5.answer_on_reverse_with, int(S.LLM_LINK_FAILED), NOT_UTF8)
     elif answer != "silent":
-        a.call(round5.answer_on_reverse_with, int(S[answer]), b"no")
+        a.call(round5.answer_on_reverse_with, int(S.__members__[answer]), b"no")
     return victim
 
 
@@ -659,3 +659,19 @@ def test_a_raw_peers_answer_to_a_ping_is_link_scope(peers: Callable[..., Peer], 
     outcome = victim.call(round5.victim_ping, 9)
     assert outcome[0] == "raised" and outcome[2] == int(code), outcome
     assert outcome[3] == "LINK", outcome
+
+
+@pytest.mark.parametrize("code", [S.LLM_NOT_YET_LINK, S.LLM_ENGINE_FINALIZED], ids=lambda c: c.name)
+def test_a_confirm_answered_no_or_with_an_engine_code_keeps_only_the_dialled_link(peers: Callable[..., Peer],
+                                                                                   code: LLMStatusCode) -> None:
+    """security.md, Identities: a raw peer links in as cluster 1, then the victim (llm_datadist) links to
+    a server claiming cluster 1, which answers the victim's kConfirm "no" (LLM_NOT_YET_LINK) or with an
+    engine-scope code: the accepted link is dropped as an impostor's, the dialled link kept, and
+    link_clusters succeeds (an error answer is no "yes")."""
+    attacker, victim = peers("attacker"), peers("victim")
+    server_port = attacker.call(round5.serve_words, "response", int(code), b"no")
+    victim_port = victim.call(kv.start, "prompt", 5, listen=True)
+    assert attacker.call(hostile.link_raw, victim_port, 1) == (0, "")
+    assert victim.call(kv.link, 1, server_port, 3000, hostile.ATTACKER_IP) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert [(link["peer_cluster_id"], link["initiator"]) for link in victim.call(kv.links)
+            if not link["broken"]] == [(1, True)]
