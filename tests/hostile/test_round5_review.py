@@ -401,13 +401,26 @@ def test_device_channels_set_up_again_and_again_on_one_link_replace_each_other(
     after(victim, secret)
 
 
+@pytest.fixture
+def quick_join_victim(make_pair: Callable[..., Pair]) -> Pair:
+    """The victim, its vendor join bounded at 2 s (HCCL_CONNECT_TIMEOUT, read by the fake HCCL)."""
+    pair = make_pair(prefill_env={"HCCL_CONNECT_TIMEOUT": "2"})
+    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=Pair.KEY)
+    pair.prefill.call(kv.plant_secret)
+    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
+    pair.link()
+    pair.pulled([0])
+    return pair
+
+
 @only("ascend-fake")
 def test_a_device_channel_the_peer_never_joins_ends_with_the_join_timeout(
-        peers: Callable[..., Peer], victim: Pair, variant) -> None:
+        peers: Callable[..., Peer], quick_join_victim: Pair, variant) -> None:
     """A real root info whose creator never joins: the kPathConnect is answered, the link's serving
     thread then waits in the vendor's join (nothing else of that link is served meanwhile), the victim
     serves its honest decoder during it, and the link is dropped once the join times out (its
     descriptors and threads released, the attacker's later frames never served)."""
+    victim = quick_join_victim
     secret = victim.prefill.call(kv.secrets)
     fds, threads = victim.prefill.call(kv.resources)
     a = peers("attacker", env=variant.env())
@@ -559,7 +572,7 @@ def test_ucx_frames_on_a_link_without_ucx_are_answered_before_their_bodies_are_r
         peers: Callable[..., Peer], victim: Pair, frame: str) -> None:
     a = attacker_links(peers, victim)
     full, head = UCX_FRAMES[frame]
-    assert a.call(round5.send_and_watch, full[:head], 2.0).startswith("answered")
+    assert a.call(round5.send_and_watch, full[:head], 1.0).startswith("answered")
 
 
 # ------------------------------------------------------------------ what the doc says about bounds and records

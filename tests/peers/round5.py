@@ -125,11 +125,11 @@ def pipeline_sent() -> int:
 
 def send_on_reverse(frame: bytes) -> str:
     """Sends ``frame`` on the raw link's reverse channel (where the victim is the requester and
-    this peer the server) and says whether the victim closed it within 3 s."""
+    this peer the server) and says whether the victim closed it within 1 s."""
     c = hostile._client
     assert c is not None
     c.rev.sendall(frame)
-    c.rev.settimeout(3)
+    c.rev.settimeout(1)
     try:
         data = c.rev.recv(64)
     except TimeoutError:
