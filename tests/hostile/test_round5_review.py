@@ -688,3 +688,26 @@ def test_a_confirm_answered_no_or_with_an_engine_code_keeps_only_the_dialled_lin
     assert victim.call(kv.link, 1, server_port, 3000, hostile.ATTACKER_IP) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
     assert [(link["peer_cluster_id"], link["initiator"]) for link in victim.call(kv.links)
             if not link["broken"]] == [(1, True)]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the same pass-through reaches llm_datadist: LLMDataDist.check_link_status (KvCacheManager mode, "
+    "DECODER) pings the prompt and re-raises whatever the peer answered (compat/llm_datadist/llm_datadist.py, "
+    "raising_as('ping') over Engine.ping, which returns the peer's status as its own: "
+    "csrc/engine/link_manager.cc LinkManager::ping 'return remote;'). A hostile prompt answers the ping with "
+    "LLM_ENGINE_FINALIZED and text of its choosing, and the decoder's check_link_status raises "
+    "LLMException(LLM_ENGINE_FINALIZED, 'ping failed, error code is LLMStatusCode.LLM_ENGINE_FINALIZED, your "
+    "engine is finalized.'); its docstring promises LLM_NOT_YET_LINK, or LLM_LINK_FAILED / LLM_TIMEOUT for a "
+    "dead or silent peer"))
+def test_a_prompts_answer_to_check_link_status_cannot_name_the_decoders_engine_finalized(
+        peers: Callable[..., Peer]) -> None:
+    from peers import v1
+
+    attacker, victim = peers("attacker"), peers("victim")
+    port = attacker.call(round5.serve_words, "ping", int(S.LLM_ENGINE_FINALIZED), b"your engine is finalized",
+                         "127.0.0.1")
+    victim.call(v1.start, "decoder", 2)
+    assert victim.call(v1.link, 1, [port]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    with pytest.raises(Exception) as err:
+        victim.call(v1.check_link_status, 1)
+    assert getattr(err.value, "status_code", None) in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT), err.value

@@ -22,12 +22,12 @@ from peers.hostile import ATTACKER_IP, _words
 _srv: dict[str, Any] = {}
 
 
-def serve_words(stage: str, status: int, message: bytes) -> int:
-    """A server on ATTACKER_IP that refuses at ``stage`` ("ack": the HelloAck; "auth": the AuthResult)
+def serve_words(stage: str, status: int, message: bytes, host: str = ATTACKER_IP) -> int:
+    """A server on ``host`` that refuses at ``stage`` ("ack": the HelloAck; "auth": the AuthResult)
     with ``status`` and ``message``, or ("response") completes the handshake and answers every request
-    but pings and unlinks with that status and message. Returns its port."""
+    but pings and unlinks with that status and message ("ping": pings too). Returns its port."""
     ls = socket.socket()
-    ls.bind((ATTACKER_IP, 0))
+    ls.bind((host, 0))
     ls.listen(16)
     _srv.update(sock=ls, conns=[])
 
@@ -51,7 +51,7 @@ def serve_words(stage: str, status: int, message: bytes) -> int:
                 op, _flags, _body, plen = rawwire.read_request(conn)
                 if op in (rawwire.OP_COMMIT, rawwire.OP_RELEASE):
                     continue
-                if op in (rawwire.OP_PING, rawwire.OP_UNLINK):
+                if op == rawwire.OP_UNLINK or (op == rawwire.OP_PING and stage != "ping"):
                     conn.sendall(rawwire.response())
                     continue
                 if op == rawwire.OP_WRITE and plen:
