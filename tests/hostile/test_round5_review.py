@@ -711,3 +711,77 @@ def test_a_prompts_answer_to_check_link_status_cannot_name_the_decoders_engine_f
     with pytest.raises(Exception) as err:
         victim.call(v1.check_link_status, 1)
     assert getattr(err.value, "status_code", None) in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT), err.value
+
+
+# ------------------------------------------------------------------ pins held across a half-sent setup frame
+
+
+def pin_then_half_frame(peers: Callable[..., Peer], variant, how: str, timeout_ms: int | None = None) -> Peer:
+    """A prompt (PinTimeoutMs 500, a 768 KiB cache in a 1 MiB pool) that a same-host raw peer read
+    directly (the pieces pinned "until the next frame"); the peer then starts a kPathConnect and holds it
+    half sent ("held") or trickles its 8 KiB body a byte every 100 ms ("trickled"); the owner deallocates
+    the cache, so only the peer's pin keeps the memory. Returns the prompt."""
+    from llm_datadist import CacheKey, DataType
+
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", 1, listen=True, pool=1 << 20, remote=False, timeout_ms=timeout_ms,
+                  extra={"pdlink.PinTimeoutMs": "500"})
+    p.call(kv.allocate, "big", 1, (1, 768 * 1024), DataType.DT_INT8, seed=1, keys=[CacheKey(1, 7)])
+    a = peers("attacker")
+    name = peers("spy").call(hostile.redirect_name, port)
+    assert a.call(hostile.link_raw, port, 9, b"", name) == (0, "")
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(
+        kind=rawwire.KIND_REQUEST_KEY, req=7, runs=((0, 4096),)), flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    frame = setup(DEVICE, channel_body(8192))
+    if how == "held":
+        a.call(hostile.send, frame[:30])
+    else:
+        a.call(round5.trickle, frame, 0.1)
+    p.call(kv.deallocate, "big")
+    p.call(kv.remove_cache_key, CacheKey(1, 7))  # no reference is left but the attacker's pin
+    return p
+
+
+def memory_freed(p: Peer, what: str) -> None:
+    from llm_datadist import DataType
+    from poll import hang_guard, wait_until
+
+    def freed() -> bool:
+        try:
+            p.call(kv.allocate, "again", 1, (1, 768 * 1024), DataType.DT_INT8)
+            return True
+        except Exception:  # noqa: BLE001 (LLM_OUT_OF_MEMORY while the pin holds the memory)
+            return False
+
+    wait_until(freed, hang_guard(500), what)
+
+
+@only("cpu-cma")
+def test_a_half_sent_path_connect_after_a_direct_read_frees_the_memory_in_the_end(peers: Callable[..., Peer],
+                                                                                  variant) -> None:
+    """With the default frame deadline (max(2 x sync_kv_timeout, 5 s)), a peer that holds a setup frame
+    half sent after a direct read loses its link at that deadline, and the deallocated memory returns to
+    the pool (bounded, though not by PinTimeoutMs: the strict xfail below)."""
+    p = pin_then_half_frame(peers, variant, "held")
+    memory_freed(p, "the memory freed once the half-sent frame's deadline passed")
+
+
+@pytest.mark.heavy
+@pytest.mark.xfail(strict=True, reason=(
+    "PinTimeoutMs does not bound a pin once the peer has started its next frame: RequestServer::serveOne "
+    "(csrc/engine/request_server.cc) waits for the first byte of the next frame under the pin bound "
+    "(awaitRequest), but then reads the whole frame (readRequest) under the frame deadline, max(2 x "
+    "sync_kv_timeout, 5 s), and unpins only after it: a same-host peer that reads directly, then sends "
+    "the first bytes of a kPathConnect (or any frame) and holds the rest, or trickles it a byte every "
+    "100 ms, keeps deallocated memory pinned (the pool's next allocation LLM_OUT_OF_MEMORY) for PinTimeoutMs "
+    "+ the frame deadline, and pins_expired never counts it. security.md, Limits: PinTimeoutMs 'how long "
+    "the caches of a direct or IPC access stay pinned while the peer sends nothing; an expired pin frees "
+    "the memory'. Here PinTimeoutMs is 500 ms and sync_kv_timeout 30 s: the memory is still pinned 20 s "
+    "later. Bounded (the link drops at the deadline), but by a bound the doc does not give"))
+@only("cpu-cma")
+@pytest.mark.parametrize("how", ["held", "trickled"])
+def test_a_half_sent_path_connect_does_not_keep_a_pin_past_pin_timeout(peers: Callable[..., Peer], variant,
+                                                                       how: str) -> None:
+    p = pin_then_half_frame(peers, variant, how, timeout_ms=30_000)
+    memory_freed(p, "the memory freed within the pin bound while the peer was sending a setup frame")

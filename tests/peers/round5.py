@@ -417,3 +417,20 @@ def victim_calls(peer: int, name: str | None) -> dict[str, tuple[Any, ...]]:
         out["read"] = victim_read(peer, name, 0x10000)
         out["write"] = victim_read(peer, name, 0x10000, "write")
     return out
+
+
+def trickle(frame: bytes, interval_s: float) -> None:
+    """From a thread, sends ``frame`` one byte every ``interval_s`` on the forward channel (until it
+    is sent or the connection fails)."""
+    c = hostile._client
+    assert c is not None
+
+    def run() -> None:
+        try:
+            for i in range(len(frame)):
+                c.fwd.sendall(frame[i:i + 1])
+                threading.Event().wait(interval_s)
+        except OSError:
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
