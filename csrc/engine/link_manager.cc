@@ -30,8 +30,10 @@ Status detail::linkDown(const Link& link) { return linkDown(link.peer(), link.br
 
 Status detail::linkError(const PeerAddress& peer, const Status& st) {
   Code code = st.code() == Code::kParamInvalid ? Code::kParamInvalid : Code::kLinkFailed;
-  return Status(code, "cannot link to " + clusterName(peer.cluster_id) + " at " + peer.ip + ":" +
-                          std::to_string(peer.port) + ": " + st.message());
+  // A peer dialled without a cluster id is named by its address only.
+  const std::string who = peer.cluster_id == wire::kAnyCluster ? "the engine" : clusterName(peer.cluster_id);
+  return Status(code,
+                "cannot link to " + who + " at " + peer.ip + ":" + std::to_string(peer.port) + ": " + st.message());
 }
 
 LinkManager::LinkManager(EngineState& state, ServeFn serve) : s_(state), serve_(std::move(serve)) {}
@@ -716,7 +718,15 @@ Status LinkManager::ping(uint64_t cluster_id, int64_t timeout_ms) {
   Status remote;
   if (st.ok()) st = readResponse(link->out(), deadline, &rh, &remote);
   if (!st.ok()) return failTransfer(*link, st, "link check with");
-  return remote;
+  if (!remote.ok()) {
+    // An engine always answers a ping with success: any other answer is a peer out of protocol,
+    // and its code (an engine code included) is not this engine's to report.
+    return failTransfer(*link,
+                        Status(Code::kLinkFailed, std::string("it answered ") + codeName(remote.code()) + " (" +
+                                                      remote.message() + "), not success"),
+                        "link check with");
+  }
+  return Status::OK();
 }
 
 Result<uint16_t> LinkManager::startCommListener(const std::string& ip, uint16_t port) {

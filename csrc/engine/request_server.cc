@@ -57,16 +57,17 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   bool expired = false;
   PDLINK_RETURN_IF_ERROR(awaitRequest(*link, s, state, &expired));
   if (expired) return Status::OK();
+  // The requester sends its next frame only after its direct or IPC copy finished: unpin on the
+  // frame's first byte, so that a peer stalling mid-frame holds no pin past PinTimeoutMs.
+  for (const std::string& key : state->exported) s_.backend->closeExport(key);
+  state->exported.clear();
+  state->pinned.clear();
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
   Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * s_.config.sync_timeout_ms, 5000));
   wire::RequestHeader h;
   std::string body;
   const PathEntry* setup = nullptr;
   PDLINK_RETURN_IF_ERROR(readRequest(*link, s, deadline, &h, &body, &setup));
-  // The requester sends its next frame only after its direct or IPC copy finished: unpin.
-  for (const std::string& key : state->exported) s_.backend->closeExport(key);
-  state->exported.clear();
-  state->pinned.clear();
 
   Status result;
   if (serveControl(link, s, h, body, setup, deadline, state, &result)) return result;

@@ -560,21 +560,6 @@ def test_ucx_frames_on_a_link_without_ucx_with_their_bodies_held_back(peers: Cal
     after(victim, secret)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "doc claim false, not a safety hole: security.md (Per data path, ucx) says ucx frames (the connect "
-    "request, kFlagUcx reads and writes) on a link that does not serve ucx 'are answered "
-    "LLM_FEATURE_NOT_ENABLED before anything of them is read'; the engine reads the whole announced body "
-    "first (the headers alone get no answer; the refusal comes once the body arrived), as its own 'Path "
-    "setup frames' section says for the connect. Fix the sentence (then delete this test) or answer first"))
-@only("cpu-tcp")
-@pytest.mark.parametrize("frame", sorted(UCX_FRAMES))
-def test_ucx_frames_on_a_link_without_ucx_are_answered_before_their_bodies_are_read(
-        peers: Callable[..., Peer], victim: Pair, frame: str) -> None:
-    a = attacker_links(peers, victim)
-    full, head = UCX_FRAMES[frame]
-    assert a.call(round5.send_and_watch, full[:head], 1.0).startswith("answered")
-
-
 # ------------------------------------------------------------------ what the doc says about bounds and records
 
 
@@ -656,22 +641,17 @@ def test_a_raw_peers_silent_or_garbled_answer_to_a_ping_is_link_scope(peers: Cal
     assert outcome[0] == "raised" and outcome[3] == "LINK", outcome
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Engine.ping passes the status a peer answers straight to the caller with that code's default scope "
-    "and the peer's own words as the whole message: a raw peer that linked in answers the victim's ping "
-    "(on the link's reverse channel) with LLM_ENGINE_FINALIZED and the victim's ping raises "
-    "LLMException(LLM_ENGINE_FINALIZED, scope=ENGINE, message 'no'); with LLM_OUT_OF_MEMORY, OutOfMemory, "
-    "scope ENGINE. native_api.md, Errors: ENGINE means 'this engine ... every call on it may fail alike', "
-    "LINK covers a peer that refused for its own state, and the scope 'is decided where the engine makes "
-    "the status'. Every other request of the victim (notify, remote_memory, read, write) says 'cluster 9: "
-    "...' with scope LINK for the same answer (test_a_raw_peers_answers_on_the_reverse_channel_are_link_scope), "
-    "so a hostile peer can make only a ping report this engine as finalized or out of memory"))
 @pytest.mark.parametrize("code", ENGINE_CODES, ids=lambda c: c.name)
 def test_a_raw_peers_answer_to_a_ping_is_link_scope(peers: Callable[..., Peer], code: LLMStatusCode) -> None:
+    """An engine answers every ping with success: a peer that answers the victim's ping with an engine
+    code (which would read as this engine finalized or out of memory) is out of protocol: the victim's
+    ping raises LLM_LINK_FAILED, scope LINK, naming the code it got, and the link is broken."""
     victim = raw_peer_answering(peers, code.name)
     outcome = victim.call(round5.victim_ping, 9)
-    assert outcome[0] == "raised" and outcome[2] == int(code), outcome
+    assert outcome[0] == "raised" and outcome[2] == int(S.LLM_LINK_FAILED), outcome
     assert outcome[3] == "LINK", outcome
+    assert f"answered {code.name}" in outcome[4], outcome
+    assert all(link.broken for link in victim.call(native.links) if link.peer_cluster_id == 9)
 
 
 @pytest.mark.parametrize("code", [S.LLM_NOT_YET_LINK, S.LLM_ENGINE_FINALIZED], ids=lambda c: c.name)
@@ -690,15 +670,6 @@ def test_a_confirm_answered_no_or_with_an_engine_code_keeps_only_the_dialled_lin
             if not link["broken"]] == [(1, True)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the same pass-through reaches llm_datadist: LLMDataDist.check_link_status (KvCacheManager mode, "
-    "DECODER) pings the prompt and re-raises whatever the peer answered (compat/llm_datadist/llm_datadist.py, "
-    "raising_as('ping') over Engine.ping, which returns the peer's status as its own: "
-    "csrc/engine/link_manager.cc LinkManager::ping 'return remote;'). A hostile prompt answers the ping with "
-    "LLM_ENGINE_FINALIZED and text of its choosing, and the decoder's check_link_status raises "
-    "LLMException(LLM_ENGINE_FINALIZED, 'ping failed, error code is LLMStatusCode.LLM_ENGINE_FINALIZED, your "
-    "engine is finalized.'); its docstring promises LLM_NOT_YET_LINK, or LLM_LINK_FAILED / LLM_TIMEOUT for a "
-    "dead or silent peer"))
 def test_a_prompts_answer_to_check_link_status_cannot_name_the_decoders_engine_finalized(
         peers: Callable[..., Peer]) -> None:
     from peers import v1
@@ -761,27 +732,19 @@ def memory_freed(p: Peer, what: str) -> None:
 def test_a_half_sent_path_connect_after_a_direct_read_frees_the_memory_in_the_end(peers: Callable[..., Peer],
                                                                                   variant) -> None:
     """With the default frame deadline (max(2 x sync_kv_timeout, 5 s)), a peer that holds a setup frame
-    half sent after a direct read loses its link at that deadline, and the deallocated memory returns to
-    the pool (bounded, though not by PinTimeoutMs: the strict xfail below)."""
+    half sent after a direct read holds no pin (it ended with the frame's first byte): the deallocated
+    memory returns to the pool."""
     p = pin_then_half_frame(peers, variant, "held")
     memory_freed(p, "the memory freed once the half-sent frame's deadline passed")
 
 
-@pytest.mark.heavy
-@pytest.mark.xfail(strict=True, reason=(
-    "PinTimeoutMs does not bound a pin once the peer has started its next frame: RequestServer::serveOne "
-    "(csrc/engine/request_server.cc) waits for the first byte of the next frame under the pin bound "
-    "(awaitRequest), but then reads the whole frame (readRequest) under the frame deadline, max(2 x "
-    "sync_kv_timeout, 5 s), and unpins only after it: a same-host peer that reads directly, then sends "
-    "the first bytes of a kPathConnect (or any frame) and holds the rest, or trickles it a byte every "
-    "100 ms, keeps deallocated memory pinned (the pool's next allocation LLM_OUT_OF_MEMORY) for PinTimeoutMs "
-    "+ the frame deadline, and pins_expired never counts it. security.md, Limits: PinTimeoutMs 'how long "
-    "the caches of a direct or IPC access stay pinned while the peer sends nothing; an expired pin frees "
-    "the memory'. Here PinTimeoutMs is 500 ms and sync_kv_timeout 30 s: the memory is still pinned 20 s "
-    "later. Bounded (the link drops at the deadline), but by a bound the doc does not give"))
 @only("cpu-cma")
 @pytest.mark.parametrize("how", ["held", "trickled"])
 def test_a_half_sent_path_connect_does_not_keep_a_pin_past_pin_timeout(peers: Callable[..., Peer], variant,
                                                                        how: str) -> None:
+    """security.md, Limits: PinTimeoutMs bounds a pin while the peer sends nothing, and a pin lasts until
+    the next frame. A same-host peer that reads directly, then starts a kPathConnect and holds it (or
+    trickles it a byte every 100 ms) under a 60 s frame deadline: its pin ended with the frame's first
+    byte, so the deallocated memory is back in the pool well within PinTimeoutMs (500 ms)."""
     p = pin_then_half_frame(peers, variant, how, timeout_ms=30_000)
     memory_freed(p, "the memory freed within the pin bound while the peer was sending a setup frame")
