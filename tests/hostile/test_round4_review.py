@@ -21,32 +21,25 @@ from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native
 from poll import wait_until
+from review_kit import (
+    DEVICE,
+    PING,
+    ROOT_INFO,
+    SHAPE,
+    UCX,
+    after,
+    attacker_links,
+    channel_body,
+    make_victim,
+    refused_kept,
+    setup,
+    ucx_body,
+)
 from verify import assert_same
 
 S = LLMStatusCode
-SHAPE = (16, 4096)
 DEVICE_CHANNEL_BOUND = 8192  # security.md, Limits: "device-channel body 8 KiB"
 UCX_HELLO_BOUND = 12 + 4096  # wire::kMaxUcxHelloBytes: token, message size, a worker address of 4 KiB
-ROOT_INFO = 4108  # an HCCL root info
-DEVICE = rawwire.PATH_DEVICE_CHANNEL  # the HCCL entry's id, which names the device channel's setup
-UCX = rawwire.PATH_UCX
-
-
-@pytest.fixture
-def victim(pair: Pair) -> Pair:
-    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=Pair.KEY)
-    pair.prefill.call(kv.plant_secret)
-    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
-    pair.link()
-    pair.pulled([0])
-    return pair
-
-
-def attacker_links(peers: Callable[..., Peer], pair: Pair, cluster: int = 9) -> Peer:
-    a = peers(f"attacker{cluster}")
-    unix = a.call(hostile.redirect_name, pair.port, cluster) if pair.variant.same_host else None
-    assert a.call(hostile.link_raw, pair.port, cluster, b"", unix) == (0, "")
-    return a
 
 
 def raw_request(op: int, body: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
@@ -54,33 +47,9 @@ def raw_request(op: int, body: bytes, flags: int = 0, payload_len: int = 0, body
     return struct.pack("<IBBHIQ", rawwire.REQUEST_MAGIC, op, flags, 0, blen, payload_len) + body
 
 
-def channel_body(n: int, options: int = 1) -> bytes:
-    return b"\xa5" * (n - 1) + bytes([options]) if n else b""
-
-
-def ucx_body(n: int) -> bytes:
-    return struct.pack("<QI", 7, 1 << 16) + b"\xa5" * max(0, n - 12)
-
-
-def setup(path: int, body: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
-    """A kPathConnect frame naming ``path`` (``body_len``: the announced length, header included)."""
-    return rawwire.path_connect(path, body, flags=flags, payload_len=payload_len, body_len=body_len)
-
-
-PING = raw_request(rawwire.OP_PING, b"")
-
-
-def refused_kept(a: Peer, frame: bytes, code: int) -> str:
-    answer = a.call(hostile.exchange, frame)
-    assert isinstance(answer, tuple) and answer[0] == code and answer[2] == b"", (answer, code)
-    assert a.call(hostile.exchange, PING) == (0, "", b""), "the link was not kept"
-    return answer[1]
-
-
-def after(victim: Pair, secret: list[bytes], blocks: int = 3) -> None:
-    """The victim still serves its honest decoder; its unregistered secret is unchanged."""
-    victim.pulled([blocks])
-    assert victim.prefill.call(kv.secrets) == secret
+@pytest.fixture
+def victim(pair: Pair) -> Pair:
+    return make_victim(pair)
 
 
 # ------------------------------------------------------------------ device-channel setup frames

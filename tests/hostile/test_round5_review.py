@@ -19,27 +19,29 @@ from conftest import Pair, only
 from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native, round5
+from review_kit import (
+    DEVICE,
+    PING,
+    ROOT_INFO,
+    SHAPE,
+    UCX,
+    after,
+    attacker_links,
+    channel_body,
+    make_victim,
+    setup,
+    ucx_body,
+)
 from verify import assert_same
 
 S = LLMStatusCode
-SHAPE = (16, 4096)
-ROOT_INFO = 4108
-DEVICE, UCX = rawwire.PATH_DEVICE_CHANNEL, rawwire.PATH_UCX
-PING = rawwire.request(rawwire.OP_PING, b"")
 ENGINE_CODES = [S.LLM_ENGINE_FINALIZED, S.LLM_OUT_OF_MEMORY, S.LLM_DEVICE_OUT_OF_MEMORY]
 NOT_UTF8 = b"refused \xff\xfe\xc3( \xed\xa0\x80 end"
 
 
-def channel_body(n: int, options: int = 1) -> bytes:
-    return b"\xa5" * (n - 1) + bytes([options])
-
-
-def ucx_body(n: int) -> bytes:
-    return struct.pack("<QI", 7, 1 << 16) + b"\xa5" * max(0, n - 12)
-
-
-def setup(path: int, body: bytes, **kw: int) -> bytes:
-    return rawwire.path_connect(path, body, **kw)
+@pytest.fixture
+def victim(pair: Pair) -> Pair:
+    return make_victim(pair)
 
 
 # ------------------------------------------------------------------ scope and messages from a hostile server
@@ -105,29 +107,6 @@ def test_a_servers_words_that_are_not_utf8_come_back_as_a_status(peers: Callable
         outcome = victim.call(round5.victim_connect, port)
         assert outcome[0] == "raised" and outcome[2] == S.LLM_LINK_FAILED, outcome
     reports_work(victim)
-
-
-@pytest.fixture
-def victim(pair: Pair) -> Pair:
-    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=Pair.KEY)
-    pair.prefill.call(kv.plant_secret)
-    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
-    pair.link()
-    pair.pulled([0])
-    return pair
-
-
-def attacker_links(peers: Callable[..., Peer], pair: Pair, cluster: int = 9) -> Peer:
-    a = peers(f"attacker{cluster}")
-    unix = a.call(hostile.redirect_name, pair.port, cluster) if pair.variant.same_host else None
-    assert a.call(hostile.link_raw, pair.port, cluster, b"", unix) == (0, "")
-    return a
-
-
-def after(victim: Pair, secret: list[bytes], blocks: int = 3) -> None:
-    """The victim still serves its honest decoder; its unregistered secret is unchanged."""
-    victim.pulled([blocks])
-    assert victim.prefill.call(kv.secrets) == secret
 
 
 def test_notifications_whose_name_and_message_are_not_utf8(peers: Callable[..., Peer]) -> None:
