@@ -23,7 +23,6 @@ from review_kit import (
     DEVICE,
     PING,
     ROOT_INFO,
-    SHAPE,
     UCX,
     after,
     attacker_links,
@@ -130,13 +129,7 @@ SECRET = "round5-secret"
 @pytest.fixture
 def sealed_victim(make_pair: Callable[..., Pair]) -> Pair:
     env = {"PDLINK_LINK_SECRET": SECRET}
-    pair = make_pair(prefill_env=env, decode_env=env)
-    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=Pair.KEY)
-    pair.prefill.call(kv.plant_secret)
-    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
-    pair.link()
-    pair.pulled([0])
-    return pair
+    return make_victim(make_pair(prefill_env=env, decode_env=env))
 
 
 def sealed_attacker(peers: Callable[..., Peer], pair: Pair, cluster: int = 9) -> Peer:
@@ -383,13 +376,7 @@ def test_device_channels_set_up_again_and_again_on_one_link_replace_each_other(
 @pytest.fixture
 def quick_join_victim(make_pair: Callable[..., Pair]) -> Pair:
     """The victim, its vendor join bounded at 2 s (HCCL_CONNECT_TIMEOUT, read by the fake HCCL)."""
-    pair = make_pair(prefill_env={"HCCL_CONNECT_TIMEOUT": "2"})
-    pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=Pair.KEY)
-    pair.prefill.call(kv.plant_secret)
-    pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
-    pair.link()
-    pair.pulled([0])
-    return pair
+    return make_victim(make_pair(prefill_env={"HCCL_CONNECT_TIMEOUT": "2"}))
 
 
 @only("ascend-fake")
