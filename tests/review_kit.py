@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import rawwire
 from conftest import Pair
@@ -52,6 +53,26 @@ def ucx_body(n: int) -> bytes:
 def setup(path: int, body: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
     """A kPathConnect frame naming ``path`` (``body_len``: the announced length, header included)."""
     return rawwire.path_connect(path, body, flags=flags, payload_len=payload_len, body_len=body_len)
+
+
+def pinned_by_a_direct_read(peers: Callable[..., Peer], variant: Any, cluster: int = 1,
+                            timeout_ms: int | None = None) -> tuple[Peer, Peer]:
+    """A prompt ``cluster`` (PinTimeoutMs 500; a 768 KiB cache "big" keyed ``CacheKey(1, 7)`` in a 1 MiB
+    pool) and a same-host raw peer linked to it as cluster 9 that has read 4 KiB of the cache directly,
+    so the cache is pinned until the peer's next frame: (prompt, attacker)."""
+    from llm_datadist import CacheKey, DataType
+
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", cluster, listen=True, pool=1 << 20, remote=False, timeout_ms=timeout_ms,
+                  extra={"pdlink.PinTimeoutMs": "500"})
+    p.call(kv.allocate, "big", 1, (1, 768 * 1024), DataType.DT_INT8, seed=1, keys=[CacheKey(1, 7)])
+    a = peers("attacker")
+    name = peers("spy").call(hostile.redirect_name, port)
+    assert a.call(hostile.link_raw, port, 9, b"", name) == (0, "")
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(
+        kind=rawwire.KIND_REQUEST_KEY, req=7, runs=((0, 4096),)), flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    return p, a
 
 
 def refused_kept(a: Peer, frame: bytes, code: int) -> str:

@@ -26,6 +26,7 @@ from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv
 from poll import hang_guard, wait_until
+from review_kit import pinned_by_a_direct_read
 from verify import check_transfer, rows
 
 KEY = Pair.KEY
@@ -332,16 +333,7 @@ def test_a_pin_expires_and_frees_the_memory(peers: Callable[..., Peer], variant:
     """A same-host peer asks for one direct read of a pool cache and then stays silent. The owner
     deallocates the cache; once the pin bound passes (pdlink.PinTimeoutMs) the memory returns to the
     pool, and the owner's next allocation, which failed with LLM_OUT_OF_MEMORY meanwhile, succeeds."""
-    p = peers("prefill", env=variant.env())
-    port = p.call(kv.start, "prompt", PROMPT_ID, listen=True, pool=1 << 20, remote=False,
-                  extra={"pdlink.PinTimeoutMs": "500"})
-    p.call(kv.allocate, "big", 1, (1, 768 * 1024), DataType.DT_INT8, seed=1, keys=[CacheKey(1, 7)])
-    a = peers("attacker")
-    name = peers("spy").call(hostile.redirect_name, port)
-    assert a.call(hostile.link_raw, port, 9, b"", name) == (0, "")
-    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(
-        kind=rawwire.KIND_REQUEST_KEY, req=7, runs=((0, 4096),)), flags=rawwire.FLAG_DIRECT))
-    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    p, _ = pinned_by_a_direct_read(peers, variant, PROMPT_ID)
     p.call(kv.deallocate, "big")
     p.call(kv.remove_cache_key, CacheKey(1, 7))  # no reference is left but the attacker's pin
     with pytest.raises(Exception) as e:

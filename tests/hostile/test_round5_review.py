@@ -28,6 +28,7 @@ from review_kit import (
     attacker_links,
     channel_body,
     make_victim,
+    pinned_by_a_direct_read,
     setup,
     ucx_body,
 )
@@ -658,18 +659,9 @@ def pin_then_half_frame(peers: Callable[..., Peer], variant, how: str, timeout_m
     directly (the pieces pinned "until the next frame"); the peer then starts a kPathConnect and holds it
     half sent ("held") or trickles its 8 KiB body a byte every 100 ms ("trickled"); the owner deallocates
     the cache, so only the peer's pin keeps the memory. Returns the prompt."""
-    from llm_datadist import CacheKey, DataType
+    from llm_datadist import CacheKey
 
-    p = peers("prefill", env=variant.env())
-    port = p.call(kv.start, "prompt", 1, listen=True, pool=1 << 20, remote=False, timeout_ms=timeout_ms,
-                  extra={"pdlink.PinTimeoutMs": "500"})
-    p.call(kv.allocate, "big", 1, (1, 768 * 1024), DataType.DT_INT8, seed=1, keys=[CacheKey(1, 7)])
-    a = peers("attacker")
-    name = peers("spy").call(hostile.redirect_name, port)
-    assert a.call(hostile.link_raw, port, 9, b"", name) == (0, "")
-    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(
-        kind=rawwire.KIND_REQUEST_KEY, req=7, runs=((0, 4096),)), flags=rawwire.FLAG_DIRECT))
-    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    p, a = pinned_by_a_direct_read(peers, variant, timeout_ms=timeout_ms)
     frame = setup(DEVICE, channel_body(8192))
     if how == "held":
         a.call(hostile.send, frame[:30])

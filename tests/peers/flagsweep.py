@@ -18,7 +18,9 @@ from peers.hostile import ATTACKER_IP, _words
 NO_ANSWER = {rawwire.OP_COMMIT, rawwire.OP_RELEASE}
 
 
-def _link(port: int, cluster: int, secret: bytes, unix: str | None):
+def raw_link(port: int, cluster: int, secret: bytes, unix: str | None):
+    """Both channels of a raw link as cluster ``cluster`` (proving ``secret`` when given, over the AF_UNIX
+    name ``unix`` when given): (forward socket, reverse socket, the forward channel's Sealer or None)."""
     nonce = int.from_bytes(os.urandom(16), "little")
     gen = ctypes.addressof(_words) if unix is not None else 0
     fwd = rawwire.handshake(port, cluster=cluster, expected=rawwire.ANY, nonce=nonce, secret=secret, unix=unix,
@@ -51,7 +53,7 @@ def sweep(port: int, frames: dict[int, bytes], secret: bytes = b"", unix: str | 
     cluster = first_cluster
     for op, frame in sorted(frames.items()):
         for flags in range(256):
-            fwd, rev, sealer = _link(port, cluster, secret, unix)
+            fwd, rev, sealer = raw_link(port, cluster, secret, unix)
             cluster += 1
             f = bytearray(frame)
             f[5] = flags

@@ -14,8 +14,8 @@ import threading
 from typing import Any
 
 import rawwire
-from peers import hostile
-from peers.hostile import ATTACKER_IP, _words
+from peers import flagsweep, hostile
+from peers.hostile import ATTACKER_IP
 
 # ------------------------------------------------------------------ a hostile server with chosen words
 
@@ -178,16 +178,8 @@ _sealed: dict[str, Any] = {}
 
 def link_sealed(port: int, cluster: int, secret: bytes, unix: str | None = None) -> None:
     """A raw link that proves ``secret``; its forward channel's frames are sealed (rawwire.Sealer)."""
-    nonce = int.from_bytes(os.urandom(16), "little")
-    gen = ctypes.addressof(_words) if unix is not None else 0
-    fwd = rawwire.handshake(port, cluster=cluster, expected=rawwire.ANY, nonce=nonce, secret=secret, unix=unix,
-                            source=ATTACKER_IP, gen_addr=gen)
-    assert fwd.status == 0, fwd.message
-    rev = rawwire.handshake(port, channel=1, cluster=cluster, expected=rawwire.ANY, nonce=nonce, secret=secret,
-                            unix=unix, source=ATTACKER_IP, gen_addr=gen)
-    assert rev.status == 0, rev.message
-    fwd.sock.settimeout(10)
-    _sealed.update(fwd=fwd.sock, rev=rev.sock, sealer=rawwire.Sealer(fwd.key, requester=True))
+    fwd, rev, sealer = flagsweep.raw_link(port, cluster, secret, unix)
+    _sealed.update(fwd=fwd, rev=rev, sealer=sealer)
 
 
 def sealed_exchange(frame: bytes, tamper: bool = False, seal: bool = True) -> tuple[int, str, int] | str:
