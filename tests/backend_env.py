@@ -18,6 +18,13 @@ Every data-movement test runs once per ``Variant`` (the ``variant`` fixture, con
   (``UCX_TLS=sm,tcp``; the links are proven same-host links), with ``PDLINK_UCX_TRUSTED_NETWORK=1``
   (loopback only). They need UCX (``pdlink[ucx]``): without
   it they skip, except under ``PDLINK_REQUIRE_UCX=1`` (.ci/ucx.sh), where that is a failure.
+* ``cpu-tcp-hosts``, ``cpu-ucx-hosts``: the two-hosts cells. Every peer of a test runs on an emulated
+  host of its own (``pdlink.testing.hosts``: network, pid and mount namespaces joined by a plain
+  switch; ``Variant.hosts``), so a prefill and a decoder are two hosts and their links cross a real
+  network interface: tcp with the transport left at ``auto`` (which must never choose cma or a
+  same-host stream across hosts), and UCX over its tcp transport with ``PDLINK_UCX_TRUSTED_NETWORK=1``.
+  Without the privileges to make hosts they skip with the reason, except under
+  ``PDLINK_REQUIRE_HOSTS=1`` (CI), where that is a failure.
 The ascend-ipc and ascend-onesided cells are ``heavy``: the default run puts them through their own files, the heavy run
 through the whole shared suite as well. A new data path is one more ``Variant`` here (and nothing
 else in the tests). ``peer_env`` is the
@@ -75,6 +82,7 @@ class Variant:
     extra_env: tuple[tuple[str, str], ...] = ()
     heavy: bool = False
     needs_ucx: bool = False
+    hosts: bool = False  # each peer on an emulated host of its own (conftest's ``peers`` places them)
 
     @property
     def same_host(self) -> bool:
@@ -126,6 +134,10 @@ VARIANTS = (
             extra_env=(("UCX_TLS", "tcp"), ("PDLINK_UCX_TRUSTED_NETWORK", "1"))),
     Variant("cpu-ucx-sm", "cpu", "ucx", "ucx-sm", serving_loop=True, needs_ucx=True,
             extra_env=(("UCX_TLS", "sm,tcp"), ("PDLINK_UCX_TRUSTED_NETWORK", "1"))),
+    Variant("cpu-tcp-hosts", "cpu", "tcp", "tcp-hosts", serving_loop=True, hosts=True,
+            extra_env=(("PDLINK_TRANSPORT", "auto"),)),
+    Variant("cpu-ucx-hosts", "cpu", "ucx", "ucx-hosts", serving_loop=True, needs_ucx=True, hosts=True,
+            extra_env=(("UCX_TLS", "tcp"), ("PDLINK_UCX_TRUSTED_NETWORK", "1"))),
 )
 BY_KIND = {v.kind: v for v in VARIANTS}
 BACKENDS = ("cpu", "ascend")

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import emulated  # noqa: E402
 from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir  # noqa: E402
 from internals import direct_access_permitted, ucx_info  # noqa: E402
 from llm_datadist import BlocksCacheKey
@@ -81,6 +82,8 @@ def variant(request: pytest.FixtureRequest) -> Variant:
         request.getfixturevalue("fake_ascend_lib_dir")
     if v.needs_ucx:
         require_for_ucx(UCX_WHY_NOT)
+    if v.hosts:
+        request.getfixturevalue("test_hosts")
     return v
 
 
@@ -114,12 +117,29 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(scope="session")
+def test_hosts() -> Iterator[Any]:
+    """Four emulated hosts on a plain switch (profile "loopback": no shaping), one per peer of a
+    test in a two-hosts cell (``Variant.hosts``); made once per test worker (tests/emulated.py)."""
+    with emulated.bed(4) as hosts:
+        yield hosts
+
+
 @pytest.fixture
-def peers() -> Iterator[Callable[..., Peer]]:
-    """Factory for peer processes; every peer is killed at teardown."""
+def peers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Peer]]:
+    """Factory for peer processes; every peer is killed at teardown. In a two-hosts cell
+    (``Variant.hosts``) each peer runs on the next emulated host (the first on host 0, the second on
+    host 1, ...), with the environment tests/peers/addr.py reads."""
     made: list[Peer] = []
+    hosts = None
+    if "variant" in request.fixturenames and request.getfixturevalue("variant").hosts:
+        hosts = request.getfixturevalue("test_hosts")
 
     def make(name: str = "peer", **kw: Any) -> Peer:
+        if hosts is not None:
+            i = len(made) % len(hosts)
+            kw["executable"] = hosts[i].python
+            kw["env"] = {**(kw.get("env") or {}), **emulated.env(hosts, i)}
         p = Peer(name, **kw)
         made.append(p)
         return p

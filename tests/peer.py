@@ -73,6 +73,26 @@ def _namespace_wrapper() -> str:
     return _NAMESPACE_WRAPPER[0]
 
 
+def _interpreter_below(wrapper: int) -> int:
+    """The pid of the multiprocessing child started through ``wrapper`` (which may start the
+    interpreter as a child of its own, e.g. to enter a pid namespace): the deepest process, from the
+    wrapper down, whose command line is the spawn child's. Call it once the child has answered."""
+    found, level = wrapper, [wrapper]
+    while level:
+        below = []
+        for pid in level:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        found = pid
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    below.extend(int(child) for child in f.read().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        level = below
+    return found
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a peer (chained as the re-raised exception's cause)."""
 
@@ -139,16 +159,22 @@ def _main(conn: Any) -> None:
 class Peer:
     """One peer process; ``close()`` (or the ``peers`` fixture's teardown) kills it."""
 
-    def __init__(self, name: str = "peer", env: Mapping[str, str | None] | None = None, pid_namespace: bool = False):
+    def __init__(self, name: str = "peer", env: Mapping[str, str | None] | None = None, pid_namespace: bool = False,
+                 executable: str | None = None):
         """``env``: variables the peer gets on top of this process's environment; a value of None
         leaves that variable out of the peer's environment. ``pid_namespace``: the peer runs in a
         pid namespace of its own (needs ``pid_namespace_error() is None``): the kernel cannot
         name its processes to ours and back, so pdlink links to it as to another host, over TCP.
-        ``pid`` is then that of the wrapper, whose death kills the peer."""
+        ``pid`` is then that of the wrapper, whose death kills the peer. ``executable``: runs the
+        interpreter through that wrapper instead (``pdlink.testing.hosts.Host.python``: the peer
+        runs on an emulated host); ``pid`` is then the interpreter's own, found below the wrapper,
+        and killing the wrapper kills it."""
         self.name = name
         parent, child = _CTX.Pipe()
         self._conn = parent
         self._broken: str | None = None
+        self._wrapped = executable is not None
+        self._interpreter: int | None = None
         saved: dict[str, str | None] = {}
         for k, v in (env or {}).items():  # spawn copies os.environ at start
             saved[k] = os.environ.get(k)
@@ -160,8 +186,8 @@ class Peer:
             self.proc = _CTX.Process(target=_main, args=(child,), name=name, daemon=True)
             with _SPAWN_LOCK:
                 spawn_exe = multiprocessing.spawn.get_executable()
-                if pid_namespace:
-                    multiprocessing.spawn.set_executable(_namespace_wrapper())
+                if pid_namespace or executable:
+                    multiprocessing.spawn.set_executable(executable or _namespace_wrapper())
                 try:
                     self.proc.start()
                 finally:
@@ -178,7 +204,12 @@ class Peer:
     def pid(self) -> int:
         pid = self.proc.pid
         assert pid is not None
-        return pid
+        if not self._wrapped:
+            return pid
+        if self._interpreter is None:
+            self.call(os.getpid)  # it answers: the interpreter runs, below the wrapper or as it
+            self._interpreter = _interpreter_below(pid)
+        return self._interpreter
 
     # ------------------------------------------------------------------ calls
 

@@ -20,7 +20,7 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
 )
-from peers import kv
+from peers import addr, kv
 
 # ---------------------------------------------------------------------------- SGLang
 
@@ -43,7 +43,7 @@ def sglang_start(role: str, seed: int | None) -> int:
     cfg.sync_kv_timeout = 20000
     cfg.local_comm_res = json.dumps(table)
     if llm_role == LLMRole.PROMPT:
-        cfg.listen_ip_info = "127.0.0.1:0"
+        cfg.listen_ip_info = addr.listen()
     dd = LLMDataDist(llm_role, cluster_id)
     dd.init(cfg.generate_options())
     kv.adopt(dd)
@@ -58,14 +58,14 @@ def sglang_start(role: str, seed: int | None) -> int:
 def sglang_link_by_address(port: int) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
     """The decode side dials with a remote ip only: no remote_cluster_id, no local ip."""
     info = LLMClusterInfo()
-    info.append_remote_ip_info("127.0.0.1", port)
+    info.append_remote_ip_info(addr.of(port), port)
     status, per = kv.engine().link_clusters([info], 20000)
     return status, list(per)
 
 
 def sglang_unlink_by_address(port: int) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
     info = LLMClusterInfo()
-    info.append_remote_ip_info("127.0.0.1", port)
+    info.append_remote_ip_info(addr.of(port), port)
     status, per = kv.engine().unlink_clusters([info])
     return status, list(per)
 

@@ -2,10 +2,10 @@
 memory by name, in guarded memory (tests/peers/memory.py: host memory, or with ``device=True`` the
 Ascend backend's DEVICE memory)::
 
-    server_id = server.call(hixl_peer.start, {})                  # "127.0.0.1:<port>", listening
+    server_id = server.call(hixl_peer.start, {})                  # "<ip>:<port>", listening (peers.addr)
     src = server.call(hixl_peer.alloc, "src", 1 << 20, seed=1)    # the buffer's address
     server.call(hixl_peer.register, "src")                        # (ret, handle)
-    client.call(hixl_peer.start, {}, listen=False)                # "127.0.0.1:0", client only
+    client.call(hixl_peer.start, {}, listen=False)                # "<ip>:0", client only
     dst = client.call(hixl_peer.alloc, "dst", 1 << 20)            # zeros
     client.call(hixl_peer.register, "dst")
     client.call(hixl_peer.connect, server_id)                     # hixl.SUCCESS
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import hixl
+from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, direct_write
 from verify import Snapshot
 
@@ -45,7 +46,7 @@ def _engine() -> Any:
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr.own(), 0))
         return int(s.getsockname()[1])
 
 
@@ -60,20 +61,21 @@ def _op(op: str) -> Any:
 # ---------------------------------------------------------------------------- lifecycle
 
 
-def start(options: dict[str, str] | None = None, listen: bool = True, client_id: str = "127.0.0.1:0") -> str:
-    """``Hixl()`` and ``initialize``: listening at ``127.0.0.1:<a free port>`` (a server), or at
-    ``client_id`` (client only: ``127.0.0.1:0`` or ``127.0.0.1``) when not ``listen``. Returns the
+def start(options: dict[str, str] | None = None, listen: bool = True, client_id: str | None = None) -> str:
+    """``Hixl()`` and ``initialize``: listening at ``<ip>:<a free port>`` (a server; ip: loopback,
+    or this peer's host, peers.addr), or at ``client_id`` (client only: ``<ip>:0`` unless given,
+    e.g. ``127.0.0.1``) when not ``listen``. Returns the
     engine id, the string peers pass as ``remote_engine``. A port taken between choosing and binding
     is retried with another."""
     engine = hixl.Hixl()
     if not listen:
-        ident = client_id
+        ident = addr.listen() if client_id is None else client_id
         ret = engine.initialize(ident, dict(options or {}))
         assert ret == hixl.SUCCESS, f"initialize({ident!r}) returned {ret}"
     else:
         ret = None
         for _ in range(20):
-            ident = f"127.0.0.1:{_free_port()}"
+            ident = f"{addr.own()}:{_free_port()}"
             ret = engine.initialize(ident, dict(options or {}))
             if ret == hixl.SUCCESS:
                 break

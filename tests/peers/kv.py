@@ -48,6 +48,7 @@ from llm_datadist import (
     RegisterMemStatus,
     TransferWithCacheKeyConfig,
 )
+from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, fill_tensors, pool_snapshot
 from verify import Snapshot
 
@@ -129,7 +130,7 @@ def start(role: str, cluster_id: int, *, listen: bool = False, timeout_ms: int |
     """Creates and initialises this peer's engine; returns its listen port (0 when not listening)."""
     assert _S.dd is None, "kv.start() already ran in this peer"
     dd = LLMDataDist(ROLES[role], cluster_id)
-    dd.init(options("127.0.0.1:0" if listen else None, timeout_ms, remote, pool, host_pool, extra))
+    dd.init(options(addr.listen() if listen else None, timeout_ms, remote, pool, host_pool, extra))
     _S.dd = dd
     return int(dd.listen_port)
 
@@ -154,7 +155,7 @@ def start_program(role: str, cluster_id: int, *, listen_port: int | None = None,
     if transfer_backend is not None:
         cfg.transfer_backend = transfer_backend
     if listen_port is not None:
-        cfg.listen_ip_info = f"127.0.0.1:{listen_port}"
+        cfg.listen_ip_info = addr.listen(listen_port)
     if pool:
         cfg.mem_pool_cfg = '{"memory_size": %d, "page_shift": 12}' % pool
     if timeout_ms:
@@ -168,7 +169,7 @@ def start_program(role: str, cluster_id: int, *, listen_port: int | None = None,
 
 
 # A cluster as the samples describe it: (remote_cluster_id, remote port or None for no
-# remote_ip_info, local port or None for no local_ip_info); every address is 127.0.0.1.
+# remote_ip_info, local port or None for no local_ip_info); addresses as peers.addr says.
 ClusterSpec = tuple[int, int | None, int | None]
 
 
@@ -178,9 +179,9 @@ def _clusters(specs: Sequence[ClusterSpec]) -> list[LLMClusterInfo]:
         c = LLMClusterInfo()
         c.remote_cluster_id = remote_id
         if local_port is not None:
-            c.append_local_ip_info("127.0.0.1", local_port)
+            c.append_local_ip_info(addr.own(), local_port)
         if remote_port is not None:
-            c.append_remote_ip_info("127.0.0.1", remote_port)
+            c.append_remote_ip_info(addr.of(remote_port), remote_port)
         out.append(c)
     return out
 
@@ -213,23 +214,23 @@ def finalize() -> None:
     _dd().finalize()
 
 
-def cluster(remote_id: int, port: int, ip: str = "127.0.0.1", local: bool = True) -> LLMClusterInfo:
+def cluster(remote_id: int, port: int, ip: str | None = None, local: bool = True) -> LLMClusterInfo:
     c = LLMClusterInfo()
     c.remote_cluster_id = remote_id
     if local:
-        c.append_local_ip_info("127.0.0.1", 0)
-    c.append_remote_ip_info(ip, port)
+        c.append_local_ip_info(addr.own(), 0)
+    c.append_remote_ip_info(addr.of(port) if ip is None else ip, port)
     return c
 
 
 def link(remote_id: int, port: int, timeout_ms: int = 5000,
-         ip: str = "127.0.0.1") -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+         ip: str | None = None) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
     status, per_cluster = _dd().link_clusters([cluster(remote_id, port, ip)], timeout_ms)
     return status, list(per_cluster)
 
 
 def link_logged(remote_id: int, port: int, timeout_ms: int = 5000,
-                ip: str = "127.0.0.1") -> tuple[LLMStatusCode, list[str]]:
+                ip: str | None = None) -> tuple[LLMStatusCode, list[str]]:
     """Like ``link``, and what the library logged about it (the reason of a failed link)."""
     records: list[str] = []
 
@@ -249,7 +250,7 @@ def link_logged(remote_id: int, port: int, timeout_ms: int = 5000,
 _BACKGROUND: list[Any] = []
 
 
-def link_in_background(remote_id: int, port: int, timeout_ms: int, ip: str = "127.0.0.1") -> None:
+def link_in_background(remote_id: int, port: int, timeout_ms: int, ip: str | None = None) -> None:
     """Starts ``link`` on a thread of this peer (``background_link`` returns its result)."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     _BACKGROUND[:] = [pool, pool.submit(link, remote_id, port, timeout_ms, ip)]

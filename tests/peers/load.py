@@ -12,6 +12,7 @@ from typing import Any
 import internals
 import pdlink
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote
 from verify import Snapshot
 
@@ -36,7 +37,8 @@ def start_engines(count: int, first_id: int) -> None:
 
 def link_all(port: int, timeout_ms: int = 10000) -> list[int]:
     """Every engine links to the prompt (cluster 1) at ``port``; their status codes."""
-    return [int(e.connect_each([(1, f"127.0.0.1:{port}")], timeout_ms=timeout_ms)[0].status) for e, _, _, _ in _ENGINES]
+    at = f"{addr.of(port)}:{port}"
+    return [int(e.connect_each([(1, at)], timeout_ms=timeout_ms)[0].status) for e, _, _, _ in _ENGINES]
 
 
 def _worker(i: int, pulls: int) -> None:
@@ -73,7 +75,7 @@ def cycles(port: int, n: int) -> None:
     """The first engine links to the prompt and unlinks again, ``n`` times."""
     e = _ENGINES[0][0]
     for _ in range(n):
-        e.connect(f"127.0.0.1:{port}", cluster_id=1)
+        e.connect(f"{addr.of(port)}:{port}", cluster_id=1)
         e.disconnect(1)
 
 

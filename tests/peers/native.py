@@ -28,6 +28,7 @@ import numpy as np
 
 import pdlink
 from pdlink import kv
+from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, direct_read, direct_write
 from poll import wait_until
 from verify import Snapshot, pattern
@@ -55,7 +56,7 @@ def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits:
     ``payload_integrity`` as ``EngineOptions``'; ``pool_bytes``: a host and a device pool of that
     size); returns its listen port (0 when not listening)."""
     pool = pdlink.MemoryPool(pool_bytes) if pool_bytes else None
-    options = pdlink.EngineOptions(cluster_id=cluster_id, listen="127.0.0.1:0" if listen else None,
+    options = pdlink.EngineOptions(cluster_id=cluster_id, listen=addr.listen() if listen else None,
                                    timeout_ms=timeout_ms, limits=pdlink.Limits(**(limits or {})), secret=secret,
                                    payload_integrity=payload_integrity, host_pool=pool, device_pool=pool)
     _state["engine"] = pdlink.Engine(options)
@@ -257,8 +258,8 @@ def snapshot(name: str) -> Snapshot:
     return _state["regions"][name].memory.snapshot(name)
 
 
-def connect(port: int, cluster_id: int | None = None, host: str = "127.0.0.1") -> int:
-    return _engine().connect(f"{host}:{port}", cluster_id=cluster_id)
+def connect(port: int, cluster_id: int | None = None, host: str | None = None) -> int:
+    return _engine().connect(f"{addr.of(port) if host is None else host}:{port}", cluster_id=cluster_id)
 
 
 def disconnect(peer: int) -> None:

@@ -57,6 +57,7 @@ from llm_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, direct_read, direct_write, fill_tensors, pool_snapshot
 from verify import Snapshot
 
@@ -150,7 +151,7 @@ def start(role: str, cluster_id: int, *, name: str = "dd", listen: int = 0, devi
     """A v1 engine on ``devices`` (an id, or a list for multi-device mode) listening on ``listen``
     loopback addresses (one per device for a PROMPT), made the current engine; its listen ports."""
     dd = LLMDataDist(ROLES[role], cluster_id)
-    dd.init(options(";".join(["127.0.0.1:0"] * listen) or None, devices, timeout_ms, switch, mem_max, pool))
+    dd.init(options(";".join([addr.listen()] * listen) or None, devices, timeout_ms, switch, mem_max, pool))
     _S.engines[name] = _Engine(dd, dd.kv_cache_manager, internals.engines(dd))
     _S.current = name
     return [int(p) for p in dd.listen_ports] if listen else []
@@ -195,9 +196,9 @@ def num_devices() -> int:
 def _cluster(remote_id: int, ports: Sequence[int]) -> LLMClusterInfo:
     c = LLMClusterInfo()
     c.remote_cluster_id = remote_id
-    c.append_local_ip_info("127.0.0.1", 0)
+    c.append_local_ip_info(addr.own(), 0)
     for port in ports:
-        c.append_remote_ip_info("127.0.0.1", port)
+        c.append_remote_ip_info(addr.of(port), port)
     return c
 
 
