@@ -160,3 +160,36 @@ def unavailable_reason() -> str | None:
     from pdlink.testing.hosts import unavailable_reason as reason
 
     return reason()
+
+
+def udp_receive(ip: str, port: int, count: int, seconds: float) -> list[int]:
+    """Receive numbered datagrams on ip:port until ``count`` arrived or ``seconds`` passed with
+    none; returns the sequence numbers in arrival order."""
+    seqs: list[int] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        s.bind((ip, port))
+        s.settimeout(seconds)
+        while len(seqs) < count:
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                break
+            seqs.append(struct.unpack("!I", data[:4])[0])
+    return seqs
+
+
+def udp_send(ip: str, port: int, count: int, size: int = 200, per_ms: int = 20) -> int:
+    """Send ``count`` numbered datagrams to ip:port, ``per_ms`` a millisecond (paced, so no socket
+    buffer on the way overflows: what is lost is the wire's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, port))
+        pad = b"\0" * max(0, size - 4)
+        start = time.perf_counter()
+        for seq in range(count):
+            s.send(struct.pack("!I", seq) + pad)
+            if seq % per_ms == per_ms - 1:
+                ahead = start + (seq + 1) / per_ms / 1000 - time.perf_counter()
+                if ahead > 0:
+                    time.sleep(ahead)
+    return count
