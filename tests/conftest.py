@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import emulated  # noqa: E402
+import hostbed  # noqa: E402
 from backend_env import BACKENDS, VARIANTS, Variant, fake_ascend_dir  # noqa: E402
 from internals import direct_access_permitted, ucx_info  # noqa: E402
 from llm_datadist import BlocksCacheKey
@@ -34,6 +34,22 @@ UCX_WHY_NOT = None if UCX_AVAILABLE else f"needs UCX (pip install \".[ucx]\"; .c
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: load and soak tests; deselected by default, CI runs `pytest -m heavy`")
+    config.addinivalue_line("markers", "one_host(why): the test process itself is a party on the peers' network (a "
+                                       "raw attacker, a relay, a port it probes): the two-hosts cells are left out")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leaves out the two-hosts cells (``Variant.hosts``) of tests marked ``one_host``: their test
+    process talks to the peers itself, and it is on no emulated host (counted as deselected)."""
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        cell = callspec.params.get("variant") if callspec is not None else None
+        left_out = isinstance(cell, Variant) and cell.hosts and item.get_closest_marker("one_host") is not None
+        (drop if left_out else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -120,8 +136,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def test_hosts() -> Iterator[Any]:
     """Four emulated hosts on a plain switch (profile "loopback": no shaping), one per peer of a
-    test in a two-hosts cell (``Variant.hosts``); made once per test worker (tests/emulated.py)."""
-    with emulated.bed(4) as hosts:
+    test in a two-hosts cell (``Variant.hosts``); made once per test worker (tests/hostbed.py)."""
+    with hostbed.bed(4) as hosts:
         yield hosts
 
 
@@ -139,7 +155,7 @@ def peers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Peer]]:
         if hosts is not None:
             i = len(made) % len(hosts)
             kw["executable"] = hosts[i].python
-            kw["env"] = {**(kw.get("env") or {}), **emulated.env(hosts, i)}
+            kw["env"] = {**(kw.get("env") or {}), **hostbed.env(hosts, i)}
         p = Peer(name, **kw)
         made.append(p)
         return p

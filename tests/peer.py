@@ -79,7 +79,7 @@ def _interpreter_below(wrapper: int) -> int:
     wrapper down, whose command line is the spawn child's. Call it once the child has answered."""
     found, level = wrapper, [wrapper]
     while level:
-        below = []
+        below: list[int] = []
         for pid in level:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:

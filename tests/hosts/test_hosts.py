@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,6 +21,14 @@ from pdlink.testing.hosts import PROFILES, Hosts, HostsUnavailable, Wire, unavai
 from peer import Peer
 from peers import hosts as hp
 from poll import wait_until
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[Hosts]:
+    """Two hosts on a plain (unshaped) wire, shared by the tests of this module that change nothing."""
+    require_hosts()
+    with Hosts(2) as hosts:
+        yield hosts
 
 
 def machine_network() -> dict[str, str]:

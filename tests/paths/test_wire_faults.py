@@ -1,7 +1,7 @@
 """Faults on the emulated wire between hosts (pdlink.testing.hosts, docs/hosts.md): what a link
 does when the network under it partitions, and what a relink does once it heals.
 
-The peers run on two emulated hosts (tests/emulated.py), so their link is TCP over a real network
+The peers run on two emulated hosts (tests/hostbed.py), so their link is TCP over a real network
 interface and the emulated wire, never a same-host path. Every transfer is judged on the whole of
 both regions, in the peers that own them (peers.across.digests: a digest per 1 MiB row and the
 guard bytes), and the fault is proven to have happened (the destination host stopped receiving).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import emulated
+import hostbed
 from pdlink import LLMStatusCode
 from peer import Peer
 from peers import across, native
@@ -26,13 +26,15 @@ SLACK_S = 4.0  # what may pass beyond the timeout before the read returns (a loa
 
 def test_a_partition_during_a_large_pull_times_out_and_a_relink_after_healing_moves_every_byte(
         peers: Callable[..., Peer]) -> None:
-    with emulated.bed(2, "rack") as hosts:
-        src = emulated.place(peers, hosts, 0, "prefill")
-        dst = emulated.place(peers, hosts, 1, "decode")
+    with hostbed.bed(2, "rack") as hosts:
+        src = hostbed.place(peers, hosts, 0, "prefill")
+        dst = hostbed.place(peers, hosts, 1, "decode")
         port = src.call(native.start, 1, listen=True, timeout_ms=TIMEOUT_MS)
-        src_addr = src.call_within(60, native.register, "src", ROWS, ROW, seed=1)
+        src_addr = src.call(native.register, "src", ROWS, ROW, seed=None, host=True)
+        src.call_within(60, across.fill, "src", ROWS * ROW, seed=1)
         dst.call(native.start, 2, timeout_ms=TIMEOUT_MS)
-        dst.call_within(60, native.register, "dst", ROWS + 2 * PAD, ROW, seed=2)
+        dst.call(native.register, "dst", ROWS + 2 * PAD, ROW, seed=None, host=True)
+        dst.call_within(60, across.fill, "dst", (ROWS + 2 * PAD) * ROW, seed=2)
         src0, src_guards = src.call_within(60, across.digests, "src")
         dst0, dst_guards = dst.call_within(60, across.digests, "dst")
         assert src_guards and dst_guards
