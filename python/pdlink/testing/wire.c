@@ -9,31 +9,36 @@
  * One thread, one epoll loop. Each direction of each port has a queue ordered by departure time
  * (a binary heap); a frame departs at arrival + delay + jitter (uniform in [-jitter, +jitter]),
  * never before the frame queued ahead of it (no reordering from jitter), except a `reorder`
- * fraction that departs at once, ahead of the queue. Loss is a two-state (Gilbert) chain per
- * direction: `loss` of the frames are lost, in bursts of `burst` frames on average. A queue holds at
+ * fraction that departs at once, ahead of the queue. With a rate (UP_BPS, DOWN_BPS > 0) a direction
+ * is a link that sends one frame after the other at that rate (the bytes of its packets on a wire:
+ * payload and each segment's headers) before the delay starts; LIMIT_BYTES then bounds the backlog
+ * waiting to be sent, like a switch port's buffer. Loss is a two-state (Gilbert) chain per
+ * direction: `loss` of the packets are lost, in bursts of `burst` packets on average, decided per
+ * segment of a GSO frame (a TCP/IPv4 GSO frame that loses some of its segments is cut into its
+ * segments here, as the kernel would, and the survivors move; another kind of GSO frame is lost
+ * whole when any of its segments is). A queue holds at
  * most `limit` bytes; a frame beyond that is dropped (drop-tail, like a switch's buffer). A write
- * that the kernel refuses (link down, a full qdisc) drops the frame. Rates are not this program's:
- * the kernel's qdiscs cap them (tbf/htb).
+ * that the kernel refuses (link down, a full qdisc) drops the frame.
  *
  * Control: one command a line on stdin, one answer a line on stdout ("ok ..." or "error ..."):
  *   add I HOSTDEV TAPNAME          relay port I between device HOSTDEV and a new TAP TAPNAME
- *   wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES   both directions of port I
+ *   wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES UP_BPS DOWN_BPS   port I
  *   del I                          stop relaying port I (the TAP goes away)
- *   stats I                        "ok up_in up_out up_lost up_dropped down_in ..." (frames)
+ *   stats I                        "ok up_in up_out up_lost up_dropped down_in ..." (frames read,
+ *                                  frames written, segments lost, frames dropped)
  *   quit
  * End of stdin ends the program, and so does the death of the parent named on the command line
- * (PR_SET_PDEATHSIG). `pdlink-wire offload IFNAME on|off` (in a host's namespace) switches TSO,
- * GSO and scatter-gather of IFNAME, so a lossy wire loses single frames, not 64 KiB bursts.
+ * (PR_SET_PDEATHSIG). The relay runs at nice -10 where it may (the wire before ordinary work).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/ethtool.h>
 #include <linux/if.h>
 #include <linux/if_packet.h>
 #include <linux/if_tun.h>
 #include <linux/sockios.h>
+#include <linux/virtio_net.h>
 #include <net/ethernet.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -44,6 +49,7 @@
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <time.h>
@@ -54,6 +60,7 @@
 #endif
 
 #define MAX_PORTS 256
+#define INFLIGHT_MAX (32ull << 20) /* bytes in flight a direction without a rate may hold */
 #define FRAME_MAX (65536 + 64)
 #define BATCH 64
 #define SPIN_NS 20000 /* closer than this to a departure, poll instead of sleeping on the timer */
@@ -69,12 +76,13 @@ typedef struct {
   frame **heap;
   size_t n, cap;
   uint64_t bytes, last_due, seq;
+  uint64_t free_at; /* with a rate: when the link has sent everything queued so far */
   int bad; /* the Gilbert chain's state */
   uint64_t in, out, lost, dropped;
 } queue;
 
 typedef struct {
-  uint64_t delay, jitter, limit;
+  uint64_t delay, jitter, limit, rate[2]; /* rate per direction: bits a second, 0: none */
   double loss, burst, reorder;
 } params;
 
@@ -161,16 +169,23 @@ static int lose(queue *q, const params *p) {
   return q->bad;
 }
 
-static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uint64_t now) {
+/* Queue one frame (loss already decided) for its departure: after the frames ahead of it are sent
+ * (with a rate: `wire_bytes` at that rate) and the delay has passed. */
+static void admit(port *pt, int dir, const unsigned char *buf, size_t len, uint64_t wire_bytes, uint64_t now) {
   queue *q = &pt->q[dir];
   const params *p = &pt->p;
-  q->in++;
-  if (lose(q, p)) {
-    q->lost++;
-    return;
-  }
-  if (q->bytes + len > p->limit) {
-    q->dropped++;
+  uint64_t sent_at = now, rate = p->rate[dir];
+  if (rate) {
+    uint64_t start = q->free_at > now ? q->free_at : now;
+    uint64_t backlog = (uint64_t)((double)(start - now) * (double)rate / 8e9);
+    if (backlog + wire_bytes > p->limit) { /* the buffer ahead of the link is full: drop-tail */
+      q->dropped++;
+      return;
+    }
+    q->free_at = start + (uint64_t)((double)wire_bytes * 8e9 / (double)rate);
+    sent_at = q->free_at;
+  } else if (q->bytes + len > (p->limit > INFLIGHT_MAX ? p->limit : INFLIGHT_MAX)) {
+    q->dropped++; /* no rate: only frames in flight (the delay) are held; this bounds their memory */
     return;
   }
   frame *f = malloc(sizeof *f + len);
@@ -182,11 +197,11 @@ static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uin
   f->len = (uint32_t)len;
   f->seq = q->seq++;
   if (p->reorder > 0 && uniform() < p->reorder) {
-    f->due = now; /* ahead of everything queued */
+    f->due = sent_at; /* ahead of everything queued */
   } else {
     int64_t d = (int64_t)p->delay;
     if (p->jitter) d += (int64_t)((uniform() * 2.0 - 1.0) * (double)p->jitter);
-    uint64_t due = now + (uint64_t)(d > 0 ? d : 0);
+    uint64_t due = sent_at + (uint64_t)(d > 0 ? d : 0);
     if (due < q->last_due) due = q->last_due;
     q->last_due = due;
     f->due = due;
@@ -195,6 +210,110 @@ static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uin
     free(f);
     q->dropped++;
   }
+}
+
+#define VNET_HDR sizeof(struct virtio_net_hdr)
+#define ETH_HDR 14
+#define MAX_SEGS 256
+
+static uint16_t ip_checksum(const unsigned char *h, size_t n) {
+  uint32_t sum = 0;
+  for (size_t k = 0; k + 1 < n; k += 2) sum += (uint32_t)(h[k] << 8 | h[k + 1]);
+  while (sum >> 16) sum = (sum & 0xFFFF) + (sum >> 16);
+  return (uint16_t)~sum;
+}
+
+/* A GSO TCP/IPv4 frame: its header length (Ethernet, IP, TCP) and segment count; 0 when the frame is
+ * not one (then it is lost or kept whole). */
+static size_t tcp4_headers(const unsigned char *buf, size_t len, unsigned *segs) {
+  const struct virtio_net_hdr *vh = (const void *)buf;
+  if ((vh->gso_type & ~VIRTIO_NET_HDR_GSO_ECN) != VIRTIO_NET_HDR_GSO_TCPV4 || vh->gso_size == 0) return 0;
+  if (len < VNET_HDR + ETH_HDR + 40) return 0;
+  const unsigned char *eth = buf + VNET_HDR, *ip = eth + ETH_HDR;
+  if (eth[12] != 0x08 || eth[13] != 0x00 || (ip[0] >> 4) != 4 || ip[9] != 6) return 0;
+  size_t ihl = (size_t)(ip[0] & 0xF) * 4, doff = (size_t)(ip[ihl + 12] >> 4) * 4;
+  size_t hdrs = ETH_HDR + ihl + doff;
+  if (ihl < 20 || doff < 20 || VNET_HDR + hdrs >= len) return 0;
+  size_t payload = len - VNET_HDR - hdrs;
+  *segs = (unsigned)((payload + vh->gso_size - 1) / vh->gso_size);
+  return *segs <= MAX_SEGS ? hdrs : 0;
+}
+
+/* Queue the segments of a GSO TCP/IPv4 frame that `lost` spares, each a frame of its own (what the
+ * kernel's segmentation would have made: IP length, id and checksum, TCP sequence number and flags;
+ * the TCP checksum left to the receiver's device, NEEDS_CSUM). */
+static void admit_segments(port *pt, int dir, const unsigned char *buf, size_t len, size_t hdrs, unsigned segs,
+                           const unsigned char *lost, uint64_t now) {
+  static unsigned char out[FRAME_MAX];
+  const struct virtio_net_hdr *vh = (const void *)buf;
+  const unsigned char *ip = buf + VNET_HDR + ETH_HDR;
+  size_t ihl = (size_t)(ip[0] & 0xF) * 4, payload = len - VNET_HDR - hdrs, mss = vh->gso_size;
+  uint32_t seq0 = (uint32_t)ip[ihl + 4] << 24 | (uint32_t)ip[ihl + 5] << 16 | (uint32_t)ip[ihl + 6] << 8 | ip[ihl + 7];
+  uint16_t id0 = (uint16_t)(ip[4] << 8 | ip[5]);
+  for (unsigned j = 0; j < segs; j++) {
+    if (lost[j]) continue;
+    size_t off = (size_t)j * mss, plen = payload - off < mss ? payload - off : mss;
+    struct virtio_net_hdr nvh;
+    memset(&nvh, 0, sizeof nvh);
+    nvh.flags = VIRTIO_NET_HDR_F_NEEDS_CSUM;
+    nvh.gso_type = VIRTIO_NET_HDR_GSO_NONE;
+    nvh.csum_start = (uint16_t)(ETH_HDR + ihl);
+    nvh.csum_offset = 16;
+    memcpy(out, &nvh, VNET_HDR);
+    memcpy(out + VNET_HDR, buf + VNET_HDR, hdrs);
+    memcpy(out + VNET_HDR + hdrs, buf + VNET_HDR + hdrs + off, plen);
+    unsigned char *oip = out + VNET_HDR + ETH_HDR, *tcp = oip + ihl;
+    size_t tot = hdrs - ETH_HDR + plen, tcp_len = tot - ihl;
+    oip[2] = (unsigned char)(tot >> 8);
+    oip[3] = (unsigned char)tot;
+    uint16_t id = (uint16_t)(id0 + j);
+    oip[4] = (unsigned char)(id >> 8);
+    oip[5] = (unsigned char)id;
+    oip[10] = oip[11] = 0;
+    uint16_t ipsum = ip_checksum(oip, ihl);
+    oip[10] = (unsigned char)(ipsum >> 8);
+    oip[11] = (unsigned char)ipsum;
+    uint32_t seq = seq0 + (uint32_t)off;
+    tcp[4] = (unsigned char)(seq >> 24);
+    tcp[5] = (unsigned char)(seq >> 16);
+    tcp[6] = (unsigned char)(seq >> 8);
+    tcp[7] = (unsigned char)seq;
+    if (j + 1 < segs) tcp[13] &= (unsigned char)~0x09; /* FIN and PSH only on the last */
+    if (j > 0) tcp[13] &= (unsigned char)~0x80;         /* CWR only on the first */
+    uint32_t sum = 0; /* the pseudo-header's sum, not complemented: the receiver's device completes it */
+    for (int k = 12; k < 20; k += 2) sum += (uint32_t)(oip[k] << 8 | oip[k + 1]);
+    sum += 6 + (uint32_t)tcp_len;
+    while (sum >> 16) sum = (sum & 0xFFFF) + (sum >> 16);
+    tcp[16] = (unsigned char)(sum >> 8);
+    tcp[17] = (unsigned char)sum;
+    admit(pt, dir, out, VNET_HDR + hdrs + plen, hdrs + plen, now);
+  }
+}
+
+/* A frame read from one side: the wire's loss is decided per segment (a GSO frame of k segments is
+ * k packets on a real wire); a frame none of whose segments is lost moves whole. */
+static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uint64_t now) {
+  queue *q = &pt->q[dir];
+  const params *p = &pt->p;
+  q->in++;
+  if (len <= VNET_HDR) return;
+  unsigned segs = 1;
+  size_t hdrs = tcp4_headers(buf, len, &segs);
+  if (!hdrs) segs = 1;
+  /* what the frame's packets take on a wire: the payload and each segment's headers */
+  uint64_t wire_bytes = (uint64_t)(len - VNET_HDR) + (uint64_t)(segs - 1) * hdrs;
+  if (p->loss <= 0) {
+    admit(pt, dir, buf, len, wire_bytes, now);
+    return;
+  }
+  unsigned char lost[MAX_SEGS];
+  unsigned nlost = 0;
+  for (unsigned j = 0; j < segs; j++) nlost += lost[j] = (unsigned char)lose(q, p);
+  q->lost += nlost;
+  if (nlost == 0)
+    admit(pt, dir, buf, len, wire_bytes, now);
+  else if (nlost < segs)
+    admit_segments(pt, dir, buf, len, hdrs, segs, lost, now);
 }
 
 static void flush(uint64_t now) {
@@ -341,14 +460,15 @@ static int command(char *line) {
     epoll_ctl(ep, EPOLL_CTL_ADD, tap, &ev);
     answer("ok");
   } else if (strcmp(op, "wire") == 0) {
-    unsigned long long delay, jitter, limit;
+    unsigned long long delay, jitter, limit, up, down;
     double loss, burst, reorder;
-    if (!pt->used || sscanf(line, "%*s %*d %llu %llu %lf %lf %lf %llu", &delay, &jitter, &loss, &burst, &reorder,
-                            &limit) != 6) {
-      answer("error usage: wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES (port added)");
+    if (!pt->used || sscanf(line, "%*s %*d %llu %llu %lf %lf %lf %llu %llu %llu", &delay, &jitter, &loss, &burst,
+                            &reorder, &limit, &up, &down) != 8) {
+      answer("error usage: wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES UP_BPS DOWN_BPS (port added)");
       return 0;
     }
-    pt->p = (params){delay, jitter, limit, loss, burst < 1.0 ? 1.0 : burst, reorder};
+    pt->p = (params){delay, jitter, limit, {up, down}, loss, burst < 1.0 ? 1.0 : burst, reorder};
+    pt->q[0].free_at = pt->q[1].free_at = 0;
     answer("ok");
   } else if (strcmp(op, "del") == 0) {
     port_del(i);
@@ -364,35 +484,15 @@ static int command(char *line) {
   return 0;
 }
 
-static int offload(const char *dev, int on) {
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd < 0) return 1;
-  const unsigned cmds[] = {ETHTOOL_STSO, ETHTOOL_SGSO, ETHTOOL_SSG};
-  int rc = 0;
-  for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++) {
-    struct ethtool_value v = {.cmd = cmds[k], .data = (uint32_t)on};
-    struct ifreq ifr;
-    memset(&ifr, 0, sizeof ifr);
-    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", dev);
-    ifr.ifr_data = (char *)&v;
-    if (ioctl(fd, SIOCETHTOOL, &ifr) < 0 && !(on == 0 && cmds[k] == ETHTOOL_SSG)) {
-      fprintf(stderr, "pdlink-wire: offload %s %s: %s\n", dev, on ? "on" : "off", strerror(errno));
-      rc = 1;
-    }
-  }
-  close(fd);
-  return rc;
-}
-
 int main(int argc, char **argv) {
-  if (argc == 4 && strcmp(argv[1], "offload") == 0) return offload(argv[2], strcmp(argv[3], "on") == 0);
   if (argc != 2) {
-    fprintf(stderr, "usage: pdlink-wire PARENT_PID (commands on stdin) | pdlink-wire offload IFNAME on|off\n");
+    fprintf(stderr, "usage: pdlink-wire PARENT_PID (commands on stdin)\n");
     return 2;
   }
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != (pid_t)atol(argv[1])) return 1;
   prctl(PR_SET_TIMERSLACK, 1UL);
+  setpriority(PRIO_PROCESS, 0, -10); /* the wire is served before ordinary work (best effort) */
   signal(SIGPIPE, SIG_IGN);
   rng_state ^= now_ns() ^ ((uint64_t)getpid() << 32);
   ep = epoll_create1(EPOLL_CLOEXEC);
@@ -402,7 +502,15 @@ int main(int argc, char **argv) {
   epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev);
   ev.data.u64 = UINT64_MAX - 1;
   epoll_ctl(ep, EPOLL_CTL_ADD, timer, &ev);
-  static unsigned char buf[FRAME_MAX];
+  static unsigned char bufs[BATCH][FRAME_MAX];
+  static struct iovec iovs[BATCH];
+  static struct mmsghdr msgs[BATCH];
+  for (int m = 0; m < BATCH; m++) {
+    iovs[m].iov_base = bufs[m];
+    iovs[m].iov_len = FRAME_MAX;
+    msgs[m].msg_hdr.msg_iov = &iovs[m];
+    msgs[m].msg_hdr.msg_iovlen = 1;
+  }
   static char line[1024];
   size_t line_len = 0;
   uint64_t armed = 0;
@@ -452,11 +560,15 @@ int main(int argc, char **argv) {
         int i = (int)(tag & 0xFFFF), side = (int)(tag >> 16);
         port *pt = &ports[i];
         if (!pt->used) continue;
-        int fd = side ? pt->tap : pt->pkt;
-        for (int b = 0; b < BATCH; b++) {
-          ssize_t r = read(fd, buf, sizeof buf);
-          if (r <= 0) break;
-          enqueue(pt, side ? 1 : 0, buf, (size_t)r, now);
+        if (side) {
+          for (int b = 0; b < BATCH; b++) {
+            ssize_t r = read(pt->tap, bufs[0], FRAME_MAX);
+            if (r <= 0) break;
+            enqueue(pt, 1, bufs[0], (size_t)r, now);
+          }
+        } else {
+          int got = recvmmsg(pt->pkt, msgs, BATCH, MSG_DONTWAIT, NULL);
+          for (int m = 0; m < got; m++) enqueue(pt, 0, bufs[m], msgs[m].msg_len, now);
         }
       }
     }
