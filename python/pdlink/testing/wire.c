@@ -73,11 +73,11 @@ typedef struct frame {
 } frame;
 
 typedef struct {
-  frame **heap;
+  frame** heap;
   size_t n, cap;
   uint64_t bytes, last_due, seq;
   uint64_t free_at; /* with a rate: when the link has sent everything queued so far */
-  int bad; /* the Gilbert chain's state */
+  int bad;          /* the Gilbert chain's state */
   uint64_t in, out, lost, dropped;
 } queue;
 
@@ -110,14 +110,14 @@ static double uniform(void) { /* xorshift64*, in [0, 1) */
   return (double)((rng_state * 2685821657736338717ull) >> 11) / 9007199254740992.0;
 }
 
-static int heap_less(const frame *a, const frame *b) {
+static int heap_less(const frame* a, const frame* b) {
   return a->due < b->due || (a->due == b->due && a->seq < b->seq);
 }
 
-static int heap_push(queue *q, frame *f) {
+static int heap_push(queue* q, frame* f) {
   if (q->n == q->cap) {
     size_t cap = q->cap ? q->cap * 2 : 256;
-    frame **h = realloc(q->heap, cap * sizeof *h);
+    frame** h = realloc(q->heap, cap * sizeof *h);
     if (!h) return -1;
     q->heap = h;
     q->cap = cap;
@@ -134,9 +134,9 @@ static int heap_push(queue *q, frame *f) {
   return 0;
 }
 
-static frame *heap_pop(queue *q) {
-  frame *top = q->heap[0];
-  frame *last = q->heap[--q->n];
+static frame* heap_pop(queue* q) {
+  frame* top = q->heap[0];
+  frame* last = q->heap[--q->n];
   size_t i = 0;
   for (;;) {
     size_t c = 2 * i + 1;
@@ -151,13 +151,13 @@ static frame *heap_pop(queue *q) {
   return top;
 }
 
-static void queue_clear(queue *q) {
+static void queue_clear(queue* q) {
   while (q->n) free(heap_pop(q));
   free(q->heap);
   memset(q, 0, sizeof *q);
 }
 
-static int lose(queue *q, const params *p) {
+static int lose(queue* q, const params* p) {
   if (p->loss <= 0) return 0;
   if (p->burst <= 1.0) return uniform() < p->loss;
   double to_bad = p->loss / (p->burst * (1.0 - p->loss)), to_good = 1.0 / p->burst;
@@ -171,9 +171,9 @@ static int lose(queue *q, const params *p) {
 
 /* Queue one frame (loss already decided) for its departure: after the frames ahead of it are sent
  * (with a rate: `wire_bytes` at that rate) and the delay has passed. */
-static void admit(port *pt, int dir, const unsigned char *buf, size_t len, uint64_t wire_bytes, uint64_t now) {
-  queue *q = &pt->q[dir];
-  const params *p = &pt->p;
+static void admit(port* pt, int dir, const unsigned char* buf, size_t len, uint64_t wire_bytes, uint64_t now) {
+  queue* q = &pt->q[dir];
+  const params* p = &pt->p;
   uint64_t sent_at = now, rate = p->rate[dir];
   if (rate) {
     uint64_t start = q->free_at > now ? q->free_at : now;
@@ -188,7 +188,7 @@ static void admit(port *pt, int dir, const unsigned char *buf, size_t len, uint6
     q->dropped++; /* no rate: only frames in flight (the delay) are held; this bounds their memory */
     return;
   }
-  frame *f = malloc(sizeof *f + len);
+  frame* f = malloc(sizeof *f + len);
   if (!f) {
     q->dropped++;
     return;
@@ -216,7 +216,7 @@ static void admit(port *pt, int dir, const unsigned char *buf, size_t len, uint6
 #define ETH_HDR 14
 #define MAX_SEGS 256
 
-static uint16_t ip_checksum(const unsigned char *h, size_t n) {
+static uint16_t ip_checksum(const unsigned char* h, size_t n) {
   uint32_t sum = 0;
   for (size_t k = 0; k + 1 < n; k += 2) sum += (uint32_t)(h[k] << 8 | h[k + 1]);
   while (sum >> 16) sum = (sum & 0xFFFF) + (sum >> 16);
@@ -225,8 +225,8 @@ static uint16_t ip_checksum(const unsigned char *h, size_t n) {
 
 /* A GSO TCP/IPv4 frame: its header length (Ethernet, IP, TCP) and segment count; 0 when the frame is
  * not one (then it is lost or kept whole). */
-static size_t tcp4_headers(const unsigned char *buf, size_t len, unsigned *segs) {
-  const struct virtio_net_hdr *vh = (const void *)buf;
+static size_t tcp4_headers(const unsigned char* buf, size_t len, unsigned* segs) {
+  const struct virtio_net_hdr* vh = (const void*)buf;
   if ((vh->gso_type & ~VIRTIO_NET_HDR_GSO_ECN) != VIRTIO_NET_HDR_GSO_TCPV4 || vh->gso_size == 0) return 0;
   if (len < VNET_HDR + ETH_HDR + 40) return 0;
   const unsigned char *eth = buf + VNET_HDR, *ip = eth + ETH_HDR;
@@ -242,11 +242,11 @@ static size_t tcp4_headers(const unsigned char *buf, size_t len, unsigned *segs)
 /* Queue the segments of a GSO TCP/IPv4 frame that `lost` spares, each a frame of its own (what the
  * kernel's segmentation would have made: IP length, id and checksum, TCP sequence number and flags;
  * the TCP checksum left to the receiver's device, NEEDS_CSUM). */
-static void admit_segments(port *pt, int dir, const unsigned char *buf, size_t len, size_t hdrs, unsigned segs,
-                           const unsigned char *lost, uint64_t now) {
+static void admit_segments(port* pt, int dir, const unsigned char* buf, size_t len, size_t hdrs, unsigned segs,
+                           const unsigned char* lost, uint64_t now) {
   static unsigned char out[FRAME_MAX];
-  const struct virtio_net_hdr *vh = (const void *)buf;
-  const unsigned char *ip = buf + VNET_HDR + ETH_HDR;
+  const struct virtio_net_hdr* vh = (const void*)buf;
+  const unsigned char* ip = buf + VNET_HDR + ETH_HDR;
   size_t ihl = (size_t)(ip[0] & 0xF) * 4, payload = len - VNET_HDR - hdrs, mss = vh->gso_size;
   uint32_t seq0 = (uint32_t)ip[ihl + 4] << 24 | (uint32_t)ip[ihl + 5] << 16 | (uint32_t)ip[ihl + 6] << 8 | ip[ihl + 7];
   uint16_t id0 = (uint16_t)(ip[4] << 8 | ip[5]);
@@ -279,7 +279,7 @@ static void admit_segments(port *pt, int dir, const unsigned char *buf, size_t l
     tcp[6] = (unsigned char)(seq >> 8);
     tcp[7] = (unsigned char)seq;
     if (j + 1 < segs) tcp[13] &= (unsigned char)~0x09; /* FIN and PSH only on the last */
-    if (j > 0) tcp[13] &= (unsigned char)~0x80;         /* CWR only on the first */
+    if (j > 0) tcp[13] &= (unsigned char)~0x80;        /* CWR only on the first */
     uint32_t sum = 0; /* the pseudo-header's sum, not complemented: the receiver's device completes it */
     for (int k = 12; k < 20; k += 2) sum += (uint32_t)(oip[k] << 8 | oip[k + 1]);
     sum += 6 + (uint32_t)tcp_len;
@@ -292,9 +292,9 @@ static void admit_segments(port *pt, int dir, const unsigned char *buf, size_t l
 
 /* A frame read from one side: the wire's loss is decided per segment (a GSO frame of k segments is
  * k packets on a real wire); a frame none of whose segments is lost moves whole. */
-static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uint64_t now) {
-  queue *q = &pt->q[dir];
-  const params *p = &pt->p;
+static void enqueue(port* pt, int dir, const unsigned char* buf, size_t len, uint64_t now) {
+  queue* q = &pt->q[dir];
+  const params* p = &pt->p;
   q->in++;
   if (len <= VNET_HDR) return;
   unsigned segs = 1;
@@ -318,13 +318,13 @@ static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uin
 
 static void flush(uint64_t now) {
   for (int i = 0; i < MAX_PORTS; i++) {
-    port *pt = &ports[i];
+    port* pt = &ports[i];
     if (!pt->used) continue;
     for (int dir = 0; dir < 2; dir++) {
-      queue *q = &pt->q[dir];
+      queue* q = &pt->q[dir];
       int out = dir == 0 ? pt->tap : pt->pkt;
       while (q->n && q->heap[0]->due <= now) {
-        frame *f = heap_pop(q);
+        frame* f = heap_pop(q);
         if (write(out, f->data, f->len) == (ssize_t)f->len)
           q->out++;
         else
@@ -345,7 +345,7 @@ static uint64_t next_due(void) {
   return next;
 }
 
-static int open_tap(const char *name) {
+static int open_tap(const char* name) {
   int fd = open("/dev/net/tun", O_RDWR | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return -1;
   struct ifreq ifr;
@@ -362,7 +362,7 @@ static int open_tap(const char *name) {
   return fd;
 }
 
-static int open_packet(const char *dev) {
+static int open_packet(const char* dev) {
   int fd = socket(AF_PACKET, SOCK_RAW | SOCK_NONBLOCK | SOCK_CLOEXEC, htons(ETH_P_ALL));
   if (fd < 0) return -1;
   int one = 1, buf = 8 << 20;
@@ -380,9 +380,9 @@ static int open_packet(const char *dev) {
     return -1;
   }
   sll.sll_ifindex = ifr.ifr_ifindex;
-  if ( setsockopt(fd, SOL_PACKET, PACKET_VNET_HDR, &one, sizeof one) < 0 ||
+  if (setsockopt(fd, SOL_PACKET, PACKET_VNET_HDR, &one, sizeof one) < 0 ||
       setsockopt(fd, SOL_PACKET, PACKET_IGNORE_OUTGOING, &one, sizeof one) < 0 ||
-      bind(fd, (struct sockaddr *)&sll, sizeof sll) < 0) {
+      bind(fd, (struct sockaddr*)&sll, sizeof sll) < 0) {
     int e = errno;
     close(fd);
     errno = e;
@@ -398,7 +398,7 @@ static int open_packet(const char *dev) {
 static int ep;
 
 static void port_del(int i) {
-  port *pt = &ports[i];
+  port* pt = &ports[i];
   if (!pt->used) return;
   epoll_ctl(ep, EPOLL_CTL_DEL, pt->pkt, NULL);
   epoll_ctl(ep, EPOLL_CTL_DEL, pt->tap, NULL);
@@ -409,8 +409,8 @@ static void port_del(int i) {
   memset(pt, 0, sizeof *pt);
 }
 
-static void answer(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void answer(const char *fmt, ...) {
+static void answer(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static void answer(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vprintf(fmt, ap);
@@ -419,7 +419,7 @@ static void answer(const char *fmt, ...) {
   fflush(stdout);
 }
 
-static int command(char *line) {
+static int command(char* line) {
   char op[16] = {0}, a[IFNAMSIZ + 1] = {0}, b[IFNAMSIZ + 1] = {0};
   int i = -1;
   if (sscanf(line, "%15s %d", op, &i) < 1) {
@@ -431,7 +431,7 @@ static int command(char *line) {
     answer("error bad port in: %s", line);
     return 0;
   }
-  port *pt = &ports[i];
+  port* pt = &ports[i];
   if (strcmp(op, "add") == 0) {
     if (sscanf(line, "%*s %*d %16s %16s", a, b) != 2) {
       answer("error usage: add I HOSTDEV TAPNAME");
@@ -484,7 +484,7 @@ static int command(char *line) {
   return 0;
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: pdlink-wire PARENT_PID (commands on stdin)\n");
     return 2;
@@ -524,7 +524,8 @@ int main(int argc, char **argv) {
       if (next <= now + SPIN_NS) {
         timeout = 0;
       } else if (next != armed) {
-        struct itimerspec its = {{0, 0}, {(time_t)((next - SPIN_NS / 2) / 1000000000ull), (long)((next - SPIN_NS / 2) % 1000000000ull)}};
+        struct itimerspec its = {
+            {0, 0}, {(time_t)((next - SPIN_NS / 2) / 1000000000ull), (long)((next - SPIN_NS / 2) % 1000000000ull)}};
         timerfd_settime(timer, TFD_TIMER_ABSTIME, &its, NULL);
         armed = next;
       }
@@ -546,7 +547,7 @@ int main(int argc, char **argv) {
           if (r == 0) return 0;
           if (r < 0) break;
           line_len += (size_t)r;
-          char *nl;
+          char* nl;
           while ((nl = memchr(line, '\n', line_len)) != NULL) {
             *nl = 0;
             if (command(line)) return 0;
@@ -558,7 +559,7 @@ int main(int argc, char **argv) {
         }
       } else {
         int i = (int)(tag & 0xFFFF), side = (int)(tag >> 16);
-        port *pt = &ports[i];
+        port* pt = &ports[i];
         if (!pt->used) continue;
         if (side) {
           for (int b = 0; b < BATCH; b++) {
