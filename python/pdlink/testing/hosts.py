@@ -153,11 +153,8 @@ def _wire_of(wire: str | Wire) -> Wire:
 
 
 def state_root() -> str:
-    """The folder holding one state directory per live set (``PDLINK_HOSTS_STATE`` overrides):
-    ``/run/pdlink-hosts`` where /run is writable, else ``pdlink-hosts`` in the temporary folder."""
-    env = os.environ.get("PDLINK_HOSTS_STATE")
-    if env:
-        return env
+    """The folder holding one state directory per live set: ``/run/pdlink-hosts`` where /run is
+    writable, else ``pdlink-hosts`` in the temporary folder."""
     if os.access("/run", os.W_OK):
         return "/run/pdlink-hosts"
     return os.path.join(tempfile.gettempdir(), "pdlink-hosts")
@@ -760,12 +757,9 @@ _WIRE_LOCK = threading.Lock()
 
 
 def wire_binary() -> str:
-    """The relay program, ``pdlink-wire`` (``wire.c``): ``PDLINK_WIRE_BIN`` when set; else built once
-    with the system C compiler (``CC``, default ``cc``) into a cache folder named by the source's
-    hash (``$XDG_CACHE_HOME/pdlink`` or ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
-    env = os.environ.get("PDLINK_WIRE_BIN")
-    if env:
-        return env
+    """The relay program, ``pdlink-wire`` (``wire.c``), built once with the system C compiler (``CC``,
+    default ``cc``) into a cache folder named by the source's hash (``$XDG_CACHE_HOME/pdlink`` or
+    ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
     import hashlib
 
     with open(_WIRE_SOURCE, "rb") as f:
