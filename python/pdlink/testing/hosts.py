@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -844,15 +843,6 @@ def _write_script(path: str, body: str) -> None:
     with open(path, "w") as f:
         f.write("#!/bin/sh\n" + body)
     os.chmod(path, 0o755)
-
-
-def _wait_gone(pids: Sequence[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(_start_time(p) is None for p in pids):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 if __name__ == "__main__":  # ``python -m pdlink.testing.hosts``: can hosts be made here?
