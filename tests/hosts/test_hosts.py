@@ -245,3 +245,30 @@ def test_unavailable_says_why_without_the_capabilities() -> None:
     assert "needs root: no CAP_SYS_ADMIN and CAP_NET_ADMIN" in run.stdout
     assert unavailable_reason() is None
     assert isinstance(HostsUnavailable("x"), RuntimeError)
+
+
+def test_multiprocessing_spawns_into_a_host_through_host_python(two_hosts: Hosts) -> None:
+    """What tests/peer.py does to place a peer on a host: multiprocessing's spawn executable set to
+    host.python (process-wide, so it is put back at once)."""
+    import multiprocessing as mp
+    import multiprocessing.spawn
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    previous = multiprocessing.spawn.get_executable()
+    multiprocessing.spawn.set_executable(two_hosts[1].python)
+    try:
+        proc = ctx.Process(target=hp.report_identity, args=(queue,))
+        proc.start()
+    finally:
+        multiprocessing.spawn.set_executable(previous)
+    try:
+        seen = queue.get(timeout=60)
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert seen["net_ns"] == two_hosts[1].run(hp.identity)["net_ns"]
+    assert seen["pid_ns"] == two_hosts[1].run(hp.identity)["pid_ns"]
+    assert seen["pid_ns"] != hp.identity()["pid_ns"]
