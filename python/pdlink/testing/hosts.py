@@ -34,6 +34,7 @@ import functools
 import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
@@ -439,7 +440,8 @@ class Hosts:
         )
         self._anchors.append(popen)
         assert popen.stdout is not None
-        line = popen.stdout.readline().split()
+        ready, _, _ = select.select([popen.stdout], [], [], _SETUP_TIMEOUT)
+        line = popen.stdout.readline().split() if ready else ["error", f"no answer within {_SETUP_TIMEOUT} s"]
         if len(line) != 3 or line[0] != "ready":
             popen.kill()
             err = popen.stderr.read() if popen.stderr else ""
