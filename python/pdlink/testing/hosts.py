@@ -34,13 +34,13 @@ import functools
 import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -84,8 +84,10 @@ class Wire:
     adds half); ``loss`` is the fraction of frames lost host to host, in bursts of ``loss_burst``
     frames on average (1.0: independent losses); ``reorder`` the fraction of frames sent ahead of the
     ones queued before them; ``rate_mbit`` caps each direction of the link (None: no cap); ``mtu``
-    is the hosts' interface MTU; ``queue_bytes`` bounds what the relay holds in each direction of
-    the link (frames beyond it are dropped, like a switch's full buffer).
+    is the hosts' interface MTU; ``queue_bytes`` bounds the buffer in front of each direction of
+    the link (frames beyond it are dropped, like a switch's full buffer; None: ``buffer_bytes()``);
+    ``relay`` puts the link behind the userspace relay even when nothing asks for it (to measure
+    the relay's own floor).
     """
 
     rate_mbit: float | None = None
@@ -95,7 +97,8 @@ class Wire:
     loss_burst: float = 1.0
     reorder: float = 0.0
     mtu: int = 1500
-    queue_bytes: int = 32 << 20
+    queue_bytes: int | None = None
+    relay: bool = False
 
     def __post_init__(self) -> None:
         if self.rate_mbit is not None and not self.rate_mbit > 0:
@@ -108,17 +111,28 @@ class Wire:
             raise ValueError("loss_burst (mean frames per loss burst) must be >= 1")
         if not 576 <= self.mtu <= 65000:
             raise ValueError("mtu must be in [576, 65000]")
-        if not 1 << 16 <= self.queue_bytes <= 1 << 30:
-            raise ValueError("queue_bytes must be in [64 KiB, 1 GiB]")
+        if self.queue_bytes is not None and not 1 << 16 <= self.queue_bytes <= 1 << 30:
+            raise ValueError("queue_bytes must be in [64 KiB, 1 GiB] or None")
 
     def replace(self, **changes: Any) -> Wire:
         """A copy with ``changes`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
+    def buffer_bytes(self) -> int:
+        """The buffer in front of each direction of a link: ``queue_bytes``, else with a rate twice
+        the bandwidth-delay product of the round trip, at least 256 KiB; without a rate 32 MiB (what
+        the relay may hold in flight)."""
+        if self.queue_bytes is not None:
+            return self.queue_bytes
+        if self.rate_mbit is None:
+            return 32 << 20
+        bdp = self.rate_mbit * 1e6 / 8 * (2 * self.delay_us + 2 * self.jitter_us) / 1e6
+        return max(256 << 10, int(2 * bdp))
+
     @property
     def needs_relay(self) -> bool:
         """Whether the wire needs the userspace relay (delay, jitter, loss or reordering)."""
-        return bool(self.delay_us or self.jitter_us or self.loss or self.reorder)
+        return bool(self.relay or self.delay_us or self.jitter_us or self.loss or self.reorder)
 
 
 PROFILES: dict[str, Wire] = {
@@ -139,11 +153,8 @@ def _wire_of(wire: str | Wire) -> Wire:
 
 
 def state_root() -> str:
-    """The folder holding one state directory per live set (``PDLINK_HOSTS_STATE`` overrides):
-    ``/run/pdlink-hosts`` where /run is writable, else ``pdlink-hosts`` in the temporary folder."""
-    env = os.environ.get("PDLINK_HOSTS_STATE")
-    if env:
-        return env
+    """The folder holding one state directory per live set: ``/run/pdlink-hosts`` where /run is
+    writable, else ``pdlink-hosts`` in the temporary folder."""
     if os.access("/run", os.W_OK):
         return "/run/pdlink-hosts"
     return os.path.join(tempfile.gettempdir(), "pdlink-hosts")
@@ -401,7 +412,6 @@ class Hosts:
         self._lock = threading.RLock()
         self._relay: _Relay | None = None
         self._relayed: set[int] = set()
-        self._segmented = [False] * n
         root = state_root()
         os.makedirs(root, mode=0o755, exist_ok=True)
         remove_stale(root)
@@ -430,7 +440,8 @@ class Hosts:
         )
         self._anchors.append(popen)
         assert popen.stdout is not None
-        line = popen.stdout.readline().split()
+        ready, _, _ = select.select([popen.stdout], [], [], _SETUP_TIMEOUT)
+        line = popen.stdout.readline().split() if ready else ["error", f"no answer within {_SETUP_TIMEOUT} s"]
         if len(line) != 3 or line[0] != "ready":
             popen.kill()
             err = popen.stderr.read() if popen.stderr else ""
@@ -518,8 +529,8 @@ class Hosts:
         # downlink: rate and the partitions, on the switch's port toward host i
         cut_from = sorted(j for pair in self._cut if i in pair for j in pair if j != i)
         self._in(self._switch_pid, ["tc", "qdisc", "del", "dev", port, "root"], "", check=False)
-        if cut_from or wire.rate_mbit is not None:
-            rate = f"{wire.rate_mbit}mbit" if wire.rate_mbit is not None else "100gbit"
+        if cut_from or self._kernel_rate(wire):
+            rate = f"{wire.rate_mbit}mbit" if self._kernel_rate(wire) else "100gbit"
             burst = _burst_bytes(wire)
             tc = [
                 f"qdisc add dev {port} root handle 1: htb default 10",
@@ -536,6 +547,12 @@ class Hosts:
             self._in(self._switch_pid, ["tc", "-batch", "-"], f"shaping port {i}", "\n".join(tc) + "\n")
         state = "down" if i in self._down else "up"
         self._in(self._switch_pid, ["ip", "link", "set", port, state], f"link {state} of host {i}")
+
+    @staticmethod
+    def _kernel_rate(wire: Wire) -> bool:
+        """Whether the kernel caps this wire's rate toward the host (htb on the switch's port); a
+        relayed link is paced there by the relay instead. From the host it is always tbf."""
+        return wire.rate_mbit is not None and not wire.needs_relay
 
     def _apply_relay(self, i: int, wire: Wire) -> None:
         """Put port i behind the relay (delay, jitter, loss, reordering) or take it out."""
@@ -559,17 +576,11 @@ class Hosts:
             self._switch([f"link set {port} master br0"], f"unrelaying port {i}")
             self._relay.command(f"del {i}")
             self._relayed.discard(i)
-        # a lossy wire loses single frames: the host sends no 64 KiB GSO frame then
-        segmented = bool(wire.loss or wire.reorder)
-        if segmented != self._segmented[i]:
-            binary = wire_binary()
-            state = "off" if segmented else "on"
-            self._in(self._hosts[i].anchor_pid, [binary, "offload", "eth0", state], f"offloads {state} on host {i}")
-            self._segmented[i] = segmented
 
     def relay_stats(self, i: int) -> dict[str, int] | None:
         """Frames the relay saw on host i's link, per direction (``up``: from the host; ``down``: to
-        it): ``in``, ``out``, ``lost`` (by the wire's loss) and ``dropped`` (queue full, link down);
+        it): frames ``in`` and ``out``, segments ``lost`` (by the wire's loss; a GSO frame is several)
+        and frames ``dropped`` (the queue full, the link down);
         None when the link is not relayed."""
         i = self._index(i)
         with self._lock:
@@ -731,11 +742,14 @@ class Hosts:
 def _relay_params(wire: Wire) -> str:
     """The relay's per-link ``wire`` arguments: each of the two links a frame crosses between two
     hosts does half the delay and jitter and the share of loss and reordering that composes to the
-    wire's own (1 - (1 - x) ** 0.5)."""
+    wire's own (1 - (1 - x) ** 0.5). The rate toward the host is the relay's (the switch port's
+    buffer, drop-tail: where several senders meet); the rate from the host is the kernel's tbf on
+    its interface (the host's own NIC: its TCP is held back by its queue, not by loss)."""
     half = lambda x: 1.0 - (1.0 - x) ** 0.5  # noqa: E731
+    down_bps = int(wire.rate_mbit * 1e6) if wire.rate_mbit is not None else 0
     return (
         f"{wire.delay_us * 500} {wire.jitter_us * 500} {half(wire.loss):.12g} {wire.loss_burst:.6g} "
-        f"{half(wire.reorder):.12g} {wire.queue_bytes}"
+        f"{half(wire.reorder):.12g} {wire.buffer_bytes()} 0 {down_bps}"
     )
 
 
@@ -744,12 +758,9 @@ _WIRE_LOCK = threading.Lock()
 
 
 def wire_binary() -> str:
-    """The relay program, ``pdlink-wire`` (``wire.c``): ``PDLINK_WIRE_BIN`` when set; else built once
-    with the system C compiler (``CC``, default ``cc``) into a cache folder named by the source's
-    hash (``$XDG_CACHE_HOME/pdlink`` or ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
-    env = os.environ.get("PDLINK_WIRE_BIN")
-    if env:
-        return env
+    """The relay program, ``pdlink-wire`` (``wire.c``), built once with the system C compiler (``CC``,
+    default ``cc``) into a cache folder named by the source's hash (``$XDG_CACHE_HOME/pdlink`` or
+    ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
     import hashlib
 
     with open(_WIRE_SOURCE, "rb") as f:
@@ -834,15 +845,6 @@ def _write_script(path: str, body: str) -> None:
     with open(path, "w") as f:
         f.write("#!/bin/sh\n" + body)
     os.chmod(path, 0o755)
-
-
-def _wait_gone(pids: Sequence[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(_start_time(p) is None for p in pids):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 if __name__ == "__main__":  # ``python -m pdlink.testing.hosts``: can hosts be made here?

@@ -9,32 +9,38 @@
  * One thread, one epoll loop. Each direction of each port has a queue ordered by departure time
  * (a binary heap); a frame departs at arrival + delay + jitter (uniform in [-jitter, +jitter]),
  * never before the frame queued ahead of it (no reordering from jitter), except a `reorder`
- * fraction that departs at once, ahead of the queue. Loss is a two-state (Gilbert) chain per
- * direction: `loss` of the frames are lost, in bursts of `burst` frames on average. A queue holds at
+ * fraction that departs at once, ahead of the queue. With a rate (UP_BPS, DOWN_BPS > 0) a direction
+ * is a link that sends one frame after the other at that rate (the bytes of its packets on a wire:
+ * payload and each segment's headers) before the delay starts; LIMIT_BYTES then bounds the backlog
+ * waiting to be sent, like a switch port's buffer. Loss is a two-state (Gilbert) chain per
+ * direction: `loss` of the packets are lost, in bursts of `burst` packets on average, decided per
+ * segment of a GSO frame (a TCP/IPv4 GSO frame that loses some of its segments is cut into its
+ * segments here, as the kernel would, and the survivors move; another kind of GSO frame is lost
+ * whole when any of its segments is). A queue holds at
  * most `limit` bytes; a frame beyond that is dropped (drop-tail, like a switch's buffer). A write
- * that the kernel refuses (link down, a full qdisc) drops the frame. Rates are not this program's:
- * the kernel's qdiscs cap them (tbf/htb).
+ * that the kernel refuses (link down, a full qdisc) drops the frame.
  *
  * Control: one command a line on stdin, one answer a line on stdout ("ok ..." or "error ..."):
  *   add I HOSTDEV TAPNAME          relay port I between device HOSTDEV and a new TAP TAPNAME
- *   wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES   both directions of port I
+ *   wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES UP_BPS DOWN_BPS   port I
  *   del I                          stop relaying port I (the TAP goes away)
- *   stats I                        "ok up_in up_out up_lost up_dropped down_in ..." (frames)
+ *   stats I                        "ok up_in up_out up_lost up_dropped down_in ..." (frames read,
+ *                                  frames written, segments lost, frames dropped)
  *   quit
  * End of stdin ends the program, and so does the death of the parent named on the command line
- * (PR_SET_PDEATHSIG). `pdlink-wire offload IFNAME on|off` (in a host's namespace) switches TSO,
- * GSO and scatter-gather of IFNAME, so a lossy wire loses single frames, not 64 KiB bursts.
+ * (PR_SET_PDEATHSIG). The relay runs at real-time priority 1 where it may (else nice -10).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/ethtool.h>
 #include <linux/if.h>
 #include <linux/if_packet.h>
 #include <linux/if_tun.h>
 #include <linux/sockios.h>
+#include <linux/virtio_net.h>
 #include <net/ethernet.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -44,6 +50,7 @@
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <time.h>
@@ -54,9 +61,14 @@
 #endif
 
 #define MAX_PORTS 256
+#define INFLIGHT_MAX (32ull << 20) /* bytes in flight a direction without a rate may hold */
 #define FRAME_MAX (65536 + 64)
 #define BATCH 64
-#define SPIN_NS 20000 /* closer than this to a departure, poll instead of sleeping on the timer */
+/* Closer than `ahead` to a departure, the loop polls instead of sleeping on the timer, and the timer
+ * is set `ahead` before it: `ahead` follows how late this machine's timer wakes us (twice its
+ * moving average, plus 5 us), between AHEAD_MIN_NS and AHEAD_MAX_NS. */
+#define AHEAD_MIN_NS 5000
+#define AHEAD_MAX_NS 200000
 
 typedef struct frame {
   uint64_t due;
@@ -66,15 +78,16 @@ typedef struct frame {
 } frame;
 
 typedef struct {
-  frame **heap;
+  frame** heap;
   size_t n, cap;
   uint64_t bytes, last_due, seq;
-  int bad; /* the Gilbert chain's state */
+  uint64_t free_at; /* with a rate: when the link has sent everything queued so far */
+  int bad;          /* the Gilbert chain's state */
   uint64_t in, out, lost, dropped;
 } queue;
 
 typedef struct {
-  uint64_t delay, jitter, limit;
+  uint64_t delay, jitter, limit, rate[2]; /* rate per direction: bits a second, 0: none */
   double loss, burst, reorder;
 } params;
 
@@ -102,14 +115,14 @@ static double uniform(void) { /* xorshift64*, in [0, 1) */
   return (double)((rng_state * 2685821657736338717ull) >> 11) / 9007199254740992.0;
 }
 
-static int heap_less(const frame *a, const frame *b) {
+static int heap_less(const frame* a, const frame* b) {
   return a->due < b->due || (a->due == b->due && a->seq < b->seq);
 }
 
-static int heap_push(queue *q, frame *f) {
+static int heap_push(queue* q, frame* f) {
   if (q->n == q->cap) {
     size_t cap = q->cap ? q->cap * 2 : 256;
-    frame **h = realloc(q->heap, cap * sizeof *h);
+    frame** h = realloc(q->heap, cap * sizeof *h);
     if (!h) return -1;
     q->heap = h;
     q->cap = cap;
@@ -126,9 +139,9 @@ static int heap_push(queue *q, frame *f) {
   return 0;
 }
 
-static frame *heap_pop(queue *q) {
-  frame *top = q->heap[0];
-  frame *last = q->heap[--q->n];
+static frame* heap_pop(queue* q) {
+  frame* top = q->heap[0];
+  frame* last = q->heap[--q->n];
   size_t i = 0;
   for (;;) {
     size_t c = 2 * i + 1;
@@ -143,13 +156,13 @@ static frame *heap_pop(queue *q) {
   return top;
 }
 
-static void queue_clear(queue *q) {
+static void queue_clear(queue* q) {
   while (q->n) free(heap_pop(q));
   free(q->heap);
   memset(q, 0, sizeof *q);
 }
 
-static int lose(queue *q, const params *p) {
+static int lose(queue* q, const params* p) {
   if (p->loss <= 0) return 0;
   if (p->burst <= 1.0) return uniform() < p->loss;
   double to_bad = p->loss / (p->burst * (1.0 - p->loss)), to_good = 1.0 / p->burst;
@@ -161,19 +174,26 @@ static int lose(queue *q, const params *p) {
   return q->bad;
 }
 
-static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uint64_t now) {
-  queue *q = &pt->q[dir];
-  const params *p = &pt->p;
-  q->in++;
-  if (lose(q, p)) {
-    q->lost++;
+/* Queue one frame (loss already decided) for its departure: after the frames ahead of it are sent
+ * (with a rate: `wire_bytes` at that rate) and the delay has passed. */
+static void admit(port* pt, int dir, const unsigned char* buf, size_t len, uint64_t wire_bytes, uint64_t now) {
+  queue* q = &pt->q[dir];
+  const params* p = &pt->p;
+  uint64_t sent_at = now, rate = p->rate[dir];
+  if (rate) {
+    uint64_t start = q->free_at > now ? q->free_at : now;
+    uint64_t backlog = (uint64_t)((double)(start - now) * (double)rate / 8e9);
+    if (backlog + wire_bytes > p->limit) { /* the buffer ahead of the link is full: drop-tail */
+      q->dropped++;
+      return;
+    }
+    q->free_at = start + (uint64_t)((double)wire_bytes * 8e9 / (double)rate);
+    sent_at = q->free_at;
+  } else if (q->bytes + len > (p->limit > INFLIGHT_MAX ? p->limit : INFLIGHT_MAX)) {
+    q->dropped++; /* no rate: only frames in flight (the delay) are held; this bounds their memory */
     return;
   }
-  if (q->bytes + len > p->limit) {
-    q->dropped++;
-    return;
-  }
-  frame *f = malloc(sizeof *f + len);
+  frame* f = malloc(sizeof *f + len);
   if (!f) {
     q->dropped++;
     return;
@@ -182,11 +202,11 @@ static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uin
   f->len = (uint32_t)len;
   f->seq = q->seq++;
   if (p->reorder > 0 && uniform() < p->reorder) {
-    f->due = now; /* ahead of everything queued */
+    f->due = sent_at; /* ahead of everything queued */
   } else {
     int64_t d = (int64_t)p->delay;
     if (p->jitter) d += (int64_t)((uniform() * 2.0 - 1.0) * (double)p->jitter);
-    uint64_t due = now + (uint64_t)(d > 0 ? d : 0);
+    uint64_t due = sent_at + (uint64_t)(d > 0 ? d : 0);
     if (due < q->last_due) due = q->last_due;
     q->last_due = due;
     f->due = due;
@@ -197,15 +217,119 @@ static void enqueue(port *pt, int dir, const unsigned char *buf, size_t len, uin
   }
 }
 
+#define VNET_HDR sizeof(struct virtio_net_hdr)
+#define ETH_HDR 14
+#define MAX_SEGS 256
+
+static uint16_t ip_checksum(const unsigned char* h, size_t n) {
+  uint32_t sum = 0;
+  for (size_t k = 0; k + 1 < n; k += 2) sum += (uint32_t)(h[k] << 8 | h[k + 1]);
+  while (sum >> 16) sum = (sum & 0xFFFF) + (sum >> 16);
+  return (uint16_t)~sum;
+}
+
+/* A GSO TCP/IPv4 frame: its header length (Ethernet, IP, TCP) and segment count; 0 when the frame is
+ * not one (then it is lost or kept whole). */
+static size_t tcp4_headers(const unsigned char* buf, size_t len, unsigned* segs) {
+  const struct virtio_net_hdr* vh = (const void*)buf;
+  if ((vh->gso_type & ~VIRTIO_NET_HDR_GSO_ECN) != VIRTIO_NET_HDR_GSO_TCPV4 || vh->gso_size == 0) return 0;
+  if (len < VNET_HDR + ETH_HDR + 40) return 0;
+  const unsigned char *eth = buf + VNET_HDR, *ip = eth + ETH_HDR;
+  if (eth[12] != 0x08 || eth[13] != 0x00 || (ip[0] >> 4) != 4 || ip[9] != 6) return 0;
+  size_t ihl = (size_t)(ip[0] & 0xF) * 4, doff = (size_t)(ip[ihl + 12] >> 4) * 4;
+  size_t hdrs = ETH_HDR + ihl + doff;
+  if (ihl < 20 || doff < 20 || VNET_HDR + hdrs >= len) return 0;
+  size_t payload = len - VNET_HDR - hdrs;
+  *segs = (unsigned)((payload + vh->gso_size - 1) / vh->gso_size);
+  return *segs <= MAX_SEGS ? hdrs : 0;
+}
+
+/* Queue the segments of a GSO TCP/IPv4 frame that `lost` spares, each a frame of its own (what the
+ * kernel's segmentation would have made: IP length, id and checksum, TCP sequence number and flags;
+ * the TCP checksum left to the receiver's device, NEEDS_CSUM). */
+static void admit_segments(port* pt, int dir, const unsigned char* buf, size_t len, size_t hdrs, unsigned segs,
+                           const unsigned char* lost, uint64_t now) {
+  static unsigned char out[FRAME_MAX];
+  const struct virtio_net_hdr* vh = (const void*)buf;
+  const unsigned char* ip = buf + VNET_HDR + ETH_HDR;
+  size_t ihl = (size_t)(ip[0] & 0xF) * 4, payload = len - VNET_HDR - hdrs, mss = vh->gso_size;
+  uint32_t seq0 = (uint32_t)ip[ihl + 4] << 24 | (uint32_t)ip[ihl + 5] << 16 | (uint32_t)ip[ihl + 6] << 8 | ip[ihl + 7];
+  uint16_t id0 = (uint16_t)(ip[4] << 8 | ip[5]);
+  for (unsigned j = 0; j < segs; j++) {
+    if (lost[j]) continue;
+    size_t off = (size_t)j * mss, plen = payload - off < mss ? payload - off : mss;
+    struct virtio_net_hdr nvh;
+    memset(&nvh, 0, sizeof nvh);
+    nvh.flags = VIRTIO_NET_HDR_F_NEEDS_CSUM;
+    nvh.gso_type = VIRTIO_NET_HDR_GSO_NONE;
+    nvh.csum_start = (uint16_t)(ETH_HDR + ihl);
+    nvh.csum_offset = 16;
+    memcpy(out, &nvh, VNET_HDR);
+    memcpy(out + VNET_HDR, buf + VNET_HDR, hdrs);
+    memcpy(out + VNET_HDR + hdrs, buf + VNET_HDR + hdrs + off, plen);
+    unsigned char *oip = out + VNET_HDR + ETH_HDR, *tcp = oip + ihl;
+    size_t tot = hdrs - ETH_HDR + plen, tcp_len = tot - ihl;
+    oip[2] = (unsigned char)(tot >> 8);
+    oip[3] = (unsigned char)tot;
+    uint16_t id = (uint16_t)(id0 + j);
+    oip[4] = (unsigned char)(id >> 8);
+    oip[5] = (unsigned char)id;
+    oip[10] = oip[11] = 0;
+    uint16_t ipsum = ip_checksum(oip, ihl);
+    oip[10] = (unsigned char)(ipsum >> 8);
+    oip[11] = (unsigned char)ipsum;
+    uint32_t seq = seq0 + (uint32_t)off;
+    tcp[4] = (unsigned char)(seq >> 24);
+    tcp[5] = (unsigned char)(seq >> 16);
+    tcp[6] = (unsigned char)(seq >> 8);
+    tcp[7] = (unsigned char)seq;
+    if (j + 1 < segs) tcp[13] &= (unsigned char)~0x09; /* FIN and PSH only on the last */
+    if (j > 0) tcp[13] &= (unsigned char)~0x80;        /* CWR only on the first */
+    uint32_t sum = 0; /* the pseudo-header's sum, not complemented: the receiver's device completes it */
+    for (int k = 12; k < 20; k += 2) sum += (uint32_t)(oip[k] << 8 | oip[k + 1]);
+    sum += 6 + (uint32_t)tcp_len;
+    while (sum >> 16) sum = (sum & 0xFFFF) + (sum >> 16);
+    tcp[16] = (unsigned char)(sum >> 8);
+    tcp[17] = (unsigned char)sum;
+    admit(pt, dir, out, VNET_HDR + hdrs + plen, hdrs + plen, now);
+  }
+}
+
+/* A frame read from one side: the wire's loss is decided per segment (a GSO frame of k segments is
+ * k packets on a real wire); a frame none of whose segments is lost moves whole. */
+static void enqueue(port* pt, int dir, const unsigned char* buf, size_t len, uint64_t now) {
+  queue* q = &pt->q[dir];
+  const params* p = &pt->p;
+  q->in++;
+  if (len <= VNET_HDR) return;
+  unsigned segs = 1;
+  size_t hdrs = tcp4_headers(buf, len, &segs);
+  if (!hdrs) segs = 1;
+  /* what the frame's packets take on a wire: the payload and each segment's headers */
+  uint64_t wire_bytes = (uint64_t)(len - VNET_HDR) + (uint64_t)(segs - 1) * hdrs;
+  if (p->loss <= 0) {
+    admit(pt, dir, buf, len, wire_bytes, now);
+    return;
+  }
+  unsigned char lost[MAX_SEGS];
+  unsigned nlost = 0;
+  for (unsigned j = 0; j < segs; j++) nlost += lost[j] = (unsigned char)lose(q, p);
+  q->lost += nlost;
+  if (nlost == 0)
+    admit(pt, dir, buf, len, wire_bytes, now);
+  else if (nlost < segs)
+    admit_segments(pt, dir, buf, len, hdrs, segs, lost, now);
+}
+
 static void flush(uint64_t now) {
   for (int i = 0; i < MAX_PORTS; i++) {
-    port *pt = &ports[i];
+    port* pt = &ports[i];
     if (!pt->used) continue;
     for (int dir = 0; dir < 2; dir++) {
-      queue *q = &pt->q[dir];
+      queue* q = &pt->q[dir];
       int out = dir == 0 ? pt->tap : pt->pkt;
       while (q->n && q->heap[0]->due <= now) {
-        frame *f = heap_pop(q);
+        frame* f = heap_pop(q);
         if (write(out, f->data, f->len) == (ssize_t)f->len)
           q->out++;
         else
@@ -226,7 +350,7 @@ static uint64_t next_due(void) {
   return next;
 }
 
-static int open_tap(const char *name) {
+static int open_tap(const char* name) {
   int fd = open("/dev/net/tun", O_RDWR | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return -1;
   struct ifreq ifr;
@@ -243,7 +367,7 @@ static int open_tap(const char *name) {
   return fd;
 }
 
-static int open_packet(const char *dev) {
+static int open_packet(const char* dev) {
   int fd = socket(AF_PACKET, SOCK_RAW | SOCK_NONBLOCK | SOCK_CLOEXEC, htons(ETH_P_ALL));
   if (fd < 0) return -1;
   int one = 1, buf = 8 << 20;
@@ -261,9 +385,9 @@ static int open_packet(const char *dev) {
     return -1;
   }
   sll.sll_ifindex = ifr.ifr_ifindex;
-  if ( setsockopt(fd, SOL_PACKET, PACKET_VNET_HDR, &one, sizeof one) < 0 ||
+  if (setsockopt(fd, SOL_PACKET, PACKET_VNET_HDR, &one, sizeof one) < 0 ||
       setsockopt(fd, SOL_PACKET, PACKET_IGNORE_OUTGOING, &one, sizeof one) < 0 ||
-      bind(fd, (struct sockaddr *)&sll, sizeof sll) < 0) {
+      bind(fd, (struct sockaddr*)&sll, sizeof sll) < 0) {
     int e = errno;
     close(fd);
     errno = e;
@@ -279,7 +403,7 @@ static int open_packet(const char *dev) {
 static int ep;
 
 static void port_del(int i) {
-  port *pt = &ports[i];
+  port* pt = &ports[i];
   if (!pt->used) return;
   epoll_ctl(ep, EPOLL_CTL_DEL, pt->pkt, NULL);
   epoll_ctl(ep, EPOLL_CTL_DEL, pt->tap, NULL);
@@ -290,8 +414,8 @@ static void port_del(int i) {
   memset(pt, 0, sizeof *pt);
 }
 
-static void answer(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void answer(const char *fmt, ...) {
+static void answer(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static void answer(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vprintf(fmt, ap);
@@ -300,7 +424,7 @@ static void answer(const char *fmt, ...) {
   fflush(stdout);
 }
 
-static int command(char *line) {
+static int command(char* line) {
   char op[16] = {0}, a[IFNAMSIZ + 1] = {0}, b[IFNAMSIZ + 1] = {0};
   int i = -1;
   if (sscanf(line, "%15s %d", op, &i) < 1) {
@@ -312,7 +436,7 @@ static int command(char *line) {
     answer("error bad port in: %s", line);
     return 0;
   }
-  port *pt = &ports[i];
+  port* pt = &ports[i];
   if (strcmp(op, "add") == 0) {
     if (sscanf(line, "%*s %*d %16s %16s", a, b) != 2) {
       answer("error usage: add I HOSTDEV TAPNAME");
@@ -341,14 +465,15 @@ static int command(char *line) {
     epoll_ctl(ep, EPOLL_CTL_ADD, tap, &ev);
     answer("ok");
   } else if (strcmp(op, "wire") == 0) {
-    unsigned long long delay, jitter, limit;
+    unsigned long long delay, jitter, limit, up, down;
     double loss, burst, reorder;
-    if (!pt->used || sscanf(line, "%*s %*d %llu %llu %lf %lf %lf %llu", &delay, &jitter, &loss, &burst, &reorder,
-                            &limit) != 6) {
-      answer("error usage: wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES (port added)");
+    if (!pt->used || sscanf(line, "%*s %*d %llu %llu %lf %lf %lf %llu %llu %llu", &delay, &jitter, &loss, &burst,
+                            &reorder, &limit, &up, &down) != 8) {
+      answer("error usage: wire I DELAY_NS JITTER_NS LOSS BURST REORDER LIMIT_BYTES UP_BPS DOWN_BPS (port added)");
       return 0;
     }
-    pt->p = (params){delay, jitter, limit, loss, burst < 1.0 ? 1.0 : burst, reorder};
+    pt->p = (params){delay, jitter, limit, {up, down}, loss, burst < 1.0 ? 1.0 : burst, reorder};
+    pt->q[0].free_at = pt->q[1].free_at = 0;
     answer("ok");
   } else if (strcmp(op, "del") == 0) {
     port_del(i);
@@ -364,35 +489,19 @@ static int command(char *line) {
   return 0;
 }
 
-static int offload(const char *dev, int on) {
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd < 0) return 1;
-  const unsigned cmds[] = {ETHTOOL_STSO, ETHTOOL_SGSO, ETHTOOL_SSG};
-  int rc = 0;
-  for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++) {
-    struct ethtool_value v = {.cmd = cmds[k], .data = (uint32_t)on};
-    struct ifreq ifr;
-    memset(&ifr, 0, sizeof ifr);
-    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", dev);
-    ifr.ifr_data = (char *)&v;
-    if (ioctl(fd, SIOCETHTOOL, &ifr) < 0 && !(on == 0 && cmds[k] == ETHTOOL_SSG)) {
-      fprintf(stderr, "pdlink-wire: offload %s %s: %s\n", dev, on ? "on" : "off", strerror(errno));
-      rc = 1;
-    }
-  }
-  close(fd);
-  return rc;
-}
-
-int main(int argc, char **argv) {
-  if (argc == 4 && strcmp(argv[1], "offload") == 0) return offload(argv[2], strcmp(argv[3], "on") == 0);
+int main(int argc, char** argv) {
   if (argc != 2) {
-    fprintf(stderr, "usage: pdlink-wire PARENT_PID (commands on stdin) | pdlink-wire offload IFNAME on|off\n");
+    fprintf(stderr, "usage: pdlink-wire PARENT_PID (commands on stdin)\n");
     return 2;
   }
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != (pid_t)atol(argv[1])) return 1;
   prctl(PR_SET_TIMERSLACK, 1UL);
+  /* The wire is served before ordinary work: real-time priority 1 where it may (a frame's departure
+   * is then late by the kernel's wake-up, not by the machine's load), else nice -10. Its work is
+   * bounded by the traffic and it never spins longer than AHEAD_MAX_NS before a departure. */
+  struct sched_param sp = {.sched_priority = 1};
+  if (sched_setscheduler(0, SCHED_FIFO | SCHED_RESET_ON_FORK, &sp) != 0) setpriority(PRIO_PROCESS, 0, -10);
   signal(SIGPIPE, SIG_IGN);
   rng_state ^= now_ns() ^ ((uint64_t)getpid() << 32);
   ep = epoll_create1(EPOLL_CLOEXEC);
@@ -402,10 +511,18 @@ int main(int argc, char **argv) {
   epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev);
   ev.data.u64 = UINT64_MAX - 1;
   epoll_ctl(ep, EPOLL_CTL_ADD, timer, &ev);
-  static unsigned char buf[FRAME_MAX];
+  static unsigned char bufs[BATCH][FRAME_MAX];
+  static struct iovec iovs[BATCH];
+  static struct mmsghdr msgs[BATCH];
+  for (int m = 0; m < BATCH; m++) {
+    iovs[m].iov_base = bufs[m];
+    iovs[m].iov_len = FRAME_MAX;
+    msgs[m].msg_hdr.msg_iov = &iovs[m];
+    msgs[m].msg_hdr.msg_iovlen = 1;
+  }
   static char line[1024];
   size_t line_len = 0;
-  uint64_t armed = 0;
+  uint64_t armed = 0, armed_for = 0, ahead = 20000, late_avg = 0;
   for (;;) {
     uint64_t now = now_ns();
     flush(now);
@@ -413,10 +530,11 @@ int main(int argc, char **argv) {
     int timeout = -1;
     if (next != UINT64_MAX) {
       now = now_ns();
-      if (next <= now + SPIN_NS) {
+      if (next <= now + ahead) {
         timeout = 0;
       } else if (next != armed) {
-        struct itimerspec its = {{0, 0}, {(time_t)((next - SPIN_NS / 2) / 1000000000ull), (long)((next - SPIN_NS / 2) % 1000000000ull)}};
+        armed_for = next - ahead;
+        struct itimerspec its = {{0, 0}, {(time_t)(armed_for / 1000000000ull), (long)(armed_for % 1000000000ull)}};
         timerfd_settime(timer, TFD_TIMER_ABSTIME, &its, NULL);
         armed = next;
       }
@@ -431,6 +549,11 @@ int main(int argc, char **argv) {
         uint64_t expirations;
         if (read(timer, &expirations, sizeof expirations) < 0) { /* nothing to clear */
         }
+        if (armed && now > armed_for) {
+          late_avg = (late_avg * 7 + (now - armed_for)) / 8;
+          ahead = 2 * late_avg + AHEAD_MIN_NS;
+          if (ahead > AHEAD_MAX_NS) ahead = AHEAD_MAX_NS;
+        }
         armed = 0;
       } else if (tag == UINT64_MAX) {
         for (;;) {
@@ -438,7 +561,7 @@ int main(int argc, char **argv) {
           if (r == 0) return 0;
           if (r < 0) break;
           line_len += (size_t)r;
-          char *nl;
+          char* nl;
           while ((nl = memchr(line, '\n', line_len)) != NULL) {
             *nl = 0;
             if (command(line)) return 0;
@@ -450,13 +573,22 @@ int main(int argc, char **argv) {
         }
       } else {
         int i = (int)(tag & 0xFFFF), side = (int)(tag >> 16);
-        port *pt = &ports[i];
+        port* pt = &ports[i];
         if (!pt->used) continue;
-        int fd = side ? pt->tap : pt->pkt;
-        for (int b = 0; b < BATCH; b++) {
-          ssize_t r = read(fd, buf, sizeof buf);
-          if (r <= 0) break;
-          enqueue(pt, side ? 1 : 0, buf, (size_t)r, now);
+        if (side) {
+          for (int b = 0; b < BATCH; b++) {
+            ssize_t r = read(pt->tap, bufs[0], FRAME_MAX);
+            if (r < 0 && errno != EAGAIN && errno != EINTR) {
+              /* the TAP is gone from under us (deleted): stop watching it, never spin on its error */
+              epoll_ctl(ep, EPOLL_CTL_DEL, pt->tap, NULL);
+              break;
+            }
+            if (r <= 0) break;
+            enqueue(pt, 1, bufs[0], (size_t)r, now);
+          }
+        } else {
+          int got = recvmmsg(pt->pkt, msgs, BATCH, MSG_DONTWAIT, NULL);
+          for (int m = 0; m < got; m++) enqueue(pt, 0, bufs[m], msgs[m].msg_len, now);
         }
       }
     }
