@@ -41,7 +41,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leaves out the two-hosts cells (``Variant.hosts``) of tests marked ``one_host``: their test
     process talks to the peers itself, and it is on no emulated host (counted as deselected)."""
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         callspec = getattr(item, "callspec", None)
         cell = callspec.params.get("variant") if callspec is not None else None
@@ -151,13 +152,18 @@ def peers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Peer]]:
     if "variant" in request.fixturenames and request.getfixturevalue("variant").hosts:
         hosts = request.getfixturevalue("test_hosts")
 
-    def make(name: str = "peer", **kw: Any) -> Peer:
+    placed: dict[Peer, int] = {}
+
+    def make(name: str = "peer", same_host_as: Peer | None = None, **kw: Any) -> Peer:
+        """``same_host_as``: in a two-hosts cell, on that peer's host (a restart in its place)."""
         if hosts is not None:
-            i = len(made) % len(hosts)
+            i = placed[same_host_as] if same_host_as is not None else len(placed) % len(hosts)
             kw["executable"] = hosts[i].python
             kw["env"] = {**(kw.get("env") or {}), **hostbed.env(hosts, i)}
         p = Peer(name, **kw)
         made.append(p)
+        if hosts is not None:
+            placed[p] = i
         return p
 
     yield make

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import os
 import shutil
@@ -187,6 +188,9 @@ class Peer:
             with _SPAWN_LOCK:
                 spawn_exe = multiprocessing.spawn.get_executable()
                 if pid_namespace or executable:
+                    # multiprocessing starts its resource tracker with the executable set when it is
+                    # first needed: start it here first, so that it never runs through the wrapper
+                    multiprocessing.resource_tracker.ensure_running()
                     multiprocessing.spawn.set_executable(executable or _namespace_wrapper())
                 try:
                     self.proc.start()

@@ -27,6 +27,8 @@ from peers import hostile, kv
 from poll import wait_until
 from verify import assert_same
 
+# The attackers are this test process, on no emulated host: the two-hosts cells are left out.
+pytestmark = pytest.mark.one_host("the attacker is the test process")
 KEY = Pair.KEY
 SHAPE = (16, 4096)
 TENSOR_BYTES = SHAPE[0] * SHAPE[1] * 2

@@ -27,7 +27,7 @@ from pdlink import (
     TransferTimeout,
 )
 from peer import Peer
-from peers import fake_ascend, native
+from peers import addr, fake_ascend, native
 from poll import hang_guard, wait_until
 from verify import Copy, Snapshot, assert_same, check_transfer, differences, nothing, pattern, rows
 
@@ -629,16 +629,17 @@ def test_kv_caches_come_from_the_options_pools(peers: Callable[..., Peer], varia
 
 
 def test_links_by_the_batch_report_each_peer(two: Two) -> None:
-    port = two.target.call(native.add_listener, "127.0.0.1:0")  # a second listener
+    ip = two.target.call(addr.own)  # loopback, or the target's host in a two-hosts cell
+    port = two.target.call(native.add_listener, f"{ip}:0")  # a second listener
     assert port not in (0, two.target.call(native.listen_port))
     mark, _ = two.target.call(native.linked_since, internals.core.LATEST_LINK_MARK)
     assert two.initiator.call(native.disconnect_each, [TARGET, 99]) == [LLMStatusCode.LLM_SUCCESS,
                                                                          LLMStatusCode.LLM_NOT_YET_LINK]
-    dead = two.initiator.call(_free_port)
-    results = two.initiator.call(native.connect_each, [(TARGET, f"127.0.0.1:{port}"), (None, f"127.0.0.1:{dead}")])
+    dead = two.target.call(_free_port)
+    results = two.initiator.call(native.connect_each, [(TARGET, f"{ip}:{port}"), (None, f"{ip}:{dead}")])
     assert [(code, peer) for code, _, peer in results][0] == (LLMStatusCode.LLM_SUCCESS, TARGET)
     assert results[1][0] == LLMStatusCode.LLM_LINK_FAILED
-    assert two.initiator.call(native.connect_each, [(TARGET, f"127.0.0.1:{port}")])[0][0] == \
+    assert two.initiator.call(native.connect_each, [(TARGET, f"{ip}:{port}")])[0][0] == \
         LLMStatusCode.LLM_ALREADY_LINK
     wait_until(lambda: INITIATOR in two.target.call(native.linked_since, mark)[1], 10, "the new link listed")
     check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(

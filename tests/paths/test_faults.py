@@ -117,6 +117,7 @@ def test_failed_pull_leaves_the_source_key_for_a_retry(make_pair: Callable[..., 
     wait_until(lambda: pair.prefill.call(kv.cache_count) == 0, 10, "the consumed cache freed")
 
 
+@pytest.mark.one_host("the hostile peer is the test process")
 def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pair: Pair) -> None:
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)
     pair.decode.call(kv.register_blocks, "kv", 2, SHAPE, seed=2)
@@ -148,6 +149,7 @@ def test_garbage_and_hostile_hellos_are_refused_and_the_engine_keeps_serving(pai
     stalled.close()
 
 
+@pytest.mark.one_host("the hostile peer is the test process")
 def test_hostile_frames_on_an_established_link_only_drop_that_link(pair: Pair) -> None:
     """A peer that passes the handshake and then sends out-of-range or malformed requests."""
     pair.prefill.call(kv.register_blocks, "kv", 2, SHAPE, seed=1, key=KEY)

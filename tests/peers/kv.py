@@ -272,9 +272,12 @@ def links() -> list[dict[str, Any]]:
     return list(_dd().links())
 
 
-def switch_role(role: str, listen: str | None = None) -> tuple[int, int]:
-    """``switch_role``, with a listen address for a new PROMPT; returns (role, listen port)."""
+def switch_role(role: str, listen: str | None = None, *, here: bool = False) -> tuple[int, int]:
+    """``switch_role``, with a listen address for a new PROMPT (``here``: this peer's own address,
+    a free port, peers.addr); returns (role, listen port)."""
     opts = None
+    if here:
+        listen = addr.listen()
     if listen is not None:
         cfg = LLMConfig()
         cfg.listen_ip_info = listen

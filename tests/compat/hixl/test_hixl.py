@@ -1482,7 +1482,7 @@ def test_engines_killed_and_restarted_in_turn_relink_and_move_every_byte(
         dead, survivor = (s, c) if round_ == 0 else (c, s)
         dead.peer.kill()
         survivor.refused(dead, hixl.FAILED)
-        restarted = peers(f"hixl-restarted-{round_}", env=variant.env())
+        restarted = peers(f"hixl-restarted-{round_}", env=variant.env(), same_host_as=dead.peer)
         restarted.call(hixl_peer.start_at, dead.id)
         back = Side(restarted, variant, dead.id, 5 + 2 * round_)
         survivor.refused(back, hixl.FAILED)  # the old link stays failed

@@ -696,8 +696,9 @@ def test_switch_role(pair: Pair) -> None:
         with llm_error(S.LLM_PARAM_INVALID):
             run(d, dd("switch_role", LLMRole.PROMPT, {"llm.listenIpInfo": bad}))
     assert d.call(kv.role_and_port) == (LLMRole.DECODER, 0)
-    # swap roles: the decoder starts a listener, the prompt stops its own
-    run(d, dd("switch_role", LLMRole.PROMPT, LISTEN_ANY))
+    # swap roles: the decoder starts a listener (on its own address: another host's in a two-hosts
+    # cell), the prompt stops its own
+    d.call(kv.switch_role, "prompt", here=True)
     run(p, dd("switch_role", LLMRole.DECODER))
     new_role, new_port = d.call(kv.role_and_port)
     assert new_role == LLMRole.PROMPT and new_port > 0
@@ -732,6 +733,7 @@ def test_dead_peer_breaks_the_link_until_unlinked(pair: Pair, peers: Callable[..
     moved((p, "blk"), (q, "blk"), lambda: q.call(kv.pull_blocks, KEY, "blk", [3], [3]), rows([(3, 3)]))
 
 
+@pytest.mark.one_host("the test process holds the port the switch must fail to listen on")
 def test_failed_switch_role_keeps_the_old_listener(pair: Pair) -> None:
     p = pair.prefill
     busy = socket.socket()

@@ -165,7 +165,7 @@ def test_switch_roles_then_push_the_other_way(pair: Pair) -> None:
     assert pair.unlink(force=True) == LLMStatusCode.LLM_SUCCESS
     assert pair.prefill.call(kv.unlink, DECODER_ID, 0, True) == LLMStatusCode.LLM_SUCCESS
     assert pair.prefill.call(kv.switch_role, "decoder") == (LLMRole.DECODER, 0)
-    role, new_port = pair.decode.call(kv.switch_role, "prompt", "127.0.0.1:0")
+    role, new_port = pair.decode.call(kv.switch_role, "prompt", here=True)
     assert role == LLMRole.PROMPT and new_port > 0
     assert pair.prefill.call(kv.link, DECODER_ID, new_port)[0] == LLMStatusCode.LLM_SUCCESS
     # the new prompt (the old decoder) pushes into the new decoder's cache, which now has key (1, 0)
