@@ -93,9 +93,9 @@ class Variant:
     def host_transport(self, env: dict[str, str]) -> str:
         """What ``links()`` reports as ``transport`` on a peer of this variant with environment
         ``env``: ``link_transport``, except that a ucx engine keeps links with payload integrity on
-        the stream (a same-host one here: "unix"), which seals the bytes."""
+        the stream (which seals the bytes): "unix" on one host, "tcp" between two."""
         if self.link_transport == "ucx" and env.get("PDLINK_PAYLOAD_INTEGRITY") == "1":
-            return "unix"
+            return "tcp" if self.hosts else "unix"
         return self.link_transport
 
     def device_paths(self, env: dict[str, str]) -> tuple[str, ...]:
