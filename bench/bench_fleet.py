@@ -111,7 +111,7 @@ def report(s: dict[str, Any]) -> str:
         f"pulls {p['total']}: ok {p['ok']}, wrong-byte pulls {p['wrong_bytes_pulls']}, after-storm ok "
         f"{p['after_ok']} failed {p['after_failed']}; failed by phase/code: {json.dumps(p['failed_by_code'])}",
     ]
-    for key in ("threads", "fds", "rss_kib"):
+    for key in ("threads", "fds", "threads_less_peers", "fds_less_peers", "rss_kib"):
         v = r[key]
         lines.append(f"{key} per instance: first >= {v['first_min']}, last <= {v['last_max']}, max {v['max']}, "
                      f"growth first->last max {v['growth_first_to_last_max']} "

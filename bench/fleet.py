@@ -217,6 +217,7 @@ class Sample:
     threads: int
     fds: int
     rss_kib: int
+    peers: int = 0  # the instance's planned peers when sampled (a link costs descriptors and threads)
 
 
 @dataclass
@@ -651,6 +652,8 @@ class Fleet:
 
     def sample(self) -> None:
         t = time.monotonic() - self.timeline.t0
+        with self._lock:
+            roles = dict(self.roles)
         for inst in self.instances:
             pid = inst.pid
             if pid is None:
@@ -659,7 +662,8 @@ class Fleet:
                 with open(f"/proc/{pid}/status") as f:
                     fields = dict(line.split(":", 1) for line in f if ":" in line)
                 fds = len(os.listdir(f"/proc/{pid}/fd"))
-                s = Sample(t, inst.index, pid, int(fields["Threads"]), fds, int(fields["VmRSS"].split()[0]))
+                s = Sample(t, inst.index, pid, int(fields["Threads"]), fds, int(fields["VmRSS"].split()[0]),
+                           len(self.expected_peers(inst.index, roles)) if roles else 0)
             except (OSError, KeyError, ValueError):
                 continue
             with self._lock:
@@ -725,6 +729,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+# what is sampled per instance: threads and descriptors also less one per planned peer (each link
+# holds a socket and may hold a thread, so the raw counts follow the P:D split; less the peers they
+# must stay flat), and the resident set
+RESOURCES = ("threads", "fds", "threads_less_peers", "fds_less_peers", "rss_kib")
+
+
+def val(s: Sample, key: str) -> int:
+    if key.endswith("_less_peers"):
+        return int(getattr(s, key[: -len("_less_peers")])) - s.peers
+    return int(getattr(s, key))
+
+
 def summary(fleet: Fleet) -> dict[str, Any]:
     conv = [s.converged_s for s in fleet.storms if s.converged_s is not None]
     pulls = fleet.pulls
@@ -742,12 +758,11 @@ def summary(fleet: Fleet) -> dict[str, Any]:
         last_pid = ss[-1].pid
         run = [s for s in ss if s.pid == last_pid]  # since the last (re)start
         per_instance[str(inst.index)] = {
-            key: {"first": getattr(run[0], key), "last": getattr(run[-1], key),
-                  "max": max(getattr(s, key) for s in run)}
-            for key in ("threads", "fds", "rss_kib")}
+            key: {"first": val(run[0], key), "last": val(run[-1], key), "max": max(val(s, key) for s in run)}
+            for key in RESOURCES}
         per_instance[str(inst.index)]["starts"] = inst.starts
     spread = {}
-    for key in ("threads", "fds", "rss_kib"):
+    for key in RESOURCES:
         grows = [v[key]["last"] - v[key]["first"] for v in per_instance.values()]
         spread[key] = {"first_min": min((v[key]["first"] for v in per_instance.values()), default=None),
                        "last_max": max((v[key]["last"] for v in per_instance.values()), default=None),
