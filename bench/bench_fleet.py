@@ -103,7 +103,8 @@ def report(s: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:.2f}"
 
     lines = [
-        f"pdlink fleet: {s['instances']} instances on {s['hosts']} hosts, wire {s['profile']}, {s['storms']} storms",
+        f"pdlink fleet: {s['instances']} instances on {s['hosts']} hosts, wire {s['profile']} "
+        f"(tcp connect host 0 -> 1: {s.get('wire_rtt_ms_host0_host1')} ms), {s['storms']} storms",
         f"converged {s['converged']}/{s['storms']}; time to converge p50 {f(c['p50'])} s, p99 {f(c['p99'])} s, "
         f"max {f(c['max'])} s (min {f(c['min'])} s)",
         f"posts {s['posts']} (switched {s['switched']}), re-posts by the controller's sync {s['reposts']}",
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       pullers=args.pullers, storm_timeout=args.storm_timeout)
         try:
             fleet.start()
+            rtt = fleet.tcp_rtt_ms(0, 1) if args.hosts > 1 else None
             print(f"{args.instances} instances up in {time.monotonic() - t_start:.1f} s", flush=True)
             for k in range(storms):
                 fault = "kill" if k == kill else "partition" if k == part else ""
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             codes = fleet.stop()
         s = summary(fleet)
         s["profile"] = profile
+        s["wire_rtt_ms_host0_host1"] = rtt
         s["wall_s"] = time.monotonic() - t_start
         s["exit_codes"] = sorted({str(c) for c in codes.values()})
         services = [st.get("service", {}) for st in finals.values()]

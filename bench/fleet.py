@@ -207,6 +207,9 @@ class Storm:
     after_ok: int = 0
     after_failed: int = 0
     probe: str = ""  # partition: "unreachable" when host a could not open a connection to host b
+    # partition: when every status first named the planned state while the partition still held
+    # (a link across a silent partition reads "ok" until traffic crosses it); None if never
+    looked_converged_in_fault_s: float | None = None
 
 
 @dataclass
@@ -474,10 +477,13 @@ class Fleet:
         if bad:
             self.event(f"storm {rec.index}: posts answered {Counter(bad)}")
         healer = None
+        fault_over = threading.Event()
+        fault_over.set()
         if fault == "kill":
             self.kill_and_restart(self.rng.randrange(self.n))
         elif fault == "partition":
             a, b = self.rng.sample(range(self.instance_hosts), 2)
+            fault_over.clear()
             self.hosts.partition(a, b)
             t_cut = time.monotonic()
             self.event(f"storm {rec.index}: hosts {a} and {b} partitioned for {partition_s} s")
@@ -486,11 +492,12 @@ class Fleet:
                 rec.probe = self._probe(a, b)
                 time.sleep(max(0.0, partition_s - (time.monotonic() - t_cut)))
                 self.hosts.heal()
+                fault_over.set()
                 self.event(f"storm {rec.index}: healed")
 
             healer = threading.Thread(target=heal, daemon=True)
             healer.start()
-        rec.converged_s, rec.reposts = self._converge(rec, new)
+        rec.converged_s, rec.reposts = self._converge(rec, new, fault_over)
         if healer is not None:
             healer.join()
         with self._lock:
@@ -501,35 +508,63 @@ class Fleet:
             self._after_pulls(rec)
         return rec
 
-    def _probe(self, a: int, b: int) -> str:
-        """From inside host ``a`` (a thread in its network namespace), try to open a TCP connection
-        to an instance of host ``b`` for 1 s: "unreachable" proves the partition holds."""
-        src = next((i for i in self.instances if i.host == a and i.pid), None)
-        dst = next((i for i in self.instances if i.host == b), None)
-        if src is None or dst is None:
-            return "no instance to probe with"
+    def _in_host(self, a: int, fn: Any) -> Any:
+        """Run ``fn()`` on a thread inside host ``a``'s network namespace; its result, or the
+        ``OSError`` entering failed with. Bounded: 15 s."""
         anchor = getattr(self.hosts[a], "anchor_pid", None)
-        ns = f"/proc/{anchor}/ns/net" if anchor else f"/proc/{src.pid}/ns/net"
-        out: list[str] = []
+        src = next((i for i in self.instances if i.host == a and i.pid), None)
+        ns = f"/proc/{anchor}/ns/net" if anchor else (f"/proc/{src.pid}/ns/net" if src else None)
+        out: list[Any] = []
 
-        def probe() -> None:
+        def body() -> None:
+            try:
+                if ns is not None:
+                    _setns_net(ns)
+            except OSError as e:
+                out.append(e)
+                return
+            out.append(fn())
+
+        t = threading.Thread(target=body, daemon=True)
+        t.start()
+        t.join(15)
+        return out[0] if out else TimeoutError("hung")
+
+    def _probe(self, a: int, b: int) -> str:
+        """From inside host ``a``, try to open a TCP connection to an instance of host ``b`` for
+        1 s: "unreachable" proves the partition holds."""
+        dst = next(i for i in self.instances if i.host == b)
+
+        def connect() -> str:
             import socket
 
             try:
-                _setns_net(ns)
-            except OSError as e:
-                out.append(f"cannot enter host {a}: {e}")
-                return
-            try:
                 socket.create_connection((dst.ip, dst.port), timeout=1.0).close()
-                out.append("reachable")
+                return "reachable"
             except OSError:
-                out.append("unreachable")
+                return "unreachable"
 
-        t = threading.Thread(target=probe, daemon=True)
-        t.start()
-        t.join(10)
-        return out[0] if out else "probe hung"
+        r = self._in_host(a, connect)
+        return r if isinstance(r, str) else f"cannot probe: {r}"
+
+    def tcp_rtt_ms(self, a: int, b: int, count: int = 20) -> float | None:
+        """The median time to open a TCP connection from host ``a`` to an instance of host ``b``
+        (one round trip, SYN to SYN-ACK): what the wire adds, measured."""
+        import socket
+        import statistics
+
+        dst = next(i for i in self.instances if i.host == b)
+
+        def measure() -> float:
+            times = []
+            for _ in range(count):
+                t = time.perf_counter()
+                socket.create_connection((dst.ip, dst.port), timeout=2.0).close()
+                times.append((time.perf_counter() - t) * 1000)
+            return statistics.median(times)
+
+        r = self._in_host(a, measure)
+        return r if isinstance(r, float) else None
 
     def event(self, text: str) -> None:
         with self._lock:
@@ -568,7 +603,10 @@ class Fleet:
         except ClientError:
             return None
 
-    def _converge(self, rec: Storm, roles: dict[int, str]) -> tuple[float | None, int]:
+    def _converge(self, rec: Storm, roles: dict[int, str], fault_over: threading.Event
+                  ) -> tuple[float | None, int]:
+        """Poll until every instance names the planned state and the storm's fault is over (a
+        partition healed); returns (seconds from the first post, re-posts), None on timeout."""
         done: set[int] = set()
         last_post = {i: rec.t0 for i in range(self.n)}
         inflight: dict[int, Any] = {}
@@ -593,7 +631,10 @@ class Fleet:
                 # a converged instance may have lost a link since (a kill, a partition): look once more
                 if all(self._converged(i, st, roles) for i, st in
                        zip(range(self.n), self._pool.map(self.status, range(self.n))) if st is not None):
-                    return time.monotonic() - rec.t0, reposts
+                    if fault_over.is_set():
+                        return time.monotonic() - rec.t0, reposts
+                    if rec.looked_converged_in_fault_s is None:
+                        rec.looked_converged_in_fault_s = time.monotonic() - rec.t0
                 done.clear()
             time.sleep(0.05)
         return None, reposts
@@ -775,7 +816,9 @@ def summary(fleet: Fleet) -> dict[str, Any]:
         "not_converged": [s.index for s in fleet.storms if s.converged_s is None],
         "converge_s": {"p50": percentile(conv, 0.5), "p99": percentile(conv, 0.99), "max": max(conv, default=None),
                        "min": min(conv, default=None)},
-        "faults": {s.fault: {"storm": s.index, "converge_s": s.converged_s, "reposts": s.reposts}
+        "faults": {s.fault: {"storm": s.index, "converge_s": s.converged_s, "reposts": s.reposts,
+                             **({"probe": s.probe, "looked_converged_in_fault_s": s.looked_converged_in_fault_s}
+                                if s.fault == "partition" else {})}
                    for s in fleet.storms if s.fault},
         "posts": sum(s.posted for s in fleet.storms), "reposts": sum(s.reposts for s in fleet.storms),
         "switched": sum(len(s.switched) for s in fleet.storms),
