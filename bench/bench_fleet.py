@@ -4,7 +4,7 @@
     python bench/bench_fleet.py --loopback            # the same on this machine's loopback (baseline)
     python bench/bench_fleet.py -n 8 --hosts 2 --storms 5 --profile loopback
 
-What it does and measures is described in ``bench/fleet.py`` (the driver, shared with
+What it does and measures is described in ``bench/fleet_driver.py`` (the driver, shared with
 ``tests/fleet/test_fleet.py``): mutual TLS on every management plane, a link secret on every KV
 link, a MindIE-like controller posting role storms (the P:D split changes each storm, only the
 difference switches), test pulls of real KV (verified byte for byte by the pulling server) during
@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fleet import Fleet, Loopback, hosts_module, summary, workdir_under  # noqa: E402
+from fleet_driver import Fleet, Loopback, hosts_module, summary, workdir_under  # noqa: E402
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,5 +1,5 @@
 """A small fleet: 8 ``pdlink serve`` instances (mutual TLS on the management plane, a link secret
-on every KV link) on 2 emulated hosts, driven by the benchmark's controller (``bench/fleet.py``)
+on every KV link) on 2 emulated hosts, driven by the benchmark's controller (``bench/fleet_driver.py``)
 through 4 role storms: the first assignment, one with two hosts partitioned for 2 s, one with an
 instance SIGKILLed and restarted, and a last quiet one. Checked:
 
@@ -14,7 +14,7 @@ instance SIGKILLed and restarted, and a last quiet one. Checked:
 
 The same on this machine's loopback (no wire, no partition) runs where emulated hosts cannot be
 made. Emulated hosts need ``pdlink.testing.hosts`` and root: without them the hosts case is skipped
-with the reason, or fails under ``PDLINK_REQUIRE_HOSTS=1``.
+with the reason (``hostbed.require_hosts``), or fails under ``PDLINK_REQUIRE_HOSTS=1``.
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ import sys
 
 import pytest
 
+from hostbed import require_hosts
+from pdlink.testing.hosts import Hosts
 from where import REPO
 
 pytest.importorskip("trustme", reason="the fleet test needs the test extra: pip install '.[test]'")
 pytest.importorskip("uvicorn", reason="the fleet test needs the server extra: pip install '.[server]'")
 
 sys.path.insert(0, str(REPO / "bench"))
-from fleet import Fleet, Loopback, hosts_module, summary, workdir_under  # noqa: E402
+from fleet_driver import Fleet, Loopback, summary, workdir_under  # noqa: E402
 
 N, HOSTS, STORMS = 8, 2, 4
 PARTITION, KILL = 1, 2  # the storms with a fault
@@ -70,12 +72,8 @@ def _free_bases(ips: list[str], span: int) -> tuple[int, int]:
 def _hosts(kind: str):
     if kind == "loopback":
         return Loopback(HOSTS), False
-    mod, why = hosts_module()
-    if mod is None:
-        if os.environ.get("PDLINK_REQUIRE_HOSTS") == "1":
-            pytest.fail(f"PDLINK_REQUIRE_HOSTS=1 and {why}", pytrace=False)
-        pytest.skip(why)
-    return mod.Hosts(HOSTS + 1, profile="dc"), True
+    require_hosts()  # skips with the reason, or fails under PDLINK_REQUIRE_HOSTS=1
+    return Hosts(HOSTS + 1, profile="dc"), True  # the last host runs the controller
 
 
 @pytest.mark.parametrize("kind", ["hosts", "loopback"])

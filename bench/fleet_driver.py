@@ -82,7 +82,7 @@ def hosts_module() -> tuple[Any, str | None]:
     """``(pdlink.testing.hosts, None)``, or ``(None, why)`` when emulated hosts cannot be made here
     (the module is missing, or its ``unavailable_reason()`` names a reason)."""
     try:
-        from pdlink.testing import hosts as mod  # type: ignore[attr-defined]
+        from pdlink.testing import hosts as mod
     except ImportError as e:
         return None, f"pdlink.testing.hosts is not available ({e})"
     why = mod.unavailable_reason()
