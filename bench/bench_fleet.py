@@ -112,11 +112,15 @@ def report(s: dict[str, Any]) -> str:
         f"pulls {p['total']}: ok {p['ok']}, wrong-byte pulls {p['wrong_bytes_pulls']}, after-storm ok "
         f"{p['after_ok']} failed {p['after_failed']}; failed by phase/code: {json.dumps(p['failed_by_code'])}",
     ]
-    for key in ("threads", "fds", "threads_less_peers", "fds_less_peers", "rss_kib"):
+    for key in ("threads", "fds", "rss_kib"):
         v = r[key]
         lines.append(f"{key} per instance: first >= {v['first_min']}, last <= {v['last_max']}, max {v['max']}, "
                      f"growth first->last max {v['growth_first_to_last_max']} "
                      f"(median {v['growth_first_to_last_median']})")
+    g = s["same_links_growth"]
+    lines.append(f"same instance, same number of links, later minus earlier ({g['groups']} groups, spans up to "
+                 f"{g['span_s_max'] and round(g['span_s_max'])} s): " +
+                 ", ".join(f"{k} max {g[k]['max']} median {g[k]['median']}" for k in ("threads", "fds", "rss_kib")))
     lines += ["events:"] + [f"  {e}" for e in s["events"]]
     return "\n".join(lines)
 

@@ -221,6 +221,8 @@ class Sample:
     fds: int
     rss_kib: int
     peers: int = 0  # the instance's planned peers when sampled (a link costs descriptors and threads)
+    role: str = ""  # the planned role when sampled (a prefill listens, a decode does not)
+    converged: bool = False  # taken right after a storm converged: the instance holds exactly those links
 
 
 @dataclass
@@ -505,6 +507,8 @@ class Fleet:
         if rec.index == 0 and rec.converged_s is not None:
             self.steady_t = time.monotonic() - self.timeline.t0
         if rec.converged_s is not None:
+            self.sample(converged=True)
+        if rec.converged_s is not None:
             self._after_pulls(rec)
         return rec
 
@@ -691,7 +695,7 @@ class Fleet:
         while not self._stop.wait(self.sample_s):
             self.sample()
 
-    def sample(self) -> None:
+    def sample(self, converged: bool = False) -> None:
         t = time.monotonic() - self.timeline.t0
         with self._lock:
             roles = dict(self.roles)
@@ -704,7 +708,8 @@ class Fleet:
                     fields = dict(line.split(":", 1) for line in f if ":" in line)
                 fds = len(os.listdir(f"/proc/{pid}/fd"))
                 s = Sample(t, inst.index, pid, int(fields["Threads"]), fds, int(fields["VmRSS"].split()[0]),
-                           len(self.expected_peers(inst.index, roles)) if roles else 0)
+                           len(self.expected_peers(inst.index, roles)) if roles else 0,
+                           roles.get(inst.index, ""), converged)
             except (OSError, KeyError, ValueError):
                 continue
             with self._lock:
@@ -770,16 +775,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-# what is sampled per instance: threads and descriptors also less one per planned peer (each link
-# holds a socket and may hold a thread, so the raw counts follow the P:D split; less the peers they
-# must stay flat), and the resident set
-RESOURCES = ("threads", "fds", "threads_less_peers", "fds_less_peers", "rss_kib")
+RESOURCES = ("threads", "fds", "rss_kib")
 
 
 def val(s: Sample, key: str) -> int:
-    if key.endswith("_less_peers"):
-        return int(getattr(s, key[: -len("_less_peers")])) - s.peers
     return int(getattr(s, key))
+
+
+def same_links_growth(samples: list[Sample]) -> dict[str, Any]:
+    """Threads and descriptors follow the links an instance holds (each link a socket or two, and
+    a thread), so they go up and down with the P:D split. Flat means: an instance in the same role
+    holding the same number of links later holds no more than it did earlier. Over the samples
+    taken right after a storm converged, grouped by (process, role, planned peers): last minus first, max and
+    median over the groups (with the span of time they cover)."""
+    groups: dict[tuple[int, str, int], list[Sample]] = {}
+    for s in samples:
+        if s.converged:
+            groups.setdefault((s.pid, s.role, s.peers), []).append(s)
+    out: dict[str, Any] = {"groups": sum(1 for g in groups.values() if len(g) > 1)}
+    spans = [g[-1].t - g[0].t for g in groups.values() if len(g) > 1]
+    out["span_s_max"] = max(spans, default=None)
+    for key in RESOURCES:
+        d = [float(val(g[-1], key) - val(g[0], key)) for g in groups.values() if len(g) > 1]
+        out[key] = {"max": max(d, default=None), "min": min(d, default=None), "median": percentile(d, 0.5)}
+    return out
 
 
 def summary(fleet: Fleet) -> dict[str, Any]:
@@ -827,7 +846,7 @@ def summary(fleet: Fleet) -> dict[str, Any]:
                   "after_ok": sum(s.after_ok for s in fleet.storms),
                   "after_failed": sum(s.after_failed for s in fleet.storms),
                   "bytes_ok": sum(p.nbytes for p in ok), "bytes_per_pull": fleet.pull_bytes},
-        "resources": spread, "per_instance": per_instance,
+        "resources": spread, "same_links_growth": same_links_growth(fleet.samples), "per_instance": per_instance,
         "events": [f"{t:.2f} s: {e}" for t, e in fleet.timeline.events],
     }
 
