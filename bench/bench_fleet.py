@@ -121,6 +121,9 @@ def report(s: dict[str, Any]) -> str:
     lines.append(f"same instance, same number of links, later minus earlier ({g['groups']} groups, spans up to "
                  f"{g['span_s_max'] and round(g['span_s_max'])} s): " +
                  ", ".join(f"{k} max {g[k]['max']} median {g[k]['median']}" for k in ("threads", "fds", "rss_kib")))
+    h = g["rss_kib_second_half"]
+    lines.append(f"rss_kib over the second half of each process's life ({h['processes']} processes): "
+                 f"min {h['min']} median {h['median']} max {h['max']}")
     lines += ["events:"] + [f"  {e}" for e in s["events"]]
     return "\n".join(lines)
 

@@ -798,6 +798,15 @@ def same_links_growth(samples: list[Sample]) -> dict[str, Any]:
     for key in RESOURCES:
         d = [float(val(g[-1], key) - val(g[0], key)) for g in groups.values() if len(g) > 1]
         out[key] = {"max": max(d, default=None), "min": min(d, default=None), "median": percentile(d, 0.5)}
+    # the resident set over the second half of each process's converged samples (a one-time step
+    # early in a process's life, its first pulls and links, is not growth)
+    per_pid: dict[int, list[Sample]] = {}
+    for s in samples:
+        if s.converged:
+            per_pid.setdefault(s.pid, []).append(s)
+    half = [float(ss[-1].rss_kib - ss[len(ss) // 2].rss_kib) for ss in per_pid.values() if len(ss) >= 10]
+    out["rss_kib_second_half"] = {"max": max(half, default=None), "min": min(half, default=None),
+                                  "median": percentile(half, 0.5), "processes": len(half)}
     return out
 
 
