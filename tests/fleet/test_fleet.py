@@ -28,6 +28,7 @@ import pytest
 
 from hostbed import require_hosts
 from pdlink.testing.hosts import Hosts
+from poll import wait_until
 from where import REPO
 
 pytest.importorskip("trustme", reason="the fleet test needs the test extra: pip install '.[test]'")
@@ -79,7 +80,10 @@ def _hosts(kind: str):
 @pytest.mark.parametrize("kind", ["hosts", "loopback"])
 def test_a_small_fleet_converges_through_storms_a_partition_and_a_kill(kind):
     hosts_cm, emulated = _hosts(kind)
+    anchors: list[int] = []
     with hosts_cm as hosts, workdir_under(str(REPO / "build")) as work:
+        if emulated:
+            anchors = hosts.anchor_pids()
         bases = (21000, 26000) if emulated else _free_bases([hosts[i].ip for i in range(HOSTS)], N // HOSTS)
         fleet = Fleet(hosts, N, work, controller_host=emulated, seed=7, mgmt_base=bases[0], kv_base=bases[1],
                       pullers=1, storm_timeout=STORM_BOUND, pool=8)
@@ -113,3 +117,12 @@ def test_a_small_fleet_converges_through_storms_a_partition_and_a_kill(kind):
     assert set(codes.values()) == {0}, (codes, logs)
     assert fleet.processes_left() == []
     assert not os.path.exists(work)
+    wait_until(lambda: all(_gone(p) for p in anchors), 10, "the hosts' namespaces torn down")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie holds no namespace
+    except OSError:
+        return True
