@@ -104,7 +104,8 @@ def report(s: dict[str, Any]) -> str:
 
     lines = [
         f"pdlink fleet: {s['instances']} instances on {s['hosts']} hosts, wire {s['profile']} "
-        f"(tcp connect host 0 -> 1: {s.get('wire_rtt_ms_host0_host1')} ms), {s['storms']} storms",
+        f"(tcp connect host 0 -> 1: {s.get('wire_rtt_ms_host0_host1')} ms), {s['storms']} storms; "
+        f"machine load average (1 min) at start / end {s.get('machine_load_1min_start_end')}",
         f"converged {s['converged']}/{s['storms']}; time to converge p50 {f(c['p50'])} s, p99 {f(c['p99'])} s, "
         f"max {f(c['max'])} s (min {f(c['min'])} s)",
         f"posts {s['posts']} (switched {s['switched']}), re-posts by the controller's sync {s['reposts']}",
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     build = os.path.join(ROOT, "build")
     os.makedirs(build, exist_ok=True)
     t_start = time.monotonic()
+    load_start = os.getloadavg()[0]
     with hosts_cm as hosts, workdir_under(build) as work:
         fleet = Fleet(hosts, args.instances, work, controller_host=not args.loopback, seed=args.seed,
                       transport=args.transport, mgmt_base=args.mgmt_base, kv_base=args.kv_base,
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         s["profile"] = profile
         s["wire_rtt_ms_host0_host1"] = rtt
         s["wall_s"] = time.monotonic() - t_start
+        s["machine_load_1min_start_end"] = [load_start, os.getloadavg()[0]]  # other work on the machine
         s["exit_codes"] = sorted({str(c) for c in codes.values()})
         services = [st.get("service", {}) for st in finals.values()]
         s["final_states"] = sorted({f"{sv.get('roleStatus')}/{sv.get('currentRole')}" for sv in services})
