@@ -108,7 +108,8 @@ def report(s: dict[str, Any]) -> str:
         f"machine load average (1 min) at start / end {s.get('machine_load_1min_start_end')}",
         f"converged {s['converged']}/{s['storms']}; time to converge p50 {f(c['p50'])} s, p99 {f(c['p99'])} s, "
         f"max {f(c['max'])} s (min {f(c['min'])} s)",
-        f"posts {s['posts']} (switched {s['switched']}), re-posts by the controller's sync {s['reposts']}",
+        f"posts {s['posts']} (switched {s['switched']}), re-posts by the controller's sync {s['reposts']}: "
+        f"{json.dumps(s['repost_reasons'])}",
         f"faults: {json.dumps(s['faults'])}",
         f"pulls {p['total']}: ok {p['ok']}, wrong-byte pulls {p['wrong_bytes_pulls']}, after-storm ok "
         f"{p['after_ok']} failed {p['after_failed']}; failed by phase/code: {json.dumps(p['failed_by_code'])}",

@@ -210,6 +210,7 @@ class Storm:
     # partition: when every status first named the planned state while the partition still held
     # (a link across a silent partition reads "ok" until traffic crosses it); None if never
     looked_converged_in_fault_s: float | None = None
+    repost_reasons: dict[str, int] = field(default_factory=dict)  # what made the controller post again
 
 
 @dataclass
@@ -601,6 +602,18 @@ class Fleet:
         return any(p.get("target") in want and str(p.get("link", "")).startswith("failed")
                    for p in status.get("linkStatus", {}).get("peers", []))
 
+    def _repost_reasons(self, index: int, status: dict[str, Any], roles: dict[int, str]) -> list[str]:
+        """Why ``_needs_repost`` said yes: "RoleUnknown", or each failed planned peer's reason with
+        numbers and addresses cut off (so the reasons count together)."""
+        import re
+
+        if status.get("service", {}).get("roleStatus") == "RoleUnknown":
+            return ["RoleUnknown"]
+        want = {self.instances[p].ident for p in self.expected_peers(index, roles)}
+        return [re.sub(r"[0-9][0-9.:]*", "N", str(p.get("link")))[:120]
+                for p in status.get("linkStatus", {}).get("peers", [])
+                if p.get("target") in want and str(p.get("link", "")).startswith("failed")]
+
     def status(self, index: int) -> dict[str, Any] | None:
         try:
             return self._poll_clients[index].status()
@@ -631,6 +644,8 @@ class Fleet:
                     inflight[i] = self._pool.submit(self._post, i, roles)
                     last_post[i] = now
                     reposts += 1
+                    for why in self._repost_reasons(i, st, roles):
+                        rec.repost_reasons[why] = rec.repost_reasons.get(why, 0) + 1
             if len(done) == self.n:
                 # a converged instance may have lost a link since (a kill, a partition): look once more
                 if all(self._converged(i, st, roles) for i, st in
@@ -849,6 +864,7 @@ def summary(fleet: Fleet) -> dict[str, Any]:
                                 if s.fault == "partition" else {})}
                    for s in fleet.storms if s.fault},
         "posts": sum(s.posted for s in fleet.storms), "reposts": sum(s.reposts for s in fleet.storms),
+        "repost_reasons": dict(sum((Counter(s.repost_reasons) for s in fleet.storms), Counter())),
         "switched": sum(len(s.switched) for s in fleet.storms),
         "pulls": {"total": len(pulls), "ok": len(ok), "failed_by_code": dict(sorted(failed.items())),
                   "wrong_bytes_pulls": sum(1 for p in pulls if p.error_type == "Verification Failed"),
