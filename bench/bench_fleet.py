@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fleet_driver import Fleet, Loopback, hosts_module, summary, workdir_under  # noqa: E402
+from fleet_driver import Fleet, Loopback, free_bases, hosts_module, summary, workdir_under  # noqa: E402
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,8 +48,9 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pullers", type=int, default=2, help="threads pulling while a storm converges")
     p.add_argument("--storm-timeout", type=float, default=90.0)
     p.add_argument("--transport", default="tcp")
-    p.add_argument("--mgmt-base", type=int, default=21000)
-    p.add_argument("--kv-base", type=int, default=26000)
+    p.add_argument("--mgmt-base", type=int, default=None,
+                   help="first management port of a host (default 21000; on loopback: free ports found)")
+    p.add_argument("--kv-base", type=int, default=None, help="KV listenPortBase (default 26000; loopback: found)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
@@ -148,8 +149,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     load_start = os.getloadavg()[0]
     with hosts_cm as hosts, workdir_under(build) as work:
+        per_host = -(-args.instances // args.hosts)
+        found = free_bases([hosts[i].ip for i in range(args.hosts)], per_host) if args.loopback else (21000, 26000)
+        mgmt_base = args.mgmt_base if args.mgmt_base is not None else found[0]
+        kv_base = args.kv_base if args.kv_base is not None else found[1]
         fleet = Fleet(hosts, args.instances, work, controller_host=not args.loopback, seed=args.seed,
-                      transport=args.transport, mgmt_base=args.mgmt_base, kv_base=args.kv_base,
+                      transport=args.transport, mgmt_base=mgmt_base, kv_base=kv_base,
                       pullers=args.pullers, storm_timeout=args.storm_timeout)
         try:
             fleet.start()

@@ -128,6 +128,36 @@ class Loopback:
         pass
 
 
+def free_bases(ips: list[str], span: int) -> tuple[int, int]:
+    """Two port bases (management, KV), each with ``span`` free ports on every address of ``ips``,
+    in [20000, 30000) (below the ephemeral range): for loopback runs beside other work."""
+    import socket
+
+    rng = random.Random()
+    found: list[int] = []
+    for _ in range(1000):
+        base = rng.randrange(20000, 30000 - span)
+        if any(abs(base - b) < span for b in found):
+            continue
+        socks = []
+        try:
+            for ip in ips:
+                for port in range(base, base + span):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((ip, port))
+            found.append(base)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        if len(found) == 2:
+            return found[0], found[1]
+    raise RuntimeError("no free port bases")
+
+
 def _descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (root namespace pids), parents first."""
     out, todo = [], [pid]

@@ -20,8 +20,6 @@ with the reason (``hostbed.require_hosts``), or fails under ``PDLINK_REQUIRE_HOS
 from __future__ import annotations
 
 import os
-import random
-import socket
 import sys
 
 import pytest
@@ -35,7 +33,7 @@ pytest.importorskip("trustme", reason="the fleet test needs the test extra: pip 
 pytest.importorskip("uvicorn", reason="the fleet test needs the server extra: pip install '.[server]'")
 
 sys.path.insert(0, str(REPO / "bench"))
-from fleet_driver import Fleet, Loopback, summary, workdir_under  # noqa: E402
+from fleet_driver import Fleet, Loopback, free_bases, summary, workdir_under  # noqa: E402
 
 N, HOSTS, STORMS = 8, 2, 4
 PARTITION, KILL = 1, 2  # the storms with a fault
@@ -44,30 +42,6 @@ STORM_BOUND = 45.0  # s: link attempts give up after 8 s and are posted again; a
 # 409 not linked yet, 503 the link failed or no engine yet, 504 the peer did not answer in time,
 # 422 the target is not a peer (yet), "transport" no HTTP answer (the instance is down).
 ALLOWED = {200, 409, 422, 503, 504, "transport"}
-
-
-def _free_bases(ips: list[str], span: int) -> tuple[int, int]:
-    """Two port bases, each with ``span`` free ports on every address of ``ips`` (loopback case)."""
-    rng = random.Random()
-    found: list[int] = []
-    while len(found) < 2:
-        base = rng.randrange(20000, 30000 - span)
-        socks = []
-        try:
-            for ip in ips:
-                for p in range(base, base + span):
-                    s = socket.socket()
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    socks.append(s)
-                    s.bind((ip, p))
-            if all(abs(base - b) >= span for b in found):
-                found.append(base)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    return found[0], found[1]
 
 
 def _hosts(kind: str):
@@ -84,7 +58,7 @@ def test_a_small_fleet_converges_through_storms_a_partition_and_a_kill(kind):
     with hosts_cm as hosts, workdir_under(str(REPO / "build")) as work:
         if emulated:
             anchors = hosts.anchor_pids()
-        bases = (21000, 26000) if emulated else _free_bases([hosts[i].ip for i in range(HOSTS)], N // HOSTS)
+        bases = (21000, 26000) if emulated else free_bases([hosts[i].ip for i in range(HOSTS)], N // HOSTS)
         fleet = Fleet(hosts, N, work, controller_host=emulated, seed=7, mgmt_base=bases[0], kv_base=bases[1],
                       pullers=1, storm_timeout=STORM_BOUND, pool=8)
         try:
