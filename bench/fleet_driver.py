@@ -37,7 +37,11 @@ polls ``GET /v1/status`` of every instance and, like MindIE's periodic synchroni
 expected role again to an instance that reports ``RoleUnknown`` (a restarted one), or that lists
 an expected peer as ``failed : ...`` (at most once a second per instance). A storm has
 **converged** when every instance is ``RoleReady`` with the expected ``currentRole`` and lists
-exactly its expected peers, each ``"ok"``; the time to converge runs from the first post.
+exactly its expected peers, each ``"ok"``, and the storm's fault is over (a partition healed: links
+across a silent partition read ``"ok"`` until traffic crosses them, so statuses alone would call a
+storm converged while it is cut; ``Storm.looked_converged_in_fault_s`` records when they did);
+the time to converge runs from the first post. What made the controller post again is counted by
+reason (``Storm.repost_reasons``).
 
 **Pulls**: during a storm, ``pullers`` threads keep asking random decode instances to pull from a
 random one of their expected prefill peers; every answer is recorded with its HTTP status and
@@ -47,10 +51,20 @@ converges, every decode instance pulls from one of its prefill peers: those must
 **Faults**, in a chosen storm each: ``kill`` SIGKILLs one instance right after the storm's posts
 and starts it again at once with the same configuration (the controller sees ``RoleUnknown`` and
 posts its role; its peers see the link lost and are posted again); ``partition`` cuts two
-instance hosts apart right after the posts and heals them ``partition_s`` seconds later.
+instance hosts apart right after the posts and heals them ``partition_s`` seconds later; a
+probe from inside one of them (a thread in its network namespace) records whether the other was
+reachable meanwhile (``Storm.probe``).
 
 **Resources**: a sampler reads ``/proc/<pid>`` of every instance (threads, open descriptors,
-RSS) every ``sample_s`` seconds.
+RSS) every ``sample_s`` seconds, and once more as each storm converges (``summary`` judges
+flatness on those, see ``same_links_growth``).
+
+**Bounds**: a status poll ``request_timeout`` seconds (no retry), a pull ``request_timeout`` plus
+twice ``syncKvTimeoutMs``, a role post the client's 5 s per attempt with 3 retries (MindIE's), a
+storm ``storm_timeout``, an instance's start ``start(timeout)``; ``stop`` SIGTERMs every instance
+and SIGKILLs what is left after 15 s. Files (configuration, certificates, the link secret, logs)
+go to ``workdir``, which every host must see (emulated hosts have a private ``/tmp``:
+``workdir_under`` a folder of the repository).
 """
 
 from __future__ import annotations
@@ -268,9 +282,7 @@ class Timeline:
 class Fleet:
     """``n`` instances on ``hosts`` (an entered ``Hosts`` or ``Loopback``); the last host runs the
     controller when ``controller_host`` is true (emulated hosts), else the controller runs here.
-
-    Bounds: each pull and status poll is bounded by ``request_timeout`` seconds, each role post by
-    the client's 5 s per attempt and 3 retries (MindIE's), each storm by ``storm_timeout``."""
+    Bounds: see the module docstring."""
 
     def __init__(self, hosts: Any, n: int, workdir: str, *, controller_host: bool, seed: int = 1,
                  transport: str = "tcp", mgmt_base: int = 21000, kv_base: int = 26000, pullers: int = 2,
