@@ -1,5 +1,5 @@
-"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py
-and bench_pull_blocks.py (no timing is asserted)."""
+"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py,
+bench_pull_blocks.py and bench_fleet.py (on loopback) (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from where import REPO
 
@@ -87,3 +89,20 @@ def test_hixl_benchmark_runs_and_verifies(tmp_path):
         for label in ("256K", "4K"):
             assert run[f"read_{label}"]["median"] > 0 and run[f"read_{label}"]["us_per_desc"] > 0
     assert "pdlink hixl benchmark" in (tmp_path / "hixl.txt").read_text()
+
+
+def test_fleet_benchmark_smoke_runs_on_loopback(tmp_path):
+    """bench/bench_fleet.py end to end on loopback: 4 instances, 3 storms, a kill; its summary,
+    report and plot are written, every storm converged and no pull found a wrong byte."""
+    pytest.importorskip("trustme", reason="bench_fleet.py needs the test extra: pip install '.[test]'")
+    pytest.importorskip("uvicorn", reason="bench_fleet.py needs the server extra: pip install '.[server]'")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_fleet.py"), "--loopback", "-n", "4",
+                        "--hosts", "2", "--storms", "3", "--kill-storm", "1", "--out", str(tmp_path),
+                        "--plot", str(tmp_path / "fleet.png")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["converged"] == s["storms"] == 3 and s["not_converged"] == []
+    assert s["pulls"]["wrong_bytes_pulls"] == 0 and s["pulls"]["after_failed"] == 0 and s["pulls"]["after_ok"] > 0
+    assert s["faults"]["kill"]["storm"] == 1
+    assert "time to converge p50" in (tmp_path / "report.txt").read_text()
+    assert (tmp_path / "fleet.png").exists() or "matplotlib is not installed" in r.stdout
