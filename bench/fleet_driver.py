@@ -51,9 +51,10 @@ converges, every decode instance pulls from one of its prefill peers: those must
 **Faults**, in a chosen storm each: ``kill`` SIGKILLs one instance right after the storm's posts
 and starts it again at once with the same configuration (the controller sees ``RoleUnknown`` and
 posts its role; its peers see the link lost and are posted again); ``partition`` cuts two
-instance hosts apart right after the posts and heals them ``partition_s`` seconds later; a
-probe from inside one of them (a thread in its network namespace) records whether the other was
-reachable meanwhile (``Storm.probe``).
+instance hosts apart right after the posts and heals them ``partition_s`` seconds later; ``flap``
+takes one instance host's link down and up every 0.5 s for ``partition_s`` seconds. A probe from
+inside the host (a thread in its network namespace) records whether the other host was reachable
+meanwhile (``Storm.probe``: "unreachable" proves the fault cut it).
 
 **Resources**: a sampler reads ``/proc/<pid>`` of every instance (threads, open descriptors,
 RSS) every ``sample_s`` seconds, and once more as each storm converges (``summary`` judges
@@ -542,6 +543,22 @@ class Fleet:
 
             healer = threading.Thread(target=heal, daemon=True)
             healer.start()
+        elif fault == "flap":
+            a = self.rng.randrange(self.instance_hosts)
+            fault_over.clear()
+            self.event(f"storm {rec.index}: host {a}'s link flaps (0.5 s down, 0.5 s up) for {partition_s} s")
+
+            def flap() -> None:
+                end = time.monotonic() + partition_s
+                with self.hosts.flap(a, 0.5, 0.5):
+                    while time.monotonic() < end and rec.probe != "unreachable":  # proof: a down phase cut it
+                        rec.probe = self._probe(a, (a + 1) % self.instance_hosts)
+                    time.sleep(max(0.0, end - time.monotonic()))
+                fault_over.set()
+                self.event(f"storm {rec.index}: the flapping stopped, the link is up")
+
+            healer = threading.Thread(target=flap, daemon=True)
+            healer.start()
         rec.converged_s, rec.reposts = self._converge(rec, new, fault_over)
         if healer is not None:
             healer.join()
@@ -628,7 +645,7 @@ class Fleet:
                    "SIGKILLed and restarted")
         self._spawn(inst)
 
-    def _converged(self, index: int, status: dict[str, Any], roles: dict[int, str]) -> bool:
+    def converged(self, index: int, status: dict[str, Any], roles: dict[int, str]) -> bool:
         service = status.get("service", {})
         if service.get("roleStatus") != "RoleReady" or service.get("currentRole") != roles[index]:
             return False
@@ -677,7 +694,7 @@ class Fleet:
                     continue
                 if self.instances[i].pid is None:  # restarted: sample the new process from now on
                     self.instances[i].pid = self._find_pid(self.instances[i])
-                if self._converged(i, st, roles):
+                if self.converged(i, st, roles):
                     done.add(i)
                     continue
                 now = time.monotonic()
@@ -690,7 +707,7 @@ class Fleet:
                         rec.repost_reasons[why] = rec.repost_reasons.get(why, 0) + 1
             if len(done) == self.n:
                 # a converged instance may have lost a link since (a kill, a partition): look once more
-                if all(self._converged(i, st, roles) for i, st in
+                if all(self.converged(i, st, roles) for i, st in
                        zip(range(self.n), self._pool.map(self.status, range(self.n))) if st is not None):
                     if fault_over.is_set():
                         return time.monotonic() - rec.t0, reposts
@@ -903,7 +920,7 @@ def summary(fleet: Fleet) -> dict[str, Any]:
                        "min": min(conv, default=None)},
         "faults": {s.fault: {"storm": s.index, "converge_s": s.converged_s, "reposts": s.reposts,
                              **({"probe": s.probe, "looked_converged_in_fault_s": s.looked_converged_in_fault_s}
-                                if s.fault == "partition" else {})}
+                                if s.fault in ("partition", "flap") else {})}
                    for s in fleet.storms if s.fault},
         "posts": sum(s.posted for s in fleet.storms), "reposts": sum(s.reposts for s in fleet.storms),
         "repost_reasons": dict(sum((Counter(s.repost_reasons) for s in fleet.storms), Counter())),

@@ -1,15 +1,17 @@
 """A small fleet: 8 ``pdlink serve`` instances (mutual TLS on the management plane, a link secret
 on every KV link) on 2 emulated hosts, driven by the benchmark's controller (``bench/fleet_driver.py``)
-through 4 role storms: the first assignment, one with two hosts partitioned for 2 s, one with an
-instance SIGKILLed and restarted, and a last quiet one. Checked:
+through 5 role storms: the first assignment, one with two hosts partitioned for 2 s, one with an
+instance SIGKILLed and restarted, one while a host's link flaps (down and up every 0.5 s for 2 s),
+and a last quiet one. Checked:
 
 * every storm converges (every instance RoleReady with its planned role and exactly its planned
   peers, each "ok") within ``STORM_BOUND`` seconds (a hang guard, not a timing claim: the
   benchmark measures the times);
 * every test pull is verified (200) or failed with a named code (``ALLOWED``), and none found a
   wrong byte; every pull after a storm converged is verified;
-* the faults happened: a pull across the partition failed while it held, the killed instance ran
-  twice and was posted its role again by the controller;
+* the faults happened: a probe across the partition, and one across the flapping link, found the
+  other host unreachable while it held; the killed instance ran twice and was posted its role again
+  by the controller;
 * at the end every instance is in the state its status names, and every process is gone.
 
 The same on this machine's loopback (no wire, no partition) runs where emulated hosts cannot be
@@ -35,8 +37,8 @@ pytest.importorskip("uvicorn", reason="the fleet test needs the server extra: pi
 sys.path.insert(0, str(REPO / "bench"))
 from fleet_driver import Fleet, Loopback, free_bases, summary, workdir_under  # noqa: E402
 
-N, HOSTS, STORMS = 8, 2, 4
-PARTITION, KILL = 1, 2  # the storms with a fault
+N, HOSTS, STORMS = 8, 2, 5
+PARTITION, KILL, FLAP = 1, 2, 3  # the storms with a fault
 STORM_BOUND = 45.0  # s: link attempts give up after 8 s and are posted again; a partition lasts 2 s
 # what a pull may answer while a storm converges (a pull after it converged must be 200):
 # 409 not linked yet, 503 the link failed or no engine yet, 504 the peer did not answer in time,
@@ -66,8 +68,8 @@ def test_a_small_fleet_converges_through_storms_a_partition_and_a_kill(kind):
                       pullers=1, storm_timeout=STORM_BOUND, pool=8)
         try:
             fleet.start(timeout=90)
-            storms = [fleet.storm("partition" if (k == PARTITION and emulated) else "kill" if k == KILL else "",
-                                  partition_s=2.0) for k in range(STORMS)]
+            faults = {PARTITION: "partition", FLAP: "flap"} if emulated else {}
+            storms = [fleet.storm(faults.get(k, "kill" if k == KILL else ""), partition_s=2.0) for k in range(STORMS)]
             finals = fleet.final_states()
         finally:
             codes = fleet.stop()
@@ -76,7 +78,7 @@ def test_a_small_fleet_converges_through_storms_a_partition_and_a_kill(kind):
 
     assert [st.converged_s is not None for st in storms] == [True] * STORMS, (s, logs)
     for i, st in finals.items():  # the state each status names is the planned one, every peer linked
-        assert fleet._converged(i, st, fleet.roles), (i, st)
+        assert fleet.converged(i, st, fleet.roles), (i, st)
     pulls = fleet.pulls
     assert {p.status for p in pulls} <= ALLOWED, s["pulls"]
     assert {p.error_type for p in pulls if p.status == 404} <= {"LLM_KV_CACHE_NOT_EXIST"}, s["pulls"]
@@ -89,8 +91,9 @@ def test_a_small_fleet_converges_through_storms_a_partition_and_a_kill(kind):
     assert sorted(i.starts for i in fleet.instances) == [1] * (N - 1) + [2]
     assert storms[KILL].reposts >= 1
     assert any("SIGKILLed and restarted" in e for _, e in fleet.timeline.events)
-    if emulated:  # the partition happened: a pull across it failed while it held
+    if emulated:  # the partition and the flapping happened: each cut the hosts apart while it held
         assert storms[PARTITION].probe == "unreachable", storms[PARTITION]
+        assert storms[FLAP].probe == "unreachable", storms[FLAP]
     # everything is gone: instances exited on SIGTERM (the killed one's first life was reaped)
     assert set(codes.values()) == {0}, (codes, logs)
     assert fleet.processes_left() == []
