@@ -50,8 +50,9 @@ Status Engine::initialize(const EngineConfig& config) {
   const EngineLimits& lim = config.limits;
   if (lim.tcp_streams == 0 || lim.tcp_streams > limits::kMaxTcpStreams || lim.max_tcp_lanes == 0 ||
       lim.tcp_chunk_bytes < limits::kMinTcpChunkBytes || lim.tcp_chunk_bytes > limits::kMaxTcpChunkBytes) {
-    return Status(Code::kParamInvalid, "tcp_streams must lie in [1, 16], max_tcp_lanes be positive and "
-                                       "tcp_chunk_bytes lie in [64 KiB, 64 MiB]");
+    return Status(Code::kParamInvalid,
+                  "tcp_streams must lie in [1, 16], max_tcp_lanes be positive and "
+                  "tcp_chunk_bytes lie in [64 KiB, 64 MiB]");
   }
   if (config.payload_integrity && config.link_secret.empty()) {
     return Status(Code::kParamInvalid, "payload integrity needs a link secret (pdlink.LinkSecret)");

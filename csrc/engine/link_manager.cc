@@ -858,7 +858,8 @@ void LinkManager::openLanes(Link& link, Deadline deadline) {
   }
   for (auto& f : dials) {
     Status st = f.get();
-    if (!st.ok()) PDLINK_LOG(kInfo, "a lane to " << clusterName(link.peer()) << " could not be opened: " << st.message());
+    if (!st.ok())
+      PDLINK_LOG(kInfo, "a lane to " << clusterName(link.peer()) << " could not be opened: " << st.message());
   }
   PDLINK_LOG(kDebug, "link to " << clusterName(link.peer()) << ": " << 1 + link.laneCount(true) << " tcp streams");
 }

@@ -79,7 +79,8 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   const PathEntry* setup = nullptr;
   PDLINK_RETURN_IF_ERROR(readRequest(*link, s, deadline, &h, &body, &setup));
   if (state->lane && !((h.op == wire::Op::kRead || h.op == wire::Op::kWrite) && h.flags == 0)) {
-    PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": a frame other than a read or write on a lane");
+    PDLINK_LOG(kWarn,
+               "dropping link to " << clusterName(link->peer()) << ": a frame other than a read or write on a lane");
     return Status(Code::kLinkFailed, "a frame other than a plain read or write on a lane");
   }
 

@@ -57,7 +57,7 @@ std::vector<std::string> Link::lanes() const {
 }
 
 Lane* Link::addLane(bool out, Socket sock, std::shared_ptr<const crypto::Key> key, bool payload_integrity,
-                      std::shared_ptr<void> token, size_t max) {
+                    std::shared_ptr<void> token, size_t max) {
   auto lane = std::make_unique<Lane>();
   lane->sock = std::move(sock);
   lane->sock.setReceiveSpin(kSpinUs);

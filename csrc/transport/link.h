@@ -169,7 +169,7 @@ class Link {
   // once. addLane returns the lane (valid for the link's lifetime), or null when the link is
   // broken or already has `max` lanes that way (the lane is then dropped).
   Lane* addLane(bool out, Socket sock, std::shared_ptr<const crypto::Key> key, bool payload_integrity,
-                  std::shared_ptr<void> token, size_t max);
+                std::shared_ptr<void> token, size_t max);
   std::vector<Stream*> outLanes() const;
   size_t laneCount(bool out) const;
   // What opens this side's out lanes, once per link, on the first large transfer (set by the
@@ -218,14 +218,14 @@ class Link {
   std::string source_;
   wire::Nonce nonce_{};
   std::string endpoint_;
-  States out_states_;  // guarded by out_mu_
+  States out_states_;                                        // guarded by out_mu_
   std::vector<std::unique_ptr<Lane>> out_lanes_, in_lanes_;  // guarded by state_mu_, only ever grow
   LaneOpener lane_opener_;                                   // set before the link is shared
   bool lanes_tried_ = false;                                 // guarded by out_mu_
   uint32_t streams_ = 1;
   uint64_t chunk_bytes_ = uint64_t{1} << 20;
   std::atomic<uint64_t> rtt_us_{0};
-  States in_states_;   // serving thread only
+  States in_states_;  // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_
   std::string broken_reason_;                   // guarded by state_mu_

@@ -114,8 +114,8 @@ struct Shared {
   std::atomic<size_t> next{0};
   std::atomic<bool> stop{false};
   std::mutex mu;
-  Status failed;         // the first transport failure (the link is broken)
-  Status refused;        // the first refusal by the peer (the link is fine)
+  Status failed;           // the first transport failure (the link is broken)
+  Status refused;          // the first refusal by the peer (the link is fine)
   bool transport = false;  // failed is set
 };
 
@@ -145,8 +145,8 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
                             is_push ? c.payload : 0};
       std::string head = wire::encode(h);
       std::vector<iovec> iov{{head.data(), head.size()}, {c.body.data(), c.body.size()}};
-      Status st = is_push ? movePayload(s, true, {0}, {0}, 0, c.local, deadline, std::move(iov))
-                          : s.sendFrame(iov, deadline);
+      Status st =
+          is_push ? movePayload(s, true, {0}, {0}, 0, c.local, deadline, std::move(iov)) : s.sendFrame(iov, deadline);
       if (!st.ok()) return fail(st);
       owed.push_back(k);
     }
@@ -165,8 +165,8 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
     }
     if (is_push) continue;
     if (rh.payload_len != c.payload) {
-      return fail(Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) + " bytes of a chunk, expected " +
-                                                std::to_string(c.payload)));
+      return fail(Status(Code::kLinkFailed, "peer sent " + std::to_string(rh.payload_len) +
+                                                " bytes of a chunk, expected " + std::to_string(c.payload)));
     }
     st = movePayload(s, false, {0}, {0}, 0, c.local, deadline);
     if (!st.ok()) return fail(st);
@@ -192,9 +192,8 @@ Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Dead
   std::vector<std::thread> threads;
   for (Stream* lane : lanes) {
     try {
-      threads.emplace_back([&link, lane, is_push, &sh, depth, deadline] {
-        runStream(link, *lane, is_push, sh, depth, deadline);
-      });
+      threads.emplace_back(
+          [&link, lane, is_push, &sh, depth, deadline] { runStream(link, *lane, is_push, sh, depth, deadline); });
     } catch (const std::exception& e) {  // no thread to be had: the other streams take its chunks
       PDLINK_LOG(kInfo, "a lane of " << clusterName(link.peer()) << " sits this transfer out: " << e.what());
       break;
