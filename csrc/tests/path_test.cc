@@ -402,18 +402,18 @@ void conformance(const PathRun& run) {
     check(links.size() == 1 && links[0].lanes == run.lanes_after_split,
           name + ": the link's lanes after the split pull: " +
               (links.empty() ? "none" : std::to_string(links[0].lanes.size())));
-    // and a push of the same ranges the other way, over the streams too
+    // and a push over the streams too: D's odd blocks (the pulled bytes) into P's odd blocks
     Guarded pm_before = p_many.snap();
-    checkCode(d->push(blocksSpec(dm, 13, every_other_dst, every_other_src)), Code::kSuccess, name + ": a split push");
+    checkCode(d->push(blocksSpec(dm, 13, every_other_dst, every_other_dst)), Code::kSuccess, name + ": a split push");
     p_many.refresh();
     d_many.refresh();
     bool pushed = true;
     for (uint32_t t = 0; t < kTensors && pushed; ++t) {
       for (size_t i = 0; i < every_other_src.size() && pushed; ++i) {
-        pushed = std::memcmp(p_many.mem[t].data() + kGuard + every_other_src[i] * small,
+        pushed = std::memcmp(p_many.mem[t].data() + kGuard + every_other_dst[i] * small,
                              d_many.mem[t].data() + kGuard + every_other_dst[i] * small, small) == 0 &&
-                 std::memcmp(p_many.mem[t].data() + kGuard + every_other_dst[i] * small,
-                             pm_before.mem[t].data() + kGuard + every_other_dst[i] * small, small) == 0;
+                 std::memcmp(p_many.mem[t].data() + kGuard + every_other_src[i] * small,
+                             pm_before.mem[t].data() + kGuard + every_other_src[i] * small, small) == 0;
       }
       pushed = pushed && std::memcmp(p_many.mem[t].data(), pm_before.mem[t].data(), kGuard) == 0 &&
                std::memcmp(p_many.mem[t].data() + kGuard + many * small,
