@@ -184,6 +184,22 @@ def test_one_source_may_hold_every_lane_of_the_engine(peers: Callable[..., Peer]
     assert list(dlink["lanes"]) == []
 
 
+@only("cpu-tcp")
+def test_finalize_does_not_wait_for_silent_or_half_sent_lanes(peers: Callable[..., Peer],
+                                                             make_pair: Callable[..., Pair]) -> None:
+    """A victim finalizes while an attacker holds two lanes of its link open (one silent, one with
+    half a request): finalize returns (no serving thread waits on a lane), and the victim closes
+    both lanes."""
+    victim = victim_pair(make_pair)
+    a = peers("attacker")
+    _, _, nonce = a.call(round6.link, victim.port, 9)
+    assert [a.call(round6.lane, victim.port, 9, nonce) for _ in range(2)] == [(0, "")] * 2
+    read = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=0, tensors=(0,), runs=((0, 64),)))
+    a.call(round6.lane_send, 1, read[:30])
+    victim.prefill.call_within(hang_guard(5000), kv.finalize)
+    assert a.call(round6.lane_closed_by_victim, 0, 20) and a.call(round6.lane_closed_by_victim, 1, 20)
+
+
 # ------------------------------------------------------------------ what a lane serves
 
 
@@ -280,6 +296,7 @@ SERVER_MODES = {
     "lane_short": S.LLM_LINK_FAILED,
     "lane_extra": S.LLM_LINK_FAILED,
     "lane_refuse": S.LLM_PARAM_INVALID,
+    "lane_not_enabled": S.LLM_FEATURE_NOT_ENABLED,
     "lane_stall": S.LLM_TIMEOUT,
 }
 
@@ -337,13 +354,15 @@ def test_a_hostile_servers_chunk_answers_on_lanes_fail_the_pull_within_the_plan(
 
 
 @only("cpu-tcp")
-@pytest.mark.parametrize("mode", ["exact", "no_lanes", "silent_lanes"])
+@pytest.mark.parametrize("mode", ["exact", "no_lanes", "silent_lanes", *round6.LANE_VERDICTS])
 def test_a_server_that_refuses_lanes_or_answers_them_exactly_gets_a_complete_pull(
         peers: Callable[..., Peer], variant: Variant, mode: str) -> None:
     """The control case of the one above (the server's bytes land in exactly the pulled rows), a
-    server that refuses every lane, and one that takes the lanes' hellos and never answers (the
-    victim gives the lanes half the pull's time): the link keeps its channel and the pull completes
-    on it. Once the victim unlinks, its threads and descriptors are back."""
+    server that refuses every lane, one that takes the lanes' hellos and never answers (the victim
+    gives the lanes half the pull's time), and one whose lane verdicts carry what no lane may (a
+    same-host redirect, published words on TCP, payload integrity the link does not have): no lane
+    is taken, the link keeps its channel and the pull completes on it. Once the victim unlinks, its
+    threads and descriptors are back."""
     a = peers("attacker")
     port = a.call(round6.serve, mode)
     v = requester(peers, variant)

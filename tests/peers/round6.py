@@ -173,6 +173,15 @@ class _Server:
 
 _server: _Server | None = None
 
+# Lane verdicts that say what a lane's AuthResult may not: a same-host redirect (only a FORWARD
+# channel whose hello offered same-host gets one), published words on a TCP channel, payload
+# integrity agreed on a link without it (and without a secret).
+LANE_VERDICTS: dict[str, dict[str, Any]] = {
+    "lane_redirect": {"redirect": b"pdlink-nowhere"},
+    "lane_words": {"gen_addr": 0x1000},
+    "lane_integrity": {"flags": rawwire.AUTH_PAYLOAD_INTEGRITY},
+}
+
 
 def serve(mode: str) -> int:
     """Starts the hostile server on ATTACKER_IP; its port. Modes, for the reads asked on LANES (the
@@ -182,9 +191,11 @@ def serve(mode: str) -> int:
     * ``lane_long`` / ``lane_short``: a success announcing 8 bytes more / fewer than the chunk asked;
     * ``lane_extra``: the first answer on each lane is followed by 8 bytes that belong to no answer;
     * ``lane_refuse``: every chunk on a lane refused (LLM_PARAM_INVALID);
+    * ``lane_not_enabled``: the same, with LLM_FEATURE_NOT_ENABLED;
     * ``lane_stall``: the lane reads its requests and never answers;
     * ``no_lanes``: every lane handshake refused;
-    * ``silent_lanes``: every lane's hello taken, then nothing said.
+    * ``silent_lanes``: every lane's hello taken, then nothing said;
+    * ``LANE_VERDICTS``: every lane's handshake answered with a verdict a lane may not have.
 
     The channel holds its first answer until a lane asked for a chunk (work sharing would otherwise
     let a fast channel take every chunk on a loaded machine)."""
@@ -225,6 +236,11 @@ def _handle(srv: _Server, conn: socket.socket) -> None:
             return
         conn.sendall(rawwire.ack(cluster=cluster, challenge=os.urandom(16)))
         rawwire.recv_exact(conn, rawwire.CLIENT_AUTH_BYTES)
+        if channel == 2 and srv.mode in LANE_VERDICTS:
+            conn.sendall(rawwire.auth_result(**LANE_VERDICTS[srv.mode]))
+            while conn.recv(4096):
+                pass
+            return
         conn.sendall(rawwire.auth_result())
         if channel == 1:
             while conn.recv(4096):
@@ -260,7 +276,7 @@ def _answer(srv: _Server, conn: socket.socket, lane: bool) -> None:
         total = sum(n for _, n in rec["runs"]) * len(rec["tensors"])
         if lane:
             srv.lane_asked.set()
-        elif first and srv.mode not in ("no_lanes", "silent_lanes"):
+        elif first and srv.mode not in ("no_lanes", "silent_lanes", *LANE_VERDICTS):
             # The channel's first answer waits for a lane's first request (for at most 10 s), so that
             # the lanes take part in the pull however the victim's threads are scheduled.
             srv.lane_asked.wait(10)
@@ -270,6 +286,8 @@ def _answer(srv: _Server, conn: socket.socket, lane: bool) -> None:
             return
         if mode == "lane_refuse":
             conn.sendall(rawwire.response(status=0x5010B005, message=b"refused"))
+        elif mode == "lane_not_enabled":
+            conn.sendall(rawwire.response(status=0x5010B019, message=b"not on this path"))
         elif mode == "lane_long":
             conn.sendall(rawwire.response(payload=bytes([FILL]) * (total + 8)))
         elif mode == "lane_short":
