@@ -200,6 +200,56 @@ def test_finalize_does_not_wait_for_silent_or_half_sent_lanes(peers: Callable[..
     assert a.call(round6.lane_closed_by_victim, 0, 20) and a.call(round6.lane_closed_by_victim, 1, 20)
 
 
+def host_address() -> str | None:
+    """This host's first non-loopback IPv4 address (None when it has none)."""
+    import socket as _socket
+
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+    try:
+        s.connect(("198.51.100.1", 9))  # no packet is sent: this picks the outgoing interface
+        address = str(s.getsockname()[0])
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if address.startswith("127.") else address
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason=(
+    "round-6 finding: a lane is attached by cluster id, nonce and source, and the nonce is not the two "
+    "ends' own: the acceptor sends it in kConfirm to whatever address it dials claiming that peer's id; "
+    "another user behind the peer's address then attaches a lane to the peer's link and breaks it"))
+def test_a_nonce_disclosed_by_a_confirm_does_not_give_another_user_a_lane(peers: Callable[..., Peer],
+                                                                           variant: Variant) -> None:
+    """architecture.md: a lane carries "the link's own nonce, which only both ends know". The honest
+    decoder links to the victim over this host's non-loopback address (its source: that address,
+    security.md "Known gaps"). The victim then dials an attacker's server claiming the decoder's
+    cluster id and sends it the decoder's link nonce in kConfirm (the server says yes, so the victim
+    keeps the decoder's link). A process of another user, from the same address, opens a lane of
+    the decoder's link with that nonce: it must be refused, and the decoder's link kept."""
+    address = host_address()
+    if address is None:
+        pytest.skip("no non-loopback address on this host")
+    victim = peers("prefill", env=variant.env())
+    port = victim.call(kv.start, "prompt", PROMPT_ID, listen=True, extra={"llm.listenIpInfo": f"{address}:0"})
+    victim.call(kv.register_blocks, "kv", 2, (16, 4096), seed=1, key=BlocksCacheKey(PROMPT_ID, 0))
+    decode = peers("decode", env=variant.env())
+    decode.call(kv.start, "decoder", DECODER_ID)
+    assert decode.call(kv.link, PROMPT_ID, port, 5000, address)[0] == S.LLM_SUCCESS
+    a = peers("attacker")
+    server = a.call(round6.serve, "exact")
+    victim.call(kv.link, DECODER_ID, server, 3000, round6.ATTACKER_IP)
+    (nonce,) = a.call(round6.confirmed_nonces)
+    other = peers("other-user")
+    other.call(hostile.become, NOBODY)
+    status, message = other.call(round6.lane_at, address, port, DECODER_ID, nonce, address)
+    if status == 0:  # the attack's effect: one frame a lane does not take breaks the decoder's link
+        other.call(round6.lane_exchange, 0, rawwire.request(rawwire.OP_PING, b""))
+        wait_until(lambda: all(link["broken"] for link in decode.call(kv.links)), 20, "the decoder's link broken")
+    assert status == S.LLM_LINK_FAILED, message
+
+
 # ------------------------------------------------------------------ what a lane serves
 
 

@@ -93,6 +93,29 @@ def lane_race(port: int, cluster: int, nonce: int, count: int) -> list[int]:
     return results
 
 
+def lane_at(host: str, port: int, cluster: int, nonce: int, source: str) -> tuple[int, str]:
+    """A LANE channel (no secret) to ``host:port`` from ``source``; an accepted one is kept open."""
+    s = socket.create_connection((host, port), source_address=(source, 0))
+    s.sendall(rawwire.hello(channel=2, cluster=cluster, expected=rawwire.ANY, nonce=nonce))
+    a = rawwire.read_ack(s)
+    if a.status != 0:
+        s.close()
+        return a.status, a.message
+    s.sendall(rawwire.client_auth(bytes(32)))
+    r = rawwire.read_auth(s)
+    if r.status != 0:
+        s.close()
+        return r.status, r.message
+    s.settimeout(10)
+    _lanes.append(s)
+    return 0, ""
+
+
+def confirmed_nonces() -> list[int]:
+    """The nonces a victim sent this server in kConfirm frames (which this server confirmed)."""
+    return [o["nonce"] for o in observed() if o["event"] == "request" and o["op"] == rawwire.OP_CONFIRM]
+
+
 def lane_send(index: int, frame: bytes) -> None:
     _lanes[index].sendall(frame)
 
@@ -262,6 +285,11 @@ def _answer(srv: _Server, conn: socket.socket, lane: bool) -> None:
         if op in (rawwire.OP_READ, rawwire.OP_WRITE, rawwire.OP_COMMIT, rawwire.OP_RELEASE, rawwire.OP_DESCRIBE):
             _kind, tensors, runs = rawwire.parse_body(body)
             rec.update(tensors=tensors, runs=runs)
+        if op == rawwire.OP_CONFIRM:  # "did you dial the link to me whose hello had this nonce?": yes
+            rec.update(nonce=int.from_bytes(body[:16], "little"))
+            srv.note(**rec)
+            conn.sendall(rawwire.response())
+            continue
         srv.note(**rec)
         if op in (rawwire.OP_COMMIT, rawwire.OP_RELEASE):
             continue
