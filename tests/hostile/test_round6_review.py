@@ -19,7 +19,7 @@ import pytest
 import rawwire
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, Pair, only
-from llm_datadist import BlocksCacheKey, DataType
+from llm_datadist import BlocksCacheKey, CacheKeyByIdAndIndex, DataType
 from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, round6
@@ -340,6 +340,9 @@ BIG = (16, CHUNK)  # 16 blocks of one chunk per tensor
 PULLED = list(range(12))  # 24 chunks over the victim's 4 streams; blocks 12..15 stay as they were
 TIMEOUT_MS = 2000
 BIG_KEY = BlocksCacheKey(PROMPT_ID, 1)
+# A cache by id and slot: a pull of it commits (the peer's request keys of it are released) once complete.
+REQUEST_KEY = CacheKeyByIdAndIndex(PROMPT_ID, 1, 0)
+KEYED = (1, 12 * CHUNK)  # a plain cache of one 768 KiB slot per tensor: 24 chunks
 
 SERVER_MODES = {
     "lane_long": S.LLM_LINK_FAILED,
@@ -355,18 +358,23 @@ def requester(peers: Callable[..., Peer], variant: Variant) -> Peer:
     v = peers("victim", env=variant.env(PDLINK_TCP_STREAMS="4", PDLINK_TCP_CHUNK_BYTES=str(CHUNK)))
     v.call(kv.start, "decoder", DECODER_ID, timeout_ms=TIMEOUT_MS)
     v.call(kv.register_blocks, "big", 2, BIG, DataType.DT_UINT8, seed=2)
+    v.call(kv.register, "keyed", 2, KEYED, DataType.DT_UINT8, seed=3)
     return v
 
 
-def only_server_bytes_in_pulled_rows(before: Snapshot, after: Snapshot) -> None:
-    """Outside the pulled rows nothing changed (guards included); inside, a byte is either what it
-    was or the server's."""
+def only_server_bytes_in_pulled_rows(before: Snapshot, after: Snapshot, nbytes: int) -> None:
+    """Outside the first ``nbytes`` of each tensor nothing changed (guards included); inside, a byte
+    is either what it was or the server's."""
     expected = before.copy()
     for t in range(len(before.tensors)):
-        old, new = before.tensor(t)[:len(PULLED) * CHUNK], after.tensor(t)[:len(PULLED) * CHUNK]
+        old, new = before.tensor(t)[:nbytes], after.tensor(t)[:nbytes]
         assert np.all((new == old) | (new == round6.FILL)), f"tensor {t}: a byte neither the old one nor the server's"
-        expected.tensor(t)[:len(PULLED) * CHUNK] = new
-    assert_same(after, expected, "the destination outside the pulled rows")
+        expected.tensor(t)[:nbytes] = new
+    assert_same(after, expected, "the destination outside the pulled ranges")
+
+
+def commits(seen: list[dict]) -> int:
+    return sum(o["event"] == "request" and o["op"] == rawwire.OP_COMMIT for o in seen)
 
 
 @only("cpu-tcp")
@@ -377,28 +385,29 @@ def test_a_hostile_servers_chunk_answers_on_lanes_fail_the_pull_within_the_plan(
     lanes with a success of the wrong length, bytes that belong to no answer, a refusal, or silence
     (the channel answering honestly) fails the pull with the status the docs give
     (architecture.md: LLM_LINK_FAILED for a stream's transport failure, LLM_TIMEOUT at the deadline,
-    the server's refusal as it is); bytes land only in the pulled rows; no commit is sent; then the
-    victim links to an honest prefill and pulls byte-exact over its lanes."""
+    the server's refusal as it is); bytes land only in the pulled ranges; the pull is not
+    committed; then the victim links to an honest prefill and pulls byte-exact over its lanes."""
     a = peers("attacker")
     port = a.call(round6.serve, mode)
     v = requester(peers, variant)
     assert v.call(kv.link, PROMPT_ID, port, 3000, round6.ATTACKER_IP)[0] == S.LLM_SUCCESS
-    before = v.call(kv.snapshot, "big")
+    before = v.call(kv.snapshot, "keyed")
     with pytest.raises(LLMException) as e:
-        v.call_within(hang_guard(TIMEOUT_MS), kv.pull_blocks, BIG_KEY, "big", PULLED, PULLED)
+        v.call_within(hang_guard(TIMEOUT_MS), kv.pull_cache, REQUEST_KEY, "keyed")
     assert e.value.status_code == SERVER_MODES[mode], e.value
     seen = a.call(round6.observed)
     assert any(o["event"] == "request" and o["lane"] and o["op"] == rawwire.OP_READ for o in seen), seen
-    assert not any(o["event"] == "request" and o["op"] == rawwire.OP_COMMIT for o in seen), seen
-    only_server_bytes_in_pulled_rows(before, v.call(kv.snapshot, "big"))
+    assert commits(seen) == 0, seen
+    only_server_bytes_in_pulled_rows(before, v.call(kv.snapshot, "keyed"), KEYED[1])
     honest = peers("honest", env=variant.env())
     honest_port = honest.call(kv.start, "prompt", PROMPT_ID, listen=True)
-    honest.call(kv.register_blocks, "big", 2, BIG, DataType.DT_UINT8, seed=1, key=BIG_KEY)
+    honest_key = CacheKeyByIdAndIndex(PROMPT_ID, honest.call(kv.register, "keyed", 2, KEYED, DataType.DT_UINT8,
+                                                             seed=1), 0)
     assert v.call(kv.unlink, PROMPT_ID, port, True) == S.LLM_SUCCESS
     assert v.call(kv.link, PROMPT_ID, honest_port)[0] == S.LLM_SUCCESS
-    check_transfer(lambda: honest.call(kv.snapshot, "big"), lambda: v.call(kv.snapshot, "big"),
-                   lambda: v.call_within(hang_guard(TIMEOUT_MS), kv.pull_blocks, BIG_KEY, "big", PULLED, PULLED),
-                   rows([(b, b) for b in PULLED]))
+    check_transfer(lambda: honest.call(kv.snapshot, "keyed"), lambda: v.call(kv.snapshot, "keyed"),
+                   lambda: v.call_within(hang_guard(TIMEOUT_MS), kv.pull_cache, honest_key, "keyed"),
+                   rows([(0, 0)]))
     (link,) = v.call(kv.links)
     assert list(link["lanes"]) == ["tcp x4"]
 
@@ -430,6 +439,9 @@ def test_a_server_that_refuses_lanes_or_answers_them_exactly_gets_a_complete_pul
     (link,) = v.call(kv.links)
     expect = (3, True, ["tcp x4"]) if mode == "exact" else (3, False, [])
     assert (lane_hellos, on_lanes, list(link["lanes"])) == expect
+    # a pull of a cache by id: committed once, after its last chunk
+    v.call_within(hang_guard(TIMEOUT_MS), kv.pull_cache, REQUEST_KEY, "keyed")
+    wait_until(lambda: commits(a.call(round6.observed)) == 1, 20, "the pull's one commit")
     assert v.call(kv.unlink, PROMPT_ID, port, True) == S.LLM_SUCCESS
     wait_until(lambda: (lambda r: r[0] <= fds0 and r[1] <= threads0)(v.call(kv.resources)), 20,
                f"the victim's descriptors and threads back to {fds0}, {threads0}")
