@@ -332,6 +332,27 @@ def test_a_secret_links_lane_needs_the_secret_and_the_links_payload_integrity(pe
     victim.pulled([1])
 
 
+@only("cpu-tcp")
+def test_a_frame_sealed_for_the_links_channel_is_not_taken_on_its_lane(peers: Callable[..., Peer],
+                                                                      make_pair: Callable[..., Pair]) -> None:
+    """security.md, "Authenticated sessions": each channel has its own session key, so a frame
+    sealed on the link's channel and replayed on one of its lanes (an on-path attacker's injection)
+    fails its check and drops the link; the same frame sealed under the lane's own key is served
+    (a read out of range: refused, LLM_PARAM_INVALID, the link kept)."""
+    victim = victim_pair(make_pair, extra={"pdlink.LinkSecret": SECRET}, decode_env={"PDLINK_LINK_SECRET": SECRET})
+    a = peers("attacker")
+    key = SECRET.encode()
+    assert a.call(round6.link, victim.port, 9, key)[0] == 0
+    nonce = a.call(round6.nonces)[9]
+    assert [a.call(round6.lane, victim.port, 9, nonce, key) for _ in range(2)] == [(0, "")] * 2
+    out_of_range = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=0, tensors=(0,), runs=((1 << 40, 64),)))
+    assert a.call(round6.sealed_lane_exchange, 0, out_of_range) == S.LLM_PARAM_INVALID
+    assert not link_of(victim, 9)["broken"]
+    assert a.call(round6.sealed_lane_exchange, 1, out_of_range, 9) == "closed"
+    wait_until(lambda: link_of(victim, 9)["broken"], 20, "the link whose lane got a replayed frame is broken")
+    victim.pulled([1])
+
+
 # ------------------------------------------------------------------ a hostile server answering on lanes
 
 

@@ -31,6 +31,7 @@ FILL = 0x5A  # every payload byte the hostile server sends
 
 _links: dict[int, tuple[socket.socket, socket.socket, int]] = {}  # cluster -> (forward, reverse, nonce)
 _lanes: list[socket.socket] = []
+_keys: dict[object, bytes] = {}  # with a secret: each forward channel's (by cluster) and lane's (by socket) key
 
 
 def link(port: int, cluster: int, secret: bytes = b"", flags: int = 0) -> tuple[int, str, int]:
@@ -42,6 +43,8 @@ def link(port: int, cluster: int, secret: bytes = b"", flags: int = 0) -> tuple[
                               secret=secret, flags=flags, source=ATTACKER_IP)
         if h.status != 0:
             return h.status, h.message, nonce
+        if channel == 0:
+            _keys[cluster] = h.key
         out.append(h.sock)
     _links[cluster] = (out[0], out[1], nonce)
     return 0, "", nonce
@@ -56,9 +59,25 @@ def lane(port: int, cluster: int, nonce: int, secret: bytes = b"", flags: int = 
     if h.status == 0:
         h.sock.settimeout(10)
         _lanes.append(h.sock)
+        _keys[h.sock] = h.key
     else:
         h.sock.close()
     return h.status, h.message
+
+
+def sealed_lane_exchange(index: int, frame: bytes, key_of_link: int | None = None) -> int | str:
+    """Sends ``frame`` on lane ``index`` as the first frame sealed under the lane's own session key,
+    or (``key_of_link``) under that link's forward channel key, as an on-path attacker replaying a
+    frame of the channel would; the response's status, or "closed" when the victim dropped the lane."""
+    s = _lanes[index]
+    key = _keys[key_of_link] if key_of_link is not None else _keys[s]
+    try:
+        s.sendall(rawwire.Sealer(key, requester=True).seal(frame))
+        _magic, status, mlen, _plen = struct.unpack("<IIIQ", rawwire.recv_exact(s, 20))
+        rawwire.recv_exact(s, mlen + rawwire.TAG_BYTES)
+        return int(status)
+    except (ConnectionError, OSError, struct.error):
+        return "closed"
 
 
 def lane_race(port: int, cluster: int, nonce: int, count: int) -> list[int]:
