@@ -184,9 +184,10 @@ uint32_t depthFor(uint64_t rtt_us, uint64_t chunk) {
 }  // namespace
 
 Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what,
-                                 const std::vector<Stream*>& lanes) {
+                                 const std::vector<Stream*>& lanes, bool* split) {
   std::vector<Chunk> chunks = cut(p, link.chunkBytes());
-  if (chunks.empty()) return Status(Code::kFeatureNotEnabled, "not split");
+  *split = !chunks.empty();
+  if (!*split) return Status::OK();
   Shared sh{chunks};
   const uint32_t depth = depthFor(link.roundTripUs(), link.chunkBytes());
   std::vector<std::thread> threads;
@@ -221,8 +222,11 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
     link.openLanesOnce(Deadline::earliest(deadline, Deadline::afterMs(deadline.remainingMsForPoll() / 2)));
     std::vector<Stream*> lanes = link.outLanes();
     if (!lanes.empty() && !link.broken()) {
-      Status st = transferSplit(link, p, is_push, deadline, what, lanes);
-      if (st.code() != Code::kFeatureNotEnabled || link.broken()) return st;
+      // Once split, the outcome is the transfer's: a chunk the peer refused (whatever its code, even
+      // kFeatureNotEnabled) is not a reason to move the whole transfer again on the channel.
+      bool split = false;
+      Status st = transferSplit(link, p, is_push, deadline, what, lanes, &split);
+      if (split || link.broken()) return st;
     }
   }
   Stream& s = link.out();

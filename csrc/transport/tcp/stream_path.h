@@ -33,10 +33,11 @@ class StreamPath : public DataPath {
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
  private:
-  // The split transfer over the out channel and `lanes`; kFeatureNotEnabled (nothing moved) when the
-  // plan cannot be cut.
+  // The split transfer over the out channel and `lanes`; *split false (nothing moved, OK returned)
+  // when the plan cannot be cut, else the transfer's outcome (a peer's refusal of a chunk included,
+  // whatever its code).
   Status transferSplit(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what,
-                       const std::vector<Stream*>& lanes);
+                       const std::vector<Stream*>& lanes, bool* split);
   PathCaps caps_;
   Backend* backend_;
 };
