@@ -711,7 +711,8 @@ int main(int argc, char** argv) {
       run.transport = Transport::kTcp;
       run.tcp_streams = 1;  // one stream: every transfer one request on the link's channel
       conformance(run);
-      // four streams, in chunks of the smallest size: the split pull and push go over the lanes
+      // four streams, in chunks of the smallest size: the split pull goes over the lanes (a push, one
+      // request on the channel, opens them too)
       std::fprintf(stderr, "path tcp: 4 streams\n");
       run.tcp_streams = 4;
       run.tcp_chunk_bytes = limits::kMinTcpChunkBytes;

@@ -472,12 +472,7 @@ def test_a_server_that_refuses_lanes_or_answers_them_exactly_gets_a_complete_pul
 
 
 @only("cpu-tcp")
-@pytest.mark.parametrize("streams", [
-    1,
-    pytest.param(4, marks=pytest.mark.xfail(strict=True, reason=(
-        "round-6 finding: a split push stores the chunks the peer admitted before one is refused "
-        "(each chunk is admitted alone), so a write the peer refuses stores part of its bytes"))),
-])
+@pytest.mark.parametrize("streams", [1, 4])  # 4: the round-6 finding, fixed (a push is never split)
 def test_a_refused_split_push_stores_nothing(peers: Callable[..., Peer], variant: Variant, streams: int) -> None:
     """security.md, promise 4: "a refused write stores nothing". An honest decoder pushes 32 blocks
     into a prefill cache of 16 blocks: the peer refuses the write (LLM_PARAM_INVALID) and its cache

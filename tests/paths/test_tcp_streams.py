@@ -1,5 +1,6 @@
-"""The tcp path over several streams (docs/architecture.md, "The tcp path's streams"): a large pull or
-push is cut into chunks spread over the link's channel and its lanes; every byte lands where it
+"""The tcp path over several streams (docs/architecture.md, "The tcp path's streams"): a large pull
+is cut into chunks spread over the link's channel and its lanes (a push stays one request, which the
+peer admits whole, beside them); every byte lands where it
 should (the whole destination and its guards checked, odd sizes and offsets, many blocks), with a
 link secret too; one stream cut mid-transfer fails the transfer with LLM_LINK_FAILED, breaks the
 link, leaves the source intact, and a relink retries in full.
@@ -67,7 +68,7 @@ def test_a_large_pull_and_push_over_several_streams_land_exact_bytes(peers: Call
     # the streams are the link's channel and streams - 1 lanes, on both sides
     assert lanes(d) == ([] if streams == 1 else [f"tcp x{streams}"])
     assert lanes(p) == ([] if streams == 1 else [f"served x{streams}"])
-    # a push of every other block back (another set of ranges: the chunks are cut anew)
+    # a push of every other block back: one request on the channel, the lanes beside it
     back = SRC[::2]
     check_transfer(lambda: d.call(kv.snapshot, "big"), lambda: p.call(kv.snapshot, "big"),
                    lambda: d.call_within(hang_guard(TIMEOUT_MS), kv.push_blocks, KEY, "big", back, back[::-1]),

@@ -217,11 +217,14 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
     return Status(Code::kFeatureNotEnabled, "this stream path cannot stage DEVICE memory");
   }
   // A large transfer over several streams (a tcp link dialled by this side, EngineLimits::tcp_streams
-  // > 1): its lanes open on the first such transfer, within half the time left.
+  // > 1): its lanes open on the first such transfer, within half the time left. Only a pull is
+  // split: a push stays one request, admitted whole by the peer before any byte lands, so a write
+  // the peer refuses stores nothing (chunks admitted one by one would store those before the
+  // refused one: the round-6 review's finding).
   if (link.streams() > 1 && p.local_device_runs.empty() && p.payload >= 2 * link.chunkBytes()) {
     link.openLanesOnce(Deadline::earliest(deadline, Deadline::afterMs(deadline.remainingMsForPoll() / 2)));
     std::vector<Stream*> lanes = link.outLanes();
-    if (!lanes.empty() && !link.broken()) {
+    if (!is_push && !lanes.empty() && !link.broken()) {
       // Once split, the outcome is the transfer's: a chunk the peer refused (whatever its code, even
       // kFeatureNotEnabled) is not a reason to move the whole transfer again on the channel.
       bool split = false;
