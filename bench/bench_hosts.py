@@ -3,10 +3,10 @@
 For each wire profile of `pdlink.testing.hosts` asked for (loopback, rack, dc, wan), in ONE run of
 two hosts with that profile (so every row has its ceilings from the same wire, same minutes):
 
-  * pdlink: the decoder on host 1 pulls 64 MiB (two tensors of 256 KiB blocks, reversed block
-    order, so no two blocks coalesce) from the prompt on host 0 over transport "tcp" with the native
-    API (`pdlink.Engine`, a prepared transfer); one warm-up pull, the bytes verified once, then
-    timed pulls;
+  * pdlink: the link's round trip (median of 10 `Engine.ping`), then the decoder on host 1 pulls
+    64 MiB (two tensors of 256 KiB blocks, reversed block order, so no two blocks coalesce) from
+    the prompt on host 0 over transport "tcp" with the native API (`pdlink.Engine`, a prepared
+    transfer); one warm-up pull, the bytes verified once, then timed pulls;
   * iperf3, the ceiling: the server on host 0 sends to a client on host 1 (`-R`: the same
     direction as the pull), with `-P 1` and with `-P S`, S being the number of streams pdlink's
     link uses; several runs, each its steady rate after an omitted start (`-O`);
@@ -176,6 +176,11 @@ def pdlink_initiator(address: str, remote: dict[str, Any], total: int, block: in
         transports = {link["transport"] for link in links}
         if transports != {"tcp"}:
             raise AssertionError(f"asked for tcp, linked over {transports}")
+        rtt_ms = []  # the wire's round trip as a link sees it: engine.ping
+        for _ in range(10):
+            t0 = time.perf_counter()
+            engine.ping(peer)
+            rtt_ms.append((time.perf_counter() - t0) * 1e3)
         job = engine.prepare(peer, local, pdlink.RemoteRegion(**remote))
         n = mine[0].shape[0]
         dst, src = np.arange(n), np.arange(n - 1, -1, -1)  # remote block n-1-i -> local block i
@@ -193,7 +198,8 @@ def pdlink_initiator(address: str, remote: dict[str, Any], total: int, block: in
             gbps.append(total / (time.perf_counter() - t0) / 1e9)
         links = [link.as_dict() for link in engine.links()]
     print(json.dumps({"read": summary(gbps), "gbps": gbps, "verified": True, "warmup_s": warm_s,
-                      "connect_ms": connect_ms, "links": links}, default=str), flush=True)
+                      "connect_ms": connect_ms, "rtt_ms": summary(rtt_ms),
+                      "links": links}, default=str), flush=True)
 
 
 # ---------------------------------------------------------------- processes on the hosts
@@ -400,9 +406,9 @@ def verdict(profile: str, r: dict[str, Any]) -> str:
 
 
 def table(results: dict[str, Any], profiles: Sequence[str], size_mib: int) -> list[str]:
-    head = (f"| profile | streams | pdlink tcp pull {size_mib} MiB, MB/s | iperf3 -P 1, MB/s | iperf3 -P S, MB/s | "
-            "pdlink / iperf3 (S) | Mooncake TE tcp read, MB/s | pdlink / Mooncake | verdict |")
-    lines = [head, "| " + " | ".join(["---"] * 9) + " |"]
+    head = (f"| profile | ping RTT, ms | streams | pdlink tcp pull {size_mib} MiB, MB/s | iperf3 -P 1, MB/s | "
+            "iperf3 -P S, MB/s | pdlink / iperf3 (S) | Mooncake TE tcp read, MB/s | pdlink / Mooncake | verdict |")
+    lines = [head, "| " + " | ".join(["---"] * 10) + " |"]
     for name in profiles:
         r = results["profiles"].get(name)
         if r is None:
@@ -413,7 +419,8 @@ def table(results: dict[str, Any], profiles: Sequence[str], size_mib: int) -> li
         a, b = ratios["pdlink_over_iperf3_same_streams"], ratios["pdlink_over_mooncake"]
         mc = r.get("mooncake") or {}
         lines.append(
-            f"| {name} | {s}{'' if p['stream_option'] else ' (no option)'} | {mbps(p['read'])} | "
+            f"| {name} | {p['rtt_ms']['median']:.2f} | {s}{'' if p['stream_option'] else ' (no option)'} | "
+            f"{mbps(p['read'])} | "
             f"{mbps(r['iperf3'].get('1'))} | {mbps(r['iperf3'].get(str(s)))} | "
             f"{'-' if a is None else f'{a:.2f}x'} | {mbps(mc.get('read')) if 'read' in mc else 'not run'} | "
             f"{'-' if b is None else f'{b:.2f}x'} | {verdict(name, r)} |")
