@@ -1,5 +1,5 @@
-"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py
-and bench_pull_blocks.py (no timing is asserted)."""
+"""The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py,
+bench_pull_blocks.py, bench_hixl.py and bench_hosts.py (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from where import REPO
 
@@ -87,3 +89,42 @@ def test_hixl_benchmark_runs_and_verifies(tmp_path):
         for label in ("256K", "4K"):
             assert run[f"read_{label}"]["median"] > 0 and run[f"read_{label}"]["us_per_desc"] > 0
     assert "pdlink hixl benchmark" in (tmp_path / "hixl.txt").read_text()
+
+
+def hosts_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "hosts.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_hosts.py"), "--smoke", "--no-peers",
+                        "--size-mib", "4", "--out", str(out), *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r, json.loads(out.read_text())
+
+
+def check_hosts_row(r: subprocess.CompletedProcess, row: dict) -> None:
+    """A row of bench/bench_hosts.py: pdlink's pull verified its bytes over tcp, and iperf3 ran
+    with the same number of streams (where it is installed)."""
+    assert row["pdlink"]["verified"] and row["pdlink"]["read"]["median"] > 0
+    assert {link["transport"] for link in row["pdlink"]["links"]} == {"tcp"}
+    assert row["pdlink"]["rtt_ms"]["median"] > 0
+    if shutil.which("iperf3"):
+        assert row["iperf3"][str(row["pdlink"]["streams"])]["median"] > 0
+        assert row["ratios"]["pdlink_over_iperf3_same_streams"] > 0
+    else:
+        assert "skipped iperf3: not installed" in r.stdout
+
+
+def test_hosts_benchmark_smoke_runs_on_one_host(tmp_path):
+    r, results = hosts_bench(tmp_path, "--same-host")
+    check_hosts_row(r, results["profiles"]["same-host"])
+    assert "| same-host |" in r.stdout
+
+
+def test_hosts_benchmark_smoke_runs_across_two_hosts(tmp_path):
+    from pdlink.testing.hosts import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no emulated hosts here: {reason}")
+    r, results = hosts_bench(tmp_path, "--profiles", "loopback")
+    row = results["profiles"]["loopback"]
+    check_hosts_row(r, row)
+    assert all(link["peer_address"].startswith("198.18.") for link in row["pdlink"]["links"])
