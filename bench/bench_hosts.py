@@ -396,6 +396,8 @@ def mbps(s: dict[str, float] | None) -> str:
 
 def verdict(profile: str, r: dict[str, Any]) -> str:
     ratios, notes = r["ratios"], []
+    if r.get("wire_delay_applied") is False:
+        notes.append("NOT this profile (the wire's delay was not applied)")
     a = ratios["pdlink_over_iperf3_same_streams"]
     if a is not None:
         notes.append(f"iperf3 {'met' if a >= IPERF_TARGET else 'NOT met'}")
@@ -444,7 +446,16 @@ def run_profiles(profiles: Sequence[str], cfg: dict[str, Any], same_host: bool, 
         with Hosts(2, profile=name) as hosts:
             src = Site(hosts[0].ip, hosts[0].command)
             dst = Site(hosts[1].ip, hosts[1].command)
-            out[name] = {**measure_profile(name, src, dst, cfg, plan), "wire": repr(PROFILES[name])}
+            row = measure_profile(name, src, dst, cfg, plan)
+            wire = PROFILES[name]
+            row["wire"] = dataclasses.asdict(wire)
+            # the wire's own check: a link's round trip is at least twice the one-way delay asked for
+            want_ms, got_ms = 2 * wire.delay_us / 1e3, row["pdlink"]["rtt_ms"]["median"]
+            row["wire_delay_applied"] = got_ms >= 0.8 * want_ms
+            if not row["wire_delay_applied"]:
+                print(f"  [{name}] the wire did not apply its delay: round trip {got_ms:.2f} ms, "
+                      f"at least {want_ms:.2f} ms expected")
+            out[name] = row
     return out
 
 
