@@ -19,7 +19,8 @@ Reported per profile: medians with [min..max] in MB/s (and GB/s in the JSON), pd
 the same number of streams, and pdlink / Mooncake. Every run is bounded in time: a measurement
 stops repeating once its budget is spent (at least one timed repetition), and every process has a
 timeout. Results go to bench/results/hosts.json (merged by profile, so profiles can be run one at a
-time) and a table to stdout.
+time), and the table (with each profile's wire and iperf3's retransmits) to stdout and
+bench/results/hosts.txt.
 
 Streams: `--streams S` asks pdlink for S tcp streams per link (default: the build's own default),
 through the engine's option for it when this build has one (a field of `EngineOptions` or
@@ -506,12 +507,19 @@ def main(argv: list[str] | None = None) -> int:
     results["profiles"].update(measured)
     results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform(), "smoke": args.smoke}
-    print(f"pdlink tcp pull of {args.size_mib} MiB across two hosts ({args.block_kib} KiB blocks), "
-          "median [min..max] MB/s; ceilings from the same run")
-    print("\n".join(table(results, list(measured), args.size_mib)))
+    lines = [f"pdlink tcp pull of {args.size_mib} MiB across two hosts ({args.block_kib} KiB blocks), "
+             "median [min..max] MB/s; ceilings from the same run",
+             *table(results, list(measured), args.size_mib)]
+    for name in measured:
+        row = results["profiles"][name]
+        lines.append(f"{name}: {row['date']}, {row['wall_s']:.0f} s, wire {row.get('wire', 'none')}; iperf3 "
+                     + ", ".join(f"-P {k} retransmits {v['retransmits']}" for k, v in row["iperf3"].items() if v))
+    print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
+    with open(os.path.splitext(args.out)[0] + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
     print(f"results: {args.out}")
     return 0
 
