@@ -25,6 +25,11 @@ once. Reported: median of the repetitions, with min and max.
 
     python bench/bench_transfer.py                 # full run (a few minutes on 2 cores)
     python bench/bench_transfer.py --smoke         # tiny sizes, seconds; what CI runs
+    python bench/bench_transfer.py --transports tcp@1,tcp@4 --no-peers   # tcp with 1 and 4 streams
+
+A transport "tcp@N" is tcp with N streams per link (PDLINK_TCP_STREAMS=N on both sides: the link's
+channel and N - 1 lanes for transfers of at least two chunks, docs/architecture.md); plain "tcp"
+takes the engines' default (pdlink.TcpStreams, 4).
 """
 
 from __future__ import annotations
@@ -120,6 +125,9 @@ def options(listen: str | None = None):
 def set_transport(transport: str) -> None:
     """This process's pdlink transport: "cma", "tcp", "auto", or "ucx" / "ucx:TLS" (the ucx path,
     with UCX_TLS=TLS when given; loopback only, so the network is trusted)."""
+    transport, _, streams = transport.partition("@")
+    if streams:
+        os.environ["PDLINK_TCP_STREAMS"] = streams
     name, _, tls = transport.partition(":")
     os.environ["PDLINK_TRANSPORT"] = name
     if name == "ucx":
@@ -191,7 +199,7 @@ def run_initiator(transport: str, cfg: dict[str, Any], info: dict[str, Any]) -> 
     ret, _ = dd.link_clusters([peer], 5000)
     assert ret == LLMStatusCode.LLM_SUCCESS, ret
     got = {link["transport"] for link in dd.links()}
-    assert got == {transport.partition(":")[0]}, f"asked for {transport}, linked over {got}"
+    assert got == {transport.partition("@")[0].partition(":")[0]}, f"asked for {transport}, linked over {got}"
     res: dict[str, Any] = {"transport": transport}
 
     def reversed_blocks(name: str):
@@ -515,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where results.json and the plot go")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--transports", default="cma,tcp",
-                    help='comma-separated: cma, tcp, ucx (UCX_TLS as set), ucx:TLS (e.g. "ucx:tcp")')
+                    help='comma-separated: cma, tcp, tcp@N (N streams per link), ucx (UCX_TLS as set), ucx:TLS '
+                         '(e.g. "ucx:tcp")')
     args = ap.parse_args(argv)
     from pdlink._sysinfo import direct_access_permitted
 
@@ -537,8 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     for tr in cfg["transports"]:
         # a target per transport: the ucx path needs a ucx engine at both ends
         tconn, child = ctx.Pipe()
-        target = ctx.Process(target=target_main, args=(child, cfg, tr if tr.startswith("ucx") else "auto"),
-                             daemon=True)
+        # "auto" accepts tcp and cma; tcp@N's stream count goes to the target too (it bounds the lanes)
+        streams = tr.partition("@")[2]
+        accepts = tr if tr.startswith("ucx") else "auto" + (f"@{streams}" if streams else "")
+        target = ctx.Process(target=target_main, args=(child, cfg, accepts), daemon=True)
         target.start()
         info = tconn.recv()
         try:
@@ -555,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             tconn.send("stop")
             tconn.recv()
             target.join(30)
-    if "tcp" in cfg["transports"]:
+    if any(t.startswith("tcp") for t in cfg["transports"]):
         results["tcp_ceilings"] = tcp_ceilings(cfg["total"], cfg["reps"], args.smoke)
     if not args.no_peers and not args.smoke:
         print("peers (same work, same machine, same run):")

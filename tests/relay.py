@@ -71,6 +71,15 @@ class Relay:
             self._budget = [None, None]
             self._cond.notify_all()
 
+    def connections(self) -> int:
+        """How many connections the relay has taken so far."""
+        return len(self._conns)
+
+    def cut(self, index: int) -> None:
+        """Ends connection ``index`` (in the order they came) at once, both ways: to each side it
+        looks like the other side went away."""
+        self._conns[index].shut()
+
     def close(self) -> None:
         """Ends every connection and the listener, and waits (bounded) for the relay's threads."""
         self.release()

@@ -12,6 +12,7 @@
 
 #include "backends/backend.h"
 #include "bindings/bindings.h"
+#include "core/limits.h"
 #include "bindings/status_bridge.h"
 #include "engine/engine.h"
 #include "transport/wire.h"
@@ -56,6 +57,13 @@ void defLifetime(py::class_<Engine>& cls) {
                 l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0 ||
                 l.max_notification_bytes_per_link == 0 || l.max_notification_bytes_per_source == 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
+            }
+            if (l.tcp_streams == 0 || l.tcp_streams > limits::kMaxTcpStreams || l.max_tcp_lanes == 0 ||
+                l.tcp_chunk_bytes < limits::kMinTcpChunkBytes || l.tcp_chunk_bytes > limits::kMaxTcpChunkBytes) {
+              throw py::value_error("tcp_streams must lie in [1, " + std::to_string(limits::kMaxTcpStreams) +
+                                    "], max_tcp_lanes be positive, tcp_chunk_bytes lie in [" +
+                                    std::to_string(limits::kMinTcpChunkBytes) + ", " +
+                                    std::to_string(limits::kMaxTcpChunkBytes) + "]");
             }
             throwIfError(e.initialize(c));
           },

@@ -76,6 +76,9 @@ void bindEngineLimits(py::module_& m) {
       .def_readwrite("max_notification_bytes", &EngineLimits::max_notification_bytes)
       .def_readwrite("max_notification_bytes_per_link", &EngineLimits::max_notification_bytes_per_link)
       .def_readwrite("max_notification_bytes_per_source", &EngineLimits::max_notification_bytes_per_source)
+      .def_readwrite("tcp_streams", &EngineLimits::tcp_streams)
+      .def_readwrite("max_tcp_lanes", &EngineLimits::max_tcp_lanes)
+      .def_readwrite("tcp_chunk_bytes", &EngineLimits::tcp_chunk_bytes)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) +
                ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
@@ -87,7 +90,9 @@ void bindEngineLimits(py::module_& m) {
                ", max_notifications_per_link=" + std::to_string(l.max_notifications_per_link) +
                ", max_notification_bytes=" + std::to_string(l.max_notification_bytes) +
                ", max_notification_bytes_per_link=" + std::to_string(l.max_notification_bytes_per_link) +
-               ", max_notification_bytes_per_source=" + std::to_string(l.max_notification_bytes_per_source) + ")";
+               ", max_notification_bytes_per_source=" + std::to_string(l.max_notification_bytes_per_source) +
+               ", tcp_streams=" + std::to_string(l.tcp_streams) + ", max_tcp_lanes=" + std::to_string(l.max_tcp_lanes) +
+               ", tcp_chunk_bytes=" + std::to_string(l.tcp_chunk_bytes) + ")";
       });
 }
 
@@ -258,6 +263,10 @@ void bindConstants(py::module_& m) {
     limits["read_chunk_bytes"] = limits::kReadChunkBytes;
     limits["payload_chunk_bytes"] = limits::kPayloadChunkBytes;
     limits["link_log_entries"] = limits::kLinkLogEntries;
+    limits["max_tcp_streams"] = limits::kMaxTcpStreams;
+    limits["min_tcp_chunk_bytes"] = limits::kMinTcpChunkBytes;
+    limits["max_tcp_chunk_bytes"] = limits::kMaxTcpChunkBytes;
+    limits["max_tcp_depth"] = limits::kMaxTcpDepth;
     limits["max_notify_name_bytes"] = limits::kMaxNotifyNameBytes;
     limits["max_notify_message_bytes"] = limits::kMaxNotifyMessageBytes;
     m.attr("LIMITS") = limits;

@@ -47,6 +47,14 @@ constexpr size_t kIpcKeyBytes = 64;
 // receiver lands a chunk in its destination only once the tag checked out, staging at most one
 // chunk per transfer (transport/auth_stream.h).
 constexpr size_t kPayloadChunkBytes = 256u << 10;
+// A tcp link's streams (EngineLimits::tcp_streams): at most this many per link (its out channel
+// and kMaxTcpStreams - 1 lanes), whatever an engine is configured with.
+constexpr uint32_t kMaxTcpStreams = 16;
+// The chunk of a tcp transfer split over several streams (EngineLimits::tcp_chunk_bytes) lies in
+// [kMinTcpChunkBytes, kMaxTcpChunkBytes]; each stream keeps at most kMaxTcpDepth chunks in flight.
+constexpr uint64_t kMinTcpChunkBytes = 64u << 10;
+constexpr uint64_t kMaxTcpChunkBytes = 64u << 20;
+constexpr uint32_t kMaxTcpDepth = 8;
 // The engine remembers this many of the latest link installations (Engine::linkedSince), so that
 // a status poll learns of a link that came and went between two polls.
 constexpr size_t kLinkLogEntries = 1024;

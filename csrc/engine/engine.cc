@@ -21,7 +21,14 @@ Engine::Engine(std::shared_ptr<Backend> backend) : Engine(backend, backend->capa
 
 Engine::Engine(std::shared_ptr<Backend> backend, const Capabilities& caps)
     : state_(std::move(backend), caps),
-      link_manager_(state_, [this](const std::shared_ptr<Link>& link) { server_.serve(link); }),
+      link_manager_(state_,
+                    [this](const std::shared_ptr<Link>& link, Stream* lane) {
+                      if (lane) {
+                        server_.serveLane(link, *lane);
+                      } else {
+                        server_.serve(link);
+                      }
+                    }),
       server_(state_, link_manager_),
       transfers_(state_, link_manager_) {}
 
@@ -40,6 +47,13 @@ Status Engine::initialize(const EngineConfig& config) {
   std::lock_guard<std::mutex> lock(state_.mu);
   if (state_.initialized) return Status::OK();
   if (config.sync_timeout_ms <= 0) return Status(Code::kParamInvalid, "sync timeout must be > 0 ms");
+  const EngineLimits& lim = config.limits;
+  if (lim.tcp_streams == 0 || lim.tcp_streams > limits::kMaxTcpStreams || lim.max_tcp_lanes == 0 ||
+      lim.tcp_chunk_bytes < limits::kMinTcpChunkBytes || lim.tcp_chunk_bytes > limits::kMaxTcpChunkBytes) {
+    return Status(Code::kParamInvalid,
+                  "tcp_streams must lie in [1, 16], max_tcp_lanes be positive and "
+                  "tcp_chunk_bytes lie in [64 KiB, 64 MiB]");
+  }
   if (config.payload_integrity && config.link_secret.empty()) {
     return Status(Code::kParamInvalid, "payload integrity needs a link secret (pdlink.LinkSecret)");
   }

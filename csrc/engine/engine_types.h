@@ -61,6 +61,21 @@ struct EngineLimits {
   // and from all the links of one source (an IP address, or a local uid: LinkManager::sourceOf).
   uint64_t max_notification_bytes_per_source = uint64_t{4} << 20;
 
+  // The TCP streams this side's transfers use on a tcp link it dialled: the link's own channel and
+  // tcp_streams - 1 lanes the dialler opens on its first large transfer (transport/tcp/stream_path.h;
+  // 1: the channel only). Also the most lanes + 1 a peer's link may attach here. In [1,
+  // limits::kMaxTcpStreams]. Default 4: enough that a lossy long path (where one TCP stream's rate
+  // falls as 1/sqrt(loss)) gets about 4x one stream's share, few enough to cost 3 descriptors and,
+  // at the acceptor, 3 serving threads per link.
+  uint32_t tcp_streams = 4;
+  // Lanes (extra TCP streams) of all links together, dialled and accepted: each a descriptor, and
+  // an accepted one a thread. Past it a link keeps fewer streams (a refused lane is only logged).
+  uint32_t max_tcp_lanes = 64;
+  // The chunk a large tcp transfer is split into (one request each, spread over the streams); a
+  // transfer of less than 2 chunks is one request on the link's channel, as with one stream. In
+  // [limits::kMinTcpChunkBytes, limits::kMaxTcpChunkBytes].
+  uint64_t tcp_chunk_bytes = uint64_t{1} << 20;
+
   // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and
   // memory descriptor (transport/cma/cma.h).
   static constexpr uint32_t kDescriptorsPerLink = 4;

@@ -266,6 +266,7 @@ void LinkManager::handleIncoming(Socket sock, HandshakeSlot* slot) {
   if (!sealVerdict(in)) return refuse(in, "cannot authenticate the link: libcrypto failed");
   const std::string ok_frame = wire::encode(in.ok);
   if (in.hello.channel == wire::Channel::kForward) return acceptForward(in, ok_frame);
+  if (in.hello.channel == wire::Channel::kLane) return acceptLane(in, ok_frame);
   acceptReverse(in, ok_frame);
 }
 
@@ -390,6 +391,10 @@ bool LinkManager::admitChannel(Incoming& in) {
       (s_.config.payload_integrity || (in.hello.flags & wire::kHelloPayloadIntegrity))) {
     in.ok.flags = wire::kAuthPayloadIntegrity;
   }
+  if (in.local && in.hello.channel == wire::Channel::kLane) {
+    refuse(in, "lanes are TCP connections only");
+    return false;
+  }
   if (in.local) {
     if (s_.config.transport == Transport::kTcp) {
       refuse(in, "this engine uses tcp only");
@@ -504,7 +509,7 @@ void LinkManager::acceptForward(Incoming& in, const std::string& ok_frame) {
   }
   PDLINK_LOG(kInfo, "accepted link from " << clusterName(in.hello.cluster_id) << " at " << in.from);
   in.slot->release();  // the handshake is over: this thread serves the link from now on
-  serve_(link);
+  serve_(link, nullptr);
 }
 
 void LinkManager::acceptReverse(Incoming& in, const std::string& ok_frame) {
@@ -534,6 +539,41 @@ void LinkManager::acceptReverse(Incoming& in, const std::string& ok_frame) {
   if (!link->outSocket().sendAll(ok_frame.data(), ok_frame.size(), in.deadline).ok()) {
     link->breakLink("peer went away during the handshake");
   }
+}
+
+void LinkManager::acceptLane(Incoming& in, const std::string& ok_frame) {
+  // Only the established TCP link this cluster dialled with this very nonce (which only both ends
+  // know), from the same source, takes the lane; within its share and the engine's.
+  const size_t per_link = s_.config.limits.tcp_streams - 1;
+  std::shared_ptr<Link> link;
+  Lane* lane = nullptr;
+  std::string why;
+  {
+    // Checked and attached under mu, so two lanes racing cannot both take the last place.
+    std::lock_guard<std::mutex> lock(s_.mu);
+    std::shared_ptr<void> token;
+    link = s_.stopping ? nullptr : links_.slot(in.hello.cluster_id, false);
+    if (!link || link->initiator() || link->nonce() != in.hello.nonce || link->broken()) {
+      why = "no link of " + clusterName(in.hello.cluster_id) + " for this lane";
+    } else if (link->sameHost() || link->outSocket().isUnix() || link->source() != in.slot->source) {
+      why = "a lane must come from where its tcp link came from";
+    } else if (link->payloadIntegrity() != in.session.integrity) {
+      why = "the lane disagrees with its link about payload integrity";
+    } else if (link->laneCount(false) >= per_link) {
+      why = "the link already has " + std::to_string(per_link) + " lanes, the most it may have (pdlink.TcpStreams)";
+    } else if (!(token = takeLaneToken())) {
+      why = "this engine already has the most lanes it may have (pdlink.MaxTcpLanes)";
+    } else {
+      handshaking_.erase(in.tracked);
+      lane = link->addLane(false, std::move(in.sock), std::move(in.session.key), in.session.integrity, token, per_link);
+      if (!lane) return;  // the link broke meanwhile: the lane is shut down
+    }
+  }
+  if (!why.empty()) return refuse(in, why);
+  if (!lane->sock.sendAll(ok_frame.data(), ok_frame.size(), in.deadline).ok()) return;
+  PDLINK_LOG(kDebug, "accepted a lane of " << clusterName(in.hello.cluster_id) << " from " << in.from);
+  in.slot->release();  // the handshake is over: this thread serves the lane from now on
+  serve_(link, &lane->stream());
 }
 
 std::shared_ptr<Link> LinkManager::completeLinkLocked(Incoming& in, std::unique_lock<std::mutex>& lock,

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 
@@ -375,6 +377,13 @@ Status LinkManager::linkOne(const PeerAddress& peer, int64_t timeout_ms, uint64_
   link->setPeerAddress(where);
   link->setOrigin("", d.nonce, d.endpoint);
   choosePaths(*link, std::move(process));
+  link->setStreamPlan(s_.config.limits.tcp_streams, s_.config.limits.tcp_chunk_bytes);
+  // A link dialled over TCP whose transfers take the stream path may add lanes (its first large
+  // transfer opens them: StreamPath::transfer). Same-host links never do.
+  if (!link->sameHost() && !link->outSocket().isUnix() && std::string(link->transport()) == "tcp" &&
+      s_.config.limits.tcp_streams > 1) {
+    link->setLaneOpener([this](Link& l, Deadline dl) { openLanes(l, dl); });
+  }
   if (claimed) PDLINK_RETURN_IF_ERROR(settleClaim(peer, peer_id, link, claimed, deadline, linked_id));
   return finishLink(peer, peer_id, link, deadline, linked_id);
 }
@@ -470,7 +479,7 @@ Status LinkManager::finishLink(const PeerAddress& peer, uint64_t peer_id, const 
     if (s_.stopping || !s_.initialized) return Status(Code::kLinkFailed, "engine is finalizing");
     installLink(link);
   }
-  s_.spawn([this, link] { serve_(link); });
+  s_.spawn([this, link] { serve_(link, nullptr); });
   bool channel = false;
   Status st;
   std::unique_lock<std::mutex> out(link->outMutex());
@@ -790,6 +799,69 @@ Result<std::shared_ptr<Link>> LinkManager::usableLink(uint64_t peer) {
   if (std::shared_ptr<Link> link = links_.forRequests(peer)) return link;
   if (auto why = links_.downReason(peer)) return linkDown(peer, *why);
   return Status(Code::kNotYetLink, "no link to " + clusterName(peer) + "; connect first");
+}
+
+}  // namespace pdlink
+
+namespace pdlink {
+
+std::shared_ptr<void> LinkManager::takeLaneToken() {
+  auto count = lanes_;
+  uint32_t n = count->load();
+  do {
+    if (n >= s_.config.limits.max_tcp_lanes) return nullptr;
+  } while (!count->compare_exchange_weak(n, n + 1));
+  // Non-null (a null shared_ptr<void> reads as "no token"): it points at the count it gives back to.
+  return std::shared_ptr<void>(count.get(), [count](void*) { count->fetch_sub(1); });
+}
+
+void LinkManager::openLanes(Link& link, Deadline deadline) {
+  const std::string& where = link.peerAddress();
+  const size_t colon = where.rfind(':');
+  if (colon == std::string::npos) return;
+  const std::string ip = where.substr(0, colon);
+  const auto port = static_cast<uint16_t>(std::strtoul(where.c_str() + colon + 1, nullptr, 10));
+  const size_t want = s_.config.limits.tcp_streams - 1;
+  std::vector<std::future<Status>> dials;
+  for (size_t i = 0; i < want; ++i) {
+    std::shared_ptr<void> token = takeLaneToken();
+    if (!token) {
+      PDLINK_LOG(kInfo, "no lane left for " << clusterName(link.peer()) << " (pdlink.MaxTcpLanes)");
+      break;
+    }
+    dials.push_back(std::async(std::launch::async, [this, &link, ip, port, deadline, want, token]() -> Status {
+      auto sock = Socket::connect(ip, port, deadline);
+      if (!sock.ok()) return sock.status();
+      wire::Hello hello;
+      hello.channel = wire::Channel::kLane;
+      hello.cluster_id = s_.config.cluster_id;
+      hello.expected_peer = link.peer();
+      hello.nonce = link.nonce();
+      hello.flags = s_.config.payload_integrity ? wire::kHelloPayloadIntegrity : 0;
+      uint64_t peer_id = link.peer();
+      wire::AuthResult result;
+      Session session;
+      const auto start = std::chrono::steady_clock::now();
+      PDLINK_RETURN_IF_ERROR(helloExchange(sock.value(), hello, s_.config.link_secret, wire::ClientAuth{}, &peer_id,
+                                           &result, &session, deadline));
+      // The hello exchange is two round trips (hello/ack, auth/result).
+      const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start);
+      link.setRoundTripUs(static_cast<uint64_t>(us.count()) / 2);
+      if (session.integrity != link.payloadIntegrity()) {
+        return Status(Code::kLinkFailed, "the peer agreed to another payload integrity on a lane");
+      }
+      if (!link.addLane(true, std::move(sock.value()), std::move(session.key), session.integrity, token, want)) {
+        return Status(Code::kLinkFailed, "the link broke");
+      }
+      return Status::OK();
+    }));
+  }
+  for (auto& f : dials) {
+    Status st = f.get();
+    if (!st.ok())
+      PDLINK_LOG(kInfo, "a lane to " << clusterName(link.peer()) << " could not be opened: " << st.message());
+  }
+  PDLINK_LOG(kDebug, "link to " << clusterName(link.peer()) << ": " << 1 + link.laneCount(true) << " tcp streams");
 }
 
 }  // namespace pdlink

@@ -46,8 +46,9 @@ namespace pdlink {
 
 class LinkManager {
  public:
-  // Serves a link until its channels die (RequestServer::serve); called on an engine thread.
-  using ServeFn = std::function<void(const std::shared_ptr<Link>&)>;
+  // Serves a link until its channels die (RequestServer::serve; `lane` non-null: that lane of the
+  // link only, RequestServer::serveLane); called on an engine thread.
+  using ServeFn = std::function<void(const std::shared_ptr<Link>&, Stream* lane)>;
   LinkManager(EngineState& state, ServeFn serve);
   LinkManager(const LinkManager&) = delete;
   LinkManager& operator=(const LinkManager&) = delete;
@@ -143,6 +144,14 @@ class LinkManager {
   void acceptForward(Incoming& in, const std::string& ok_frame);
   // REVERSE: completes and installs the link whose FORWARD channel waits under the same nonce.
   void acceptReverse(Incoming& in, const std::string& ok_frame);
+  // LANE: attaches the channel to the accepted TCP link from that cluster with that nonce, within
+  // the bounds (EngineLimits::tcp_streams per link, max_tcp_lanes in all), then serves it.
+  void acceptLane(Incoming& in, const std::string& ok_frame);
+  // The dialler's half: opens up to tcp_streams - 1 lanes of `link` (one this side dialled over TCP),
+  // in parallel, by `deadline`; a lane that cannot be had is logged, the link keeps the rest.
+  void openLanes(Link& link, Deadline deadline);
+  // One of the engine's max_tcp_lanes lanes, held by the lane (null: none left).
+  std::shared_ptr<void> takeLaneToken();
   // Under mu: the checks of acceptReverse against the waiting FORWARD channel, then the link made
   // and installed with its out mutex held (*out_lock); nullptr when refused (already answered).
   std::shared_ptr<Link> completeLinkLocked(Incoming& in, std::unique_lock<std::mutex>& lock,
@@ -238,6 +247,9 @@ class LinkManager {
   };
   Slots slots_;  // guarded by s_.mu
   std::atomic<uint64_t> handshakes_refused_{0};
+  // Lanes of all links (dialled and accepted), each counted while it exists (takeLaneToken);
+  // shared with the tokens, which a link may keep past this manager.
+  std::shared_ptr<std::atomic<uint32_t>> lanes_ = std::make_shared<std::atomic<uint32_t>>(0);
 };
 
 }  // namespace pdlink

@@ -39,6 +39,16 @@ void RequestServer::serve(const std::shared_ptr<Link>& link) {
   links_.retire(link);
 }
 
+void RequestServer::serveLane(const std::shared_ptr<Link>& link, Stream& lane) {
+  ServeState state;
+  state.lane = true;
+  Status st = serveStream(link, lane, &state);
+  if (!link->broken()) {
+    PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: a lane ended: " << st.message());
+  }
+  link->breakLink("a lane of the link ended: " + st.message());
+}
+
 Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state) {
   Status st;
   while (st.ok() && !state->unlinked) {
@@ -68,6 +78,11 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   std::string body;
   const PathEntry* setup = nullptr;
   PDLINK_RETURN_IF_ERROR(readRequest(*link, s, deadline, &h, &body, &setup));
+  if (state->lane && !((h.op == wire::Op::kRead || h.op == wire::Op::kWrite) && h.flags == 0)) {
+    PDLINK_LOG(kWarn,
+               "dropping link to " << clusterName(link->peer()) << ": a frame other than a read or write on a lane");
+    return Status(Code::kLinkFailed, "a frame other than a plain read or write on a lane");
+  }
 
   Status result;
   if (serveControl(link, s, h, body, setup, deadline, state, &result)) return result;

@@ -50,10 +50,15 @@ class RequestServer {
     std::vector<std::string> exported;                // IPC keys exported for it
     bool unlinked = false;                            // the peer unlinked
     PinEpochs::Word* pin_epoch = nullptr;             // this link's (pin_epochs), while it is served
+    bool lane = false;                                // a lane: plain reads and writes only
   };
   // The link's serving thread: serves its `in` channel until it fails or the peer unlinks, then
   // breaks the link and leaves a tombstone (LinkManager::retire).
   void serve(const std::shared_ptr<Link>& link);
+  // A lane's serving thread (Link::addLane): serves plain reads and writes (the stream path's, flags
+  // 0) read from `lane` until it fails; any other frame, or the lane's end, breaks the whole link
+  // (the requester's transfer on it failed, or the peer broke the protocol).
+  void serveLane(const std::shared_ptr<Link>& link, Stream& lane);
   // Serves the requests read from `in` on `link` until `in` fails or a frame drops the link
   // (Engine::serveStream); no exception escapes.
   Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);

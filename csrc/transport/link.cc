@@ -47,7 +47,49 @@ const char* Link::transport() const {
   return out_.isUnix() ? "unix" : "tcp";
 }
 
-std::vector<std::string> Link::lanes() const { return host_path_ ? host_path_->lanes() : std::vector<std::string>{}; }
+std::vector<std::string> Link::lanes() const {
+  std::vector<std::string> out = host_path_ ? host_path_->lanes() : std::vector<std::string>{};
+  std::lock_guard<std::mutex> lock(state_mu_);
+  // A tcp link with lanes: how many streams this side requests on, and how many of the peer's it serves.
+  if (!out_lanes_.empty()) out.push_back("tcp x" + std::to_string(1 + out_lanes_.size()));
+  if (!in_lanes_.empty()) out.push_back("served x" + std::to_string(1 + in_lanes_.size()));
+  return out;
+}
+
+Lane* Link::addLane(bool out, Socket sock, std::shared_ptr<const crypto::Key> key, bool payload_integrity,
+                    std::shared_ptr<void> token, size_t max) {
+  auto lane = std::make_unique<Lane>();
+  lane->sock = std::move(sock);
+  lane->sock.setReceiveSpin(kSpinUs);
+  if (key) lane->auth = std::make_unique<AuthStream>(lane->sock, std::move(key), out, payload_integrity);
+  lane->token = std::move(token);
+  std::lock_guard<std::mutex> lock(state_mu_);
+  auto& lanes = out ? out_lanes_ : in_lanes_;
+  if (broken_ || lanes.size() >= max) {
+    lane->sock.shutdown();
+    return nullptr;
+  }
+  lanes.push_back(std::move(lane));
+  return lanes.back().get();
+}
+
+std::vector<Stream*> Link::outLanes() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  std::vector<Stream*> out;
+  for (const auto& l : out_lanes_) out.push_back(&l->stream());
+  return out;
+}
+
+size_t Link::laneCount(bool out) const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return out ? out_lanes_.size() : in_lanes_.size();
+}
+
+void Link::openLanesOnce(Deadline deadline) {
+  if (lanes_tried_ || !lane_opener_) return;
+  lanes_tried_ = true;
+  lane_opener_(*this, deadline);
+}
 
 PathLinkState* Link::find(const States& states, const PathSlot& slot) {
   for (const auto& [key, state] : states) {
@@ -89,6 +131,9 @@ void Link::breakLink(const std::string& reason) {
   }
   out_.shutdown();
   in_.shutdown();
+  std::lock_guard<std::mutex> lock(state_mu_);
+  for (const auto& l : out_lanes_) l->sock.shutdown();
+  for (const auto& l : in_lanes_) l->sock.shutdown();
 }
 
 }  // namespace pdlink

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "core/deadline.h"
 #include "core/status.h"
 #include "transport/auth_stream.h"
 #include "transport/socket.h"
@@ -59,6 +61,16 @@ struct LinkInfo {
   bool payload_integrity = false;         // and so is every payload
   std::vector<std::string> device_paths;  // the paths of this side's DEVICE-memory requests, in the order tried
   std::vector<std::string> lanes;         // what the host path moves bytes over (ucx: "tcp/lo", ...)
+};
+
+// One extra TCP stream of a link (a LANE channel, transport/wire.h): its socket, and with a link
+// secret its sealed stream under the lane's own session key. `token` is held for as long as the
+// lane exists (the engine counts its lanes with it: EngineLimits::max_tcp_lanes).
+struct Lane {
+  Socket sock;
+  std::unique_ptr<AuthStream> auth;
+  std::shared_ptr<void> token;
+  Stream& stream() { return auth ? static_cast<Stream&>(*auth) : sock; }
 };
 
 class Link {
@@ -151,6 +163,34 @@ class Link {
   Socket& outSocket() { return out_; }
   std::mutex& outMutex() { return out_mu_; }
 
+  // The link's lanes (transport/tcp/stream_path.h): extra TCP streams this side requests on (out,
+  // dialled by the initiator) or serves (in, accepted by the acceptor). Added at most `max` per
+  // direction and never removed until the link goes; a lane added to a broken link is shut down at
+  // once. addLane returns the lane (valid for the link's lifetime), or null when the link is
+  // broken or already has `max` lanes that way (the lane is then dropped).
+  Lane* addLane(bool out, Socket sock, std::shared_ptr<const crypto::Key> key, bool payload_integrity,
+                std::shared_ptr<void> token, size_t max);
+  std::vector<Stream*> outLanes() const;
+  size_t laneCount(bool out) const;
+  // What opens this side's out lanes, once per link, on the first large transfer (set by the
+  // engine before the link is shared, on links it dialled over TCP; null: none). Called with the
+  // out mutex held; bounded by `deadline`; adds the lanes it could open.
+  using LaneOpener = std::function<void(Link&, Deadline)>;
+  void setLaneOpener(LaneOpener opener) { lane_opener_ = std::move(opener); }
+  // Runs the opener the first time it is called on this link (requires outMutex()).
+  void openLanesOnce(Deadline deadline);
+  // The streams this side's tcp requests use (the out channel and its lanes) and the chunk size, as
+  // the engine configured them (EngineLimits::tcp_streams, tcp_chunk_bytes); set before the link is shared.
+  void setStreamPlan(uint32_t streams, uint64_t chunk_bytes) {
+    streams_ = streams;
+    chunk_bytes_ = chunk_bytes;
+  }
+  uint32_t streams() const { return streams_; }
+  uint64_t chunkBytes() const { return chunk_bytes_; }
+  // The round trip last measured on this link (a lane's handshake, microseconds; 0: none yet).
+  void setRoundTripUs(uint64_t us) { rtt_us_.store(us, std::memory_order_relaxed); }
+  uint64_t roundTripUs() const { return rtt_us_.load(std::memory_order_relaxed); }
+
   bool broken() const;
   std::string brokenReason() const;
   // Marks the link unusable and wakes both channels. Idempotent; the first reason is kept.
@@ -178,8 +218,14 @@ class Link {
   std::string source_;
   wire::Nonce nonce_{};
   std::string endpoint_;
-  States out_states_;  // guarded by out_mu_
-  States in_states_;   // serving thread only
+  States out_states_;                                        // guarded by out_mu_
+  std::vector<std::unique_ptr<Lane>> out_lanes_, in_lanes_;  // guarded by state_mu_, only ever grow
+  LaneOpener lane_opener_;                                   // set before the link is shared
+  bool lanes_tried_ = false;                                 // guarded by out_mu_
+  uint32_t streams_ = 1;
+  uint64_t chunk_bytes_ = uint64_t{1} << 20;
+  std::atomic<uint64_t> rtt_us_{0};
+  States in_states_;  // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_
   std::string broken_reason_;                   // guarded by state_mu_

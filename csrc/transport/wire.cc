@@ -85,7 +85,7 @@ Status decodePrefix(const uint8_t* p, size_t n, Hello* out) {
     return malformed("hello");
   }
   std::memcpy(out->nonce.data(), p + kHelloPrefixBytes - 8, 8);
-  if (channel > 1) return malformed("hello");
+  if (channel > static_cast<uint8_t>(Channel::kLane)) return malformed("hello");
   out->channel = static_cast<Channel>(channel);
   return Status::OK();
 }

@@ -1,8 +1,15 @@
-// The pdlink wire protocol (version 5), spoken over each channel of a link.
+// The pdlink wire protocol (version 6), spoken over each channel of a link.
 //
 // A link is two stream connections opened by the initiator to the acceptor:
 //   FORWARD: the initiator sends requests, the acceptor serves them;
-//   REVERSE: the acceptor sends requests, the initiator serves them.
+//   REVERSE: the acceptor sends requests, the initiator serves them;
+// and, on a TCP link, up to limits' tcp_streams - 1 LANE channels the initiator may add later (since
+// v6): each a further stream the initiator requests on and the acceptor serves, for the chunks of
+// one large tcp transfer (transport/tcp/stream_path.h). A LANE's Hello carries the link's own nonce
+// (the FORWARD channel's, known only to both ends), its handshake is a channel's full handshake (with
+// a secret: its own proofs and session key over its own transcript), and the acceptor attaches it
+// only to the established, unbroken TCP link it accepted from that cluster with that nonce; on it only
+// plain reads and writes (flags 0) are served.
 // So each side has one channel it requests on and one it serves on, and a transfer is one-sided:
 // the serving side answers from a C++ thread without any Python involvement.
 //
@@ -49,13 +56,13 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
-constexpr uint16_t kProtocolVersion = 5;
+constexpr uint16_t kProtocolVersion = 6;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;
 constexpr uint32_t kMaxMessageBytes = limits::kMaxMessageBytes;
 
-enum class Channel : uint8_t { kForward = 0, kReverse = 1 };
+enum class Channel : uint8_t { kForward = 0, kReverse = 1, kLane = 2 };
 
 // Link authentication (challenge-response). Each side sends a fresh random challenge; each proves
 // it knows the shared link secret with HMAC-SHA256 over both challenges and the link's identity

@@ -114,6 +114,9 @@ class EngineLimits:
     max_notification_bytes: int  # unread notification bytes (names and messages), from all peers
     max_notification_bytes_per_link: int  # of those, from one peer
     max_notification_bytes_per_source: int  # and from all the links of one IP address or local uid
+    tcp_streams: int  # TCP streams of a tcp link this side dialled (its channel and lanes), 1..16
+    max_tcp_lanes: int  # extra TCP streams (lanes) of all links together
+    tcp_chunk_bytes: int  # the chunk a large tcp transfer is split into
     def __init__(self) -> None: ...
 
 class Notification:

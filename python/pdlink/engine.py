@@ -100,6 +100,9 @@ class Limits:
     max_notification_bytes: int | None = None
     max_notification_bytes_per_link: int | None = None
     max_notification_bytes_per_source: int | None = None
+    tcp_streams: int | None = None
+    max_tcp_lanes: int | None = None
+    tcp_chunk_bytes: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

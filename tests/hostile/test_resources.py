@@ -65,7 +65,8 @@ def test_the_limits_and_their_defaults_come_from_the_engine() -> None:
             limits.hello_timeout_ms, limits.pin_timeout_ms, limits.handshake_timeout_ms,
             limits.max_notifications_per_link, limits.max_notification_bytes,
             limits.max_notification_bytes_per_link,
-            limits.max_notification_bytes_per_source) == (64, 64, 16, 1000, 0, 5000, 4096, 16 << 20, 1 << 20, 4 << 20)
+            limits.max_notification_bytes_per_source, limits.tcp_streams, limits.max_tcp_lanes,
+            limits.tcp_chunk_bytes) == (64, 64, 16, 1000, 0, 5000, 4096, 16 << 20, 1 << 20, 4 << 20, 4, 64, 1 << 20)
 
 
 def _default_max_links(nofile: int) -> int:
@@ -629,3 +630,46 @@ def test_out_of_descriptors_the_listener_backs_off_and_recovers(peers: Callable[
         a.call(hostile.close_all)
         pair.prefill.call(kv.restore_descriptors, old)
     assert peers("late").call(hostile.link_raw, pair.port, 50) == (0, "")  # cpu-tcp: no redirect needed
+
+
+@only("cpu-tcp")
+def test_lanes_attach_only_to_their_own_link_within_their_bounds(peers: Callable[..., Peer],
+                                                                  make_pair: Callable[..., Pair]) -> None:
+    """LANE channels (extra TCP streams of a tcp link): a raw peer may attach pdlink.TcpStreams - 1 of
+    them (2 here) to its own link, by its link's nonce; a lane with another nonce, or claiming
+    another cluster, is refused; one more than the share is refused; past pdlink.MaxTcpLanes (3
+    here, over all links) too. Silent lanes hold only what the bounds allow; a frame other than a
+    plain read or write on a lane drops the link; the honest decoder keeps pulling throughout, and
+    once the attacker is gone its threads and descriptors are back."""
+    pair = linked(make_pair, {"pdlink.TcpStreams": "3", "pdlink.MaxTcpLanes": "3"})
+    base_fds, base_threads = pair.prefill.call(kv.resources)
+    a = peers("attacker")
+    nonce, other = (int.from_bytes(os.urandom(16), "little") for _ in range(2))
+    assert a.call(hostile.link_raw, pair.port, 9, b"", None, rawwire.ANY, nonce) == (0, "")
+    refused = a.call(hostile.open_lanes, pair.port, 9, other, 1) + a.call(hostile.open_lanes, pair.port, 10, nonce, 1)
+    assert [status for status, _ in refused] == [rawwire.LINK_FAILED] * 2, refused
+    assert all("no link of cluster" in message for _, message in refused), refused
+    lanes = a.call(hostile.open_lanes, pair.port, 9, nonce, 3)
+    assert [status for status, _ in lanes] == [0, 0, rawwire.LINK_FAILED], lanes
+    assert "the most it may have (pdlink.TcpStreams)" in lanes[2][1]
+    (raw,) = [link for link in pair.prefill.call(kv.links) if link["peer_cluster_id"] == 9]
+    assert list(raw["lanes"]) == ["served x3"]
+    # a second raw link gets one lane: the engine's three are taken then
+    b = peers("attacker2")
+    nonce_b = int.from_bytes(os.urandom(16), "little")
+    assert b.call(hostile.link_raw, pair.port, 11, b"", None, rawwire.ANY, nonce_b) == (0, "")
+    lanes_b = b.call(hostile.open_lanes, pair.port, 11, nonce_b, 2)
+    assert [status for status, _ in lanes_b] == [0, rawwire.LINK_FAILED], lanes_b
+    assert "the most lanes it may have (pdlink.MaxTcpLanes)" in lanes_b[1][1]
+    pair.pulled([1])
+    # a ping on a lane: the victim drops that link (its lanes and channels)
+    assert b.call(hostile.lane_exchange, 0, rawwire.request(5, b"")) == "closed"
+    wait_until(lambda: all(link["broken"] for link in pair.prefill.call(kv.links) if link["peer_cluster_id"] == 11),
+               20, "the link whose lane broke the protocol is broken")
+    pair.pulled([2])
+    for attacker in (a, b):
+        attacker.call(hostile.close_lanes)
+        attacker.call(hostile.close)
+    wait_until(lambda: (lambda r: r[0] <= base_fds and r[1] <= base_threads)(pair.prefill.call(kv.resources)), 20,
+               f"descriptors and threads back to {base_fds}, {base_threads}")
+    pair.pulled([3])

@@ -636,3 +636,39 @@ def forward_only(port: int, cluster: int, unix: str | None, frames: bytes, wait_
     finally:
         h.sock.close()
     return "closed" if data == b"" else f"answered {data!r}"
+
+
+# --------------------------------------------------------------------------- lanes (tcp path streams)
+
+_lanes: list[socket.socket] = []
+
+
+def open_lanes(port: int, cluster: int, nonce: int, count: int) -> list[tuple[int, str]]:
+    """Dials `count` LANE channels (transport/wire.h, channel 2) as cluster `cluster` with `nonce`
+    from ATTACKER_IP, one after the other; keeps the accepted ones open (silent). (status, message)
+    of each handshake."""
+    out: list[tuple[int, str]] = []
+    for _ in range(count):
+        h = rawwire.handshake(port, channel=2, cluster=cluster, expected=rawwire.ANY, nonce=nonce, source=ATTACKER_IP)
+        out.append((h.status, h.message))
+        if h.status == 0:
+            h.sock.settimeout(10)
+            _lanes.append(h.sock)
+        else:
+            h.sock.close()
+    return out
+
+
+def lane_exchange(index: int, frame: bytes) -> tuple[int, str, bytes] | str:
+    """Sends one request frame on lane `index` and returns the response, or "closed" when the victim
+    dropped the lane instead."""
+    try:
+        _lanes[index].sendall(frame)
+        return rawwire.read_response(_lanes[index])
+    except (ConnectionError, OSError):
+        return "closed"
+
+
+def close_lanes() -> None:
+    while _lanes:
+        _lanes.pop().close()

@@ -6,6 +6,16 @@
 // request, a local_absolute plan) in DEVICE memory pass through host staging on either side
 // (moveStagedPayload): how a list mixing HOST and DEVICE memory, or one between HOST and DEVICE
 // memory, moves at all.
+//
+// Several streams (a tcp link this side dialled, EngineLimits::tcp_streams > 1): a transfer of at
+// least two chunks (EngineLimits::tcp_chunk_bytes) opens the link's lanes the first time (extra TCP
+// connections, transport/wire.h "LANE"; Link::openLanesOnce), then is cut into chunk requests, each
+// naming a part of the transfer's ranges (admitted by the peer exactly like a whole request), spread
+// over the link's channel and its lanes by work sharing, each stream keeping 2 or more requests in
+// flight (more as the measured round trip grows: depthFor). Any stream's failure breaks the link and
+// fails the transfer (kTimeout at the deadline, which all streams share, else kLinkFailed); a pull
+// commits (releases a request key) only after every chunk arrived. Smaller transfers, transfers with
+// staged DEVICE runs and links without lanes move as one request on the channel.
 #pragma once
 
 #include "transport/path.h"
@@ -23,6 +33,10 @@ class StreamPath : public DataPath {
   Status transfer(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what) override;
 
  private:
+  // The split transfer over the out channel and `lanes`; kFeatureNotEnabled (nothing moved) when the
+  // plan cannot be cut.
+  Status transferSplit(Link& link, TransferPlan& p, bool is_push, Deadline deadline, const char* what,
+                       const std::vector<Stream*>& lanes);
   PathCaps caps_;
   Backend* backend_;
 };

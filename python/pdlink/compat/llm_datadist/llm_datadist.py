@@ -92,6 +92,9 @@ _LIMIT_FIELDS = {
     "pdlink.MaxNotificationBytes": "max_notification_bytes",
     "pdlink.MaxNotificationBytesPerLink": "max_notification_bytes_per_link",
     "pdlink.MaxNotificationBytesPerSource": "max_notification_bytes_per_source",
+    "pdlink.TcpStreams": "tcp_streams",
+    "pdlink.MaxTcpLanes": "max_tcp_lanes",
+    "pdlink.TcpChunkBytes": "tcp_chunk_bytes",
 }
 LIMIT_OPTIONS = {option: (LIMIT_VARIABLES[f].name, f) for option, f in _LIMIT_FIELDS.items()}
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
