@@ -122,11 +122,16 @@ def default_streams() -> int:
 
 
 def link_streams(links: list[dict[str, Any]]) -> int | None:
-    """The stream count a link reports, when its record has one."""
+    """The stream count a link reports, when its record has one: a field whose name says
+    "stream", or a lane "tcp xN" (the tcp path's lanes in `LinkInfo.lanes`)."""
     for link in links:
         for k, v in link.items():
             if "stream" in k and isinstance(v, int) and not isinstance(v, bool):
                 return v
+        for lane in link.get("lanes") or []:
+            kind, _, count = str(lane).partition(" x")
+            if kind == "tcp" and count.isdigit():
+                return int(count)
     return None
 
 
