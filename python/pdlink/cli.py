@@ -1,4 +1,4 @@
-"""The ``pdlink`` command: ``demo``, ``version``, ``serve``, ``role`` and ``status``."""
+"""The ``pdlink`` command: ``demo``, ``version``, ``serve``, ``role``, ``status`` and ``hosts``."""
 
 from __future__ import annotations
 
@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--config", action="store_true", help="also print GET /v1/config")
     _add_client_args(status)
 
+    from .testing import hosts_cli  # argparse and the standard library only; hosts are made on demand
+
+    hosts_cli.add_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.command == "version":
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return _role(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "hosts":
+        return hosts_cli.main(args)
     for name in ("size_mib", "block_kib", "tensors", "repeat"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import time
 from typing import Any
+
+from pdlink.testing.probes import udp_echo, udp_probe, udp_receive, udp_send  # noqa: F401 (peers)
 
 _HELD: dict[str, Any] = {}  # state a peer keeps between calls (a Hosts set made by an owner peer)
 
@@ -94,57 +95,6 @@ def add(a: int, b: int = 0) -> int:
 def sleep(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
-
-
-def udp_echo(ip: str, port: int, seconds: float) -> int:
-    """Echo UDP datagrams on ip:port for ``seconds``; returns how many."""
-    n = 0
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((ip, port))
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            s.settimeout(left)
-            try:
-                data, peer = s.recvfrom(65536)
-            except TimeoutError:
-                break
-            s.sendto(data, peer)
-            n += 1
-    return n
-
-
-def udp_probe(
-    ip: str, port: int, count: int, size: int = 64, wait_s: float = 1.0, gap_s: float = 0.0
-) -> dict[str, Any]:
-    """Send ``count`` numbered datagrams to an echo at ip:port one at a time (each waits up to
-    ``wait_s`` for its echo). Returns the round trips in microseconds of those answered and how many
-    were lost."""
-    rtts: list[float] = []
-    lost = 0
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((ip, port))
-        pad = b"\0" * max(0, size - 12)
-        for seq in range(count):
-            sent = time.perf_counter()
-            s.send(struct.pack("!Id", seq, sent) + pad)
-            deadline = sent + wait_s
-            while True:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    lost += 1
-                    break
-                s.settimeout(left)
-                try:
-                    data = s.recv(65536)
-                except (TimeoutError, ConnectionRefusedError):
-                    continue
-                got, _ = struct.unpack("!Id", data[:12])
-                if got == seq:
-                    rtts.append((time.perf_counter() - sent) * 1e6)
-                    break
-            if gap_s:
-                time.sleep(gap_s)
-    return {"rtts_us": rtts, "lost": lost}
 
 
 def make_hosts(n: int, profile: str) -> dict[str, Any]:

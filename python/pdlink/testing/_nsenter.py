@@ -84,7 +84,8 @@ def main(argv: list[str]) -> None:
         sig = os.WTERMSIG(status)
         for s in FORWARDED:
             signal.signal(s, signal.SIG_DFL)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.waitstatus_to_exitcode(status))

@@ -54,6 +54,7 @@ __all__ = [
     "unavailable_reason",
     "state_root",
     "remove_stale",
+    "wire_binary",
 ]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,7 +84,10 @@ class Wire:
     adds half); ``loss`` is the fraction of frames lost host to host, in bursts of ``loss_burst``
     frames on average (1.0: independent losses); ``reorder`` the fraction of frames sent ahead of the
     ones queued before them; ``rate_mbit`` caps each direction of the link (None: no cap); ``mtu``
-    is the hosts' interface MTU.
+    is the hosts' interface MTU; ``queue_bytes`` bounds the buffer in front of each direction of
+    the link (frames beyond it are dropped, like a switch's full buffer; None: ``buffer_bytes()``);
+    ``relay`` puts the link behind the userspace relay even when nothing asks for it (to measure
+    the relay's own floor).
     """
 
     rate_mbit: float | None = None
@@ -93,6 +97,8 @@ class Wire:
     loss_burst: float = 1.0
     reorder: float = 0.0
     mtu: int = 1500
+    queue_bytes: int | None = None
+    relay: bool = False
 
     def __post_init__(self) -> None:
         if self.rate_mbit is not None and not self.rate_mbit > 0:
@@ -105,15 +111,28 @@ class Wire:
             raise ValueError("loss_burst (mean frames per loss burst) must be >= 1")
         if not 576 <= self.mtu <= 65000:
             raise ValueError("mtu must be in [576, 65000]")
+        if self.queue_bytes is not None and not 1 << 16 <= self.queue_bytes <= 1 << 30:
+            raise ValueError("queue_bytes must be in [64 KiB, 1 GiB] or None")
 
     def replace(self, **changes: Any) -> Wire:
         """A copy with ``changes`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
+    def buffer_bytes(self) -> int:
+        """The buffer in front of each direction of a link: ``queue_bytes``, else with a rate twice
+        the bandwidth-delay product of the round trip, at least 256 KiB; without a rate 32 MiB (what
+        the relay may hold in flight)."""
+        if self.queue_bytes is not None:
+            return self.queue_bytes
+        if self.rate_mbit is None:
+            return 32 << 20
+        bdp = self.rate_mbit * 1e6 / 8 * (2 * self.delay_us + 2 * self.jitter_us) / 1e6
+        return max(256 << 10, int(2 * bdp))
+
     @property
     def needs_relay(self) -> bool:
         """Whether the wire needs the userspace relay (delay, jitter, loss or reordering)."""
-        return bool(self.delay_us or self.jitter_us or self.loss or self.reorder)
+        return bool(self.relay or self.delay_us or self.jitter_us or self.loss or self.reorder)
 
 
 PROFILES: dict[str, Wire] = {
@@ -394,6 +413,8 @@ class Hosts:
         self._down: set[int] = set()
         self._cut: set[frozenset[int]] = set()
         self._lock = threading.RLock()
+        self._relay: _Relay | None = None
+        self._relayed: set[int] = set()
         root = state_root()
         os.makedirs(root, mode=0o755, exist_ok=True)
         remove_stale(root)
@@ -435,6 +456,8 @@ class Hosts:
             anchors.append([a.pid, _start_time(a.pid)])
         for h in self._hosts:
             anchors.append([h.anchor_pid, _start_time(h.anchor_pid)])
+        if self._relay is not None:
+            anchors.append([self._relay.pid, _start_time(self._relay.pid)])
         state = {
             "owner": os.getpid(),
             "owner_start": _start_time(os.getpid()),
@@ -491,23 +514,25 @@ class Hosts:
         for i in range(self._n):
             self._apply_link(i)
 
-    def _apply_link(self, i: int) -> None:
-        """Make host i's link what ``_wires[i]``, ``_down`` and ``_cut`` say."""
+    def _apply_link(self, i: int, wire_changed: bool = True) -> None:
+        """Make host i's link what ``_wires[i]``, ``_down`` and ``_cut`` say (``wire_changed``
+        False: only the partitions and the link state changed)."""
         wire = self._wires[i]
         h = self._hosts[i]
         port = f"p{i}"
-        # MTU on both ends
-        self._in(h.anchor_pid, ["ip", "link", "set", "eth0", "mtu", str(wire.mtu)], f"mtu of host {i}")
-        self._in(self._switch_pid, ["ip", "link", "set", port, "mtu", str(wire.mtu)], f"mtu of port {i}")
-        # uplink rate: on the host's eth0
-        self._in(h.anchor_pid, ["tc", "qdisc", "del", "dev", "eth0", "root"], "", check=False)
-        if wire.rate_mbit is not None:
-            self._in(h.anchor_pid, ["tc", "qdisc", "add", "dev", "eth0", "root", *_tbf(wire)], f"rate of host {i}")
+        if wire_changed:
+            self._in(h.anchor_pid, ["ip", "link", "set", "eth0", "mtu", str(wire.mtu)], f"mtu of host {i}")
+            self._in(self._switch_pid, ["ip", "link", "set", port, "mtu", str(wire.mtu)], f"mtu of port {i}")
+            # uplink rate: on the host's eth0
+            self._in(h.anchor_pid, ["tc", "qdisc", "del", "dev", "eth0", "root"], "", check=False)
+            if wire.rate_mbit is not None:
+                self._in(h.anchor_pid, ["tc", "qdisc", "add", "dev", "eth0", "root", *_tbf(wire)], f"rate of host {i}")
+            self._apply_relay(i, wire)
         # downlink: rate and the partitions, on the switch's port toward host i
         cut_from = sorted(j for pair in self._cut if i in pair for j in pair if j != i)
         self._in(self._switch_pid, ["tc", "qdisc", "del", "dev", port, "root"], "", check=False)
-        if cut_from or wire.rate_mbit is not None:
-            rate = f"{wire.rate_mbit}mbit" if wire.rate_mbit is not None else "100gbit"
+        if cut_from or self._kernel_rate(wire):
+            rate = f"{wire.rate_mbit}mbit" if self._kernel_rate(wire) else "100gbit"
             burst = _burst_bytes(wire)
             tc = [
                 f"qdisc add dev {port} root handle 1: htb default 10",
@@ -524,6 +549,48 @@ class Hosts:
             self._in(self._switch_pid, ["tc", "-batch", "-"], f"shaping port {i}", "\n".join(tc) + "\n")
         state = "down" if i in self._down else "up"
         self._in(self._switch_pid, ["ip", "link", "set", port, state], f"link {state} of host {i}")
+
+    @staticmethod
+    def _kernel_rate(wire: Wire) -> bool:
+        """Whether the kernel caps this wire's rate toward the host (htb on the switch's port); a
+        relayed link is paced there by the relay instead. From the host it is always tbf."""
+        return wire.rate_mbit is not None and not wire.needs_relay
+
+    def _apply_relay(self, i: int, wire: Wire) -> None:
+        """Put port i behind the relay (delay, jitter, loss, reordering) or take it out."""
+        port, tap = f"p{i}", f"t{i}"
+        if wire.needs_relay:
+            if self._relay is None:
+                self._relay = _Relay(self._switch_pid)
+                self._write_state()
+            if i not in self._relayed:
+                self._relay.command(f"add {i} {port} {tap}")
+                self._switch(
+                    [f"link set {tap} mtu {wire.mtu}", f"link set {tap} master br0 up", f"link set {port} nomaster"],
+                    f"relaying port {i}",
+                )
+                self._relayed.add(i)
+            else:
+                self._switch([f"link set {tap} mtu {wire.mtu}"], f"mtu of relayed port {i}")
+            self._relay.command(f"wire {i} {_relay_params(wire)}")
+        elif i in self._relayed:
+            assert self._relay is not None
+            self._switch([f"link set {port} master br0"], f"unrelaying port {i}")
+            self._relay.command(f"del {i}")
+            self._relayed.discard(i)
+
+    def relay_stats(self, i: int) -> dict[str, int] | None:
+        """Frames the relay saw on host i's link, per direction (``up``: from the host; ``down``: to
+        it): frames ``in`` and ``out``, segments ``lost`` (by the wire's loss; a GSO frame is several)
+        and frames ``dropped`` (the queue full, the link down);
+        None when the link is not relayed."""
+        i = self._index(i)
+        with self._lock:
+            if self._relay is None or i not in self._relayed:
+                return None
+            words = self._relay.command(f"stats {i}").split()[1:]
+        keys = [f"{d}_{k}" for d in ("up", "down") for k in ("in", "out", "lost", "dropped")]
+        return dict(zip(keys, map(int, words)))
 
     def set_wire(self, wire: str | Wire, hosts: Sequence[int] | None = None) -> None:
         """Change the wire of the given hosts' links (all when None), while traffic runs."""
@@ -547,8 +614,8 @@ class Hosts:
         with self._lock:
             self._check_open()
             self._cut.add(frozenset((a, b)))
-            self._apply_link(a)
-            self._apply_link(b)
+            self._apply_link(a, wire_changed=False)
+            self._apply_link(b, wire_changed=False)
 
     def isolate(self, i: int) -> None:
         """Cut host i from every other host (its link stays up)."""
@@ -558,7 +625,8 @@ class Hosts:
             for j in range(self._n):
                 if j != i:
                     self._cut.add(frozenset((i, j)))
-            self._apply_all()
+            for j in range(self._n):
+                self._apply_link(j, wire_changed=False)
 
     def heal(self) -> None:
         """Undo every partition, isolation and link_down."""
@@ -568,7 +636,7 @@ class Hosts:
             self._cut.clear()
             self._down.clear()
             for i in sorted(touched):
-                self._apply_link(i)
+                self._apply_link(i, wire_changed=False)
 
     def link_down(self, i: int) -> None:
         """Take host i's link down at the switch (the host sees no carrier)."""
@@ -652,6 +720,8 @@ class Hosts:
         if self._closed:
             return
         self._closed = True
+        if self._relay is not None:
+            self._relay.close()
         for a in self._anchors:
             with contextlib.suppress(OSError):
                 a.kill()
@@ -669,6 +739,91 @@ class Hosts:
 
     def __repr__(self) -> str:
         return f"Hosts({self._n}, {self.name}, closed={self._closed})"
+
+
+def _relay_params(wire: Wire) -> str:
+    """The relay's per-link ``wire`` arguments: each of the two links a frame crosses between two
+    hosts does half the delay and jitter and the share of loss and reordering that composes to the
+    wire's own (1 - (1 - x) ** 0.5). The rate toward the host is the relay's (the switch port's
+    buffer, drop-tail: where several senders meet); the rate from the host is the kernel's tbf on
+    its interface (the host's own NIC: its TCP is held back by its queue, not by loss)."""
+    half = lambda x: 1.0 - (1.0 - x) ** 0.5  # noqa: E731
+    down_bps = int(wire.rate_mbit * 1e6) if wire.rate_mbit is not None else 0
+    return (
+        f"{wire.delay_us * 500} {wire.jitter_us * 500} {half(wire.loss):.12g} {wire.loss_burst:.6g} "
+        f"{half(wire.reorder):.12g} {wire.buffer_bytes()} 0 {down_bps}"
+    )
+
+
+_WIRE_SOURCE = os.path.join(_HERE, "wire.c")
+_WIRE_LOCK = threading.Lock()
+
+
+def wire_binary() -> str:
+    """The relay program, ``pdlink-wire`` (``wire.c``): ``PDLINK_WIRE_BIN`` when set; else built once
+    with the system C compiler (``CC``, default ``cc``) into a cache folder named by the source's
+    hash (``$XDG_CACHE_HOME/pdlink`` or ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
+    env = os.environ.get("PDLINK_WIRE_BIN")
+    if env:
+        return env
+    import hashlib
+
+    with open(_WIRE_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(cache, "pdlink", f"wire-{digest}")
+    binary = os.path.join(folder, "pdlink-wire")
+    with _WIRE_LOCK:
+        if os.access(binary, os.X_OK):
+            return binary
+        cc = os.environ.get("CC", "cc")
+        if shutil.which(cc) is None:
+            raise HostsUnavailable(f"the emulated wire needs a C compiler ({cc}) to build pdlink-wire")
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{binary}.{os.getpid()}.{threading.get_ident()}"
+        run = subprocess.run([cc, "-O2", "-o", tmp, _WIRE_SOURCE], capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            raise HostsUnavailable(f"building pdlink-wire failed: {run.stderr.strip()[-2000:]}")
+        os.replace(tmp, binary)
+    return binary
+
+
+class _Relay:
+    """The set's relay process (``pdlink-wire``) in the switch's namespace; it dies with the owner."""
+
+    def __init__(self, switch_pid: int) -> None:
+        self._popen = subprocess.Popen(
+            ["nsenter", "-t", str(switch_pid), "-n", wire_binary(), str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.pid = self._popen.pid
+        self._lock = threading.Lock()
+
+    def command(self, line: str) -> str:
+        assert self._popen.stdin is not None and self._popen.stdout is not None
+        with self._lock:
+            try:
+                self._popen.stdin.write(line + "\n")
+                self._popen.stdin.flush()
+                answer = self._popen.stdout.readline().strip()
+            except OSError as e:
+                raise RuntimeError(f"the wire relay is gone ({e}); it said nothing to: {line}") from e
+        if not answer.startswith("ok"):
+            raise RuntimeError(f"the wire relay refused {line!r}: {answer or 'it exited'}")
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._popen.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(30)
+        for stream in (self._popen.stdin, self._popen.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
 
 
 def _tbf(wire: Wire) -> list[str]:

@@ -1,0 +1,95 @@
+"""Small network probes to run inside emulated hosts (``Host.run`` / ``Host.spawn`` of
+pdlink.testing.hosts): a UDP echo and a prober that measures round trips, a paced numbered sender
+and a receiver that reports what arrived (loss, order). Standard library only; every call is bounded
+by its own arguments (a count and a time)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from typing import Any
+
+
+def udp_echo(ip: str, port: int, seconds: float) -> int:
+    """Echo UDP datagrams on ip:port for ``seconds``; returns how many."""
+    n = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((ip, port))
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(left)
+            try:
+                data, peer = s.recvfrom(65536)
+            except TimeoutError:
+                break
+            s.sendto(data, peer)
+            n += 1
+    return n
+
+
+def udp_probe(
+    ip: str, port: int, count: int, size: int = 64, wait_s: float = 1.0, gap_s: float = 0.0
+) -> dict[str, Any]:
+    """Send ``count`` numbered datagrams to an echo at ip:port one at a time (each waits up to
+    ``wait_s`` for its echo). Returns the round trips in microseconds of those answered and how many
+    were lost."""
+    rtts: list[float] = []
+    lost = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, port))
+        pad = b"\0" * max(0, size - 12)
+        for seq in range(count):
+            sent = time.perf_counter()
+            s.send(struct.pack("!Id", seq, sent) + pad)
+            deadline = sent + wait_s
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    lost += 1
+                    break
+                s.settimeout(left)
+                try:
+                    data = s.recv(65536)
+                except (TimeoutError, ConnectionRefusedError):
+                    continue
+                got, _ = struct.unpack("!Id", data[:12])
+                if got == seq:
+                    rtts.append((time.perf_counter() - sent) * 1e6)
+                    break
+            if gap_s:
+                time.sleep(gap_s)
+    return {"rtts_us": rtts, "lost": lost}
+
+
+def udp_receive(ip: str, port: int, count: int, seconds: float) -> list[int]:
+    """Receive numbered datagrams on ip:port until ``count`` arrived or ``seconds`` passed with
+    none; returns the sequence numbers in arrival order."""
+    seqs: list[int] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        s.bind((ip, port))
+        s.settimeout(seconds)
+        while len(seqs) < count:
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                break
+            seqs.append(struct.unpack("!I", data[:4])[0])
+    return seqs
+
+
+def udp_send(ip: str, port: int, count: int, size: int = 200, per_ms: int = 20) -> int:
+    """Send ``count`` numbered datagrams to ip:port, ``per_ms`` a millisecond (paced, so no socket
+    buffer on the way overflows: what is lost is the wire's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, port))
+        pad = b"\0" * max(0, size - 4)
+        start = time.perf_counter()
+        for seq in range(count):
+            s.send(struct.pack("!I", seq) + pad)
+            if seq % per_ms == per_ms - 1:
+                ahead = start + (seq + 1) / per_ms / 1000 - time.perf_counter()
+                if ahead > 0:
+                    time.sleep(ahead)
+    return count
