@@ -22,13 +22,15 @@ timeout. Results go to bench/results/hosts.json (merged by profile, so profiles 
 time), and the table (with each profile's wire and iperf3's retransmits) to stdout and
 bench/results/hosts.txt.
 
-Streams: `--streams S` asks pdlink for S tcp streams per link (default: the build's own default),
-through the engine's option for it when this build has one (a field of `EngineOptions` or
-`Limits`, or a PDLINK_* variable, whose name says "stream"); a build without one runs its single
-stream, and the report says so ("no option"). Where the link's record reports its streams, that
-count is used for the iperf3 comparison.
+Streams: `--streams S[,S2...]` asks pdlink for S tcp streams per link (default: the build's own
+default), each count measured in the profile's run beside iperf3 -P S, through the engine's option
+for it when this build has one (a field of `EngineOptions` or `Limits`, or a PDLINK_* variable,
+whose name says "stream"); a build without one runs its single stream, and the report says so
+("no option"). Where the link's record reports its streams (its lanes, "tcp xN"), that count is
+used for the iperf3 comparison.
 
     python bench/bench_hosts.py --profiles dc,wan          # needs root (network namespaces)
+    python bench/bench_hosts.py --streams 1,4              # pdlink with 1 and with 4 streams per link
     python bench/bench_hosts.py --smoke --profiles loopback
     python bench/bench_hosts.py --same-host --smoke        # no namespaces: both sides on 127.0.0.1
 """
@@ -293,10 +295,11 @@ def run_json(argv: list[str], timeout: float, whole: bool = False) -> dict[str, 
     return json.loads(lines[-1])
 
 
-def measure_pdlink(src: Site, dst: Site, cfg: dict[str, Any], plan: dict[str, float]) -> dict[str, Any]:
+def measure_pdlink(src: Site, dst: Site, cfg: dict[str, Any], plan: dict[str, float], streams: int
+                   ) -> dict[str, Any]:
     me = [sys.executable, os.path.abspath(__file__)]
     timeout_ms = int(plan["budget_s"] * 1000 + 60000)
-    common = [str(cfg["total"]), str(cfg["block"]), str(cfg["streams"]), str(timeout_ms)]
+    common = [str(cfg["total"]), str(cfg["block"]), str(streams), str(timeout_ms)]
     server = Server(src.command([*me, "_pdlink_target", src.ip, *common]))
     try:
         info = server.info
@@ -305,11 +308,11 @@ def measure_pdlink(src: Site, dst: Site, cfg: dict[str, Any], plan: dict[str, fl
                        timeout=3 * plan["budget_s"] + 120)
     finally:
         server.stop()
-    _, _, option = stream_setting(cfg["streams"])
+    _, _, option = stream_setting(streams)
     reported = link_streams(out["links"])
-    out["streams_asked"] = cfg["streams"]
+    out["streams_asked"] = streams
     out["stream_option"] = option
-    out["streams"] = reported if reported is not None else (cfg["streams"] if option else 1)
+    out["streams"] = reported if reported is not None else (streams if option else 1)
     return out
 
 
@@ -364,15 +367,17 @@ def measure_mooncake(src: Site, dst: Site, cfg: dict[str, Any], plan: dict[str, 
 
 def measure_profile(profile: str, src: Site, dst: Site, cfg: dict[str, Any], plan: dict[str, float]
                     ) -> dict[str, Any]:
-    """One profile, one run: pdlink, then iperf3 with 1 and with pdlink's streams, then Mooncake."""
+    """One profile, one run: pdlink with each stream count asked for, then iperf3 with 1 stream and
+    with each of pdlink's counts, then Mooncake. `pdlink`, `ratios`: by pdlink's stream count."""
     t0 = time.monotonic()
     out: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           "plan": plan, "total": cfg["total"], "block": cfg["block"]}
-    print(f"[{profile}] pdlink tcp pull ...", flush=True)
-    out["pdlink"] = measure_pdlink(src, dst, cfg, plan)
-    streams = out["pdlink"]["streams"]
+                           "plan": plan, "total": cfg["total"], "block": cfg["block"], "pdlink": {}}
+    for asked in cfg["streams"]:
+        print(f"[{profile}] pdlink tcp pull, {asked} stream(s) asked ...", flush=True)
+        run = measure_pdlink(src, dst, cfg, plan, asked)
+        out["pdlink"][str(run["streams"])] = run
     out["iperf3"] = {}
-    for s in sorted({1, streams, cfg["streams"]}):
+    for s in sorted({1, *(int(k) for k in out["pdlink"])}):
         print(f"[{profile}] iperf3 -P {s} ...", flush=True)
         out["iperf3"][str(s)] = measure_iperf3(src, dst, s, plan, port=5201 + 10 * s)
     if cfg["peers"]:
@@ -382,11 +387,13 @@ def measure_profile(profile: str, src: Site, dst: Site, cfg: dict[str, Any], pla
         except RuntimeError as e:  # reported, the rest of the row kept
             print(f"  Mooncake TE failed: {e}")
             out["mooncake"] = {"error": str(e)[-1000:]}
-    p = out["pdlink"]["read"]["median"]
-    ceiling = out["iperf3"].get(str(streams))
     mc = out.get("mooncake") or {}
-    out["ratios"] = {"pdlink_over_iperf3_same_streams": p / ceiling["median"] if ceiling else None,
-                     "pdlink_over_mooncake": p / mc["read"]["median"] if "read" in mc else None}
+    out["ratios"] = {}
+    for k, run in out["pdlink"].items():
+        p = run["read"]["median"]
+        ceiling = out["iperf3"].get(k)
+        out["ratios"][k] = {"pdlink_over_iperf3_same_streams": p / ceiling["median"] if ceiling else None,
+                            "pdlink_over_mooncake": p / mc["read"]["median"] if "read" in mc else None}
     out["wall_s"] = time.monotonic() - t0
     return out
 
@@ -400,8 +407,8 @@ def mbps(s: dict[str, float] | None) -> str:
     return f"{s['median'] * 1e3:.1f} [{s['min'] * 1e3:.1f}..{s['max'] * 1e3:.1f}]"
 
 
-def verdict(profile: str, r: dict[str, Any]) -> str:
-    ratios, notes = r["ratios"], []
+def verdict(profile: str, r: dict[str, Any], streams: str) -> str:
+    ratios, notes = r["ratios"][streams], []
     if r.get("wire_delay_applied") is False:
         notes.append("NOT this profile (the wire's delay was not applied)")
     a = ratios["pdlink_over_iperf3_same_streams"]
@@ -414,24 +421,22 @@ def verdict(profile: str, r: dict[str, Any]) -> str:
 
 
 def table(results: dict[str, Any], profiles: Sequence[str], size_mib: int) -> list[str]:
-    head = (f"| profile | ping RTT, ms | streams | pdlink tcp pull {size_mib} MiB, MB/s | iperf3 -P 1, MB/s | "
+    """One row per profile and pdlink stream count S; every ceiling from the profile's own run."""
+    head = (f"| profile | ping RTT, ms | streams S | pdlink tcp pull {size_mib} MiB, MB/s | iperf3 -P 1, MB/s | "
             "iperf3 -P S, MB/s | pdlink / iperf3 (S) | Mooncake TE tcp read, MB/s | pdlink / Mooncake | verdict |")
     lines = [head, "| " + " | ".join(["---"] * 10) + " |"]
     for name in profiles:
         r = results["profiles"].get(name)
         if r is None:
             continue
-        p = r["pdlink"]
-        s = p["streams"]
-        ratios = r["ratios"]
-        a, b = ratios["pdlink_over_iperf3_same_streams"], ratios["pdlink_over_mooncake"]
         mc = r.get("mooncake") or {}
-        lines.append(
-            f"| {name} | {p['rtt_ms']['median']:.2f} | {s}{'' if p['stream_option'] else ' (no option)'} | "
-            f"{mbps(p['read'])} | "
-            f"{mbps(r['iperf3'].get('1'))} | {mbps(r['iperf3'].get(str(s)))} | "
-            f"{'-' if a is None else f'{a:.2f}x'} | {mbps(mc.get('read')) if 'read' in mc else 'not run'} | "
-            f"{'-' if b is None else f'{b:.2f}x'} | {verdict(name, r)} |")
+        for k, p in sorted(r["pdlink"].items(), key=lambda kv: int(kv[0])):
+            a, b = r["ratios"][k]["pdlink_over_iperf3_same_streams"], r["ratios"][k]["pdlink_over_mooncake"]
+            lines.append(
+                f"| {name} | {p['rtt_ms']['median']:.2f} | {k}{'' if p['stream_option'] else ' (no option)'} | "
+                f"{mbps(p['read'])} | {mbps(r['iperf3'].get('1'))} | {mbps(r['iperf3'].get(k))} | "
+                f"{'-' if a is None else f'{a:.2f}x'} | {mbps(mc.get('read')) if 'read' in mc else 'not run'} | "
+                f"{'-' if b is None else f'{b:.2f}x'} | {verdict(name, r, k)} |")
     return lines
 
 
@@ -456,7 +461,8 @@ def run_profiles(profiles: Sequence[str], cfg: dict[str, Any], same_host: bool, 
             wire = PROFILES[name]
             row["wire"] = dataclasses.asdict(wire)
             # the wire's own check: a link's round trip is at least twice the one-way delay asked for
-            want_ms, got_ms = 2 * wire.delay_us / 1e3, row["pdlink"]["rtt_ms"]["median"]
+            want_ms = 2 * wire.delay_us / 1e3
+            got_ms = statistics.median(run["rtt_ms"]["median"] for run in row["pdlink"].values())
             row["wire_delay_applied"] = got_ms >= 0.8 * want_ms
             if not row["wire_delay_applied"]:
                 print(f"  [{name}] the wire did not apply its delay: round trip {got_ms:.2f} ms, "
@@ -478,8 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default=",".join(ALL_PROFILES), help="comma-separated, of " + ", ".join(ALL_PROFILES))
-    ap.add_argument("--streams", type=int, default=None,
-                    help="tcp streams per pdlink link, where the build has the option (default: the build's default)")
+    ap.add_argument("--streams", default=None,
+                    help="comma-separated tcp stream counts per pdlink link, each measured in the profile's run, "
+                         "where the build has the option (default: the build's default)")
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--block-kib", type=int, default=256)
     ap.add_argument("--no-peers", action="store_true", help="skip Mooncake TE")
@@ -492,9 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(profiles) - set(ALL_PROFILES)
     if unknown:
         ap.error(f"unknown profile(s) {sorted(unknown)}")
-    asked = args.streams or default_streams()
-    if stream_setting(None)[2] is None and asked != 1:
+    asked = [int(x) for x in args.streams.split(",")] if args.streams else [default_streams()]
+    if stream_setting(None)[2] is None and asked != [1]:
         print(f"this build of pdlink has no option for tcp streams: it runs one per link, not {asked}")
+        asked = [1]
     cfg = {"total": args.size_mib * MIB, "block": args.block_kib * KIB, "streams": asked,
            "peers": not args.no_peers}
     if not args.same_host:
