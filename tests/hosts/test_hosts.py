@@ -31,6 +31,13 @@ def machine_network() -> dict[str, str]:
     return out
 
 
+def same_network(before: dict[str, str], after: dict[str, str]) -> bool:
+    """Whether the machine's namespace shows what it showed (the assertion names what changed)."""
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not changed, changed
+    return True
+
+
 def gone(pids: list[int]) -> bool:
     return all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in pids)
 
@@ -174,11 +181,11 @@ def test_machine_namespace_unchanged_and_teardown_on_exception() -> None:
             anchors = hosts.anchor_pids()
             state_dir = hosts.state_dir
             assert hosts[2].run(["true"]).returncode == 0
-            assert machine_network() == before  # nothing in the machine's namespace while it runs
+            assert same_network(before, machine_network())  # nothing in the machine's namespace while it runs
             1 / 0  # noqa: B018
     assert gone(anchors)
     assert not os.path.exists(state_dir)
-    assert machine_network() == before
+    assert same_network(before, machine_network())
 
 
 def test_teardown_on_sigkill_of_the_owner() -> None:
@@ -192,7 +199,7 @@ def test_teardown_on_sigkill_of_the_owner() -> None:
     finally:
         owner.kill()
     wait_until(lambda: gone(made["anchors"]), 30, "the kernel ends every anchor with the owner")
-    assert machine_network() == before
+    assert same_network(before, machine_network())
     with Hosts(1):  # the next set made removes the stale state directory
         assert not os.path.exists(made["state_dir"])
 
@@ -238,3 +245,30 @@ def test_unavailable_says_why_without_the_capabilities() -> None:
     assert "needs root: no CAP_SYS_ADMIN and CAP_NET_ADMIN" in run.stdout
     assert unavailable_reason() is None
     assert isinstance(HostsUnavailable("x"), RuntimeError)
+
+
+def test_multiprocessing_spawns_into_a_host_through_host_python(two_hosts: Hosts) -> None:
+    """What tests/peer.py does to place a peer on a host: multiprocessing's spawn executable set to
+    host.python (process-wide, so it is put back at once)."""
+    import multiprocessing as mp
+    import multiprocessing.spawn
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    previous = multiprocessing.spawn.get_executable()
+    multiprocessing.spawn.set_executable(two_hosts[1].python)
+    try:
+        proc = ctx.Process(target=hp.report_identity, args=(queue,))
+        proc.start()
+    finally:
+        multiprocessing.spawn.set_executable(previous)
+    try:
+        seen = queue.get(timeout=60)
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert seen["net_ns"] == two_hosts[1].run(hp.identity)["net_ns"]
+    assert seen["pid_ns"] == two_hosts[1].run(hp.identity)["pid_ns"]
+    assert seen["pid_ns"] != hp.identity()["pid_ns"]

@@ -110,3 +110,8 @@ def unavailable_reason() -> str | None:
     from pdlink.testing.hosts import unavailable_reason as reason
 
     return reason()
+
+
+def report_identity(queue: Any) -> None:
+    """A multiprocessing target: put this process's identity on ``queue``."""
+    queue.put(identity())

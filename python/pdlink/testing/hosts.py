@@ -34,13 +34,13 @@ import functools
 import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -153,11 +153,8 @@ def _wire_of(wire: str | Wire) -> Wire:
 
 
 def state_root() -> str:
-    """The folder holding one state directory per live set (``PDLINK_HOSTS_STATE`` overrides):
-    ``/run/pdlink-hosts`` where /run is writable, else ``pdlink-hosts`` in the temporary folder."""
-    env = os.environ.get("PDLINK_HOSTS_STATE")
-    if env:
-        return env
+    """The folder holding one state directory per live set: ``/run/pdlink-hosts`` where /run is
+    writable, else ``pdlink-hosts`` in the temporary folder."""
     if os.access("/run", os.W_OK):
         return "/run/pdlink-hosts"
     return os.path.join(tempfile.gettempdir(), "pdlink-hosts")
@@ -443,7 +440,8 @@ class Hosts:
         )
         self._anchors.append(popen)
         assert popen.stdout is not None
-        line = popen.stdout.readline().split()
+        ready, _, _ = select.select([popen.stdout], [], [], _SETUP_TIMEOUT)
+        line = popen.stdout.readline().split() if ready else ["error", f"no answer within {_SETUP_TIMEOUT} s"]
         if len(line) != 3 or line[0] != "ready":
             popen.kill()
             err = popen.stderr.read() if popen.stderr else ""
@@ -760,12 +758,9 @@ _WIRE_LOCK = threading.Lock()
 
 
 def wire_binary() -> str:
-    """The relay program, ``pdlink-wire`` (``wire.c``): ``PDLINK_WIRE_BIN`` when set; else built once
-    with the system C compiler (``CC``, default ``cc``) into a cache folder named by the source's
-    hash (``$XDG_CACHE_HOME/pdlink`` or ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
-    env = os.environ.get("PDLINK_WIRE_BIN")
-    if env:
-        return env
+    """The relay program, ``pdlink-wire`` (``wire.c``), built once with the system C compiler (``CC``,
+    default ``cc``) into a cache folder named by the source's hash (``$XDG_CACHE_HOME/pdlink`` or
+    ``~/.cache/pdlink``). HostsUnavailable when it cannot be."""
     import hashlib
 
     with open(_WIRE_SOURCE, "rb") as f:
@@ -850,15 +845,6 @@ def _write_script(path: str, body: str) -> None:
     with open(path, "w") as f:
         f.write("#!/bin/sh\n" + body)
     os.chmod(path, 0o755)
-
-
-def _wait_gone(pids: Sequence[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(_start_time(p) is None for p in pids):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 if __name__ == "__main__":  # ``python -m pdlink.testing.hosts``: can hosts be made here?
