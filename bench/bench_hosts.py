@@ -31,6 +31,7 @@ used for the iperf3 comparison.
 
     python bench/bench_hosts.py --profiles dc,wan          # needs root (network namespaces)
     python bench/bench_hosts.py --streams 1,4              # pdlink with 1 and with 4 streams per link
+    python bench/bench_hosts.py --congestion reno          # loss-based TCP in both hosts (default: the kernel's)
     python bench/bench_hosts.py --smoke --profiles loopback
     python bench/bench_hosts.py --same-host --smoke        # no namespaces: both sides on 127.0.0.1
 """
@@ -443,6 +444,20 @@ def table(results: dict[str, Any], profiles: Sequence[str], size_mib: int) -> li
 # ---------------------------------------------------------------- main
 
 
+CONGESTION = "/proc/sys/net/ipv4/tcp_congestion_control"
+
+
+def congestion_control(host: Any, algorithm: str | None) -> str:
+    """The host's TCP congestion control (per network namespace), set to `algorithm` first when
+    given (it must be in the machine's net.ipv4.tcp_allowed_congestion_control; nothing outside the
+    host is changed)."""
+    if algorithm:
+        r = host.run(["sh", "-c", f"printf %s {algorithm} > {CONGESTION}"], timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"cannot set {algorithm} as the congestion control in a host: {r.stderr!r}")
+    return host.run(["cat", CONGESTION], timeout=30, text=True).stdout.strip()
+
+
 def run_profiles(profiles: Sequence[str], cfg: dict[str, Any], same_host: bool, smoke: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in profiles:
@@ -455,11 +470,13 @@ def run_profiles(profiles: Sequence[str], cfg: dict[str, Any], same_host: bool, 
         from pdlink.testing.hosts import PROFILES, Hosts  # type: ignore[import-untyped,unused-ignore]
 
         with Hosts(2, profile=name) as hosts:
+            congestion = {congestion_control(host, cfg["congestion"]) for host in hosts}
             src = Site(hosts[0].ip, hosts[0].command)
             dst = Site(hosts[1].ip, hosts[1].command)
             row = measure_profile(name, src, dst, cfg, plan)
             wire = PROFILES[name]
             row["wire"] = dataclasses.asdict(wire)
+            row["congestion"] = ",".join(sorted(congestion))
             # the wire's own check: a link's round trip is at least twice the one-way delay asked for
             want_ms = 2 * wire.delay_us / 1e3
             got_ms = statistics.median(run["rtt_ms"]["median"] for run in row["pdlink"].values())
@@ -490,10 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--block-kib", type=int, default=256)
     ap.add_argument("--no-peers", action="store_true", help="skip Mooncake TE")
+    ap.add_argument("--congestion", default=None,
+                    help="TCP congestion control in both hosts, e.g. reno (default: the machine's); the "
+                         "results then go to hosts-ALGO.json unless --out is given")
     ap.add_argument("--smoke", action="store_true", help="few, short repetitions: checks that everything runs")
     ap.add_argument("--same-host", action="store_true",
                     help="no hosts: both sides on 127.0.0.1 in this namespace (a check of the benchmark itself)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "hosts.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/hosts.json")
     args = ap.parse_args(argv)
     profiles = [p for p in args.profiles.split(",") if p]
     unknown = set(profiles) - set(ALL_PROFILES)
@@ -504,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"this build of pdlink has no option for tcp streams: it runs one per link, not {asked}")
         asked = [1]
     cfg = {"total": args.size_mib * MIB, "block": args.block_kib * KIB, "streams": asked,
-           "peers": not args.no_peers}
+           "peers": not args.no_peers, "congestion": args.congestion}
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", f"hosts-{args.congestion}.json" if args.congestion else "hosts.json")
     if not args.same_host:
         from pdlink.testing.hosts import unavailable_reason
 
@@ -525,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
              *table(results, list(measured), args.size_mib)]
     for name in measured:
         row = results["profiles"][name]
-        lines.append(f"{name}: {row['date']}, {row['wall_s']:.0f} s, wire {row.get('wire', 'none')}; iperf3 "
+        lines.append(f"{name}: {row['date']}, {row['wall_s']:.0f} s, wire {row.get('wire', 'none')}, "
+                     f"congestion control {row.get('congestion', 'this host')}; iperf3 "
                      + ", ".join(f"-P {k} retransmits {v['retransmits']}" for k, v in row["iperf3"].items() if v))
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
