@@ -217,6 +217,11 @@ struct PathRun {
   Transport transport = Transport::kAuto;
   bool one_sided = false;
   bool ucx_trusted = false;
+  // The tcp path over several streams: EngineLimits::tcp_streams and tcp_chunk_bytes of both engines
+  // (0: the defaults), and what the dialler's link then reports as its lanes after the split pull.
+  uint32_t tcp_streams = 0;
+  uint64_t tcp_chunk_bytes = 0;
+  std::vector<std::string> lanes_after_split;
   // Device paths: each engine's backend (P on device 0, D on device 1) and the fakes' hooks; null
   // for host paths (CPU backends, host memory).
   std::shared_ptr<Backend> p_backend, d_backend;
@@ -238,6 +243,8 @@ std::unique_ptr<Engine> makeEngine(uint64_t id, bool listen, const PathRun& run)
   c.transport = run.transport;
   c.one_sided = run.one_sided;
   c.ucx_trusted_network = run.ucx_trusted;
+  if (run.tcp_streams) c.limits.tcp_streams = run.tcp_streams;
+  if (run.tcp_chunk_bytes) c.limits.tcp_chunk_bytes = run.tcp_chunk_bytes;
   std::shared_ptr<Backend> backend = id == kP ? run.p_backend : run.d_backend;
   if (!backend) return testing::startEngine(c);
   auto e = std::make_unique<Engine>(backend);
@@ -390,6 +397,30 @@ void conformance(const PathRun& run) {
                         kGuard) == 0;
   }
   check(exact, name + ": a split pull moved the wrong bytes");
+  if (!run.lanes_after_split.empty()) {
+    links = d->links();
+    check(links.size() == 1 && links[0].lanes == run.lanes_after_split,
+          name + ": the link's lanes after the split pull: " +
+              (links.empty() ? "none" : std::to_string(links[0].lanes.size())));
+    // and a push over the streams too: D's odd blocks (the pulled bytes) into P's odd blocks
+    Guarded pm_before = p_many.snap();
+    checkCode(d->push(blocksSpec(dm, 13, every_other_dst, every_other_dst)), Code::kSuccess, name + ": a split push");
+    p_many.refresh();
+    d_many.refresh();
+    bool pushed = true;
+    for (uint32_t t = 0; t < kTensors && pushed; ++t) {
+      for (size_t i = 0; i < every_other_src.size() && pushed; ++i) {
+        pushed = std::memcmp(p_many.mem[t].data() + kGuard + every_other_dst[i] * small,
+                             d_many.mem[t].data() + kGuard + every_other_dst[i] * small, small) == 0 &&
+                 std::memcmp(p_many.mem[t].data() + kGuard + every_other_src[i] * small,
+                             pm_before.mem[t].data() + kGuard + every_other_src[i] * small, small) == 0;
+      }
+      pushed = pushed && std::memcmp(p_many.mem[t].data(), pm_before.mem[t].data(), kGuard) == 0 &&
+               std::memcmp(p_many.mem[t].data() + kGuard + many * small,
+                           pm_before.mem[t].data() + kGuard + many * small, kGuard) == 0;
+    }
+    check(pushed, name + ": a split push moved the wrong bytes");
+  }
 
   // device paths: a fault of the path's own vendor call fails the pull and changes nothing; the
   // link (relinked when the fault broke it) then moves exact bytes again
@@ -678,6 +709,13 @@ int main(int argc, char** argv) {
       conformance(run);  // an in-process link under auto
     } else if (name == "tcp") {
       run.transport = Transport::kTcp;
+      run.tcp_streams = 1;  // one stream: every transfer one request on the link's channel
+      conformance(run);
+      // four streams, in chunks of the smallest size: the split pull and push go over the lanes
+      std::fprintf(stderr, "path tcp: 4 streams\n");
+      run.tcp_streams = 4;
+      run.tcp_chunk_bytes = limits::kMinTcpChunkBytes;
+      run.lanes_after_split = {"tcp x4"};
       conformance(run);
     } else if (name == "cma" && cmaPermitted()) {
       run.transport = Transport::kCma;

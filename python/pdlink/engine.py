@@ -66,8 +66,10 @@ def __getattr__(name: str) -> Any:
     # ``lanes``: what the host path moves bytes over beneath ``transport``, where it has a choice
     # (for ``ucx``, UCX's lanes as ``"transport/device"``: ``"tcp/lo"``, ``"cma/memory"``,
     # ``"rc_mlx5/mlx5_0:1"``, once the link's first transfer connected them; for ``cma``, how the
-    # copies reach the peer's process: ``"process_vm"`` or ``"proc_mem"``, docs/security.md; else
-    # empty); ``as_dict()`` gives them as a dict. Compares by value, hashes, pickles.
+    # copies reach the peer's process: ``"process_vm"`` or ``"proc_mem"``, docs/security.md; for
+    # ``tcp`` with extra streams, ``"tcp xN"`` on the side that dialled, once its first large transfer
+    # opened them, and ``"served xN"`` on the other; else empty); ``as_dict()`` gives them as a dict.
+    # Compares by value, hashes, pickles.
     #
     # LinkResult: one peer's outcome of ``Engine.connect_each`` / ``disconnect_each``, the native
     # module's bound class. Read-only ``status`` (an ``LLMStatusCode``), ``message`` (the engine's

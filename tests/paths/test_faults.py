@@ -300,6 +300,7 @@ def test_peer_killed_while_the_transfer_bytes_flow(peers: Callable[..., Peer], v
         d = relayed_decoder(peers, variant, relay, timeout_ms=30000)
         decoder0 = d.call(kv.snapshot, "big")
         direction = start_held_transfer(d, relay, op)
+        assert relay.connections() == 5  # the link's two channels and its three lanes (pdlink.TcpStreams 4)
         p.kill()
         relay.release()  # what the prefill sent before it died goes on to the decoder, then the end
         outcome = d.call_within(hang_guard(30000), workers.join_transfer_loop, hang_guard(30000) / 2)
@@ -339,6 +340,7 @@ def test_peer_frozen_while_the_pull_bytes_flow(peers: Callable[..., Peer], varia
         d = relayed_decoder(peers, variant, relay, timeout_ms=3000)
         decoder0 = d.call(kv.snapshot, "big")
         direction = start_held_transfer(d, relay, "pull")
+        assert relay.connections() == 5  # the link's two channels and its three lanes (pdlink.TcpStreams 4)
         p.freeze()
         try:
             relay.release()

@@ -15,10 +15,10 @@ import pytest
 
 from backend_env import Variant
 from conftest import DECODER_ID, PROMPT_ID, only
-from llm_datadist import BlocksCacheKey, DataType, LLMStatusCode
+from llm_datadist import BlocksCacheKey, CacheKey, DataType, LLMStatusCode
 from peer import Peer
 from peers import kv, workers
-from poll import hang_guard
+from poll import hang_guard, wait_until
 from relay import DOWN, Relay
 from verify import assert_same, check_transfer, rows
 
@@ -61,7 +61,6 @@ DST = [(BLOCKS - 1 - b + 5) % BLOCKS for b in SRC]
 def test_a_large_pull_and_push_over_several_streams_land_exact_bytes(peers: Callable[..., Peer], variant: Variant,
                                                                      streams: int) -> None:
     p, d, _ = start(peers, variant, streams)
-    src, dst = (p, "big"), (d, "big")
     check_transfer(lambda: p.call(kv.snapshot, "big"), lambda: d.call(kv.snapshot, "big"),
                    lambda: d.call_within(hang_guard(TIMEOUT_MS), kv.pull_blocks, KEY, "big", SRC, DST),
                    rows(list(zip(SRC, DST))))
@@ -73,7 +72,6 @@ def test_a_large_pull_and_push_over_several_streams_land_exact_bytes(peers: Call
     check_transfer(lambda: d.call(kv.snapshot, "big"), lambda: p.call(kv.snapshot, "big"),
                    lambda: d.call_within(hang_guard(TIMEOUT_MS), kv.push_blocks, KEY, "big", back, back[::-1]),
                    rows(list(zip(back, back[::-1]))))
-    del src, dst
 
 
 @only("cpu-tcp")
@@ -132,3 +130,25 @@ def test_a_stream_cut_mid_pull_fails_it_and_a_relink_retries_in_full(peers: Call
                 "destination after the retry")
     assert_same(p.call(kv.snapshot, "big"), prompt0, "source of the retried pull")
     assert lanes(d) == ["tcp x4"]
+
+
+@only("cpu-tcp")
+def test_a_request_key_pulled_over_several_streams_is_released_after_the_pull(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A pull by request key (8 MiB: eight chunks over four streams) moves exact bytes, and the
+    prompt then releases the key's cache (one commit, on the link's channel, after the last chunk)."""
+    env = variant.env(PDLINK_TCP_STREAMS="4")
+    p = peers("prefill", env=env)
+    port = p.call(kv.start, "prompt", PROMPT_ID, listen=True, timeout_ms=TIMEOUT_MS, remote=False, pool=32 << 20)
+    p.call(kv.allocate, "src", 2, (1, 4 << 20), DataType.DT_INT8, seed=6, keys=[CacheKey(PROMPT_ID, 5)])
+    p.call(kv.deallocate, "src")  # only the request key holds it now
+    d = peers("decode", env=env)
+    d.call(kv.start, "decoder", DECODER_ID, timeout_ms=TIMEOUT_MS, remote=False, pool=32 << 20)
+    d.call(kv.allocate, "dst", 2, (1, 4 << 20), DataType.DT_INT8, seed=7)
+    assert d.call(kv.link, PROMPT_ID, port)[0] == LLMStatusCode.LLM_SUCCESS
+    assert p.call(kv.cache_count) == 1
+    check_transfer(lambda: p.call(kv.snapshot, "src"), lambda: d.call(kv.snapshot, "dst"),
+                   lambda: d.call_within(hang_guard(TIMEOUT_MS), kv.pull_cache, CacheKey(PROMPT_ID, 5), "dst"),
+                   rows([(0, 0)]))
+    assert lanes(d) == ["tcp x4"]
+    wait_until(lambda: p.call(kv.cache_count) == 0, 10, "the consumed cache freed")
