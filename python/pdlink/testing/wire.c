@@ -578,6 +578,11 @@ int main(int argc, char** argv) {
         if (side) {
           for (int b = 0; b < BATCH; b++) {
             ssize_t r = read(pt->tap, bufs[0], FRAME_MAX);
+            if (r < 0 && errno != EAGAIN && errno != EINTR) {
+              /* the TAP is gone from under us (deleted): stop watching it, never spin on its error */
+              epoll_ctl(ep, EPOLL_CTL_DEL, pt->tap, NULL);
+              break;
+            }
             if (r <= 0) break;
             enqueue(pt, 1, bufs[0], (size_t)r, now);
           }
