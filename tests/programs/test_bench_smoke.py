@@ -1,5 +1,6 @@
 """The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py,
-bench_pull_blocks.py and bench_fleet.py (on loopback) (no timing is asserted)."""
+bench_pull_blocks.py, bench_hixl.py, bench_fleet.py (on loopback) and bench_hosts.py (no timing is
+asserted)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 
+from hostbed import require_hosts
 from where import REPO
 
 ROOT = str(REPO)
@@ -106,3 +108,43 @@ def test_fleet_benchmark_smoke_runs_on_loopback(tmp_path):
     assert s["faults"]["kill"]["storm"] == 1
     assert "time to converge p50" in (tmp_path / "report.txt").read_text()
     assert (tmp_path / "fleet.png").exists() or "matplotlib is not installed" in r.stdout
+
+
+def hosts_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "hosts.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_hosts.py"), "--smoke", "--no-peers",
+                        "--size-mib", "4", "--out", str(out), *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r, json.loads(out.read_text())
+
+
+def check_hosts_row(r: subprocess.CompletedProcess, row: dict) -> None:
+    """A row of bench/bench_hosts.py: pdlink's pull verified its bytes over tcp with each stream
+    count, and iperf3 ran with the same number of streams (where it is installed)."""
+    assert row["pdlink"]
+    for streams, run in row["pdlink"].items():
+        assert run["verified"] and run["read"]["median"] > 0
+        assert {link["transport"] for link in run["links"]} == {"tcp"}
+        assert run["rtt_ms"]["median"] > 0
+        if shutil.which("iperf3"):
+            assert row["iperf3"][streams]["median"] > 0
+            assert row["ratios"][streams]["pdlink_over_iperf3_same_streams"] > 0
+    if not shutil.which("iperf3"):
+        assert "skipped iperf3: not installed" in r.stdout
+
+
+def test_hosts_benchmark_smoke_runs_on_one_host(tmp_path):
+    r, results = hosts_bench(tmp_path, "--same-host", "--streams", "1,2")
+    row = results["profiles"]["same-host"]
+    check_hosts_row(r, row)
+    assert set(row["pdlink"]) in ({"1", "2"}, {"1"})  # {"1"}: a build without the streams option
+    assert "| same-host |" in r.stdout
+
+
+def test_hosts_benchmark_smoke_runs_across_two_hosts(tmp_path):
+    require_hosts()  # skips with the reason, or fails under PDLINK_REQUIRE_HOSTS=1
+    r, results = hosts_bench(tmp_path, "--profiles", "loopback")
+    row = results["profiles"]["loopback"]
+    check_hosts_row(r, row)
+    for run in row["pdlink"].values():
+        assert all(link["peer_address"].startswith("198.18.") for link in run["links"])
