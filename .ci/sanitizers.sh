@@ -119,6 +119,10 @@ step "ASan+UBSan: the module built with PDLINK_SANITIZE=address,undefined; the t
 pip_build asan address,undefined
 # The fake Ascend libraries that the tests build (tests/fake_ascend) get the same sanitizer, so it
 # sees their threads, locks and memory too (FAKE_ASCEND_CXXFLAGS, read by their build.py).
+# Left out, for time: the server (its own fuzzing and hostile tests), the emulated hosts' own tests
+# and the fleet (namespaces and many server processes: the C++ they reach is the suite's), and the
+# two-hosts cells (the same C++ as cpu-tcp and cpu-ucx, over a veth). The partition test
+# (tests/paths/test_wire_faults.py) stays.
 # The suite runs in two pytest workers (pyproject's addopts: -n auto), whose output, and their peers',
 # does not reach this log: every sanitizer writes its reports to files under $logs instead
 # (log_path), and check() counts any such file as a finding.
@@ -126,7 +130,8 @@ asan_fake_flags="-fsanitize=address,undefined -fno-omit-frame-pointer"
 run pytest-asan env LD_PRELOAD="$asan_lib $stdcxx_lib" PDLINK_SANITIZER=address,undefined \
   FAKE_ASCEND_CXXFLAGS="$asan_fake_flags" \
   ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan" \
-  "$CI_OUT/asan-venv/bin/python" -m pytest tests --ignore=tests/server -q -p no:cacheprovider -m "not heavy"
+  "$CI_OUT/asan-venv/bin/python" -m pytest tests --ignore=tests/server --ignore=tests/hosts --ignore=tests/fleet \
+  -k "not tcp-hosts and not ucx-hosts" -q -p no:cacheprovider -m "not heavy"
 
 # ------------------------------------------------------------------------------------ 2. TSan
 step "TSan: the module built with PDLINK_SANITIZE=thread; the concurrency-heavy tests"
