@@ -42,6 +42,7 @@ class Relay:
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.forwarded = [0, 0]  # bytes forwarded per direction, over all connections
+        self._granted = [0, 0]  # bytes a pump took budget for (forwarded once its send returns)
         self._cond = threading.Condition()
         self._budget: list[int | None] = [None, None]  # bytes still allowed through; None: unlimited
         self._held = [False, False]  # a pump is waiting for budget
@@ -61,8 +62,15 @@ class Relay:
 
     def wait_held(self, direction: int = DOWN) -> int:
         """Waits until ``direction`` has used its budget and has more to send (a transfer is in
-        flight and stopped at the relay); returns the bytes forwarded that way so far."""
-        wait_until(lambda: self._held[direction], TIMEOUT_S, "the relay holding bytes in flight")
+        flight and stopped at the relay), and every byte let through has been sent on (with several
+        connections, another pump may still be sending its last grant); returns the bytes forwarded
+        that way so far."""
+
+        def held() -> bool:
+            with self._cond:
+                return self._held[direction] and self.forwarded[direction] == self._granted[direction]
+
+        wait_until(held, TIMEOUT_S, "the relay holding bytes in flight")
         return self.forwarded[direction]
 
     def release(self) -> None:
@@ -125,6 +133,7 @@ class Relay:
             n = want if budget is None else min(want, budget)
             if budget is not None:
                 self._budget[direction] = budget - n
+            self._granted[direction] += n
             return n
 
     def _pump(self, direction: int, src: socket.socket, dst: socket.socket) -> None:
