@@ -231,7 +231,9 @@ def serve(mode: str) -> int:
 
     * ``exact``: the same on the lanes (the control case);
     * ``lane_long`` / ``lane_short``: a success announcing 8 bytes more / fewer than the chunk asked;
-    * ``lane_extra``: the first answer on each lane is followed by 8 bytes that belong to no answer;
+    * ``lane_extra``: the first answer on each lane is preceded by 8 bytes that belong to no answer
+      (before it, not after: stray bytes after a lane's last answer would wait unread in the socket,
+      and the pull could end first);
     * ``lane_refuse``: every chunk on a lane refused (LLM_PARAM_INVALID);
     * ``lane_not_enabled``: the same, with LLM_FEATURE_NOT_ENABLED;
     * ``lane_stall``: the lane reads its requests and never answers;
@@ -340,7 +342,7 @@ def _answer(srv: _Server, conn: socket.socket, lane: bool) -> None:
         elif mode == "lane_short":
             conn.sendall(rawwire.response(payload=bytes([FILL]) * (total - 8)))
         elif mode == "lane_extra" and first:
-            conn.sendall(rawwire.response(payload=bytes([FILL]) * total) + bytes([FILL]) * 8)
+            conn.sendall(bytes([FILL]) * 8 + rawwire.response(payload=bytes([FILL]) * total))
         else:
             conn.sendall(rawwire.response(payload=bytes([FILL]) * total))
         first = False
