@@ -199,14 +199,21 @@ def _hold(n: int, profile: str, name: str) -> None:
             _remove_record(name)
 
 
-def _serve_one(hosts: hostsmod.Hosts, conn: socket.socket) -> None:
-    conn.settimeout(30)
+def _read_line(sock: socket.socket, limit: int = 1 << 20) -> bytes:
+    """One newline-ended JSON message from ``sock`` (the CLI and the holder speak one per request),
+    or what came before the peer closed; at most ``limit`` bytes."""
     data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
+    while not data.endswith(b"\n") and len(data) < limit:
+        chunk = sock.recv(4096)
         if not chunk:
             break
         data += chunk
+    return data
+
+
+def _serve_one(hosts: hostsmod.Hosts, conn: socket.socket) -> None:
+    conn.settimeout(30)
+    data = _read_line(conn)
     try:
         request = json.loads(data)
         op = request["op"]
@@ -239,12 +246,7 @@ def _control(name: str, request: dict[str, Any]) -> int:
         s.settimeout(120)
         s.connect(record["socket"])
         s.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            data += chunk
+        data = _read_line(s)
     answer = json.loads(data or b'{"ok": false, "error": "the holder closed the connection"}')
     if not answer["ok"]:
         print(f"pdlink hosts: {answer['error']}", file=sys.stderr)
