@@ -82,6 +82,8 @@ int main(int argc, char** argv) {
   hello.channel = wire::Channel::kReverse;
   hello.flags = 0;
   seed("hello-reverse", kModeHello, wire::encode(hello));
+  hello.channel = wire::Channel::kLane;
+  seed("hello-lane", kModeHello, wire::encode(hello));
 
   wire::ClientAuth client;
   client.hint.pid_ns = 4026531836ull;

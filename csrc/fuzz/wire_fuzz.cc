@@ -64,7 +64,7 @@ void fuzzHello(const uint8_t* p, size_t n) {
   wire::Hello h;
   if (!wire::decodePrefix(p, n, &h).ok()) return;
   FUZZ_CHECK(n >= wire::kHelloPrefixBytes);
-  FUZZ_CHECK(static_cast<uint8_t>(h.channel) <= 1);
+  FUZZ_CHECK(static_cast<uint8_t>(h.channel) <= static_cast<uint8_t>(wire::Channel::kLane));
   FUZZ_CHECK(prefixIs(wire::encode(h), p, wire::kHelloPrefixBytes));
   if (!wire::decodeRest(p + wire::kHelloPrefixBytes, n - wire::kHelloPrefixBytes, &h).ok()) {
     FUZZ_CHECK(n < wire::kHelloBytes);  // the rest is opaque bytes: only a short one is refused
