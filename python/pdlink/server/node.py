@@ -448,9 +448,11 @@ class Node:
 
     def pd_switch(self, role: str, expected_epoch: int, drain_s: float) -> tuple[bool, dict[str, Any]]:
         """vLLM's ``POST /v1/pd_role``: start a fenced switch to ``role``; returns (started, the
-        ``pd_role`` document). As vLLM: the same role with ``expected_epoch`` equal to the epoch
-        or one behind it (a retry of the post that got there) is accepted and changes nothing.
-        Unlike vLLM, a ``failed`` instance accepts a post at its epoch (that is how it is resolved).
+        ``pd_role`` document). The role it already has, at its epoch, is accepted and changes
+        nothing. Unlike vLLM's code: a post one epoch behind is stale even when it names the role
+        the instance now has (vLLM accepts it as a retry; then two controllers racing for the same
+        role would both win), and a ``failed`` instance accepts a post at its epoch (that is how it
+        is resolved; vLLM's stays failed until restarted).
         Raises ``NotEnabled``, ``Conflict`` or ``Unavailable``; nothing changes then."""
         with self._lock:
             if self._stopping:
@@ -459,8 +461,7 @@ class Node:
                 raise NotEnabled("Runtime P/D role switching is not enabled (ServerConfig.inferMode is 'standard')")
             if self._fence is not None or self._phase in _FENCED_PHASES or self._applied < self._generation:
                 raise Conflict(f"A role transition is already in progress (phase {self._phase})", "in_progress")
-            if self._phase == "ready" and self._engine_role == role and expected_epoch in (self._epoch,
-                                                                                            self._epoch - 1):
+            if self._phase == "ready" and self._engine_role == role and expected_epoch == self._epoch:
                 started = False
             else:
                 self._check_fence(expected_epoch)
