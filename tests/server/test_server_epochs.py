@@ -153,6 +153,21 @@ def test_mindies_unfenced_posts_coalesce_and_count_committed_changes_only(fresh)
     assert c.status()["pdlink"]["generation"] == 3 and s["epoch"] == 2
 
 
+def test_a_fenced_mindie_post_that_changes_only_peers_keeps_the_epoch(pair):
+    d = pair.d
+    e = back_to(d, "decode")
+    r = d.client.request("POST", "/v1/role/decode", _body(D_ID, 1, 7, 5, expected_epoch=e))
+    assert r.status == 200
+    gen = int(r.headers["x-pdlink-generation"])
+    wait_until(lambda: d.client.status()["pdlink"]["appliedGeneration"] == gen, 20, "applied")
+    ready_at(d, "decode", e)
+    assert [p["target"] for p in d.client.status()["pdlink"]["peers"]] == [7]
+    r = d.client.request("POST", "/v1/role/decode", _body(D_ID, 1, P_ID, 0, expected_epoch=e))
+    assert r.status == 200
+    ready_at(d, "decode", e)
+    d.client.wait_ready("decode", timeout=20, interval=0.02)
+
+
 # ------------------------------------------------------------------------------ vLLM's shape
 
 def test_vllm_switch_is_accepted_and_polled_to_ready_with_epoch_plus_one(pair):
@@ -372,6 +387,10 @@ def test_drain_timeout_rolls_back_to_the_old_role_and_epoch(pair):
                 "POST", "/v1/pdlink/test/kv/pull", {"target": P_ID})))
         puller.start()
         wait_until(lambda: pd_role(d)["active_requests"] == 1, 10, "the pull is in flight")
+        before = state(d)
+        r = d.client.request("POST", "/pd_role_switch", {"new_role": "prefill"})  # SGLang refuses, no drain
+        assert r.status == 400 and "not idle" in r.json()["message"] and r.json()["success"] is False
+        assert state(d) == before
         r = vllm_post(d, "prefill", e, drain=0.2)
         assert r.status == 202
         seen = wait_until(lambda: (doc := pd_role(d))["phase"] == "rolling_back" and doc, 10, "rolling_back")
@@ -380,6 +399,12 @@ def test_drain_timeout_rolls_back_to_the_old_role_and_epoch(pair):
         r = d.client.request("POST", "/v1/pdlink/test/kv/pull", {"target": P_ID})
         assert r.status == 409 and r.json()["error_type"] == "Conflict"
         assert vllm_post(d, "prefill", e).status == 409
+        r = d.client.request("POST", "/v1/role/prefill", _body(D_ID, 1, P_ID, 0, expected_epoch=e))
+        assert r.status == 409 and "in progress" in r.json()["error"]
+        r = d.client.request("POST", "/v1/role/prefill", _body(D_ID, 1, P_ID, 0))  # MindIE's unfenced post
+        assert r.status == 503 and "fenced role switch" in r.json()["error"]
+        r = d.client.request("POST", "/pd_role_switch", {"new_role": "prefill"})
+        assert r.status == 400 and "in progress" in r.json()["message"]
         puller.join(60)
     assert held["r"].status == 504 and held["r"].json()["error_type"] == "LLM_TIMEOUT"  # it was held
     doc = ready_at(d, "decode", e)
@@ -415,6 +440,9 @@ def test_a_controller_that_dies_leaves_a_named_phase_and_the_next_post_resolves_
         assert pd_role(d)["phase"] == "failed"  # nobody resolves it by itself
         assert d.client.status()["service"]["roleStatus"] == "RoleUnknown"
         assert vllm_post(d, "prefill", e - 1).status == 409  # still fenced by the epoch
+        r = d.client.request("POST", "/pd_role_switch", {"new_role": "prefill"})  # a post that fails again
+        assert r.status == 400 and "switch failed" in r.json()["message"]
+        assert r.json()["old_role"] == "decode" and pd_role(d)["phase"] == "failed"
     finally:
         blocker.close()
     second = peers("controller-2")

@@ -526,7 +526,10 @@ class Node:
                     self._target_role = plan.role
                     self._transition_started = time.monotonic()
             if fence is not None:
-                if not self._drain(fence):
+                drained = self._drain(fence)
+                if self._stopping:
+                    return
+                if not drained:
                     self._roll_back(fence)
                     self._evaluate()
                     continue
