@@ -8,8 +8,9 @@ controllers racing with the same expected epoch (threads released together) get 
 the same role is a success; bad bodies get one exact status and change no state; the router's
 poll reaches ``phase == "ready"`` with the epoch + 1; a drain that cannot finish (a test pull held
 by a frozen peer) rolls back to the old role and epoch, shown by the phases seen and by the held
-pull ending with its own timeout; a controller process killed after its switch left the instance
-``failed`` leaves it in that named phase, and the next post resolves it.
+pull ending with its own timeout; a controller process killed while its switch drains leaves the
+instance ``draining`` and the switch goes on to commit; one killed after its switch left the
+instance ``failed`` leaves it in that named phase, and the next post resolves it.
 """
 
 from __future__ import annotations
@@ -451,6 +452,36 @@ def test_a_controller_that_dies_leaves_a_named_phase_and_the_next_post_resolves_
     done = ready_at(d, "prefill", e + 1)
     assert done["error"] is None
     assert second.call(controller.pd_role, d.port)["epoch"] == e + 1
+    back_to(d, "decode")
+
+
+def test_a_controller_killed_while_its_switch_drains_leaves_it_draining_and_it_goes_on(pair, peers):
+    """The switch a controller started is the server's: killed while the drain waits for a pull
+    held by a frozen peer, the instance stays ``draining`` (admitting no other switch), and once
+    the pull has ended the switch commits at epoch + 1 with nobody asking again."""
+    d = pair.d
+    e = back_to(d, "decode")
+    d.client.wait_ready("decode", timeout=20, interval=0.02)
+    ctl = peers("controller")
+    assert ctl.call(controller.pd_role, d.port)["epoch"] == e  # started before anything is held
+    held: dict[str, Any] = {}
+    with _frozen(pair.p):
+        puller = threading.Thread(target=lambda: held.update(
+            r=ManagementClient(LOCAL, d.port, https=False, retries=0, timeout=60).request(
+                "POST", "/v1/pdlink/test/kv/pull", {"target": P_ID})))
+        puller.start()
+        wait_until(lambda: pd_role(d)["active_requests"] == 1, 10, "the pull is in flight")
+        status, doc = ctl.call(controller.post, d.port, "/v1/pd_role",
+                               {"role": "prefill", "expected_epoch": e, "drain_timeout": 60})
+        assert status == 202 and doc["phase"] == "draining"
+        ctl.kill()
+        doc = pd_role(d)
+        assert (doc["phase"], doc["role"], doc["epoch"], doc["active_requests"]) == ("draining", "decode", e, 1)
+        assert vllm_post(d, "flex", e).status == 409  # another controller cannot take over
+    puller.join(60)
+    assert "r" in held  # the held pull ended (verified, or its own timeout if the thaw came late)
+    done = ready_at(d, "prefill", e + 1)
+    assert done["error"] is None and done["target_role"] == "prefill"
     back_to(d, "decode")
 
 
