@@ -5,6 +5,10 @@ Management plane:
 | route | answer |
 | --- | --- |
 | ``POST /v1/role/{prefill,decode,flex}`` | 200 ``{"result":"ok"}``; 400 not JSON / wrong content type; 404 unknown role; 408 body not received within ``bodyTimeoutMs``; 413 body over ``maxRequestLength``; 422 body breaks the rules (``validation``), or nests deeper than ``maxJsonDepth`` / holds more than ``parsing.MAX_JSON_ITEMS`` items (counted before decoding); 503 cannot be applied (``node.Unavailable``) |
+| ``POST /v1/role/{...}`` with ``expected_epoch`` | as above, and 409 when the epoch is stale or another switch is pending (nothing changed); an unfenced post while a fenced switch is pending: 503 |
+| ``GET /v1/pd_role`` | 200 vLLM's role document (``node.pd_role``); 404 ``inferMode`` standard |
+| ``POST /v1/pd_role`` | vLLM's: 202 accepted (or the same role again: nothing to do); 409 stale epoch, a switch in progress, no role yet; 422 any fault of the body (not JSON, wrong type, missing field, as FastAPI answers vLLM's); 404 ``inferMode`` standard; 408; 413; 503 shutting down |
+| ``POST /pd_role_switch`` | SGLang's: 200 ``{"success": true, ...}`` switched or already in the role; 400 ``{"success": false, ...}`` for every refusal and every body fault; 408; 413 |
 | ``GET /v1/status`` | 200 MindIE's status document, plus a ``pdlink`` object |
 | ``GET /v1/config`` | 200 model statics (``BackendConfig``) |
 | ``GET /health`` | 200 empty; 500 error JSON when unhealthy |
@@ -37,15 +41,18 @@ from .. import constants
 from ..status import LLMException, LLMStatusCode, code_2_status
 from .config import Settings
 from .errors import http_status
-from .node import Node, Unavailable
+from .node import Conflict, Fenced, Node, NotEnabled, Unavailable
 from .parsing import BodyDecoder
 from .roles import ROLE_NAMES, ROLES
+from .validation import MAX_EPOCH
 
 __all__ = ["build_apps"]
 
 logger = logging.getLogger("pdlink.server")
 
 _RESET = "Reset to previous node status."
+SWITCH_BODY_LIMIT = 4096  # bytes: the body of POST /v1/pd_role and /pd_role_switch (a few fields)
+MAX_DRAIN_TIMEOUT_S = 3600.0  # vLLM's bound on drain_timeout
 _ROLE_LIST = ", ".join(ROLE_NAMES[:-1]) + " and " + ROLE_NAMES[-1]  # "prefill, decode and flex"
 
 
@@ -102,6 +109,10 @@ def _timed_out(ms: int) -> JSONResponse:
     return error(408, f"the request body was not received within bodyTimeoutMs ({ms} ms)", "Request Timeout")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder) -> dict[str, Any]:
     role_lock = asyncio.Lock()
     limit = settings.max_request_bytes
@@ -144,6 +155,8 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
                 generation = node.accept(req)
             except Unavailable as e:
                 return error(503, f"{e}. {_RESET}", "Service Unavailable")
+            except Conflict as e:
+                return error(409, f"{e}. {_RESET}", "Conflict")
         return JSONResponse({"result": "ok"}, headers={"X-Pdlink-Generation": str(generation)})
 
     async def status(request: Request) -> Response:
@@ -188,10 +201,88 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
             return JSONResponse(await run_in_threadpool(node.test_pull, target))
         except Unavailable as e:
             return error(503, str(e), "Service Unavailable")
+        except Fenced as e:
+            return error(409, str(e), "Conflict")
         except LLMException as e:
             return engine_error(e)
         except ValueError as e:
             return error(500, f"KV verification failed: {e}", "Verification Failed")
+
+    async def small_body(request: Request) -> tuple[int, str] | Any:
+        """The decoded JSON body of a switch post (at most ``SWITCH_BODY_LIMIT`` bytes, within
+        ``bodyTimeoutMs``), or ``(status, why)``: 413, 408, or 0 for a body that is not JSON."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in ("", "application/json"):
+            return 0, f"Content-Type must be application/json, got {ctype!r}"
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > SWITCH_BODY_LIMIT:
+            return 413, f"request body of {length} bytes exceeds {SWITCH_BODY_LIMIT} bytes"
+        try:
+            raw = await _read_body(request, SWITCH_BODY_LIMIT, body_ms / 1000)
+        except ClientDisconnect:
+            return 0, "the client disconnected before sending the whole body"
+        except asyncio.TimeoutError:
+            return 408, f"the request body was not received within bodyTimeoutMs ({body_ms} ms)"
+        if raw is None:
+            return 413, f"request body exceeds {SWITCH_BODY_LIMIT} bytes"
+        try:
+            return [json.loads(raw.decode("utf-8"), parse_constant=_no_constant)]
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            return 0, f"request body is not valid JSON: {e}"
+
+    def vllm_error(status: int, message: str, error_type: str) -> JSONResponse:
+        # vLLM (FastAPI) answers {"detail": ...}; ours carry error and error_type too
+        return JSONResponse({"detail": message, "error": message, "error_type": error_type}, status_code=status)
+
+    async def pd_role_get(request: Request) -> Response:
+        if settings.infer_mode != "dmi":
+            return vllm_error(404, "Runtime P/D role switching is not enabled (ServerConfig.inferMode is 'standard')",
+                              "NotFoundError")
+        return JSONResponse(node.pd_role())
+
+    async def pd_role_post(request: Request) -> Response:
+        got = await small_body(request)
+        if isinstance(got, tuple):
+            status, why = got
+            return vllm_error(status or 422, why, "Input validation error" if not status else
+                              ("Payload Too Large" if status == 413 else "Request Timeout"))
+        data = got[0]
+        if not isinstance(data, dict):
+            return vllm_error(422, "the request body must be a JSON object", "Input validation error")
+        role = data.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            return vllm_error(422, f"role must be one of {_ROLE_LIST}, got {role!r}", "Input validation error")
+        epoch = data.get("expected_epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
+            return vllm_error(422, f"expected_epoch must be an integer >= 0, got {epoch!r}", "Input validation error")
+        drain = data.get("drain_timeout", settings.kv.role_drain_timeout_ms / 1000)
+        if (not isinstance(drain, (int, float)) or isinstance(drain, bool) or not 0 < drain <= MAX_DRAIN_TIMEOUT_S):
+            return vllm_error(422, f"drain_timeout must be a number of seconds in (0, {MAX_DRAIN_TIMEOUT_S:g}], "
+                                   f"got {drain!r}", "Input validation error")
+        try:
+            _, doc = node.pd_switch(role, epoch, float(drain))
+        except NotEnabled as e:
+            return vllm_error(404, str(e), "NotFoundError")
+        except Conflict as e:
+            return vllm_error(409, str(e), "Conflict")
+        except Unavailable as e:
+            return vllm_error(503, str(e), "Service Unavailable")
+        return JSONResponse(doc, status_code=202)
+
+    async def pd_role_switch(request: Request) -> Response:
+        got = await small_body(request)
+        current = node.pd_role()["role"]
+        if isinstance(got, tuple):
+            status, why = got
+            return JSONResponse({"success": False, "message": why, "old_role": current, "new_role": None},
+                                status_code=status or 400)
+        data = got[0]
+        new_role = data.get("new_role") if isinstance(data, dict) else None
+        if not isinstance(new_role, str):
+            return JSONResponse({"success": False, "message": f"invalid new_role {new_role!r}: must be 'prefill' or "
+                                 "'decode'", "old_role": current, "new_role": None}, status_code=400)
+        status, doc = await run_in_threadpool(node.sgl_switch, new_role)
+        return JSONResponse(doc, status_code=status)
 
     async def metrics_route(request: Request) -> Response:
         from .metrics import CONTENT_TYPE_LATEST
@@ -199,7 +290,8 @@ def _handlers(settings: Settings, node: Node, metrics: Any, decoder: BodyDecoder
         return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     return {"role": role, "status": status, "config": config, "health": health, "probe": probe,
-            "test_kv_pull": test_kv_pull, "metrics": metrics_route}
+            "test_kv_pull": test_kv_pull, "metrics": metrics_route, "pd_role_get": pd_role_get,
+            "pd_role_post": pd_role_post, "pd_role_switch": pd_role_switch}
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -231,6 +323,9 @@ def build_apps(settings: Settings, node: Node, metrics: Any, decoder: BodyDecode
             routes += [
                 Route("/v1/role/{role}", h["role"], methods=["POST"]),
                 Route("/v1/status", h["status"], methods=["GET"]),
+                Route("/v1/pd_role", h["pd_role_get"], methods=["GET"]),
+                Route("/v1/pd_role", h["pd_role_post"], methods=["POST"]),
+                Route("/pd_role_switch", h["pd_role_switch"], methods=["POST"]),
                 Route("/v1/config", h["config"], methods=["GET"]),
                 Route("/health", h["health"], methods=["GET"]),
                 Route("/v2/health/live", h["probe"], methods=["GET"]),

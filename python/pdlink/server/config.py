@@ -95,6 +95,7 @@ class KvTransfer:
     link_total_time_ms: int = 30000
     link_retry_interval_ms: int = 200
     sync_kv_timeout_ms: int = 1000
+    role_drain_timeout_ms: int = 120_000  # an epoch-fenced role switch waits this long for the node's transfers
     test_kv: TestKv = field(default_factory=TestKv)
     link_secret: str = field(default="", repr=False)  # "" : links are not authenticated
     link_secret_source: str = "none"  # "none", "env PDLINK_LINK_SECRET" or the file's path
@@ -169,6 +170,7 @@ class Settings:
                 "listenIpSource": kv.listen_ip_source, "listenPortBase": kv.listen_port_base,
                 "linkTimeoutMs": kv.link_timeout_ms, "linkTotalTimeMs": kv.link_total_time_ms,
                 "linkRetryIntervalMs": kv.link_retry_interval_ms, "syncKvTimeoutMs": kv.sync_kv_timeout_ms,
+                "roleDrainTimeoutMs": kv.role_drain_timeout_ms,
                 "testKv": {"enabled": kv.test_kv.enabled, "numTensors": kv.test_kv.num_tensors,
                            "numBlocks": kv.test_kv.num_blocks, "blockBytes": kv.test_kv.block_bytes},
                 "linkSecret": kv.link_secret_source,  # where it came from, never the secret
@@ -478,6 +480,7 @@ def _kv_section(root: _Section, home: str | None, env: Mapping[str, str]) -> KvT
         link_total_time_ms=kv.int("linkTotalTimeMs", 30000, 1, 3_600_000),
         link_retry_interval_ms=kv.int("linkRetryIntervalMs", 200, 10, 60_000),
         sync_kv_timeout_ms=kv.int("syncKvTimeoutMs", 1000, 1, 2**31 - 1),
+        role_drain_timeout_ms=kv.int("roleDrainTimeoutMs", 120_000, 1, 3_600_000),
         test_kv=test_kv,
     )
     secret, source = _link_secret(kv.str("linkSecretFile", None), home, env)

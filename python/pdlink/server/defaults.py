@@ -68,6 +68,7 @@ DEFAULT_CONFIG_JSON = """\
     "linkTotalTimeMs": 30000,
     "linkRetryIntervalMs": 200,
     "syncKvTimeoutMs": 1000,
+    "roleDrainTimeoutMs": 120000,
     "testKv": {"enabled": false, "numTensors": 2, "numBlocks": 16, "blockBytes": 4096}
   }
 }

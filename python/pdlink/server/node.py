@@ -30,6 +30,31 @@ the engines at each read. ``RoleReady`` is reached when the latest assignment is
 is running and there is no peer or at least one ``ok`` peer; it then stays until the next post
 (as MindIE). If applying fails (e.g. a listen port is taken) the role status is ``RoleUnknown``
 and ``pdlink.lastError`` says why, so a controller posts again.
+
+Role epoch and phase (issue 34; the routes are in ``app.py``, the table in docs/server.md):
+
+* ``epoch`` starts at 0 and grows by 1 each time the engines' role changes and the change is
+  committed (the first role counts: ``none`` -> ``decode`` is epoch 1), whichever route asked for
+  it. A post that only changes peers, a post that is coalesced away, a post that fails and one
+  that is rolled back leave it as it was. ``generation`` counts accepted posts, so
+  ``epoch <= appliedGeneration <= generation``.
+* ``phase`` is ``ready`` (nothing pending), ``draining`` (a fenced switch waits for the node's
+  own transfers, admitting none), ``switching`` (the worker applies a role change), ``rolling_back``
+  (the drain timed out: the old role and epoch are restored; admission opens again once the
+  transfers the drain waited for have ended, each bounded by ``syncKvTimeoutMs``) or ``failed``
+  (applying failed part way: the role is uncertain and stays so until the next post, of any
+  shape, is applied).
+* A **fenced** switch is one that names the epoch it expects (``expected_epoch`` in MindIE's
+  body, vLLM's ``POST /v1/pd_role``, or SGLang's ``POST /pd_role_switch``, which is fenced at the
+  epoch it found). It is accepted only when nothing else is pending and the epoch matches
+  (``Conflict`` otherwise, nothing changed), so of two controllers with the same expected epoch
+  exactly one wins. It is never coalesced: until it has committed or rolled back, every other
+  post is refused (a fenced one with ``Conflict``, MindIE's unfenced one with ``Unavailable``).
+  It drains first: no new test pull is admitted, the ones in flight finish, for at most its
+  drain timeout (``KvTransferConfig.roleDrainTimeoutMs`` unless the post names one); past it the
+  switch rolls back. The worker runs it whether or not the caller is still there.
+* MindIE's unfenced post works as it always did (no drain, coalescing); its application of a
+  role change is shown as ``switching`` and counts in the epoch like any other.
 """
 
 from __future__ import annotations
@@ -40,7 +65,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from ..engine import Engine, EngineOptions, Region, RemoteRegion
@@ -49,7 +74,7 @@ from .config import Settings
 from .roles import ROLES
 from .validation import NodeInfo, RoleRequest
 
-__all__ = ["Node", "Unavailable", "kv_pattern"]
+__all__ = ["Node", "Unavailable", "Conflict", "NotEnabled", "Fenced", "PHASES", "kv_pattern"]
 
 logger = logging.getLogger("pdlink.server")
 
@@ -58,6 +83,29 @@ _SWITCH_ATTEMPTS = 5
 
 class Unavailable(Exception):
     """The assignment cannot be applied by this instance (HTTP 503); nothing was changed."""
+
+
+class Conflict(Exception):
+    """A fenced switch refused (HTTP 409; SGLang's route: 400): ``reason`` is ``"stale_epoch"``
+    (the expected epoch is not the instance's), ``"in_progress"`` (another switch is pending) or
+    ``"no_role"`` (a route that names only a role, before any assignment). Nothing was changed."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class NotEnabled(Exception):
+    """Runtime role switching is off: ``ServerConfig.inferMode`` is ``standard`` (HTTP 404, as
+    vLLM answers when its switching is not enabled)."""
+
+
+class Fenced(Exception):
+    """A test pull refused while a role switch is draining, switching or rolling back (HTTP 409)."""
+
+
+PHASES = ("ready", "draining", "switching", "rolling_back", "failed")
+_FENCED_PHASES = ("draining", "switching", "rolling_back")  # no new transfer is admitted
 
 
 def kv_pattern(np: Any, cluster: int, device: int, num_tensors: int, num_blocks: int, block_bytes: int) -> list[Any]:
@@ -128,6 +176,23 @@ class _Plan:
     device_ids: tuple[str, ...]
     peers: dict[int, _PeerPlan]
     p_percentage: int | None
+
+
+@dataclass
+class _Fence:
+    """One fenced switch, from its acceptance until it commits, fails or has rolled back."""
+
+    gen: int  # the generation it was accepted as
+    expected_epoch: int
+    drain_s: float
+    target_role: str
+    old_role: str | None  # what a rollback restores
+    old_p_percentage: int | None
+    old_desired: _Plan | None
+    old_role_status: str
+    outcome: str | None = None  # "committed" | "failed" | "rolled_back"
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class _LinkJob:
@@ -245,6 +310,16 @@ class Node:
         self._stopping = False
         self._kv_lock = threading.Lock()
         self._test_kv: list[_TestKv] = []
+        self._epoch = 0
+        self._phase = "ready"
+        self._phase_error: str | None = None  # why the last transition failed or rolled back
+        self._target_role: str | None = None  # of the latest transition
+        self._transition_started: float | None = None
+        self._transition_seconds: float | None = None
+        self._fence: _Fence | None = None
+        self._good_plan: _Plan | None = None  # the latest plan applied without an error
+        self._busy = 0  # test pulls admitted and not yet ended
+        self._idle = threading.Condition(self._lock)  # notified when _busy drops
         self._worker = threading.Thread(target=self._run, daemon=True, name="pdlink-role-worker")
         self._worker.start()
 
@@ -306,6 +381,13 @@ class Node:
                 raise Unavailable("the first role assignment must list peers (only flex with 0 < p_percentage < 100 "
                                   "may start without)")
             plan = self._plan(req)
+            if req.expected_epoch is not None:
+                self._check_fence(req.expected_epoch)
+                self._identity = cid
+                return self._start_fence(plan, req.expected_epoch, self.settings.kv.role_drain_timeout_ms / 1000)
+            if self._fence is not None:
+                raise Unavailable(f"a fenced role switch to {self._fence.target_role} is in progress (phase "
+                                  f"{self._phase}); post again when GET /v1/pd_role reports phase ready")
             self._identity = cid
             self._generation += 1
             self._desired = plan
@@ -315,6 +397,117 @@ class Node:
             self._wake.notify_all()
             logger.info("role %s accepted (generation %d, %d peer(s))", req.role, self._generation, len(plan.peers))
             return self._generation
+
+    def _check_fence(self, expected_epoch: int) -> None:
+        """(Under the lock.) ``Conflict`` unless a fenced switch expecting ``expected_epoch`` may start."""
+        if self._fence is not None or self._phase in _FENCED_PHASES or self._applied < self._generation:
+            raise Conflict(f"a role switch is in progress (phase {self._phase})", "in_progress")
+        if expected_epoch != self._epoch:
+            raise Conflict(f"stale role epoch: expected {expected_epoch}, the instance is at epoch {self._epoch}",
+                           "stale_epoch")
+
+    def _start_fence(self, plan: _Plan, expected_epoch: int, drain_s: float) -> int:
+        """(Under the lock, after ``_check_fence``.) Accept ``plan`` as a fenced switch: admission
+        closes now; returns its generation."""
+        fence = _Fence(self._generation + 1, expected_epoch, drain_s, plan.role, self._role, self._p_percentage,
+                       self._desired, self._role_status)
+        self._generation = fence.gen
+        self._desired = plan
+        self._role = plan.role
+        self._p_percentage = plan.p_percentage
+        self._role_status = "RoleSwitching"
+        self._fence = fence
+        self._phase = "draining"
+        self._phase_error = None
+        self._target_role = plan.role
+        self._transition_started = time.monotonic()
+        self._transition_seconds = None
+        self._wake.notify_all()
+        logger.info("fenced switch to %s accepted (generation %d, epoch %d, drain timeout %.3f s)", plan.role,
+                    fence.gen, expected_epoch, drain_s)
+        return fence.gen
+
+    def _switch_plan(self, role: str) -> _Plan:
+        """(Under the lock.) The latest good plan with ``role`` instead of its own (a route that
+        names only a role keeps the peers and addresses). ``Conflict`` when there is none yet."""
+        base = self._good_plan if self._good_plan is not None else self._desired
+        if base is None or self._cluster_id is None:
+            raise Conflict("no role has been assigned yet: the first assignment, with its peers, is "
+                           "POST /v1/role/{role}", "no_role")
+        p = base.p_percentage if ROLES[role].takes_p_percentage and base.role == role else None
+        return replace(base, role=role, p_percentage=p)
+
+    def pd_role(self) -> dict[str, Any]:
+        """The body of vLLM's ``GET /v1/pd_role`` (its field names; ``role`` is ours: ``prefill``,
+        ``decode``, ``flex`` or None before the first assignment is applied; ``active_requests``
+        counts the node's own transfers in flight, the test pulls)."""
+        with self._lock:
+            return {"role": self._engine_role, "epoch": self._epoch, "phase": self._phase,
+                    "target_role": self._target_role, "active_requests": self._busy, "error": self._phase_error,
+                    "transition_seconds": self._transition_seconds}
+
+    def pd_switch(self, role: str, expected_epoch: int, drain_s: float) -> tuple[bool, dict[str, Any]]:
+        """vLLM's ``POST /v1/pd_role``: start a fenced switch to ``role``; returns (started, the
+        ``pd_role`` document). The role it already has, at its epoch, is accepted and changes
+        nothing. Unlike vLLM's code: a post one epoch behind is stale even when it names the role
+        the instance now has (vLLM accepts it as a retry; then two controllers racing for the same
+        role would both win), and a ``failed`` instance accepts a post at its epoch (that is how it
+        is resolved; vLLM's stays failed until restarted).
+        Raises ``NotEnabled``, ``Conflict`` or ``Unavailable``; nothing changes then."""
+        with self._lock:
+            if self._stopping:
+                raise Unavailable("the server is shutting down")
+            if self.settings.infer_mode != "dmi":
+                raise NotEnabled("Runtime P/D role switching is not enabled (ServerConfig.inferMode is 'standard')")
+            if self._fence is not None or self._phase in _FENCED_PHASES or self._applied < self._generation:
+                raise Conflict(f"A role transition is already in progress (phase {self._phase})", "in_progress")
+            if self._phase == "ready" and self._engine_role == role and expected_epoch == self._epoch:
+                started = False
+            else:
+                self._check_fence(expected_epoch)
+                self._start_fence(self._switch_plan(role), expected_epoch, drain_s)
+                started = True
+        return started, self.pd_role()
+
+    def sgl_switch(self, new_role: str, wait_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """SGLang's ``POST /pd_role_switch``: switch to ``new_role`` and answer when it is done:
+        (HTTP status, ``{"success", "message", "old_role", "new_role"}``). 200 when switched, or
+        "already in target role"; 400 refused (not a PD role, not in PD mode, a switch in
+        progress, not idle) or failed (rolled back, or failed: then the next post resolves it).
+        Fenced at the epoch it finds; waits at most the drain timeout plus ``wait_s``
+        (default: 10 x ``linkTimeoutMs`` + 10 s) for the switch, then answers 400 "still switching"."""
+        kv = self.settings.kv
+        drain_s = kv.role_drain_timeout_ms / 1000
+        with self._lock:
+            old = self._engine_role
+
+            def answer(code: int, ok: bool, message: str) -> tuple[int, dict[str, Any]]:
+                return code, {"success": ok, "message": message, "old_role": old, "new_role": new_role}
+
+            if new_role not in ("prefill", "decode"):
+                return answer(400, False, f"invalid new_role {new_role!r}: must be 'prefill' or 'decode'")
+            if self._stopping:
+                return answer(400, False, "the server is shutting down")
+            if self.settings.infer_mode != "dmi" or self._cluster_id is None:
+                return answer(400, False, "not running in PD disaggregation mode: ServerConfig.inferMode must be "
+                                          "'dmi' and a first role assigned with POST /v1/role/{role}")
+            if self._fence is not None or self._phase in _FENCED_PHASES or self._applied < self._generation:
+                return answer(400, False, f"a role switch is in progress (phase {self._phase})")
+            if self._phase == "ready" and old == new_role:
+                return answer(200, True, "already in target role")
+            if self._busy:
+                return answer(400, False, f"not idle: {self._busy} transfer(s) in flight")
+            self._start_fence(self._switch_plan(new_role), self._epoch, drain_s)
+            fence = self._fence
+            assert fence is not None
+        bound = drain_s + (wait_s if wait_s is not None else 10 * kv.link_timeout_ms / 1000 + 10)
+        if not fence.done.wait(bound):
+            return answer(400, False, "still switching; GET /v1/pd_role reports the phase")
+        if fence.outcome == "committed":
+            return answer(200, True, "ok")
+        if fence.outcome == "rolled_back":
+            return answer(400, False, f"rolled back, nothing changed: {fence.error}")
+        return answer(400, False, f"switch failed, the role is uncertain until the next post: {fence.error}")
 
     # ------------------------------------------------------------------ applying (worker thread)
 
@@ -327,6 +520,20 @@ class Node:
                     return
                 plan, gen = self._desired, self._generation
                 assert plan is not None  # accept() sets it with every generation
+                fence = self._fence if self._fence is not None and self._fence.gen == gen else None
+                if fence is None and plan.role != self._engine_role:
+                    self._phase = "switching"
+                    self._target_role = plan.role
+                    self._transition_started = time.monotonic()
+            if fence is not None:
+                drained = self._drain(fence)
+                if self._stopping:
+                    return
+                if not drained:
+                    self._roll_back(fence)
+                    self._evaluate()
+                    continue
+            before = self._engine_role
             error = None
             try:
                 self._apply(plan)
@@ -340,7 +547,58 @@ class Node:
                     self._role_status = "RoleUnknown"
                     if self._cluster_id is None:
                         self._identity = None  # no engine was made: a later post may name another instance
+                if self._engine_role != before:
+                    self._epoch += 1
+                if error is None:
+                    self._good_plan = plan
+                if error is not None or self._phase != "ready" or fence is not None:
+                    self._phase = "failed" if error is not None else "ready"
+                    self._phase_error = error
+                    if self._transition_started is not None:
+                        self._transition_seconds = time.monotonic() - self._transition_started
+                if fence is not None:
+                    fence.outcome, fence.error = ("failed" if error is not None else "committed"), error
+                    self._fence = None
+                    fence.done.set()
+                    logger.info("fenced switch to %s %s (epoch %d)", plan.role, fence.outcome, self._epoch)
             self._evaluate()
+
+    def _drain(self, fence: _Fence) -> bool:
+        """Wait until no test pull is in flight (admission is closed), at most ``fence.drain_s``;
+        False when some are still running then."""
+        deadline = time.monotonic() + fence.drain_s
+        with self._lock:
+            while self._busy and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+            if not self._stopping:
+                self._phase = "switching"
+            return True
+
+    def _roll_back(self, fence: _Fence) -> None:
+        """The drain timed out: restore the old role (nothing was applied), then wait until the
+        transfers that held the drain have ended (each is bounded by ``syncKvTimeoutMs``; none can
+        be cancelled from here) and reopen admission."""
+        with self._lock:
+            busy = self._busy
+            self._phase = "rolling_back"
+            self._phase_error = (f"drain timeout: {busy} transfer(s) still in flight after {fence.drain_s:g} s; "
+                                 f"rolled back to {fence.old_role} at epoch {self._epoch}")
+            self._role, self._p_percentage = fence.old_role, fence.old_p_percentage
+            self._desired = fence.old_desired
+            self._role_status = fence.old_role_status
+            self._applied = fence.gen
+            logger.warning("fenced switch to %s: %s", fence.target_role, self._phase_error)
+            while self._busy and not self._stopping:
+                self._idle.wait()
+            self._phase = "ready"
+            if self._transition_started is not None:
+                self._transition_seconds = time.monotonic() - self._transition_started
+            fence.outcome, fence.error = "rolled_back", self._phase_error
+            self._fence = None
+            fence.done.set()
 
     def _listen_for(self, plan: _Plan) -> tuple[tuple[str, int], ...]:
         return plan.listen if ROLES[plan.role].listens else ()
@@ -532,6 +790,7 @@ class Node:
             engines = list(self._engines)
             ext: dict[str, Any] = {
                 "clusterId": self._cluster_id, "generation": self._generation, "appliedGeneration": self._applied,
+                "epoch": self._epoch, "phase": self._phase,
                 "lastError": self._last_error, "engineRole": self._engine_role, "peers": views,
                 "devices": [{"index": i, "deviceId": self._device_ids[i] if i < len(self._device_ids) else None,
                              "listen": f"{self._listening[i][0]}:{self._listening[i][1]}" if self._listening
@@ -579,12 +838,25 @@ class Node:
         """Pull every block of ``target``'s test KV cache on every device (in reverse block order)
         and compare each byte with the pattern ``target`` fills it with. Raises ``LLMException``
         when a pull fails, ``Unavailable`` when there is nothing to pull with, ``ValueError`` (with
-        the first mismatch) when the bytes differ."""
-        import numpy as np
-
+        the first mismatch) when the bytes differ, ``Fenced`` while a role switch is draining,
+        switching or rolling back (a pull admitted before it counts in the drain)."""
         t = self.settings.kv.test_kv
         if not t.enabled:
             raise Unavailable("KvTransferConfig.testKv is not enabled")
+        with self._lock:
+            if self._phase in _FENCED_PHASES:
+                raise Fenced(f"a role switch is in progress (phase {self._phase}): no new transfer is admitted")
+            self._busy += 1
+        try:
+            return self._test_pull(target, t)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def _test_pull(self, target: int, t: Any) -> dict[str, Any]:
+        import numpy as np
+
         with self._kv_lock:
             with self._lock:
                 entries, engines = list(self._test_kv), list(self._engines)
@@ -620,7 +892,12 @@ class Node:
                 return
             self._stopping = True
             self._wake.notify_all()
+            self._idle.notify_all()
+            fence = self._fence
         self._worker.join(30)
+        if fence is not None:  # an SGLang caller may wait on it
+            fence.outcome, fence.error = fence.outcome or "failed", fence.error or "the server is shutting down"
+            fence.done.set()
         self._stop_jobs(list(self._jobs))
         for engine in self._engines:
             try:

@@ -21,7 +21,9 @@ Rules (each violation is a ``BodyError``, answered 422):
   non-negative integers; ``is_single_container`` a boolean; ``super_pod_id`` a string or a
   non-negative integer;
 * each peer has as many devices as ``local``;
-* peers have distinct instance ids, none equal to the local one (see ``cluster_id``).
+* peers have distinct instance ids, none equal to the local one (see ``cluster_id``);
+* ``expected_epoch`` (pdlink's addition, top level), when present and not null, is an unsigned
+  integer below 2**63: the post is then fenced by the instance's role epoch (``node.py``).
 
 A numeric string is 1 to 10 ASCII digits with a value below 2**32.
 """
@@ -35,7 +37,7 @@ from typing import Any
 from .roles import ROLES
 
 __all__ = ["ROLES", "BodyError", "Device", "NodeInfo", "RoleRequest", "parse_role_request", "cluster_id",
-           "MAX_PEERS", "MAX_DEVICES"]
+           "MAX_PEERS", "MAX_DEVICES", "MAX_EPOCH"]
 
 MAX_PEERS = 256
 MAX_DEVICES = 64
@@ -82,6 +84,10 @@ class RoleRequest:
     instance_idx_in_pod: int | None = None
     num_instances_per_pod: int | None = None
     is_single_container: bool | None = None
+    expected_epoch: int | None = None  # None: MindIE's unfenced post (coalesces as before)
+
+
+MAX_EPOCH = 2**63 - 1
 
 
 def cluster_id(node: NodeInfo) -> int:
@@ -204,6 +210,9 @@ def parse_role_request(role: str, body: Any) -> RoleRequest:
                 raise BodyError(f"peers[{i}] has {len(peer.devices)} device(s); it must have as many as the local "
                                 f"node ({len(local.devices)})")
             peers.append(peer)
+    expected_epoch = None
+    if body.get("expected_epoch") is not None:
+        expected_epoch = _uint(body["expected_epoch"], "expected_epoch", MAX_EPOCH)
     me = cluster_id(local)
     seen: dict[int, int] = {}
     for i, peer in enumerate(peers):
@@ -217,5 +226,5 @@ def parse_role_request(role: str, body: Any) -> RoleRequest:
         role=role, local=local, peers=tuple(peers), p_percentage=p_percentage,
         instance_idx_in_pod=raw_local.get("instance_idx_in_pod"),
         num_instances_per_pod=raw_local.get("num_instances_per_pod"),
-        is_single_container=raw_local.get("is_single_container"),
+        is_single_container=raw_local.get("is_single_container"), expected_epoch=expected_epoch,
     )
