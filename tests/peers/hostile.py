@@ -456,6 +456,19 @@ def exchange(frame: bytes) -> tuple[int, str, bytes] | str:
         return "closed"
 
 
+def exchange_header(frame: bytes) -> tuple[int, int] | str:
+    """Sends one request frame that is answered without a payload; returns the response's status
+    and epoch tag (wire v7), or "closed"."""
+    assert _client is not None
+    try:
+        _client.fwd.sendall(frame)
+        status, mlen, plen, tag = rawwire.response_header(rawwire.recv_exact(_client.fwd, rawwire.RESPONSE_HEADER_BYTES))
+        rawwire.recv_exact(_client.fwd, mlen + plen)
+        return status, tag
+    except (ConnectionError, OSError):
+        return "closed"
+
+
 def close() -> None:
     global _client
     if _client is not None:
