@@ -462,7 +462,8 @@ def exchange_header(frame: bytes) -> tuple[int, int] | str:
     assert _client is not None
     try:
         _client.fwd.sendall(frame)
-        status, mlen, plen, tag = rawwire.response_header(rawwire.recv_exact(_client.fwd, rawwire.RESPONSE_HEADER_BYTES))
+        head = rawwire.recv_exact(_client.fwd, rawwire.RESPONSE_HEADER_BYTES)
+        status, mlen, plen, tag = rawwire.response_header(head)
         rawwire.recv_exact(_client.fwd, mlen + plen)
         return status, tag
     except (ConnectionError, OSError):
