@@ -15,9 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-import pdlink
-
 import native_pair
+import pdlink
 from backend_env import Variant
 from native_pair import INITIATOR, ROW, ROWS, TARGET, copies
 from pdlink import LLMException, LLMStatusCode
