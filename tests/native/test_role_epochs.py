@@ -116,7 +116,7 @@ class Held:
         # the target, restarted with a long transfer timeout (the hold must outlast the drain)
         two.initiator.call(native.close)
         two.target.call(native.close)
-        port = two.target.call(native.start, TARGET, listen=True, timeout_ms=SLOW_MS)
+        self.port = port = two.target.call(native.start, TARGET, listen=True, timeout_ms=SLOW_MS)
         two.src = two.target.call(native.register, "src", ROWS, ROW, seed=1, key=7)
         two.target.call(native.register, "sink", ROWS, ROW, seed=None)
         two.initiator.call(native.start, INITIATOR)
@@ -160,6 +160,12 @@ def test_a_switch_drains_what_is_in_flight_and_refuses_new_transfers_on_both_sid
     _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.post, "back", [2], [2], "read")
     # another switch while this one is pending
     _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.switch_role, "DECODER")
+    # new links, both ways: the target's dial, and a newcomer's (refused with the reason)
+    late = two.peers("late", env=two.variant.env())
+    late_port = late.call(native.start, 4, listen=True)
+    _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.connect, late_port, 4)
+    e = _refused(LLMStatusCode.LLM_LINK_FAILED, late.call, native.connect, held.port, TARGET)
+    assert "switching its role" in str(e), str(e)
     assert_same(two.read("dst")(), dst0, "the initiator's destination while refused")
     assert_same(two.read("src")(), src0, "the target's source while refused")
     assert _state(two.target) == ("MIX", 0, "draining")  # the held read is what it waits for
