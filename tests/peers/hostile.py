@@ -295,7 +295,7 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             _idle(conn)
             return
         if mode == "resp_bad_magic":
-            conn.sendall(b"\x00" * 20)
+            conn.sendall(b"\x00" * rawwire.RESPONSE_HEADER_BYTES)
         elif mode == "resp_unknown_status":
             conn.sendall(rawwire.response(status=424242))
         elif mode == "resp_huge_message":
