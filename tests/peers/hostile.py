@@ -295,11 +295,12 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             _idle(conn)
             return
         if mode == "resp_bad_magic":
-            conn.sendall(b"\x00" * 20)
+            conn.sendall(b"\x00" * rawwire.RESPONSE_HEADER_BYTES)
         elif mode == "resp_unknown_status":
             conn.sendall(rawwire.response(status=424242))
         elif mode == "resp_huge_message":
-            conn.sendall(struct.pack("<IIIQ", rawwire.RESPONSE_MAGIC, rawwire.LINK_FAILED, 0x7FFFFFFF, 0))
+            conn.sendall(struct.pack(rawwire.RESPONSE_FORMAT, rawwire.RESPONSE_MAGIC, rawwire.LINK_FAILED, 0x7FFFFFFF,
+                                     0, 0, 0))
         elif mode == "resp_text_on_success":
             conn.sendall(rawwire.response(message=b"fine"))
         elif mode == "resp_payload_on_error":
@@ -451,6 +452,20 @@ def exchange(frame: bytes) -> tuple[int, str, bytes] | str:
     try:
         _client.fwd.sendall(frame)
         return rawwire.read_response(_client.fwd)
+    except (ConnectionError, OSError):
+        return "closed"
+
+
+def exchange_header(frame: bytes) -> tuple[int, int] | str:
+    """Sends one request frame that is answered without a payload; returns the response's status
+    and epoch tag (wire v7), or "closed"."""
+    assert _client is not None
+    try:
+        _client.fwd.sendall(frame)
+        head = rawwire.recv_exact(_client.fwd, rawwire.RESPONSE_HEADER_BYTES)
+        status, mlen, plen, tag = rawwire.response_header(head)
+        rawwire.recv_exact(_client.fwd, mlen + plen)
+        return status, tag
     except (ConnectionError, OSError):
         return "closed"
 
