@@ -1,0 +1,224 @@
+"""Role switches under load (issue #34, item 3), on every data path of the matrix: a decoder pulls
+continuously on several threads while its prefill peer is switched PROMPT -> DECODER -> PROMPT, the
+drain-timeout rollback forced while a transfer is held in flight, and two controllers racing with
+the same expected epoch. ``pdlink.Engine.switch_role``/``role_state``: docs/native_api.md.
+
+* ``test_pulls_stay_exact_while_the_prefill_switches``: 4 pulling threads in the decoder (2 plain
+  descriptor reads, 2 prepared transfers), every pull checked against the whole destination with
+  its guard bytes (tests/peers/switch_load.py): each one byte-exact, or refused with
+  LLM_ROLE_SWITCHING (any pull, while the prefill drains) or LLM_STALE_EPOCH (a prepared one,
+  after the prefill's committed switch; it prepares again), having changed nothing outside the rows
+  it named. Between two switches every thread completes at least one exact pull, so every switch
+  lands on pulls in flight, and every prepared thread must see each commit as LLM_STALE_EPOCH. 10
+  round trips by default (20 switches); 100 with the heavy tests (``pytest -m heavy``), the
+  benchmark-sized run. Afterwards: the epoch is 2N, the phase ready, no pins on either side, the
+  link the same live link, descriptors and threads of both processes back to where they were, and
+  a plain and a prepared pull byte-exact.
+* ``test_two_controllers_race_for_one_epoch``: two threads of the prefill call ``switch_role`` with
+  the same expected epoch at once (pulls running): exactly one commits, the other is refused with
+  LLM_STALE_EPOCH or LLM_ROLE_SWITCHING, the epoch goes up by exactly one.
+* ``test_a_drain_past_its_timeout_rolls_back`` (cpu-tcp, through tests/relay.py): a 24 MiB read
+  held at the relay is in flight on both sides; a switch with a 300 ms drain timeout raises
+  LLM_TIMEOUT and leaves role, epoch and phase as they were; released, the read completes
+  byte-exact, and a switch then commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import native_pair
+from backend_env import Variant
+from conftest import only
+from native_pair import INITIATOR, ROW, ROWS, TARGET
+from pdlink import LLMException, LLMStatusCode
+from peer import Peer
+from peers import native, switch_load
+from poll import hang_guard, wait_until
+from relay import DOWN, Relay
+from verify import assert_same, check_transfer, rows
+
+SWITCHING = int(LLMStatusCode.LLM_ROLE_SWITCHING)
+STALE = int(LLMStatusCode.LLM_STALE_EPOCH)
+PULLERS = ("read", "read", "prepared", "prepared")
+# what a pull of each kind may fail with while its peer switches (anything else fails the test)
+ALLOWED = {"read": [SWITCHING], "prepared": [SWITCHING, STALE]}
+SEED = 1  # native_pair.Two's "src": pattern(ROWS * ROW, 0, 1), published under key 7
+SWITCH_GUARD_S = 60.0  # a switch drains pulls of 2 KiB; reaching this bound means a hang
+
+
+class Loaded(native_pair.Two):
+    """native_pair.Two on the matrix cell (the link checked to take the cell's host path), and the
+    decoder's pulling threads (tests/peers/switch_load.py) against the target's "src"."""
+
+    def __init__(self, peers: Callable[..., Peer], variant: Variant):
+        super().__init__(peers, variant.env(), variant.env())
+        self.variant = variant
+        (link,) = self.initiator.call(native.links)
+        assert (link.peer_cluster_id, link.transport, link.initiator) == (TARGET, variant.link_transport, True)
+        self.remote = self.target.call(native.remote, "src")
+
+    def start_pullers(self) -> None:
+        self.initiator.call(switch_load.start_pullers, TARGET, self.remote, SEED, PULLERS, ALLOWED, ROWS, ROW)
+
+    def pulled_since(self, before: list[int]) -> list[int]:
+        """Waits until every puller completed an exact pull since its counts were ``before``; the counts."""
+        def advanced() -> list[int] | None:
+            now = self.initiator.call(switch_load.progress)
+            assert min(now) >= 0, f"a puller stopped on an error: {self.stop_pullers()}"
+            return now if all(n > b for n, b in zip(now, before)) else None
+
+        return wait_until(advanced, 30, "every puller completed an exact pull")
+
+    def stop_pullers(self) -> list[dict[str, Any]]:
+        report = self.initiator.call_within(60, switch_load.stop_pullers, 30)
+        assert [(r["error"], r["alive"]) for r in report] == [(None, False)] * len(PULLERS), report
+        return report
+
+    def switch(self, role: str, expected_epoch: int | None = None,
+               drain_timeout_ms: int | None = None) -> dict[str, Any]:
+        return self.target.call_within(SWITCH_GUARD_S, switch_load.switch, role, expected_epoch, drain_timeout_ms)
+
+    def settled(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Both processes' (descriptors, threads), once neither engine has a transfer in flight."""
+        def idle() -> bool:
+            return all(s["transfers_in_flight"] == 0 and s["served_in_flight"] == 0
+                       for s in (self.target.call(switch_load.role_state),
+                                 self.initiator.call(switch_load.role_state)))
+
+        wait_until(idle, 30, "both engines with nothing in flight")
+        return self.target.call(switch_load.resources), self.initiator.call(switch_load.resources)
+
+    def exact_pulls(self, tag: str) -> None:
+        """A plain descriptor read and a post of a transfer prepared now, each checked whole."""
+        check_transfer(self.read("src"), self.read("dst"), lambda: self.initiator.call(
+            native.descriptors, TARGET, "dst", [(3 * ROW, ROW), (0, ROW)], [(self.src, ROW), (self.src + 5 * ROW, ROW)],
+            "read"), rows([(0, 3), (5, 0)]))
+        self.initiator.call(native.prepare, tag, TARGET, "dst", self.remote)
+        check_transfer(self.read("src"), self.read("dst"), lambda: self.initiator.call(
+            native.post, tag, [7, 1], [2, 6], "read"), rows([(2, 7), (6, 1)]))
+
+
+@pytest.fixture
+def loaded(peers: Callable[..., Peer], variant: Variant) -> Iterator[Loaded]:
+    yield Loaded(peers, variant)
+
+
+def link_record(side: Peer) -> list[tuple[Any, ...]]:
+    """What must not change about a side's links across switches: which peer, over what, who
+    dialled, and that it is live."""
+    return [(li.peer_cluster_id, li.peer_address, li.transport, li.device_paths, li.initiator, li.broken)
+            for li in side.call(native.links)]
+
+
+@pytest.mark.parametrize("cycles", [10, pytest.param(100, marks=pytest.mark.heavy)])
+def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int) -> None:
+    t = loaded
+    t.exact_pulls("warm-up")  # the paths' lazy parts (lanes, cached layouts) exist before the baseline
+    links0 = link_record(t.target), link_record(t.initiator)
+    assert [r[-1] for r in links0[0] + links0[1]] == [False, False]
+    resources0 = t.settled()
+    state0 = t.target.call(switch_load.role_state)
+    assert (state0["role"], state0["epoch"], state0["phase"]) == ("PROMPT", 0, "ready"), state0
+
+    t.start_pullers()
+    counts = t.pulled_since([0] * len(PULLERS))
+    epoch = 0
+    for _ in range(cycles):
+        for role in ("DECODER", "PROMPT"):
+            state = t.switch(role, expected_epoch=epoch)
+            epoch += 1
+            assert (state["role"], state["epoch"], state["phase"]) == (role, epoch, "ready"), state
+            counts = t.pulled_since(counts)  # pulls ran on after the commit, and before the next switch
+    report = t.stop_pullers()
+
+    for r in report:
+        if r["kind"] == "prepared":  # every commit reached every prepared thread as a stale epoch
+            assert r["codes"].get(STALE, 0) >= 2 * cycles, report
+            assert r["prepares"] == r["codes"][STALE] + 1, report
+        else:
+            assert STALE not in r["codes"], report
+    print(f"{t.variant.id}: {2 * cycles} switches under load; pullers {report}")
+
+    state = t.target.call(switch_load.role_state)
+    assert (state["role"], state["epoch"], state["phase"]) == ("PROMPT", 2 * cycles, "ready"), state
+    assert t.initiator.call(switch_load.role_state)["epoch"] == 0  # the decoder never switched
+    wait_until(lambda: all(s.call(switch_load.role_state)["pins"] == 0 for s in (t.target, t.initiator)), 30,
+               "no pins left on either side")
+    assert (link_record(t.target), link_record(t.initiator)) == links0
+    wait_until(lambda: all(now <= then for side, side0 in zip(t.settled(), resources0) for now, then in zip(side, side0)),
+               30,
+               f"descriptors and threads of (prefill, decoder) back to {resources0}")
+    t.exact_pulls("after")
+
+
+def test_two_controllers_race_for_one_epoch(loaded: Loaded) -> None:
+    t = loaded
+    t.start_pullers()
+    counts = t.pulled_since([0] * len(PULLERS))
+    for epoch, role in enumerate(("DECODER", "PROMPT")):
+        outcomes = t.target.call_within(SWITCH_GUARD_S, switch_load.race, role, epoch)
+        winners = [o for o in outcomes if o == "ok"]
+        losers = [o for o in outcomes if o != "ok"]
+        assert len(winners) == 1 and len(losers) == 1, outcomes
+        assert losers[0] in (STALE, SWITCHING), outcomes
+        state = t.target.call(switch_load.role_state)
+        assert (state["role"], state["epoch"], state["phase"]) == (role, epoch + 1, "ready"), state
+        # the loser changed nothing: a late retry with the same epoch is stale
+        assert t.target.call(switch_load.try_switch, role, epoch) == STALE
+        assert t.target.call(switch_load.role_state)["epoch"] == epoch + 1
+        counts = t.pulled_since(counts)
+    t.stop_pullers()
+    t.exact_pulls("after")
+
+
+# The rollback: the decoder reads BIG_ROWS x BIG_ROW through a relay that lets HELD_AFTER bytes of the
+# answer through and then holds (tests/relay.py), so the read is in flight on both sides and cannot
+# have completed (the relay forwarded less than the read moves) when the prefill is told to switch.
+BIG_ROWS, BIG_ROW = 96, 256 * 1024  # 24 MiB
+HELD_AFTER = 1 << 20
+DRAIN_TIMEOUT_MS = 300
+TRANSFER_TIMEOUT_MS = 30000  # both engines': the held read must outlive the drain, by far
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the decoder links through a relay in the test process")
+def test_a_drain_past_its_timeout_rolls_back(peers: Callable[..., Peer], variant: Variant) -> None:
+    prefill, decoder = peers("prefill", env=variant.env()), peers("decoder", env=variant.env())
+    port = prefill.call(native.start, TARGET, listen=True, timeout_ms=TRANSFER_TIMEOUT_MS)
+    src = prefill.call(native.register, "big", BIG_ROWS, BIG_ROW, seed=3, key=7)
+    decoder.call(native.start, INITIATOR, timeout_ms=TRANSFER_TIMEOUT_MS)
+    decoder.call(native.register, "big", BIG_ROWS, BIG_ROW, seed=4)
+    src0, dst0 = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "big")
+    with Relay(port) as relay:
+        assert decoder.call(native.connect, relay.port, TARGET) == TARGET
+        assert [li.transport for li in decoder.call(native.links)] == ["tcp"]  # no same-host path around it
+        relay.hold_after(DOWN, HELD_AFTER)
+        decoder.call(native.start_read, TARGET, "big", src)
+        assert relay.wait_held(DOWN) >= HELD_AFTER
+        # in flight on both sides: the prefill serves it, the decoder waits for it
+        assert prefill.call(switch_load.role_state)["served_in_flight"] >= 1
+        assert decoder.call(switch_load.role_state)["transfers_in_flight"] >= 1
+        before = prefill.call(switch_load.role_state)
+        with pytest.raises(LLMException) as e:
+            prefill.call_within(hang_guard(DRAIN_TIMEOUT_MS), switch_load.switch, "DECODER", 0, DRAIN_TIMEOUT_MS)
+        assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
+        after = prefill.call(switch_load.role_state)
+        assert (after["role"], after["epoch"], after["phase"]) == (before["role"], before["epoch"], "ready") == (
+            "PROMPT", 0, "ready"), (before, after)
+        assert relay.forwarded[DOWN] < BIG_ROWS * BIG_ROW, relay.forwarded  # it could not have completed
+        relay.release()
+        ok, _ = decoder.call_within(hang_guard(TRANSFER_TIMEOUT_MS), native.finish_read, "big", 0)
+        assert ok, "the held read failed after the rollback"
+        pass_through = relay.forwarded[DOWN]
+    assert pass_through >= BIG_ROWS * BIG_ROW
+    assert_same(decoder.call(native.snapshot, "big"), dst0.with_rows(src0, [(b, b) for b in range(BIG_ROWS)]),
+                "the destination of the read held across the rollback")
+    assert_same(prefill.call(native.snapshot, "big"), src0, "its source")
+    wait_until(lambda: prefill.call(switch_load.role_state)["pins"] == 0, 30, "no pins left on the prefill")
+    # the rolled-back engine switches as usual
+    state = prefill.call_within(SWITCH_GUARD_S, switch_load.switch, "DECODER", 0)
+    assert (state["role"], state["epoch"], state["phase"]) == ("DECODER", 1, "ready"), state
