@@ -149,8 +149,8 @@ def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int
     wait_until(lambda: all(s.call(switch_load.role_state)["pins"] == 0 for s in (t.target, t.initiator)), 30,
                "no pins left on either side")
     assert (link_record(t.target), link_record(t.initiator)) == links0
-    wait_until(lambda: all(now <= then for side, side0 in zip(t.settled(), resources0) for now, then in zip(side, side0)),
-               30,
+    wait_until(lambda: all(now <= then for side, side0 in zip(t.settled(), resources0)
+                           for now, then in zip(side, side0)), 30,
                f"descriptors and threads of (prefill, decoder) back to {resources0}")
     t.exact_pulls("after")
 
