@@ -43,7 +43,7 @@ class Request:
 
     @property
     def raw(self) -> bytes:
-        header = struct.pack("<IBBHIQ", rawwire.REQUEST_MAGIC, self.op, self.flags, 0, len(self.body),
+        header = struct.pack(rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, self.op, self.flags, 0, len(self.body),
                              self.payload_len)
         return header + self.body + self.tag + self.payload
 
@@ -117,8 +117,8 @@ class Channel:
             pass
 
     def _read_request(self) -> Request:
-        head = rawwire.recv_exact(self.client, 20)
-        _magic, op, flags, _pad, blen, plen = struct.unpack("<IBBHIQ", head)
+        head = rawwire.recv_exact(self.client, rawwire.REQUEST_HEADER_BYTES)
+        _magic, op, flags, _tag, blen, plen = struct.unpack(rawwire.REQUEST_FORMAT, head)
         body = rawwire.recv_exact(self.client, blen)
         tag = rawwire.recv_exact(self.client, rawwire.TAG_BYTES) if self.authenticated else b""
         chunks = -(-plen // CHUNK) if self.integrity else 0

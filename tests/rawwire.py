@@ -11,7 +11,13 @@ import os
 import socket
 import struct
 
-VERSION = 6
+VERSION = 7
+# Wire v7 (csrc/transport/wire.h): a request header's u16 at offset 6 is the epoch tag (0: unfenced);
+# a response header is 24 bytes, its last two u16 the server's epoch tag and a zero.
+REQUEST_FORMAT = "<IBBHIQ"  # magic, op, flags, epoch_tag, body_len, payload_len
+REQUEST_HEADER_BYTES = 20
+RESPONSE_FORMAT = "<IIIQHH"  # magic, status, message_len, payload_len, epoch_tag, zero
+RESPONSE_HEADER_BYTES = 24
 HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC, RESPONSE_MAGIC = (
     0x4B4C4450, 0x414C4450, 0x524C4450, 0x514C4450, 0x534C4450)
 HELLO_BYTES = 56
@@ -229,8 +235,8 @@ def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expec
     return Handshake(s, "auth", r.status, r.message, r, a, key)
 
 
-def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0) -> bytes:
-    return struct.pack("<IBBHIQ", REQUEST_MAGIC, op, flags, 0, len(body), payload_len) + body
+def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0, epoch_tag: int = 0) -> bytes:
+    return struct.pack(REQUEST_FORMAT, REQUEST_MAGIC, op, flags, epoch_tag, len(body), payload_len) + body
 
 
 def path_connect(path: int, setup: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
@@ -238,7 +244,7 @@ def path_connect(path: int, setup: bytes, flags: int = 0, payload_len: int = 0, 
     ``body_len`` overrides the announced length (header included)."""
     body = bytes([path]) + setup
     blen = len(body) if body_len is None else body_len
-    return struct.pack("<IBBHIQ", REQUEST_MAGIC, OP_PATH_CONNECT, flags, 0, blen, payload_len) + body
+    return struct.pack(REQUEST_FORMAT, REQUEST_MAGIC, OP_PATH_CONNECT, flags, 0, blen, payload_len) + body
 
 
 def body_header(kind: int = KIND_BLOCKS, model: int = 0, req: int = ANY, prefix: int = ANY, cache_id: int = 0,
@@ -266,20 +272,27 @@ def notify_body(name: bytes, message: bytes) -> bytes:
     return struct.pack("<I", len(name)) + name + message
 
 
-def response(status: int = 0, message: bytes = b"", payload: bytes = b"", payload_len: int | None = None) -> bytes:
+def response(status: int = 0, message: bytes = b"", payload: bytes = b"", payload_len: int | None = None,
+             epoch_tag: int = 0, zero: int = 0) -> bytes:
     plen = len(payload) if payload_len is None else payload_len
-    return struct.pack("<IIIQ", RESPONSE_MAGIC, status, len(message), plen) + message + payload
+    return struct.pack(RESPONSE_FORMAT, RESPONSE_MAGIC, status, len(message), plen, epoch_tag, zero) + message + payload
+
+
+def response_header(head: bytes) -> tuple[int, int, int, int]:
+    """(status, message_len, payload_len, epoch_tag) of a response header's RESPONSE_HEADER_BYTES."""
+    _magic, status, mlen, plen, tag, _zero = struct.unpack(RESPONSE_FORMAT, head)
+    return status, mlen, plen, tag
 
 
 def read_response(s: socket.socket) -> tuple[int, str, bytes]:
     """(status, message, payload) of a Response."""
-    _magic, status, mlen, plen = struct.unpack("<IIIQ", recv_exact(s, 20))
+    status, mlen, plen, _tag = response_header(recv_exact(s, RESPONSE_HEADER_BYTES))
     return status, recv_exact(s, mlen).decode(), recv_exact(s, plen)
 
 
 def read_request(s: socket.socket) -> tuple[int, int, bytes, int]:
     """(op, flags, body, payload_len) of a Request (the payload is left in the socket)."""
-    magic, op, flags, _pad, blen, plen = struct.unpack("<IBBHIQ", recv_exact(s, 20))
+    magic, op, flags, _tag, blen, plen = struct.unpack(REQUEST_FORMAT, recv_exact(s, REQUEST_HEADER_BYTES))
     assert magic == REQUEST_MAGIC, hex(magic)
     return op, flags, recv_exact(s, blen), plen
 

@@ -55,7 +55,8 @@ void defLifetime(py::class_<Engine>& cls) {
             if (l.max_links == 0 || l.max_links_per_source == 0 || l.max_handshakes == 0 ||
                 l.max_handshakes_per_source == 0 || l.hello_timeout_ms <= 0 || l.pin_timeout_ms < 0 ||
                 l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0 ||
-                l.max_notification_bytes_per_link == 0 || l.max_notification_bytes_per_source == 0) {
+                l.max_notification_bytes_per_link == 0 || l.max_notification_bytes_per_source == 0 ||
+                l.switch_drain_timeout_ms <= 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
             if (l.tcp_streams == 0 || l.tcp_streams > limits::kMaxTcpStreams || l.max_tcp_lanes == 0 ||
@@ -83,9 +84,9 @@ void defLifetime(py::class_<Engine>& cls) {
 // Engine's links: roles, dialling, pings, notifications, listeners.
 void defLinks(py::class_<Engine>& cls) {
   cls.def(
-         "switch_role",
-         [](Engine& e, Role role, const std::string& ip, uint16_t port) { throwIfError(e.switchRole(role, ip, port)); },
-         py::call_guard<py::gil_scoped_release>())
+         "switch_role", [](Engine& e, const SwitchOptions& o) { throwIfError(e.switchRole(o)); }, py::arg("options"),
+         py::call_guard<py::gil_scoped_release>())  // blocks through the drain: without the GIL
+      .def("role_state", &Engine::roleState)
       .def(
           "link",
           [](Engine& e, const std::vector<std::tuple<std::optional<uint64_t>, std::string, uint16_t>>& peers,

@@ -102,6 +102,9 @@ void bindStatus(py::module_& m) {
   py::register_exception_translator(&translate);
   // pdlink.native calls it once, with pdlink.status.native_errors(): the class each code raises.
   m.def("_register_errors", &registerErrors, py::arg("errors"));
+  // pdlink's own codes (core/status.h), which pdlink.LLMStatusCode names.
+  m.attr("LLM_STALE_EPOCH") = static_cast<uint32_t>(Code::kStaleEpoch);
+  m.attr("LLM_ROLE_SWITCHING") = static_cast<uint32_t>(Code::kRoleSwitching);
   py::enum_<Scope>(m, "Scope", "What a failure concerns (core/status.h): the call, one link, or the engine.")
       .value("CALL", Scope::kCall)
       .value("LINK", Scope::kLink)

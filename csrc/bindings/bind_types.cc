@@ -42,6 +42,22 @@ std::vector<wire::Run> wireRuns(const RunPairs& pairs) {
 
 void bindEnums(py::module_& m) {
   py::enum_<Role>(m, "Role").value("PROMPT", Role::kPrompt).value("DECODER", Role::kDecoder).value("MIX", Role::kMix);
+  // Where an engine stands with its role (engine/engine_types.h Phase).
+  py::enum_<Phase>(m, "Phase")
+      .value("READY", Phase::kReady)
+      .value("DRAINING", Phase::kDraining)
+      .value("SWITCHING", Phase::kSwitching)
+      .value("ROLLING_BACK", Phase::kRollingBack)
+      .value("FAILED", Phase::kFailed);
+  // How a role switch goes (Engine::switchRole).
+  py::class_<SwitchOptions>(m, "SwitchOptions")
+      .def(py::init<>())
+      .def_readwrite("role", &SwitchOptions::role)
+      .def_readwrite("listen_ip", &SwitchOptions::listen_ip)
+      .def_readwrite("listen_port", &SwitchOptions::listen_port)
+      .def_readwrite("expected_epoch", &SwitchOptions::expected_epoch)
+      .def_readwrite("drain_timeout_ms", &SwitchOptions::drain_timeout_ms)
+      .def_readwrite("require_no_links", &SwitchOptions::require_no_links);
   py::enum_<Placement>(m, "Placement").value("HOST", Placement::kHost).value("DEVICE", Placement::kDevice);
   py::enum_<Transport>(m, "Transport")
       .value("AUTO", Transport::kAuto)
@@ -79,6 +95,7 @@ void bindEngineLimits(py::module_& m) {
       .def_readwrite("tcp_streams", &EngineLimits::tcp_streams)
       .def_readwrite("max_tcp_lanes", &EngineLimits::max_tcp_lanes)
       .def_readwrite("tcp_chunk_bytes", &EngineLimits::tcp_chunk_bytes)
+      .def_readwrite("switch_drain_timeout_ms", &EngineLimits::switch_drain_timeout_ms)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) +
                ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
@@ -92,7 +109,8 @@ void bindEngineLimits(py::module_& m) {
                ", max_notification_bytes_per_link=" + std::to_string(l.max_notification_bytes_per_link) +
                ", max_notification_bytes_per_source=" + std::to_string(l.max_notification_bytes_per_source) +
                ", tcp_streams=" + std::to_string(l.tcp_streams) + ", max_tcp_lanes=" + std::to_string(l.max_tcp_lanes) +
-               ", tcp_chunk_bytes=" + std::to_string(l.tcp_chunk_bytes) + ")";
+               ", tcp_chunk_bytes=" + std::to_string(l.tcp_chunk_bytes) +
+               ", switch_drain_timeout_ms=" + std::to_string(l.switch_drain_timeout_ms) + ")";
       });
 }
 
@@ -226,6 +244,11 @@ void bindEngineReports(py::module_& m) {
                  field("listener_backoffs", &EngineStats::listener_backoffs),
                  field("pins_expired", &EngineStats::pins_expired), field("notifications", &EngineStats::notifications),
                  field("notifications_refused", &EngineStats::notifications_refused)));
+  bindRecord(m, "RoleState",
+             std::make_tuple(field("role", &RoleState::role), field("epoch", &RoleState::epoch),
+                             field("phase", &RoleState::phase),
+                             field("transfers_in_flight", &RoleState::transfers_in_flight),
+                             field("served_in_flight", &RoleState::served_in_flight), field("pins", &RoleState::pins)));
   bindRecord(m, "PoolInfo",
              std::make_tuple(field("placement", &Engine::PoolInfo::placement), field("base", &Engine::PoolInfo::base),
                              field("capacity", &Engine::PoolInfo::capacity), field("used", &Engine::PoolInfo::used)));

@@ -56,6 +56,10 @@ const char* codeName(Code code) {
       return "LLM_LINK_BUSY";
     case Code::kOutOfMemory:
       return "LLM_OUT_OF_MEMORY";
+    case Code::kStaleEpoch:
+      return "LLM_STALE_EPOCH";
+    case Code::kRoleSwitching:
+      return "LLM_ROLE_SWITCHING";
   }
   return "LLM_FAILED";
 }
@@ -82,6 +86,7 @@ Scope defaultScope(Code code) {
     case Code::kDeviceOutOfMemory:
     case Code::kBlocksOutOfMemory:
     case Code::kNoFreeBlock:
+    case Code::kRoleSwitching:  // every transfer of the engine is refused until the switch is over
       return Scope::kEngine;
     default:
       return Scope::kCall;

@@ -10,6 +10,8 @@
 //   kKvCacheNotExist                        the remote key is absent; retry after checking it.
 //   kTimeout, kLinkFailed                   the link is unusable: disconnect, then connect again.
 //   kOutOfMemory                            free caches in the pool, then retry.
+//   kStaleEpoch                             read the role state, prepare again, then retry.
+//   kRoleSwitching                          wait until the switch is over (phase ready), then retry.
 //
 // Scope: what a failure concerns, so that a caller knows what else it affects without reading
 // codes (a Status carries it; Python reads it as `_core.Scope`, pdlink.Scope):
@@ -64,6 +66,13 @@ enum class Code : uint32_t {
   kTimeout = 0x5010B01A,
   kLinkBusy = 0x5010B01B,
   kOutOfMemory = 0x5010B01C,
+  // pdlink's own codes (0x5010B100 + n; no llm_datadist program's own calls ever see them:
+  // docs/compatibility.md). kStaleEpoch: a role epoch the call (expected_epoch) or a prepared
+  // transfer (its epoch tag, wire v7) was made against is no longer the engine's; nothing changed,
+  // prepare again. kRoleSwitching: a role switch is pending on that engine (draining, switching or
+  // rolling back); nothing changed, retry once it is ready.
+  kStaleEpoch = 0x5010B101,
+  kRoleSwitching = 0x5010B102,
 };
 
 // What a failure concerns (above). Values are stable: Python and tests read them by name.

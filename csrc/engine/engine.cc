@@ -108,6 +108,9 @@ Status Engine::initialize(const EngineConfig& config) {
     state_.paths.setServer(wire::kFlagUcx, std::make_unique<UcxServer>(state_.ucx_hub));
   }
   state_.role = config.role;
+  state_.epoch = 0;
+  state_.epoch_tag.store(EngineState::tagOf(0));
+  state_.phase.store(Phase::kReady);
   state_.stopping = false;
   state_.initialized = true;
   PDLINK_LOG(kInfo, "engine " << config.cluster_id << " initialised on backend " << state_.backend->name()
@@ -164,8 +167,8 @@ uint32_t EngineLimits::defaultMaxLinks() {
 
 // ---------------------------------------------------------------- links, serving, transfers
 
-Status Engine::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
-  return link_manager_.switchRole(role, listen_ip, listen_port);
+Status Engine::switchRole(const SwitchOptions& options) {
+  return link_manager_.switchRole(options);
 }
 
 std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,

@@ -65,9 +65,24 @@ class Engine {
   const char* backendName() const { return state_.backend->name(); }
   const std::shared_ptr<Backend>& backend() const { return state_.backend; }
 
-  // kExistLink while any link exists. With a listen address: start listening there, or move the
-  // listener if it differs from the current one; with an empty ip: stop listening.
-  Status switchRole(Role role, const std::string& listen_ip, uint16_t listen_port);
+  // Switches the role (docs/architecture.md, "Roles"). Refused with nothing changed: kStaleEpoch
+  // when options.expected_epoch is not the epoch; kRoleSwitching while another switch is pending;
+  // kExistLink with require_no_links while a link exists (llm_datadist's contract). Otherwise the
+  // phase goes to kDraining (new links, this side's new transfers and peers' new reads, writes,
+  // describes and path connects are refused with kRoleSwitching; pings, commits, releases,
+  // unlinks, notifications and confirmations are still served) and the call blocks until nothing
+  // is in flight (RoleState's three counts), at most the drain timeout: past it the switch rolls
+  // back (role and epoch unchanged, phase kReady) and kTimeout says what was still in flight. Then
+  // kSwitching: with a listen address, start listening there, or move the listener if it differs
+  // from the current one; with an empty ip stop listening. A listener that cannot be bound while
+  // the old one is still held rolls back (its error); once the old one was given up (a move to the
+  // same port on another address) the phase stays kFailed, role and epoch unchanged, until the
+  // next switchRole. Then it commits: the role, epoch + 1, phase kReady. The same role is a switch
+  // too (epoch + 1). Links survive it; a prepared transfer made against the old epoch is refused
+  // with kStaleEpoch by the peer's serving side (wire v7's epoch tag). With one-way links only the
+  // label changes (and the epoch, after the same checks); a new listen address is kFeatureNotEnabled.
+  Status switchRole(const SwitchOptions& options);
+  RoleState roleState() const { return state_.roleState(); }
 
   // One status per peer, in order. At most 16 peers per call (kClusterNumExceedLimit). When
   // `peer_ids` is given it receives each linked peer's cluster id (learned when not given).

@@ -1,6 +1,8 @@
 // What the engine's parts share (engine/engine_state.h): capabilities, threads.
 #include "engine/engine_state.h"
 
+#include <algorithm>
+#include <chrono>
 #include <thread>
 
 namespace pdlink {
@@ -22,6 +24,48 @@ EngineState::EngineState(std::shared_ptr<Backend> backend_in, const Capabilities
 bool EngineState::isInitialized() const {
   std::lock_guard<std::mutex> lock(mu);
   return initialized;
+}
+
+const char* phaseName(Phase phase) {
+  switch (phase) {
+    case Phase::kReady:
+      return "ready";
+    case Phase::kDraining:
+      return "draining";
+    case Phase::kSwitching:
+      return "switching";
+    case Phase::kRollingBack:
+      return "rolling_back";
+    case Phase::kFailed:
+      return "failed";
+  }
+  return "failed";
+}
+
+RoleState EngineState::roleState() const {
+  RoleState r;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    r.role = role;
+    r.epoch = epoch;
+    r.phase = phase.load();
+  }
+  r.transfers_in_flight = transfers_in_flight.load();
+  r.served_in_flight = served_in_flight.load();
+  r.pins = pins_held.load();
+  return r;
+}
+
+bool EngineState::drain(int64_t timeout_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  std::unique_lock<std::mutex> lock(drain_mu);
+  while (inFlight() != 0) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) return false;
+    // Woken by drainNotify; the bounded wait is only a backstop.
+    drain_cv.wait_for(lock, std::min<std::chrono::steady_clock::duration>(until - now, std::chrono::milliseconds(50)));
+  }
+  return true;
 }
 
 std::vector<Segment> EngineState::preparedRegions() const {

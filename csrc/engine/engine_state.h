@@ -12,6 +12,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "core/status.h"
 #include "engine/engine_types.h"
 #include "engine/mem_pool.h"
 #include "engine/pin_epochs.h"
@@ -61,9 +64,67 @@ struct EngineState {
   bool initialized = false;  // guarded by mu
   bool stopping = false;     // guarded by mu
   Role role = Role::kMix;    // guarded by mu
+  uint64_t epoch = 0;        // guarded by mu: +1 per committed switch (Engine::switchRole)
+  // Written under mu; read without it by the admission checks (Admission).
+  std::atomic<Phase> phase{Phase::kReady};
+  // What this engine's responses carry (wire v7's epoch tag): 1 + epoch % 65535, written under mu
+  // with `epoch`; the serving streams point at it (Stream::setEpochWord).
+  std::atomic<uint16_t> epoch_tag{1};
+  static uint16_t tagOf(uint64_t epoch) { return static_cast<uint16_t>(1 + epoch % 65535); }
+  // What a drain waits for (RoleState): this side's transfers, the peers' requests being served,
+  // and the served links that hold pins. Changed through Admission and ServeState only.
+  std::atomic<int64_t> transfers_in_flight{0};
+  std::atomic<int64_t> served_in_flight{0};
+  std::atomic<int64_t> pins_held{0};
+  // A switch is pending (phase draining, switching or rolling back): nothing new is admitted.
+  bool switchPending() const {
+    const Phase p = phase.load(std::memory_order_seq_cst);
+    return p == Phase::kDraining || p == Phase::kSwitching || p == Phase::kRollingBack;
+  }
+  Status switchingStatus() const {
+    return Status(Code::kRoleSwitching, Scope::kEngine,
+                  std::string("cluster ") + std::to_string(config.cluster_id) + " is switching its role (phase " +
+                      phaseName(phase.load()) + "); retry once it is ready");
+  }
+  // Wakes a drain (switchRole) after a count fell.
+  void drainNotify() {
+    if (phase.load(std::memory_order_seq_cst) != Phase::kDraining) return;
+    std::lock_guard<std::mutex> lock(drain_mu);
+    drain_cv.notify_all();
+  }
+  // Waits until nothing counted above is left, at most `timeout_ms`: true when drained.
+  bool drain(int64_t timeout_ms);
+  int64_t inFlight() const { return transfers_in_flight.load() + served_in_flight.load() + pins_held.load(); }
+
+  // One transfer of this side, or one request of a peer being served, counted in `counter` while
+  // it lives. Counted first, then checked: a drain that starts in between sees it counted, or it
+  // sees the drain and is refused (status() kRoleSwitching; the count is given back at once).
+  class Admission {
+   public:
+    Admission(EngineState& s, std::atomic<int64_t>& counter) : s_(s), counter_(&counter) {
+      counter_->fetch_add(1, std::memory_order_seq_cst);
+      if (s_.switchPending()) release();
+    }
+    ~Admission() { release(); }
+    Admission(const Admission&) = delete;
+    Admission& operator=(const Admission&) = delete;
+    bool admitted() const { return counter_ != nullptr; }
+    Status status() const { return admitted() ? Status::OK() : s_.switchingStatus(); }
+
+   private:
+    void release() {
+      if (!counter_) return;
+      counter_->fetch_sub(1, std::memory_order_seq_cst);
+      counter_ = nullptr;
+      s_.drainNotify();
+    }
+    EngineState& s_;
+    std::atomic<int64_t>* counter_;
+  };
 
   // Takes mu.
   bool isInitialized() const;
+  RoleState roleState() const;
   // How long a direct or IPC access of a peer stays pinned while it sends nothing
   // (EngineLimits::pin_timeout_ms).
   int64_t pinTimeoutMs() const {
@@ -95,6 +156,10 @@ struct EngineState {
     size_t running = 0;  // guarded by mu
   };
   std::shared_ptr<Threads> threads_ = std::make_shared<Threads>();  // engine threads still running
+
+ public:
+  std::mutex drain_mu;  // a leaf: only drain_cv's
+  std::condition_variable drain_cv;
 };
 
 }  // namespace pdlink

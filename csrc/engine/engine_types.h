@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,44 @@ namespace pdlink {
 
 // Values match llm_datadist.LLMRole.
 enum class Role : uint8_t { kPrompt = 1, kDecoder = 2, kMix = 3 };
+
+// Where an engine stands with its role (Engine::switchRole, docs/architecture.md, "Roles"):
+//   kReady        serving and transferring under `role`, `epoch`;
+//   kDraining     a switch is pending: new links, new transfers of this side and new reads,
+//                 writes, describes and path connects of peers are refused (kRoleSwitching);
+//                 what was admitted before runs to its end;
+//   kSwitching    nothing in flight any more: the listener moves;
+//   kRollingBack  the drain timed out (or the listener move failed with the old one in place):
+//                 back to kReady with the old role and epoch;
+//   kFailed       the listener move failed after the old listener was given up: role and epoch
+//                 unchanged, no listener; transfers are admitted as in kReady, and the next
+//                 switchRole (allowed from here) resolves it.
+enum class Phase : uint8_t { kReady = 0, kDraining = 1, kSwitching = 2, kRollingBack = 3, kFailed = 4 };
+const char* phaseName(Phase phase);  // "ready", "draining", ...
+
+// How a switch goes (Engine::switchRole).
+struct SwitchOptions {
+  Role role = Role::kMix;
+  std::string listen_ip;     // empty: stop listening (one-way links: keep the listener)
+  uint16_t listen_port = 0;  // 0 with the listener's own ip: keep it
+  // Refused with kStaleEpoch, nothing changed, unless it equals the engine's epoch.
+  std::optional<uint64_t> expected_epoch;
+  // How long the drain waits for the transfers in flight, served requests and pins; 0 or less:
+  // EngineLimits::switch_drain_timeout_ms.
+  int64_t drain_timeout_ms = 0;
+  // llm_datadist's contract: kExistLink while any link exists (or is being made), nothing changed.
+  bool require_no_links = false;
+};
+
+// A snapshot of an engine's role (Engine::roleState).
+struct RoleState {
+  Role role = Role::kMix;
+  uint64_t epoch = 0;  // +1 per committed switch, from 0
+  Phase phase = Phase::kReady;
+  int64_t transfers_in_flight = 0;  // this side's own pulls, pushes, posts and describes running
+  int64_t served_in_flight = 0;     // peers' reads, writes, describes and path connects being served
+  int64_t pins = 0;                 // served links holding a direct, IPC or one-sided pin
+};
 
 // How a link moves bytes. kAuto: direct memory access (cross-memory attach) when both ends are on
 // one host and the kernel permits it; else, with ucx_trusted_network and a UCX whose network
@@ -75,6 +114,10 @@ struct EngineLimits {
   // transfer of less than 2 chunks is one request on the link's channel, as with one stream. In
   // [limits::kMinTcpChunkBytes, limits::kMaxTcpChunkBytes].
   uint64_t tcp_chunk_bytes = uint64_t{1} << 20;
+  // How long a role switch waits for the transfers in flight, the peers' requests being served and
+  // the pins peers hold to end (Engine::switchRole) before it rolls back with kTimeout. A peer
+  // cannot hold a switch longer: it can neither link nor start a request while the switch drains.
+  int64_t switch_drain_timeout_ms = 30000;
 
   // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and
   // memory descriptor (transport/cma/cma.h).
@@ -208,6 +251,10 @@ struct PreparedTransfer {
   std::vector<uint32_t> local_tensors, remote_tensors;  // pairs; all local tensors i <-> i when empty
   std::weak_ptr<CacheEntry> local;
   std::atomic<uint64_t> generation{0};  // of this side's registry when `local` was last checked
+  // The epoch fence (wire v7): 0 until the first response of the peer to a post of it, then that
+  // response's epoch tag, sent with every later post; a peer whose role epoch moved since refuses
+  // those with kStaleEpoch (nothing moved): prepare again.
+  std::atomic<uint16_t> epoch_tag{0};
 };
 
 }  // namespace pdlink

@@ -442,6 +442,10 @@ bool LinkManager::admitChannel(Incoming& in) {
       mine = links_.acceptedFrom(in.slot->source);
       for (const auto& [nonce, p] : pending_) mine += p->source == in.slot->source ? 1 : 0;
     }
+    if (s_.switchPending()) {  // a peer that keeps linking cannot hold a switch (Engine::switchRole)
+      refuse(in, "this engine is switching its role; link again once it is ready");
+      return false;
+    }
     if (live + waiting >= s_.config.limits.max_links) {
       refuse(in, "this engine already has " + std::to_string(live) + " links, the most it may have");
       return false;

@@ -270,40 +270,97 @@ void LinkManager::stopListeners() {
   // Destroyed outside s_.mu: the accept callback takes it.
 }
 
-Status LinkManager::switchRole(Role role, const std::string& listen_ip, uint16_t listen_port) {
-  std::unique_ptr<Listener> old, fresh;
-  bool keep = false;
+Status LinkManager::switchRole(const SwitchOptions& o) {
+  const auto sameListener = [&] {
+    return listener_ && o.listen_ip == listener_->ip() && (o.listen_port == listener_->port() || o.listen_port == 0);
+  };
+  const auto commitLocked = [&] {
+    s_.role = o.role;
+    ++s_.epoch;
+    s_.epoch_tag.store(EngineState::tagOf(s_.epoch));
+    s_.phase.store(Phase::kReady);
+  };
+  Role old_role;
   {
     std::lock_guard<std::mutex> lock(s_.mu);
     if (!s_.initialized) return Status(Code::kFailed, Scope::kEngine, "engine is not initialized");
+    if (s_.switchPending()) {
+      return Status(Code::kRoleSwitching, "a role switch is already pending (phase " +
+                                              std::string(phaseName(s_.phase.load())) + "); wait until it is over");
+    }
+    if (o.expected_epoch && *o.expected_epoch != s_.epoch) {
+      return Status(Code::kStaleEpoch, "expected role epoch " + std::to_string(*o.expected_epoch) +
+                                           ", but the engine is at epoch " + std::to_string(s_.epoch) +
+                                           "; nothing changed");
+    }
     if (s_.config.one_way_links) {
       // As llm_datadist's hixl backend: the role is a label; links and listener stay as they are.
-      const bool same = listen_ip.empty() || (listener_ && listen_ip == listener_->ip() &&
-                                              (listen_port == listener_->port() || listen_port == 0));
-      if (!same) {
+      if (!o.listen_ip.empty() && !sameListener()) {
         return Status(Code::kFeatureNotEnabled,
                       "with one-way links switch_role cannot change the listen "
                       "address; close the engine and open a new one");
       }
-      s_.role = role;
+      commitLocked();
       return Status::OK();
     }
-    if (!links_.empty() || !linking_.empty()) {
+    if (o.require_no_links && (!links_.empty() || !linking_.empty())) {
       std::string ids;
       for (uint64_t id : links_.peers()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
       return Status(Code::kExistLink,
                     "cannot switch role while links exist (peer clusters: " + ids + "); disconnect them first");
     }
-    keep = !listen_ip.empty() && listener_ && listen_ip == listener_->ip() &&
-           (listen_port == listener_->port() || listen_port == 0);
+    old_role = s_.role;
+    s_.phase.store(Phase::kDraining);  // from here nothing new is admitted (EngineState::Admission)
+  }
+  // A same-host requester's cached layout (cma) is checked against the generation around each
+  // copy: it asks this side again, which refuses while the switch is pending.
+  s_.registry.bumpGeneration();
+  const int64_t drain_ms = o.drain_timeout_ms > 0 ? o.drain_timeout_ms : s_.config.limits.switch_drain_timeout_ms;
+  if (!s_.drain(drain_ms)) {
+    const int64_t transfers = s_.transfers_in_flight.load(), served = s_.served_in_flight.load();
+    const int64_t pins = s_.pins_held.load();
+    {
+      std::lock_guard<std::mutex> lock(s_.mu);
+      s_.phase.store(Phase::kRollingBack);
+      s_.phase.store(Phase::kReady);  // nothing was changed: the old role and epoch stand
+    }
+    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << ": role switch rolled back after " << drain_ms
+                                << " ms of drain");
+    return Status(Code::kTimeout, Scope::kCall,
+                  "the role switch did not drain within " + std::to_string(drain_ms) + " ms (" +
+                      std::to_string(transfers) + " transfers, " + std::to_string(served) + " served requests, " +
+                      std::to_string(pins) + " pins still in flight); it rolled back to role " +
+                      std::to_string(static_cast<int>(old_role)) + ", epoch unchanged");
+  }
+  std::unique_ptr<Listener> old, fresh;
+  bool keep = false, gave_up_old = false;
+  {
+    std::lock_guard<std::mutex> lock(s_.mu);
+    s_.phase.store(Phase::kSwitching);
+    keep = !o.listen_ip.empty() && sameListener();
     // The new address is bound before the old one is given up, so a failed switch changes
     // nothing; only a move to the same port on another address must release the old one first.
-    if (!keep && !listen_ip.empty() && listener_ && listen_port == listener_->port()) old = std::move(listener_);
+    if (!keep && !o.listen_ip.empty() && listener_ && o.listen_port == listener_->port()) {
+      old = std::move(listener_);
+      gave_up_old = true;
+    }
   }
   old.reset();  // joins the accept thread, outside s_.mu
-  if (!keep && !listen_ip.empty()) {
-    auto l = startListener(listen_ip, listen_port);
-    if (!l.ok()) return l.status();
+  if (!keep && !o.listen_ip.empty()) {
+    auto l = startListener(o.listen_ip, o.listen_port);
+    if (!l.ok()) {
+      std::lock_guard<std::mutex> lock(s_.mu);
+      if (gave_up_old) {
+        // The old listener is gone and the new one could not be had: the engine is in neither role.
+        s_.phase.store(Phase::kFailed);
+        return Status(l.status().code(), l.status().message() +
+                                              "; the old listener was given up: the switch failed (phase failed, "
+                                              "role and epoch unchanged); switch again to resolve it");
+      }
+      s_.phase.store(Phase::kRollingBack);
+      s_.phase.store(Phase::kReady);
+      return Status(l.status().code(), l.status().message() + "; the switch rolled back (role and epoch unchanged)");
+    }
     fresh = std::move(l.value());
   }
   {
@@ -312,11 +369,13 @@ Status LinkManager::switchRole(Role role, const std::string& listen_ip, uint16_t
       old = std::move(listener_);
       listener_ = std::move(fresh);
     }
-    s_.role = role;
-    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << " switched to role " << static_cast<int>(role)
+    commitLocked();
+    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << " switched to role " << static_cast<int>(o.role)
+                                << ", epoch " << s_.epoch
                                 << (listener_ ? ", listening on port " + std::to_string(listener_->port())
                                               : ", not listening"));
   }
+  s_.registry.bumpGeneration();
   return Status::OK();
 }
 
@@ -393,6 +452,7 @@ Status LinkManager::admitLinkAttempt(const PeerAddress& peer, uint64_t guard_key
   const bool known = peer.cluster_id != wire::kAnyCluster;
   const std::string where = peer.ip + ":" + std::to_string(peer.port);
   std::lock_guard<std::mutex> lock(s_.mu);
+  if (s_.switchPending()) return s_.switchingStatus();  // a peer cannot hold a switch by linking
   if (known && peer.cluster_id == s_.config.cluster_id) {
     return Status(Code::kParamInvalid,
                   "cannot link to this engine's own cluster id " + std::to_string(peer.cluster_id));

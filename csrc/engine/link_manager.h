@@ -75,7 +75,7 @@ class LinkManager {
 
   // ---- the public API's link calls (Engine)
   uint16_t listenPort() const;
-  Status switchRole(Role role, const std::string& listen_ip, uint16_t listen_port);
+  Status switchRole(const SwitchOptions& options);  // Engine::switchRole
   std::vector<Status> link(const std::vector<PeerAddress>& peers, int64_t timeout_ms, std::vector<uint64_t>* peer_ids);
   std::vector<Status> unlink(const std::vector<uint64_t>& cluster_ids, int64_t timeout_ms, bool force);
   std::vector<LinkInfo> links() const;

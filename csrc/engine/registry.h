@@ -168,6 +168,9 @@ class Registry {
     std::atomic<uint64_t> generation{1};
   };
   const Published* published() const { return &published_; }
+  // Moves the generation without changing anything (a role switch: Engine::switchRole), so that a
+  // same-host peer's cached descriptors are checked again by asking this side.
+  void bumpGeneration() { bumpLocked(); }
 
   // Every tensor of a registered (not pool-allocated) DEVICE cache, as (address, bytes): the
   // memory a device channel prepares for one-sided access besides the device pool.

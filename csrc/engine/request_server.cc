@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "core/limits.h"
 #include "core/log.h"
@@ -50,6 +51,8 @@ void RequestServer::serveLane(const std::shared_ptr<Link>& link, Stream& lane) {
 }
 
 Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state) {
+  in.setEpochWord(&s_.epoch_tag);  // every response carries this engine's epoch tag (wire v7)
+  state->pins_held = &s_.pins_held;
   Status st;
   while (st.ok() && !state->unlinked) {
     // Nothing a peer sends may take the process down: whatever escapes a frame drops this link.
@@ -59,8 +62,13 @@ Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in,
       st = Status(Code::kFailed, std::string("serving a request failed: ") + e.what());
       PDLINK_LOG(kWarn, "dropping link to " << clusterName(link->peer()) << ": " << st.message());
     }
+    countPins(state);
   }
   return st;
+}
+
+void RequestServer::countPins(ServeState* state) {
+  if (state->countPins()) s_.drainNotify();
 }
 
 Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, ServeState* state) {
@@ -72,6 +80,7 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   for (const std::string& key : state->exported) s_.backend->closeExport(key);
   state->exported.clear();
   state->pinned.clear();
+  countPins(state);
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
   Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * s_.config.sync_timeout_ms, 5000));
   wire::RequestHeader h;
@@ -83,6 +92,26 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
                "dropping link to " << clusterName(link->peer()) << ": a frame other than a read or write on a lane");
     return Status(Code::kLinkFailed, "a frame other than a plain read or write on a lane");
   }
+
+  // Reads, writes, describes and path connects are counted while served (what a role switch
+  // drains) and refused while a switch is pending; reads, writes and describes fenced by an epoch
+  // tag are refused when it is not this engine's (wire v7). The link stays either way.
+  const bool counted = h.op == wire::Op::kRead || h.op == wire::Op::kWrite || h.op == wire::Op::kDescribe ||
+                       h.op == wire::Op::kPathConnect;
+  std::optional<EngineState::Admission> admission;
+  Status gate;
+  if (counted) {
+    admission.emplace(s_, s_.served_in_flight);
+    const uint16_t ours = s_.epoch_tag.load(std::memory_order_acquire);
+    if (!admission->admitted()) {
+      gate = admission->status();
+    } else if (h.op != wire::Op::kPathConnect && h.epoch_tag != 0 && h.epoch_tag != ours) {
+      gate = Status(Code::kStaleEpoch, "the request was prepared against role epoch tag " +
+                                           std::to_string(h.epoch_tag) + ", but " + clusterName(s_.config.cluster_id) +
+                                           " is at tag " + std::to_string(ours) + ": prepare it again");
+    }
+  }
+  if (h.op == wire::Op::kPathConnect && !gate.ok()) return sendResponse(s, gate, deadline);
 
   Status result;
   if (serveControl(link, s, h, body, setup, deadline, state, &result)) return result;
@@ -100,8 +129,8 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     return Status::OK();
   }
   if (h.op == wire::Op::kRelease) return Status::OK();
-  if (h.op == wire::Op::kDescribe) return serveDescribe(*link, s, h, tb, deadline);
-  return serveAccess(*link, s, h, tb, deadline, state);
+  if (h.op == wire::Op::kDescribe) return gate.ok() ? serveDescribe(*link, s, h, tb, deadline) : sendResponse(s, gate, deadline);
+  return serveAccess(*link, s, h, tb, deadline, state, gate);
 }
 
 Status RequestServer::awaitRequest(const Link& link, Stream& s, ServeState* state, bool* expired) {
@@ -115,6 +144,7 @@ Status RequestServer::awaitRequest(const Link& link, Stream& s, ServeState* stat
     for (const std::string& key : state->exported) s_.backend->closeExport(key);
     state->exported.clear();
     state->pinned.clear();
+    countPins(state);
     pins_expired_.fetch_add(1);
     PDLINK_LOG(kInfo, clusterName(link.peer())
                           << " sent nothing for " << s_.pinTimeoutMs() << " ms after a direct access: its pin expired");
@@ -202,7 +232,7 @@ Status RequestServer::serveDescribe(const Link& link, Stream& s, const wire::Req
 }
 
 Status RequestServer::serveAccess(Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
-                                  Deadline deadline, ServeState* state) {
+                                  Deadline deadline, ServeState* state, const Status& gate) {
   auto payload = tb.payloadBytes();
   const bool is_write = h.op == wire::Op::kWrite;
   const bool in_stream = is_write && h.flags == 0;  // the stream path's: the payload follows in this stream
@@ -215,6 +245,10 @@ Status RequestServer::serveAccess(Link& link, Stream& s, const wire::RequestHead
     if (in_stream) PDLINK_RETURN_IF_ERROR(discardPayload(s, h.payload_len, deadline));
     return sendResponse(s, why, deadline);
   };
+  if (!gate.ok()) {
+    PDLINK_LOG(kDebug, "refused a request from " << clusterName(link.peer()) << ": " << gate.message());
+    return refuse(gate);
+  }
   if (Status admitted = admitAccess(link, h); !admitted.ok()) {
     PDLINK_LOG(kDebug, "refused a request from " << clusterName(link.peer()) << ": " << admitted.message());
     return refuse(admitted);

@@ -51,6 +51,23 @@ class RequestServer {
     bool unlinked = false;                            // the peer unlinked
     PinEpochs::Word* pin_epoch = nullptr;             // this link's (pin_epochs), while it is served
     bool lane = false;                                // a lane: plain reads and writes only
+    // EngineState::pins_held (set by serveStream): this link counts 1 there while it holds pins.
+    std::atomic<int64_t>* pins_held = nullptr;
+    bool pins_counted = false;
+    // Brings this link's count in line with `pinned` and `exported`; true when it changed.
+    bool countPins() {
+      const bool held = !pinned.empty() || !exported.empty();
+      if (!pins_held || held == pins_counted) return false;
+      pins_held->fetch_add(held ? 1 : -1, std::memory_order_seq_cst);
+      pins_counted = held;
+      return true;
+    }
+    ServeState() = default;
+    ServeState(const ServeState&) = delete;
+    ServeState& operator=(const ServeState&) = delete;
+    ~ServeState() {
+      if (pins_held && pins_counted) pins_held->fetch_sub(1, std::memory_order_seq_cst);
+    }
   };
   // The link's serving thread: serves its `in` channel until it fails or the peer unlinks, then
   // breaks the link and leaves a tombstone (LinkManager::retire).
@@ -90,8 +107,12 @@ class RequestServer {
                        Deadline deadline);
   // A read or write: admitted, resolved in the registry (exactly the checked ranges), placement
   // checked, then served by the path its flags name.
+  // `gate`: the refusal decided before (a pending role switch, a stale epoch tag), answered once the
+  // frame's payload is consumed; OK to serve.
   Status serveAccess(Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
-                     Deadline deadline, ServeState* state);
+                     Deadline deadline, ServeState* state, const Status& gate);
+  // Updates state's pin count (ServeState::countPins), waking a drain when it changed.
+  void countPins(ServeState* state);
   // Device memory is reachable only through the device channel, host memory only without it
   // (except staged kRaw runs on the stream path, marked in *device_runs): the refusal, or OK.
   Status checkPlacement(const wire::RequestHeader& h, const wire::TransferBody& tb, const Resolved& r,

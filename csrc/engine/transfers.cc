@@ -241,6 +241,8 @@ std::vector<TransferPlan> Transfers::split(const TransferPlan& p) {
 
 Result<wire::RawTable> Transfers::describeMemory(uint64_t cluster_id, int64_t timeout_ms) {
   if (timeout_ms <= 0) return Status(Code::kParamInvalid, "the timeout must be positive");
+  EngineState::Admission admission(s_, s_.transfers_in_flight);
+  if (!admission.admitted()) return admission.status();
   auto link_r = links_.usableLink(cluster_id);
   if (!link_r.ok()) return link_r.status();
   Link& link = *link_r.value();
@@ -266,6 +268,8 @@ Status Transfers::pull(const TransferSpec& spec) { return transfer(spec, false);
 Status Transfers::push(const TransferSpec& spec) { return transfer(spec, true); }
 
 Status Transfers::transfer(const TransferSpec& spec, bool is_push) {
+  EngineState::Admission admission(s_, s_.transfers_in_flight);
+  if (!admission.admitted()) return admission.status();
   auto link_r = links_.usableLink(spec.peer_cluster_id);
   if (!link_r.ok()) return link_r.status();
   const int64_t timeout_ms = spec.timeout_ms > 0 ? spec.timeout_ms : s_.config.sync_timeout_ms;
@@ -345,6 +349,8 @@ Result<std::shared_ptr<PreparedTransfer>> Transfers::prepare(const TransferSpec&
 
 Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64_t* remote, size_t n, bool is_push) {
   if (n == 0) return Status(Code::kParamInvalid, "the block list is empty");
+  EngineState::Admission admission(s_, s_.transfers_in_flight);
+  if (!admission.admitted()) return admission.status();
   auto link_r = links_.usableLink(prep.peer_cluster_id);
   if (!link_r.ok()) return link_r.status();
   // This side: the same cache, unless the registry changed since it was last checked.
@@ -402,16 +408,39 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
   p.payload = payload.value();
-  return execute(link_r.value(), p, is_push, s_.config.sync_timeout_ms);
+  // The epoch fence: the tag bound from the peer's first answer goes with every later post; the
+  // first post binds it from the answer it gets (Link::epochTags).
+  const uint16_t tag = prep.epoch_tag.load(std::memory_order_acquire);
+  uint16_t seen = 0;
+  Status st = execute(link_r.value(), p, is_push, s_.config.sync_timeout_ms, tag, &seen);
+  if (tag == 0 && seen != 0 && st.ok()) {
+    uint16_t expected = 0;
+    prep.epoch_tag.compare_exchange_strong(expected, seen, std::memory_order_acq_rel);
+  }
+  return st;
 }
 
-Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms) {
+Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms,
+                          uint16_t epoch_tag, uint16_t* seen_tag) {
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
   if (link->broken()) {  // broke while we waited for the channel
     return linkDown(*link);
   }
+  // Under the out mutex: this transfer's requests carry `epoch_tag`, and the tag of the peer's
+  // answers to them is read back (0: none answered).
+  Link::EpochTags& tags = link->epochTags();
+  tags.send = epoch_tag;
+  tags.seen = 0;
+  struct Reset {
+    Link::EpochTags& tags;
+    uint16_t* seen;
+    ~Reset() {
+      if (seen) *seen = tags.seen;
+      tags.send = 0;
+    }
+  } reset{tags, seen_tag};
   Deadline deadline = Deadline::afterMs(timeout_ms);
   if (p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
   for (TransferPlan& part : split(p)) PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));

@@ -122,10 +122,16 @@ int main(int argc, char** argv) {
   req.body_len = 61;
   req.flags = wire::kFlagDevice | wire::kFlagOneSided;
   seed("request-one-sided", kModeRequest, wire::encode(req));
+  req.flags = 0;
+  req.epoch_tag = wire::epochTagOf(3);  // v7: a prepared transfer's fenced read
+  seed("request-epoch-tag", kModeRequest, wire::encode(req));
   wire::ResponseHeader resp;
   resp.status = static_cast<uint32_t>(Code::kParamInvalid);
   resp.message_len = 12;
   seed("response", kModeResponse, wire::encode(resp));
+  resp.status = static_cast<uint32_t>(Code::kStaleEpoch);
+  resp.epoch_tag = wire::epochTagOf(4);
+  seed("response-stale-epoch", kModeResponse, wire::encode(resp));
 
   wire::CacheDescriptor desc;
   desc.generation = 7;

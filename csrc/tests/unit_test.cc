@@ -96,6 +96,17 @@ void requestHeaderCases() {
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "request header: body past the limit");
   f = wire::encode(wire::RequestHeader{wire::Op::kRead, wire::kMaxBodyBytes, 0, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: body at the limit");
+  // v7: the u16 at offset 6 is the epoch tag; every value decodes and round-trips, little-endian.
+  for (uint16_t tag : {uint16_t{0}, uint16_t{1}, wire::epochTagOf(65534), wire::epochTagOf(65535), uint16_t{0xFFFF}}) {
+    f = wire::encode(wire::RequestHeader{wire::Op::kRead, 10, 0, 0, tag});
+    check(f.size() == wire::kRequestHeaderBytes && static_cast<uint8_t>(f[6]) == (tag & 0xFF) &&
+              static_cast<uint8_t>(f[7]) == (tag >> 8),
+          "request header: the epoch tag at offset 6 (" + std::to_string(tag) + ")");
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: any epoch tag decodes");
+    check(got.epoch_tag == tag, "request header: the epoch tag round-trips");
+  }
+  check(wire::epochTagOf(0) == 1 && wire::epochTagOf(65534) == 65535 && wire::epochTagOf(65535) == 1,
+        "epoch tag: 1 + epoch % 65535, never 0");
 }
 
 void responseHeaderCases() {
@@ -108,6 +119,23 @@ void responseHeaderCases() {
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: an unknown status code");
   f = wire::encode(wire::ResponseHeader{1, wire::kMaxMessageBytes + 1, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: text past the limit");
+  // v7: 24 bytes, the server's epoch tag at offset 20, then a u16 that must be zero.
+  f = wire::encode(wire::ResponseHeader{static_cast<uint32_t>(Code::kStaleEpoch), 0, 0, 0xBEEF});
+  check(f.size() == wire::kResponseHeaderBytes && wire::kResponseHeaderBytes == 24 && static_cast<uint8_t>(f[20]) == 0xEF &&
+            static_cast<uint8_t>(f[21]) == 0xBE && f[22] == 0 && f[23] == 0,
+        "response header: 24 bytes, the epoch tag at offset 20, a zero u16");
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: the stale-epoch code decodes");
+  check(got.epoch_tag == 0xBEEF && got.status == static_cast<uint32_t>(Code::kStaleEpoch),
+        "response header: the epoch tag round-trips");
+  checkCode(wire::decode(bytes(f), f.size() - 1, &got), Code::kLinkFailed, "response header: one byte short");
+  for (size_t at : {size_t{22}, size_t{23}}) {
+    std::string bad = f;
+    bad[at] = 1;
+    checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed,
+              "response header: a non-zero byte " + std::to_string(at) + " is malformed");
+  }
+  f = wire::encode(wire::ResponseHeader{static_cast<uint32_t>(Code::kRoleSwitching), 0, 0, 1});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: the role-switching code decodes");
 }
 
 void notifyBodyCases() {

@@ -16,12 +16,12 @@ constexpr size_t kIovBatch = 1024;  // iovecs per sendmsg/recvmsg
 
 Status sendResponse(Stream& s, const Status& st, Deadline deadline) {
   std::string msg = st.message().substr(0, wire::kMaxMessageBytes);
-  wire::ResponseHeader h{static_cast<uint32_t>(st.code()), static_cast<uint32_t>(msg.size()), 0};
+  wire::ResponseHeader h{static_cast<uint32_t>(st.code()), static_cast<uint32_t>(msg.size()), 0, s.epochTag()};
   return s.sendFrame(wire::encode(h) + msg, deadline);
 }
 
 Status sendAnswer(Stream& s, const std::string& answer, Deadline deadline) {
-  const std::string head = wire::encode(wire::ResponseHeader{0, 0, answer.size()});
+  const std::string head = wire::encode(wire::ResponseHeader{0, 0, answer.size(), s.epochTag()});
   if (!s.authenticated()) return s.sendFrame(head + answer, deadline);  // one write: no tags between
   PDLINK_RETURN_IF_ERROR(s.sendFrame(head, deadline));
   return s.sendFrame(answer, deadline);

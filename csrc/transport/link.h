@@ -127,6 +127,16 @@ class Link {
     put(in_states_, slot, std::move(state));
   }
 
+  // The epoch fence of this side's requests (wire v7): `send`, the tag the reads, writes and
+  // describes of the transfer now holding outMutex() carry (0: unfenced); `seen`, the tag of the
+  // peer's last answer to them (0: none yet). Set and reset by that transfer; its lanes' pumps read
+  // `send` and write `seen` while it runs.
+  struct EpochTags {
+    std::atomic<uint16_t> send{0};
+    std::atomic<uint16_t> seen{0};
+  };
+  EpochTags& epochTags() { return epoch_tags_; }
+
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
   // The address this side dialled ("ip:port", also for a link redirected to an AF_UNIX socket), or
@@ -225,6 +235,7 @@ class Link {
   uint32_t streams_ = 1;
   uint64_t chunk_bytes_ = uint64_t{1} << 20;
   std::atomic<uint64_t> rtt_us_{0};
+  EpochTags epoch_tags_;
   States in_states_;  // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_

@@ -22,6 +22,7 @@ Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::Resp
   Status remote;
   Status st = readResponse(link.out(), deadline, rh, &remote);
   if (!st.ok()) return failTransfer(link, st, what);
+  link.epochTags().seen.store(rh->epoch_tag, std::memory_order_relaxed);
   if (!remote.ok()) {  // the peer refused this request; the link itself is fine
     // A refusal for the peer's own engine (out of memory, finalised) concerns that peer, not this engine.
     Scope scope = remote.scope() == Scope::kEngine ? Scope::kLink : remote.scope();
@@ -30,9 +31,16 @@ Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::Resp
   return Status::OK();
 }
 
+uint16_t fenceTag(Link& link, wire::Op op) {
+  const bool fenced = op == wire::Op::kRead || op == wire::Op::kWrite || op == wire::Op::kDescribe;
+  return fenced ? link.epochTags().send.load(std::memory_order_relaxed) : 0;
+}
+
 Status request(Link& link, const wire::RequestHeader& header, const std::string& body, Deadline deadline,
                const char* what, wire::ResponseHeader* rh) {
-  std::string head = wire::encode(header);
+  wire::RequestHeader h = header;
+  h.epoch_tag = fenceTag(link, h.op);
+  std::string head = wire::encode(h);
   std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
   Status st = link.out().sendFrame(iov, deadline);
   if (!st.ok()) return failTransfer(link, st, what);

@@ -143,6 +143,10 @@ Status failTransfer(Link& link, const Status& st, const char* what);
 // (failTransfer); a refusal by the peer comes back as the peer's status, the link intact (its
 // scope the code's default, but kLink where that is kEngine: the peer's engine, not this one).
 Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::ResponseHeader* rh);
+// The epoch tag a request of kind `op` carries on `link` now (Link::EpochTags: the transfer's, for
+// reads, writes and describes; 0 otherwise). request() stamps it; a path that encodes its own
+// headers calls it.
+uint16_t fenceTag(Link& link, wire::Op op);
 // Sends header + body on the out channel, then awaitResponse.
 Status request(Link& link, const wire::RequestHeader& header, const std::string& body, Deadline deadline,
                const char* what, wire::ResponseHeader* rh);

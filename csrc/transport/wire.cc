@@ -144,7 +144,7 @@ std::string encode(const RequestHeader& h) {
   w.put(kRequestMagic);
   w.put(static_cast<uint8_t>(h.op));
   w.put(h.flags);
-  w.put(uint16_t{0});
+  w.put(h.epoch_tag);
   w.put(h.body_len);
   w.put(h.payload_len);
   return w.take();
@@ -154,9 +154,9 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   Reader r(p, n);
   uint32_t magic = 0;
   uint8_t op = 0;
-  uint16_t pad16 = 0;
   if (!r.get(&magic) || magic != kRequestMagic) return malformed("request");
-  if (!r.get(&op) || !r.get(&out->flags) || !r.get(&pad16) || !r.get(&out->body_len) || !r.get(&out->payload_len)) {
+  if (!r.get(&op) || !r.get(&out->flags) || !r.get(&out->epoch_tag) || !r.get(&out->body_len) ||
+      !r.get(&out->payload_len)) {
     return malformed("request");
   }
   if (!isOp(op) || (out->flags & ~kKnownFlags) ||
@@ -207,6 +207,8 @@ std::string encode(const ResponseHeader& h) {
   w.put(h.status);
   w.put(h.message_len);
   w.put(h.payload_len);
+  w.put(h.epoch_tag);
+  w.put(uint16_t{0});
   return w.take();
 }
 
@@ -214,10 +216,12 @@ Status decode(const uint8_t* p, size_t n, ResponseHeader* out) {
   Reader r(p, n);
   uint32_t magic = 0;
   if (!r.get(&magic) || magic != kResponseMagic) return malformed("response");
-  if (!r.get(&out->status) || !r.get(&out->message_len) || !r.get(&out->payload_len)) {
+  uint16_t zero = 0;
+  if (!r.get(&out->status) || !r.get(&out->message_len) || !r.get(&out->payload_len) || !r.get(&out->epoch_tag) ||
+      !r.get(&zero)) {
     return malformed("response");
   }
-  if (out->message_len > kMaxMessageBytes || !isKnownCode(out->status)) return malformed("response");
+  if (out->message_len > kMaxMessageBytes || !isKnownCode(out->status) || zero != 0) return malformed("response");
   return Status::OK();
 }
 

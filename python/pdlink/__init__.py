@@ -36,6 +36,7 @@ _EXPORTS = {
     "PreparedTransfer": "engine",
     "Region": "engine",
     "RemoteRegion": "engine",
+    "RoleState": "engine",
     "Scope": "engine",
     "InvalidArgument": "status",
     "NotFound": "status",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         PreparedTransfer,
         Region,
         RemoteRegion,
+        RoleState,
         Scope,
     )
     from .kv import KvCaches  # noqa: F401

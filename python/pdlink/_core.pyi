@@ -22,6 +22,8 @@ BACKENDS: tuple[str, ...]  # the names open_backend takes (csrc/backends/backend
 INVALID_ID: int  # an unset req_id / prefix_id / registration key (csrc/engine/registry.h kInvalidId)
 LATEST_LINK_MARK: int  # Engine.linked_since(it) lists no peer, only the latest mark
 LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
+LLM_STALE_EPOCH: int  # pdlink's own status codes (csrc/core/status.h), which pdlink.LLMStatusCode names
+LLM_ROLE_SWITCHING: int
 # the PDLINK_* variables the core reads (csrc/core/environment.h): name, meaning, default, empty_is_value
 NATIVE_VARIABLES: tuple[tuple[str, str, str | None, bool], ...]
 
@@ -62,6 +64,24 @@ class Role(_Enum):
     PROMPT: ClassVar[Role]
     DECODER: ClassVar[Role]
     MIX: ClassVar[Role]
+
+class Phase(_Enum):  # where an engine stands with its role (csrc/engine/engine_types.h)
+    READY: ClassVar[Phase]
+    DRAINING: ClassVar[Phase]
+    SWITCHING: ClassVar[Phase]
+    ROLLING_BACK: ClassVar[Phase]
+    FAILED: ClassVar[Phase]
+
+class SwitchOptions:
+    """How a role switch goes (Engine.switch_role)."""
+
+    role: Role
+    listen_ip: str  # empty: stop listening
+    listen_port: int
+    expected_epoch: int | None  # refused with LLM_STALE_EPOCH unless it is the engine's epoch
+    drain_timeout_ms: int  # 0: EngineLimits.switch_drain_timeout_ms
+    require_no_links: bool  # LLM_EXIST_LINK while a link exists (llm_datadist)
+    def __init__(self) -> None: ...
 
 class Placement(_Enum):
     HOST: ClassVar[Placement]
@@ -117,6 +137,7 @@ class EngineLimits:
     tcp_streams: int  # TCP streams of a tcp link this side dialled (its channel and lanes), 1..16
     max_tcp_lanes: int  # extra TCP streams (lanes) of all links together
     tcp_chunk_bytes: int  # the chunk a large tcp transfer is split into
+    switch_drain_timeout_ms: int  # how long a role switch drains before it rolls back
     def __init__(self) -> None: ...
 
 class Notification:
@@ -220,6 +241,27 @@ class EngineStats:
     @property
     def notifications_refused(self) -> int: ...  # refused because a queue bound was reached
     def as_dict(self) -> dict[str, int]: ...  # the fields in order
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __getstate__(self) -> tuple[Any, ...]: ...
+    def __setstate__(self, state: tuple[Any, ...]) -> None: ...
+
+class RoleState:
+    """An engine's role, epoch, phase and what a switch drains (Engine.role_state())."""
+
+    @property
+    def role(self) -> Role: ...
+    @property
+    def epoch(self) -> int: ...  # +1 per committed switch, from 0
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def transfers_in_flight(self) -> int: ...  # this side's own transfers running
+    @property
+    def served_in_flight(self) -> int: ...  # peers' requests being served
+    @property
+    def pins(self) -> int: ...  # served links holding a peer's pin
+    def as_dict(self) -> dict[str, Any]: ...  # the fields in order
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
     def __getstate__(self) -> tuple[Any, ...]: ...
@@ -358,7 +400,8 @@ class Engine:
     def cache_count(self) -> int: ...
     def pools(self) -> list[PoolInfo]: ...
     def stats(self) -> EngineStats: ...
-    def switch_role(self, role: Role, listen_ip: str, listen_port: int) -> None: ...
+    def switch_role(self, options: SwitchOptions) -> None: ...  # blocks through the drain, without the GIL
+    def role_state(self) -> RoleState: ...
     def link(
         self, peers: Sequence[tuple[int | None, str, int]], timeout_ms: int
     ) -> list[LinkResult]: ...  # one per peer (one in all for a call that failed as a whole)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what the module __getattr__ below returns
 
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "LinkResult", "MemoryMap", "MemoryPool",
-    "Notification", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "Scope",
+    "Notification", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "RoleState", "Scope",
 ]
 
 T = TypeVar("T")
@@ -105,9 +105,33 @@ class Limits:
     tcp_streams: int | None = None
     max_tcp_lanes: int | None = None
     tcp_chunk_bytes: int | None = None
+    # How long ``Engine.switch_role`` waits for what is in flight before it rolls back (30000).
+    switch_drain_timeout_ms: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """Where an engine stands with its role (``Engine.role_state()``), a read-only snapshot.
+
+    ``role``: ``"PROMPT"``, ``"DECODER"`` or ``"MIX"``. ``epoch``: 0 at start, +1 per committed
+    switch. ``phase``: ``"ready"``, ``"draining"``, ``"switching"``, ``"rolling_back"`` or
+    ``"failed"`` (docs/architecture.md, "Roles"). ``transfers_in_flight``: this side's own pulls,
+    pushes, posts and describes running; ``served_in_flight``: the peers' requests being served
+    now; ``pins``: the links whose peer holds a pin (a direct, IPC or one-sided access awaiting the
+    peer's next frame). A switch drains until the three counts are 0."""
+
+    role: str
+    epoch: int
+    phase: str
+    transfers_in_flight: int
+    served_in_flight: int
+    pins: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -419,12 +443,50 @@ class Engine:
         """``"PROMPT"``, ``"DECODER"`` or ``"MIX"``."""
         return str(self._native.role.name)
 
-    def switch_role(self, role: str | enum.Enum, listen: Address | None = None) -> None:
-        """Changes the role while the engine runs, with no link open (``LLM_EXIST_LINK``
-        otherwise: disconnect first). ``listen``: ``"ip:port"`` or ``(ip, port)`` to listen there (moving the
-        listener if it is elsewhere), ``None`` to stop listening."""
-        ip, port = _split_address(listen) if listen is not None else ("", 0)
-        self._native.switch_role(role_of(role), ip, port)
+    def switch_role(self, role: str | enum.Enum, listen: Address | None = None, *, expected_epoch: int | None = None,
+                    drain_timeout_ms: int | None = None, require_no_links: bool = False) -> None:
+        """Switches the role while the engine runs; links survive it. ``listen``: ``"ip:port"`` or
+        ``(ip, port)`` to listen there (moving the listener if it is elsewhere), ``None`` to stop
+        listening. Blocks (without the GIL) until the switch committed or was refused:
+
+        * ``expected_epoch`` given and not ``role_state().epoch``: ``LLM_STALE_EPOCH``, nothing changed;
+        * another switch pending (phase ``draining``, ``switching``, ``rolling_back``):
+          ``LLM_ROLE_SWITCHING``, nothing changed;
+        * ``require_no_links`` and a link exists: ``LLM_EXIST_LINK`` (llm_datadist's contract);
+        * phase ``draining``: new links and new transfers are refused with ``LLM_ROLE_SWITCHING``,
+          here and as the server of peers' reads, writes and describes; it waits until nothing is in
+          flight (``RoleState``'s three counts), at most ``drain_timeout_ms`` (default:
+          ``Limits.switch_drain_timeout_ms``, 30000); past it the switch rolls back (phase ``ready``,
+          role and epoch unchanged) and raises ``LLM_TIMEOUT`` saying what was in flight;
+        * phase ``switching``: the listener moves; a failure with the old listener still held rolls
+          back (its error raised); one after the old listener was given up leaves phase
+          ``failed`` (role and epoch unchanged) until the next ``switch_role``;
+        * commit: the new role, epoch + 1, phase ``ready`` (the same role is a switch too). A
+          prepared transfer made against the old epoch then fails with ``LLM_STALE_EPOCH`` (nothing
+          moved): prepare it again.
+
+        With ``one_way_links`` only the role label and the epoch change (a new listen address:
+        ``LLM_FEATURE_NOT_ENABLED``)."""
+        for name, value in (("expected_epoch", expected_epoch), ("drain_timeout_ms", drain_timeout_ms)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+        if drain_timeout_ms == 0:
+            raise ValueError("drain_timeout_ms must be positive (None: the engine's default)")
+        options = core().SwitchOptions()
+        options.role = role_of(role)
+        if listen is not None:
+            options.listen_ip, options.listen_port = _split_address(listen)
+        options.expected_epoch = expected_epoch
+        options.drain_timeout_ms = drain_timeout_ms or 0
+        options.require_no_links = bool(require_no_links)
+        self._native.switch_role(options)
+
+    def role_state(self) -> RoleState:
+        """This engine's role, role epoch, phase and what a switch would wait for (``RoleState``)."""
+        r = self._native.role_state()
+        return RoleState(role=str(r.role.name), epoch=int(r.epoch), phase=str(r.phase.name).lower(),
+                         transfers_in_flight=int(r.transfers_in_flight), served_in_flight=int(r.served_in_flight),
+                         pins=int(r.pins))
 
     @property
     def listen_port(self) -> int:

@@ -52,7 +52,7 @@ LIMIT_VARIABLES: dict[str, Variable] = {
     for field in ("max_links", "max_links_per_source", "max_handshakes", "max_handshakes_per_source",
                   "hello_timeout_ms", "pin_timeout_ms", "handshake_timeout_ms", "max_notifications_per_link",
                   "max_notification_bytes", "max_notification_bytes_per_link", "max_notification_bytes_per_source",
-                  "tcp_streams", "max_tcp_lanes", "tcp_chunk_bytes")
+                  "tcp_streams", "max_tcp_lanes", "tcp_chunk_bytes", "switch_drain_timeout_ms")
 }
 
 VARIABLES: tuple[Variable, ...] = (TRANSPORT, LINK_SECRET, BACKEND, HCCL_ONE_SIDED, UCX_TRUSTED_NETWORK,

@@ -74,6 +74,11 @@ class LLMStatusCode(NamedIntEnum):
     LLM_TIMEOUT = _LLM_CODE_BASE + 0x1A
     LLM_LINK_BUSY = _LLM_CODE_BASE + 0x1B
     LLM_OUT_OF_MEMORY = _LLM_CODE_BASE + 0x1C
+    # pdlink's own codes (role epochs, docs/compatibility.md): what pdlink._core's LLM_STALE_EPOCH
+    # and LLM_ROLE_SWITCHING are (C++ core/status.h; tests/native/test_status.py checks they agree:
+    # the values are written here so that ``import pdlink`` does not load the native module).
+    LLM_STALE_EPOCH = _LLM_CODE_BASE + 0x101
+    LLM_ROLE_SWITCHING = _LLM_CODE_BASE + 0x102
     LLM_DEVICE_MEM_ERROR = 507053  # ACL_ERROR_RT_DEVICE_MEM_ERROR
     LLM_SUSPECT_REMOTE_ERROR = 507057  # ACL_ERROR_RT_SUSPECT_REMOTE_ERROR
     LLM_UNKNOWN_ERROR = -1  # Python only

@@ -287,7 +287,7 @@ def test_notifications_a_peer_floods_are_bounded_per_link_and_in_bytes(peers: Ca
     limits = internals.core.LIMITS
     bad = {
         "a body announced past the bound": struct.pack(
-            "<IBBHIQ", rawwire.REQUEST_MAGIC, rawwire.OP_NOTIFY, 0, 0,
+            rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, rawwire.OP_NOTIFY, 0, 0,
             4 + limits["max_notify_name_bytes"] + limits["max_notify_message_bytes"] + 1, 0),
         "a message one past its limit": rawwire.request(
             rawwire.OP_NOTIFY, rawwire.notify_body(b"", b"m" * (limits["max_notify_message_bytes"] + 1))),

@@ -35,8 +35,8 @@ def raw_link(port: int, cluster: int, secret: bytes, unix: str | None):
 
 
 def _response(s: socket.socket, sealer) -> tuple[int, int, bytes]:
-    head = rawwire.recv_exact(s, 20)
-    _magic, status, mlen, plen = struct.unpack("<IIIQ", head)
+    head = rawwire.recv_exact(s, rawwire.RESPONSE_HEADER_BYTES)
+    status, mlen, plen, _tag = rawwire.response_header(head)
     message = rawwire.recv_exact(s, mlen)
     if sealer is not None:
         tag = rawwire.recv_exact(s, rawwire.TAG_BYTES)

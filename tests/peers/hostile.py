@@ -299,7 +299,8 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
         elif mode == "resp_unknown_status":
             conn.sendall(rawwire.response(status=424242))
         elif mode == "resp_huge_message":
-            conn.sendall(struct.pack("<IIIQ", rawwire.RESPONSE_MAGIC, rawwire.LINK_FAILED, 0x7FFFFFFF, 0))
+            conn.sendall(struct.pack(rawwire.RESPONSE_FORMAT, rawwire.RESPONSE_MAGIC, rawwire.LINK_FAILED, 0x7FFFFFFF,
+                                     0, 0, 0))
         elif mode == "resp_text_on_success":
             conn.sendall(rawwire.response(message=b"fine"))
         elif mode == "resp_payload_on_error":

@@ -359,5 +359,41 @@ def watched() -> tuple[list[pdlink.Notification], Snapshot]:
     return _state["watched"]
 
 
+def role_state() -> dict[str, Any]:
+    """``Engine.role_state()`` as a dict."""
+    return _engine().role_state().as_dict()
+
+
+def switch_role(role: str, keep_listener: bool = True, expected_epoch: int | None = None,
+                drain_timeout_ms: int | None = None) -> dict[str, Any]:
+    """``Engine.switch_role`` (listening on the same port when ``keep_listener`` and this engine
+    listens, else stopping); returns the role state after it."""
+    engine = _engine()
+    listen = addr.listen(engine.listen_port) if keep_listener and engine.listen_port else None
+    engine.switch_role(role, listen, expected_epoch=expected_epoch, drain_timeout_ms=drain_timeout_ms)
+    return role_state()
+
+
+def switch_role_async(role: str, **kwargs: Any) -> None:
+    """``switch_role`` on a thread of its own; ``switch_result`` waits for it."""
+    def run() -> None:
+        try:
+            _state["switch"] = ("ok", None, "", switch_role(role, **kwargs))
+        except pdlink.LLMException as e:
+            _state["switch"] = (type(e).__name__, int(e.status_code), str(e), role_state())
+
+    _state["switch"] = None
+    _state["switcher"] = threading.Thread(target=run, daemon=True)
+    _state["switcher"].start()
+
+
+def switch_result(timeout: float = 60) -> tuple[str, int | None, str, dict[str, Any]]:
+    """What the switch of ``switch_role_async`` ended with: "ok" or the error's class name, its
+    code, its message, and the role state after it."""
+    _state["switcher"].join(timeout)
+    assert _state["switch"] is not None, "the switch did not end"
+    return _state["switch"]
+
+
 def close() -> None:
     _engine().close()

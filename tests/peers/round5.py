@@ -195,8 +195,8 @@ def sealed_exchange(frame: bytes, tamper: bool = False, seal: bool = True) -> tu
         data = frame
     try:
         s.sendall(data)
-        head = rawwire.recv_exact(s, 20)
-        _magic, status, mlen, plen = struct.unpack("<IIIQ", head)
+        head = rawwire.recv_exact(s, rawwire.RESPONSE_HEADER_BYTES)
+        status, mlen, plen, _tag = rawwire.response_header(head)
         message = rawwire.recv_exact(s, mlen)
         tag = rawwire.recv_exact(s, rawwire.TAG_BYTES)
         if not sealer.check(head + message, tag):

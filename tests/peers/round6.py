@@ -73,7 +73,7 @@ def sealed_lane_exchange(index: int, frame: bytes, key_of_link: int | None = Non
     key = _keys[key_of_link] if key_of_link is not None else _keys[s]
     try:
         s.sendall(rawwire.Sealer(key, requester=True).seal(frame))
-        _magic, status, mlen, _plen = struct.unpack("<IIIQ", rawwire.recv_exact(s, 20))
+        status, mlen, _plen, _tag = rawwire.response_header(rawwire.recv_exact(s, rawwire.RESPONSE_HEADER_BYTES))
         rawwire.recv_exact(s, mlen + rawwire.TAG_BYTES)
         return int(status)
     except (ConnectionError, OSError, struct.error):

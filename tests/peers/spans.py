@@ -125,7 +125,7 @@ def _exchange_digest(frame: bytes) -> tuple[int, str, int, str] | str:
     s: socket.socket = client.fwd
     try:
         s.sendall(frame)
-        _magic, status, mlen, plen = struct.unpack("<IIIQ", rawwire.recv_exact(s, 20))
+        status, mlen, plen, _tag = rawwire.response_header(rawwire.recv_exact(s, rawwire.RESPONSE_HEADER_BYTES))
         message = rawwire.recv_exact(s, mlen).decode()
         h = hashlib.sha256()
         buf = bytearray(1 << 20)

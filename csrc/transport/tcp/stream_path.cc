@@ -142,7 +142,7 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
       if (k >= sh.chunks.size()) break;
       Chunk& c = sh.chunks[k];
       wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(c.body.size()),
-                            is_push ? c.payload : 0};
+                            is_push ? c.payload : 0, 0, fenceTag(link, wire::Op::kRead)};
       std::string head = wire::encode(h);
       std::vector<iovec> iov{{head.data(), head.size()}, {c.body.data(), c.body.size()}};
       Status st =
@@ -157,6 +157,7 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
     Status remote;
     Status st = readResponse(s, deadline, &rh, &remote);
     if (!st.ok()) return fail(st);
+    link.epochTags().seen.store(rh.epoch_tag, std::memory_order_relaxed);
     if (!remote.ok()) {
       std::lock_guard<std::mutex> lock(sh.mu);
       if (sh.refused.ok()) sh.refused = remote;
@@ -237,7 +238,8 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
   wire::ResponseHeader rh;
   Status st;
   if (is_push) {  // the payload follows the request in the same stream
-    wire::RequestHeader h{wire::Op::kWrite, static_cast<uint32_t>(body.size()), p.payload};
+    wire::RequestHeader h{wire::Op::kWrite, static_cast<uint32_t>(body.size()), p.payload, 0,
+                          fenceTag(link, wire::Op::kWrite)};
     std::string head = wire::encode(h);
     std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
     st = move(s, true, p.local_addrs, p.local_tensors, 0, p.local_runs, p.local_device_runs, backend_, deadline,
@@ -266,7 +268,7 @@ Status StreamServer::serve(ServeCall& call) {
                                 &backend_, call.deadline));
     return sendResponse(call.stream, Status::OK(), call.deadline);
   }
-  std::string head = wire::encode(wire::ResponseHeader{0, 0, call.payload});
+  std::string head = wire::encode(wire::ResponseHeader{0, 0, call.payload, call.stream.epochTag()});
   return move(call.stream, true, call.addrs, call.tensors, call.base, call.runs, call.device_runs, &backend_,
               call.deadline, {{head.data(), head.size()}});
 }

@@ -95,6 +95,7 @@ _LIMIT_FIELDS = {
     "pdlink.TcpStreams": "tcp_streams",
     "pdlink.MaxTcpLanes": "max_tcp_lanes",
     "pdlink.TcpChunkBytes": "tcp_chunk_bytes",
+    "pdlink.SwitchDrainTimeoutMs": "switch_drain_timeout_ms",
 }
 LIMIT_OPTIONS = {option: (LIMIT_VARIABLES[f].name, f) for option, f in _LIMIT_FIELDS.items()}
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
@@ -755,8 +756,8 @@ class LLMDataDist:
         ip, port = "", 0
         if switch_options and switch_options.get("llm.listenIpInfo"):
             ip, port = _split_listen(switch_options["llm.listenIpInfo"])
-        with raising_as("switch_role"):
-            engine.switch_role(role, (ip, port) if ip else None)
+        with raising_as("switch_role"):  # LLM_EXIST_LINK while any link remains, as upstream
+            engine.switch_role(role, (ip, port) if ip else None, require_no_links=True)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role
 
@@ -777,7 +778,7 @@ class LLMDataDist:
         raise_if_true(len(self._engines) > 1, "switch_role is not supported in single-process multi-device mode",
                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         with raising_as("switch_role"):  # LLM_EXIST_LINK while any link remains
-            self._engine.switch_role(role, (ip, port) if ip else None)
+            self._engine.switch_role(role, (ip, port) if ip else None, require_no_links=True)
         self._kv_cache_manager._switch_role(role)
         logger.info("cluster %d switched role %s -> %s", self._cluster_id, self._role, role)
         self._role = role

@@ -1,0 +1,185 @@
+"""Role epochs, phases, drain and rollback (``pdlink.Engine.switch_role`` / ``role_state``,
+docs/architecture.md, "Roles"), between real processes on every backend and data path: a stale
+``expected_epoch`` changes nothing; links survive a switch and move exact bytes after it; a prepared
+transfer made against the old epoch is refused with ``LLM_STALE_EPOCH`` (destination untouched) and
+works again once prepared again; while a switch drains, transfers are refused with
+``LLM_ROLE_SWITCHING`` on both sides; the drain waits for a transfer in flight, and past its timeout
+rolls back with ``LLM_TIMEOUT``, role and epoch unchanged. Every transfer checks the whole
+destination and its guards (tests/verify.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import native_pair
+from backend_env import Variant
+from native_pair import INITIATOR, ROW, ROWS, TARGET, copies
+from pdlink import LLMException, LLMStatusCode
+from peer import Peer
+from peers import native
+from poll import wait_until
+from verify import assert_same, check_transfer, rows
+
+THIRD = 3  # a third engine, linked to the target, that a test freezes to hold a transfer in flight
+SLOW_MS = 60000  # the target's transfer timeout where a frozen peer holds its transfer
+
+
+class Two(native_pair.Two):
+    def __init__(self, peers: Callable[..., Peer], variant: Variant):
+        super().__init__(peers, variant.env(), variant.env())
+        self.variant = variant
+        self.peers = peers
+
+
+@pytest.fixture
+def two(peers: Callable[..., Peer], variant: Variant) -> Iterator[Two]:
+    yield Two(peers, variant)
+
+
+def _refused(code: LLMStatusCode, fn: Callable[..., object], *args: object) -> LLMException:
+    with pytest.raises(LLMException) as e:
+        fn(*args)
+    assert e.value.status_code == code, str(e.value)
+    return e.value
+
+
+def _state(side: Peer) -> tuple[str, int, str]:
+    s = side.call(native.role_state)
+    return s["role"], s["epoch"], s["phase"]
+
+
+def test_a_stale_expected_epoch_is_refused_and_changes_nothing(two: Two) -> None:
+    assert _state(two.target) == ("MIX", 0, "ready")
+    _refused(LLMStatusCode.LLM_STALE_EPOCH, two.target.call, native.switch_role, "PROMPT", True, 1)
+    assert _state(two.target) == ("MIX", 0, "ready")
+    after = two.target.call(native.switch_role, "PROMPT", True, 0)
+    assert (after["role"], after["epoch"], after["phase"]) == ("PROMPT", 1, "ready")
+    assert (after["transfers_in_flight"], after["served_in_flight"], after["pins"]) == (0, 0, 0)
+    # the epoch it was at is stale now; the same role again is a switch too
+    _refused(LLMStatusCode.LLM_STALE_EPOCH, two.target.call, native.switch_role, "DECODER", True, 0)
+    assert _state(two.target) == ("PROMPT", 1, "ready")
+    assert two.target.call(native.switch_role, "PROMPT", True, 1)["epoch"] == 2
+
+
+def test_links_survive_a_switch_and_move_exact_bytes_after_it(two: Two) -> None:
+    for role in ("PROMPT", "DECODER", "PROMPT"):
+        two.target.call(native.switch_role, role)
+        two.initiator.call(native.switch_role, "DECODER" if role == "PROMPT" else "PROMPT")
+    assert _state(two.target) == ("PROMPT", 3, "ready")
+    assert [link.peer_cluster_id for link in two.initiator.call(native.links)] == [TARGET]
+    assert [link.peer_cluster_id for link in two.target.call(native.links)] == [INITIATOR]
+    # a plain read by address, and a write, over the link made before the switches
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.batch, TARGET, [("dst", 100, 300)], [two.src + 40], "read"), copies([(40, 100, 300)]))
+    two.initiator.call(native.prepare, "w", TARGET, "dst", two.target.call(native.remote, "sink"))
+    check_transfer(two.read("dst"), two.read("sink"), lambda: two.initiator.call(
+        native.post, "w", [0, 1], [5, 6], "write"), rows([(0, 5), (1, 6)]))
+    # the target's own requests over the same link (links are symmetric)
+    two.target.call(native.prepare, "back", INITIATOR, "sink", two.initiator.call(native.remote, "dst"))
+    check_transfer(two.read("dst"), two.read("sink"), lambda: two.target.call(
+        native.post, "back", [2], [7], "read"), rows([(7, 2)]))
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_transfer_prepared_before_a_commit_is_stale_after_it(two: Two, op: str) -> None:
+    remote = two.target.call(native.remote, "src" if op == "read" else "sink")
+    two.initiator.call(native.prepare, "p", TARGET, "dst", remote)
+    source, dest = ("src", "dst") if op == "read" else ("dst", "sink")
+    check_transfer(two.read(source), two.read(dest), lambda: two.initiator.call(
+        native.post, "p", [0], [1], op), rows([(1, 0)] if op == "read" else [(0, 1)]))
+    two.target.call(native.switch_role, "PROMPT")
+    src0, dst0 = two.read(source)(), two.read(dest)()
+    e = _refused(LLMStatusCode.LLM_STALE_EPOCH, two.initiator.call, native.post, "p", [2, 3], [4, 5], op)
+    assert "prepare it again" in str(e)
+    assert_same(two.read(dest)(), dst0, "destination after a stale post")
+    assert_same(two.read(source)(), src0, "source after a stale post")
+    assert [link.broken for link in two.initiator.call(native.links)] == [False]  # the link stays
+    two.initiator.call(native.prepare, "p", TARGET, "dst", remote)
+    check_transfer(two.read(source), two.read(dest), lambda: two.initiator.call(
+        native.post, "p", [2, 3], [4, 5], op), rows([(4, 2), (5, 3)] if op == "read" else [(2, 4), (3, 5)]))
+
+
+class Held:
+    """The target (cluster 1) with a transfer of its own held in flight: a third engine, linked to
+    it, is frozen while the target's first read from it waits for the answer."""
+
+    def __init__(self, two: Two):
+        self.two = two
+        self.third = two.peers("third", env=two.variant.env())
+        self.third.call(native.start, THIRD, listen=True)
+        self.third_src = self.third.call(native.register, "far", ROWS, ROW, seed=5, key=9)
+        # the target, restarted with a long transfer timeout (the hold must outlast the drain)
+        two.initiator.call(native.close)
+        two.target.call(native.close)
+        port = two.target.call(native.start, TARGET, listen=True, timeout_ms=SLOW_MS)
+        two.src = two.target.call(native.register, "src", ROWS, ROW, seed=1, key=7)
+        two.target.call(native.register, "sink", ROWS, ROW, seed=None)
+        two.initiator.call(native.start, INITIATOR)
+        two.initiator.call(native.register, "dst", ROWS, ROW, seed=2)
+        assert two.initiator.call(native.connect, port, TARGET) == TARGET
+        assert two.target.call(native.connect, self.third.call(native.listen_port), THIRD) == THIRD
+        two.target.call(native.prepare, "far", THIRD, "sink", self.third.call(native.remote, "far"))
+
+    def start(self) -> None:
+        self.sink0 = self.two.read("sink")()
+        self.far0 = self.third.call(native.snapshot, "far")
+        self.third.freeze()
+        self.two.target.call(native.post_async, "far", [0, 1], [6, 7], "read")
+        wait_until(lambda: self.two.target.call(native.role_state)["transfers_in_flight"] == 1, 30,
+                   "the target's read from the frozen engine in flight")
+
+    def release(self) -> None:
+        self.third.thaw()
+        assert self.two.target.call(native.wait, "far") == ("DONE", None, None)
+        assert_same(self.two.read("sink")(), rows([(6, 0), (7, 1)])(self.sink0, self.far0),
+                    "the held read's destination")
+
+
+def test_a_switch_drains_what_is_in_flight_and_refuses_new_transfers_on_both_sides(two: Two) -> None:
+    held = Held(two)
+    # a prepared read of the initiator, posted once (on the same-host path its layout is cached)
+    two.initiator.call(native.prepare, "p", TARGET, "dst", two.target.call(native.remote, "src"))
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.post, "p", [0], [0], "read"), rows([(0, 0)]))
+    held.start()
+    two.target.call(native.switch_role_async, "PROMPT", drain_timeout_ms=SLOW_MS)
+    wait_until(lambda: _state(two.target)[2] == "draining", 30, "the target draining")
+    assert _state(two.target) == ("MIX", 0, "draining")
+    dst0, src0 = two.read("dst")(), two.read("src")()
+    # as the server: the initiator's prepared read (the cached layout too) and a plain read
+    _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.initiator.call, native.post, "p", [1], [1], "read")
+    _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.initiator.call, native.batch, TARGET, [("dst", 0, 64)],
+             [two.src], "read")
+    # as the requester: the target's own transfers
+    two.target.call(native.prepare, "back", INITIATOR, "sink", two.initiator.call(native.remote, "dst"))
+    _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.post, "back", [2], [2], "read")
+    # another switch while this one is pending
+    _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.switch_role, "DECODER")
+    assert_same(two.read("dst")(), dst0, "the initiator's destination while refused")
+    assert_same(two.read("src")(), src0, "the target's source while refused")
+    assert _state(two.target) == ("MIX", 0, "draining")  # the held read is what it waits for
+    held.release()
+    outcome, _, _, after = two.target.call(native.switch_result)
+    assert (outcome, after["role"], after["epoch"], after["phase"]) == ("ok", "PROMPT", 1, "ready")
+    # the same links, after the commit: plain reads move exact bytes; the old prepared read is stale
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.batch, TARGET, [("dst", 0, 64)], [two.src], "read"), copies([(0, 0, 64)]))
+    _refused(LLMStatusCode.LLM_STALE_EPOCH, two.initiator.call, native.post, "p", [1], [1], "read")
+
+
+def test_a_drain_past_its_timeout_rolls_back(two: Two) -> None:
+    held = Held(two)
+    held.start()
+    two.target.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, after = two.target.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", LLMStatusCode.LLM_TIMEOUT), message
+    assert "1 transfers" in message and "rolled back" in message
+    assert (after["role"], after["epoch"], after["phase"]) == ("MIX", 0, "ready")
+    assert after["transfers_in_flight"] == 1  # the transfer admitted before still runs, under the old role
+    held.release()
+    # ready again: transfers are admitted, and the next switch commits
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.batch, TARGET, [("dst", 0, 64)], [two.src], "read"), copies([(0, 0, 64)]))
+    assert two.target.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
