@@ -30,36 +30,47 @@ from typing import Any
 
 import pytest
 
-import native_pair
-from backend_env import Variant
+from backend_env import VARIANTS, Variant
 from conftest import only
 from native_pair import INITIATOR, ROW, ROWS, TARGET
 from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import native, switch_load
 from poll import hang_guard, wait_until
-from relay import DOWN, Relay
-from verify import assert_same, check_transfer, rows
+from relay import DOWN, UP, Relay
+from verify import Snapshot, assert_same, check_transfer, rows
 
 SWITCHING = int(LLMStatusCode.LLM_ROLE_SWITCHING)
 STALE = int(LLMStatusCode.LLM_STALE_EPOCH)
 PULLERS = ("read", "read", "prepared", "prepared")
 # what a pull of each kind may fail with while its peer switches (anything else fails the test)
 ALLOWED = {"read": [SWITCHING], "prepared": [SWITCHING, STALE]}
-SEED = 1  # native_pair.Two's "src": pattern(ROWS * ROW, 0, 1), published under key 7
+SEED = 1  # the target's "src": pattern(ROWS * ROW, 0, SEED)
 SWITCH_GUARD_S = 60.0  # a switch drains pulls of 2 KiB; reaching this bound means a hang
 
 
-class Loaded(native_pair.Two):
-    """native_pair.Two on the matrix cell (the link checked to take the cell's host path), and the
-    decoder's pulling threads (tests/peers/switch_load.py) against the target's "src"."""
+class Loaded:
+    """native_pair.Two's setup with roles: a listening PROMPT target (cluster 1) with region "src"
+    (filled, published under key 7), a DECODER initiator with "dst" (filled with another pattern),
+    linked over the cell's host path (checked); and the decoder's pulling threads
+    (tests/peers/switch_load.py) against "src"."""
 
     def __init__(self, peers: Callable[..., Peer], variant: Variant):
-        super().__init__(peers, variant.env(), variant.env())
         self.variant = variant
+        self.target = peers("target", env=variant.env())
+        self.initiator = peers("initiator", env=variant.env())
+        port = self.target.call(native.start, TARGET, listen=True, role="PROMPT")
+        self.src = self.target.call(native.register, "src", ROWS, ROW, seed=SEED, key=7)
+        self.initiator.call(native.start, INITIATOR, role="DECODER")
+        self.initiator.call(native.register, "dst", ROWS, ROW, seed=2)
+        assert self.initiator.call(native.connect, port, TARGET) == TARGET
         (link,) = self.initiator.call(native.links)
         assert (link.peer_cluster_id, link.transport, link.initiator) == (TARGET, variant.link_transport, True)
         self.remote = self.target.call(native.remote, "src")
+
+    def read(self, name: str) -> Callable[[], Snapshot]:
+        side = self.initiator if name == "dst" else self.target
+        return lambda: side.call(native.snapshot, name)
 
     def start_pullers(self) -> None:
         self.initiator.call(switch_load.start_pullers, TARGET, self.remote, SEED, PULLERS, ALLOWED, ROWS, ROW)
@@ -72,6 +83,10 @@ class Loaded(native_pair.Two):
             return now if all(n > b for n, b in zip(now, before)) else None
 
         return wait_until(advanced, 30, "every puller completed an exact pull")
+
+    def pulled_after_now(self) -> None:
+        """Waits until every puller completed two more exact pulls: the second began after this call."""
+        self.pulled_since([n + 1 for n in self.initiator.call(switch_load.progress)])
 
     def stop_pullers(self) -> list[dict[str, Any]]:
         report = self.initiator.call_within(60, switch_load.stop_pullers, 30)
@@ -114,6 +129,27 @@ def link_record(side: Peer) -> list[tuple[Any, ...]]:
             for li in side.call(native.links)]
 
 
+def storm(t: Loaded, cycles: int) -> tuple[list[dict[str, Any]], dict[int, list[int]]]:
+    """The pullers run while the target switches PROMPT -> DECODER -> PROMPT ``cycles`` times, each
+    switch with its expected epoch; after each commit every puller completes a pull that began after
+    it. The pullers' report (``switch_load.stop_pullers``), and for each prepared puller the commits
+    (1-based) whose epoch its next post did not find stale."""
+    t.start_pullers()
+    t.pulled_since([0] * len(PULLERS))
+    epoch = 0
+    stale = [t.initiator.call(switch_load.stale_counts)]
+    for _ in range(cycles):
+        for role in ("DECODER", "PROMPT"):
+            state = t.switch(role, expected_epoch=epoch)
+            epoch += 1
+            assert (state["role"], state["epoch"], state["phase"]) == (role, epoch, "ready"), state
+            t.pulled_after_now()
+            stale.append(t.initiator.call(switch_load.stale_counts))
+    missed = {i: [k + 1 for k in range(2 * cycles) if stale[k + 1][i] == stale[k][i]]
+              for i, kind in enumerate(PULLERS) if kind == "prepared"}
+    return t.stop_pullers(), missed
+
+
 @pytest.mark.parametrize("cycles", [10, pytest.param(100, marks=pytest.mark.heavy)])
 def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int) -> None:
     t = loaded
@@ -124,24 +160,16 @@ def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int
     state0 = t.target.call(switch_load.role_state)
     assert (state0["role"], state0["epoch"], state0["phase"]) == ("PROMPT", 0, "ready"), state0
 
-    t.start_pullers()
-    counts = t.pulled_since([0] * len(PULLERS))
-    epoch = 0
-    for _ in range(cycles):
-        for role in ("DECODER", "PROMPT"):
-            state = t.switch(role, expected_epoch=epoch)
-            epoch += 1
-            assert (state["role"], state["epoch"], state["phase"]) == (role, epoch, "ready"), state
-            counts = t.pulled_since(counts)  # pulls ran on after the commit, and before the next switch
-    report = t.stop_pullers()
-
+    report, missed = storm(t, cycles)  # every pull exact or refused cleanly (stop_pullers checks)
     for r in report:
-        if r["kind"] == "prepared":  # every commit reached every prepared thread as a stale epoch
-            assert r["codes"].get(STALE, 0) >= 2 * cycles, report
-            assert r["prepares"] == r["codes"][STALE] + 1, report
+        if r["kind"] == "prepared":
+            assert r["codes"].get(STALE, 0) >= 1, report  # a commit reached it
+            # each stale post made the thread prepare again; no prepare was refused stale
+            assert r["prepares"] == 1 + r["steps"].get(f"post {STALE}", 0), report
+            assert f"prepare {STALE}" not in r["steps"], report
         else:
-            assert STALE not in r["codes"], report
-    print(f"{t.variant.id}: {2 * cycles} switches under load; pullers {report}")
+            assert STALE not in r["codes"], report  # plain reads are unfenced
+    print(f"{t.variant.id}: {2 * cycles} switches under load; pullers {report}; commits missed {missed}")
 
     state = t.target.call(switch_load.role_state)
     assert (state["role"], state["epoch"], state["phase"]) == ("PROMPT", 2 * cycles, "ready"), state
@@ -155,10 +183,32 @@ def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int
     t.exact_pulls("after")
 
 
+CMA_FENCE = ("finding (#34): on the cma path a prepared transfer's next post after the peer's committed switch is "
+             "not always refused LLM_STALE_EPOCH: with one prepared thread alone the first commit is never seen "
+             "(its posts, all direct reads, carry no epoch tag until a layout refresh gave it one), and with two "
+             "prepared threads beside two plain ones on the link each misses about half the commits (its old-epoch "
+             "posts succeed)")
+
+
+def _fence_cell(v: Variant) -> Any:
+    marks = [pytest.mark.heavy] if v.heavy else []
+    if v.id == "cpu-cma":
+        marks.append(pytest.mark.xfail(strict=True, reason=CMA_FENCE))
+    return pytest.param(v, id=v.id, marks=marks)
+
+
+@pytest.mark.parametrize("variant", [_fence_cell(v) for v in VARIANTS], indirect=True)
+def test_every_commit_fences_every_prepared_transfer(loaded: Loaded) -> None:
+    """The epoch fence under load: after each of 10 commits, each prepared thread's next post is
+    refused LLM_STALE_EPOCH (nothing moved, stop_pullers checks) and it prepares again."""
+    _, missed = storm(loaded, 5)
+    assert missed == {i: [] for i in missed}, f"commits a prepared thread's next post did not see: {missed}"
+
+
 def test_two_controllers_race_for_one_epoch(loaded: Loaded) -> None:
     t = loaded
     t.start_pullers()
-    counts = t.pulled_since([0] * len(PULLERS))
+    t.pulled_since([0] * len(PULLERS))
     for epoch, role in enumerate(("DECODER", "PROMPT")):
         outcomes = t.target.call_within(SWITCH_GUARD_S, switch_load.race, role, epoch)
         winners = [o for o in outcomes if o == "ok"]
@@ -170,55 +220,62 @@ def test_two_controllers_race_for_one_epoch(loaded: Loaded) -> None:
         # the loser changed nothing: a late retry with the same epoch is stale
         assert t.target.call(switch_load.try_switch, role, epoch) == STALE
         assert t.target.call(switch_load.role_state)["epoch"] == epoch + 1
-        counts = t.pulled_since(counts)
+        t.pulled_after_now()
     t.stop_pullers()
     t.exact_pulls("after")
 
 
-# The rollback: the decoder reads BIG_ROWS x BIG_ROW through a relay that lets HELD_AFTER bytes of the
-# answer through and then holds (tests/relay.py), so the read is in flight on both sides and cannot
-# have completed (the relay forwarded less than the read moves) when the prefill is told to switch.
+# The rollback: the decoder reads (or writes) BIG_ROWS x BIG_ROW through a relay that lets HELD_AFTER
+# bytes through and then holds (tests/relay.py), so the transfer is in flight and cannot have completed
+# (the relay forwarded less than it moves) when one side is told to switch. A held read is in flight on
+# the decoder (the prefill may have handed all its bytes to the kernel's socket buffers, which hold more
+# than this read across the link's four streams); a held write is in flight on the prefill, whose
+# serving thread waits for the payload. Each case switches the side the transfer is in flight on.
 BIG_ROWS, BIG_ROW = 96, 256 * 1024  # 24 MiB
 HELD_AFTER = 1 << 20
 DRAIN_TIMEOUT_MS = 300
-TRANSFER_TIMEOUT_MS = 30000  # both engines': the held read must outlive the drain, by far
+TRANSFER_TIMEOUT_MS = 30000  # both engines': the held transfer must outlive the drain, by far
 
 
 @only("cpu-tcp")
 @pytest.mark.one_host("the decoder links through a relay in the test process")
-def test_a_drain_past_its_timeout_rolls_back(peers: Callable[..., Peer], variant: Variant) -> None:
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_drain_past_its_timeout_rolls_back(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
     prefill, decoder = peers("prefill", env=variant.env()), peers("decoder", env=variant.env())
-    port = prefill.call(native.start, TARGET, listen=True, timeout_ms=TRANSFER_TIMEOUT_MS)
-    src = prefill.call(native.register, "big", BIG_ROWS, BIG_ROW, seed=3, key=7)
-    decoder.call(native.start, INITIATOR, timeout_ms=TRANSFER_TIMEOUT_MS)
+    port = prefill.call(native.start, TARGET, listen=True, timeout_ms=TRANSFER_TIMEOUT_MS, role="PROMPT")
+    remote = prefill.call(native.register, "big", BIG_ROWS, BIG_ROW, seed=3, key=7)
+    decoder.call(native.start, INITIATOR, timeout_ms=TRANSFER_TIMEOUT_MS, role="DECODER")
     decoder.call(native.register, "big", BIG_ROWS, BIG_ROW, seed=4)
-    src0, dst0 = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "big")
+    # the read moves the prefill's bytes into the decoder, the write the decoder's into the prefill
+    (src, dst), direction = ((prefill, decoder), DOWN) if op == "read" else ((decoder, prefill), UP)
+    switching, counter = (decoder, "transfers_in_flight") if op == "read" else (prefill, "served_in_flight")
+    role = "PROMPT" if switching is decoder else "DECODER"
+    src0, dst0 = src.call(native.snapshot, "big"), dst.call(native.snapshot, "big")
     with Relay(port) as relay:
         assert decoder.call(native.connect, relay.port, TARGET) == TARGET
         assert [li.transport for li in decoder.call(native.links)] == ["tcp"]  # no same-host path around it
-        relay.hold_after(DOWN, HELD_AFTER)
-        decoder.call(native.start_read, TARGET, "big", src)
-        assert relay.wait_held(DOWN) >= HELD_AFTER
-        # in flight on both sides: the prefill serves it, the decoder waits for it
-        assert prefill.call(switch_load.role_state)["served_in_flight"] >= 1
-        assert decoder.call(switch_load.role_state)["transfers_in_flight"] >= 1
-        before = prefill.call(switch_load.role_state)
+        relay.hold_after(direction, HELD_AFTER)
+        decoder.call(switch_load.start_transfer, op, TARGET, "big", remote)
+        assert relay.wait_held(direction) >= HELD_AFTER
+        wait_until(lambda: switching.call(switch_load.role_state)[counter] >= 1, 10,
+                   f"the held {op} counted in flight ({counter}) on the side that switches")
+        before = switching.call(switch_load.role_state)
         with pytest.raises(LLMException) as e:
-            prefill.call_within(hang_guard(DRAIN_TIMEOUT_MS), switch_load.switch, "DECODER", 0, DRAIN_TIMEOUT_MS)
+            switching.call_within(hang_guard(DRAIN_TIMEOUT_MS), switch_load.switch, role, 0, DRAIN_TIMEOUT_MS)
         assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
-        after = prefill.call(switch_load.role_state)
-        assert (after["role"], after["epoch"], after["phase"]) == (before["role"], before["epoch"], "ready") == (
-            "PROMPT", 0, "ready"), (before, after)
-        assert relay.forwarded[DOWN] < BIG_ROWS * BIG_ROW, relay.forwarded  # it could not have completed
+        after = switching.call(switch_load.role_state)
+        assert (after["role"], after["epoch"], after["phase"]) == (before["role"], 0, "ready"), (before, after)
+        assert after[counter] >= 1  # rolled back with the transfer still in flight, not cancelled
+        assert relay.forwarded[direction] < BIG_ROWS * BIG_ROW, relay.forwarded  # it could not have completed
+        assert decoder.call(switch_load.finish_transfer, 0) is None  # still running
         relay.release()
-        ok, _ = decoder.call_within(hang_guard(TRANSFER_TIMEOUT_MS), native.finish_read, "big", 0)
-        assert ok, "the held read failed after the rollback"
-        pass_through = relay.forwarded[DOWN]
-    assert pass_through >= BIG_ROWS * BIG_ROW
-    assert_same(decoder.call(native.snapshot, "big"), dst0.with_rows(src0, [(b, b) for b in range(BIG_ROWS)]),
-                "the destination of the read held across the rollback")
-    assert_same(prefill.call(native.snapshot, "big"), src0, "its source")
-    wait_until(lambda: prefill.call(switch_load.role_state)["pins"] == 0, 30, "no pins left on the prefill")
+        assert decoder.call_within(hang_guard(TRANSFER_TIMEOUT_MS), switch_load.finish_transfer,
+                                   hang_guard(TRANSFER_TIMEOUT_MS) / 2) == "ok"
+        assert relay.forwarded[direction] >= BIG_ROWS * BIG_ROW
+    assert_same(dst.call(native.snapshot, "big"), dst0.with_rows(src0, [(b, b) for b in range(BIG_ROWS)]),
+                f"the destination of the {op} held across the rollback")
+    assert_same(src.call(native.snapshot, "big"), src0, f"the source of the {op}")
+    wait_until(lambda: switching.call(switch_load.role_state)["pins"] == 0, 30, "no pins left")
     # the rolled-back engine switches as usual
-    state = prefill.call_within(SWITCH_GUARD_S, switch_load.switch, "DECODER", 0)
-    assert (state["role"], state["epoch"], state["phase"]) == ("DECODER", 1, "ready"), state
+    state = switching.call_within(SWITCH_GUARD_S, switch_load.switch, role, 0)
+    assert (state["role"], state["epoch"], state["phase"]) == (role, 1, "ready"), state

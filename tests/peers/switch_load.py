@@ -55,6 +55,7 @@ class _Puller:
     codes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)  # allowed refusals
     partial: int = 0  # refused pulls that had already moved some of their rows
     prepares: int = 0
+    steps: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # "<step> <code>"
     error: str | None = None  # the first thing that was not allowed; the thread stopped there
 
 
@@ -100,10 +101,13 @@ def _pull_loop(p: _Puller, index: int, peer: int, remote: pdlink.RemoteRegion, s
     n = 0
     while not _state["stop"].is_set():
         n += 1
+        step = "read"
         count = rng.randint(1, rows)
         src_rows = rng.sample(range(rows), count)
         dst_rows = rng.sample(range(rows), count)
-        fill = pattern(rows * row_bytes, 0, 2 + (index * 7919 + n) % 240).reshape(rows, row_bytes)
+        # row r of the fill is one byte value repeated, new with every pull: never a source row (whose
+        # bytes all differ from their neighbours), never what the last pull left
+        fill = np.repeat(((np.arange(rows) + n) % 255 + 1).astype(np.uint8), row_bytes).reshape(rows, row_bytes)
         direct_write(base + GUARD_BYTES, fill, device)
         try:
             if p.kind == "read":
@@ -111,8 +115,10 @@ def _pull_loop(p: _Puller, index: int, peer: int, remote: pdlink.RemoteRegion, s
                                [(remote.address + s * row_bytes, row_bytes) for s in src_rows])
             else:
                 if prepared is None:
+                    step = "prepare"
                     prepared = _engine().prepare(peer, p.region, remote)
                     p.prepares += 1
+                step = "post"
                 prepared.read(np.array(dst_rows, np.int64), np.array(src_rows, np.int64))
             outcome: Outcome = "ok"
         except pdlink.LLMException as e:
@@ -146,6 +152,7 @@ def _pull_loop(p: _Puller, index: int, peer: int, remote: pdlink.RemoteRegion, s
                        f"{_where(got, fill, guards_ok)}")
             return
         p.codes[int(outcome)] += 1
+        p.steps[f"{step} {outcome}"] += 1
         p.partial += bool(moved)
         if outcome == int(pdlink.LLMStatusCode.LLM_STALE_EPOCH):
             prepared = None  # prepared against the peer's old epoch: prepare again
@@ -163,6 +170,11 @@ def progress() -> list[int]:
     return [p.ok if p.error is None else -1 for p in _state["pullers"]]
 
 
+def stale_counts() -> list[int]:
+    """Each puller's count of LLM_STALE_EPOCH refusals so far."""
+    return [p.codes[int(pdlink.LLMStatusCode.LLM_STALE_EPOCH)] for p in _state["pullers"]]
+
+
 def stop_pullers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """Stops and joins the pullers, deregisters their regions; one dict per puller: ``kind``,
     ``ok``, ``codes`` (status code -> count), ``partial``, ``prepares``, ``error``, ``alive``
@@ -173,7 +185,7 @@ def stop_pullers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
         assert p.thread is not None
         p.thread.join(timeout_s)
         out.append({"kind": p.kind, "ok": p.ok, "codes": dict(p.codes), "partial": p.partial,
-                    "prepares": p.prepares, "error": p.error, "alive": p.thread.is_alive()})
+                    "prepares": p.prepares, "steps": dict(p.steps), "error": p.error, "alive": p.thread.is_alive()})
     for p, report in zip(_state["pullers"], out):
         if not report["alive"]:
             _engine().deregister(p.region)
@@ -181,7 +193,32 @@ def stop_pullers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     return out
 
 
-# ------------------------------------------------------------------ prefill: switches
+def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
+    """``Engine.read`` or ``write`` (``op``) of the whole of ``peers.native``'s region ``name``
+    from / to ``remote_address`` on ``peer``, on a thread of its own; ``finish_transfer`` waits."""
+    region = native._state["regions"][name].region
+
+    def run() -> None:
+        try:
+            getattr(_engine(), op)(peer, [(region.address, region.length)], [(remote_address, region.length)])
+            _state["transfer"] = "ok"
+        except pdlink.LLMException as e:
+            _state["transfer"] = int(e.status_code)
+
+    _state["transfer"] = None
+    _state["transferer"] = threading.Thread(target=run, daemon=True)
+    _state["transferer"].start()
+
+
+def finish_transfer(timeout_s: float) -> Outcome | None:
+    """The ``start_transfer`` transfer's outcome ("ok" or its status code), after waiting at most
+    ``timeout_s`` for it (None: still running)."""
+    _state["transferer"].join(timeout_s)
+    outcome: Outcome | None = _state["transfer"]
+    return outcome
+
+
+# ------------------------------------------------------------------ switches
 
 
 def role_state() -> dict[str, Any]:
@@ -191,8 +228,10 @@ def role_state() -> dict[str, Any]:
 
 
 def switch(role: str, expected_epoch: int | None = None, drain_timeout_ms: int | None = None) -> dict[str, Any]:
-    """``Engine.switch_role(role)``, listening where the engine listens now; the role state after."""
-    _engine().switch_role(role, addr.listen(_engine().listen_port), expected_epoch=expected_epoch,
+    """``Engine.switch_role(role)``, listening where the engine listens now (not listening if it
+    does not); the role state after."""
+    port = _engine().listen_port
+    _engine().switch_role(role, addr.listen(port) if port else None, expected_epoch=expected_epoch,
                           drain_timeout_ms=drain_timeout_ms)
     return role_state()
 
