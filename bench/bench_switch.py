@@ -149,8 +149,8 @@ def decoder_main(conn: Any, path: str, port: int, src: int, cfg: dict[str, Any])
         dests[i][:] = 0
         engines[i].read(PREFILL_ID, [(regions[i].address, nbytes)], [(src, nbytes)])
         exact = exact and bool(np.array_equal(dests[i], expect))
-    for e in engines:
-        e.close()
+    for engine in engines:
+        engine.close()
     conn.send({"pulls": sum(done), "refused": sum(refused), "errors": errors, "exact_after": exact,
                "stuck": sum(t.is_alive() for t in threads)})
 
