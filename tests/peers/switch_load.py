@@ -193,6 +193,13 @@ def stop_pullers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     return out
 
 
+def fill(name: str, value: int) -> None:
+    """Writes ``value`` over every byte of ``peers.native``'s region ``name`` (not through pdlink)."""
+    named = native._state["regions"][name]
+    for a in named.memory.addrs:
+        direct_write(a, np.full(named.memory.tensor_bytes, value, np.uint8), named.memory.device)
+
+
 def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
     """``Engine.read`` or ``write`` (``op``) of the whole of ``peers.native``'s region ``name``
     from / to ``remote_address`` on ``peer``, on a thread of its own; ``finish_transfer`` waits."""
@@ -258,6 +265,24 @@ def race(role: str, expected_epoch: int, drain_timeout_ms: int | None = None) ->
     for t in threads:
         t.join(60)
     return outcomes
+
+
+def start_switch(role: str, expected_epoch: int | None = None, drain_timeout_ms: int | None = None) -> None:
+    """``switch`` on a thread of its own; ``switch_outcome`` waits for it."""
+    def run() -> None:
+        _state["switched"] = try_switch(role, expected_epoch, drain_timeout_ms)
+
+    _state["switched"] = None
+    _state["switcher"] = threading.Thread(target=run, daemon=True)
+    _state["switcher"].start()
+
+
+def switch_outcome(timeout_s: float) -> Outcome | None:
+    """The ``start_switch`` switch's outcome ("ok" or its status code), after waiting at most
+    ``timeout_s`` for it (None: still pending)."""
+    _state["switcher"].join(timeout_s)
+    outcome: Outcome | None = _state["switched"]
+    return outcome
 
 
 def try_switch(role: str, expected_epoch: int | None = None, drain_timeout_ms: int | None = None) -> Outcome:
