@@ -45,6 +45,7 @@ PREFILL_ID, DECODER_ID = 11, 12
 KEY = 7
 PULLERS = 8
 IN_FLIGHT_WAIT_S = 0.5
+REFUSED_BACKOFF_S = 0.001  # a puller refused with LLM_ROLE_SWITCHING tries again after this
 FIELD = "vLLM / SGLang / MindIE (issue #34): 0.3-1.6 s idle, up to 4.3 s under load"
 
 
@@ -134,6 +135,7 @@ def decoder_main(conn: Any, path: str, port: int, src: int, cfg: dict[str, Any])
                     errors.append(f"puller {i}: {e!r}")
                     return
                 refused[i] += 1
+                time.sleep(REFUSED_BACKOFF_S)  # as a client would: the prefill is draining
 
     assert conn.recv() == "load"
     threads = [threading.Thread(target=pull, args=(i,), daemon=True) for i in range(PULLERS)]
