@@ -6,18 +6,22 @@ Two processes on one host per data path (cma, tcp, and ucx over its tcp transpor
 a prefill engine that listens and publishes one 64 MiB region, and 8 decoder engines in one
 process, each linked to it (transfers on one link run one at a time) with a 64 MiB destination.
 
-  * idle   : SWITCHES switches with nothing in flight;
+  * idle   : --switches switches (100) with nothing in flight;
   * loaded : each decoder engine pulls the whole 64 MiB region into its destination on a thread
              of its own, again and again (a pull refused with LLM_ROLE_SWITCHING while the prefill
-             drains is tried again at once); before each switch the prefill waits (at most
-             IN_FLIGHT_WAIT_S) until it serves 8 transfers, so a switch starts with up to 8 x 64 MiB
-             in flight and its drain waits for what is left of them.
+             drains is tried again after 1 ms); before each switch the prefill waits (at most
+             IN_FLIGHT_WAIT_S) until it serves 8 requests, so a switch starts with up to 8 x 64 MiB
+             in flight and its drain waits for what it counts of them (on tcp only the chunk being
+             served: tests/paths/test_switch_under_load.py, ``TORN``).
 
 Timed: the ``switch_role`` call in the prefill's process, which returns once the switch committed
-(the drain included). Reported: p50 and p99 over the switches, per data path, and how many
-transfers the prefill served when each loaded switch began (median). On cma a descriptor read is a
+(the drain included). Reported: p50 and p99 over the switches, per data path, how many requests
+the prefill served when each loaded switch began (median), and how many pulls completed and were
+refused meanwhile. On cma a descriptor read is a
 kernel copy the prefill never sees (the cached-layout path), so it counts none and drains none.
-Every pull is verified: one byte for byte before the load, one after, each against the pattern.
+Verified byte for byte: one pull before the load, and one into each of the 8 destinations after it
+(a pull under the switches ends exact or refused with LLM_ROLE_SWITCHING; any other error fails
+the run).
 
     python bench/bench_switch.py                 # 100 switches per path and mode (a few minutes on 2 cores)
     python bench/bench_switch.py --smoke         # 8 x 1 MiB, 6 switches: seconds; what CI runs
@@ -209,6 +213,10 @@ def stats(ms: list[float]) -> dict[str, float]:
     return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": max(ms), "n": len(ms)}
 
 
+def ms(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.1f}"
+
+
 def report(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     mib = cfg["nbytes"] // MIB
     lines = [f"role switches, {cfg['switches']} per mode; loaded: {PULLERS} pulls of {mib} MiB running "
@@ -221,8 +229,8 @@ def report(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
             lines.append(f"| {path} | skipped: {r['skipped']} | | | | | | |")
             continue
         idle, loaded = r["idle"]["stats"], r["loaded"]["stats"]
-        lines.append(f"| {path} ({r['transport']}) | {idle['p50']:.3f} | {idle['p99']:.3f} | {loaded['p50']:.1f} | "
-                     f"{loaded['p99']:.1f} | {loaded['max']:.1f} | "
+        lines.append(f"| {path} ({r['transport']}) | {ms(idle['p50'])} | {ms(idle['p99'])} | {ms(loaded['p50'])} | "
+                     f"{ms(loaded['p99'])} | {ms(loaded['max'])} | "
                      f"{statistics.median(r['loaded']['in_flight']):.0f} | "
                      f"{r['pulls']['pulls']} / {r['pulls']['refused']} |")
     lines.append(f"for context, the field's published switch times: {FIELD}")
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("idle", "loaded"):
             r[mode]["stats"] = stats(r[mode]["ms"])
         results["paths"][path] = r
-        print(f"{path}: idle p50 {r['idle']['stats']['p50']:.3f} ms, loaded p50 {r['loaded']['stats']['p50']:.1f} ms",
+        print(f"{path}: idle p50 {ms(r['idle']['stats']['p50'])} ms, loaded p50 {ms(r['loaded']['stats']['p50'])} ms",
               flush=True)
     lines = report(results, cfg)
     print("\n".join(lines))
