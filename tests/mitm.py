@@ -40,11 +40,12 @@ class Request:
     payload_len: int
     tag: bytes
     payload: bytes
+    epoch_tag: int = 0  # wire v7: the request's epoch fence (a prepared transfer's)
 
     @property
     def raw(self) -> bytes:
-        header = struct.pack(rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, self.op, self.flags, 0, len(self.body),
-                             self.payload_len)
+        header = struct.pack(rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, self.op, self.flags, self.epoch_tag,
+                             len(self.body), self.payload_len)
         return header + self.body + self.tag + self.payload
 
     def payload_bytes(self, integrity: bool) -> bytes:
@@ -118,12 +119,12 @@ class Channel:
 
     def _read_request(self) -> Request:
         head = rawwire.recv_exact(self.client, rawwire.REQUEST_HEADER_BYTES)
-        _magic, op, flags, _tag, blen, plen = struct.unpack(rawwire.REQUEST_FORMAT, head)
+        _magic, op, flags, epoch_tag, blen, plen = struct.unpack(rawwire.REQUEST_FORMAT, head)
         body = rawwire.recv_exact(self.client, blen)
         tag = rawwire.recv_exact(self.client, rawwire.TAG_BYTES) if self.authenticated else b""
         chunks = -(-plen // CHUNK) if self.integrity else 0
         payload = rawwire.recv_exact(self.client, plen + chunks * rawwire.TAG_BYTES) if plen else b""
-        return Request(op, flags, body, plen, tag, payload)
+        return Request(op, flags, body, plen, tag, payload, epoch_tag)
 
     def _down(self) -> None:  # acceptor -> dialler
         try:

@@ -1,4 +1,4 @@
-"""A raw speaker of pdlink's wire protocol (v5), for hostile-peer and hostile-server tests: it says
+"""A raw speaker of pdlink's wire protocol (v7), for hostile-peer and hostile-server tests: it says
 exactly the bytes a test wants, well-formed or not. Layouts: csrc/transport/wire.h and
 docs/architecture.md, "Wire protocol"."""
 

@@ -244,11 +244,11 @@ void bindEngineReports(py::module_& m) {
                  field("listener_backoffs", &EngineStats::listener_backoffs),
                  field("pins_expired", &EngineStats::pins_expired), field("notifications", &EngineStats::notifications),
                  field("notifications_refused", &EngineStats::notifications_refused)));
-  bindRecord(m, "RoleState",
-             std::make_tuple(field("role", &RoleState::role), field("epoch", &RoleState::epoch),
-                             field("phase", &RoleState::phase),
-                             field("transfers_in_flight", &RoleState::transfers_in_flight),
-                             field("served_in_flight", &RoleState::served_in_flight), field("pins", &RoleState::pins)));
+  bindRecord(
+      m, "RoleState",
+      std::make_tuple(field("role", &RoleState::role), field("epoch", &RoleState::epoch),
+                      field("phase", &RoleState::phase), field("transfers_in_flight", &RoleState::transfers_in_flight),
+                      field("served_in_flight", &RoleState::served_in_flight), field("pins", &RoleState::pins)));
   bindRecord(m, "PoolInfo",
              std::make_tuple(field("placement", &Engine::PoolInfo::placement), field("base", &Engine::PoolInfo::base),
                              field("capacity", &Engine::PoolInfo::capacity), field("used", &Engine::PoolInfo::used)));

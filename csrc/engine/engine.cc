@@ -167,9 +167,7 @@ uint32_t EngineLimits::defaultMaxLinks() {
 
 // ---------------------------------------------------------------- links, serving, transfers
 
-Status Engine::switchRole(const SwitchOptions& options) {
-  return link_manager_.switchRole(options);
-}
+Status Engine::switchRole(const SwitchOptions& options) { return link_manager_.switchRole(options); }
 
 std::vector<Status> Engine::link(const std::vector<PeerAddress>& peers, int64_t timeout_ms,
                                  std::vector<uint64_t>* peer_ids) {

@@ -324,8 +324,8 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
       s_.phase.store(Phase::kRollingBack);
       s_.phase.store(Phase::kReady);  // nothing was changed: the old role and epoch stand
     }
-    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << ": role switch rolled back after " << drain_ms
-                                << " ms of drain");
+    PDLINK_LOG(kInfo,
+               "engine " << s_.config.cluster_id << ": role switch rolled back after " << drain_ms << " ms of drain");
     return Status(Code::kTimeout, Scope::kCall,
                   "the role switch did not drain within " + std::to_string(drain_ms) + " ms (" +
                       std::to_string(transfers) + " transfers, " + std::to_string(served) + " served requests, " +
@@ -354,8 +354,8 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
         // The old listener is gone and the new one could not be had: the engine is in neither role.
         s_.phase.store(Phase::kFailed);
         return Status(l.status().code(), l.status().message() +
-                                              "; the old listener was given up: the switch failed (phase failed, "
-                                              "role and epoch unchanged); switch again to resolve it");
+                                             "; the old listener was given up: the switch failed (phase failed, "
+                                             "role and epoch unchanged); switch again to resolve it");
       }
       s_.phase.store(Phase::kRollingBack);
       s_.phase.store(Phase::kReady);
@@ -370,10 +370,10 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
       listener_ = std::move(fresh);
     }
     commitLocked();
-    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << " switched to role " << static_cast<int>(o.role)
-                                << ", epoch " << s_.epoch
-                                << (listener_ ? ", listening on port " + std::to_string(listener_->port())
-                                              : ", not listening"));
+    PDLINK_LOG(
+        kInfo,
+        "engine " << s_.config.cluster_id << " switched to role " << static_cast<int>(o.role) << ", epoch " << s_.epoch
+                  << (listener_ ? ", listening on port " + std::to_string(listener_->port()) : ", not listening"));
   }
   s_.registry.bumpGeneration();
   return Status::OK();

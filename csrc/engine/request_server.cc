@@ -129,7 +129,8 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     return Status::OK();
   }
   if (h.op == wire::Op::kRelease) return Status::OK();
-  if (h.op == wire::Op::kDescribe) return gate.ok() ? serveDescribe(*link, s, h, tb, deadline) : sendResponse(s, gate, deadline);
+  if (h.op == wire::Op::kDescribe)
+    return gate.ok() ? serveDescribe(*link, s, h, tb, deadline) : sendResponse(s, gate, deadline);
   return serveAccess(*link, s, h, tb, deadline, state, gate);
 }
 

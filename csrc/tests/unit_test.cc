@@ -121,8 +121,8 @@ void responseHeaderCases() {
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: text past the limit");
   // v7: 24 bytes, the server's epoch tag at offset 20, then a u16 that must be zero.
   f = wire::encode(wire::ResponseHeader{static_cast<uint32_t>(Code::kStaleEpoch), 0, 0, 0xBEEF});
-  check(f.size() == wire::kResponseHeaderBytes && wire::kResponseHeaderBytes == 24 && static_cast<uint8_t>(f[20]) == 0xEF &&
-            static_cast<uint8_t>(f[21]) == 0xBE && f[22] == 0 && f[23] == 0,
+  check(f.size() == wire::kResponseHeaderBytes && wire::kResponseHeaderBytes == 24 &&
+            static_cast<uint8_t>(f[20]) == 0xEF && static_cast<uint8_t>(f[21]) == 0xBE && f[22] == 0 && f[23] == 0,
         "response header: 24 bytes, the epoch tag at offset 20, a zero u16");
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: the stale-epoch code decodes");
   check(got.epoch_tag == 0xBEEF && got.status == static_cast<uint32_t>(Code::kStaleEpoch),

@@ -253,8 +253,8 @@ struct RequestHeader {
   Op op = Op::kRead;
   uint32_t body_len = 0;  // at most kMaxBodyBytes
   uint64_t payload_len = 0;
-  uint8_t flags = 0;        // a combination above; which ones a link accepts: RequestServer::admit
-  uint16_t epoch_tag = 0;   // the epoch fence above; 0: unfenced
+  uint8_t flags = 0;       // a combination above; which ones a link accepts: RequestServer::admit
+  uint16_t epoch_tag = 0;  // the epoch fence above; 0: unfenced
 };
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);

@@ -32,6 +32,7 @@ from verify import Snapshot, assert_same, check_transfer, nothing, rows
 KEY = Pair.KEY
 SHAPE = (8, 256)  # 8 blocks of 512 bytes per tensor
 ROW = SHAPE[1] * 2
+HEAD = rawwire.RESPONSE_HEADER_BYTES  # a response header (wire v7), before its message and payload
 SECRET = "mitm-test-secret"
 AUTH_FAILURE = "failed its authentication"
 S = LLMStatusCode
@@ -107,10 +108,10 @@ def test_an_injected_read_gets_no_answer(mitm: Callable[..., Mitm], secret: bool
     src = m.src()
     fwd.inject(block_read(3) + os.urandom(rawwire.TAG_BYTES))  # a tag the proxy can only guess
     if not secret:
-        wait_until(lambda: len(fwd.captured) >= 20 + ROW, 10, "the victim answers the injected read")
+        wait_until(lambda: len(fwd.captured) >= HEAD + ROW, 10, "the victim answers the injected read")
         status, mlen, plen = struct.unpack_from("<IIQ", fwd.captured, 4)
         assert (status, mlen, plen) == (0, 0, ROW)
-        assert bytes(fwd.captured[20:20 + ROW]) == src.tensor(0)[3 * ROW:4 * ROW].tobytes()  # the victim's block
+        assert bytes(fwd.captured[HEAD:HEAD + ROW]) == src.tensor(0)[3 * ROW:4 * ROW].tobytes()  # the victim's block
         return
     wait_until(fwd.closed.is_set, 10, "the victim closes the channel")
     assert fwd.captured == b""  # not a byte of the victim's memory went out
@@ -126,7 +127,7 @@ def test_an_injected_write_does_not_land(mitm: Callable[..., Mitm], secret: bool
     forged = b"\xee" * ROW
     fwd.inject(block_write(5, forged) + os.urandom(rawwire.TAG_BYTES))
     if not secret:
-        wait_until(lambda: len(fwd.captured) >= 20, 10, "the victim answers the injected write")
+        wait_until(lambda: len(fwd.captured) >= HEAD, 10, "the victim answers the injected write")
         assert_same(m.src(), src.with_tensor_bytes(0, 5 * ROW, np.frombuffer(forged, dtype=np.uint8)), "victim")
         return
     m.dropped_for_authentication()
@@ -146,7 +147,7 @@ def test_a_replayed_push_does_not_land_again(mitm: Callable[..., Mitm], secret: 
     src = m.src()
     fwd.inject(push.raw)
     if not secret:
-        wait_until(lambda: len(fwd.captured) >= 20, 10, "the victim answers the replayed push")
+        wait_until(lambda: len(fwd.captured) >= HEAD, 10, "the victim answers the replayed push")
         assert_same(m.src(), src.with_rows(m.dst(), [(1, 2)]), "victim")
         return
     m.dropped_for_authentication()

@@ -144,9 +144,9 @@ def test_sealed_frames_follow_the_documented_scheme(peers: Callable[..., Peer]) 
     ping = sealer.seal(rawwire.request(rawwire.OP_PING, b""))
     fwd.sock.sendall(ping)
     fwd.sock.settimeout(5)
-    answer = rawwire.recv_exact(fwd.sock, 20 + rawwire.TAG_BYTES)
+    answer = rawwire.recv_exact(fwd.sock, rawwire.RESPONSE_HEADER_BYTES + rawwire.TAG_BYTES)
     assert struct.unpack_from("<IIQ", answer, 4) == (0, 0, 0)
-    assert sealer.check(answer[:20], answer[20:])
+    assert sealer.check(answer[:rawwire.RESPONSE_HEADER_BYTES], answer[rawwire.RESPONSE_HEADER_BYTES:])
     fwd.sock.sendall(ping)  # replayed: its tag was for frame 0, the acceptor expects frame 1
     assert fwd.sock.recv(64) == b""  # closed without an answer
     wait_until(lambda: "failed its authentication" in p.call(kv.links)[0]["broken_reason"], 20,

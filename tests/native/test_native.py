@@ -239,25 +239,28 @@ def test_engine_errors_speak_the_engines_words() -> None:
         assert str(e.value).endswith("no link to cluster 5; connect first"), str(e.value)
         b.connect(f"127.0.0.1:{a.listen_port}")
         with pytest.raises(LLMException) as e2:
-            b.switch_role("PROMPT", listen="127.0.0.1:0")
+            b.switch_role("PROMPT", listen="127.0.0.1:0", require_no_links=True)
         assert e2.value.status_code == S.LLM_EXIST_LINK
         assert "disconnect them first" in str(e2.value) and "unlink_clusters" not in str(e2.value), str(e2.value)
 
 
-def test_switch_role_moves_the_listener_and_needs_no_links() -> None:
+def test_switch_role_moves_the_listener_and_keeps_the_links() -> None:
     with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, role="PROMPT", listen="127.0.0.1:0", backend="cpu")) as a, \
             pdlink.Engine(pdlink.EngineOptions(cluster_id=2, role="DECODER", backend="cpu")) as b:
         assert (a.role, b.role, b.listen_port) == ("PROMPT", "DECODER", 0)
         assert b.connect(f"127.0.0.1:{a.listen_port}") == 1
-        with pytest.raises(LLMException) as e:  # links are open
-            b.switch_role("PROMPT", listen="127.0.0.1:0")
+        with pytest.raises(LLMException) as e:  # llm_datadist's contract, on request: no link may be open
+            b.switch_role("PROMPT", listen="127.0.0.1:0", require_no_links=True)
         assert e.value.status_code == S.LLM_EXIST_LINK
-        assert b.role == "DECODER"
-        b.disconnect(1)
-        b.switch_role("PROMPT", listen="127.0.0.1:0")
+        assert (b.role, b.role_state().epoch) == ("DECODER", 0)
+        b.switch_role("PROMPT", listen="127.0.0.1:0")  # links survive a switch
         a.switch_role("DECODER")
         assert (a.role, a.listen_port, b.role, b.listen_port > 0) == ("DECODER", 0, "PROMPT", True)
-        assert a.connect(f"127.0.0.1:{b.listen_port}") == 2  # the roles are reversed, the link works
+        assert [link.peer_cluster_id for link in b.links()] == [1]
+        assert [link.peer_cluster_id for link in a.links()] == [2]
+        assert (a.role_state().epoch, b.role_state().epoch) == (1, 1)
+        b.disconnect(1)
+        assert a.connect(f"127.0.0.1:{b.listen_port}") == 2  # the roles are reversed, a new link works
 
 
 def test_bad_posts_and_descriptors_are_refused_and_move_nothing() -> None:

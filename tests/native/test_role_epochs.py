@@ -9,11 +9,14 @@ destination and its guards (tests/verify.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 from collections.abc import Callable, Iterator
 
 import pytest
 
 import native_pair
+import pdlink
 from backend_env import Variant
 from native_pair import INITIATOR, ROW, ROWS, TARGET, copies
 from pdlink import LLMException, LLMStatusCode
@@ -113,7 +116,7 @@ class Held:
         # the target, restarted with a long transfer timeout (the hold must outlast the drain)
         two.initiator.call(native.close)
         two.target.call(native.close)
-        port = two.target.call(native.start, TARGET, listen=True, timeout_ms=SLOW_MS)
+        self.port = port = two.target.call(native.start, TARGET, listen=True, timeout_ms=SLOW_MS)
         two.src = two.target.call(native.register, "src", ROWS, ROW, seed=1, key=7)
         two.target.call(native.register, "sink", ROWS, ROW, seed=None)
         two.initiator.call(native.start, INITIATOR)
@@ -157,6 +160,12 @@ def test_a_switch_drains_what_is_in_flight_and_refuses_new_transfers_on_both_sid
     _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.post, "back", [2], [2], "read")
     # another switch while this one is pending
     _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.switch_role, "DECODER")
+    # new links, both ways: the target's dial, and a newcomer's (refused with the reason)
+    late = two.peers("late", env=two.variant.env())
+    late_port = late.call(native.start, 4, listen=True)
+    _refused(LLMStatusCode.LLM_ROLE_SWITCHING, two.target.call, native.connect, late_port, 4)
+    e = _refused(LLMStatusCode.LLM_LINK_FAILED, late.call, native.connect, held.port, TARGET)
+    assert "switching its role" in str(e), str(e)
     assert_same(two.read("dst")(), dst0, "the initiator's destination while refused")
     assert_same(two.read("src")(), src0, "the target's source while refused")
     assert _state(two.target) == ("MIX", 0, "draining")  # the held read is what it waits for
@@ -183,3 +192,71 @@ def test_a_drain_past_its_timeout_rolls_back(two: Two) -> None:
     check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
         native.batch, TARGET, [("dst", 0, 64)], [two.src], "read"), copies([(0, 0, 64)]))
     assert two.target.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
+
+
+def _occupied(ip: str, port: int = 0) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((ip, port))
+    s.listen(1)
+    return s
+
+
+def test_a_listener_that_cannot_be_bound_rolls_back_while_the_old_one_is_held() -> None:
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0", backend="cpu")) as e, \
+            _occupied("127.0.0.1") as taken:
+        port = e.listen_port
+        with pytest.raises(LLMException) as err:
+            e.switch_role("PROMPT", ("127.0.0.1", taken.getsockname()[1]))
+        assert err.value.status_code == LLMStatusCode.LLM_FAILED, str(err.value)
+        assert "rolled back" in str(err.value)
+        assert (e.role_state().as_dict(), e.listen_port) == (
+            {"role": "MIX", "epoch": 0, "phase": "ready", "transfers_in_flight": 0, "served_in_flight": 0,
+             "pins": 0}, port)
+        with pdlink.Engine(pdlink.EngineOptions(cluster_id=2, backend="cpu")) as d:
+            assert d.connect(f"127.0.0.1:{port}") == 1  # still listening where it was
+
+
+def test_a_listener_lost_in_the_move_leaves_the_phase_failed_until_the_next_switch() -> None:
+    """A move to the same port on another address gives the old listener up first; when the new
+    address cannot be bound the engine is in neither role: phase "failed", role and epoch unchanged,
+    until a later switch resolves it."""
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0", backend="cpu")) as e:
+        port = e.listen_port
+        with _occupied("127.0.0.2", port):
+            with pytest.raises(LLMException) as err:
+                e.switch_role("PROMPT", ("127.0.0.2", port))
+            assert "phase failed" in str(err.value), str(err.value)
+            state = e.role_state()
+            assert (state.role, state.epoch, state.phase, e.listen_port) == ("MIX", 0, "failed", 0)
+            with pytest.raises(LLMException) as stale:  # the checks still apply
+                e.switch_role("PROMPT", "127.0.0.1:0", expected_epoch=1)
+            assert stale.value.status_code == LLMStatusCode.LLM_STALE_EPOCH
+        e.switch_role("PROMPT", "127.0.0.1:0", expected_epoch=0)
+        state = e.role_state()
+        assert (state.role, state.epoch, state.phase, e.listen_port > 0) == ("PROMPT", 1, "ready", True)
+
+
+def test_one_way_links_switch_the_label_and_the_epoch() -> None:
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0", backend="cpu",
+                                            one_way_links=True)) as e:
+        port = e.listen_port
+        with pytest.raises(LLMException) as stale:
+            e.switch_role("DECODER", expected_epoch=3)
+        assert stale.value.status_code == LLMStatusCode.LLM_STALE_EPOCH
+        e.switch_role("DECODER", expected_epoch=0)
+        assert (e.role_state().role, e.role_state().epoch, e.listen_port) == ("DECODER", 1, port)
+        with pytest.raises(LLMException) as moved:
+            e.switch_role("PROMPT", "127.0.0.1:1")
+        assert moved.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        assert e.role_state().epoch == 1
+
+
+def test_role_state_is_read_only_and_drain_timeouts_are_checked() -> None:
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, backend="cpu")) as e:
+        state = e.role_state()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            state.epoch = 5  # type: ignore[misc]
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError):
+                e.switch_role("PROMPT", drain_timeout_ms=bad)  # type: ignore[arg-type]
+        assert e.role_state() == state

@@ -6,6 +6,7 @@ from enum import IntEnum
 
 import pytest
 
+import internals
 from internals import handle_llm_status, raise_if_false, raise_if_true
 from llm_datadist import Status
 from llm_datadist.status import code_2_status
@@ -38,6 +39,8 @@ EXPECTED_CODES = {
     "LLM_TIMEOUT": 1343270938,
     "LLM_LINK_BUSY": 1343270939,
     "LLM_OUT_OF_MEMORY": 1343270940,
+    "LLM_STALE_EPOCH": 0x5010B101,  # pdlink's own (role epochs): no llm_datadist call raises them
+    "LLM_ROLE_SWITCHING": 0x5010B102,
     "LLM_DEVICE_MEM_ERROR": 507053,
     "LLM_SUSPECT_REMOTE_ERROR": 507057,
     "LLM_UNKNOWN_ERROR": -1,
@@ -63,6 +66,14 @@ def test_status_code_member_set_is_exact():
     # C++-only names do not exist in Python.
     for missing in ("LLM_WAIT_PROC_TIMEOUT", "LLM_CACHE_INCOMPATIBLE", "LLM_CACHE_KEY_ALREADY_EXIST"):
         assert missing not in LLMStatusCode.__members__
+
+
+def test_pdlinks_own_codes_are_the_native_modules():
+    """pdlink.LLMStatusCode writes the values of pdlink's own codes so that ``import pdlink`` stays
+    light; they are the native module's (csrc/core/status.h), and the engine names them."""
+    core = internals.core
+    assert LLMStatusCode.LLM_STALE_EPOCH == core.LLM_STALE_EPOCH
+    assert LLMStatusCode.LLM_ROLE_SWITCHING == core.LLM_ROLE_SWITCHING
 
 
 def test_status_code_hex_values():

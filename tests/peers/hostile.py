@@ -295,7 +295,7 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             _idle(conn)
             return
         if mode == "resp_bad_magic":
-            conn.sendall(b"\x00" * 20)
+            conn.sendall(b"\x00" * rawwire.RESPONSE_HEADER_BYTES)
         elif mode == "resp_unknown_status":
             conn.sendall(rawwire.response(status=424242))
         elif mode == "resp_huge_message":
@@ -452,6 +452,20 @@ def exchange(frame: bytes) -> tuple[int, str, bytes] | str:
     try:
         _client.fwd.sendall(frame)
         return rawwire.read_response(_client.fwd)
+    except (ConnectionError, OSError):
+        return "closed"
+
+
+def exchange_header(frame: bytes) -> tuple[int, int] | str:
+    """Sends one request frame that is answered without a payload; returns the response's status
+    and epoch tag (wire v7), or "closed"."""
+    assert _client is not None
+    try:
+        _client.fwd.sendall(frame)
+        head = rawwire.recv_exact(_client.fwd, rawwire.RESPONSE_HEADER_BYTES)
+        status, mlen, plen, tag = rawwire.response_header(head)
+        rawwire.recv_exact(_client.fwd, mlen + plen)
+        return status, tag
     except (ConnectionError, OSError):
         return "closed"
 

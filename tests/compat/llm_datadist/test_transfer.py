@@ -177,6 +177,25 @@ def test_switch_roles_then_push_the_other_way(pair: Pair) -> None:
                    rows([(2, 2)]))
 
 
+def test_blocks_prepared_before_the_peer_switched_its_role_move_as_before(pair: Pair) -> None:
+    """pull_blocks and push_blocks keep a prepared transfer per peer cache; the peer's switch_role
+    (unlinked, then switched, then linked again) moves its role epoch, so the kept transfer is stale
+    at that peer (docs/architecture.md, "Roles"): the drop-in prepares it again and the call moves
+    exact bytes, raising nothing of pdlink's own (LLM_STALE_EPOCH is not llm_datadist's)."""
+    setup_blocks(pair, decoder_key=BlocksCacheKey(DECODER_ID, 0))
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [0], [1]), rows([(0, 1)]))
+    moved((pair.decode, "kv"), (pair.prefill, "kv"),
+          lambda: pair.decode.call(kv.push_blocks, KEY, "kv", [2], [3]), rows([(2, 3)]))
+    assert pair.unlink() == LLMStatusCode.LLM_SUCCESS
+    wait_until(lambda: pair.prefill.call(kv.links) == [], 20, "the prompt's end of the link gone")
+    role, port = pair.prefill.call(kv.switch_role, "prompt", here=True)  # CacheManager mode: same role allowed
+    assert role == LLMRole.PROMPT
+    assert pair.decode.call(kv.link, PROMPT_ID, port)[0] == LLMStatusCode.LLM_SUCCESS
+    moved((pair.prefill, "kv"), (pair.decode, "kv"), pulls(pair, [4, 5], [6, 7]), rows([(4, 6), (5, 7)]))
+    moved((pair.decode, "kv"), (pair.prefill, "kv"),
+          lambda: pair.decode.call(kv.push_blocks, KEY, "kv", [0], [5]), rows([(0, 5)]))
+
+
 def test_concurrent_pulls_from_several_threads(pair: Pair) -> None:
     setup_blocks(pair)
 

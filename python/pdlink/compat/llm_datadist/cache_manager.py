@@ -265,6 +265,33 @@ class CacheManager:
             self._prepared[k] = prepared
         return prepared
 
+    def _stale(self, k: tuple[Any, ...], error: LLMException) -> bool:
+        """Whether ``error`` is a prepared transfer's ``LLM_STALE_EPOCH`` (the peer switched its role
+        since the transfer was prepared: docs/architecture.md, "Roles"); then the transfer kept under
+        ``k`` is forgotten. A prepared transfer is only this layer's way of making a plain call
+        cheaper, so a stale one is prepared again and the call goes on: an llm_datadist program
+        never sees pdlink's own code."""
+        if error.status_code != LLMStatusCode.LLM_STALE_EPOCH:
+            return False
+        self._prepared.pop(k, None)
+        return True
+
+    def _post_prepared(self, op: str, key: BlocksCacheKey, cache: Cache, local_tensors: Sequence[int],
+                       remote_tensors: Sequence[int], local: Sequence[int], remote: Sequence[int],
+                       is_push: bool) -> None:
+        """Posts the prepared transfer of ``_prepared_for`` (prepared again once if it was stale)."""
+        k: tuple[Any, ...] = (cache.cache_id, key.cluster_id, key.model_id)
+        if local_tensors or remote_tensors:
+            k += (tuple(local_tensors), tuple(remote_tensors))
+        for again in (True, False):
+            prepared = self._prepared_for(op, key, cache, local_tensors, remote_tensors)
+            try:
+                prepared.post(local, remote, is_push)
+                return
+            except LLMException as e:
+                if not (again and self._stale(k, e)):
+                    raise llm_failure(op, e) from None
+
     def _forget_prepared(self, cache_id: int) -> None:
         for k in [k for k in self._prepared if k[0] == cache_id]:
             self._prepared.pop(k, None)
@@ -404,7 +431,8 @@ class CacheManager:
         if (not kwargs and type(src_cache_key) is BlocksCacheKey and type(dst_cache) is Cache
                 and type(src_blocks) is list and type(dst_blocks) is list and self._initialized
                 and 0 < len(dst_blocks) == len(src_blocks)):
-            prepared = self._prepared.get((dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id))
+            k = (dst_cache.cache_id, src_cache_key.cluster_id, src_cache_key.model_id)
+            prepared = self._prepared.get(k)
             if prepared is not None:
                 try:
                     prepared.post(dst_blocks, src_blocks, False)
@@ -412,7 +440,8 @@ class CacheManager:
                 except TypeError:
                     pass
                 except LLMException as e:
-                    raise llm_failure("pull_blocks", e) from None
+                    if not self._stale(k, e):
+                        raise llm_failure("pull_blocks", e) from None
         self._live_engine()
         check_isinstance("src_cache_key", src_cache_key, [CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                          allow_none=False)
@@ -423,9 +452,7 @@ class CacheManager:
         if isinstance(src_cache_key, BlocksCacheKey):
             _check_block_pairs(src_blocks, dst_blocks)
             src_t, dst_t = self._pull_kwargs(dst_cache, kwargs)
-            prepared = self._prepared_for("pull_blocks", src_cache_key, dst_cache, dst_t, src_t)
-            with raising_as("pull_blocks"):
-                prepared.post(dst_blocks, src_blocks, False)
+            self._post_prepared("pull_blocks", src_cache_key, dst_cache, dst_t, src_t, dst_blocks, src_blocks, False)
             return
         else:
             raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
@@ -464,7 +491,8 @@ class CacheManager:
                 and type(src_cache) is Cache and type(src_blocks) is list and type(dst_blocks) is list
                 and self._initialized and self._remote_cache_accessible and type(tensor_num_per_layer) is int
                 and 0 < tensor_num_per_layer <= UINT32_MAX and 0 < len(dst_blocks) == len(src_blocks)):
-            prepared = self._prepared.get((src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id))
+            k = (src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id)
+            prepared = self._prepared.get(k)
             if prepared is not None:  # the common call (see pull_blocks)
                 try:
                     prepared.post(src_blocks, dst_blocks, True)
@@ -472,7 +500,8 @@ class CacheManager:
                 except TypeError:
                     pass
                 except LLMException as e:
-                    raise llm_failure("push_blocks", e) from None
+                    if not self._stale(k, e):
+                        raise llm_failure("push_blocks", e) from None
         self._live_engine()
         self._check_push_enabled()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
@@ -482,9 +511,7 @@ class CacheManager:
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks src_cache")
         _check_block_pairs(src_blocks, dst_blocks)
         src_t, dst_t = _layer_tensors(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        prepared = self._prepared_for("push_blocks", dst_cache_key, src_cache, src_t, dst_t)
-        with raising_as("push_blocks"):
-            prepared.post(src_blocks, dst_blocks, True)
+        self._post_prepared("push_blocks", dst_cache_key, src_cache, src_t, dst_t, src_blocks, dst_blocks, True)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],

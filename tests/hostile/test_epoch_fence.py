@@ -1,0 +1,78 @@
+"""Wire v7's epoch fence against a raw peer (docs/security.md, "Role epochs"): any epoch tag on a
+read, write or describe gets at most a refusal (``LLM_STALE_EPOCH``, nothing moved, a write's
+payload consumed, the link kept); the server's responses carry its own tag (1 + epoch % 65535),
+which moves with each committed switch; a tag on other frames is not read. The victim's
+unregistered secret stays unchanged and its honest decoder is served byte-exact afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import rawwire
+from backend_env import Variant
+from conftest import Pair, only
+from pdlink import LLMStatusCode
+from peer import Peer
+from peers import hostile, kv, native
+from review_kit import PING, after, attacker_links, make_victim, refused_kept
+from verify import assert_same
+
+S = LLMStatusCode
+READ = rawwire.blocks_body(model=0, tensors=(0,), runs=((0, 64),))
+WRITE = rawwire.blocks_body(model=0, tensors=(1,), runs=((8, 16),))
+
+
+@pytest.fixture
+def victim(pair: Pair) -> Pair:
+    return make_victim(pair)
+
+
+def _tag(epoch: int) -> int:
+    return 1 + epoch % 65535
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_any_epoch_tag_gets_a_refusal_at_most_and_the_link_is_kept(peers: Callable[..., Peer], victim: Pair) -> None:
+    secret = victim.prefill.call(kv.secrets)
+    a = attacker_links(peers, victim)
+    before = victim.prefill.call(kv.snapshot, "kv")
+    # the server's own tag (epoch 0) is served; a tag of 0 is unfenced
+    for tag in (0, _tag(0)):
+        assert a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, READ, epoch_tag=tag)) == (
+            0, "", bytes(before.tensor(0)[:64]))
+    for tag in (2, 0x7FFF, 0xFFFF):
+        text = refused_kept(a, rawwire.request(rawwire.OP_READ, READ, epoch_tag=tag), S.LLM_STALE_EPOCH)
+        assert "prepare it again" in text, text
+        # a write's payload is consumed with its refusal: the stream stays in step
+        refused_kept(a, rawwire.request(rawwire.OP_WRITE, WRITE, 16, epoch_tag=tag) + b"\xa5" * 16,
+                     S.LLM_STALE_EPOCH)
+        refused_kept(a, rawwire.request(rawwire.OP_DESCRIBE, READ, epoch_tag=tag), S.LLM_STALE_EPOCH)
+        # frames that are not fenced do not read the tag
+        assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"", epoch_tag=tag)) == (0, "", b"")
+    assert_same(victim.prefill.call(kv.snapshot, "kv"), before, "the victim's cache after refused tags")
+    after(victim, secret)
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_responses_carry_the_servers_tag_which_moves_with_a_switch(peers: Callable[..., Peer],
+                                                                   variant: Variant) -> None:
+    """A pdlink.Engine victim (links survive its switches): the same raw link sees the tag move from
+    1 to 2 with the commit, and its reads fenced by the old tag are refused."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    victim.call(native.register, "src", 4, 256, seed=1, key=7)
+    a = peers("attacker")
+    unix = a.call(hostile.redirect_name, port, 9) if variant.same_host else None
+    assert a.call(hostile.link_raw, port, 9, b"", unix) == (0, "")
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(0))
+    read = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((256, 64),)), epoch_tag=_tag(0))
+    src = victim.call(native.snapshot, "src")
+    assert a.call(hostile.exchange, read) == (0, "", bytes(src.tensor(0)[256:320]))
+    assert victim.call(native.switch_role, "PROMPT")["epoch"] == 1
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(1))  # the same link, the new tag
+    refused_kept(a, read, S.LLM_STALE_EPOCH)
+    fresh = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((256, 64),)), epoch_tag=_tag(1))
+    assert a.call(hostile.exchange, fresh) == (0, "", bytes(src.tensor(0)[256:320]))
+    assert_same(victim.call(native.snapshot, "src"), src, "the victim's region")
