@@ -188,10 +188,11 @@ def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int
 
 
 CMA_FENCE = ("finding (#34): on the cma path a prepared transfer's next post after the peer's committed switch is "
-             "not always refused LLM_STALE_EPOCH: with one prepared thread alone the first commit is never seen "
-             "(its posts, all direct reads, carry no epoch tag until a layout refresh gave it one), and with two "
-             "prepared threads beside two plain ones on the link each misses about half the commits (its old-epoch "
-             "posts succeed)")
+             "not always refused LLM_STALE_EPOCH; its old-epoch post succeeds. Seen: a transfer prepared after another "
+             "transfer on the link had cached the peer's layout misses the first commit (its direct reads never asked "
+             "the server, so it had no epoch tag yet), and with two prepared threads on one link each misses about "
+             "half the commits (apparently the other's re-describe refreshed the shared cached layout first, so its "
+             "own post copied without asking). One prepared transfer alone on its link is fenced at every commit.")
 
 
 def _fence_cell(v: Variant) -> Any:
