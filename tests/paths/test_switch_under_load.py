@@ -289,8 +289,9 @@ def test_a_drain_past_its_timeout_rolls_back(peers: Callable[..., Peer], variant
 TORN = ("finding (#34): on the tcp path a read the prefill began serving before a switch does not finish: the read "
         "is a series of chunk requests over the link's streams, the drain counts only the chunk being served, and "
         "the next chunk's request reaches the draining prefill as a new request, refused LLM_ROLE_SWITCHING: the "
-        "read fails with that code (bench/bench_switch.py: of the 8 x 64 MiB tcp pulls running under 100 switches, 4 "
-        "completed, 1601 were refused; a write held in flight is drained whole)")
+        "read fails with that code (bench/bench_switch.py, docs/perf/switch.txt: while the prefill switched 100 "
+        "times, 15 of its 8 decoders' 64 MiB tcp pulls completed and 1088 were refused; a write held in flight is "
+        "drained whole)")
 TORN_ROWS = 96  # 24 MiB: 1 MiB chunks (pdlink.TcpChunkBytes' default), several on each of the link's streams
 HOLDER_ROWS = 32  # 8 MiB: more than the relay lets through before it holds
 
