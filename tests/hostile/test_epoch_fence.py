@@ -16,6 +16,7 @@ from conftest import Pair, only
 from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native
+from poll import wait_until
 from review_kit import PING, after, attacker_links, make_victim, refused_kept
 from verify import assert_same
 
@@ -76,3 +77,28 @@ def test_responses_carry_the_servers_tag_which_moves_with_a_switch(peers: Callab
     fresh = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((256, 64),)), epoch_tag=_tag(1))
     assert a.call(hostile.exchange, fresh) == (0, "", bytes(src.tensor(0)[256:320]))
     assert_same(victim.call(native.snapshot, "src"), src, "the victim's region")
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_a_peer_that_stops_reading_holds_a_switch_only_until_its_drain_timeout(peers: Callable[..., Peer],
+                                                                              variant: Variant) -> None:
+    """A raw peer asks for 8 MiB and reads none of it: its request stays in flight at the victim
+    (the serving thread blocked in its send), so a switch rolls back at its 300 ms drain timeout,
+    naming the served request; role and epoch unchanged. Once the peer is gone, the switch commits."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    rows, row = 64, 128 * 1024
+    victim.call(native.register, "big", rows, row, seed=1, key=7)
+    a = peers("attacker")
+    unix = a.call(hostile.redirect_name, port, 9) if variant.same_host else None
+    assert a.call(hostile.link_raw, port, 9, b"", unix) == (0, "")
+    a.call(hostile.send, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, rows * row),))))
+    wait_until(lambda: victim.call(native.role_state)["served_in_flight"] == 1, 20, "the read being served")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 served requests" in message and "rolled back" in message, message
+    assert (state["role"], state["epoch"], state["phase"]) == ("MIX", 0, "ready")
+    a.call(hostile.close)
+    wait_until(lambda: victim.call(native.role_state)["served_in_flight"] == 0, 20, "the held read over")
+    assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
