@@ -60,8 +60,8 @@ struct BoundPrepared {
 struct BoundBatch {
   Engine* engine;
   TransferSpec spec;  // a kRaw target, local_absolute, kExplicit
-  void move(pybind11::handle local, pybind11::handle remote, pybind11::handle lengths, bool is_push,
-            int64_t timeout_ms, const CancelToken* cancel = nullptr) const;
+  void move(pybind11::handle local, pybind11::handle remote, pybind11::handle lengths, bool is_push, int64_t timeout_ms,
+            const CancelToken* cancel = nullptr) const;
 };
 
 }  // namespace pdlink::bindings
