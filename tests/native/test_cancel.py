@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from backend_env import Variant
+from conftest import only
 from peer import Peer
 from peers import cancel, native
 from poll import wait_until
@@ -40,9 +41,10 @@ def check_old_or_new(before: Snapshot, after: Snapshot, src: Snapshot) -> list[i
 
 class Setup:
     """A listening target with "src" (filled, key 9) and "sink" (filled with another pattern), and an
-    initiator with "dst", linked through a relay (the initiator dials it)."""
+    initiator with "dst", linked directly or through a relay (`relay_port`: the port to dial for
+    the target's), with prepared transfers "read" (src -> dst) and "write" (dst -> sink)."""
 
-    def __init__(self, peers: Callable[..., Peer], variant: Variant, relay_port: Callable[[int], int]):
+    def __init__(self, peers: Callable[..., Peer], variant: Variant, relay_port: Callable[[int], int] | None = None):
         self.target = peers("target", env=variant.env())
         self.initiator = peers("initiator", env=variant.env())
         port = self.target.call(native.start, TARGET, listen=True, timeout_ms=60000)
@@ -50,7 +52,10 @@ class Setup:
         self.sink = self.target.call(native.register, "sink", BLOCKS, BLOCK, seed=3, key=10)
         self.initiator.call(native.start, INITIATOR, timeout_ms=60000)
         self.initiator.call(native.register, "dst", BLOCKS, BLOCK, seed=2)
-        assert self.initiator.call(native.connect, relay_port(port), TARGET, "127.0.0.1") == TARGET
+        if relay_port is None:  # linked directly
+            assert self.initiator.call(native.connect, port, TARGET) == TARGET
+        else:
+            assert self.initiator.call(native.connect, relay_port(port), TARGET, "127.0.0.1") == TARGET
         (link,) = self.initiator.call(native.links)
         assert link.transport == variant.link_transport
         for tag, name in (("read", "src"), ("write", "sink")):
@@ -64,6 +69,10 @@ class Setup:
         wait_until(lambda: self.target.call(native.role_state)["pins"] == 0, 30, "the target's pins released")
 
 
+# Held at a relay on tcp only: cma's reads copy the peer's memory through a cached layout and the
+# device paths move bytes and answers over their own channels, so no byte of theirs waits at a relay
+# on the link's socket (test_cancel_right_after_the_start covers them).
+@only("cpu-tcp")
 @pytest.mark.one_host("the test process relays the link")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("op", ["read", "write"])
@@ -78,12 +87,8 @@ def test_cancel_mid_flight(peers: Callable[..., Peer], variant: Variant, op: str
                                                 else (s.target, "sink", s.initiator, "dst"))
         remote = s.src if op == "read" else s.sink
         dest0, source0 = s.snap(dest_side, dest), s.snap(source_side, source)
-        # The transfer's bytes (tcp) or its first answer (cma and the device paths, whose bytes do
-        # not cross the link's socket) held at the relay: the transfer is in flight, not done.
-        direction = DOWN if op == "read" else UP
-        budget = (1 << 20) if variant.link_transport == "tcp" else 0
-        if op == "write" and variant.link_transport != "tcp":
-            direction = DOWN
+        # The transfer's bytes held at the relay after 1 MiB: it is in flight, not done.
+        direction, budget = (DOWN if op == "read" else UP), 1 << 20
         relay.hold_after(direction, budget)
         s.initiator.call(cancel.start, "t", kind, op, TARGET, "dst", remote, NBYTES, op)
         relay.wait_held(direction)
@@ -125,3 +130,31 @@ def test_cancel_after_completion_returns_false(peers: Callable[..., Peer], varia
                     "destination of the completed transfer")
         assert_same(s.snap(s.target, "src"), src0, "source")
         s.pins_released()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_cancel_right_after_the_start(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
+    """On every cell: a prepared 48 MiB transfer cancelled as soon as it was submitted either ends
+    CANCELLED (each block of the destination old or new, the rest and the source unchanged) or, when
+    it had already completed, the cancel returns False and its result stands; either way the pins are
+    released and the same link then moves the whole transfer byte-exact."""
+    s = Setup(peers, variant)
+    dest_side, dest, source_side, source = ((s.initiator, "dst", s.target, "src") if op == "read"
+                                            else (s.target, "sink", s.initiator, "dst"))
+    remote = s.src if op == "read" else s.sink
+    dest0, source0 = s.snap(dest_side, dest), s.snap(source_side, source)
+    won, status = s.initiator.call(cancel.start_and_cancel, "t", "prepared", op, TARGET, "dst", remote, NBYTES, op)
+    outcome = s.initiator.call(cancel.finish, "t")
+    everything = dest0.with_rows(source0, [(b, b) for b in range(BLOCKS)])
+    if won:
+        assert status == "CANCELLED"
+        assert outcome == ("CANCELLED", "TransferCancelled", True)
+        check_old_or_new(dest0, s.snap(dest_side, dest), source0)
+    else:
+        assert outcome == ("DONE", None, False)
+        assert_same(s.snap(dest_side, dest), everything, "destination of the completed transfer")
+    assert_same(s.snap(source_side, source), source0, "source")
+    s.pins_released()
+    s.initiator.call(native.post, op, list(range(BLOCKS)), list(range(BLOCKS)), op)
+    assert_same(s.snap(dest_side, dest), everything, "destination of the retry")
+    assert_same(s.snap(source_side, source), source0, "source of the retry")

@@ -33,6 +33,13 @@ def start(tag: str, kind: str, op: str, peer: int, name: str, remote_address: in
         _pending[tag] = getattr(prepared, f"{op}_async")(blocks, blocks)
 
 
+def start_and_cancel(tag: str, kind: str, op: str, peer: int, name: str, remote_address: int, nbytes: int,
+                     remote_key_tag: str | None = None) -> tuple[bool, str]:
+    """``start`` and, at once, ``cancel``."""
+    start(tag, kind, op, peer, name, remote_address, nbytes, remote_key_tag)
+    return cancel(tag)
+
+
 def cancel(tag: str) -> tuple[bool, str]:
     """``Pending.cancel()`` and the status right after it."""
     pending = _pending[tag]
