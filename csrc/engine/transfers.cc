@@ -217,7 +217,7 @@ std::vector<TransferPlan> Transfers::split(const TransferPlan& p, uint64_t max_b
   // Only the last one commits a pulled request key.
   const uint64_t tensors = std::max<uint64_t>(1, p.remote.tensors.size());
   const uint64_t runs_per_request = std::max<uint64_t>(1, limits::kMaxRequestPieces / tensors);
-  const uint64_t unit = p.remote.block_size > 0 ? p.remote.block_size : 1;
+  const uint64_t unit = p.remote.block_size > 0 ? p.remote.block_size : std::max<uint64_t>(1, p.block_unit);
   const uint64_t limit = std::max<uint64_t>(unit, max_bytes / tensors / unit * unit);  // bytes per tensor
   std::vector<TransferPlan> out;
   TransferPlan* cur = nullptr;
@@ -419,6 +419,7 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   const bool raw = prep.target.kind == wire::TargetKind::kRaw;
   const uint64_t bs = prep.block_size;
   p.remote.block_size = raw ? 0 : bs;
+  p.block_unit = bs;
   const uint64_t max_remote = raw ? prep.remote_blocks : UINT64_MAX / bs;
   for (size_t i = 0; i < n; ++i) {
     const int64_t lb = local[i], rb = remote[i];

@@ -52,6 +52,9 @@ struct TransferPlan {
   // whole transfer. Checked between requests (Transfers::execute) and between the chunk requests of
   // a tcp transfer split over streams (StreamPath); a path never stops a request it has sent.
   const CancelToken* cancel = nullptr;
+  // The transfer's block in bytes where the remote side has none (a prepared transfer to registered
+  // memory): a split by size cuts runs at whole multiples of it (0: remote.block_size, or bytes).
+  uint64_t block_unit = 0;
 };
 
 // What a path is, as typed fields (reported by links(), used to pick and to order paths).
