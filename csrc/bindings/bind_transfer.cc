@@ -90,18 +90,19 @@ using Indices = Ints<int64_t>;
 
 }  // namespace
 
-void BoundPrepared::post(py::handle local, py::handle remote, bool is_push) {
+void BoundPrepared::post(py::handle local, py::handle remote, bool is_push, const CancelToken* cancel) {
   const Indices l(local, "local blocks"), r(remote, "remote blocks");
   if (l.size() != r.size()) throw py::value_error("local and remote block arrays differ in length");
   Status st;
   {
     py::gil_scoped_release unlocked;
-    st = engine->post(*prepared, l.data(), r.data(), l.size(), is_push);
+    st = engine->post(*prepared, l.data(), r.data(), l.size(), is_push, cancel);
   }
   throwIfError(st);
 }
 
-void BoundBatch::move(py::handle local, py::handle remote, py::handle lengths, bool is_push, int64_t timeout_ms) const {
+void BoundBatch::move(py::handle local, py::handle remote, py::handle lengths, bool is_push, int64_t timeout_ms,
+                      const CancelToken* cancel) const {
   const Ints<uint64_t> lo(local, "local addresses"), ro(remote, "remote addresses"), len(lengths, "lengths");
   const size_t n = lo.size();
   if (ro.size() != n || len.size() != n) throw py::value_error("descriptor arrays differ in length");
@@ -112,6 +113,7 @@ void BoundBatch::move(py::handle local, py::handle remote, py::handle lengths, b
   thread_local TransferSpec s;
   s = spec;
   if (timeout_ms > 0) s.timeout_ms = timeout_ms;
+  s.cancel = cancel;
   s.local_runs.resize(n);
   s.remote_runs.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -142,15 +144,34 @@ void bindTransfers(py::module_& m) {
       },
       py::arg("ranges"), py::arg("addresses"), py::arg("lengths"));
 
+  // A transfer's cancel token (core/cancel.h), passed to a read or write as `cancel=`.
+  py::class_<CancelToken, std::shared_ptr<CancelToken>>(m, "CancelToken")
+      .def(py::init<>())
+      .def("cancel", &CancelToken::cancel,
+           "True: the transfer will end cancelled; False: it had already finished. Never blocks.")
+      .def("finish", &CancelToken::finish,
+           "The transfer is over: True when it finished before any cancel, False when it was cancelled.")
+      .def_property_readonly("cancelled",
+                             [](const CancelToken& t) { return t.state() == CancelToken::State::kCancelled; })
+      .def_property_readonly("finished",
+                             [](const CancelToken& t) { return t.state() == CancelToken::State::kFinished; });
+
   // A prepared transfer (engine/engine.h PreparedTransfer), posted with int64 block-index arrays.
   py::class_<BoundPrepared>(m, "PreparedTransfer")
-      .def("post", &BoundPrepared::post, py::arg("local"), py::arg("remote"), py::arg("push"))
       .def(
-          "read", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, false); }, py::arg("local"),
-          py::arg("remote"))
+          "post",
+          [](BoundPrepared& b, py::handle l, py::handle r, bool push, const CancelToken* cancel) {
+            b.post(l, r, push, cancel);
+          },
+          py::arg("local"), py::arg("remote"), py::arg("push"), py::arg("cancel") = nullptr)
       .def(
-          "write", [](BoundPrepared& b, py::handle l, py::handle r) { b.post(l, r, true); }, py::arg("local"),
-          py::arg("remote"))
+          "read",
+          [](BoundPrepared& b, py::handle l, py::handle r, const CancelToken* cancel) { b.post(l, r, false, cancel); },
+          py::arg("local"), py::arg("remote"), py::arg("cancel") = nullptr)
+      .def(
+          "write",
+          [](BoundPrepared& b, py::handle l, py::handle r, const CancelToken* cancel) { b.post(l, r, true, cancel); },
+          py::arg("local"), py::arg("remote"), py::arg("cancel") = nullptr)
       .def_property_readonly("block_size", [](const BoundPrepared& b) { return b.prepared->block_size; })
       .def_property_readonly("local_blocks", [](const BoundPrepared& b) { return b.prepared->local_blocks; })
       .def_property_readonly("remote_blocks", [](const BoundPrepared& b) { return b.prepared->remote_blocks; })
@@ -159,16 +180,16 @@ void bindTransfers(py::module_& m) {
   py::class_<BoundBatch>(m, "BatchTransfer")
       .def(
           "read",
-          [](const BoundBatch& b, py::handle l, py::handle r, py::handle n, int64_t timeout_ms) {
-            b.move(l, r, n, false, timeout_ms);
-          },
-          py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"), py::arg("timeout_ms") = 0)
+          [](const BoundBatch& b, py::handle l, py::handle r, py::handle n, int64_t timeout_ms,
+             const CancelToken* cancel) { b.move(l, r, n, false, timeout_ms, cancel); },
+          py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"), py::arg("timeout_ms") = 0,
+          py::arg("cancel") = nullptr)
       .def(
           "write",
-          [](const BoundBatch& b, py::handle l, py::handle r, py::handle n, int64_t timeout_ms) {
-            b.move(l, r, n, true, timeout_ms);
-          },
-          py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"), py::arg("timeout_ms") = 0)
+          [](const BoundBatch& b, py::handle l, py::handle r, py::handle n, int64_t timeout_ms,
+             const CancelToken* cancel) { b.move(l, r, n, true, timeout_ms, cancel); },
+          py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"), py::arg("timeout_ms") = 0,
+          py::arg("cancel") = nullptr)
       .def_property_readonly("peer_cluster_id", [](const BoundBatch& b) { return b.spec.peer_cluster_id; });
 }
 

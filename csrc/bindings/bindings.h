@@ -50,7 +50,8 @@ struct BoundPrepared {
   Engine* engine;
   std::shared_ptr<PreparedTransfer> prepared;
   // local[i] <-> remote[i], block indices as int64 arrays or lists of ints.
-  void post(pybind11::handle local, pybind11::handle remote, bool is_push);
+  // `cancel` (null: none): the post's token (core/cancel.h).
+  void post(pybind11::handle local, pybind11::handle remote, bool is_push, const CancelToken* cancel = nullptr);
 };
 
 // Descriptor lists to one peer (pdlink.Engine.batch): its request spec built once, each call one
@@ -59,8 +60,8 @@ struct BoundPrepared {
 struct BoundBatch {
   Engine* engine;
   TransferSpec spec;  // a kRaw target, local_absolute, kExplicit
-  void move(pybind11::handle local, pybind11::handle remote, pybind11::handle lengths, bool is_push,
-            int64_t timeout_ms) const;
+  void move(pybind11::handle local, pybind11::handle remote, pybind11::handle lengths, bool is_push, int64_t timeout_ms,
+            const CancelToken* cancel = nullptr) const;
 };
 
 }  // namespace pdlink::bindings

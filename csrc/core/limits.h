@@ -55,6 +55,11 @@ constexpr uint32_t kMaxTcpStreams = 16;
 constexpr uint64_t kMinTcpChunkBytes = 64u << 10;
 constexpr uint64_t kMaxTcpChunkBytes = 64u << 20;
 constexpr uint32_t kMaxTcpDepth = 8;
+// A cancellable transfer (one with a cancel token: the async transfers) larger than this is posted
+// as requests of at most this many payload bytes (whole blocks where the target has blocks; one
+// block larger than this stays whole), so that a cancel stops it after at most the requests in
+// flight (docs/architecture.md, "Cancel points").
+constexpr uint64_t kCancelSliceBytes = uint64_t{8} << 20;
 // The engine remembers this many of the latest link installations (Engine::linkedSince), so that
 // a status poll learns of a link that came and went between two polls.
 constexpr size_t kLinkLogEntries = 1024;

@@ -212,8 +212,9 @@ Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& sp
   return transfers_.prepare(spec, block_size, remote_base, remote_bytes);
 }
 
-Status Engine::post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push) {
-  return transfers_.post(p, local, remote, n, is_push);
+Status Engine::post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
+                    const CancelToken* cancel) {
+  return transfers_.post(p, local, remote, n, is_push, cancel);
 }
 
 // ---------------------------------------------------------------- registry

@@ -154,7 +154,9 @@ class Engine {
   // Moves local block local[i] <-> remote block remote[i] for i < n (coalescing consecutive pairs),
   // a pull or a push, bounded by the sync timeout. Errors as pull/push; kParamInvalid for an index
   // out of range or a local cache that is no longer registered.
-  Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push);
+  // `cancel` (null: none): the post's cancel token (core/cancel.h), the caller's until it returns.
+  Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
+              const CancelToken* cancel = nullptr);
 
   // Local copy: for each tensor pair (dst_addrs[t], src_addrs[t]) and each (dst_off, src_off, len).
   struct CopyRun {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cancel.h"
 #include "engine/registry.h"
 #include "transport/wire.h"
 
@@ -224,6 +225,8 @@ struct TransferSpec {
   bool local_absolute = false;
   // Bounds the whole transfer; 0 or less: the engine's EngineConfig::sync_timeout_ms.
   int64_t timeout_ms = 0;
+  // The transfer's cancel token (core/cancel.h), the caller's for the whole call; null: none.
+  const CancelToken* cancel = nullptr;
 };
 
 // A prepared block transfer (Engine::prepare, pdlink.Engine.prepare): this side's cache and the

@@ -210,32 +210,50 @@ Result<TransferPlan> Transfers::plan(const TransferSpec& spec, bool is_push) {
   return p;
 }
 
-std::vector<TransferPlan> Transfers::split(const TransferPlan& p) {
+std::vector<TransferPlan> Transfers::split(const TransferPlan& p, uint64_t max_bytes) {
   // Each request names at most limits::kMaxRequestPieces (tensor, run) pieces, the bound every
-  // server applies; a larger transfer becomes several requests of consecutive runs. Only the last
-  // one commits a pulled request key.
-  const uint64_t runs_per_request = std::max<uint64_t>(1, limits::kMaxRequestPieces / p.remote.tensors.size());
+  // server applies, and moves at most max_bytes (a run is cut at whole blocks where the target has
+  // blocks, one block at least); a larger transfer becomes several requests of consecutive runs.
+  // Only the last one commits a pulled request key.
+  const uint64_t tensors = std::max<uint64_t>(1, p.remote.tensors.size());
+  const uint64_t runs_per_request = std::max<uint64_t>(1, limits::kMaxRequestPieces / tensors);
+  const uint64_t unit = p.remote.block_size > 0 ? p.remote.block_size : std::max<uint64_t>(1, p.block_unit);
+  const uint64_t limit = std::max<uint64_t>(unit, max_bytes / tensors / unit * unit);  // bytes per tensor
   std::vector<TransferPlan> out;
-  for (size_t first = 0; first < p.remote.runs.size(); first += runs_per_request) {
-    const size_t last = std::min<size_t>(p.remote.runs.size(), first + runs_per_request);
-    TransferPlan c;
-    c.local = p.local;
-    c.local_absolute = p.local_absolute;
-    c.local_addrs = p.local_addrs;
-    c.local_placement = p.local_placement;
-    c.local_tensors = p.local_tensors;
-    c.local_runs.assign(p.local_runs.begin() + first, p.local_runs.begin() + last);
-    if (!p.local_device_runs.empty()) {
-      c.local_device_runs.assign(p.local_device_runs.begin() + first, p.local_device_runs.begin() + last);
+  TransferPlan* cur = nullptr;
+  uint64_t cur_len = 0;
+  for (size_t i = 0; i < p.remote.runs.size(); ++i) {
+    const wire::Run& l = p.local_runs[i];
+    const wire::Run& r = p.remote.runs[i];
+    for (uint64_t off = 0; off < r.length;) {
+      if (cur == nullptr || cur->remote.runs.size() >= runs_per_request || cur_len >= limit) {
+        TransferPlan c;
+        c.local = p.local;
+        c.local_absolute = p.local_absolute;
+        c.local_addrs = p.local_addrs;
+        c.local_placement = p.local_placement;
+        c.local_tensors = p.local_tensors;
+        c.remote.target = p.remote.target;
+        c.remote.block_size = p.remote.block_size;
+        c.remote.tensors = p.remote.tensors;
+        c.cancel = p.cancel;
+        out.push_back(std::move(c));
+        cur = &out.back();
+        cur_len = 0;
+      }
+      const uint64_t take = std::min(r.length - off, limit - cur_len);
+      cur->local_runs.push_back({l.offset + off, take});
+      cur->remote.runs.push_back({r.offset + off, take});
+      if (!p.local_device_runs.empty()) cur->local_device_runs.push_back(p.local_device_runs[i]);
+      cur_len += take;
+      off += take;
     }
-    c.remote.target = p.remote.target;
-    c.remote.block_size = p.remote.block_size;
-    c.remote.tensors = p.remote.tensors;
-    c.remote.runs.assign(p.remote.runs.begin() + first, p.remote.runs.begin() + last);
-    c.payload = c.remote.payloadBytes().value();  // a part of a sum that did not overflow
-    c.commit = last == p.remote.runs.size();
-    out.push_back(std::move(c));
   }
+  for (TransferPlan& c : out) {
+    c.payload = c.remote.payloadBytes().value();  // a part of a sum that did not overflow
+    c.commit = false;
+  }
+  if (!out.empty()) out.back().commit = p.commit;
   return out;
 }
 
@@ -284,14 +302,17 @@ Status Transfers::transfer(const TransferSpec& spec, bool is_push) {
       Resolved& resolved;
       ~Release() {
         plan.local.reset();
+        plan.cancel = nullptr;
         resolved.keep.clear();
       }
     } release{p, scratch};
     PDLINK_RETURN_IF_ERROR(planAbsolute(spec, &scratch, &p));
+    p.cancel = spec.cancel;
     return execute(link_r.value(), p, is_push, timeout_ms);
   }
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
+  p_r.value().cancel = spec.cancel;
   return execute(link_r.value(), p_r.value(), is_push, timeout_ms);
 }
 
@@ -347,7 +368,8 @@ Result<std::shared_ptr<PreparedTransfer>> Transfers::prepare(const TransferSpec&
   return p;
 }
 
-Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64_t* remote, size_t n, bool is_push) {
+Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
+                       const CancelToken* cancel) {
   if (n == 0) return Status(Code::kParamInvalid, "the block list is empty");
   EngineState::Admission admission(s_, s_.transfers_in_flight);
   if (!admission.admitted()) return admission.status();
@@ -372,8 +394,12 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   thread_local TransferPlan p;
   struct Release {  // the plan must not keep the local cache registered past this post
     TransferPlan& plan;
-    ~Release() { plan.local.reset(); }
+    ~Release() {
+      plan.local.reset();
+      plan.cancel = nullptr;
+    }
   } release{p};
+  p.cancel = cancel;
   p.local_addrs.assign(entry->addrs.begin(), entry->addrs.end());
   p.local_placement = entry->layout.placement;
   p.local = std::move(entry);
@@ -393,6 +419,7 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   const bool raw = prep.target.kind == wire::TargetKind::kRaw;
   const uint64_t bs = prep.block_size;
   p.remote.block_size = raw ? 0 : bs;
+  p.block_unit = bs;
   const uint64_t max_remote = raw ? prep.remote_blocks : UINT64_MAX / bs;
   for (size_t i = 0; i < n; ++i) {
     const int64_t lb = local[i], rb = remote[i];
@@ -442,8 +469,17 @@ Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bo
     }
   } reset{tags, seen_tag};
   Deadline deadline = Deadline::afterMs(timeout_ms);
-  if (p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
-  for (TransferPlan& part : split(p)) PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
+  // Cancel points (docs/architecture.md): before the first request and between requests; a
+  // cancellable transfer is cut into requests of at most limits::kCancelSliceBytes, so that a
+  // cancel waits for at most the request in flight.
+  const CancelToken* cancel = p.cancel;
+  if (cancel != nullptr && cancel->requested()) return cancelledStatus(what);
+  const bool slice = cancel != nullptr && p.payload > limits::kCancelSliceBytes;
+  if (!slice && p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
+  for (TransferPlan& part : split(p, slice ? limits::kCancelSliceBytes : UINT64_MAX)) {
+    if (cancel != nullptr && cancel->requested()) return cancelledStatus(what);
+    PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
+  }
   return Status::OK();
 }
 

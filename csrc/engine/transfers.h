@@ -42,7 +42,8 @@ class Transfers {
   Status push(const TransferSpec& spec);
   Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size, uint64_t remote_base,
                                                     uint64_t remote_bytes);
-  Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push);
+  Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
+              const CancelToken* cancel = nullptr);
   Result<wire::RawTable> describeMemory(uint64_t cluster_id, int64_t timeout_ms);
 
  private:
@@ -51,7 +52,9 @@ class Transfers {
   // are held in scratch->keep, which out->local points at without owning: the caller keeps both
   // until the transfer is over.
   Status planAbsolute(const TransferSpec& spec, Resolved* scratch, TransferPlan* out);
-  static std::vector<TransferPlan> split(const TransferPlan& p);
+  // `p` as requests of at most limits::kMaxRequestPieces pieces and `max_bytes` payload bytes each
+  // (runs cut at whole blocks of a blocks target); only the last commits.
+  static std::vector<TransferPlan> split(const TransferPlan& p, uint64_t max_bytes);
   Status transfer(const TransferSpec& spec, bool is_push);
   // Moves a planned transfer over `link` (split into requests within the per-request bounds).
   // `epoch_tag`: what this transfer's reads, writes and describes carry (wire v7; 0: unfenced);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "core/cancel.h"
 #include "core/deadline.h"
 #include "core/status.h"
 #include "transport/link.h"
@@ -47,6 +48,13 @@ struct TransferPlan {
   // The last request of the transfer: only it commits a pulled request key. A transfer of more
   // than limits::kMaxRequestPieces pieces is split into several requests (Transfers::transfer).
   bool commit = true;
+  // The transfer's cancel token (core/cancel.h; null: not cancellable), owned by the caller for the
+  // whole transfer. Checked between requests (Transfers::execute) and between the chunk requests of
+  // a tcp transfer split over streams (StreamPath); a path never stops a request it has sent.
+  const CancelToken* cancel = nullptr;
+  // The transfer's block in bytes where the remote side has none (a prepared transfer to registered
+  // memory): a split by size cuts runs at whole multiples of it (0: remote.block_size, or bytes).
+  uint64_t block_unit = 0;
 };
 
 // What a path is, as typed fields (reported by links(), used to pick and to order paths).

@@ -38,6 +38,7 @@ _EXPORTS = {
     "RemoteRegion": "engine",
     "RoleState": "engine",
     "Scope": "engine",
+    "TransferCancelled": "engine",
     "InvalidArgument": "status",
     "NotFound": "status",
     "TransferTimeout": "status",
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         RemoteRegion,
         RoleState,
         Scope,
+        TransferCancelled,
     )
     from .kv import KvCaches  # noqa: F401
     from .status import (  # noqa: F401

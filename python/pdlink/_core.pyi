@@ -356,6 +356,16 @@ class TransferSpec:
 _Indices = npt.NDArray[np.int64] | Sequence[int]
 _U64Array = npt.NDArray[np.uint64] | Sequence[int]
 
+class CancelToken:
+    """A transfer's cancel token (csrc/core/cancel.h): running, then cancelled or finished, once."""
+    def __init__(self) -> None: ...
+    def cancel(self) -> bool: ...  # True: the transfer will end cancelled; False: it had finished
+    def finish(self) -> bool: ...  # True: it finished before any cancel; False: it was cancelled
+    @property
+    def cancelled(self) -> bool: ...
+    @property
+    def finished(self) -> bool: ...
+
 class PreparedTransfer:
     @property
     def block_size(self) -> int: ...
@@ -365,19 +375,29 @@ class PreparedTransfer:
     def remote_blocks(self) -> int: ...
     @property
     def peer_cluster_id(self) -> int: ...
-    def post(self, local: _Indices, remote: _Indices, push: bool) -> None: ...
-    def read(self, local: _Indices, remote: _Indices) -> None: ...
-    def write(self, local: _Indices, remote: _Indices) -> None: ...
+    def post(self, local: _Indices, remote: _Indices, push: bool, cancel: CancelToken | None = None) -> None: ...
+    def read(self, local: _Indices, remote: _Indices, cancel: CancelToken | None = None) -> None: ...
+    def write(self, local: _Indices, remote: _Indices, cancel: CancelToken | None = None) -> None: ...
 
 class BatchTransfer:
     @property
     def peer_cluster_id(self) -> int: ...
     # timeout_ms 0: the engine's sync timeout; ValueError outside [0, 2**31)
     def read(
-        self, local_addresses: _U64Array, remote_addresses: _U64Array, lengths: _U64Array, timeout_ms: int = 0
+        self,
+        local_addresses: _U64Array,
+        remote_addresses: _U64Array,
+        lengths: _U64Array,
+        timeout_ms: int = 0,
+        cancel: CancelToken | None = None,
     ) -> None: ...
     def write(
-        self, local_addresses: _U64Array, remote_addresses: _U64Array, lengths: _U64Array, timeout_ms: int = 0
+        self,
+        local_addresses: _U64Array,
+        remote_addresses: _U64Array,
+        lengths: _U64Array,
+        timeout_ms: int = 0,
+        cancel: CancelToken | None = None,
     ) -> None: ...
 
 class Engine:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # what the module __getattr__ below returns
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "LinkResult", "MemoryMap", "MemoryPool",
     "Notification", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "RoleState", "Scope",
+    "TransferCancelled",
 ]
 
 T = TypeVar("T")
@@ -306,32 +307,85 @@ class Notification:
     message: bytes
 
 
-class Pending:
-    """An async call in flight: ``status()`` is ``"PENDING"``, ``"DONE"`` or ``"FAILED"``;
-    ``wait()`` returns the call's result or raises its error."""
+class TransferCancelled(concurrent.futures.CancelledError):
+    """What ``Pending.wait()`` raises for a call that ``Pending.cancel()`` cancelled: a
+    ``concurrent.futures.CancelledError``, raised once the call has stopped (nothing more lands in
+    its destination after it)."""
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+
+class Pending:
+    """An async call in flight: ``status()`` is ``"PENDING"``, ``"DONE"``, ``"FAILED"`` or
+    ``"CANCELLED"``; ``wait()`` returns the call's result or raises its error.
+
+    ``cancel()`` (docs/native_api.md, "Cancel"): an async transfer (``read_async``,
+    ``write_async``, ``read_batch_async``, ``write_batch_async``, ``PreparedTransfer.read_async`` /
+    ``write_async``) stops at its next cancel point; any other async call is cancelled only before
+    it started."""
+
+    def __init__(self, future: concurrent.futures.Future, token: Any = None) -> None:
         self._future = future
+        self._token = token  # the transfer's pdlink._core.CancelToken; None: not a transfer
 
     def done(self) -> bool:
+        """Whether the call has stopped (a cancelled transfer: once its requests in flight ended)."""
         return self._future.done()
 
+    def cancel(self) -> bool:
+        """Cancels the call without blocking (one atomic exchange; it waits for nothing). True: it
+        will end ``CANCELLED`` (``status()`` says so at once; ``wait()`` raises
+        ``pdlink.TransferCancelled`` once it has stopped, after at most the requests it had in
+        flight: docs/architecture.md, "Cancel points"); False: it had already completed or failed,
+        and its result stands. A cancelled transfer leaves each block of its destination with its
+        old or its new bytes (docs/native_api.md) and the link usable."""
+        if self._token is None:
+            return self._future.cancel()
+        won = bool(self._token.cancel())
+        if won:
+            self._future.cancel()  # not started yet: it never will
+        return won
+
     def status(self) -> str:
+        if self._future.cancelled() or (self._token is not None and self._token.cancelled):
+            return "CANCELLED"
         if not self._future.done():
             return "PENDING"
         return "FAILED" if self._future.exception() is not None else "DONE"
 
     def wait(self, timeout: float | None = None) -> Any:
-        """The result; raises the call's exception, or ``TimeoutError`` when ``timeout`` seconds
-        pass first (the call itself goes on and ends within the engine's own timeout)."""
+        """The result; raises the call's exception, ``pdlink.TransferCancelled`` when it was
+        cancelled, or ``TimeoutError`` when ``timeout`` seconds pass first (the call itself goes on
+        and ends within the engine's own timeout)."""
         try:
             return self._future.result(timeout)
+        except TransferCancelled:
+            raise
+        except concurrent.futures.CancelledError:
+            raise TransferCancelled("the call was cancelled before it started") from None
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"the call did not finish within {timeout} s") from None
 
     def error(self) -> BaseException | None:
         """The call's exception once done (None when it succeeded or is still running)."""
+        if self._future.cancelled():
+            return TransferCancelled("the call was cancelled before it started")
         return self._future.exception() if self._future.done() else None
+
+
+def _cancellable(token: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """Runs the transfer ``fn(*args, token)``; its outcome is CANCELLED when a cancel came before
+    it finished (``CancelToken.finish``), whatever the engine returned."""
+    try:
+        fn(*args, token)
+    except Exception:
+        if token.finish():
+            raise
+        raise TransferCancelled("the transfer was cancelled") from None
+    if not token.finish():
+        raise TransferCancelled("the transfer was cancelled")
+
+
+def _timeout_kw(timeout_ms: int | None = None) -> int | None:
+    return timeout_ms
 
 
 class PreparedTransfer:
@@ -356,10 +410,14 @@ class PreparedTransfer:
         self._native.write(local, remote)
 
     def read_async(self, local: Indices, remote: Indices) -> Pending:
-        return self._engine._submit(self.read, np.array(local, np.int64), np.array(remote, np.int64))
+        """``read`` on the engine's async pool; ``Pending.cancel()`` stops it."""
+        return self._engine._submit_transfer(self._native.read, np.array(local, np.int64),
+                                             np.array(remote, np.int64))
 
     def write_async(self, local: Indices, remote: Indices) -> Pending:
-        return self._engine._submit(self.write, np.array(local, np.int64), np.array(remote, np.int64))
+        """``write`` on the engine's async pool; ``Pending.cancel()`` stops it."""
+        return self._engine._submit_transfer(self._native.write, np.array(local, np.int64),
+                                             np.array(remote, np.int64))
 
 
 class BatchTransfer:
@@ -689,10 +747,14 @@ class Engine:
         self._transfer(peer, local, remote, True, timeout_ms)
 
     def read_async(self, peer: int, local: Descriptors, remote: Descriptors, **kwargs: Any) -> Pending:
-        return self._submit(self.read, peer, _descriptors(local, "local"), _descriptors(remote, "remote"), **kwargs)
+        """``read`` on the engine's async pool; ``Pending.cancel()`` stops it."""
+        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
+        return self._submit_transfer(lambda token: self._transfer(peer, lo, ro, False, _timeout_kw(**kwargs), token))
 
     def write_async(self, peer: int, local: Descriptors, remote: Descriptors, **kwargs: Any) -> Pending:
-        return self._submit(self.write, peer, _descriptors(local, "local"), _descriptors(remote, "remote"), **kwargs)
+        """``write`` on the engine's async pool; ``Pending.cancel()`` stops it."""
+        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
+        return self._submit_transfer(lambda token: self._transfer(peer, lo, ro, True, _timeout_kw(**kwargs), token))
 
     def read_batch(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses, lengths: Addresses, *,
                    timeout_ms: int | None = None) -> None:
@@ -709,12 +771,16 @@ class Engine:
 
     def read_batch_async(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses,
                          lengths: Addresses, **kwargs: Any) -> Pending:
-        """``read_batch`` on the engine's async pool. The lists must not change until it is done."""
-        return self._submit(self.read_batch, peer, local_addresses, remote_addresses, lengths, **kwargs)
+        """``read_batch`` on the engine's async pool; ``Pending.cancel()`` stops it. The lists must not
+        change until it is done."""
+        return self._submit_transfer(lambda token: self._batch(peer, local_addresses, remote_addresses, lengths,
+                                                               False, _timeout_kw(**kwargs), token))
 
     def write_batch_async(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses,
                           lengths: Addresses, **kwargs: Any) -> Pending:
-        return self._submit(self.write_batch, peer, local_addresses, remote_addresses, lengths, **kwargs)
+        """``write_batch`` on the engine's async pool; ``Pending.cancel()`` stops it."""
+        return self._submit_transfer(lambda token: self._batch(peer, local_addresses, remote_addresses, lengths,
+                                                               True, _timeout_kw(**kwargs), token))
 
     def prepare(self, peer: int, local: Region, remote: RemoteRegion, *,
                 block_size: int | None = None) -> PreparedTransfer:
@@ -737,13 +803,13 @@ class Engine:
         return PreparedTransfer(self, native)
 
     def _transfer(self, peer: int, local: Descriptors, remote: Descriptors, push: bool,
-                  timeout_ms: int | None) -> None:
+                  timeout_ms: int | None, cancel: Any = None) -> None:
         lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
         if lo.shape != ro.shape:
             raise ValueError(f"local and remote descriptor lists differ in length ({len(lo)} vs {len(ro)})")
         if not np.array_equal(lo[:, 1], ro[:, 1]):
             raise ValueError("a local descriptor and its remote one differ in length")
-        self._batch(peer, lo[:, 0], ro[:, 0], lo[:, 1], push, timeout_ms)
+        self._batch(peer, lo[:, 0], ro[:, 0], lo[:, 1], push, timeout_ms, cancel)
 
     def batch(self, peer: int) -> BatchTransfer:
         """``read_batch`` and ``write_batch`` to one linked ``peer`` without their per-call lookup:
@@ -753,7 +819,7 @@ class Engine:
         return BatchTransfer(self._native.batch(peer))
 
     def _batch(self, peer: int, local: Addresses, remote: Addresses, lengths: Addresses, push: bool,
-               timeout_ms: int | None) -> None:
+               timeout_ms: int | None, cancel: Any = None) -> None:
         if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
             raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
         # One request for the whole list, wherever in this engine's regions the local descriptors
@@ -764,7 +830,7 @@ class Engine:
             if len(self._batches) >= 1024:  # one per peer; peers come and go
                 self._batches.clear()
             batch = self._batches[peer] = self.batch(peer)
-        (batch.write if push else batch.read)(local, remote, lengths, timeout_ms or 0)
+        (batch.write if push else batch.read)(local, remote, lengths, timeout_ms or 0, cancel)
 
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Pending:
         with self._lock:
@@ -772,6 +838,15 @@ class Engine:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.options.async_workers,
                                                                    thread_name_prefix="pdlink-async")
             return Pending(self._pool.submit(fn, *args, **kwargs))
+
+    def _submit_transfer(self, fn: Callable[..., Any], *args: Any) -> Pending:
+        """``fn(*args, token)`` on the async pool, cancellable through its ``CancelToken``."""
+        token = core().CancelToken()
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.options.async_workers,
+                                                                   thread_name_prefix="pdlink-async")
+            return Pending(self._pool.submit(_cancellable, token, fn, *args), token)
 
 
 def _env_flag(variable: environment.Variable) -> bool:

@@ -1,0 +1,60 @@
+// A transfer's cancel token (docs/native_api.md, "Pending.cancel"; docs/architecture.md, "Cancel
+// points"): one object per transfer, shared by the caller that may cancel it and the thread that
+// runs it.
+//
+// Contract: the token goes from running to exactly one of cancelled (cancel() won) or finished
+// (finish() won), once. cancel() never blocks: it is one atomic exchange, so it returns at once
+// whatever the transfer is doing. The transfer checks requested() at its cancel points (between its
+// requests, between the chunk requests of a tcp transfer split over streams) and stops issuing new
+// requests there; the requests already in flight finish, so the link's byte stream stays whole.
+// When the transfer returns, its caller calls finish(): false means a cancel came first, and the
+// transfer's outcome is "cancelled" whatever the engine returned (the bytes of the requests that
+// finished have landed; nothing else moved).
+//
+// Thread-safe: every method may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "core/status.h"
+
+namespace pdlink {
+
+class CancelToken {
+ public:
+  enum class State : int { kRunning = 0, kCancelled = 1, kFinished = 2 };
+
+  // True when the transfer will end cancelled (this call or an earlier one came before finish());
+  // false when it had already finished (its result stands).
+  bool cancel() {
+    int expected = static_cast<int>(State::kRunning);
+    if (state_.compare_exchange_strong(expected, static_cast<int>(State::kCancelled), std::memory_order_acq_rel)) {
+      return true;
+    }
+    return expected == static_cast<int>(State::kCancelled);
+  }
+  // Whether the transfer should stop issuing requests (a cancel point's check).
+  bool requested() const { return state_.load(std::memory_order_acquire) == static_cast<int>(State::kCancelled); }
+  // The transfer is over: true when it finished before any cancel (its result stands), false when
+  // it was cancelled. Idempotent.
+  bool finish() {
+    int expected = static_cast<int>(State::kRunning);
+    if (state_.compare_exchange_strong(expected, static_cast<int>(State::kFinished), std::memory_order_acq_rel)) {
+      return true;
+    }
+    return expected == static_cast<int>(State::kFinished);
+  }
+  State state() const { return static_cast<State>(state_.load(std::memory_order_acquire)); }
+
+ private:
+  std::atomic<int> state_{static_cast<int>(State::kRunning)};
+};
+
+// What a transfer stopped at a cancel point returns (kFailed, scope kCall: nothing is wrong with the
+// link; the Python API reports the transfer as CANCELLED instead).
+inline Status cancelledStatus(const char* what) {
+  return Status(Code::kFailed, Scope::kCall, std::string(what) + ": cancelled by its token");
+}
+
+}  // namespace pdlink

@@ -1,0 +1,160 @@
+"""``Pending.cancel()`` on ``pdlink.Engine``'s async transfers (docs/native_api.md, "Cancel"), on
+every backend and data path: a large pull and a large push cancelled while their bytes are held at
+a relay (tests/relay.py) end CANCELLED, leave each block of the destination with its old or its new
+bytes (everything else, guards included, unchanged) and the source unchanged, release the serving
+side's pins, and the same link then moves bytes exactly; a cancel after completion returns False and
+the result stands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from backend_env import Variant
+from conftest import only
+from peer import Peer
+from peers import cancel, native
+from poll import wait_until
+from relay import DOWN, UP, Relay
+from verify import Snapshot, assert_same
+
+TARGET, INITIATOR = 1, 2
+BLOCKS, BLOCK = 48, 1 << 20  # 48 MiB regions of 1 MiB blocks: six cancel slices of 8 MiB
+NBYTES = BLOCKS * BLOCK
+KINDS = ["descriptors", "batch", "prepared"]
+
+
+def block_is(after: Snapshot, ref: Snapshot, block: int) -> bool:
+    lo, hi = block * BLOCK, (block + 1) * BLOCK
+    return bool(np.array_equal(after.tensor(0)[lo:hi], ref.tensor(0)[lo:hi]))
+
+
+def check_old_or_new(before: Snapshot, after: Snapshot, src: Snapshot) -> list[int]:
+    """Asserts each block of `after` holds its old (`before`) or its new (`src`) bytes and nothing
+    else changed (guards included); returns the new blocks."""
+    new = [b for b in range(BLOCKS) if block_is(after, src, b) and not block_is(after, before, b)]
+    assert_same(after, before.with_rows(src, [(b, b) for b in new]), "destination of the cancelled transfer")
+    return new
+
+
+class Setup:
+    """A listening target with "src" (filled, key 9) and "sink" (filled with another pattern), and an
+    initiator with "dst", linked directly or through a relay (`relay_port`: the port to dial for
+    the target's), with prepared transfers "read" (src -> dst) and "write" (dst -> sink)."""
+
+    def __init__(self, peers: Callable[..., Peer], variant: Variant, relay_port: Callable[[int], int] | None = None):
+        self.target = peers("target", env=variant.env())
+        self.initiator = peers("initiator", env=variant.env())
+        port = self.target.call(native.start, TARGET, listen=True, timeout_ms=60000)
+        self.src = self.target.call(native.register, "src", BLOCKS, BLOCK, seed=1, key=9)
+        self.sink = self.target.call(native.register, "sink", BLOCKS, BLOCK, seed=3, key=10)
+        self.initiator.call(native.start, INITIATOR, timeout_ms=60000)
+        self.initiator.call(native.register, "dst", BLOCKS, BLOCK, seed=2)
+        if relay_port is None:  # linked directly
+            assert self.initiator.call(native.connect, port, TARGET) == TARGET
+        else:
+            assert self.initiator.call(native.connect, relay_port(port), TARGET, "127.0.0.1") == TARGET
+        (link,) = self.initiator.call(native.links)
+        assert link.transport == variant.link_transport
+        for tag, name in (("read", "src"), ("write", "sink")):
+            remote = self.target.call(native.remote, name)
+            self.initiator.call(native.prepare, tag, TARGET, "dst", remote)
+
+    def snap(self, side: Peer, name: str) -> Snapshot:
+        return side.call(native.snapshot, name)
+
+    def pins_released(self) -> None:
+        wait_until(lambda: self.target.call(native.role_state)["pins"] == 0, 30, "the target's pins released")
+
+
+# Held at a relay on tcp only: cma's reads copy the peer's memory through a cached layout and the
+# device paths move bytes and answers over their own channels, so no byte of theirs waits at a relay
+# on the link's socket (test_cancel_right_after_the_start covers them).
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_cancel_mid_flight(peers: Callable[..., Peer], variant: Variant, op: str, kind: str) -> None:
+    with Relay(0) as relay:
+        def relay_port(port: int) -> int:
+            relay.target_port = port
+            return relay.port
+
+        s = Setup(peers, variant, relay_port)
+        dest_side, dest, source_side, source = ((s.initiator, "dst", s.target, "src") if op == "read"
+                                                else (s.target, "sink", s.initiator, "dst"))
+        remote = s.src if op == "read" else s.sink
+        dest0, source0 = s.snap(dest_side, dest), s.snap(source_side, source)
+        # The transfer's bytes held at the relay after 1 MiB: it is in flight, not done.
+        direction, budget = (DOWN if op == "read" else UP), 1 << 20
+        relay.hold_after(direction, budget)
+        s.initiator.call(cancel.start, "t", kind, op, TARGET, "dst", remote, NBYTES, op)
+        relay.wait_held(direction)
+        won, status = s.initiator.call(cancel.cancel, "t")
+        # cancel returned while the relay still holds the transfer's bytes, and it is CANCELLED
+        assert relay.wait_held(direction) >= budget
+        assert (won, status) == (True, "CANCELLED")
+        relay.release()
+        assert s.initiator.call(cancel.finish, "t") == ("CANCELLED", "TransferCancelled", True)
+        assert relay.forwarded[direction] < NBYTES
+        new = check_old_or_new(dest0, s.snap(dest_side, dest), source0)
+        assert len(new) < BLOCKS, "the cancel came after every block had moved"
+        assert_same(s.snap(source_side, source), source0, "source of the cancelled transfer")
+        s.pins_released()
+        # the same link then moves bytes exactly: the whole transfer, synchronously
+        assert len(s.initiator.call(native.links)) == 1
+        s.initiator.call(native.post, op, list(range(BLOCKS)), list(range(BLOCKS)), op)
+        assert_same(s.snap(dest_side, dest), dest0.with_rows(source0, [(b, b) for b in range(BLOCKS)]),
+                    "destination after the cancelled transfer's retry")
+        assert_same(s.snap(source_side, source), source0, "source of the retry")
+        s.pins_released()
+
+
+@pytest.mark.one_host("the test process relays the link")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cancel_after_completion_returns_false(peers: Callable[..., Peer], variant: Variant, kind: str) -> None:
+    with Relay(0) as relay:
+        def relay_port(port: int) -> int:
+            relay.target_port = port
+            return relay.port
+
+        s = Setup(peers, variant, relay_port)
+        dst0, src0 = s.snap(s.initiator, "dst"), s.snap(s.target, "src")
+        s.initiator.call(cancel.start, "t", kind, "read", TARGET, "dst", s.src, NBYTES, "read")
+        wait_until(lambda: s.initiator.call(cancel.status, "t") == "DONE", 60, "the transfer done")
+        assert s.initiator.call(cancel.cancel, "t") == (False, "DONE")
+        assert s.initiator.call(cancel.finish, "t") == ("DONE", None, False)
+        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
+                    "destination of the completed transfer")
+        assert_same(s.snap(s.target, "src"), src0, "source")
+        s.pins_released()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_cancel_right_after_the_start(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
+    """On every cell: a prepared 48 MiB transfer cancelled as soon as it was submitted either ends
+    CANCELLED (each block of the destination old or new, the rest and the source unchanged) or, when
+    it had already completed, the cancel returns False and its result stands; either way the pins are
+    released and the same link then moves the whole transfer byte-exact."""
+    s = Setup(peers, variant)
+    dest_side, dest, source_side, source = ((s.initiator, "dst", s.target, "src") if op == "read"
+                                            else (s.target, "sink", s.initiator, "dst"))
+    remote = s.src if op == "read" else s.sink
+    dest0, source0 = s.snap(dest_side, dest), s.snap(source_side, source)
+    won, status = s.initiator.call(cancel.start_and_cancel, "t", "prepared", op, TARGET, "dst", remote, NBYTES, op)
+    outcome = s.initiator.call(cancel.finish, "t")
+    everything = dest0.with_rows(source0, [(b, b) for b in range(BLOCKS)])
+    if won:
+        assert status == "CANCELLED"
+        assert outcome == ("CANCELLED", "TransferCancelled", True)
+        check_old_or_new(dest0, s.snap(dest_side, dest), source0)
+    else:
+        assert outcome == ("DONE", None, False)
+        assert_same(s.snap(dest_side, dest), everything, "destination of the completed transfer")
+    assert_same(s.snap(source_side, source), source0, "source")
+    s.pins_released()
+    s.initiator.call(native.post, op, list(range(BLOCKS)), list(range(BLOCKS)), op)
+    assert_same(s.snap(dest_side, dest), everything, "destination of the retry")
+    assert_same(s.snap(source_side, source), source0, "source of the retry")
