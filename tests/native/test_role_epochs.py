@@ -310,7 +310,7 @@ def test_a_split_pull_begun_before_the_drain_finishes_whole(peers: Callable[...,
         assert initiator.call(native.connect, relay.port, TARGET) == TARGET
         initiator.call(native.start_read, TARGET, "big", src)  # a whole-region pull opens the lanes
         assert initiator.call_within(90, native.finish_read, "big", 0x5A)[0]
-        assert relay.connections() == 4  # the channel and 3 lanes (Limits.tcp_streams' default)
+        assert relay.connections() == 5  # the link's two channels and 3 lanes (Limits.tcp_streams: 4 streams)
         initiator.call(native.reregister, "big", 0x5A)  # what the first pull moved, replaced
         src0, dst0 = target.call(native.snapshot, "big"), initiator.call(native.snapshot, "big")
         forwarded0 = relay.forwarded[DOWN]
