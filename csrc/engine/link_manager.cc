@@ -311,7 +311,7 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
                     "cannot switch role while links exist (peer clusters: " + ids + "); disconnect them first");
     }
     old_role = s_.role;
-    s_.phase.store(Phase::kDraining);  // from here nothing new is admitted (EngineState::Admission)
+    s_.phase.store(Phase::kDraining);         // from here nothing new is admitted (EngineState::Admission)
     s_.registry.publishRole(s_.epoch, true);  // and no cached same-host read of a prepared transfer
   }
   // A same-host requester's cached layout (cma) is checked against the generation around each

@@ -27,7 +27,7 @@ void RequestServer::serve(const std::shared_ptr<Link>& link) {
   ServeState state;
   state.pin_epoch = s_.pin_epochs.take();
   Status st = serveStream(link, link->in(), &state);
-  closeSplit(*link);  // a split pull of the peer open on this link is over with it
+  closeSplit(*link);                    // a split pull of the peer open on this link is over with it
   s_.pin_epochs.give(state.pin_epoch);  // moves first: a copy still running on our pins fails its check
   for (const std::string& key : state.exported) s_.backend->closeExport(key);
   if (!state.unlinked) {

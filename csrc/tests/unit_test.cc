@@ -102,9 +102,9 @@ void requestHeaderCases() {
   f = wire::encode(wire::RequestHeader{wire::Op::kRead, 0, 0, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: no split mark");
   check(!got.split, "request header: no split mark decoded");
-  for (wire::RequestHeader h : {wire::RequestHeader{wire::Op::kWrite, 0, 0, 0, 0, true},
-                                wire::RequestHeader{wire::Op::kPing, 0, 0, 0, 0, true},
-                                wire::RequestHeader{wire::Op::kRead, 0, 0, wire::kFlagDirect, 0, true}}) {
+  for (wire::RequestHeader h :
+       {wire::RequestHeader{wire::Op::kWrite, 0, 0, 0, 0, true}, wire::RequestHeader{wire::Op::kPing, 0, 0, 0, 0, true},
+        wire::RequestHeader{wire::Op::kRead, 0, 0, wire::kFlagDirect, 0, true}}) {
     f = wire::encode(h);
     checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "request header: a misplaced split mark");
   }

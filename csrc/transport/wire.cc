@@ -162,7 +162,8 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   // The split mark only on a plain read or a kRelease (the stream path's split pulls).
   out->split = (out->flags & kMarkSplit) != 0;
   out->flags &= static_cast<uint8_t>(~kMarkSplit);
-  if (out->split && (out->flags != 0 || (op != static_cast<uint8_t>(Op::kRead) && op != static_cast<uint8_t>(Op::kRelease)))) {
+  if (out->split &&
+      (out->flags != 0 || (op != static_cast<uint8_t>(Op::kRead) && op != static_cast<uint8_t>(Op::kRelease)))) {
     return malformed("request");
   }
   if (!isOp(op) || (out->flags & ~kKnownFlags) ||

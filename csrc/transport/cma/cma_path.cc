@@ -101,8 +101,10 @@ std::optional<Status> CmaPath::readCachedBlocks(Link& link, const TransferPlan& 
     }
     Result<bool> same = readChecked(link, lv, rv, c.generation);
     if (!same.ok() && same.status().code() == Code::kLinkFailed) return failTransfer(link, same.status(), what);
-    if (!same.ok()) return Status(same.status().code(), std::string(what) + " " + clusterName(link.peer()) + ": " +
-                                                            same.status().message());
+    if (!same.ok()) {  // the role fence refused it
+      return Status(same.status().code(),
+                    std::string(what) + " " + clusterName(link.peer()) + ": " + same.status().message());
+    }
     if (same.value()) return Status::OK();
     descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
   }
@@ -138,8 +140,10 @@ std::optional<Status> CmaPath::readCachedRaw(Link& link, const TransferPlan& p, 
     }
     Result<bool> same = readChecked(link, lv, rv, raw_table_->generation);
     if (!same.ok() && same.status().code() == Code::kLinkFailed) return failTransfer(link, same.status(), what);
-    if (!same.ok()) return Status(same.status().code(), std::string(what) + " " + clusterName(link.peer()) + ": " +
-                                                            same.status().message());
+    if (!same.ok()) {  // the role fence refused it
+      return Status(same.status().code(),
+                    std::string(what) + " " + clusterName(link.peer()) + ": " + same.status().message());
+    }
     if (same.value()) return Status::OK();
     raw_table_.reset();  // the peer's registrations changed
   }
@@ -247,8 +251,7 @@ Status CmaPath::roleFence(Link& link, bool after) {
   const uint16_t tag = wire::epochTagOf(epoch), fence = link.epochTags().send.load(std::memory_order_relaxed);
   const char* when = after ? " (after the copy: only the destination changed)" : "";
   if (word.value() & 1) {
-    return Status(Code::kRoleSwitching,
-                  std::string("the peer is switching its role; retry once it is ready") + when);
+    return Status(Code::kRoleSwitching, std::string("the peer is switching its role; retry once it is ready") + when);
   }
   if (fence != 0 && fence != tag) {
     return Status(Code::kStaleEpoch, "the transfer was prepared against role epoch tag " + std::to_string(fence) +

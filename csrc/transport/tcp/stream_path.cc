@@ -142,7 +142,8 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
       if (k >= sh.chunks.size()) break;
       Chunk& c = sh.chunks[k];
       wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(c.body.size()),
-                            is_push ? c.payload : 0, 0, fenceTag(link, wire::Op::kRead), !is_push};
+                            is_push ? c.payload : 0, 0, fenceTag(link, wire::Op::kRead)};
+      h.split = !is_push;  // a chunk of a split pull (wire::kMarkSplit)
       std::string head = wire::encode(h);
       std::vector<iovec> iov{{head.data(), head.size()}, {c.body.data(), c.body.size()}};
       Status st =
@@ -207,8 +208,8 @@ Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Dead
   // Every chunk was answered: the pull's end frame (wire::kMarkSplit), which closes it on the peer (a
   // role switch there waits for it; not answered).
   std::string end_body = wire::encode(p.remote);
-  std::string end = wire::encode(wire::RequestHeader{wire::Op::kRelease, static_cast<uint32_t>(end_body.size()), 0, 0,
-                                                     0, true});
+  std::string end =
+      wire::encode(wire::RequestHeader{wire::Op::kRelease, static_cast<uint32_t>(end_body.size()), 0, 0, 0, true});
   std::vector<iovec> end_iov{{end.data(), end.size()}, {end_body.data(), end_body.size()}};
   if (!link.out().sendFrame(end_iov, deadline).ok()) link.breakLink("could not end a split pull on the peer");
   if (!sh.refused.ok()) {  // the peer refused a chunk (as it would have refused the whole request); the link is fine
