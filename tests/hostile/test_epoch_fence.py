@@ -128,7 +128,7 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     end = rawwire.request(rawwire.OP_RELEASE, body, flags=SPLIT)
     served = lambda: victim.call(native.role_state)["served_in_flight"]  # noqa: E731
     assert a.call(hostile.exchange_header, chunk) == (0, _tag(0))
-    assert served() == 1  # the pull is open: nothing is being served
+    wait_until(lambda: served() == 1, 20, "the chunk served, the pull still open")  # nothing is being served
     victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=30000)
     wait_until(lambda: victim.call(native.role_state)["phase"] == "draining", 20, "the switch draining")
     assert a.call(hostile.exchange_header, chunk) == (0, _tag(0))  # the open pull's chunk: admitted
@@ -137,7 +137,7 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     a.call(hostile.send, end)
     outcome, _, message, state = victim.call(native.switch_result)
     assert (outcome, state["role"], state["epoch"], state["phase"]) == ("ok", "PROMPT", 1, "ready"), message
-    assert served() == 0
+    wait_until(lambda: served() == 0, 20, "the pull closed")
     # opened again and never ended: held until the drain timeout, no longer
     assert a.call(hostile.exchange_header, chunk) == (0, _tag(1))
     victim.call(native.switch_role_async, "DECODER", drain_timeout_ms=300)

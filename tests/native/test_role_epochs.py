@@ -10,6 +10,7 @@ destination and its guards (tests/verify.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 from collections.abc import Callable, Iterator
 
@@ -115,8 +116,8 @@ def test_a_transfer_prepared_after_another_cached_the_layout_is_fenced_too(two: 
     remote = two.target.call(native.remote, "src")
     for tag, (lb, rb) in (("first", (0, 1)), ("second", (2, 3))):
         two.initiator.call(native.prepare, tag, TARGET, "dst", remote)
-        check_transfer(two.read("src"), two.read("dst"), lambda t=tag, lb=lb, rb=rb: two.initiator.call(
-            native.post, t, [lb], [rb], "read"), rows([(rb, lb)]))
+        check_transfer(two.read("src"), two.read("dst"),
+                       functools.partial(two.initiator.call, native.post, tag, [lb], [rb], "read"), rows([(rb, lb)]))
     two.target.call(native.switch_role, "PROMPT")
     src0, dst0 = two.read("src")(), two.read("dst")()
     for tag in ("second", "first"):
