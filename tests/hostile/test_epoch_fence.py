@@ -148,3 +148,30 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"", flags=SPLIT)) == "closed"
     wait_until(lambda: served() == 0, 20, "the open pull closed with its link")
     assert victim.call(native.switch_role, "DECODER", True, 1)["epoch"] == 2
+
+
+@only("cpu-cma")
+def test_a_pin_held_by_a_direct_reader_holds_a_switch_until_its_next_frame_or_the_drain_timeout(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A same-host raw peer's direct read (kFlagDirect) is answered with the addresses and pins
+    them until the peer's next frame; the peer then stops. The drain counts the pin (``pins``): a
+    switch with a 300 ms drain timeout rolls back naming it, role and epoch unchanged (the engine's
+    rollback is instantaneous: ``role_state()`` shows ``ready`` again, never ``rolling_back``).
+    The peer's next frame unpins, and the switch commits."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    victim.call(native.register, "src", 4, 4096, seed=1, key=7)
+    a = peers("attacker")
+    assert a.call(hostile.link_raw, port, 9, b"", a.call(hostile.redirect_name, port, 9)) == (0, "")
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, 64),)),
+                                                      flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    wait_until(lambda: victim.call(native.role_state)["pins"] == 1, 20, "the direct read's pin held")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 pins" in message and "rolled back" in message, message
+    assert (state["role"], state["epoch"], state["phase"], state["pins"]) == ("MIX", 0, "ready", 1)
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(0))  # the next frame: unpinned
+    wait_until(lambda: victim.call(native.role_state)["pins"] == 0, 20, "the pin released")
+    assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
