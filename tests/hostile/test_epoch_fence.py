@@ -104,7 +104,7 @@ def test_a_peer_that_stops_reading_holds_a_switch_only_until_its_drain_timeout(p
     assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
 
 
-SPLIT = 32  # the split mark (wire v7): a chunk of a split pull on a read, its end on a release
+SPLIT = rawwire.MARK_SPLIT
 
 
 @only("cpu-tcp", "cpu-cma")

@@ -31,7 +31,7 @@ VICTIM, HONEST = 1, 2
 TOTAL = 4096
 NAMED = {0, 1, 2, 3, 6, 8}  # stream, cma, hccl, ipc, one-sided, ucx: the production table's entries
 ACCESS = {rawwire.OP_READ, rawwire.OP_WRITE}
-SPLIT = 32  # the split mark (wire v7): alone, on a read (a chunk of a split pull) or a release (its end)
+SPLIT = rawwire.MARK_SPLIT
 
 
 def frames(base: int, current: bytes) -> dict[int, bytes]:
