@@ -51,14 +51,14 @@ def _engine() -> pdlink.Engine:
 
 
 def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits: dict[str, int] | None = None,
-          secret: str | None = None, payload_integrity: bool = False, pool_bytes: int = 0) -> int:
-    """Starts this peer's engine (``limits``: ``pdlink.Limits`` fields; ``secret`` and
-    ``payload_integrity`` as ``EngineOptions``'; ``pool_bytes``: a host and a device pool of that
-    size); returns its listen port (0 when not listening)."""
+          secret: str | None = None, payload_integrity: bool = False, pool_bytes: int = 0, role: str = "MIX") -> int:
+    """Starts this peer's engine (``limits``: ``pdlink.Limits`` fields; ``secret``,
+    ``payload_integrity`` and ``role`` as ``EngineOptions``'; ``pool_bytes``: a host and a device
+    pool of that size); returns its listen port (0 when not listening)."""
     pool = pdlink.MemoryPool(pool_bytes) if pool_bytes else None
     options = pdlink.EngineOptions(cluster_id=cluster_id, listen=addr.listen() if listen else None,
                                    timeout_ms=timeout_ms, limits=pdlink.Limits(**(limits or {})), secret=secret,
-                                   payload_integrity=payload_integrity, host_pool=pool, device_pool=pool)
+                                   payload_integrity=payload_integrity, host_pool=pool, device_pool=pool, role=role)
     _state["engine"] = pdlink.Engine(options)
     return _state["engine"].listen_port
 

@@ -110,6 +110,24 @@ def test_fleet_benchmark_smoke_runs_on_loopback(tmp_path):
     assert (tmp_path / "fleet.png").exists() or "matplotlib is not installed" in r.stdout
 
 
+def test_switch_benchmark_smoke_runs_and_verifies(tmp_path):
+    """bench/bench_switch.py --smoke: every path that runs here switched idle and under load, every
+    pull under the switches ended exact or refused with LLM_ROLE_SWITCHING, the final pulls were
+    verified, and the prefill ended ready with no pins at epoch 2 x switches."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_switch.py"), "--smoke", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "switch.json").read_text())
+    ran = {path: run for path, run in results["paths"].items() if "skipped" not in run}
+    assert set(ran) in ({"cma", "tcp"}, {"tcp"}, {"cma", "tcp", "ucx"}, {"tcp", "ucx"}), results["paths"]
+    switches = results["config"]["switches"]
+    for run in ran.values():
+        assert run["idle"]["stats"]["n"] == run["loaded"]["stats"]["n"] == switches
+        assert (run["loaded"]["epoch"], run["loaded"]["phase"], run["loaded"]["pins"]) == (2 * switches, "ready", 0)
+        assert run["pulls"]["pulls"] > 0 and run["pulls"]["exact_after"] and not run["pulls"]["errors"]
+    assert "| path | idle p50 |" in (tmp_path / "switch.txt").read_text()
+
+
 def hosts_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "hosts.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_hosts.py"), "--smoke", "--no-peers",

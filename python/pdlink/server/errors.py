@@ -1,6 +1,6 @@
 """The HTTP status of an engine error: one table, ``HTTP_STATUS_OF_CODE``, from every
 ``LLMStatusCode`` to the status pdlink's own endpoints answer with: 404 what the request names
-does not exist, 409 a conflict with the link or request state, 422 an invalid argument, 501 a
+does not exist, 409 a conflict with the link, request or role state, 422 an invalid argument, 501 a
 feature not enabled, 503 a link / device / memory failure, 504 a timeout, 500 anything else.
 ``POST /v1/role/*`` keeps MindIE's fixed statuses and never reads it. docs/server.md shows the
 table; tests/server/test_server_errors.py checks that the two agree. The error body's ``error_type`` is
@@ -26,6 +26,8 @@ HTTP_STATUS_OF_CODE: dict[LLMStatusCode, int] = {
     _C.LLM_REPEAT_REQUEST: 409,
     _C.LLM_REQUEST_ALREADY_COMPLETED: 409,
     _C.LLM_PREFIX_ALREADY_EXIST: 409,
+    _C.LLM_STALE_EPOCH: 409,
+    _C.LLM_ROLE_SWITCHING: 409,
     _C.LLM_PARAM_INVALID: 422,
     _C.LLM_SEQ_LENOVERLIMIT: 422,
     _C.LLM_FEATURE_NOT_ENABLED: 501,

@@ -14,7 +14,7 @@ Flow of a role assignment (``POST /v1/role/{role}``):
      ``validation.cluster_id``), register the test KV caches when enabled;
    * unlink the peers that are no longer listed, or whose addresses changed;
    * when the role or the local listen addresses change: stop every link job, unlink every
-     peer (``switch_role`` refuses while links exist), then ``switch_role`` each engine; a
+     peer (``switch_role(..., require_no_links=True)`` refuses while links exist), then ``switch_role`` each engine; a
      ``prefill`` or ``flex`` engine listens at ``<listen ip>:<listenPortBase + device id>``, a
      ``decode`` engine does not listen;
    * start a link job for every listed peer that is not linked on every device.
@@ -660,7 +660,7 @@ class Node:
                 for attempt in range(_SWITCH_ATTEMPTS):
                     self._unlink([link.peer_cluster_id for link in engine.links()], [engine])
                     try:
-                        engine.switch_role(ROLES[plan.role].engine_role, _address(listen, i))
+                        engine.switch_role(ROLES[plan.role].engine_role, _address(listen, i), require_no_links=True)
                         break
                     except LLMException as e:  # a peer linked in between: unlink again
                         if e.status_code != LLMStatusCode.LLM_EXIST_LINK or attempt == _SWITCH_ATTEMPTS - 1:
@@ -672,7 +672,8 @@ class Node:
                 assert self._engine_role is not None  # set when the engines were created
                 try:
                     self._unlink([link.peer_cluster_id for link in self._engines[i].links()], [self._engines[i]])
-                    self._engines[i].switch_role(ROLES[self._engine_role].engine_role, _address(old, i))
+                    self._engines[i].switch_role(ROLES[self._engine_role].engine_role, _address(old, i),
+                                                  require_no_links=True)
                 except LLMException as e:
                     logger.error("device %d: could not restore role %s: %s", i, self._engine_role, e)
             with self._lock:
