@@ -11,8 +11,8 @@ process, each linked to it (transfers on one link run one at a time) with a 64 M
              of its own, again and again (a pull refused with LLM_ROLE_SWITCHING while the prefill
              drains is tried again after 1 ms); before each switch the prefill waits (at most
              IN_FLIGHT_WAIT_S) until it serves 8 requests, so a switch starts with up to 8 x 64 MiB
-             in flight and its drain waits for what it counts of them (on tcp only the chunk being
-             served: tests/paths/test_switch_under_load.py, ``TORN``).
+             in flight and its drain waits for what it counts of them (on tcp each split pull
+             admitted before the drain until its last chunk: docs/architecture.md, "Roles").
 
 Timed: the ``switch_role`` call in the prefill's process, which returns once the switch committed
 (the drain included). Reported: p50 and p99 over the switches, per data path, how many requests

@@ -36,6 +36,7 @@ FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED, FLAG_UCX = 1, 2, 4, 8
 # A path-connect header names its path by the flags its requests carry (wire::kPathConnectHeaderBytes).
 PATH_DEVICE_CHANNEL, PATH_UCX = FLAG_DEVICE, FLAG_UCX
 FLAG_TEST_PATH = 16  # the path of a C++ test build only (csrc/tests/pipe_path.h)
+MARK_SPLIT = 32  # wire v7's split mark, alone: on a read a chunk of a split pull, on a release its end
 KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW = range(1, 6)
 ANY = 2**64 - 1
 LINK_FAILED = 0x5010B009

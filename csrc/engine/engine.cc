@@ -111,6 +111,7 @@ Status Engine::initialize(const EngineConfig& config) {
   state_.epoch = 0;
   state_.epoch_tag.store(EngineState::tagOf(0));
   state_.phase.store(Phase::kReady);
+  state_.registry.publishRole(0, false);
   state_.stopping = false;
   state_.initialized = true;
   PDLINK_LOG(kInfo, "engine " << config.cluster_id << " initialised on backend " << state_.backend->name()

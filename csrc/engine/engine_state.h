@@ -101,9 +101,11 @@ struct EngineState {
   // sees the drain and is refused (status() kRoleSwitching; the count is given back at once).
   class Admission {
    public:
-    Admission(EngineState& s, std::atomic<int64_t>& counter) : s_(s), counter_(&counter) {
+    // `continuation`: a later request of a transfer admitted before the switch (a chunk of a split
+    // pull open on its link): counted and admitted even while a switch is pending.
+    Admission(EngineState& s, std::atomic<int64_t>& counter, bool continuation = false) : s_(s), counter_(&counter) {
       counter_->fetch_add(1, std::memory_order_seq_cst);
-      if (s_.switchPending()) release();
+      if (!continuation && s_.switchPending()) release();
     }
     ~Admission() { release(); }
     Admission(const Admission&) = delete;

@@ -279,6 +279,7 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
     ++s_.epoch;
     s_.epoch_tag.store(EngineState::tagOf(s_.epoch));
     s_.phase.store(Phase::kReady);
+    s_.registry.publishRole(s_.epoch, false);
   };
   Role old_role;
   {
@@ -310,7 +311,8 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
                     "cannot switch role while links exist (peer clusters: " + ids + "); disconnect them first");
     }
     old_role = s_.role;
-    s_.phase.store(Phase::kDraining);  // from here nothing new is admitted (EngineState::Admission)
+    s_.phase.store(Phase::kDraining);         // from here nothing new is admitted (EngineState::Admission)
+    s_.registry.publishRole(s_.epoch, true);  // and no cached same-host read of a prepared transfer
   }
   // A same-host requester's cached layout (cma) is checked against the generation around each
   // copy: it asks this side again, which refuses while the switch is pending.
@@ -322,7 +324,8 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
     {
       std::lock_guard<std::mutex> lock(s_.mu);
       s_.phase.store(Phase::kRollingBack);
-      s_.phase.store(Phase::kReady);  // nothing was changed: the old role and epoch stand
+      s_.phase.store(Phase::kReady);
+      s_.registry.publishRole(s_.epoch, false);  // nothing was changed: the old role and epoch stand
     }
     PDLINK_LOG(kInfo,
                "engine " << s_.config.cluster_id << ": role switch rolled back after " << drain_ms << " ms of drain");
@@ -353,12 +356,14 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
       if (gave_up_old) {
         // The old listener is gone and the new one could not be had: the engine is in neither role.
         s_.phase.store(Phase::kFailed);
+        s_.registry.publishRole(s_.epoch, false);  // as admission: kFailed is not a pending switch
         return Status(l.status().code(), l.status().message() +
                                              "; the old listener was given up: the switch failed (phase failed, "
                                              "role and epoch unchanged); switch again to resolve it");
       }
       s_.phase.store(Phase::kRollingBack);
       s_.phase.store(Phase::kReady);
+      s_.registry.publishRole(s_.epoch, false);
       return Status(l.status().code(), l.status().message() + "; the switch rolled back (role and epoch unchanged)");
     }
     fresh = std::move(l.value());

@@ -164,10 +164,21 @@ class Registry {
   // bumped before any cache memory is released or any index changes, so a peer that read it before
   // and after a direct copy through a cached descriptor knows the descriptor was still valid.
   // (Whether a checked direct access stayed pinned is each link's own word: engine/pin_epochs.h.)
+  // Second word (offset 8): the engine's role, `epoch << 1 | pending` (pending: a role switch is
+  // draining, switching or rolling back), written by the engine (publishRole) before the generation
+  // is bumped at each phase change of a switch. A same-host requester's prepared transfer binds its
+  // epoch from it and checks it before and after each copy through a cached layout, which the
+  // server never sees (transport/cma/cma_path.h).
   struct Published {
     std::atomic<uint64_t> generation{1};
+    std::atomic<uint64_t> role{0};
   };
+  static constexpr uint64_t kPublishedRoleOffset = 8;
+  static uint64_t roleWord(uint64_t epoch, bool pending) { return epoch << 1 | (pending ? 1 : 0); }
   const Published* published() const { return &published_; }
+  void publishRole(uint64_t epoch, bool pending) {
+    published_.role.store(roleWord(epoch, pending), std::memory_order_seq_cst);
+  }
   // Moves the generation without changing anything (a role switch: Engine::switchRole), so that a
   // same-host peer's cached descriptors are checked again by asking this side.
   void bumpGeneration() { bumpLocked(); }

@@ -27,6 +27,7 @@ void RequestServer::serve(const std::shared_ptr<Link>& link) {
   ServeState state;
   state.pin_epoch = s_.pin_epochs.take();
   Status st = serveStream(link, link->in(), &state);
+  closeSplit(*link);                    // a split pull of the peer open on this link is over with it
   s_.pin_epochs.give(state.pin_epoch);  // moves first: a copy still running on our pins fails its check
   for (const std::string& key : state.exported) s_.backend->closeExport(key);
   if (!state.unlinked) {
@@ -44,6 +45,7 @@ void RequestServer::serveLane(const std::shared_ptr<Link>& link, Stream& lane) {
   ServeState state;
   state.lane = true;
   Status st = serveStream(link, lane, &state);
+  closeSplit(*link);
   if (!link->broken()) {
     PDLINK_LOG(kInfo, "link to " << clusterName(link->peer()) << " is down: a lane ended: " << st.message());
   }
@@ -65,6 +67,12 @@ Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in,
     countPins(state);
   }
   return st;
+}
+
+void RequestServer::closeSplit(Link& link) {
+  if (!link.splitOpen().exchange(false, std::memory_order_seq_cst)) return;
+  s_.served_in_flight.fetch_sub(1, std::memory_order_seq_cst);
+  s_.drainNotify();
 }
 
 void RequestServer::countPins(ServeState* state) {
@@ -96,14 +104,26 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   // Reads, writes, describes and path connects are counted while served (what a role switch
   // drains) and refused while a switch is pending; reads, writes and describes fenced by an epoch
   // tag are refused when it is not this engine's (wire v7). The link stays either way.
+  // A chunk of a split pull (wire::kMarkSplit) opens the pull on this link unless it is open, counted
+  // in served_in_flight until the pull's end frame (or the link's end): a drain waits for the whole
+  // pull, and while it drains the open pull's chunks are admitted (continuations), any other request
+  // refused. Opened first, then checked, as Admission counts: a drain that starts in between sees
+  // the pull open, or the opening chunk sees the drain (refused, the pull closed again).
   const bool counted = h.op == wire::Op::kRead || h.op == wire::Op::kWrite || h.op == wire::Op::kDescribe ||
                        h.op == wire::Op::kPathConnect;
   std::optional<EngineState::Admission> admission;
   Status gate;
   if (counted) {
-    admission.emplace(s_, s_.served_in_flight);
+    bool opened = false, continuation = false;
+    if (h.split) {  // a plain read (wire::decode)
+      opened = !link->splitOpen().exchange(true, std::memory_order_seq_cst);
+      if (opened) s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
+      continuation = !opened;
+    }
+    admission.emplace(s_, s_.served_in_flight, continuation);
     const uint16_t ours = s_.epoch_tag.load(std::memory_order_acquire);
     if (!admission->admitted()) {
+      if (opened) closeSplit(*link);
       gate = admission->status();
     } else if (h.op != wire::Op::kPathConnect && h.epoch_tag != 0 && h.epoch_tag != ours) {
       gate = Status(Code::kStaleEpoch, "the request was prepared against role epoch tag " +
@@ -126,6 +146,10 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     // A commit releases keys the peer read; over our own one-way link it read nothing.
     if (!admitAccess(*link, h).ok()) return Status::OK();
     s_.registry.commitRead(tb.target, tb.tensors);
+    return Status::OK();
+  }
+  if (h.op == wire::Op::kRelease && h.split) {  // the peer's split pull is over
+    closeSplit(*link);
     return Status::OK();
   }
   if (h.op == wire::Op::kRelease) return Status::OK();

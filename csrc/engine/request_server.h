@@ -111,6 +111,9 @@ class RequestServer {
   // frame's payload is consumed; OK to serve.
   Status serveAccess(Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
                      Deadline deadline, ServeState* state, const Status& gate);
+  // Closes the peer's split pull open on `link` (wire::kMarkSplit), if one is: its count in
+  // served_in_flight is given back and a drain woken.
+  void closeSplit(Link& link);
   // Updates state's pin count (ServeState::countPins), waking a drain when it changed.
   void countPins(ServeState* state);
   // Device memory is reachable only through the device channel, host memory only without it

@@ -117,6 +117,9 @@ void fuzzRequest(const uint8_t* p, size_t n) {
   FUZZ_CHECK(op >= 1 && op <= wire::kMaxOp && op != 8 && op != 10 && !(h.flags & ~wire::kKnownFlags) &&
              (!(h.flags & wire::kFlagOneSided) || h.flags == (wire::kFlagDevice | wire::kFlagOneSided)) &&
              (!(h.flags & wire::kFlagUcx) || h.flags == wire::kFlagUcx) && h.body_len <= wire::kMaxBodyBytes);
+  // The split mark (flags bit 32) decodes apart from the flags, alone, on a read or a release only.
+  FUZZ_CHECK(h.split == ((p[5] & wire::kMarkSplit) != 0) &&
+             (!h.split || (h.flags == 0 && (h.op == wire::Op::kRead || h.op == wire::Op::kRelease))));
   // Every field round-trips, the epoch tag (bytes 6-7, since v7) too: any value decodes.
   FUZZ_CHECK(h.epoch_tag == static_cast<uint16_t>(p[6] | (p[7] << 8)));
   std::string e = wire::encode(h);

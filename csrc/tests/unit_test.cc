@@ -92,6 +92,22 @@ void requestHeaderCases() {
   }
   f = wire::encode(wire::RequestHeader{wire::Op::kRead, 0, 0, wire::kFlagDevice | wire::kFlagOneSided});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: device | one-sided");
+  // the split mark: alone, on a read or a release; decoded apart from the flags, encoded back
+  for (wire::Op op : {wire::Op::kRead, wire::Op::kRelease}) {
+    f = wire::encode(wire::RequestHeader{op, 0, 0, 0, 0, true});
+    check(static_cast<uint8_t>(f[5]) == wire::kMarkSplit, "request header: the split mark's bit");
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: split mark");
+    check(got.split && got.flags == 0 && got.op == op, "request header: split mark decoded");
+  }
+  f = wire::encode(wire::RequestHeader{wire::Op::kRead, 0, 0, 0});
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: no split mark");
+  check(!got.split, "request header: no split mark decoded");
+  for (wire::RequestHeader h :
+       {wire::RequestHeader{wire::Op::kWrite, 0, 0, 0, 0, true}, wire::RequestHeader{wire::Op::kPing, 0, 0, 0, 0, true},
+        wire::RequestHeader{wire::Op::kRead, 0, 0, wire::kFlagDirect, 0, true}}) {
+    f = wire::encode(h);
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "request header: a misplaced split mark");
+  }
   f = wire::encode(wire::RequestHeader{wire::Op::kRead, wire::kMaxBodyBytes + 1, 0, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "request header: body past the limit");
   f = wire::encode(wire::RequestHeader{wire::Op::kRead, wire::kMaxBodyBytes, 0, 0});

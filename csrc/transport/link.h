@@ -136,6 +136,10 @@ class Link {
     std::atomic<uint16_t> seen{0};
   };
   EpochTags& epochTags() { return epoch_tags_; }
+  // The serving side's split pull of the peer (wire::kMarkSplit): whether one is open on this link,
+  // counted in the engine's served_in_flight while it is (engine/request_server.h). Set by the
+  // link's serving threads (channel and lanes), cleared by the pull's end frame or their end.
+  std::atomic<bool>& splitOpen() { return split_open_; }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -236,6 +240,7 @@ class Link {
   uint64_t chunk_bytes_ = uint64_t{1} << 20;
   std::atomic<uint64_t> rtt_us_{0};
   EpochTags epoch_tags_;
+  std::atomic<bool> split_open_{false};
   States in_states_;  // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_

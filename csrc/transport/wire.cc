@@ -143,7 +143,7 @@ std::string encode(const RequestHeader& h) {
   Writer w;
   w.put(kRequestMagic);
   w.put(static_cast<uint8_t>(h.op));
-  w.put(h.flags);
+  w.put(static_cast<uint8_t>(h.flags | (h.split ? kMarkSplit : 0)));
   w.put(h.epoch_tag);
   w.put(h.body_len);
   w.put(h.payload_len);
@@ -157,6 +157,13 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   if (!r.get(&magic) || magic != kRequestMagic) return malformed("request");
   if (!r.get(&op) || !r.get(&out->flags) || !r.get(&out->epoch_tag) || !r.get(&out->body_len) ||
       !r.get(&out->payload_len)) {
+    return malformed("request");
+  }
+  // The split mark only on a plain read or a kRelease (the stream path's split pulls).
+  out->split = (out->flags & kMarkSplit) != 0;
+  out->flags &= static_cast<uint8_t>(~kMarkSplit);
+  if (out->split &&
+      (out->flags != 0 || (op != static_cast<uint8_t>(Op::kRead) && op != static_cast<uint8_t>(Op::kRelease)))) {
     return malformed("request");
   }
   if (!isOp(op) || (out->flags & ~kKnownFlags) ||

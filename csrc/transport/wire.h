@@ -220,6 +220,14 @@ constexpr uint8_t kFlagUcx = 8;
 // every other combination no path names (RequestServer::admitHeader).
 constexpr uint8_t kFlagTestPath = 16;
 constexpr uint8_t kKnownFlags = kFlagDirect | kFlagDevice | kFlagOneSided | kFlagUcx | kFlagTestPath;
+// The split mark (since v7, bit 32 of the flags byte; decoded into RequestHeader::split, never part
+// of `flags`, so it names no path): on a plain read (flags 0), "one chunk of a pull split over the
+// link's streams" (transport/tcp/stream_path.h); on a kRelease (flags 0, sent on the channel once
+// every chunk was answered), "that split pull is over". The serving side keeps at most one split
+// pull open per link, counted in flight from its first admitted chunk to that kRelease (or the
+// link's end): while a role switch drains, a chunk of the open pull is admitted and any other
+// request refused (engine/request_server.h). On any other frame the bit is malformed.
+constexpr uint8_t kMarkSplit = 32;
 // The ucx path's kPathConnect setup body and its answer (a UcxHello): the token the sender's
 // expected messages carry, the size of
 // the link's messages (chunk_bytes: 0 in the request, the server's choice in the answer, both
@@ -255,6 +263,7 @@ struct RequestHeader {
   uint64_t payload_len = 0;
   uint8_t flags = 0;       // a combination above; which ones a link accepts: RequestServer::admit
   uint16_t epoch_tag = 0;  // the epoch fence above; 0: unfenced
+  bool split = false;      // kMarkSplit (encoded in the flags byte)
 };
 constexpr size_t kRequestHeaderBytes = 20;
 std::string encode(const RequestHeader& h);

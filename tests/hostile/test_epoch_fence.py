@@ -102,3 +102,76 @@ def test_a_peer_that_stops_reading_holds_a_switch_only_until_its_drain_timeout(p
     a.call(hostile.close)
     wait_until(lambda: victim.call(native.role_state)["served_in_flight"] == 0, 20, "the held read over")
     assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
+
+
+SPLIT = rawwire.MARK_SPLIT
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(peers: Callable[..., Peer],
+                                                                             variant: Variant) -> None:
+    """A raw peer's read with the split mark opens a split pull on its link, counted in
+    served_in_flight though nothing is being served: a draining switch admits the pull's next
+    chunk (a continuation) and refuses an unmarked read, and commits once the peer's end frame
+    (a release with the mark) closed the pull. Opened again and never ended, it holds a switch
+    only until the drain timeout (rolled back, role and epoch unchanged); the link's end closes it.
+    The mark on any other frame drops the link."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    row = 4096
+    victim.call(native.register, "src", 4, row, seed=1, key=7)
+    a = peers("attacker")
+    unix = a.call(hostile.redirect_name, port, 9) if variant.same_host else None
+    assert a.call(hostile.link_raw, port, 9, b"", unix) == (0, "")
+    body = rawwire.blocks_body(model=7, runs=((0, row),))
+    chunk = rawwire.request(rawwire.OP_READ, body, flags=SPLIT)
+    end = rawwire.request(rawwire.OP_RELEASE, body, flags=SPLIT)
+    served = lambda: victim.call(native.role_state)["served_in_flight"]  # noqa: E731
+    assert a.call(hostile.exchange_header, chunk) == (0, _tag(0))
+    wait_until(lambda: served() == 1, 20, "the chunk served, the pull still open")  # nothing is being served
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=30000)
+    wait_until(lambda: victim.call(native.role_state)["phase"] == "draining", 20, "the switch draining")
+    assert a.call(hostile.exchange_header, chunk) == (0, _tag(0))  # the open pull's chunk: admitted
+    assert a.call(hostile.exchange_header, rawwire.request(rawwire.OP_READ, body)) == (
+        S.LLM_ROLE_SWITCHING, _tag(0))  # any other read: refused
+    a.call(hostile.send, end)
+    outcome, _, message, state = victim.call(native.switch_result)
+    assert (outcome, state["role"], state["epoch"], state["phase"]) == ("ok", "PROMPT", 1, "ready"), message
+    wait_until(lambda: served() == 0, 20, "the pull closed")
+    # opened again and never ended: held until the drain timeout, no longer
+    assert a.call(hostile.exchange_header, chunk) == (0, _tag(1))
+    victim.call(native.switch_role_async, "DECODER", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 served requests" in message and "rolled back" in message, message
+    assert (state["role"], state["epoch"], state["phase"]) == ("PROMPT", 1, "ready")
+    assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"", flags=SPLIT)) == "closed"
+    wait_until(lambda: served() == 0, 20, "the open pull closed with its link")
+    assert victim.call(native.switch_role, "DECODER", True, 1)["epoch"] == 2
+
+
+@only("cpu-cma")
+def test_a_pin_held_by_a_direct_reader_holds_a_switch_until_its_next_frame_or_the_drain_timeout(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A same-host raw peer's direct read (kFlagDirect) is answered with the addresses and pins
+    them until the peer's next frame; the peer then stops. The drain counts the pin (``pins``): a
+    switch with a 300 ms drain timeout rolls back naming it, role and epoch unchanged (the engine's
+    rollback is instantaneous: ``role_state()`` shows ``ready`` again, never ``rolling_back``).
+    The peer's next frame unpins, and the switch commits."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    victim.call(native.register, "src", 4, 4096, seed=1, key=7)
+    a = peers("attacker")
+    assert a.call(hostile.link_raw, port, 9, b"", a.call(hostile.redirect_name, port, 9)) == (0, "")
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, 64),)),
+                                                      flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    wait_until(lambda: victim.call(native.role_state)["pins"] == 1, 20, "the direct read's pin held")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 pins" in message and "rolled back" in message, message
+    assert (state["role"], state["epoch"], state["phase"], state["pins"]) == ("MIX", 0, "ready", 1)
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(0))  # the next frame: unpinned
+    wait_until(lambda: victim.call(native.role_state)["pins"] == 0, 20, "the pin released")
+    assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1

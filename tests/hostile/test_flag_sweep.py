@@ -5,7 +5,8 @@
 
 A raw attacker from 127.0.0.2 (tests/peers/flagsweep.py: a fresh link per frame, sealed frames
 under a secret) sends each (op, flags). Held when: a flag combination no path of a production
-table names (kFlagTestPath among them) drops the link; a named one a link did not prove is refused
+table names (kFlagTestPath among them) drops the link, except the split mark alone on a read or a
+release (served as the stream path's); a named one a link did not prove is refused
 with no payload and the link kept; a direct answer (absolute addresses) goes only to a same-host
 link and lists only registered memory; the victim serves an honest engine byte-exact afterwards and
 its canaries and secret are unchanged.
@@ -30,6 +31,7 @@ VICTIM, HONEST = 1, 2
 TOTAL = 4096
 NAMED = {0, 1, 2, 3, 6, 8}  # stream, cma, hccl, ipc, one-sided, ucx: the production table's entries
 ACCESS = {rawwire.OP_READ, rawwire.OP_WRITE}
+SPLIT = rawwire.MARK_SPLIT
 
 
 def frames(base: int, current: bytes) -> dict[int, bytes]:
@@ -86,9 +88,11 @@ def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer
     bad = []
     for (op, flags), got in sorted(results.items()):
         if op in ACCESS:
-            want_closed = flags not in NAMED
+            want_closed = flags not in NAMED and not (op == rawwire.OP_READ and flags == SPLIT)
         elif op == rawwire.OP_DESCRIBE:
             want_closed = flags not in (0, 1)
+        elif op == rawwire.OP_RELEASE:
+            want_closed = flags not in (0, SPLIT)
         else:
             want_closed = flags != 0
         if want_closed != (got == "closed"):
@@ -97,7 +101,7 @@ def test_every_flag_byte_reaches_only_an_admitted_path(peers: Callable[..., Peer
         if got == "closed":
             continue
         status, plen, payload = got
-        if op == rawwire.OP_READ and flags == 0:
+        if op == rawwire.OP_READ and flags in (0, SPLIT):
             ok = status == 0 and plen == 64
         elif flags == wire_direct() and op in ACCESS | {rawwire.OP_DESCRIBE}:
             ok = (status == 0) if same_host else (status == S.LLM_FEATURE_NOT_ENABLED and plen == 0)

@@ -10,6 +10,7 @@ destination and its guards (tests/verify.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 from collections.abc import Callable, Iterator
 
@@ -18,11 +19,13 @@ import pytest
 import native_pair
 import pdlink
 from backend_env import Variant
+from conftest import only
 from native_pair import INITIATOR, ROW, ROWS, TARGET, copies
 from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import native
 from poll import wait_until
+from relay import DOWN, Relay
 from verify import assert_same, check_transfer, rows
 
 THIRD = 3  # a third engine, linked to the target, that a test freezes to hold a transfer in flight
@@ -102,6 +105,30 @@ def test_a_transfer_prepared_before_a_commit_is_stale_after_it(two: Two, op: str
     two.initiator.call(native.prepare, "p", TARGET, "dst", remote)
     check_transfer(two.read(source), two.read(dest), lambda: two.initiator.call(
         native.post, "p", [2, 3], [4, 5], op), rows([(4, 2), (5, 3)] if op == "read" else [(2, 4), (3, 5)]))
+
+
+def test_a_transfer_prepared_after_another_cached_the_layout_is_fenced_too(two: Two) -> None:
+    """On cma the first prepared read caches the target's layout; a second one, prepared after it,
+    never asks the target (its posts read through the cached layout), so it binds its epoch from
+    the target's published role word: after the target's commit both posts are refused with
+    LLM_STALE_EPOCH, nothing changed. On the other paths every post asks the target. A plain read
+    is not fenced: it sees the commit (the generation moved) and moves exact bytes."""
+    remote = two.target.call(native.remote, "src")
+    for tag, (lb, rb) in (("first", (0, 1)), ("second", (2, 3))):
+        two.initiator.call(native.prepare, tag, TARGET, "dst", remote)
+        check_transfer(two.read("src"), two.read("dst"),
+                       functools.partial(two.initiator.call, native.post, tag, [lb], [rb], "read"), rows([(rb, lb)]))
+    two.target.call(native.switch_role, "PROMPT")
+    src0, dst0 = two.read("src")(), two.read("dst")()
+    for tag in ("second", "first"):
+        _refused(LLMStatusCode.LLM_STALE_EPOCH, two.initiator.call, native.post, tag, [4, 5], [6, 7], "read")
+        assert_same(two.read("dst")(), dst0, f"destination after the stale post of {tag}")
+    assert_same(two.read("src")(), src0, "source after the stale posts")
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.batch, TARGET, [("dst", 0, 64)], [two.src], "read"), copies([(0, 0, 64)]))
+    two.initiator.call(native.prepare, "second", TARGET, "dst", remote)
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.post, "second", [4, 5], [6, 7], "read"), rows([(6, 4), (7, 5)]))
 
 
 class Held:
@@ -260,3 +287,46 @@ def test_role_state_is_read_only_and_drain_timeouts_are_checked() -> None:
             with pytest.raises(ValueError):
                 e.switch_role("PROMPT", drain_timeout_ms=bad)  # type: ignore[arg-type]
         assert e.role_state() == state
+
+
+SPLIT_ROWS, SPLIT_ROW = 256, 256 * 1024  # 64 MiB: several chunks on each of the link's streams
+HELD_AFTER = 1 << 20  # what the relay lets through of the pull's answers before it holds them
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the initiator links through a relay in the test process")
+def test_a_split_pull_begun_before_the_drain_finishes_whole(peers: Callable[..., Peer], variant: Variant) -> None:
+    """On tcp a large pull is a series of chunk requests over the link's streams (channel and
+    lanes). One begun before the switch is held at a relay after its first MiB of answers (so most
+    of its chunks are not even requested yet) when the target is told to switch: the drain counts
+    the pull in flight until its last chunk (served_in_flight, though no chunk is being served
+    once the relay lets go), admits its later chunks, and the pull completes byte-exact; only then
+    does the switch commit. A plain read begun while it drains is refused."""
+    target, initiator = peers("target", env=variant.env()), peers("initiator", env=variant.env())
+    port = target.call(native.start, TARGET, listen=True, timeout_ms=SLOW_MS)
+    src = target.call(native.register, "big", SPLIT_ROWS, SPLIT_ROW, seed=3, key=7)
+    initiator.call(native.start, INITIATOR, timeout_ms=SLOW_MS)
+    initiator.call(native.register, "big", SPLIT_ROWS, SPLIT_ROW, seed=4)
+    with Relay(port) as relay:
+        assert initiator.call(native.connect, relay.port, TARGET) == TARGET
+        initiator.call(native.start_read, TARGET, "big", src)  # a whole-region pull opens the lanes
+        assert initiator.call_within(90, native.finish_read, "big", 0x5A)[0]
+        assert relay.connections() == 5  # the link's two channels and 3 lanes (Limits.tcp_streams: 4 streams)
+        initiator.call(native.reregister, "big", 0x5A)  # what the first pull moved, replaced
+        src0, dst0 = target.call(native.snapshot, "big"), initiator.call(native.snapshot, "big")
+        forwarded0 = relay.forwarded[DOWN]
+        relay.hold_after(DOWN, HELD_AFTER)
+        initiator.call(native.start_read, TARGET, "big", src)
+        assert relay.wait_held(DOWN) >= forwarded0 + HELD_AFTER
+        target.call(native.switch_role_async, "PROMPT", drain_timeout_ms=SLOW_MS)
+        wait_until(lambda: _state(target)[2] == "draining", 30, "the target draining")
+        assert relay.forwarded[DOWN] - forwarded0 < SPLIT_ROWS * SPLIT_ROW  # the pull cannot have completed
+        assert target.call(native.role_state)["served_in_flight"] >= 1
+        relay.release()
+        ok, _ = initiator.call_within(90, native.finish_read, "big", 0x5A)
+        assert ok, "the pull begun before the drain failed"
+        outcome, _, message, after = target.call_within(90, native.switch_result)
+        assert (outcome, after["role"], after["epoch"], after["phase"]) == ("ok", "PROMPT", 1, "ready"), message
+        assert (after["served_in_flight"], after["transfers_in_flight"]) == (0, 0)
+    assert_same(initiator.call(native.snapshot, "big"), dst0.with_rows(src0, [(b, b) for b in range(SPLIT_ROWS)]),
+                "the destination of the pull begun before the drain")

@@ -14,8 +14,8 @@ the same expected epoch. ``pdlink.Engine.switch_role``/``role_state``: docs/nati
   the link the same live link, descriptors and threads of both processes back to where they were,
   and a plain and a prepared pull byte-exact.
 * ``test_every_commit_fences_every_prepared_transfer``: the same load, 10 switches: each commit
-  reaches each prepared thread as LLM_STALE_EPOCH on its next post. On cpu-cma a strict xfail
-  naming the finding (``CMA_FENCE``).
+  reaches each prepared thread as LLM_STALE_EPOCH on its next post (on cpu-cma too: the cached-layout
+  reads check the prefill's published role word).
 * ``test_two_controllers_race_for_one_epoch``: two threads of the prefill call ``switch_role`` with
   the same expected epoch at once (pulls running): exactly one commits, the other is refused with
   LLM_STALE_EPOCH or LLM_ROLE_SWITCHING, the epoch goes up by exactly one, and a late retry with
@@ -187,19 +187,8 @@ def test_pulls_stay_exact_while_the_prefill_switches(loaded: Loaded, cycles: int
     t.exact_pulls("after")
 
 
-CMA_FENCE = ("finding (#34): on the cma path a prepared transfer's next post after the peer's committed switch is "
-             "not always refused LLM_STALE_EPOCH; its old-epoch post succeeds. Seen: a transfer prepared after another "
-             "transfer on the link had cached the peer's layout misses the first commit (its direct reads never asked "
-             "the server, so it had no epoch tag yet), and with two prepared threads on one link each misses about "
-             "half the commits (apparently the other's re-describe refreshed the shared cached layout first, so its "
-             "own post copied without asking). One prepared transfer alone on its link is fenced at every commit.")
-
-
 def _fence_cell(v: Variant) -> Any:
-    marks = [pytest.mark.heavy] if v.heavy else []
-    if v.id == "cpu-cma":
-        marks.append(pytest.mark.xfail(strict=True, reason=CMA_FENCE))
-    return pytest.param(v, id=v.id, marks=marks)
+    return pytest.param(v, id=v.id, marks=[pytest.mark.heavy] if v.heavy else [])
 
 
 @pytest.mark.parametrize("variant", [_fence_cell(v) for v in VARIANTS], indirect=True)
@@ -286,19 +275,13 @@ def test_a_drain_past_its_timeout_rolls_back(peers: Callable[..., Peer], variant
     assert (state["role"], state["epoch"], state["phase"]) == (role, 1, "ready"), state
 
 
-TORN = ("finding (#34): on the tcp path a read the prefill began serving before a switch does not finish: the read "
-        "is a series of chunk requests over the link's streams, the drain counts only the chunk being served, and "
-        "the next chunk's request reaches the draining prefill as a new request, refused LLM_ROLE_SWITCHING: the "
-        "read fails with that code (bench/bench_switch.py, docs/perf/switch.txt: while the prefill switched 100 "
-        "times, 15 of its 8 decoders' 64 MiB tcp pulls completed and 1088 were refused; a write held in flight is "
-        "drained whole)")
 TORN_ROWS = 96  # 24 MiB: 1 MiB chunks (pdlink.TcpChunkBytes' default), several on each of the link's streams
 HOLDER_ROWS = 32  # 8 MiB: more than the relay lets through before it holds
 
 
 @only("cpu-tcp")
 @pytest.mark.one_host("the decoders link through relays in the test process")
-@pytest.mark.parametrize("op", [pytest.param("read", marks=pytest.mark.xfail(strict=True, reason=TORN)), "write"])
+@pytest.mark.parametrize("op", ["read", "write"])
 def test_a_transfer_begun_before_the_drain_finishes(peers: Callable[..., Peer], variant: Variant, op: str) -> None:
     """Two decoders, each linked to the prefill through a relay of its own. The second holds the
     drain open: an 8 MiB write of it, held at its relay, is being served when the prefill is told to

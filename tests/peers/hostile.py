@@ -66,7 +66,8 @@ def serve(mode: str, redirect: bool = False, **params: Any) -> int:
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind("\0" + name)
         unix.listen(16)
-    words = (ctypes.c_uint64 * 2)(7, 7)  # generation and pin epoch, readable by a prober
+    # generation, role word (epoch 0, no switch pending: Registry::Published) and pin epoch, readable by a prober
+    words = (ctypes.c_uint64 * 3)(7, 0, 7)
     params.setdefault("data", (ctypes.c_uint8 * (1 << 20)).from_buffer_copy(b"\x5a" * (1 << 20)))
     _server = _Server(mode, tcp, unix, name, [], [], words, params)
     _server.thread = threading.Thread(target=_accept_loop, args=(_server,), daemon=True)
@@ -256,8 +257,8 @@ def _vanish(srv: _Server, conn: socket.socket, channel: int) -> None:
 
 
 def _epoch_addr(srv: _Server) -> int:
-    """Where this process keeps the pin epoch it answers (the second published word)."""
-    return ctypes.addressof(srv.published) + 8
+    """Where this process keeps the pin epoch it answers (the third published word)."""
+    return ctypes.addressof(srv.published) + 16
 
 
 def _idle(conn: socket.socket) -> None:
@@ -338,7 +339,7 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
                 for _o, n in rec["runs"]:
                     own.append((base + at, n))
                     at += n
-            epoch = srv.published[1] - (1 if mode == "direct_epoch_moved" else 0)
+            epoch = srv.published[2] - (1 if mode == "direct_epoch_moved" else 0)
             conn.sendall(rawwire.response(payload=rawwire.direct_answer(epoch, _epoch_addr(srv), own)))
         elif mode == "direct_victim_addresses":
             addrs = params["addresses"]
@@ -405,7 +406,7 @@ class _Client:
 
 
 _client: _Client | None = None
-_words = (ctypes.c_uint64 * 2)(1, 1)  # this process's "published words", for a victim's probe
+_words = (ctypes.c_uint64 * 2)(1, 0)  # this process's "published words" (generation, role), for a victim's probe
 
 
 def link_raw(port: int, cluster: int = 9, secret: bytes = b"", unix: str | None = None,

@@ -302,7 +302,8 @@ def _answer(srv: _Server, conn: socket.socket, lane: bool) -> None:
     first = True
     while True:
         op, flags, body, plen = rawwire.read_request(conn)
-        rec: dict[str, Any] = {"event": "request", "lane": lane, "op": op, "flags": flags}
+        split, flags = bool(flags & rawwire.MARK_SPLIT), flags & ~rawwire.MARK_SPLIT  # a split pull's chunk or end
+        rec: dict[str, Any] = {"event": "request", "lane": lane, "op": op, "flags": flags, "split": split}
         if op in (rawwire.OP_READ, rawwire.OP_WRITE, rawwire.OP_COMMIT, rawwire.OP_RELEASE, rawwire.OP_DESCRIBE):
             _kind, tensors, runs = rawwire.parse_body(body)
             rec.update(tensors=tensors, runs=runs)

@@ -99,8 +99,12 @@ std::optional<Status> CmaPath::readCachedBlocks(Link& link, const TransferPlan& 
         rv.push_back({reinterpret_cast<void*>(c.addrs[t] + r.offset), static_cast<size_t>(r.length)});
       }
     }
-    Result<bool> same = readChecked(lv, rv, c.generation);
-    if (!same.ok()) return failTransfer(link, same.status(), what);
+    Result<bool> same = readChecked(link, lv, rv, c.generation);
+    if (!same.ok() && same.status().code() == Code::kLinkFailed) return failTransfer(link, same.status(), what);
+    if (!same.ok()) {  // the role fence refused it
+      return Status(same.status().code(),
+                    std::string(what) + " " + clusterName(link.peer()) + ": " + same.status().message());
+    }
     if (same.value()) return Status::OK();
     descriptors_.erase(it);  // stale or unmapped: the peer's caches changed
   }
@@ -134,8 +138,12 @@ std::optional<Status> CmaPath::readCachedRaw(Link& link, const TransferPlan& p, 
     for (const wire::Run& r : p.remote.runs) {
       rv.push_back({reinterpret_cast<void*>(r.offset), static_cast<size_t>(r.length)});
     }
-    Result<bool> same = readChecked(lv, rv, raw_table_->generation);
-    if (!same.ok()) return failTransfer(link, same.status(), what);
+    Result<bool> same = readChecked(link, lv, rv, raw_table_->generation);
+    if (!same.ok() && same.status().code() == Code::kLinkFailed) return failTransfer(link, same.status(), what);
+    if (!same.ok()) {  // the role fence refused it
+      return Status(same.status().code(),
+                    std::string(what) + " " + clusterName(link.peer()) + ": " + same.status().message());
+    }
     if (same.value()) return Status::OK();
     raw_table_.reset();  // the peer's registrations changed
   }
@@ -226,7 +234,38 @@ Status CmaPath::describe(Link& link, const std::string& body, uint8_t flags, uin
   return st.ok() ? st : failTransfer(link, st, what);
 }
 
-Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation) {
+namespace {
+// A failed role fence: its refusal, or a lost link; an unreadable word (not kLinkFailed) sends the read
+// the checked way, as an unreadable generation does.
+Result<bool> fenceFailed(const Status& st) {
+  const Code c = st.code();
+  if (c == Code::kRoleSwitching || c == Code::kStaleEpoch || c == Code::kLinkFailed) return st;
+  return false;
+}
+}  // namespace
+
+Status CmaPath::roleFence(Link& link, bool after) {
+  Result<uint64_t> word = process_->readWord(published_addr_ + kRoleWordOffset);
+  if (!word.ok()) return word.status();
+  const uint64_t epoch = word.value() >> 1;
+  const uint16_t tag = wire::epochTagOf(epoch), fence = link.epochTags().send.load(std::memory_order_relaxed);
+  const char* when = after ? " (after the copy: only the destination changed)" : "";
+  if (word.value() & 1) {
+    return Status(Code::kRoleSwitching, std::string("the peer is switching its role; retry once it is ready") + when);
+  }
+  if (fence != 0 && fence != tag) {
+    return Status(Code::kStaleEpoch, "the transfer was prepared against role epoch tag " + std::to_string(fence) +
+                                         ", but the peer is at tag " + std::to_string(tag) + ": prepare it again" +
+                                         when);
+  }
+  if (after) link.epochTags().seen.store(tag, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+Result<bool> CmaPath::readChecked(Link& link, std::vector<iovec>& local, std::vector<iovec>& remote,
+                                  uint64_t generation) {
+  // The role fence first: a refused read copies nothing.
+  if (Status fenced = roleFence(link, false); !fenced.ok()) return fenceFailed(fenced);
   // A stale cached layout must not land a byte: the caller then fails (or redoes) the read, and a
   // refused read moves nothing. Small reads land in a per-thread bounce buffer first and reach the
   // destination only once the generation read after them matches; larger ones read the generation
@@ -255,6 +294,9 @@ Result<bool> CmaPath::readChecked(std::vector<iovec>& local, std::vector<iovec>&
   Result<uint64_t> g = process_->readThenWord(bounce ? staged : local, remote, published_addr_);
   if (!g.ok() && g.status().code() == Code::kLinkFailed) return g.status();
   if (!g.ok() || g.value() != generation) return false;  // an unmapped range (EFAULT) counts as changed
+  // And after the data and the generation: a switch that began meanwhile fails the read (a bounced
+  // one before any byte of it lands).
+  if (Status fenced = roleFence(link, true); !fenced.ok()) return fenceFailed(fenced);
   if (bounce) {
     size_t at = 0;
     for (const iovec& v : local) {

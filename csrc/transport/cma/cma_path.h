@@ -40,7 +40,16 @@ class CmaPath : public DataPath {
   // The ordered read of the fast paths: the runs `local[i]` <- `remote[i]`, then the peer's
   // generation word; true when it equals `generation` (nothing changed since the describe). False
   // leaves `local` untouched, except for a read over kBounceBytes whose copy raced a change.
-  Result<bool> readChecked(std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation);
+  // The role fence around it (wire v7's epoch fence where the server never sees the read): the
+  // peer's role word (Registry::Published, `epoch << 1 | pending`, kRoleWordOffset past the
+  // generation) is read before the copy and after it (after the generation): a pending switch fails
+  // the read with kRoleSwitching, and for a prepared transfer (Link::EpochTags::send != 0) an epoch
+  // whose tag is not the transfer's with kStaleEpoch; before the copy that changes nothing, after it
+  // only the destination of a read over kBounceBytes. A read that passes reports the epoch's tag
+  // as the peer's answer would (EpochTags::seen): a prepared transfer's first post binds it.
+  Result<bool> readChecked(Link& link, std::vector<iovec>& local, std::vector<iovec>& remote, uint64_t generation);
+  Status roleFence(Link& link, bool after);
+  static constexpr uint64_t kRoleWordOffset = 8;
   // The steps of transfer(). `local`: this side's ranges, tensor by tensor and run by run; `lv`,
   // `rv`: the caller's (thread-local) scratch; `body`: p.remote encoded, lazily (encodedBody).
   static const std::string& encodedBody(const TransferPlan& p, std::string& body);

@@ -145,6 +145,7 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
       Chunk& c = sh.chunks[k];
       wire::RequestHeader h{is_push ? wire::Op::kWrite : wire::Op::kRead, static_cast<uint32_t>(c.body.size()),
                             is_push ? c.payload : 0, 0, fenceTag(link, wire::Op::kRead)};
+      h.split = !is_push;  // a chunk of a split pull (wire::kMarkSplit)
       std::string head = wire::encode(h);
       std::vector<iovec> iov{{head.data(), head.size()}, {c.body.data(), c.body.size()}};
       Status st =
@@ -206,6 +207,13 @@ Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Dead
   runStream(link, link.out(), is_push, sh, depth, deadline);
   for (std::thread& t : threads) t.join();
   if (sh.transport) return failTransfer(link, sh.failed, what);
+  // Every chunk was answered: the pull's end frame (wire::kMarkSplit), which closes it on the peer (a
+  // role switch there waits for it; not answered).
+  std::string end_body = wire::encode(p.remote);
+  std::string end =
+      wire::encode(wire::RequestHeader{wire::Op::kRelease, static_cast<uint32_t>(end_body.size()), 0, 0, 0, true});
+  std::vector<iovec> end_iov{{end.data(), end.size()}, {end_body.data(), end_body.size()}};
+  if (!link.out().sendFrame(end_iov, deadline).ok()) link.breakLink("could not end a split pull on the peer");
   if (!sh.refused.ok()) {  // the peer refused a chunk (as it would have refused the whole request); the link is fine
     Scope scope = sh.refused.scope() == Scope::kEngine ? Scope::kLink : sh.refused.scope();
     return Status(sh.refused.code(), scope,
