@@ -316,7 +316,10 @@ def test_a_transfer_begun_before_the_drain_finishes(peers: Callable[..., Peer], 
         holder_relay.hold_after(UP, HELD_AFTER)
         holder.call(switch_load.start_transfer, "write", TARGET, "big", holder_remote)
         holder_relay.wait_held(UP)
-        wait_until(lambda: prefill.call(switch_load.role_state)["served_in_flight"] >= 1, 10,
+        # The first transfer is served already (a held write, or a split pull left open), so the
+        # holder's write makes two: with one, the drain could begin before the holder's write and
+        # refuse it uncounted while the relay still held its payload.
+        wait_until(lambda: prefill.call(switch_load.role_state)["served_in_flight"] >= 2, 10,
                    "the holder's write being served")
         prefill.call(switch_load.start_switch, "DECODER", 0, TRANSFER_TIMEOUT_MS)
         wait_until(lambda: prefill.call(switch_load.role_state)["phase"] == "draining", 10, "the switch draining")
