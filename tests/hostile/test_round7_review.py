@@ -176,3 +176,20 @@ def test_a_response_with_a_non_zero_last_u16_drops_the_link(peers: Callable[...,
     assert e.value.status_code == S.LLM_LINK_FAILED
     assert any(o["event"] == "request" and o["op"] == rawwire.OP_READ for o in a.call(hostile.observed))
     assert_same(victim.call(kv.snapshot, "kv"), before, "the victim's destination")
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 7: the 16-bit epoch tag wraps: a request fenced by epoch 0's tag "
+                                       "is served again after 65535 committed switches")
+def test_a_request_fenced_by_an_old_epoch_stays_refused_after_the_tag_wraps(peers: Callable[..., Peer],
+                                                                           variant: Variant) -> None:
+    """A raw peer fences a read with epoch 0's tag; the victim commits 65535 switches (links survive
+    them, the listener given up). The docs: a request made against an old epoch is refused after a
+    switch with LLM_STALE_EPOCH; the tag is 1 + epoch % 65535, so at epoch 65535 it is 1 again."""
+    victim, port = _victim(peers, variant)
+    a = _linked(peers, variant, port, 9)
+    read = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, 64),)), epoch_tag=_tag(0))
+    assert victim.call(round7.switch_many, 1)["epoch"] == 1
+    refused_kept(a, read, S.LLM_STALE_EPOCH)  # one epoch on: refused
+    assert victim.call(round7.switch_many, 65534)["epoch"] == 65535
+    refused_kept(a, read, S.LLM_STALE_EPOCH)

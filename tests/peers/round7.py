@@ -44,3 +44,14 @@ def stop_link_loop() -> list[int]:
 def link_statuses() -> list[int]:
     """The statuses the link loop got so far."""
     return list(_link_results)
+
+
+def switch_many(count: int, role: str = "PROMPT") -> dict[str, object]:
+    """``count`` committed switches of this peer's ``pdlink.Engine`` (tests/peers/native.py), each
+    without a listener; the role state after the last."""
+    from peers import native
+
+    engine = native._engine()
+    for _ in range(count):
+        engine.switch_role(role, None)
+    return engine.role_state().as_dict()
