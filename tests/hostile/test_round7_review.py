@@ -193,3 +193,54 @@ def test_a_request_fenced_by_an_old_epoch_stays_refused_after_the_tag_wraps(peer
     refused_kept(a, read, S.LLM_STALE_EPOCH)  # one epoch on: refused
     assert victim.call(round7.switch_many, 65534)["epoch"] == 65535
     refused_kept(a, read, S.LLM_STALE_EPOCH)
+
+
+DIRECT = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, 4096),)), flags=rawwire.FLAG_DIRECT)
+
+
+def _pinned(peers: Callable[..., Peer], variant: Variant) -> tuple[Peer, Peer]:
+    """A victim (PinTimeoutMs 2000) and a same-host raw peer whose direct read pinned its region."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True, limits={"pin_timeout_ms": 2000})
+    victim.call(native.register, "big", ROWS, ROW, seed=1, key=7)
+    a = _linked(peers, variant, port, 9)
+    answer = a.call(hostile.exchange, DIRECT)
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    wait_until(lambda: victim.call(native.role_state)["pins"] == 1, 5, "the direct read's pin counted")
+    return victim, a
+
+
+@only("cpu-cma")
+def test_a_silent_pin_holds_a_switch_only_until_the_pin_timeout(peers: Callable[..., Peer],
+                                                                variant: Variant) -> None:
+    """A peer pins the victim's region with a direct read and goes silent: the switch (drain timeout
+    20 s) drains while the pin is held, and commits once the 2 s pin timeout freed it, not at its
+    drain timeout."""
+    victim, a = _pinned(peers, variant)
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=20000)
+    wait_until(lambda: victim.call(native.role_state)["phase"] == "draining", 20, "the victim draining")
+    assert victim.call(native.role_state)["pins"] == 1  # the pin is what the drain waits for
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, state["epoch"], state["pins"]) == ("ok", 1, 0), message
+
+
+@only("cpu-cma")
+def test_a_peer_that_pins_again_while_draining_is_refused_and_its_pin_ends(peers: Callable[..., Peer],
+                                                                          variant: Variant) -> None:
+    """While the victim drains (its pin timeout 2 s, held by another peer's unread 8 MiB read),
+    the pinning peer's next direct read is refused with LLM_ROLE_SWITCHING and ends its pin; once
+    the holder is gone the switch commits."""
+    victim, a = _pinned(peers, variant)
+    holder = peers("holder")
+    port = victim.call(native.listen_port)
+    unix = holder.call(hostile.redirect_name, port, 10)
+    assert holder.call(hostile.link_raw, port, 10, b"", unix) == (0, "")
+    holder.call(hostile.send, HOLD)
+    wait_until(lambda: victim.call(native.role_state)["served_in_flight"] == 1, 20, "the held read being served")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=20000)
+    wait_until(lambda: victim.call(native.role_state)["phase"] == "draining", 20, "the victim draining")
+    refused_kept(a, DIRECT, S.LLM_ROLE_SWITCHING)
+    assert victim.call(native.role_state)["pins"] == 0
+    holder.call(hostile.close)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, state["epoch"], state["pins"], state["served_in_flight"]) == ("ok", 1, 0, 0), message
