@@ -244,3 +244,27 @@ def test_a_peer_that_pins_again_while_draining_is_refused_and_its_pin_ends(peers
     holder.call(hostile.close)
     outcome, code, message, state = victim.call(native.switch_result)
     assert (outcome, state["epoch"], state["pins"], state["served_in_flight"]) == ("ok", 1, 0, 0), message
+
+
+@only("cpu-tcp")
+def test_a_switch_that_fails_after_giving_up_the_listener_changes_neither_role_nor_epoch(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A switch to the listener's port on an address this host does not have (TEST-NET-1) gives up
+    the old listener and cannot bind the new one: phase ``failed``, role and epoch unchanged, the
+    linked raw peer still served under epoch 0's tag (its fenced read, the responses' tag), no new
+    link; the next switch resolves it (epoch 1, a new listener that links)."""
+    victim, port = _victim(peers, variant)
+    src = victim.call(native.snapshot, "big")
+    a = _linked(peers, variant, port, 9)
+    code, message, state = victim.call(round7.switch_to, "PROMPT", f"192.0.2.1:{port}")
+    assert code != 0, message
+    assert (state["role"], state["epoch"], state["phase"]) == ("MIX", 0, "failed"), (state, message)
+    read = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((64, 64),)), epoch_tag=_tag(0))
+    assert a.call(hostile.exchange, read) == (0, "", bytes(src.tensor(0)[64:128]))
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(0))
+    assert victim.call(native.listen_port) == 0
+    code, message, state = victim.call(round7.switch_to, "PROMPT", "127.0.0.1:0")
+    assert (code, state["role"], state["epoch"], state["phase"]) == (0, "PROMPT", 1, "ready"), message
+    refused_kept(a, read, S.LLM_STALE_EPOCH)
+    newcomer = peers("newcomer")
+    assert newcomer.call(hostile.link_raw, victim.call(native.listen_port), 11) == (0, "")

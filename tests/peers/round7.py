@@ -55,3 +55,17 @@ def switch_many(count: int, role: str = "PROMPT") -> dict[str, object]:
     for _ in range(count):
         engine.switch_role(role, None)
     return engine.role_state().as_dict()
+
+
+def switch_to(role: str, listen: str | None) -> tuple[int, str, dict[str, object]]:
+    """``switch_role(role, listen)`` of this peer's ``pdlink.Engine``: (0 or the error's code, its
+    message, the role state after it)."""
+    import pdlink
+    from peers import native
+
+    engine = native._engine()
+    try:
+        engine.switch_role(role, listen)
+        return 0, "", engine.role_state().as_dict()
+    except pdlink.LLMException as e:
+        return int(e.status_code), str(e), engine.role_state().as_dict()
