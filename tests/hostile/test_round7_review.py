@@ -6,7 +6,8 @@ asked for 8 MiB and reads none of it (the request stays in flight, ``served_in_f
 raw peers then probe what the drain admits, what it refuses, and whether they can hold the switch.
 A hostile server answers a requester with a non-zero reserved u16. Claims and verdicts:
 
-* while a switch drains, a linked peer's reads, writes (payload consumed), describes are refused
+* while a switch drains, a linked peer's reads, writes (payload consumed), describes and path
+  connects are refused
   with ``LLM_ROLE_SWITCHING``, the link kept; pings and notifications are still served; new links
   are refused; none of it is counted in the drain (held);
 * a peer that keeps linking and requesting cannot hold a switch beyond ``drain_timeout_ms``, and
@@ -30,7 +31,7 @@ from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native, round7
 from poll import hang_guard, wait_until
-from review_kit import PING, refused_kept
+from review_kit import DEVICE, PING, ROOT_INFO, channel_body, refused_kept, setup
 from verify import assert_same
 
 S = LLMStatusCode
@@ -86,6 +87,8 @@ def test_a_drain_refuses_new_requests_keeps_the_link_and_serves_pings_and_notifi
     # a fenced read with a stale tag, and the server's own tag: the drain refuses both alike
     refused_kept(a, rawwire.request(rawwire.OP_READ, read[rawwire.REQUEST_HEADER_BYTES:], epoch_tag=_tag(0)),
                  S.LLM_ROLE_SWITCHING)
+    # a path connect (a device channel's setup, which a CPU engine otherwise turns down) is gated too
+    refused_kept(a, setup(DEVICE, channel_body(ROOT_INFO + 1)), S.LLM_ROLE_SWITCHING)
     assert a.call(hostile.exchange_header, PING) == (0, _tag(0))
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_NOTIFY, rawwire.notify_body(b"n", b"drain"))) == (
         0, "", b"")
