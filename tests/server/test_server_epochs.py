@@ -374,6 +374,17 @@ def _frozen(node: SimpleNamespace) -> Any:
     return Frozen()
 
 
+def _start_held_pull(d: SimpleNamespace, held: dict[str, Any]) -> threading.Thread:
+    """Starts a test pull of ``d`` from the (frozen) prefill on a thread, its response stored in
+    ``held["r"]``; returns once ``d`` counts it in flight."""
+    puller = threading.Thread(target=lambda: held.update(
+        r=ManagementClient(LOCAL, d.port, https=False, retries=0, timeout=60).request(
+            "POST", "/v1/pdlink/test/kv/pull", {"target": P_ID})))
+    puller.start()
+    wait_until(lambda: pd_role(d)["active_requests"] == 1, 10, "the pull is in flight")
+    return puller
+
+
 def test_drain_timeout_rolls_back_to_the_old_role_and_epoch(pair):
     """A test pull held by a frozen peer cannot finish within a 0.2 s drain: the switch goes
     ``rolling_back`` (admission stays closed until the held pull has ended with its own timeout),
@@ -383,11 +394,7 @@ def test_drain_timeout_rolls_back_to_the_old_role_and_epoch(pair):
     d.client.wait_ready("decode", timeout=20, interval=0.02)
     held: dict[str, Any] = {}
     with _frozen(pair.p):
-        puller = threading.Thread(target=lambda: held.update(
-            r=ManagementClient(LOCAL, d.port, https=False, retries=0, timeout=60).request(
-                "POST", "/v1/pdlink/test/kv/pull", {"target": P_ID})))
-        puller.start()
-        wait_until(lambda: pd_role(d)["active_requests"] == 1, 10, "the pull is in flight")
+        puller = _start_held_pull(d, held)
         before = state(d)
         r = d.client.request("POST", "/pd_role_switch", {"new_role": "prefill"})  # SGLang refuses, no drain
         assert r.status == 400 and "not idle" in r.json()["message"] and r.json()["success"] is False
@@ -466,11 +473,7 @@ def test_a_controller_killed_while_its_switch_drains_leaves_it_draining_and_it_g
     assert ctl.call(controller.pd_role, d.port)["epoch"] == e  # started before anything is held
     held: dict[str, Any] = {}
     with _frozen(pair.p):
-        puller = threading.Thread(target=lambda: held.update(
-            r=ManagementClient(LOCAL, d.port, https=False, retries=0, timeout=60).request(
-                "POST", "/v1/pdlink/test/kv/pull", {"target": P_ID})))
-        puller.start()
-        wait_until(lambda: pd_role(d)["active_requests"] == 1, 10, "the pull is in flight")
+        puller = _start_held_pull(d, held)
         status, doc = ctl.call(controller.post, d.port, "/v1/pd_role",
                                {"role": "prefill", "expected_epoch": e, "drain_timeout": 60})
         assert status == 202 and doc["phase"] == "draining"
