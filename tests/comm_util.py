@@ -5,18 +5,12 @@ devices, a free port to put PDLINK_LINK_PORT_BASE on (comm.py: a rank's endpoint
 from __future__ import annotations
 
 import json
-import socket
 
 from llm_datadist import RegisterMemStatus
 from peer import Peer
 from peers import kv
 from poll import wait_until
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import free_port  # noqa: F401 (the comm-link tests import it from here)
 
 
 def rank_table(version: str = "1.2", super_pod: bool = True, ips: tuple[str, ...] = ("127.0.0.1", "127.0.0.2")) -> str:

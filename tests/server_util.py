@@ -1,18 +1,16 @@
 """Helpers for the ``pdlink serve`` tests: certificates made here, config files, server processes.
 
 Every server is a real ``python -m pdlink serve`` process on loopback; ``Serve`` stops it (SIGTERM,
-then SIGKILL) and the fixtures that create one always stop it. Ports are free ports found by
-binding port 0; the KV listen ports of a server are ``listenPortBase + device id`` and ``KvPorts``
-finds a free consecutive block for them.
+then SIGKILL) and the fixtures that create one always stop it. Ports come from ``ports``
+(drawn at random, away from the kernel's ephemeral choices); the KV listen ports of a server are
+``listenPortBase + device id``, a free consecutive block (``free_block``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,56 +26,9 @@ pytest.importorskip("starlette", reason="the server tests need the test extra: p
 pytest.importorskip("prometheus_client", reason="the server tests need the test extra: pip install '.[test]'")
 
 from internals import ManagementClient, NodeSpec, role_body  # noqa: E402
+from ports import free_block, free_ports  # noqa: E402,F401 (the server tests import them from here)
 
 LOCAL = "127.0.0.1"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (held together while chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((LOCAL, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _ephemeral_range() -> tuple:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_block(n: int) -> int:
-    """The first port of ``n`` consecutive free ports, below the ephemeral range (so no outgoing
-    connection takes one meanwhile), probed with SO_REUSEADDR as the servers bind."""
-    lo_eph, _ = _ephemeral_range()
-    hi = lo_eph - n if lo_eph > 20000 + n else 65535 - n
-    lo = 20000 if lo_eph > 20000 + n else lo_eph
-    rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(lo, hi)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((LOCAL, p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 def _crl(ca: Any, revoked: Any) -> bytes:

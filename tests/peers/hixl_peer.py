@@ -20,7 +20,6 @@ EPLB, Mooncake TENT: tests/compat/hixl/test_hixl.py) handle the codes the way th
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import hixl
+import ports
 from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, direct_write
 from verify import Snapshot
@@ -45,9 +45,7 @@ def _engine() -> Any:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((addr.own(), 0))
-        return int(s.getsockname()[1])
+    return ports.free_port(addr.own())
 
 
 def _descs(descs: Sequence[Desc]) -> list[Any]:

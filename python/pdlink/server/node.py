@@ -448,11 +448,12 @@ class Node:
 
     def pd_switch(self, role: str, expected_epoch: int, drain_s: float) -> tuple[bool, dict[str, Any]]:
         """vLLM's ``POST /v1/pd_role``: start a fenced switch to ``role``; returns (started, the
-        ``pd_role`` document). The role it already has, at its epoch, is accepted and changes
-        nothing. Unlike vLLM's code: a post one epoch behind is stale even when it names the role
-        the instance now has (vLLM accepts it as a retry; then two controllers racing for the same
-        role would both win), and a ``failed`` instance accepts a post at its epoch (that is how it
-        is resolved; vLLM's stays failed until restarted).
+        ``pd_role`` document as it was when the post was accepted). The role it already has, at
+        its epoch, is accepted and changes nothing. Unlike vLLM's code: a post one epoch behind is
+        stale even when it names the role the instance now has (vLLM accepts it as a retry; then
+        two controllers racing for the same role would both win), and a ``failed`` instance
+        accepts a post at its epoch (that is how it is resolved; vLLM's stays failed until
+        restarted).
         Raises ``NotEnabled``, ``Conflict`` or ``Unavailable``; nothing changes then."""
         with self._lock:
             if self._stopping:
@@ -467,7 +468,9 @@ class Node:
                 self._check_fence(expected_epoch)
                 self._start_fence(self._switch_plan(role), expected_epoch, drain_s)
                 started = True
-        return started, self.pd_role()
+            # taken under the lock: the document the post was accepted with, not a later one (a
+            # quick switch may commit before the caller reads it)
+            return started, self.pd_role()
 
     def sgl_switch(self, new_role: str, wait_s: float | None = None) -> tuple[int, dict[str, Any]]:
         """SGLang's ``POST /pd_role_switch``: switch to ``new_role`` and answer when it is done:
