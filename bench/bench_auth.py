@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -37,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_transfer import DECODER_ID, KIB, MIB, PROMPT_ID, options, pattern, percentile, summary, timed
+from bench_transfer import DECODER_ID, KIB, MIB, PROMPT_ID, options, pattern, percentile, save, summary, timed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "bench-secret"
@@ -220,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     results["runs"] = combine(results["rounds"])
     lines = report(results, results["config"])
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "auth.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "auth.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    save(args.out, "auth", results, "\n".join(lines))
     return 0
 
 

@@ -25,7 +25,6 @@ PDLINK_BENCH_NIXL_PYTHON / PDLINK_BENCH_MOONCAKE_PYTHON: interpreters that have 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -39,7 +38,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_small import gbps, latency, memcpy_ceiling, pattern, run_nixl  # noqa: E402
-from bench_transfer import fmt, run_peer, summary  # noqa: E402
+from bench_transfer import fmt, run_peer, save, summary  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -217,11 +216,7 @@ def main() -> None:
             results["peers"]["Mooncake TE tcp"] = mc
     text = report(results)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hixl.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "hixl.txt"), "w") as f:
-        f.write(text + "\n")
+    save(args.out, "hixl", results, text)
 
 
 if __name__ == "__main__":

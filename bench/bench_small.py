@@ -39,7 +39,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_transfer import percentile, run_peer, summary  # noqa: E402
+from bench_transfer import percentile, run_peer, save, summary  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
 TARGET_ID, INITIATOR_ID = 1, 2
@@ -317,11 +317,7 @@ def main() -> None:
     results["import"] = {"pdlink": import_time("pdlink", n), "numpy": import_time("numpy", n)}
     text = report(results)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "small.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "small.txt"), "w") as f:
-        f.write(text + "\n")
+    save(args.out, "small", results, text)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ the run).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -42,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_transfer import MIB, percentile, set_transport
+from bench_transfer import MIB, percentile, save, set_transport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFILL_ID, DECODER_ID = 11, 12
@@ -268,11 +267,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     lines = report(results, cfg)
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "switch.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "switch.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    save(args.out, "switch", results, "\n".join(lines))
     return 0
 
 

@@ -60,6 +60,15 @@ def summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def save(out: str, stem: str, results: dict[str, Any], text: str) -> None:
+    """Writes ``results`` as ``out/stem.json`` and the printed report ``text`` as ``out/stem.txt``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(out, stem + ".txt"), "w") as f:
+        f.write(text + "\n")
+
+
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
@@ -580,11 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                                                env["NIXL_MOD"] + "._api", env, cfg)
     lines = report(results, cfg)
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    with open(os.path.join(args.out, "results.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    save(args.out, "results", results, "\n".join(lines))
     note = plot(results, cfg, os.path.join(args.out, "throughput.png"))
     print(note or f"plot: {os.path.join(args.out, 'throughput.png')}")
     return 0
