@@ -30,7 +30,7 @@ import dataclasses
 import os
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -200,29 +200,43 @@ def fill(name: str, value: int) -> None:
         direct_write(a, np.full(named.memory.tensor_bytes, value, np.uint8), named.memory.device)
 
 
+def _start(key: str, work: Callable[[], Outcome]) -> None:
+    """Runs ``work`` on a thread of its own; ``_outcome(key, ..)`` waits for what it returns."""
+    def run() -> None:
+        _state[key] = work()
+
+    _state[key] = None
+    _state[key + "_thread"] = threading.Thread(target=run, daemon=True)
+    _state[key + "_thread"].start()
+
+
+def _outcome(key: str, timeout_s: float) -> Outcome | None:
+    """What the ``_start(key, ..)`` work returned, after waiting at most ``timeout_s`` for it (None:
+    still running)."""
+    _state[key + "_thread"].join(timeout_s)
+    outcome: Outcome | None = _state[key]
+    return outcome
+
+
 def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
     """``Engine.read`` or ``write`` (``op``) of the whole of ``peers.native``'s region ``name``
     from / to ``remote_address`` on ``peer``, on a thread of its own; ``finish_transfer`` waits."""
     region = native._state["regions"][name].region
 
-    def run() -> None:
+    def run() -> Outcome:
         try:
             getattr(_engine(), op)(peer, [(region.address, region.length)], [(remote_address, region.length)])
-            _state["transfer"] = "ok"
+            return "ok"
         except pdlink.LLMException as e:
-            _state["transfer"] = int(e.status_code)
+            return int(e.status_code)
 
-    _state["transfer"] = None
-    _state["transferer"] = threading.Thread(target=run, daemon=True)
-    _state["transferer"].start()
+    _start("transfer", run)
 
 
 def finish_transfer(timeout_s: float) -> Outcome | None:
     """The ``start_transfer`` transfer's outcome ("ok" or its status code), after waiting at most
     ``timeout_s`` for it (None: still running)."""
-    _state["transferer"].join(timeout_s)
-    outcome: Outcome | None = _state["transfer"]
-    return outcome
+    return _outcome("transfer", timeout_s)
 
 
 # ------------------------------------------------------------------ switches
@@ -269,20 +283,13 @@ def race(role: str, expected_epoch: int, drain_timeout_ms: int | None = None) ->
 
 def start_switch(role: str, expected_epoch: int | None = None, drain_timeout_ms: int | None = None) -> None:
     """``switch`` on a thread of its own; ``switch_outcome`` waits for it."""
-    def run() -> None:
-        _state["switched"] = try_switch(role, expected_epoch, drain_timeout_ms)
-
-    _state["switched"] = None
-    _state["switcher"] = threading.Thread(target=run, daemon=True)
-    _state["switcher"].start()
+    _start("switched", lambda: try_switch(role, expected_epoch, drain_timeout_ms))
 
 
 def switch_outcome(timeout_s: float) -> Outcome | None:
     """The ``start_switch`` switch's outcome ("ok" or its status code), after waiting at most
     ``timeout_s`` for it (None: still pending)."""
-    _state["switcher"].join(timeout_s)
-    outcome: Outcome | None = _state["switched"]
-    return outcome
+    return _outcome("switched", timeout_s)
 
 
 def try_switch(role: str, expected_epoch: int | None = None, drain_timeout_ms: int | None = None) -> Outcome:
