@@ -226,7 +226,7 @@ def test_a_setup_body_cut_short_and_held_does_not_hold_the_engine(peers: Callabl
     a = attacker_links(peers, victim)
     body = channel_body(ROOT_INFO + 1) if path == DEVICE else ucx_body(76)
     frame = setup(path, body)
-    assert a.call(round5.send_and_watch, frame[:20 + 1 + 10], 1.0) == "silent"
+    assert a.call(round5.send_and_watch, frame[:rawwire.REQUEST_HEADER_BYTES + 1 + 10], 1.0) == "silent"
     after(victim, secret)
     b = attacker_links(peers, victim, 10)
     assert b.call(hostile.exchange, PING) == (0, "", b"")
@@ -500,9 +500,11 @@ def test_each_announced_length_bound_is_where_the_doc_puts_it(peers: Callable[..
 
 
 UCX_FRAMES = {
-    "ucx_read": (rawwire.request(rawwire.OP_READ, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX), 20),
-    "ucx_write": (rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX), 20),
-    "ucx_connect": (setup(UCX, ucx_body(76)), 21),
+    "ucx_read": (rawwire.request(rawwire.OP_READ, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX),
+                 rawwire.REQUEST_HEADER_BYTES),
+    "ucx_write": (rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX),
+                 rawwire.REQUEST_HEADER_BYTES),
+    "ucx_connect": (setup(UCX, ucx_body(76)), rawwire.REQUEST_HEADER_BYTES + 1),
 }
 
 
