@@ -476,9 +476,9 @@ LIMITS = {"max_body_bytes": 4_456_512, "notify": 4 + 4096 + 65_536, "device_chan
 def announced(case: str, blen: int) -> bytes:
     """A frame of ``case`` announcing a body of ``blen`` bytes of which only what names it is sent."""
     if case == "max_body_bytes":
-        return rawwire.request(rawwire.OP_READ, b"", payload_len=0)[:8] + struct.pack("<IQ", blen, 0)
+        return rawwire.request_header(rawwire.OP_READ, blen)
     if case == "notify":
-        return rawwire.request(rawwire.OP_NOTIFY, b"")[:8] + struct.pack("<IQ", blen, 0)
+        return rawwire.request_header(rawwire.OP_NOTIFY, blen)
     return setup(DEVICE if case == "device_channel" else UCX, b"", body_len=blen)
 
 
