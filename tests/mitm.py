@@ -40,12 +40,11 @@ class Request:
     payload_len: int
     tag: bytes
     payload: bytes
-    epoch_tag: int = 0  # wire v7: the request's epoch fence (a prepared transfer's)
+    epoch_tag: int = 0  # the request's epoch fence (a prepared transfer's; a u32 since wire v8)
 
     @property
     def raw(self) -> bytes:
-        header = struct.pack(rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, self.op, self.flags, self.epoch_tag,
-                             len(self.body), self.payload_len)
+        header = rawwire.request_header(self.op, len(self.body), self.payload_len, self.flags, self.epoch_tag)
         return header + self.body + self.tag + self.payload
 
     def payload_bytes(self, integrity: bool) -> bytes:
@@ -119,7 +118,7 @@ class Channel:
 
     def _read_request(self) -> Request:
         head = rawwire.recv_exact(self.client, rawwire.REQUEST_HEADER_BYTES)
-        _magic, op, flags, epoch_tag, blen, plen = struct.unpack(rawwire.REQUEST_FORMAT, head)
+        _magic, op, flags, _reserved, epoch_tag, blen, plen = struct.unpack(rawwire.REQUEST_FORMAT, head)
         body = rawwire.recv_exact(self.client, blen)
         tag = rawwire.recv_exact(self.client, rawwire.TAG_BYTES) if self.authenticated else b""
         chunks = -(-plen // CHUNK) if self.integrity else 0

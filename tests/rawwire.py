@@ -1,4 +1,4 @@
-"""A raw speaker of pdlink's wire protocol (v7), for hostile-peer and hostile-server tests: it says
+"""A raw speaker of pdlink's wire protocol (v8), for hostile-peer and hostile-server tests: it says
 exactly the bytes a test wants, well-formed or not. Layouts: csrc/transport/wire.h and
 docs/architecture.md, "Wire protocol"."""
 
@@ -11,13 +11,15 @@ import os
 import socket
 import struct
 
-VERSION = 7
-# Wire v7 (csrc/transport/wire.h): a request header's u16 at offset 6 is the epoch tag (0: unfenced);
-# a response header is 24 bytes, its last two u16 the server's epoch tag and a zero.
-REQUEST_FORMAT = "<IBBHIQ"  # magic, op, flags, epoch_tag, body_len, payload_len
-REQUEST_HEADER_BYTES = 20
-RESPONSE_FORMAT = "<IIIQHH"  # magic, status, message_len, payload_len, epoch_tag, zero
+VERSION = 8
+# Wire v8 (csrc/transport/wire.h): a request header is 24 bytes, a reserved u16 at offset 6 (zero,
+# anything else is malformed) and the u32 epoch tag at offset 8 (0: unfenced); a response header is
+# 24 bytes, its last u32 the server's epoch tag. The tag is 1 + epoch % EPOCH_TAG_PERIOD.
+REQUEST_FORMAT = "<IBBHIIQ"  # magic, op, flags, reserved, epoch_tag, body_len, payload_len
+REQUEST_HEADER_BYTES = 24
+RESPONSE_FORMAT = "<IIIQI"  # magic, status, message_len, payload_len, epoch_tag
 RESPONSE_HEADER_BYTES = 24
+EPOCH_TAG_PERIOD = 0xFFFFFFFF
 HELLO_MAGIC, ACK_MAGIC, AUTH_MAGIC, REQUEST_MAGIC, RESPONSE_MAGIC = (
     0x4B4C4450, 0x414C4450, 0x524C4450, 0x514C4450, 0x534C4450)
 HELLO_BYTES = 56
@@ -236,8 +238,20 @@ def handshake(port: int | None = None, channel: int = 0, cluster: int = 9, expec
     return Handshake(s, "auth", r.status, r.message, r, a, key)
 
 
-def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0, epoch_tag: int = 0) -> bytes:
-    return struct.pack(REQUEST_FORMAT, REQUEST_MAGIC, op, flags, epoch_tag, len(body), payload_len) + body
+def epoch_tag_of(epoch: int) -> int:
+    """The epoch tag of role epoch ``epoch`` (wire::epochTagOf): never 0, which is "unfenced"."""
+    return 1 + epoch % EPOCH_TAG_PERIOD
+
+
+def request_header(op: int, body_len: int, payload_len: int = 0, flags: int = 0, epoch_tag: int = 0,
+                   reserved: int = 0) -> bytes:
+    """A request header announcing ``body_len`` body bytes; ``reserved``: the u16 at offset 6."""
+    return struct.pack(REQUEST_FORMAT, REQUEST_MAGIC, op, flags, reserved, epoch_tag, body_len, payload_len)
+
+
+def request(op: int, body: bytes, payload_len: int = 0, flags: int = 0, epoch_tag: int = 0,
+            reserved: int = 0) -> bytes:
+    return request_header(op, len(body), payload_len, flags, epoch_tag, reserved) + body
 
 
 def path_connect(path: int, setup: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
@@ -245,7 +259,7 @@ def path_connect(path: int, setup: bytes, flags: int = 0, payload_len: int = 0, 
     ``body_len`` overrides the announced length (header included)."""
     body = bytes([path]) + setup
     blen = len(body) if body_len is None else body_len
-    return struct.pack(REQUEST_FORMAT, REQUEST_MAGIC, OP_PATH_CONNECT, flags, 0, blen, payload_len) + body
+    return request_header(OP_PATH_CONNECT, blen, payload_len, flags) + body
 
 
 def body_header(kind: int = KIND_BLOCKS, model: int = 0, req: int = ANY, prefix: int = ANY, cache_id: int = 0,
@@ -274,14 +288,14 @@ def notify_body(name: bytes, message: bytes) -> bytes:
 
 
 def response(status: int = 0, message: bytes = b"", payload: bytes = b"", payload_len: int | None = None,
-             epoch_tag: int = 0, zero: int = 0) -> bytes:
+             epoch_tag: int = 0) -> bytes:
     plen = len(payload) if payload_len is None else payload_len
-    return struct.pack(RESPONSE_FORMAT, RESPONSE_MAGIC, status, len(message), plen, epoch_tag, zero) + message + payload
+    return struct.pack(RESPONSE_FORMAT, RESPONSE_MAGIC, status, len(message), plen, epoch_tag) + message + payload
 
 
 def response_header(head: bytes) -> tuple[int, int, int, int]:
     """(status, message_len, payload_len, epoch_tag) of a response header's RESPONSE_HEADER_BYTES."""
-    _magic, status, mlen, plen, tag, _zero = struct.unpack(RESPONSE_FORMAT, head)
+    _magic, status, mlen, plen, tag = struct.unpack(RESPONSE_FORMAT, head)
     return status, mlen, plen, tag
 
 
@@ -293,7 +307,7 @@ def read_response(s: socket.socket) -> tuple[int, str, bytes]:
 
 def read_request(s: socket.socket) -> tuple[int, int, bytes, int]:
     """(op, flags, body, payload_len) of a Request (the payload is left in the socket)."""
-    magic, op, flags, _tag, blen, plen = struct.unpack(REQUEST_FORMAT, recv_exact(s, REQUEST_HEADER_BYTES))
+    magic, op, flags, _reserved, _tag, blen, plen = struct.unpack(REQUEST_FORMAT, recv_exact(s, REQUEST_HEADER_BYTES))
     assert magic == REQUEST_MAGIC, hex(magic)
     return op, flags, recv_exact(s, blen), plen
 

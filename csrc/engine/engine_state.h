@@ -67,10 +67,11 @@ struct EngineState {
   uint64_t epoch = 0;        // guarded by mu: +1 per committed switch (Engine::switchRole)
   // Written under mu; read without it by the admission checks (Admission).
   std::atomic<Phase> phase{Phase::kReady};
-  // What this engine's responses carry (wire v7's epoch tag): 1 + epoch % 65535, written under mu
-  // with `epoch`; the serving streams point at it (Stream::setEpochWord).
-  std::atomic<uint16_t> epoch_tag{1};
-  static uint16_t tagOf(uint64_t epoch) { return static_cast<uint16_t>(1 + epoch % 65535); }
+  // What this engine's responses carry (the wire's epoch tag, a u32 since v8): wire::epochTagOf(epoch),
+  // 1 + epoch % 0xFFFFFFFF, written under mu with `epoch`; the serving streams point at it
+  // (Stream::setEpochWord).
+  std::atomic<uint32_t> epoch_tag{1};
+  static uint32_t tagOf(uint64_t epoch) { return wire::epochTagOf(epoch); }
   // What a drain waits for (RoleState): this side's transfers, the peers' requests being served,
   // and the served links that hold pins. Changed through Admission and ServeState only.
   std::atomic<int64_t> transfers_in_flight{0};

@@ -254,10 +254,10 @@ struct PreparedTransfer {
   std::vector<uint32_t> local_tensors, remote_tensors;  // pairs; all local tensors i <-> i when empty
   std::weak_ptr<CacheEntry> local;
   std::atomic<uint64_t> generation{0};  // of this side's registry when `local` was last checked
-  // The epoch fence (wire v7): 0 until the first response of the peer to a post of it, then that
+  // The epoch fence (wire v7, a u32 since v8): 0 until the first response of the peer to a post of it, then that
   // response's epoch tag, sent with every later post; a peer whose role epoch moved since refuses
   // those with kStaleEpoch (nothing moved): prepare again.
-  std::atomic<uint16_t> epoch_tag{0};
+  std::atomic<uint32_t> epoch_tag{0};
 };
 
 }  // namespace pdlink

@@ -121,7 +121,7 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
       continuation = !opened;
     }
     admission.emplace(s_, s_.served_in_flight, continuation);
-    const uint16_t ours = s_.epoch_tag.load(std::memory_order_acquire);
+    const uint32_t ours = s_.epoch_tag.load(std::memory_order_acquire);
     if (!admission->admitted()) {
       if (opened) closeSplit(*link);
       gate = admission->status();

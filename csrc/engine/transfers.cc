@@ -437,18 +437,18 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   p.payload = payload.value();
   // The epoch fence: the tag bound from the peer's first answer goes with every later post; the
   // first post binds it from the answer it gets (Link::epochTags).
-  const uint16_t tag = prep.epoch_tag.load(std::memory_order_acquire);
-  uint16_t seen = 0;
+  const uint32_t tag = prep.epoch_tag.load(std::memory_order_acquire);
+  uint32_t seen = 0;
   Status st = execute(link_r.value(), p, is_push, s_.config.sync_timeout_ms, tag, &seen);
   if (tag == 0 && seen != 0 && st.ok()) {
-    uint16_t expected = 0;
+    uint32_t expected = 0;
     prep.epoch_tag.compare_exchange_strong(expected, seen, std::memory_order_acq_rel);
   }
   return st;
 }
 
 Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms,
-                          uint16_t epoch_tag, uint16_t* seen_tag) {
+                          uint32_t epoch_tag, uint32_t* seen_tag) {
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
@@ -462,7 +462,7 @@ Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bo
   tags.seen = 0;
   struct Reset {
     Link::EpochTags& tags;
-    uint16_t* seen;
+    uint32_t* seen;
     ~Reset() {
       if (seen) *seen = tags.seen;
       tags.send = 0;

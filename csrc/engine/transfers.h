@@ -57,10 +57,10 @@ class Transfers {
   static std::vector<TransferPlan> split(const TransferPlan& p, uint64_t max_bytes);
   Status transfer(const TransferSpec& spec, bool is_push);
   // Moves a planned transfer over `link` (split into requests within the per-request bounds).
-  // `epoch_tag`: what this transfer's reads, writes and describes carry (wire v7; 0: unfenced);
+  // `epoch_tag`: what this transfer's reads, writes and describes carry (wire v8's u32; 0: unfenced);
   // *seen_tag (when given): the epoch tag of the peer's last answer to them (0: none).
   Status execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms,
-                 uint16_t epoch_tag = 0, uint16_t* seen_tag = nullptr);
+                 uint32_t epoch_tag = 0, uint32_t* seen_tag = nullptr);
   // One request of a transfer (requires the out mutex), on the link's path for the local cache's
   // memory: its host path, or its device paths in order (transport/path.h).
   Status transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,

@@ -60,7 +60,7 @@ enum Mode : uint8_t {
 // registry step between them runs between two such streams (the serving state, pins included,
 // carries over).
 enum StepKind : uint8_t {
-  kStepFrame = 0,       // RequestHeader (20 B) + body_len bytes of body (+ an in-stream write's payload)
+  kStepFrame = 0,       // RequestHeader (24 B) + body_len bytes of body (+ an in-stream write's payload)
   kStepDeallocate = 1,  // u8 cache id, u8 expect_blocks
   kStepUnregister = 2,  // u8 cache id
   kStepRemoveKey = 3,   // u8 req_id, u8 prefix_id, u8 model_id (0xFF: "none" for the ids)

@@ -125,8 +125,10 @@ int main(int argc, char** argv) {
   req.flags = wire::kFlagDevice | wire::kFlagOneSided;
   seed("request-one-sided", kModeRequest, wire::encode(req));
   req.flags = 0;
-  req.epoch_tag = wire::epochTagOf(3);  // v7: a prepared transfer's fenced read
+  req.epoch_tag = wire::epochTagOf(3);  // a prepared transfer's fenced read
   seed("request-epoch-tag", kModeRequest, wire::encode(req));
+  req.epoch_tag = wire::epochTagOf(0x12345678);  // v8: a tag past v7's 16 bits
+  seed("request-epoch-tag-wide", kModeRequest, wire::encode(req));
   wire::ResponseHeader resp;
   resp.status = static_cast<uint32_t>(Code::kParamInvalid);
   resp.message_len = 12;
@@ -134,6 +136,8 @@ int main(int argc, char** argv) {
   resp.status = static_cast<uint32_t>(Code::kStaleEpoch);
   resp.epoch_tag = wire::epochTagOf(4);
   seed("response-stale-epoch", kModeResponse, wire::encode(resp));
+  resp.epoch_tag = wire::epochTagOf(uint64_t{0xFFFFFFFE});  // v8: the largest tag
+  seed("response-stale-epoch-wide", kModeResponse, wire::encode(resp));
 
   wire::CacheDescriptor desc;
   desc.generation = 7;

@@ -120,8 +120,11 @@ void fuzzRequest(const uint8_t* p, size_t n) {
   // The split mark (flags bit 32) decodes apart from the flags, alone, on a read or a release only.
   FUZZ_CHECK(h.split == ((p[5] & wire::kMarkSplit) != 0) &&
              (!h.split || (h.flags == 0 && (h.op == wire::Op::kRead || h.op == wire::Op::kRelease))));
-  // Every field round-trips, the epoch tag (bytes 6-7, since v7) too: any value decodes.
-  FUZZ_CHECK(h.epoch_tag == static_cast<uint16_t>(p[6] | (p[7] << 8)));
+  // v8: the u16 at bytes 6-7 decodes only as zero; every field round-trips, the u32 epoch tag (bytes
+  // 8-11) too: any value decodes.
+  FUZZ_CHECK(p[6] == 0 && p[7] == 0);
+  FUZZ_CHECK(h.epoch_tag ==
+             (uint32_t{p[8]} | (uint32_t{p[9]} << 8) | (uint32_t{p[10]} << 16) | (uint32_t{p[11]} << 24)));
   std::string e = wire::encode(h);
   FUZZ_CHECK(e.size() == wire::kRequestHeaderBytes && prefixIs(e, p, wire::kRequestHeaderBytes));
 }
@@ -131,8 +134,9 @@ void fuzzResponse(const uint8_t* p, size_t n) {
   if (!wire::decode(p, n, &h).ok()) return;
   FUZZ_CHECK(n >= wire::kResponseHeaderBytes);
   FUZZ_CHECK(h.message_len <= wire::kMaxMessageBytes && isKnownCode(h.status));
-  // v7: the epoch tag (bytes 20-21) is any value; the u16 after it decodes only as zero.
-  FUZZ_CHECK(h.epoch_tag == static_cast<uint16_t>(p[20] | (p[21] << 8)) && p[22] == 0 && p[23] == 0);
+  // v8: the u32 epoch tag (bytes 20-23) is any value.
+  FUZZ_CHECK(h.epoch_tag ==
+             (uint32_t{p[20]} | (uint32_t{p[21]} << 8) | (uint32_t{p[22]} << 16) | (uint32_t{p[23]} << 24)));
   std::string e = wire::encode(h);
   FUZZ_CHECK(e.size() == wire::kResponseHeaderBytes && prefixIs(e, p, wire::kResponseHeaderBytes));
 }

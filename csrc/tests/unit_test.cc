@@ -112,17 +112,34 @@ void requestHeaderCases() {
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "request header: body past the limit");
   f = wire::encode(wire::RequestHeader{wire::Op::kRead, wire::kMaxBodyBytes, 0, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: body at the limit");
-  // v7: the u16 at offset 6 is the epoch tag; every value decodes and round-trips, little-endian.
-  for (uint16_t tag : {uint16_t{0}, uint16_t{1}, wire::epochTagOf(65534), wire::epochTagOf(65535), uint16_t{0xFFFF}}) {
+  // v8: 24 bytes; the u16 at offset 6 is reserved (zero), the u32 at offset 8 the epoch tag; every tag
+  // value decodes and round-trips, little-endian, those past v7's 16 bits too.
+  for (uint32_t tag : {uint32_t{0}, uint32_t{1}, uint32_t{0xFFFF}, uint32_t{0x10000}, wire::epochTagOf(65535),
+                       uint32_t{0x12345678}, wire::epochTagOf(uint64_t{0xFFFFFFFE}), uint32_t{0xFFFFFFFF}}) {
     f = wire::encode(wire::RequestHeader{wire::Op::kRead, 10, 0, 0, tag});
-    check(f.size() == wire::kRequestHeaderBytes && static_cast<uint8_t>(f[6]) == (tag & 0xFF) &&
-              static_cast<uint8_t>(f[7]) == (tag >> 8),
-          "request header: the epoch tag at offset 6 (" + std::to_string(tag) + ")");
+    uint32_t at8 = 0;
+    for (int i = 0; i < 4; ++i) at8 |= uint32_t{static_cast<uint8_t>(f[8 + i])} << (8 * i);
+    check(f.size() == wire::kRequestHeaderBytes && wire::kRequestHeaderBytes == 24 && f[6] == 0 && f[7] == 0 &&
+              at8 == tag,
+          "request header: 24 bytes, a zero u16 at offset 6, the epoch tag at offset 8 (" + std::to_string(tag) + ")");
     checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "request header: any epoch tag decodes");
-    check(got.epoch_tag == tag, "request header: the epoch tag round-trips");
+    check(got.epoch_tag == tag && got.body_len == 10, "request header: the epoch tag round-trips");
   }
-  check(wire::epochTagOf(0) == 1 && wire::epochTagOf(65534) == 65535 && wire::epochTagOf(65535) == 1,
-        "epoch tag: 1 + epoch % 65535, never 0");
+  // The reserved u16 decodes only as zero: any other value is malformed.
+  f = wire::encode(wire::RequestHeader{wire::Op::kRead, 10, 0, 0, 7});
+  checkCode(wire::decode(bytes(f), f.size() - 1, &got), Code::kLinkFailed, "request header: one byte short");
+  for (size_t at : {size_t{6}, size_t{7}}) {
+    for (uint8_t v : {uint8_t{1}, uint8_t{0x80}, uint8_t{0xFF}}) {
+      std::string bad = f;
+      bad[at] = static_cast<char>(v);
+      checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed,
+                "request header: a non-zero reserved byte " + std::to_string(at) + " is malformed");
+    }
+  }
+  check(wire::epochTagOf(0) == 1 && wire::epochTagOf(65534) == 65535 && wire::epochTagOf(65535) == 65536 &&
+            wire::epochTagOf(uint64_t{0xFFFFFFFE}) == 0xFFFFFFFF && wire::epochTagOf(uint64_t{0xFFFFFFFF}) == 1 &&
+            wire::epochTagOf(UINT64_MAX) != 0,
+        "epoch tag: 1 + epoch % 0xFFFFFFFF, never 0; v7's wrap at 65535 is gone");
 }
 
 void responseHeaderCases() {
@@ -135,20 +152,17 @@ void responseHeaderCases() {
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: an unknown status code");
   f = wire::encode(wire::ResponseHeader{1, wire::kMaxMessageBytes + 1, 0});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kLinkFailed, "response header: text past the limit");
-  // v7: 24 bytes, the server's epoch tag at offset 20, then a u16 that must be zero.
-  f = wire::encode(wire::ResponseHeader{static_cast<uint32_t>(Code::kStaleEpoch), 0, 0, 0xBEEF});
-  check(f.size() == wire::kResponseHeaderBytes && wire::kResponseHeaderBytes == 24 &&
-            static_cast<uint8_t>(f[20]) == 0xEF && static_cast<uint8_t>(f[21]) == 0xBE && f[22] == 0 && f[23] == 0,
-        "response header: 24 bytes, the epoch tag at offset 20, a zero u16");
-  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: the stale-epoch code decodes");
-  check(got.epoch_tag == 0xBEEF && got.status == static_cast<uint32_t>(Code::kStaleEpoch),
-        "response header: the epoch tag round-trips");
-  checkCode(wire::decode(bytes(f), f.size() - 1, &got), Code::kLinkFailed, "response header: one byte short");
-  for (size_t at : {size_t{22}, size_t{23}}) {
-    std::string bad = f;
-    bad[at] = 1;
-    checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed,
-              "response header: a non-zero byte " + std::to_string(at) + " is malformed");
+  // v8: 24 bytes, the server's u32 epoch tag at offset 20 (v7: a u16 tag and a zero u16); any value decodes.
+  for (uint32_t tag : {uint32_t{0xBEEF}, uint32_t{0x10000}, uint32_t{0xDEADBEEF}, uint32_t{0xFFFFFFFF}}) {
+    f = wire::encode(wire::ResponseHeader{static_cast<uint32_t>(Code::kStaleEpoch), 0, 0, tag});
+    uint32_t at20 = 0;
+    for (int i = 0; i < 4; ++i) at20 |= uint32_t{static_cast<uint8_t>(f[20 + i])} << (8 * i);
+    check(f.size() == wire::kResponseHeaderBytes && wire::kResponseHeaderBytes == 24 && at20 == tag,
+          "response header: 24 bytes, the epoch tag at offset 20 (" + std::to_string(tag) + ")");
+    checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: the stale-epoch code decodes");
+    check(got.epoch_tag == tag && got.status == static_cast<uint32_t>(Code::kStaleEpoch),
+          "response header: the epoch tag round-trips");
+    checkCode(wire::decode(bytes(f), f.size() - 1, &got), Code::kLinkFailed, "response header: one byte short");
   }
   f = wire::encode(wire::ResponseHeader{static_cast<uint32_t>(Code::kRoleSwitching), 0, 0, 1});
   checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "response header: the role-switching code decodes");

@@ -127,13 +127,13 @@ class Link {
     put(in_states_, slot, std::move(state));
   }
 
-  // The epoch fence of this side's requests (wire v7): `send`, the tag the reads, writes and
+  // The epoch fence of this side's requests (wire v7, a u32 since v8): `send`, the tag the reads, writes and
   // describes of the transfer now holding outMutex() carry (0: unfenced); `seen`, the tag of the
   // peer's last answer to them (0: none yet). Set and reset by that transfer; its lanes' pumps read
   // `send` and write `seen` while it runs.
   struct EpochTags {
-    std::atomic<uint16_t> send{0};
-    std::atomic<uint16_t> seen{0};
+    std::atomic<uint32_t> send{0};
+    std::atomic<uint32_t> seen{0};
   };
   EpochTags& epochTags() { return epoch_tags_; }
   // The serving side's split pull of the peer (wire::kMarkSplit): whether one is open on this link,

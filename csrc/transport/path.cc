@@ -31,7 +31,7 @@ Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::Resp
   return Status::OK();
 }
 
-uint16_t fenceTag(Link& link, wire::Op op) {
+uint32_t fenceTag(Link& link, wire::Op op) {
   const bool fenced = op == wire::Op::kRead || op == wire::Op::kWrite || op == wire::Op::kDescribe;
   return fenced ? link.epochTags().send.load(std::memory_order_relaxed) : 0;
 }

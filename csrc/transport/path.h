@@ -154,7 +154,7 @@ Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::Resp
 // The epoch tag a request of kind `op` carries on `link` now (Link::EpochTags: the transfer's, for
 // reads, writes and describes; 0 otherwise). request() stamps it; a path that encodes its own
 // headers calls it.
-uint16_t fenceTag(Link& link, wire::Op op);
+uint32_t fenceTag(Link& link, wire::Op op);
 // Sends header + body on the out channel, then awaitResponse.
 Status request(Link& link, const wire::RequestHeader& header, const std::string& body, Deadline deadline,
                const char* what, wire::ResponseHeader* rh);

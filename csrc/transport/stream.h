@@ -62,13 +62,13 @@ class Stream {
   // announces a large body and sends nothing costs no memory.
   Status readBounded(uint64_t len, uint64_t max, Deadline deadline, std::string* out, const char* what);
 
-  // Wire v7's epoch tag: what every response sent on this stream carries (sendResponse,
+  // The wire's epoch tag (a u32 since v8): what every response sent on this stream carries (sendResponse,
   // sendAnswer), read from the serving engine's word (EngineState::epoch_tag); 0 while unset.
-  void setEpochWord(const std::atomic<uint16_t>* word) { epoch_word_ = word; }
-  uint16_t epochTag() const { return epoch_word_ ? epoch_word_->load(std::memory_order_acquire) : 0; }
+  void setEpochWord(const std::atomic<uint32_t>* word) { epoch_word_ = word; }
+  uint32_t epochTag() const { return epoch_word_ ? epoch_word_->load(std::memory_order_acquire) : 0; }
 
  private:
-  const std::atomic<uint16_t>* epoch_word_ = nullptr;  // set by the serving thread before it serves
+  const std::atomic<uint32_t>* epoch_word_ = nullptr;  // set by the serving thread before it serves
 };
 
 }  // namespace pdlink

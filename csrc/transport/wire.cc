@@ -144,6 +144,7 @@ std::string encode(const RequestHeader& h) {
   w.put(kRequestMagic);
   w.put(static_cast<uint8_t>(h.op));
   w.put(static_cast<uint8_t>(h.flags | (h.split ? kMarkSplit : 0)));
+  w.put(uint16_t{0});
   w.put(h.epoch_tag);
   w.put(h.body_len);
   w.put(h.payload_len);
@@ -154,9 +155,10 @@ Status decode(const uint8_t* p, size_t n, RequestHeader* out) {
   Reader r(p, n);
   uint32_t magic = 0;
   uint8_t op = 0;
+  uint16_t zero = 0;
   if (!r.get(&magic) || magic != kRequestMagic) return malformed("request");
-  if (!r.get(&op) || !r.get(&out->flags) || !r.get(&out->epoch_tag) || !r.get(&out->body_len) ||
-      !r.get(&out->payload_len)) {
+  if (!r.get(&op) || !r.get(&out->flags) || !r.get(&zero) || !r.get(&out->epoch_tag) || !r.get(&out->body_len) ||
+      !r.get(&out->payload_len) || zero != 0) {
     return malformed("request");
   }
   // The split mark only on a plain read or a kRelease (the stream path's split pulls).
@@ -215,7 +217,6 @@ std::string encode(const ResponseHeader& h) {
   w.put(h.message_len);
   w.put(h.payload_len);
   w.put(h.epoch_tag);
-  w.put(uint16_t{0});
   return w.take();
 }
 
@@ -223,12 +224,10 @@ Status decode(const uint8_t* p, size_t n, ResponseHeader* out) {
   Reader r(p, n);
   uint32_t magic = 0;
   if (!r.get(&magic) || magic != kResponseMagic) return malformed("response");
-  uint16_t zero = 0;
-  if (!r.get(&out->status) || !r.get(&out->message_len) || !r.get(&out->payload_len) || !r.get(&out->epoch_tag) ||
-      !r.get(&zero)) {
+  if (!r.get(&out->status) || !r.get(&out->message_len) || !r.get(&out->payload_len) || !r.get(&out->epoch_tag)) {
     return malformed("response");
   }
-  if (out->message_len > kMaxMessageBytes || !isKnownCode(out->status) || zero != 0) return malformed("response");
+  if (out->message_len > kMaxMessageBytes || !isKnownCode(out->status)) return malformed("response");
   return Status::OK();
 }
 

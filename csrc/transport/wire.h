@@ -1,4 +1,4 @@
-// The pdlink wire protocol (version 7), spoken over each channel of a link.
+// The pdlink wire protocol (version 8), spoken over each channel of a link.
 //
 // A link is two stream connections opened by the initiator to the acceptor:
 //   FORWARD: the initiator sends requests, the acceptor serves them;
@@ -56,7 +56,7 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
-constexpr uint16_t kProtocolVersion = 7;
+constexpr uint16_t kProtocolVersion = 8;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;
@@ -248,37 +248,40 @@ Status decode(const uint8_t* p, size_t n, UcxHello* out);
 // the response carries one byte, the options the server agreed to. Both then join; with kChannelOneSided agreed both
 // prepare.
 constexpr uint8_t kChannelOneSided = 1;
-// The epoch fence (since v7): a request's `epoch_tag` is 0 (unfenced) or 1 + (epoch % 65535) of the
-// serving engine's role epoch the requester prepared against (a prepared transfer binds it from the
-// first answer it gets: PreparedTransfer::epoch_tag); a server whose own tag differs refuses a read,
-// write or describe carrying it with kStaleEpoch (nothing moved; a write's payload is consumed, as
-// with other refusals; the link stays). Other frames' tags are not checked. Every response carries
-// the server's current tag. Any value is well-formed: a hostile tag gets a refusal, nothing else.
-constexpr uint16_t epochTagOf(uint64_t epoch) { return static_cast<uint16_t>(1 + epoch % 65535); }
-// Layout (20 bytes): magic u32, op u8, flags u8, epoch_tag u16 (offset 6; v6 and before: 0, unread),
-// body_len u32, payload_len u64.
+// The epoch fence (since v7; a u32 since v8): a request's `epoch_tag` is 0 (unfenced) or
+// 1 + (epoch % 0xFFFFFFFF) of the serving engine's role epoch the requester prepared against (a
+// prepared transfer binds it from the first answer it gets: PreparedTransfer::epoch_tag); a server
+// whose own tag differs refuses a read, write or describe carrying it with kStaleEpoch (nothing moved;
+// a write's payload is consumed, as with other refusals; the link stays). Other frames' tags are not
+// checked. Every response carries the server's current tag. Any value is well-formed: a hostile tag
+// gets a refusal, nothing else. A tag repeats only after 2^32 - 1 committed switches (v7's u16 tag
+// after 65535: a transfer prepared at epoch e was accepted again at e + 65535).
+constexpr uint32_t kEpochTagPeriod = 0xFFFFFFFF;
+constexpr uint32_t epochTagOf(uint64_t epoch) { return static_cast<uint32_t>(1 + epoch % kEpochTagPeriod); }
+// Layout (24 bytes since v8; 20 in v7 with a u16 tag at offset 6): magic u32, op u8, flags u8, u16 zero
+// (a decoder refuses anything else as malformed), epoch_tag u32 (offset 8), body_len u32, payload_len u64.
 struct RequestHeader {
   Op op = Op::kRead;
   uint32_t body_len = 0;  // at most kMaxBodyBytes
   uint64_t payload_len = 0;
   uint8_t flags = 0;       // a combination above; which ones a link accepts: RequestServer::admit
-  uint16_t epoch_tag = 0;  // the epoch fence above; 0: unfenced
+  uint32_t epoch_tag = 0;  // the epoch fence above; 0: unfenced
   bool split = false;      // kMarkSplit (encoded in the flags byte)
 };
-constexpr size_t kRequestHeaderBytes = 20;
+constexpr size_t kRequestHeaderBytes = 24;
 std::string encode(const RequestHeader& h);
 Status decode(const uint8_t* p, size_t n, RequestHeader* out);
 // What every decoder answers for a frame it refuses: kLinkFailed, "malformed <what> frame from peer".
 Status malformed(const char* what);
 
 // Layout (24 bytes since v7, 20 before): magic u32, status u32, message_len u32, payload_len u64,
-// epoch_tag u16 (the server's current tag; 0 from a side that serves no engine), then u16 zero (a
-// decoder refuses anything else as malformed).
+// epoch_tag u32 (offset 20; the server's current tag; 0 from a side that serves no engine; in v7 a
+// u16 tag then a u16 zero).
 struct ResponseHeader {
   uint32_t status = 0;
   uint32_t message_len = 0;
   uint64_t payload_len = 0;
-  uint16_t epoch_tag = 0;
+  uint32_t epoch_tag = 0;
 };
 constexpr size_t kResponseHeaderBytes = 24;
 std::string encode(const ResponseHeader& h);

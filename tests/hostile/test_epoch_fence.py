@@ -1,6 +1,7 @@
-"""Wire v7's epoch fence against a raw peer (docs/security.md, "Role epochs"): any epoch tag on a
-read, write or describe gets at most a refusal (``LLM_STALE_EPOCH``, nothing moved, a write's
-payload consumed, the link kept); the server's responses carry its own tag (1 + epoch % 65535),
+"""The wire's epoch fence (v7; a u32 tag since v8) against a raw peer (docs/security.md, "Role
+epochs"): any epoch tag on a read, write or describe gets at most a refusal (``LLM_STALE_EPOCH``,
+nothing moved, a write's payload consumed, the link kept); the server's responses carry its own tag
+(1 + epoch % 0xFFFFFFFF),
 which moves with each committed switch; a tag on other frames is not read. The victim's
 unregistered secret stays unchanged and its honest decoder is served byte-exact afterwards."""
 
@@ -30,8 +31,7 @@ def victim(pair: Pair) -> Pair:
     return make_victim(pair)
 
 
-def _tag(epoch: int) -> int:
-    return 1 + epoch % 65535
+_tag = rawwire.epoch_tag_of
 
 
 @only("cpu-tcp", "cpu-cma")
@@ -43,7 +43,8 @@ def test_any_epoch_tag_gets_a_refusal_at_most_and_the_link_is_kept(peers: Callab
     for tag in (0, _tag(0)):
         assert a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, READ, epoch_tag=tag)) == (
             0, "", bytes(before.tensor(0)[:64]))
-    for tag in (2, 0x7FFF, 0xFFFF):
+    # 0x10001 and 0xFFFF0001: the server's tag in the low 16 bits (all 32 are compared, v8)
+    for tag in (2, 0x7FFF, 0xFFFF, 0x10001, 0xFFFF0001, 0xFFFFFFFF):
         text = refused_kept(a, rawwire.request(rawwire.OP_READ, READ, epoch_tag=tag), S.LLM_STALE_EPOCH)
         assert "prepare it again" in text, text
         # a write's payload is consumed with its refusal: the stream stays in step

@@ -140,8 +140,7 @@ def test_a_body_announced_but_never_sent_costs_no_memory(peers: Callable[..., Pe
         a = peers(f"attacker{i}")
         unix = a.call(hostile.redirect_name, victim.port) if victim.variant.same_host else None
         assert a.call(hostile.link_raw, victim.port, 20 + i, b"", unix) == (0, "")
-        a.call(hostile.send, struct.pack(rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, rawwire.OP_READ, 0, 0,
-                                         4 * 1024 * 1024, 0) + b"\x04")
+        a.call(hostile.send, rawwire.request_header(rawwire.OP_READ, 4 * 1024 * 1024) + b"\x04")
         attackers.append(a)
     victim.pulled([6])
     assert victim.prefill.call(kv.rss_kib) - rss < 16 * 1024  # 8 x 4 MiB announced

@@ -286,9 +286,8 @@ def test_notifications_a_peer_floods_are_bounded_per_link_and_in_bytes(peers: Ca
     pair.pulled([1])
     limits = internals.core.LIMITS
     bad = {
-        "a body announced past the bound": struct.pack(
-            rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, rawwire.OP_NOTIFY, 0, 0,
-            4 + limits["max_notify_name_bytes"] + limits["max_notify_message_bytes"] + 1, 0),
+        "a body announced past the bound": rawwire.request_header(
+            rawwire.OP_NOTIFY, 4 + limits["max_notify_name_bytes"] + limits["max_notify_message_bytes"] + 1),
         "a message one past its limit": rawwire.request(
             rawwire.OP_NOTIFY, rawwire.notify_body(b"", b"m" * (limits["max_notify_message_bytes"] + 1))),
         "a name longer than the body": rawwire.request(rawwire.OP_NOTIFY, struct.pack("<I", 100) + b"x"),

@@ -44,7 +44,7 @@ UCX_HELLO_BOUND = 12 + 4096  # wire::kMaxUcxHelloBytes: token, message size, a w
 
 def raw_request(op: int, body: bytes, flags: int = 0, payload_len: int = 0, body_len: int | None = None) -> bytes:
     blen = len(body) if body_len is None else body_len
-    return struct.pack(rawwire.REQUEST_FORMAT, rawwire.REQUEST_MAGIC, op, flags, 0, blen, payload_len) + body
+    return rawwire.request_header(op, blen, payload_len, flags) + body
 
 
 @pytest.fixture

@@ -226,7 +226,7 @@ def test_a_setup_body_cut_short_and_held_does_not_hold_the_engine(peers: Callabl
     a = attacker_links(peers, victim)
     body = channel_body(ROOT_INFO + 1) if path == DEVICE else ucx_body(76)
     frame = setup(path, body)
-    assert a.call(round5.send_and_watch, frame[:20 + 1 + 10], 1.0) == "silent"
+    assert a.call(round5.send_and_watch, frame[:rawwire.REQUEST_HEADER_BYTES + 1 + 10], 1.0) == "silent"
     after(victim, secret)
     b = attacker_links(peers, victim, 10)
     assert b.call(hostile.exchange, PING) == (0, "", b"")
@@ -476,9 +476,9 @@ LIMITS = {"max_body_bytes": 4_456_512, "notify": 4 + 4096 + 65_536, "device_chan
 def announced(case: str, blen: int) -> bytes:
     """A frame of ``case`` announcing a body of ``blen`` bytes of which only what names it is sent."""
     if case == "max_body_bytes":
-        return rawwire.request(rawwire.OP_READ, b"", payload_len=0)[:8] + struct.pack("<IQ", blen, 0)
+        return rawwire.request_header(rawwire.OP_READ, blen)
     if case == "notify":
-        return rawwire.request(rawwire.OP_NOTIFY, b"")[:8] + struct.pack("<IQ", blen, 0)
+        return rawwire.request_header(rawwire.OP_NOTIFY, blen)
     return setup(DEVICE if case == "device_channel" else UCX, b"", body_len=blen)
 
 
@@ -500,9 +500,11 @@ def test_each_announced_length_bound_is_where_the_doc_puts_it(peers: Callable[..
 
 
 UCX_FRAMES = {
-    "ucx_read": (rawwire.request(rawwire.OP_READ, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX), 20),
-    "ucx_write": (rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX), 20),
-    "ucx_connect": (setup(UCX, ucx_body(76)), 21),
+    "ucx_read": (rawwire.request(rawwire.OP_READ, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX),
+                 rawwire.REQUEST_HEADER_BYTES),
+    "ucx_write": (rawwire.request(rawwire.OP_WRITE, rawwire.blocks_body(runs=((0, 64),)), flags=rawwire.FLAG_UCX),
+                 rawwire.REQUEST_HEADER_BYTES),
+    "ucx_connect": (setup(UCX, ucx_body(76)), rawwire.REQUEST_HEADER_BYTES + 1),
 }
 
 

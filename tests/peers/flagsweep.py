@@ -58,13 +58,14 @@ def sweep(port: int, frames: dict[int, bytes], secret: bytes = b"", unix: str | 
             f = bytearray(frame)
             f[5] = flags
             if flags != 0:  # only the stream's write carries its payload in the stream
-                blen = struct.unpack_from("<I", f, 8)[0]
-                struct.pack_into("<Q", f, 12, 0)
-                f = f[:20 + blen]
+                head = list(struct.unpack_from(rawwire.REQUEST_FORMAT, f))
+                blen, head[-1] = head[-2], 0  # body_len kept, payload_len zeroed
+                struct.pack_into(rawwire.REQUEST_FORMAT, f, 0, *head)
+                f = f[:rawwire.REQUEST_HEADER_BYTES + blen]
             data = bytes(f)
             if sealer is not None:
-                blen = struct.unpack_from("<I", data, 8)[0]
-                frame_bytes, rest = data[:20 + blen], data[20 + blen:]
+                end = rawwire.REQUEST_HEADER_BYTES + struct.unpack_from(rawwire.REQUEST_FORMAT, data)[-2]
+                frame_bytes, rest = data[:end], data[end:]
                 data = sealer.seal(frame_bytes) + rest
             try:
                 fwd.sendall(data)

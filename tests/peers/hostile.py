@@ -310,8 +310,6 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             conn.sendall(rawwire.response(payload=b"\x5a" * (total + 8)))
         elif mode == "read_huge_payload":
             conn.sendall(rawwire.response(payload_len=1 << 60))
-        elif mode == "resp_reserved":  # the bytes asked for, with a non-zero last u16 (wire v7: must be 0)
-            conn.sendall(rawwire.response(payload=b"\x5a" * total, zero=params.get("zero", 1)))
         elif mode == "read_exact":  # an honest-looking server (control case): the bytes asked for
             conn.sendall(rawwire.response(payload=b"\x5a" * total))
         elif op == rawwire.OP_DESCRIBE and rec["kind"] == rawwire.KIND_RAW and mode.startswith("table_"):
@@ -461,7 +459,7 @@ def exchange(frame: bytes) -> tuple[int, str, bytes] | str:
 
 def exchange_header(frame: bytes) -> tuple[int, int] | str:
     """Sends one request frame that is answered without a payload; returns the response's status
-    and epoch tag (wire v7), or "closed"."""
+    and epoch tag (a u32 since wire v8), or "closed"."""
     assert _client is not None
     try:
         _client.fwd.sendall(frame)

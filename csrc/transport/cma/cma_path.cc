@@ -248,7 +248,7 @@ Status CmaPath::roleFence(Link& link, bool after) {
   Result<uint64_t> word = process_->readWord(published_addr_ + kRoleWordOffset);
   if (!word.ok()) return word.status();
   const uint64_t epoch = word.value() >> 1;
-  const uint16_t tag = wire::epochTagOf(epoch), fence = link.epochTags().send.load(std::memory_order_relaxed);
+  const uint32_t tag = wire::epochTagOf(epoch), fence = link.epochTags().send.load(std::memory_order_relaxed);
   const char* when = after ? " (after the copy: only the destination changed)" : "";
   if (word.value() & 1) {
     return Status(Code::kRoleSwitching, std::string("the peer is switching its role; retry once it is ready") + when);
