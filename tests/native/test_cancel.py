@@ -179,6 +179,10 @@ def _counts(side: Peer) -> tuple[int, int, int]:
     return s["transfers_in_flight"], s["served_in_flight"], s["pins"]
 
 
+def _counts_back_to_zero(*sides: Peer) -> None:
+    wait_until(lambda: all(_counts(side) == (0, 0, 0) for side in sides), 30, "every count of both sides back to 0")
+
+
 def _roll_back(side: Peer, relay: Relay) -> tuple[str, int | None, str, dict]:
     """Switches `side` to PROMPT with a DRAIN_MS drain that the transfer held at `relay` outlasts;
     once the drain timed out (phase rolling_back) lets the relay go; the switch's outcome."""
@@ -221,8 +225,7 @@ def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer]
         new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0)
         assert len(new) < BLOCKS, "the cancel came after every block had moved"
         assert_same(s.snap(s.target, "src"), src0, "source of the cancelled transfer")
-        for side in (s.initiator, s.target):
-            wait_until(lambda side=side: _counts(side) == (0, 0, 0), 30, "every count back to 0")
+        _counts_back_to_zero(s.initiator, s.target)
         assert len(s.initiator.call(native.links)) == 1
         s.initiator.call(native.post, "read", list(range(BLOCKS)), list(range(BLOCKS)), "read")
         assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
@@ -259,8 +262,7 @@ def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], v
         new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0)
         assert len(new) < BLOCKS, "the pull completed"
         assert_same(s.snap(s.target, "src"), src0, "source of the ended pull")
-        for side in (s.initiator, s.target):
-            wait_until(lambda side=side: _counts(side) == (0, 0, 0), 30, "every count back to 0")
+        _counts_back_to_zero(s.initiator, s.target)
         assert len(s.initiator.call(native.links)) == 1
         s.initiator.call(native.post, "read", list(range(BLOCKS)), list(range(BLOCKS)), "read")
         assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
