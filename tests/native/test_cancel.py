@@ -7,6 +7,7 @@ the result stands."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -246,7 +247,7 @@ def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer]
 def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], variant: Variant) -> None:
     """The serving side: the initiator's 48 MiB pull (chunk requests of a split pull) is held at a
     relay after 1 MiB of answers when the target is switched with a drain timeout it outlasts. The
-    switch raises LLM_TIMEOUT (one served request, none of its own cancelled), role and epoch
+    switch raises LLM_TIMEOUT (served requests in flight, none of its own cancelled), role and epoch
     unchanged; the pull's later chunks are refused, so it fails with LLM_ROLE_SWITCHING, each block
     of its destination old or new and nothing else changed; the target's served count goes back to
     0 and the same link then moves the whole region byte-exact."""
@@ -257,13 +258,16 @@ def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], v
         relay.hold_after(DOWN, 1 << 20)
         s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, NBYTES)
         relay.wait_held(DOWN)
-        wait_until(lambda: _counts(s.target)[1] == 1, 30, "the pull open on the target")
+        # the open pull counts 1, and each chunk being served (blocked in its send) 1 more
+        wait_until(lambda: _counts(s.target)[1] >= 1, 30, "the pull open on the target")
         # the target has no transfer of its own to wait for: the switch is over while the relay holds
         s.target.call(native.switch_role_async, "PROMPT", drain_timeout_ms=DRAIN_MS)
         outcome, code, message, after = s.target.call(native.switch_result)
         relay.release()
         assert (outcome, code) == ("TransferTimeout", LLMStatusCode.LLM_TIMEOUT), message
-        assert "1 served requests" in message and "0 transfers cancelled" in message, message
+        served = re.search(r"(\d+) served requests", message)
+        assert served is not None and int(served.group(1)) >= 1, message
+        assert "0 transfers cancelled" in message, message
         assert (after["role"], after["epoch"], after["phase"]) == ("MIX", 0, "ready")
         raised, code = s.initiator.call(cancel.finish_sync, "t")
         assert code == LLMStatusCode.LLM_ROLE_SWITCHING, raised
