@@ -209,6 +209,8 @@ def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
         try:
             getattr(_engine(), op)(peer, [(region.address, region.length)], [(remote_address, region.length)])
             _state["transfer"] = "ok"
+        except pdlink.TransferCancelled:  # stopped at a cancel point (a drain timeout of this engine)
+            _state["transfer"] = "cancelled"
         except pdlink.LLMException as e:
             _state["transfer"] = int(e.status_code)
 
@@ -218,7 +220,7 @@ def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
 
 
 def finish_transfer(timeout_s: float) -> Outcome | None:
-    """The ``start_transfer`` transfer's outcome ("ok" or its status code), after waiting at most
+    """The ``start_transfer`` transfer's outcome ("ok", "cancelled" or its status code), after waiting at most
     ``timeout_s`` for it (None: still running)."""
     _state["transferer"].join(timeout_s)
     outcome: Outcome | None = _state["transfer"]
