@@ -148,7 +148,7 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     assert (state["role"], state["epoch"], state["phase"]) == ("PROMPT", 1, "ready")
     # the rollback ended the open pull: its next chunk is refused, not admitted as a continuation
     assert a.call(hostile.exchange_header, chunk) == (S.LLM_ROLE_SWITCHING, _tag(1))
-    assert served() == 1  # still open (refusing) until its end frame or the link's end
+    wait_until(lambda: served() == 1, 20, "the pull still open (refusing) until its end frame or the link's end")
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"", flags=SPLIT)) == "closed"
     wait_until(lambda: served() == 0, 20, "the open pull closed with its link")
     assert victim.call(native.switch_role, "DECODER", True, 1)["epoch"] == 2

@@ -20,7 +20,7 @@ the same expected epoch. ``pdlink.Engine.switch_role``/``role_state``: docs/nati
   the same expected epoch at once (pulls running): exactly one commits, the other is refused with
   LLM_STALE_EPOCH or LLM_ROLE_SWITCHING, the epoch goes up by exactly one, and a late retry with
   that epoch is stale.
-* ``test_a_drain_past_its_timeout_rolls_back`` (cpu-tcp, through tests/relay.py): a 24 MiB read (or
+* ``test_a_drain_past_its_timeout_rolls_back`` (cpu-tcp, through tests/relay.py): a 48 MiB read (or
   write) held at the relay is counted in flight on the side told to switch; a switch with a 300 ms
   drain timeout raises LLM_TIMEOUT and leaves role, epoch and phase as they were, the transfer
   still in flight (its requests sent are held). Released, the decoder's own read (the decoder
@@ -227,7 +227,9 @@ def test_two_controllers_race_for_one_epoch(loaded: Loaded) -> None:
 # the decoder (the prefill may have handed all its bytes to the kernel's socket buffers, which hold more
 # than this read across the link's four streams); a held write is in flight on the prefill, whose
 # serving thread waits for the payload. Each case switches the side the transfer is in flight on.
-BIG_ROWS, BIG_ROW = 96, 256 * 1024  # 24 MiB
+# 48 MiB: 48 chunk requests of 1 MiB, more than the link's 4 streams keep in flight (at most 8 each,
+# limits::kMaxTcpDepth), so a held read has chunks not yet asked for when its cancel comes.
+BIG_ROWS, BIG_ROW = 192, 256 * 1024
 HELD_AFTER = 1 << 20
 DRAIN_TIMEOUT_MS = 300
 TRANSFER_TIMEOUT_MS = 30000  # both engines': the held transfer must outlive the drain, by far
