@@ -10,6 +10,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/status_bridge.h"
+#include "core/cancel.h"
 
 namespace py = pybind11;
 
@@ -19,6 +20,10 @@ namespace {
 // {code: (exception class, status_code value)} as _register_errors last received it: a new
 // reference, never released (the translator may run until the interpreter is gone).
 PyObject* g_errors = nullptr;
+
+// The key under which _register_errors may give the class of a transfer stopped at a cancel point
+// (core/cancel.h isCancelled: pdlink.TransferCancelled), raised as cls(message).
+constexpr int64_t kCancelledKey = -1;
 
 // The registered (class, status_code) for a code, else the one for kFailed; null before any
 // registration. A borrowed reference.
@@ -36,6 +41,17 @@ PyObject* errorEntry(Code code) {
 // constructor raised) propagates as error_already_set, which pybind11 then restores.
 void raiseStatus(const Status& st) {
   py::str message = messageText(st.message());
+  if (isCancelled(st) && g_errors != nullptr) {
+    py::int_ k(kCancelledKey);
+    PyObject* entry = PyDict_GetItemWithError(g_errors, k.ptr());
+    if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (entry != nullptr) {
+      py::object cls = py::reinterpret_borrow<py::tuple>(entry)[0];
+      py::object error = cls(message);
+      PyErr_SetObject(cls.ptr(), error.ptr());
+      return;
+    }
+  }
   PyObject* entry = errorEntry(st.code());
   if (entry == nullptr) {
     if (PyErr_Occurred()) throw py::error_already_set();

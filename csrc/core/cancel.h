@@ -11,6 +11,10 @@
 // transfer's outcome is "cancelled" whatever the engine returned (the bytes of the requests that
 // finished have landed; nothing else moved).
 //
+// The engine's abort word (EngineState::abort_generation, CancelPoint below): a role switch whose drain
+// times out bumps it, and every transfer admitted before the bump stops at its next cancel point as
+// if its token had been cancelled (its token, where it has one, is cancelled there).
+//
 // Thread-safe: every method may be called from any thread.
 #pragma once
 
@@ -48,13 +52,48 @@ class CancelToken {
   State state() const { return static_cast<State>(state_.load(std::memory_order_acquire)); }
 
  private:
-  std::atomic<int> state_{static_cast<int>(State::kRunning)};
+  friend struct CancelPoint;
+  mutable std::atomic<int> state_{static_cast<int>(State::kRunning)};
+};
+
+// A transfer's cancel points: its token (null: none) and the engine's abort word with the value it
+// read at admission (null: none). requested() is what each cancel point checks: the token was
+// cancelled, or the abort word moved since admission (a drain timeout: docs/architecture.md,
+// "Roles"); then the token, where there is one, is cancelled too, so that its caller sees the
+// cancelled outcome exactly as after Pending.cancel(). Costs one acquire load of the abort word per
+// cancel point, plus one of the token where there is one.
+struct CancelPoint {
+  const CancelToken* token = nullptr;
+  const std::atomic<uint64_t>* abort = nullptr;
+  uint64_t admitted = 0;
+
+  bool requested() const {
+    if (abort != nullptr && abort->load(std::memory_order_acquire) != admitted) {
+      if (token != nullptr) {
+        int expected = static_cast<int>(CancelToken::State::kRunning);
+        token->state_.compare_exchange_strong(expected, static_cast<int>(CancelToken::State::kCancelled),
+                                              std::memory_order_acq_rel);
+      }
+      return true;
+    }
+    return token != nullptr && token->requested();
+  }
 };
 
 // What a transfer stopped at a cancel point returns (kFailed, scope kCall: nothing is wrong with the
-// link; the Python API reports the transfer as CANCELLED instead).
+// link; the Python API reports the transfer as CANCELLED instead, and a synchronous call raises
+// pdlink.TransferCancelled: isCancelled, bindings/bind_status.cc).
+inline constexpr const char* kCancelledSuffix = ": cancelled at a cancel point";
 inline Status cancelledStatus(const char* what) {
-  return Status(Code::kFailed, Scope::kCall, std::string(what) + ": cancelled by its token");
+  return Status(Code::kFailed, Scope::kCall, std::string(what) + kCancelledSuffix);
+}
+// Whether `st` is what cancelledStatus returns (the message's end marks it; the code stays kFailed
+// for LLM-DataDist).
+inline bool isCancelled(const Status& st) {
+  const std::string& m = st.message();
+  const std::string suffix = kCancelledSuffix;
+  return st.code() == Code::kFailed && st.scope() == Scope::kCall && m.size() >= suffix.size() &&
+         m.compare(m.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace pdlink

@@ -56,10 +56,10 @@ RoleState EngineState::roleState() const {
   return r;
 }
 
-bool EngineState::drain(int64_t timeout_ms) {
+bool EngineState::drain(int64_t timeout_ms, bool transfers_only) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
   std::unique_lock<std::mutex> lock(drain_mu);
-  while (inFlight() != 0) {
+  while ((transfers_only ? transfers_in_flight.load() : inFlight()) != 0) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= until) return false;
     // Woken by drainNotify; the bounded wait is only a backstop.

@@ -77,6 +77,10 @@ struct EngineState {
   std::atomic<int64_t> transfers_in_flight{0};
   std::atomic<int64_t> served_in_flight{0};
   std::atomic<int64_t> pins_held{0};
+  // The abort word (core/cancel.h, CancelPoint): +1 when a switch's drain times out. A transfer of
+  // this side reads it at admission (Admission::arm) and stops at its next cancel point once it
+  // moved.
+  std::atomic<uint64_t> abort_generation{0};
   // A switch is pending (phase draining, switching or rolling back): nothing new is admitted.
   bool switchPending() const {
     const Phase p = phase.load(std::memory_order_seq_cst);
@@ -89,12 +93,14 @@ struct EngineState {
   }
   // Wakes a drain (switchRole) after a count fell.
   void drainNotify() {
-    if (phase.load(std::memory_order_seq_cst) != Phase::kDraining) return;
+    const Phase p = phase.load(std::memory_order_seq_cst);
+    if (p != Phase::kDraining && p != Phase::kRollingBack) return;
     std::lock_guard<std::mutex> lock(drain_mu);
     drain_cv.notify_all();
   }
-  // Waits until nothing counted above is left, at most `timeout_ms`: true when drained.
-  bool drain(int64_t timeout_ms);
+  // Waits until nothing counted above is left (`transfers_only`: until transfers_in_flight is 0), at
+  // most `timeout_ms`: true when drained.
+  bool drain(int64_t timeout_ms, bool transfers_only = false);
   int64_t inFlight() const { return transfers_in_flight.load() + served_in_flight.load() + pins_held.load(); }
 
   // One transfer of this side, or one request of a peer being served, counted in `counter` while
@@ -107,6 +113,15 @@ struct EngineState {
     Admission(EngineState& s, std::atomic<int64_t>& counter, bool continuation = false) : s_(s), counter_(&counter) {
       counter_->fetch_add(1, std::memory_order_seq_cst);
       if (!continuation && s_.switchPending()) release();
+      // Read after the check: an admitted transfer saw no drain begun, so it reads the word before
+      // any timeout of that drain moves it.
+      generation_ = s_.abort_generation.load(std::memory_order_seq_cst);
+    }
+    // Points the plan's cancel points at the abort word as it was at admission.
+    template <class Plan>
+    void arm(Plan* p) const {
+      p->abort = &s_.abort_generation;
+      p->abort_admitted = generation_;
     }
     ~Admission() { release(); }
     Admission(const Admission&) = delete;
@@ -123,6 +138,7 @@ struct EngineState {
     }
     EngineState& s_;
     std::atomic<int64_t>* counter_;
+    uint64_t generation_ = 0;
   };
 
   // Takes mu.

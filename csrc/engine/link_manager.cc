@@ -319,21 +319,42 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
   s_.registry.bumpGeneration();
   const int64_t drain_ms = o.drain_timeout_ms > 0 ? o.drain_timeout_ms : s_.config.limits.switch_drain_timeout_ms;
   if (!s_.drain(drain_ms)) {
-    const int64_t transfers = s_.transfers_in_flight.load(), served = s_.served_in_flight.load();
-    const int64_t pins = s_.pins_held.load();
+    // Rollback (docs/architecture.md, "Roles"): every transfer of this side still in flight is
+    // cancelled at its next cancel point and every split pull a peer opened here has its next chunk
+    // refused (the link's splitEnded); the cancelled transfers get at most min(1 s, drain) more to end.
+    // Pins are left to their bound (pinTimeoutMs): nothing they keep registered changes in a rollback.
     {
       std::lock_guard<std::mutex> lock(s_.mu);
-      s_.phase.store(Phase::kRollingBack);
+      s_.phase.store(Phase::kRollingBack);  // no split pull opens from here (Admission)
+      for (uint64_t peer : links_.peers()) {
+        for (bool dialled : {true, false}) {
+          std::shared_ptr<Link> l = links_.slot(peer, dialled);
+          if (l && l->splitOpen().load()) l->splitEnded().store(true, std::memory_order_seq_cst);
+        }
+      }
+    }
+    const int64_t cancelled = s_.transfers_in_flight.load(), served = s_.served_in_flight.load();
+    const int64_t pins = s_.pins_held.load();
+    s_.abort_generation.fetch_add(1, std::memory_order_seq_cst);
+    const int64_t grace_ms = std::min<int64_t>(1000, drain_ms);
+    s_.drain(grace_ms, true);
+    const int64_t ending = s_.transfers_in_flight.load();
+    {
+      std::lock_guard<std::mutex> lock(s_.mu);
       s_.phase.store(Phase::kReady);
       s_.registry.publishRole(s_.epoch, false);  // nothing was changed: the old role and epoch stand
     }
-    PDLINK_LOG(kInfo,
-               "engine " << s_.config.cluster_id << ": role switch rolled back after " << drain_ms << " ms of drain");
+    PDLINK_LOG(kInfo, "engine " << s_.config.cluster_id << ": role switch rolled back after " << drain_ms
+                                << " ms of drain; " << cancelled << " transfers cancelled, " << ending
+                                << " still ending");
     return Status(Code::kTimeout, Scope::kCall,
                   "the role switch did not drain within " + std::to_string(drain_ms) + " ms (" +
-                      std::to_string(transfers) + " transfers, " + std::to_string(served) + " served requests, " +
-                      std::to_string(pins) + " pins still in flight); it rolled back to role " +
-                      std::to_string(static_cast<int>(old_role)) + ", epoch unchanged");
+                      std::to_string(cancelled) + " transfers, " + std::to_string(served) + " served requests, " +
+                      std::to_string(pins) + " pins in flight); it rolled back to role " +
+                      std::to_string(static_cast<int>(old_role)) + ", epoch unchanged: " + std::to_string(cancelled) +
+                      " transfers cancelled (" + std::to_string(ending) + " still ending after " +
+                      std::to_string(grace_ms) + " ms), the peers' open split pulls ended, pins left to their " +
+                      std::to_string(s_.pinTimeoutMs()) + " ms bound");
   }
   std::unique_ptr<Listener> old, fresh;
   bool keep = false, gave_up_old = false;

@@ -70,6 +70,7 @@ Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in,
 }
 
 void RequestServer::closeSplit(Link& link) {
+  link.splitEnded().store(false, std::memory_order_seq_cst);
   if (!link.splitOpen().exchange(false, std::memory_order_seq_cst)) return;
   s_.served_in_flight.fetch_sub(1, std::memory_order_seq_cst);
   s_.drainNotify();
@@ -117,7 +118,10 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     bool opened = false, continuation = false;
     if (h.split) {  // a plain read (wire::decode)
       opened = !link->splitOpen().exchange(true, std::memory_order_seq_cst);
-      if (opened) s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
+      if (opened) {
+        s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
+        link->splitEnded().store(false, std::memory_order_seq_cst);  // a new pull
+      }
       continuation = !opened;
     }
     admission.emplace(s_, s_.served_in_flight, continuation);
@@ -125,6 +129,12 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     if (!admission->admitted()) {
       if (opened) closeSplit(*link);
       gate = admission->status();
+    } else if (continuation && link->splitEnded().load(std::memory_order_seq_cst)) {
+      // A split pull opened before a drain timeout (docs/architecture.md, "Roles"): its later chunks
+      // are refused until its end frame closes it; the requester's pull fails with this code.
+      gate = Status(Code::kRoleSwitching, clusterName(s_.config.cluster_id) +
+                                              " ended this split pull: a role switch there timed out its drain "
+                                              "and rolled back; pull again");
     } else if (h.op != wire::Op::kPathConnect && h.epoch_tag != 0 && h.epoch_tag != ours) {
       gate = Status(Code::kStaleEpoch, "the request was prepared against role epoch tag " +
                                            std::to_string(h.epoch_tag) + ", but " + clusterName(s_.config.cluster_id) +

@@ -237,6 +237,8 @@ std::vector<TransferPlan> Transfers::split(const TransferPlan& p, uint64_t max_b
         c.remote.block_size = p.remote.block_size;
         c.remote.tensors = p.remote.tensors;
         c.cancel = p.cancel;
+        c.abort = p.abort;
+        c.abort_admitted = p.abort_admitted;
         out.push_back(std::move(c));
         cur = &out.back();
         cur_len = 0;
@@ -308,11 +310,13 @@ Status Transfers::transfer(const TransferSpec& spec, bool is_push) {
     } release{p, scratch};
     PDLINK_RETURN_IF_ERROR(planAbsolute(spec, &scratch, &p));
     p.cancel = spec.cancel;
+    admission.arm(&p);
     return execute(link_r.value(), p, is_push, timeout_ms);
   }
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
   p_r.value().cancel = spec.cancel;
+  admission.arm(&p_r.value());
   return execute(link_r.value(), p_r.value(), is_push, timeout_ms);
 }
 
@@ -400,6 +404,7 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
     }
   } release{p};
   p.cancel = cancel;
+  admission.arm(&p);
   p.local_addrs.assign(entry->addrs.begin(), entry->addrs.end());
   p.local_placement = entry->layout.placement;
   p.local = std::move(entry);
@@ -472,12 +477,14 @@ Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bo
   // Cancel points (docs/architecture.md): before the first request and between requests; a
   // cancellable transfer is cut into requests of at most limits::kCancelSliceBytes, so that a
   // cancel waits for at most the request in flight.
-  const CancelToken* cancel = p.cancel;
-  if (cancel != nullptr && cancel->requested()) return cancelledStatus(what);
-  const bool slice = cancel != nullptr && p.payload > limits::kCancelSliceBytes;
+  // The engine's abort word (a drain timeout) is checked at the same points; a transfer without a
+  // token is not sliced for it (its tcp chunks and its requests are its cancel points).
+  const CancelPoint cancel = p.cancelPoint();
+  if (cancel.requested()) return cancelledStatus(what);
+  const bool slice = p.cancel != nullptr && p.payload > limits::kCancelSliceBytes;
   if (!slice && p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
   for (TransferPlan& part : split(p, slice ? limits::kCancelSliceBytes : UINT64_MAX)) {
-    if (cancel != nullptr && cancel->requested()) return cancelledStatus(what);
+    if (cancel.requested()) return cancelledStatus(what);
     PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
   }
   return Status::OK();

@@ -140,6 +140,9 @@ class Link {
   // counted in the engine's served_in_flight while it is (engine/request_server.h). Set by the
   // link's serving threads (channel and lanes), cleared by the pull's end frame or their end.
   std::atomic<bool>& splitOpen() { return split_open_; }
+  // The open split pull was ended by a role switch's drain-timeout rollback (LinkManager::switchRole):
+  // its later chunks are refused until its end frame closes it. Cleared when a pull opens or closes.
+  std::atomic<bool>& splitEnded() { return split_ended_; }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -241,6 +244,7 @@ class Link {
   std::atomic<uint64_t> rtt_us_{0};
   EpochTags epoch_tags_;
   std::atomic<bool> split_open_{false};
+  std::atomic<bool> split_ended_{false};
   States in_states_;  // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_

@@ -52,6 +52,11 @@ struct TransferPlan {
   // whole transfer. Checked between requests (Transfers::execute) and between the chunk requests of
   // a tcp transfer split over streams (StreamPath); a path never stops a request it has sent.
   const CancelToken* cancel = nullptr;
+  // The engine's abort word and its value at the transfer's admission (core/cancel.h, CancelPoint):
+  // a drain timeout moves it, and the transfer stops at its next cancel point. Null: none.
+  const std::atomic<uint64_t>* abort = nullptr;
+  uint64_t abort_admitted = 0;
+  CancelPoint cancelPoint() const { return CancelPoint{cancel, abort, abort_admitted}; }
   // The transfer's block in bytes where the remote side has none (a prepared transfer to registered
   // memory): a split by size cuts runs at whole multiples of it (0: remote.block_size, or bytes).
   uint64_t block_unit = 0;

@@ -4,7 +4,8 @@ The module mirrors the C++ engine and makes no policy decisions; use ``pdlink.En
 ``llm_datadist.LLMDataDist``).
 Failures raise the exception class registered for their status code (``_register_errors``, which
 ``pdlink.native.core()`` calls with ``pdlink.status.native_errors()``: an ``LLMException`` subclass
-with ``status_code`` set, the engine's message, and ``scope``, a ``Scope``); every method that may
+with ``status_code`` set, the engine's message, and ``scope``, a ``Scope``; a transfer stopped at a
+cancel point raises the class registered under key -1, ``pdlink.TransferCancelled``); every method that may
 block releases the GIL. ``Engine.link`` and ``unlink`` return one ``LinkResult`` per peer instead.
 """
 
@@ -31,7 +32,8 @@ def ptrace_grant_active() -> bool: ...  # same-host peers may read this process 
 # whether every [addresses[i], +lengths[i]) lies in the ranges by the registry's rule (csrc/core/spans.h)
 def covers(ranges: Sequence[tuple[int, int]], addresses: Sequence[int], lengths: Sequence[int]) -> bool: ...
 
-# {status code: (exception class, status_code value)}: what a failed Status raises (csrc/bindings/status_bridge.h)
+# {status code: (exception class, status_code value)}: what a failed Status raises (csrc/bindings/status_bridge.h);
+# key -1: the class a transfer stopped at a cancel point raises, as cls(message)
 def _register_errors(errors: Mapping[int, tuple[type[BaseException], object]]) -> None: ...
 
 def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the links' MAC, libcrypto's (tests)

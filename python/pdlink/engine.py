@@ -310,7 +310,8 @@ class Notification:
 class TransferCancelled(concurrent.futures.CancelledError):
     """What ``Pending.wait()`` raises for a call that ``Pending.cancel()`` cancelled: a
     ``concurrent.futures.CancelledError``, raised once the call has stopped (nothing more lands in
-    its destination after it)."""
+    its destination after it). A transfer that a role switch's drain timeout stopped raises it too,
+    synchronous ones included (``Engine.switch_role``)."""
 
 
 class Pending:
@@ -514,8 +515,13 @@ class Engine:
         * phase ``draining``: new links and new transfers are refused with ``LLM_ROLE_SWITCHING``,
           here and as the server of peers' reads, writes and describes; it waits until nothing is in
           flight (``RoleState``'s three counts), at most ``drain_timeout_ms`` (default:
-          ``Limits.switch_drain_timeout_ms``, 30000); past it the switch rolls back (phase ``ready``,
-          role and epoch unchanged) and raises ``LLM_TIMEOUT`` saying what was in flight;
+          ``Limits.switch_drain_timeout_ms``, 30000); past it the switch rolls back (phase
+          ``rolling_back``): this engine's transfers in flight are cancelled at their next cancel
+          point (async: ``CANCELLED``; sync: ``TransferCancelled`` raised), the peers' split pulls
+          open here have their later chunks refused (``LLM_ROLE_SWITCHING``), pins are left to
+          their bound; it waits at most min(1 s, the drain timeout) for the cancelled transfers,
+          then phase ``ready``, role and epoch unchanged, and raises ``LLM_TIMEOUT`` saying what
+          was in flight, how many were cancelled and how many were still ending;
         * phase ``switching``: the listener moves; a failure with the old listener still held rolls
           back (its error raised); one after the old listener was given up leaves phase
           ``failed`` (role and epoch unchanged) until the next ``switch_role``;

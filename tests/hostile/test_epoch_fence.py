@@ -115,7 +115,8 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     served_in_flight though nothing is being served: a draining switch admits the pull's next
     chunk (a continuation) and refuses an unmarked read, and commits once the peer's end frame
     (a release with the mark) closed the pull. Opened again and never ended, it holds a switch
-    only until the drain timeout (rolled back, role and epoch unchanged); the link's end closes it.
+    only until the drain timeout (rolled back, role and epoch unchanged), which ends it: its next
+    chunk is refused with LLM_ROLE_SWITCHING; the link's end closes it.
     The mark on any other frame drops the link."""
     victim = peers("victim", env=variant.env())
     port = victim.call(native.start, 1, listen=True)
@@ -146,6 +147,9 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
     assert "1 served requests" in message and "rolled back" in message, message
     assert (state["role"], state["epoch"], state["phase"]) == ("PROMPT", 1, "ready")
+    # the rollback ended the open pull: its next chunk is refused, not admitted as a continuation
+    assert a.call(hostile.exchange_header, chunk) == (S.LLM_ROLE_SWITCHING, _tag(1))
+    wait_until(lambda: served() == 1, 20, "the pull still open (refusing) until its end frame or the link's end")
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"", flags=SPLIT)) == "closed"
     wait_until(lambda: served() == 0, 20, "the open pull closed with its link")
     assert victim.call(native.switch_role, "DECODER", True, 1)["epoch"] == 2
@@ -156,8 +160,8 @@ def test_a_pin_held_by_a_direct_reader_holds_a_switch_until_its_next_frame_or_th
         peers: Callable[..., Peer], variant: Variant) -> None:
     """A same-host raw peer's direct read (kFlagDirect) is answered with the addresses and pins
     them until the peer's next frame; the peer then stops. The drain counts the pin (``pins``): a
-    switch with a 300 ms drain timeout rolls back naming it, role and epoch unchanged (the engine's
-    rollback is instantaneous: ``role_state()`` shows ``ready`` again, never ``rolling_back``).
+    switch with a 300 ms drain timeout rolls back naming it, role and epoch unchanged, the pin left to its bound (the
+    rollback waits only for this side's own transfers, of which there are none here).
     The peer's next frame unpins, and the switch commits."""
     victim = peers("victim", env=variant.env())
     port = victim.call(native.start, 1, listen=True)

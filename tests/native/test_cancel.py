@@ -7,6 +7,7 @@ the result stands."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from backend_env import Variant
 from conftest import only
+from pdlink import LLMStatusCode
 from peer import Peer
 from peers import cancel, native
 from poll import wait_until
@@ -152,3 +154,123 @@ def test_cancel_right_after_the_start(peers: Callable[..., Peer], variant: Varia
     s.initiator.call(native.post, op, list(range(BLOCKS)), list(range(BLOCKS)), op)
     assert_same(s.snap(dest_side, dest), everything, "destination of the retry")
     assert_same(s.snap(source_side, source), source0, "source of the retry")
+
+
+# ---------------------------------------------------------------- at a role switch's drain timeout
+
+DRAIN_MS = 1000  # the switch's drain timeout; the rollback then waits up to min(1 s, it) more
+
+
+def _relayed(peers: Callable[..., Peer], variant: Variant, relay: Relay) -> Setup:
+    def relay_port(port: int) -> int:
+        relay.target_port = port
+        return relay.port
+
+    s = Setup(peers, variant, relay_port)
+    # a whole-region read into another region first: it opens the link's lanes, so the reads held
+    # below are split pulls (chunk requests over the channel and 3 lanes: Limits.tcp_streams 4)
+    s.initiator.call(native.register, "warm", BLOCKS, BLOCK, seed=4)
+    s.initiator.call(cancel.start_sync, "warm", "read", TARGET, "warm", s.src, NBYTES)
+    assert s.initiator.call(cancel.finish_sync, "warm") == (None, None)
+    assert relay.connections() == 5
+    return s
+
+
+def _counts(side: Peer) -> tuple[int, int, int]:
+    s = side.call(native.role_state)
+    return s["transfers_in_flight"], s["served_in_flight"], s["pins"]
+
+
+def _counts_back_to_zero(*sides: Peer) -> None:
+    wait_until(lambda: all(_counts(side) == (0, 0, 0) for side in sides), 30, "every count of both sides back to 0")
+
+
+def _roll_back(side: Peer, relay: Relay) -> tuple[str, int | None, str, dict]:
+    """Switches `side` to PROMPT with a DRAIN_MS drain that the transfer held at `relay` outlasts;
+    once the drain timed out (phase rolling_back) lets the relay go; the switch's outcome."""
+    side.call(native.switch_role_async, "PROMPT", drain_timeout_ms=DRAIN_MS)
+    wait_until(lambda: side.call(native.role_state)["phase"] == "rolling_back", 30, "the switch rolling back")
+    relay.release()
+    return side.call(native.switch_result)
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+@pytest.mark.parametrize("kind", ["prepared", "descriptors", "sync"])
+def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer], variant: Variant,
+                                                      kind: str) -> None:
+    """The initiator's 48 MiB pull is held at a relay after 1 MiB when the initiator is switched with
+    a drain timeout it outlasts: the switch raises LLM_TIMEOUT naming one transfer cancelled and none
+    still ending, role and epoch unchanged and phase ready; the pull ends cancelled (async:
+    CANCELLED / TransferCancelled as after Pending.cancel; sync: TransferCancelled), each block of
+    its destination old or new and nothing else changed; every count is back to 0 and the same link
+    then moves the whole region byte-exact."""
+    with Relay(0) as relay:
+        s = _relayed(peers, variant, relay)
+        dst0, src0 = s.snap(s.initiator, "dst"), s.snap(s.target, "src")
+        forwarded0 = relay.forwarded[DOWN]
+        relay.hold_after(DOWN, 1 << 20)
+        if kind == "sync":
+            s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, NBYTES)
+        else:
+            s.initiator.call(cancel.start, "t", kind, "read", TARGET, "dst", s.src, NBYTES, "read")
+        relay.wait_held(DOWN)
+        outcome, code, message, after = _roll_back(s.initiator, relay)
+        assert (outcome, code) == ("TransferTimeout", LLMStatusCode.LLM_TIMEOUT), message
+        assert "1 transfers cancelled (0 still ending" in message, message
+        assert (after["role"], after["epoch"], after["phase"]) == ("MIX", 0, "ready")
+        assert after["transfers_in_flight"] == 0
+        if kind == "sync":
+            assert s.initiator.call(cancel.finish_sync, "t") == ("TransferCancelled", None)
+        else:
+            assert s.initiator.call(cancel.finish, "t") == ("CANCELLED", "TransferCancelled", True)
+        assert relay.forwarded[DOWN] - forwarded0 < NBYTES
+        new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0)
+        assert len(new) < BLOCKS, "the cancel came after every block had moved"
+        assert_same(s.snap(s.target, "src"), src0, "source of the cancelled transfer")
+        _counts_back_to_zero(s.initiator, s.target)
+        assert len(s.initiator.call(native.links)) == 1
+        s.initiator.call(native.post, "read", list(range(BLOCKS)), list(range(BLOCKS)), "read")
+        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
+                    "destination after the cancelled transfer's retry")
+        assert s.initiator.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1  # the next switch commits
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], variant: Variant) -> None:
+    """The serving side: the initiator's 48 MiB pull (chunk requests of a split pull) is held at a
+    relay after 1 MiB of answers when the target is switched with a drain timeout it outlasts. The
+    switch raises LLM_TIMEOUT (served requests in flight, none of its own cancelled), role and epoch
+    unchanged; the pull's later chunks are refused, so it fails with LLM_ROLE_SWITCHING, each block
+    of its destination old or new and nothing else changed; the target's served count goes back to
+    0 and the same link then moves the whole region byte-exact."""
+    with Relay(0) as relay:
+        s = _relayed(peers, variant, relay)
+        dst0, src0 = s.snap(s.initiator, "dst"), s.snap(s.target, "src")
+        forwarded0 = relay.forwarded[DOWN]
+        relay.hold_after(DOWN, 1 << 20)
+        s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, NBYTES)
+        relay.wait_held(DOWN)
+        # the open pull counts 1, and each chunk being served (blocked in its send) 1 more
+        wait_until(lambda: _counts(s.target)[1] >= 1, 30, "the pull open on the target")
+        # the target has no transfer of its own to wait for: the switch is over while the relay holds
+        s.target.call(native.switch_role_async, "PROMPT", drain_timeout_ms=DRAIN_MS)
+        outcome, code, message, after = s.target.call(native.switch_result)
+        relay.release()
+        assert (outcome, code) == ("TransferTimeout", LLMStatusCode.LLM_TIMEOUT), message
+        served = re.search(r"(\d+) served requests", message)
+        assert served is not None and int(served.group(1)) >= 1, message
+        assert "0 transfers cancelled" in message, message
+        assert (after["role"], after["epoch"], after["phase"]) == ("MIX", 0, "ready")
+        raised, code = s.initiator.call(cancel.finish_sync, "t")
+        assert code == LLMStatusCode.LLM_ROLE_SWITCHING, raised
+        assert relay.forwarded[DOWN] - forwarded0 < NBYTES
+        new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0)
+        assert len(new) < BLOCKS, "the pull completed"
+        assert_same(s.snap(s.target, "src"), src0, "source of the ended pull")
+        _counts_back_to_zero(s.initiator, s.target)
+        assert len(s.initiator.call(native.links)) == 1
+        s.initiator.call(native.post, "read", list(range(BLOCKS)), list(range(BLOCKS)), "read")
+        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
+                    "destination after the ended pull's retry")

@@ -1,8 +1,9 @@
-"""Async transfers of ``pdlink.Engine`` started, cancelled and finished (tests/native/test_cancel.py),
-on the engine and regions of tests/peers/native.py."""
+"""Async (and synchronous) transfers of ``pdlink.Engine`` started, cancelled and finished
+(tests/native/test_cancel.py), on the engine and regions of tests/peers/native.py."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -64,3 +65,39 @@ def finish(tag: str, timeout: float = 60) -> tuple[str, str | None, bool]:
 
 def status(tag: str) -> str:
     return _pending[tag].status()
+
+
+_sync: dict[str, tuple[threading.Thread, list[Any]]] = {}
+
+
+def start_sync(tag: str, op: str, peer: int, name: str, remote_address: int, nbytes: int) -> None:
+    """A synchronous ``Engine.read`` / ``write`` (``op``) of ``nbytes`` between region ``name`` (from
+    its start) and the peer's ``remote_address``, on a thread of its own, kept under ``tag``;
+    ``finish_sync`` waits for it."""
+    engine = native._engine()
+    local = native._state["regions"][name].region.addresses[0]
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            getattr(engine, op)(peer, [(local, nbytes)], [(remote_address, nbytes)])
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001: what it raised is the result
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    _sync[tag] = (thread, outcome)
+
+
+def finish_sync(tag: str, timeout: float = 60) -> tuple[str | None, int | None]:
+    """Waits for ``tag`` of ``start_sync``: the class name of what the call raised (None: nothing)
+    and its status code (None: none)."""
+    thread, outcome = _sync.pop(tag)
+    thread.join(timeout)
+    assert outcome, "the synchronous transfer did not end"
+    raised = outcome[0]
+    if raised is None:
+        return None, None
+    code = getattr(raised, "status_code", None)
+    return type(raised).__name__, int(code) if code is not None else None

@@ -227,6 +227,8 @@ def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
         try:
             getattr(_engine(), op)(peer, [(region.address, region.length)], [(remote_address, region.length)])
             return "ok"
+        except pdlink.TransferCancelled:  # stopped at a cancel point (a drain timeout of this engine)
+            return "cancelled"
         except pdlink.LLMException as e:
             return int(e.status_code)
 
@@ -234,8 +236,8 @@ def start_transfer(op: str, peer: int, name: str, remote_address: int) -> None:
 
 
 def finish_transfer(timeout_s: float) -> Outcome | None:
-    """The ``start_transfer`` transfer's outcome ("ok" or its status code), after waiting at most
-    ``timeout_s`` for it (None: still running)."""
+    """The ``start_transfer`` transfer's outcome ("ok", "cancelled" or its status code), after
+    waiting at most ``timeout_s`` for it (None: still running)."""
     return _outcome("transfer", timeout_s)
 
 

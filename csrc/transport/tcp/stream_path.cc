@@ -111,7 +111,7 @@ std::vector<Chunk> cut(const TransferPlan& p, uint64_t chunk) {
 // takes fewer), the first failure and whether it broke the streams.
 struct Shared {
   std::vector<Chunk>& chunks;
-  const CancelToken* cancel;  // the transfer's (null: none): a cancel point before each chunk request
+  CancelPoint cancel;  // the transfer's (core/cancel.h): a cancel point before each chunk request
   std::atomic<size_t> next{0};
   std::atomic<bool> stop{false};
   std::mutex mu;
@@ -139,7 +139,7 @@ void runStream(Link& link, Stream& s, bool is_push, Shared& sh, uint32_t depth, 
   };
   for (;;) {
     while (!sh.stop.load() && owed.size() < depth) {
-      if (sh.cancel != nullptr && sh.cancel->requested()) break;  // the answers owed are still read
+      if (sh.cancel.requested()) break;  // the answers owed are still read
       const size_t k = sh.next.fetch_add(1);
       if (k >= sh.chunks.size()) break;
       Chunk& c = sh.chunks[k];
@@ -192,7 +192,7 @@ Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Dead
   std::vector<Chunk> chunks = cut(p, link.chunkBytes());
   *split = !chunks.empty();
   if (!*split) return Status::OK();
-  Shared sh{chunks, p.cancel};
+  Shared sh{chunks, p.cancelPoint()};
   const uint32_t depth = depthFor(link.roundTripUs(), link.chunkBytes());
   std::vector<std::thread> threads;
   for (Stream* lane : lanes) {
