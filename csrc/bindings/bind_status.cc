@@ -10,7 +10,6 @@
 
 #include "bindings/bindings.h"
 #include "bindings/status_bridge.h"
-#include "core/cancel.h"
 
 namespace py = pybind11;
 
@@ -22,7 +21,7 @@ namespace {
 PyObject* g_errors = nullptr;
 
 // The key under which _register_errors may give the class of a transfer stopped at a cancel point
-// (core/cancel.h isCancelled: pdlink.TransferCancelled), raised as cls(message).
+// (Status::cancelled: pdlink.TransferCancelled), raised as cls(message).
 constexpr int64_t kCancelledKey = -1;
 
 // The registered (class, status_code) for a code, else the one for kFailed; null before any
@@ -41,7 +40,7 @@ PyObject* errorEntry(Code code) {
 // constructor raised) propagates as error_already_set, which pybind11 then restores.
 void raiseStatus(const Status& st) {
   py::str message = messageText(st.message());
-  if (isCancelled(st) && g_errors != nullptr) {
+  if (st.cancelled() && g_errors != nullptr) {
     py::int_ k(kCancelledKey);
     PyObject* entry = PyDict_GetItemWithError(g_errors, k.ptr());
     if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();

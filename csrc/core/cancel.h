@@ -81,19 +81,10 @@ struct CancelPoint {
 };
 
 // What a transfer stopped at a cancel point returns (kFailed, scope kCall: nothing is wrong with the
-// link; the Python API reports the transfer as CANCELLED instead, and a synchronous call raises
-// pdlink.TransferCancelled: isCancelled, bindings/bind_status.cc).
-inline constexpr const char* kCancelledSuffix = ": cancelled at a cancel point";
+// link; marked as Status::Cancelled, so the Python API reports the transfer as CANCELLED and a
+// synchronous call raises pdlink.TransferCancelled: bindings/bind_status.cc).
 inline Status cancelledStatus(const char* what) {
-  return Status(Code::kFailed, Scope::kCall, std::string(what) + kCancelledSuffix);
-}
-// Whether `st` is what cancelledStatus returns (the message's end marks it; the code stays kFailed
-// for LLM-DataDist).
-inline bool isCancelled(const Status& st) {
-  const std::string& m = st.message();
-  const std::string suffix = kCancelledSuffix;
-  return st.code() == Code::kFailed && st.scope() == Scope::kCall && m.size() >= suffix.size() &&
-         m.compare(m.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return Status::Cancelled(std::string(what) + ": cancelled at a cancel point");
 }
 
 }  // namespace pdlink

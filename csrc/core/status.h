@@ -104,18 +104,29 @@ class [[nodiscard]] Status {
   Status(Code code, Scope scope, std::string message) : code_(code), scope_(scope), message_(std::move(message)) {}
 
   static Status OK() { return Status(); }
+  // A transfer stopped at a cancel point (core/cancel.h cancelledStatus): kFailed, scope kCall, and
+  // marked, so the binding raises pdlink.TransferCancelled for it. Only this constructor marks a
+  // Status: a status decoded off the wire never is, whatever its message says.
+  static Status Cancelled(std::string message) {
+    Status st(Code::kFailed, Scope::kCall, std::move(message));
+    st.cancelled_ = true;
+    return st;
+  }
 
   bool ok() const { return code_ == Code::kSuccess; }
   Code code() const { return code_; }
   // kCall for OK.
   Scope scope() const { return scope_; }
   const std::string& message() const { return message_; }
+  // Whether this is a Cancelled() status.
+  bool cancelled() const { return cancelled_; }
   // "LLM_TIMEOUT: pull from cluster 2 timed out after 1000 ms"
   std::string toString() const;
 
  private:
   Code code_ = Code::kSuccess;
   Scope scope_ = Scope::kCall;
+  bool cancelled_ = false;
   std::string message_;
 };
 

@@ -9,7 +9,6 @@ promises; a hole is a strict xfail naming it."""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 
 import pytest

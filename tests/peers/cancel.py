@@ -82,7 +82,7 @@ def start_sync(tag: str, op: str, peer: int, name: str, remote_address: int, nby
         try:
             getattr(engine, op)(peer, [(local, nbytes)], [(remote_address, nbytes)])
             outcome.append(None)
-        except BaseException as e:  # noqa: BLE001: what it raised is the result
+        except BaseException as e:  # noqa: BLE001 - what it raised is the result
             outcome.append(e)
 
     thread = threading.Thread(target=run, daemon=True)
