@@ -1,0 +1,192 @@
+"""Hostile review, round 8: the drain-timeout cancel, the rollback and the wire v8 header (issue 34),
+attacked from docs/security.md ("Role epochs") and docs/architecture.md ("Roles", "Cancel points",
+"Wire protocol v8") alone.
+
+A victim ``pdlink.Engine`` is attacked by raw peers (tests/peers/hostile.py) and by switches raced
+inside its own process (tests/peers/round8.py). Claims and verdicts:
+
+* a split pull's end frame (a release with the split mark) sent with no pull open, or twice, does
+  not unbalance the drain's count: a request in flight still holds the switch (held);
+* the rollback *ends* a peer's open split pull ("at most one open pull per link, ended by a
+  rollback"), yet the ended pull stays counted in ``served_in_flight`` until the peer's end frame
+  or the link's end: one silent link whose single chunk was answered fails every later switch at
+  its drain timeout, for as long as the link lives (HOLE, strict xfail; a pin, by contrast, ends
+  at ``PinTimeoutMs``);
+* switches raced with the same ``expected_epoch``: exactly one commits, the others are refused
+  with ``LLM_STALE_EPOCH`` or ``LLM_ROLE_SWITCHING``; the epoch moves by one (held);
+* switches started while a switch rolls back (``rolling_back``: its own read stays in flight at a
+  server that never answers) are refused with ``LLM_ROLE_SWITCHING``, and the rollback lands on the
+  old role and epoch (held);
+* a v7-sized request header (20 bytes) is never served: it drops the link or is refused, the
+  victim's memory unchanged and a fresh link served (held).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import pytest
+
+import rawwire
+from backend_env import Variant
+from conftest import only
+from pdlink import LLMStatusCode
+from peer import Peer
+from peers import hostile, native, round8
+from poll import wait_until
+from review_kit import PING
+from verify import assert_same
+
+S = LLMStatusCode
+ROWS, ROW = 64, 128 * 1024  # the victim's region: 8 MiB, keyed 7
+SPLIT = rawwire.MARK_SPLIT
+_tag = rawwire.epoch_tag_of
+
+
+def _victim(peers: Callable[..., Peer], variant: Variant) -> tuple[Peer, int]:
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    victim.call(native.register, "big", ROWS, ROW, seed=1, key=7)
+    return victim, port
+
+
+def _linked(peers: Callable[..., Peer], variant: Variant, port: int, cluster: int) -> Peer:
+    a = peers(f"attacker{cluster}")
+    unix = a.call(hostile.redirect_name, port, cluster) if variant.same_host else None
+    assert a.call(hostile.link_raw, port, cluster, b"", unix) == (0, "")
+    return a
+
+
+def _served(victim: Peer) -> int:
+    return int(victim.call(native.role_state)["served_in_flight"])
+
+
+BODY = rawwire.blocks_body(model=7, runs=((0, 4096),))
+CHUNK = rawwire.request(rawwire.OP_READ, BODY, flags=SPLIT)
+END = rawwire.request(rawwire.OP_RELEASE, BODY, flags=SPLIT)
+HOLD = rawwire.request(rawwire.OP_READ, rawwire.blocks_body(model=7, runs=((0, ROWS * ROW),)))
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_an_end_frame_without_an_open_pull_does_not_unbalance_the_drain(peers: Callable[..., Peer],
+                                                                        variant: Variant) -> None:
+    """A raw peer sends split end frames with no pull open, then one pull with two end frames: the
+    count stays 0 (never below), and a read held in flight by another peer afterwards is still
+    counted, so a switch with a 300 ms drain timeout rolls back naming it instead of committing
+    under it."""
+    victim, port = _victim(peers, variant)
+    src = victim.call(native.snapshot, "big")
+    a = _linked(peers, variant, port, 9)
+    for _ in range(3):
+        a.call(hostile.send, END)  # releases are not answered
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(0))
+    assert _served(victim) == 0
+    assert a.call(hostile.exchange_header, CHUNK) == (0, _tag(0))
+    wait_until(lambda: _served(victim) == 1, 20, "the pull open")
+    a.call(hostile.send, END + END)
+    assert a.call(hostile.exchange_header, PING) == (0, _tag(0))
+    wait_until(lambda: _served(victim) == 0, 20, "the pull closed")
+    assert victim.call(native.role_state)["served_in_flight"] == 0
+    holder = _linked(peers, variant, port, 10)
+    holder.call(hostile.send, HOLD)
+    wait_until(lambda: _served(victim) == 1, 20, "the held read counted")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 served requests" in message, message
+    assert (state["role"], state["epoch"], state["phase"]) == ("MIX", 0, "ready")
+    holder.call(hostile.close)
+    wait_until(lambda: _served(victim) == 0, 20, "the held read over")
+    assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
+    assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")
+
+
+@only("cpu-tcp", "cpu-cma")
+@pytest.mark.xfail(strict=True, reason="round 8: a split pull ended by a rollback stays counted in served_in_flight "
+                   "until the peer's end frame or its link's end, so one silent link fails every later switch")
+def test_a_split_pull_ended_by_a_rollback_does_not_hold_later_switches(peers: Callable[..., Peer],
+                                                                       variant: Variant) -> None:
+    """A raw peer sends one split chunk, reads its answer and then sends nothing more (an idle link
+    for all the victim can tell). The first switch rolls back at its 300 ms drain timeout and, the
+    docs say, ends the open pull. The pull being ended, nothing of this peer's is admitted or being
+    served, so the next switch must commit; it rolls back at its drain timeout again, and so does
+    every switch for as long as the silent link lives."""
+    victim, port = _victim(peers, variant)
+    a = _linked(peers, variant, port, 9)
+    assert a.call(hostile.exchange_header, CHUNK) == (0, _tag(0))
+    wait_until(lambda: _served(victim) == 1, 20, "the pull open")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code, state["epoch"]) == ("TransferTimeout", S.LLM_TIMEOUT, 0), message
+    # the peer stays silent; the rollback ended its pull
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, state["epoch"], state["served_in_flight"]) == ("ok", 1, 0), (message, state)
+
+
+@only("cpu-tcp")
+def test_switches_raced_with_the_same_expected_epoch_commit_exactly_once(peers: Callable[..., Peer],
+                                                                         variant: Variant) -> None:
+    """Eight threads of the victim call switch_role(expected_epoch=0) at once, twice over: exactly
+    one commits each round, the rest are refused as stale or switching; the epoch moves by one per
+    round and the phase ends ready."""
+    victim, _ = _victim(peers, variant)
+    for epoch, role in ((0, "PROMPT"), (1, "DECODER")):
+        codes, state = victim.call(round8.racing_switches, 8, role, epoch)
+        assert codes.count(0) == 1, codes
+        assert set(codes) - {0} <= {int(S.LLM_STALE_EPOCH), int(S.LLM_ROLE_SWITCHING)}, codes
+        assert (state["role"], state["epoch"], state["phase"]) == (role, epoch + 1, "ready"), state
+
+
+@only("cpu-tcp")
+def test_a_switch_started_while_rolling_back_is_refused_and_the_rollback_changes_nothing(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """The victim's own 4 KiB read stays in flight at a server that takes it and never answers; a
+    switch with a 1 s drain timeout rolls back and waits (rolling_back) for that read, past its
+    last cancel point. Four switches started at once during rolling_back are all refused with
+    LLM_ROLE_SWITCHING; the first switch raises LLM_TIMEOUT and leaves MIX, epoch 0, ready; the
+    read ends by its own timeout."""
+    attacker = peers("attacker")
+    port = attacker.call(hostile.serve, "stall")
+    victim = peers("victim", env=variant.env())
+    victim.call(native.start, 1, timeout_ms=4000)
+    victim.call(native.register, "dst", 1, 4096, seed=None)
+    before = victim.call(native.snapshot, "dst")
+    r = victim.call(round8.switch_during_the_rollback, port, 1000, 4)
+    assert r["phases"][-1] == "rolling_back", r
+    assert r["racers"] == [int(S.LLM_ROLE_SWITCHING)] * 4, r
+    code, message = r["first"]
+    assert code == int(S.LLM_TIMEOUT) and "rolled back" in message, r
+    assert (r["after"]["role"], r["after"]["epoch"], r["after"]["phase"]) == ("MIX", 0, "ready"), r
+    assert r["read"] is not None and r["read"] != "ok", r
+    wait_until(lambda: victim.call(native.role_state)["transfers_in_flight"] == 0, 20, "the read over")
+    assert_same(victim.call(native.snapshot, "dst"), before, "the stalled read's destination")
+    assert victim.call(native.switch_role, "PROMPT", False, 0)["epoch"] == 1
+
+
+def _v7_request(op: int, body: bytes, tag: int, payload_len: int = 0) -> bytes:
+    """A v7 request header (20 bytes: magic, op, flags, u16 tag, u32 body length, u64 payload
+    length) and its body."""
+    return struct.pack("<IBBHIQ", rawwire.REQUEST_MAGIC, op, 0, tag, len(body), payload_len) + body
+
+
+@only("cpu-tcp", "cpu-cma")
+@pytest.mark.parametrize("tag", [0, 1])
+def test_a_v7_sized_request_header_is_never_served(peers: Callable[..., Peer], variant: Variant, tag: int) -> None:
+    """A v7 peer's read and write (20-byte headers, untagged or with epoch 0's u16 tag): each drops
+    the link or is refused, never served; the victim's region is unchanged and a fresh link is
+    served the same read."""
+    victim, port = _victim(peers, variant)
+    src = victim.call(native.snapshot, "big")
+    body = rawwire.blocks_body(model=7, runs=((0, 64),))
+    a = _linked(peers, variant, port, 9)
+    answer = a.call(hostile.exchange, _v7_request(rawwire.OP_READ, body, tag))
+    assert answer == "closed" or (isinstance(answer, tuple) and answer[0] != 0 and answer[2] == b""), answer
+    b = _linked(peers, variant, port, 10)
+    payload = b"\xa5" * 64
+    answer = b.call(hostile.exchange, _v7_request(rawwire.OP_WRITE, body, tag, len(payload)) + payload)
+    assert answer == "closed" or (isinstance(answer, tuple) and answer[0] != 0), answer
+    c = _linked(peers, variant, port, 11)
+    assert c.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body)) == (0, "", bytes(src.tensor(0)[:64]))
+    assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")

@@ -1,0 +1,111 @@
+"""Peer-side functions of the hostile review of the drain-timeout cancel, the rollback and wire v8
+(round 8, tests/hostile/test_round8_review.py): switches of this peer's ``pdlink.Engine``
+(tests/peers/native.py) raced against each other and against its own rollback, and a read of this
+engine left in flight at a server that never answers. Each runs in the victim's process, so the
+race's timing is not spread over the test's RPCs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pdlink
+from peers import native
+from peers.hostile import ATTACKER_IP
+
+
+def _switch(role: str, expected_epoch: int | None, drain_timeout_ms: int | None) -> tuple[int, str]:
+    """One ``switch_role`` without a listener: (0 or the error's code, its message)."""
+    try:
+        native._engine().switch_role(role, None, expected_epoch=expected_epoch, drain_timeout_ms=drain_timeout_ms)
+        return 0, ""
+    except pdlink.LLMException as e:
+        return int(e.status_code), str(e)
+
+
+def racing_switches(count: int, role: str, expected_epoch: int | None) -> tuple[list[int], dict[str, Any]]:
+    """``count`` threads call ``switch_role(role, expected_epoch=...)`` at once (released by one
+    barrier); each one's code (0: committed), and the role state after all ended."""
+    barrier = threading.Barrier(count)
+    codes: list[int] = [-1] * count
+
+    def run(i: int) -> None:
+        barrier.wait()
+        codes[i] = _switch(role, expected_epoch, 5000)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return codes, native._engine().role_state().as_dict()
+
+
+def _pull_from_a_stalled_server(port: int, outcome: dict[str, Any]) -> threading.Thread:
+    """Links to the hostile server on ``port`` (mode "stall": it takes each request and never
+    answers) and starts a 4 KiB ``Engine.read`` from it on a thread; ``outcome["read"]``: the
+    error's class name, or "ok"."""
+    engine = native._engine()
+    peer = engine.connect(f"{ATTACKER_IP}:{port}")
+    local = native._state["regions"]["dst"].region.addresses[0]
+
+    def run() -> None:
+        try:
+            engine.read(peer, [(local, 4096)], [(0x10000, 4096)])
+            outcome["read"] = "ok"
+        except pdlink.LLMException as e:
+            outcome["read"] = type(e).__name__
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while engine.role_state().transfers_in_flight == 0:
+        assert time.monotonic() < deadline, "the read was never admitted"
+        time.sleep(0.001)
+    return t
+
+
+def switch_during_the_rollback(port: int, drain_timeout_ms: int, racers: int) -> dict[str, Any]:
+    """A read of this engine stays in flight at the stalled server on ``port``; a switch to PROMPT
+    with ``drain_timeout_ms`` times out and rolls back, and its rollback waits (``rolling_back``)
+    for the read, which is past its last cancel point. As soon as the phase reads ``rolling_back``,
+    ``racers`` threads call ``switch_role("DECODER")`` at once. Returns the phases seen, the
+    racers' codes, the first switch's (code, message), the state after it and the read's end."""
+    engine = native._engine()
+    outcome: dict[str, Any] = {}
+    reader = _pull_from_a_stalled_server(port, outcome)
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        first["result"] = _switch("PROMPT", None, drain_timeout_ms)
+
+    switcher = threading.Thread(target=run_first, daemon=True)
+    switcher.start()
+    phases: list[str] = []
+    deadline = time.monotonic() + 30
+    while engine.role_state().phase != "rolling_back":
+        phase = engine.role_state().phase
+        if not phases or phases[-1] != phase:
+            phases.append(phase)
+        assert time.monotonic() < deadline and switcher.is_alive(), (phases, first)
+        time.sleep(0.0005)
+    phases.append("rolling_back")
+    barrier = threading.Barrier(racers)
+    codes: list[int] = [-1] * racers
+    during: list[dict[str, Any]] = []
+
+    def race(i: int) -> None:
+        barrier.wait()
+        codes[i] = _switch("DECODER", None, 5000)[0]
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    during.append(engine.role_state().as_dict())
+    switcher.join(30)
+    reader.join(30)
+    return {"phases": phases, "racers": codes, "first": first.get("result"), "during": during[0],
+            "after": engine.role_state().as_dict(), "read": outcome.get("read")}
