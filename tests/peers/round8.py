@@ -109,3 +109,73 @@ def switch_during_the_rollback(port: int, drain_timeout_ms: int, racers: int) ->
     reader.join(30)
     return {"phases": phases, "racers": codes, "first": first.get("result"), "during": during[0],
             "after": engine.role_state().as_dict(), "read": outcome.get("read")}
+
+
+def cancel_during_the_rollback(port: int, drain_timeout_ms: int) -> dict[str, Any]:
+    """An async 4 KiB ``read_async`` of this engine stays in flight at the stalled server on
+    ``port``; a switch with ``drain_timeout_ms`` times out, and the moment its phase reads
+    ``rolling_back`` (the rollback's abort having moved) the caller cancels the same transfer.
+    Returns what ``cancel()`` said, the transfer's status then and at its end, what its ``wait()``
+    raised, the switch's (code, message) and the role state after it."""
+    engine = native._engine()
+    peer = engine.connect(f"{ATTACKER_IP}:{port}")
+    local = native._state["regions"]["dst"].region.addresses[0]
+    pending = engine.read_async(peer, [(local, 4096)], [(0x10000, 4096)])
+    deadline = time.monotonic() + 10
+    while engine.role_state().transfers_in_flight == 0:
+        assert time.monotonic() < deadline, "the read was never admitted"
+        time.sleep(0.001)
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        first["result"] = _switch("PROMPT", None, drain_timeout_ms)
+
+    switcher = threading.Thread(target=run_first, daemon=True)
+    switcher.start()
+    while engine.role_state().phase != "rolling_back":
+        assert time.monotonic() < deadline + 30 and switcher.is_alive(), first
+        time.sleep(0.0005)
+    won = pending.cancel()
+    status_then = pending.status()
+    raised = None
+    try:
+        pending.wait(30)
+    except BaseException as e:  # noqa: BLE001 - what it raised is the finding
+        raised = type(e).__name__
+    switcher.join(30)
+    return {"won": won, "status_then": status_then, "status_end": pending.status(), "raised": raised,
+            "first": first.get("result"), "after": engine.role_state().as_dict()}
+
+
+def split_pull_during_the_rollback(port: int, drain_timeout_ms: int, chunk: bytes, read: bytes) -> dict[str, Any]:
+    """This engine links to its own listener as a raw peer (tests/peers/hostile.py, cluster 9),
+    then, as in ``switch_during_the_rollback``, a read of its own stays in flight at the stalled
+    server on ``port`` and a switch to PROMPT rolls back. While the phase reads ``rolling_back`` the
+    raw peer sends ``chunk`` (a split pull's first chunk) and ``read`` (a plain read): their
+    (status, tag) answers, the phase right after them, the switch's (code, message), and the role
+    state after it."""
+    from peers import hostile
+
+    engine = native._engine()
+    assert hostile.link_raw(engine.listen_port, 9) == (0, "")
+    outcome: dict[str, Any] = {}
+    reader = _pull_from_a_stalled_server(port, outcome)
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        first["result"] = _switch("PROMPT", None, drain_timeout_ms)
+
+    switcher = threading.Thread(target=run_first, daemon=True)
+    switcher.start()
+    deadline = time.monotonic() + 30
+    while engine.role_state().phase != "rolling_back":
+        assert time.monotonic() < deadline and switcher.is_alive(), first
+        time.sleep(0.0005)
+    answers = [hostile.exchange_header(chunk), hostile.exchange_header(read)]
+    phase_after = engine.role_state().phase
+    switcher.join(30)
+    reader.join(30)
+    served = engine.role_state().served_in_flight
+    hostile.close()
+    return {"answers": answers, "phase_after": phase_after, "first": first.get("result"),
+            "served_after": served, "after": engine.role_state().as_dict()}
