@@ -33,7 +33,7 @@ from backend_env import Variant
 from conftest import only
 from pdlink import LLMStatusCode
 from peer import Peer
-from peers import hostile, native, round8
+from peers import hostile, kv, native, round8
 from poll import wait_until
 from review_kit import PING
 from verify import assert_same
@@ -246,4 +246,32 @@ def test_a_split_pull_opened_while_rolling_back_is_refused(peers: Callable[..., 
     assert code == int(S.LLM_TIMEOUT) and "rolled back" in message, r
     assert (r["after"]["role"], r["after"]["epoch"], r["after"]["phase"], r["served_after"]) == (
         "MIX", 0, "ready", 0), r
+    assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_rollbacks_leave_no_pins_threads_or_descriptors_behind(peers: Callable[..., Peer], variant: Variant) -> None:
+    """Three switches roll back at their 300 ms drain timeout, held by one raw peer's open split
+    pull (never ended) and another's 8 MiB read it never reads; once both peers are gone the
+    victim's descriptors and threads are back to what they were before they linked, nothing is
+    counted in flight, role and epoch are unchanged, and the next switch commits."""
+    victim, port = _victim(peers, variant)
+    src = victim.call(native.snapshot, "big")
+    baseline = victim.call(kv.resources)
+    a = _linked(peers, variant, port, 9)
+    assert a.call(hostile.exchange_header, CHUNK) == (0, _tag(0))
+    holder = _linked(peers, variant, port, 10)
+    holder.call(hostile.send, HOLD)
+    wait_until(lambda: _served(victim) == 2, 20, "the open pull and the held read counted")
+    for _ in range(3):
+        victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+        outcome, code, message, state = victim.call(native.switch_result)
+        assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+        assert (state["role"], state["epoch"], state["phase"]) == ("MIX", 0, "ready"), state
+    a.call(hostile.close)
+    holder.call(hostile.close)
+    wait_until(lambda: victim.call(kv.resources) == baseline, 20, "descriptors and threads back to the baseline")
+    state = victim.call(native.role_state)
+    assert (state["transfers_in_flight"], state["served_in_flight"], state["pins"]) == (0, 0, 0), state
+    assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
     assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")
