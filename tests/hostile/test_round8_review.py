@@ -18,7 +18,15 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
   server that never answers) are refused with ``LLM_ROLE_SWITCHING``, and the rollback lands on the
   old role and epoch (held);
 * a v7-sized request header (20 bytes) is never served: it drops the link or is refused, the
-  victim's memory unchanged and a fresh link served (held).
+  victim's memory unchanged and a fresh link served (held);
+* a transfer cancelled by its caller while the rollback (which moved the abort word) waits for it
+  ends CANCELLED once, ``wait()`` raising ``TransferCancelled`` (held);
+* a split pull opened, or a plain read sent, while the victim is ``rolling_back`` is refused with
+  ``LLM_ROLE_SWITCHING``, nothing left counted (held);
+* three rollbacks held by an open split pull and an unread 8 MiB read leave no descriptors, threads,
+  pins or counts behind once the peers are gone (held);
+* a pull cut mid-way by a rollback's cancel (a 1 ms drain timeout) leaves each block old or new,
+  the guards intact, and the same link then pulls byte-exact (held).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 import rawwire
@@ -36,7 +45,7 @@ from peer import Peer
 from peers import hostile, kv, native, round8
 from poll import wait_until
 from review_kit import PING
-from verify import assert_same
+from verify import Snapshot, assert_guards_intact, assert_same
 
 S = LLMStatusCode
 ROWS, ROW = 64, 128 * 1024  # the victim's region: 8 MiB, keyed 7
@@ -275,3 +284,55 @@ def test_rollbacks_leave_no_pins_threads_or_descriptors_behind(peers: Callable[.
     assert (state["transfers_in_flight"], state["served_in_flight"], state["pins"]) == (0, 0, 0), state
     assert victim.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1
     assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")
+
+
+BIG_ROWS, BIG_ROW = 32, 1 << 20
+
+
+def _rows_old_or_new(dst: Snapshot, src: Snapshot) -> list[int]:
+    """The rows of ``dst`` that hold ``src``'s bytes; fails on a row that holds neither those nor
+    zeros (a torn block), and on a guard byte changed."""
+    assert_guards_intact(dst)
+    got = dst.tensor(0).reshape(BIG_ROWS, BIG_ROW)
+    want = src.tensor(0).reshape(BIG_ROWS, BIG_ROW)
+    new = [i for i in range(BIG_ROWS) if np.array_equal(got[i], want[i])]
+    torn = [i for i in range(BIG_ROWS) if i not in new and got[i].any()]
+    assert not torn, f"rows neither old nor new: {torn}"
+    return new
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_a_pull_cut_by_a_rollback_lands_old_or_new_blocks_and_the_link_moves_bytes_exactly(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """The victim starts a 32 MiB async pull and at once a switch with a 1 ms drain timeout, again
+    until the rollback cancelled a pull mid-way (TransferCancelled): each block of the destination
+    then holds its old or its new bytes, no guard byte moved, the role and epoch are as before that
+    switch, and the same link then pulls the whole region byte-exact."""
+    target = peers("target", env=variant.env())
+    port = target.call(native.start, 1, listen=True)
+    target.call(native.register, "src", BIG_ROWS, BIG_ROW, seed=1, key=7)
+    src = target.call(native.snapshot, "src")
+    remote = target.call(native.addresses, "src")[0]
+    victim = peers("victim", env=variant.env())
+    victim.call(native.start, 5, timeout_ms=10000)
+    victim.call(native.register, "dst", BIG_ROWS, BIG_ROW, seed=None)
+    ends = []
+    for _ in range(20):  # the pull may end before the switch even starts on a loaded machine
+        epoch = victim.call(native.role_state)["epoch"]
+        r = victim.call(round8.pull_cut_by_a_rollback, port, remote, BIG_ROWS * BIG_ROW, 1)
+        ends.append((r["end"], r["switch"][0], r["switch"][1][:120]))
+        _rows_old_or_new(victim.call(native.snapshot, "dst"), src)
+        code, message = r["switch"]
+        if code == 0:
+            assert r["state"]["epoch"] == epoch + 1, r
+        else:
+            assert code == int(S.LLM_TIMEOUT) and r["state"]["epoch"] == epoch, r
+        assert r["state"]["phase"] == "ready", r
+        assert r["end"] in ("ok", "TransferCancelled"), r
+        if r["end"] == "TransferCancelled":
+            assert r["status"] == "CANCELLED" and code == int(S.LLM_TIMEOUT), r
+            break
+    assert any(end == "TransferCancelled" for end, _, _ in ends), f"no pull was cut by a rollback: {ends}"
+    victim.call(round8.pull_whole, port, remote, BIG_ROWS * BIG_ROW)
+    assert _rows_old_or_new(victim.call(native.snapshot, "dst"), src) == list(range(BIG_ROWS))
+    assert_same(target.call(native.snapshot, "src"), src, "the source")

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pdlink
-from peers import native
+from peers import addr, native
 from peers.hostile import ATTACKER_IP
 
 
@@ -179,3 +179,32 @@ def split_pull_during_the_rollback(port: int, drain_timeout_ms: int, chunk: byte
     hostile.close()
     return {"answers": answers, "phase_after": phase_after, "first": first.get("result"),
             "served_after": served, "after": engine.role_state().as_dict()}
+
+
+def pull_cut_by_a_rollback(port: int, remote_address: int, nbytes: int, drain_timeout_ms: int) -> dict[str, Any]:
+    """Links to the engine on ``port`` (once), starts a ``read_async`` of ``nbytes`` from
+    ``remote_address`` into region "dst" and at once a switch to PROMPT (no listener) with
+    ``drain_timeout_ms``, racing the rollback's cancel against the pull. Returns the pull's end
+    ("ok" or its error's class name), its status, the switch's (code, message) and the role state."""
+    engine = native._engine()
+    peer = native._state.get("round8_peer")
+    if peer is None:
+        peer = native._state["round8_peer"] = engine.connect(f"{addr.of(port)}:{port}")
+    local = native._state["regions"]["dst"].region.addresses[0]
+    pending = engine.read_async(peer, [(local, nbytes)], [(remote_address, nbytes)])
+    switch = _switch("PROMPT", None, drain_timeout_ms)
+    try:
+        pending.wait(30)
+        end = "ok"
+    except BaseException as e:  # noqa: BLE001 - what it raised is the finding
+        end = type(e).__name__
+    return {"end": end, "status": pending.status(), "switch": switch, "state": engine.role_state().as_dict(),
+            "peer": peer}
+
+
+def pull_whole(port: int, remote_address: int, nbytes: int) -> None:
+    """A plain ``read`` of ``nbytes`` from ``remote_address`` into region "dst" over the link of
+    ``pull_cut_by_a_rollback``."""
+    engine = native._engine()
+    local = native._state["regions"]["dst"].region.addresses[0]
+    engine.read(native._state["round8_peer"], [(local, nbytes)], [(remote_address, nbytes)])
