@@ -17,8 +17,8 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
 * switches started while a switch rolls back (``rolling_back``: its own read stays in flight at a
   server that never answers) are refused with ``LLM_ROLE_SWITCHING``, and the rollback lands on the
   old role and epoch (held);
-* a v7-sized request header (20 bytes) is never served: it drops the link or is refused, the
-  victim's memory unchanged and a fresh link served (held);
+* a v7-sized request header (20 bytes), untagged or tagged, is never served: it drops the link,
+  the victim's memory unchanged and a fresh link served (held);
 * a transfer cancelled by its caller while the rollback (which moved the abort word) waits for it
   ends CANCELLED once, ``wait()`` raising ``TransferCancelled`` (held);
 * a split pull opened, or a plain read sent, while the victim is ``rolling_back`` is refused with
@@ -191,18 +191,18 @@ def _v7_request(op: int, body: bytes, tag: int, payload_len: int = 0) -> bytes:
 @pytest.mark.parametrize("tag", [0, 1])
 def test_a_v7_sized_request_header_is_never_served(peers: Callable[..., Peer], variant: Variant, tag: int) -> None:
     """A v7 peer's read and write (20-byte headers, untagged or with epoch 0's u16 tag): each drops
-    the link or is refused, never served; the victim's region is unchanged and a fresh link is
+    the link, nothing served; the victim's region is unchanged and a fresh link is
     served the same read."""
     victim, port = _victim(peers, variant)
     src = victim.call(native.snapshot, "big")
     body = rawwire.blocks_body(model=7, runs=((0, 64),))
     a = _linked(peers, variant, port, 9)
-    answer = a.call(hostile.exchange, _v7_request(rawwire.OP_READ, body, tag))
-    assert answer == "closed" or (isinstance(answer, tuple) and answer[0] != 0 and answer[2] == b""), answer
+    # read as v8, the v7 fields land shifted (the reserved u16 is v7's tag; the body length is
+    # the low half of v7's payload length, the body's bytes become header): malformed, dropped
+    assert a.call(hostile.exchange, _v7_request(rawwire.OP_READ, body, tag)) == "closed"
     b = _linked(peers, variant, port, 10)
     payload = b"\xa5" * 64
-    answer = b.call(hostile.exchange, _v7_request(rawwire.OP_WRITE, body, tag, len(payload)) + payload)
-    assert answer == "closed" or (isinstance(answer, tuple) and answer[0] != 0), answer
+    assert b.call(hostile.exchange, _v7_request(rawwire.OP_WRITE, body, tag, len(payload)) + payload) == "closed"
     c = _linked(peers, variant, port, 11)
     assert c.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body)) == (0, "", bytes(src.tensor(0)[:64]))
     assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")
