@@ -22,7 +22,8 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
 * a transfer cancelled by its caller while the rollback (which moved the abort word) waits for it
   ends CANCELLED once, ``wait()`` raising ``TransferCancelled`` (held);
 * a split pull opened, or a plain read sent, while the victim is ``rolling_back`` is refused with
-  ``LLM_ROLE_SWITCHING``, nothing left counted (held);
+  ``LLM_ROLE_SWITCHING``; a flood of both for the whole rollback is refused the same way, the link
+  kept, and cannot hold the rollback; nothing left counted (held);
 * three rollbacks held by an open split pull and an unread 8 MiB read leave no descriptors, threads,
   pins or counts behind once the peers are gone (held);
 * a pull cut mid-way by a rollback's cancel (a 1 ms drain timeout) leaves each block old or new,
@@ -238,8 +239,9 @@ def test_a_transfer_cancelled_by_its_caller_during_the_rollback_ends_cancelled_o
 def test_a_split_pull_opened_while_rolling_back_is_refused(peers: Callable[..., Peer], variant: Variant) -> None:
     """While the victim rolls back (its own read stuck at a server that never answers keeps it in
     rolling_back for up to 1 s), a linked raw peer opens a split pull and sends a plain read: both
-    refused with LLM_ROLE_SWITCHING (admission stays closed), nothing left counted once the
-    rollback is over."""
+    refused with LLM_ROLE_SWITCHING (admission stays closed); then it floods both until the
+    rollback is over: every answer while rolling back a refusal, the link kept, the rollback ends
+    (the switch raises LLM_TIMEOUT), nothing left counted."""
     attacker = peers("attacker")
     port = attacker.call(hostile.serve, "stall")
     victim = peers("victim", env=variant.env())
@@ -248,9 +250,13 @@ def test_a_split_pull_opened_while_rolling_back_is_refused(peers: Callable[..., 
     victim.call(native.register, "dst", 1, 4096, seed=None)
     src = victim.call(native.snapshot, "big")
     r = victim.call(round8.split_pull_during_the_rollback, port, 1000, CHUNK,
-                    rawwire.request(rawwire.OP_READ, BODY))
+                    rawwire.request(rawwire.OP_READ, BODY), END, PING)
     assert r["phase_after"] == "rolling_back", r  # both answered during the rollback
     assert r["answers"] == [(int(S.LLM_ROLE_SWITCHING), _tag(0))] * 2, r
+    during = [answer for answer, phase in r["flood"] if phase == "rolling_back"]
+    assert during, "no request of the flood was answered while rolling back"
+    assert set(during) == {(int(S.LLM_ROLE_SWITCHING), _tag(0))}, set(during)
+    assert all(answer != "closed" for answer, _ in r["flood"]), "the flood's link was dropped"
     code, message = r["first"]
     assert code == int(S.LLM_TIMEOUT) and "rolled back" in message, r
     assert (r["after"]["role"], r["after"]["epoch"], r["after"]["phase"], r["served_after"]) == (

@@ -147,13 +147,15 @@ def cancel_during_the_rollback(port: int, drain_timeout_ms: int) -> dict[str, An
             "first": first.get("result"), "after": engine.role_state().as_dict()}
 
 
-def split_pull_during_the_rollback(port: int, drain_timeout_ms: int, chunk: bytes, read: bytes) -> dict[str, Any]:
+def split_pull_during_the_rollback(port: int, drain_timeout_ms: int, chunk: bytes, read: bytes, end: bytes,
+                                   ping: bytes) -> dict[str, Any]:
     """This engine links to its own listener as a raw peer (tests/peers/hostile.py, cluster 9),
     then, as in ``switch_during_the_rollback``, a read of its own stays in flight at the stalled
     server on ``port`` and a switch to PROMPT rolls back. While the phase reads ``rolling_back`` the
     raw peer sends ``chunk`` (a split pull's first chunk) and ``read`` (a plain read): their
-    (status, tag) answers, the phase right after them, the switch's (code, message), and the role
-    state after it."""
+    (status, tag) answers and the phase right after them; then it floods both, alternately, until
+    the switch returned (each answer with the phase after it), sends ``end`` and ``ping``. Returns
+    those, the switch's (code, message), the count in flight once settled and the role state."""
     from peers import hostile
 
     engine = native._engine()
@@ -173,11 +175,21 @@ def split_pull_during_the_rollback(port: int, drain_timeout_ms: int, chunk: byte
         time.sleep(0.0005)
     answers = [hostile.exchange_header(chunk), hostile.exchange_header(read)]
     phase_after = engine.role_state().phase
+    # then a flood for as long as the rollback lasts: each answer with the phase right after it
+    flood: list[tuple[Any, str]] = []
+    while switcher.is_alive() and len(flood) < 100_000:
+        answer = hostile.exchange_header(chunk if len(flood) % 2 else read)
+        flood.append((answer, engine.role_state().phase))
     switcher.join(30)
     reader.join(30)
+    hostile.send(end)  # closes a pull a chunk opened after the rollback, if one did
+    assert hostile.exchange_header(ping)[0] == 0
+    deadline = time.monotonic() + 10
+    while engine.role_state().served_in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
     served = engine.role_state().served_in_flight
     hostile.close()
-    return {"answers": answers, "phase_after": phase_after, "first": first.get("result"),
+    return {"answers": answers, "phase_after": phase_after, "first": first.get("result"), "flood": flood,
             "served_after": served, "after": engine.role_state().as_dict()}
 
 
