@@ -27,7 +27,10 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
 * three rollbacks held by an open split pull and an unread 8 MiB read leave no descriptors, threads,
   pins or counts behind once the peers are gone (held);
 * a pull cut mid-way by a rollback's cancel (a 1 ms drain timeout) leaves each block old or new,
-  the guards intact, and the same link then pulls byte-exact (held).
+  the guards intact, and the same link then pulls byte-exact (held);
+* a hostile server whose answers carry odd epoch tags (near 2^32, 0, matching only in the low 16
+  bits, changing every answer) gets a prepared transfer's reads served byte-exact into their
+  destination only (held).
 """
 
 from __future__ import annotations
@@ -342,3 +345,26 @@ def test_a_pull_cut_by_a_rollback_lands_old_or_new_blocks_and_the_link_moves_byt
     victim.call(round8.pull_whole, port, remote, BIG_ROWS * BIG_ROW)
     assert _rows_old_or_new(victim.call(native.snapshot, "dst"), src) == list(range(BIG_ROWS))
     assert_same(target.call(native.snapshot, "src"), src, "the source")
+
+
+@only("cpu-tcp")
+@pytest.mark.parametrize("tags", [[0xFFFFFFFF, 0, 1, 0x10001, 0xFFFF0001], [0, 0xFFFFFFFF]])
+def test_a_server_with_odd_epoch_tags_gets_byte_exact_reads_or_a_clean_code(peers: Callable[..., Peer],
+                                                                           variant: Variant, tags: list[int]) -> None:
+    """A hostile server answers a prepared transfer's reads with the bytes asked for, each answer
+    carrying the next of ``tags`` (near 2^32, 0, the low 16 bits of another, changing every
+    answer): "any value is well-formed". Every post lands the bytes exactly in its destination and
+    nowhere else; the tags change nothing the requester does."""
+    rows, row = 4, 4096
+    attacker = peers("attacker")
+    port = attacker.call(hostile.serve, "read_exact_tags", tags=tags)
+    victim = peers("victim", env=variant.env())
+    victim.call(native.start, 5, timeout_ms=3000)
+    victim.call(native.register, "dst", rows, row, seed=None)
+    before = victim.call(native.snapshot, "dst")
+    ends = victim.call(round8.prepared_reads_from, port, rows, row, 6)
+    assert ends == ["ok"] * 6, ends
+    reads = [o for o in attacker.call(hostile.observed) if o["event"] == "request" and o["op"] == rawwire.OP_READ]
+    assert len(reads) >= 6, reads  # every post was answered by the server, odd tags and all
+    want = before.with_tensor_bytes(0, 0, np.full(rows * row, 0x5A, dtype=np.uint8))
+    assert_same(victim.call(native.snapshot, "dst"), want, "the prepared reads' destination")

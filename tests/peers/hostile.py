@@ -312,6 +312,10 @@ def _answer_requests(srv: _Server, conn: socket.socket) -> None:
             conn.sendall(rawwire.response(payload_len=1 << 60))
         elif mode == "read_exact":  # an honest-looking server (control case): the bytes asked for
             conn.sendall(rawwire.response(payload=b"\x5a" * total))
+        elif mode == "read_exact_tags":  # the bytes asked for, each answer with the next of params["tags"]
+            tags, n = params["tags"], params.get("answered", 0)
+            params["answered"] = n + 1
+            conn.sendall(rawwire.response(payload=b"\x5a" * total, epoch_tag=tags[n % len(tags)]))
         elif op == rawwire.OP_DESCRIBE and rec["kind"] == rawwire.KIND_RAW and mode.startswith("table_"):
             conn.sendall(_memory_table(mode, params))
         elif op == rawwire.OP_DESCRIBE and mode == "describe_huge":

@@ -220,3 +220,21 @@ def pull_whole(port: int, remote_address: int, nbytes: int) -> None:
     engine = native._engine()
     local = native._state["regions"]["dst"].region.addresses[0]
     engine.read(native._state["round8_peer"], [(local, nbytes)], [(remote_address, nbytes)])
+
+
+def prepared_reads_from(port: int, rows: int, row_bytes: int, posts: int) -> list[str]:
+    """Links to the hostile server on ``port`` and prepares a block transfer from its region keyed
+    7 into region "dst" (``rows`` blocks of ``row_bytes``), then posts a read of every block
+    ``posts`` times; each post's end: "ok" or its error's class name and code."""
+    engine = native._engine()
+    peer = engine.connect(f"{ATTACKER_IP}:{port}")
+    remote = pdlink.RemoteRegion(length=rows * row_bytes, block_size=row_bytes, key=7)
+    prepared = engine.prepare(peer, native._state["regions"]["dst"].region, remote)
+    ends = []
+    for _ in range(posts):
+        try:
+            prepared.read(list(range(rows)), list(range(rows)))
+            ends.append("ok")
+        except pdlink.LLMException as e:
+            ends.append(f"{type(e).__name__} {int(e.status_code)}")
+    return ends
