@@ -146,7 +146,7 @@ def test_cancel_benchmark_smoke_runs_and_verifies(tmp_path):
         assert {c["status"] for c in run["cancels"]} <= {"CANCELLED", "DONE"}
     text = (tmp_path / "cancel.txt").read_text()
     assert "| path | size | sync GB/s |" in text
-    assert "| path | p50 ms | p99 ms |" in text
+    assert "| path | p50 ms | p90 ms | p99 ms |" in text
 
 
 def hosts_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
