@@ -1,6 +1,6 @@
 """The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py,
-bench_pull_blocks.py, bench_hixl.py, bench_fleet.py (on loopback) and bench_hosts.py (no timing is
-asserted)."""
+bench_pull_blocks.py, bench_hixl.py, bench_fleet.py (on loopback), bench_switch.py, bench_cancel.py
+and bench_hosts.py (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,27 @@ def test_switch_benchmark_smoke_runs_and_verifies(tmp_path):
         assert (run["loaded"]["epoch"], run["loaded"]["phase"], run["loaded"]["pins"]) == (2 * switches, "ready", 0)
         assert run["pulls"]["pulls"] > 0 and run["pulls"]["exact_after"] and not run["pulls"]["errors"]
     assert "| path | idle p50 |" in (tmp_path / "switch.txt").read_text()
+
+
+def test_cancel_benchmark_smoke_runs_and_verifies(tmp_path):
+    """bench/bench_cancel.py --smoke: on every path that runs here the sync and the async reads of
+    each size completed byte-exact every rep, every cancel ended CANCELLED or DONE with each 1 MiB
+    block of the destination old or new (the bench fails otherwise), and the link read exactly after."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_cancel.py"), "--smoke", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "cancel.json").read_text())
+    ran = {path: run for path, run in results["paths"].items() if "skipped" not in run}
+    assert set(ran) in ({"cma", "tcp"}, {"tcp"}, {"cma", "tcp", "ucx"}, {"tcp", "ucx"}), results["paths"]
+    cfg = results["config"]
+    for run in ran.values():
+        assert set(run["slice_stats"]) == {str(size) for size in cfg["sizes"]}
+        assert run["verified_exact"] == len(cfg["sizes"]) * 2 * cfg["reps"] + 1
+        assert len(run["cancels"]) == cfg["cancels"]
+        assert {c["status"] for c in run["cancels"]} <= {"CANCELLED", "DONE"}
+    text = (tmp_path / "cancel.txt").read_text()
+    assert "| path | size | sync GB/s |" in text
+    assert "| path | p50 ms | p90 ms | p99 ms |" in text
 
 
 def hosts_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
