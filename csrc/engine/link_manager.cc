@@ -321,20 +321,22 @@ Status LinkManager::switchRole(const SwitchOptions& o) {
   if (!s_.drain(drain_ms)) {
     // Rollback (docs/architecture.md, "Roles"): every transfer of this side still in flight is
     // cancelled at its next cancel point and every split pull a peer opened here has its next chunk
-    // refused (the link's splitEnded); the cancelled transfers get at most min(1 s, drain) more to end.
-    // Pins are left to their bound (pinTimeoutMs): nothing they keep registered changes in a rollback.
+    // refused and no longer counted (Link::endSplit: so an ended pull holds no later switch); the
+    // cancelled transfers get at most min(1 s, drain) more to end. Pins are left to their bound
+    // (pinTimeoutMs): nothing they keep registered changes in a rollback. The counts named are those
+    // the drain gave up on.
+    const int64_t served = s_.served_in_flight.load(), pins = s_.pins_held.load();
     {
       std::lock_guard<std::mutex> lock(s_.mu);
       s_.phase.store(Phase::kRollingBack);  // no split pull opens from here (Admission)
       for (uint64_t peer : links_.peers()) {
         for (bool dialled : {true, false}) {
           std::shared_ptr<Link> l = links_.slot(peer, dialled);
-          if (l && l->splitOpen().load()) l->splitEnded().store(true, std::memory_order_seq_cst);
+          if (l && l->endSplit()) s_.served_in_flight.fetch_sub(1, std::memory_order_seq_cst);
         }
       }
     }
-    const int64_t cancelled = s_.transfers_in_flight.load(), served = s_.served_in_flight.load();
-    const int64_t pins = s_.pins_held.load();
+    const int64_t cancelled = s_.transfers_in_flight.load();
     s_.abort_generation.fetch_add(1, std::memory_order_seq_cst);
     const int64_t grace_ms = std::min<int64_t>(1000, drain_ms);
     s_.drain(grace_ms, true);

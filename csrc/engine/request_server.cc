@@ -70,8 +70,7 @@ Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in,
 }
 
 void RequestServer::closeSplit(Link& link) {
-  link.splitEnded().store(false, std::memory_order_seq_cst);
-  if (!link.splitOpen().exchange(false, std::memory_order_seq_cst)) return;
+  if (!link.closeSplit()) return;  // none open, or ended by a rollback (its count already given back)
   s_.served_in_flight.fetch_sub(1, std::memory_order_seq_cst);
   s_.drainNotify();
 }
@@ -117,11 +116,8 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   if (counted) {
     bool opened = false, continuation = false;
     if (h.split) {  // a plain read (wire::decode)
-      opened = !link->splitOpen().exchange(true, std::memory_order_seq_cst);
-      if (opened) {
-        s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
-        link->splitEnded().store(false, std::memory_order_seq_cst);  // a new pull
-      }
+      opened = link->openSplit();
+      if (opened) s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
       continuation = !opened;
     }
     admission.emplace(s_, s_.served_in_flight, continuation);
@@ -129,9 +125,11 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     if (!admission->admitted()) {
       if (opened) closeSplit(*link);
       gate = admission->status();
-    } else if (continuation && link->splitEnded().load(std::memory_order_seq_cst)) {
+    } else if (continuation && link->split() == Link::Split::kEnded) {
       // A split pull opened before a drain timeout (docs/architecture.md, "Roles"): its later chunks
-      // are refused until its end frame closes it; the requester's pull fails with this code.
+      // are refused until its end frame closes it; the requester's pull fails with this code. It no
+      // longer counts in served_in_flight (the rollback gave its count back), so it holds no later
+      // switch.
       gate = Status(Code::kRoleSwitching, clusterName(s_.config.cluster_id) +
                                               " ended this split pull: a role switch there timed out its drain "
                                               "and rolled back; pull again");

@@ -136,13 +136,28 @@ class Link {
     std::atomic<uint32_t> seen{0};
   };
   EpochTags& epochTags() { return epoch_tags_; }
-  // The serving side's split pull of the peer (wire::kMarkSplit): whether one is open on this link,
-  // counted in the engine's served_in_flight while it is (engine/request_server.h). Set by the
-  // link's serving threads (channel and lanes), cleared by the pull's end frame or their end.
-  std::atomic<bool>& splitOpen() { return split_open_; }
-  // The open split pull was ended by a role switch's drain-timeout rollback (LinkManager::switchRole):
-  // its later chunks are refused until its end frame closes it. Cleared when a pull opens or closes.
-  std::atomic<bool>& splitEnded() { return split_ended_; }
+  // The serving side's split pull of the peer (wire::kMarkSplit; engine/request_server.h), one word
+  // so that its three moves are each one atomic step: none -> open (its first chunk: openSplit), open
+  // -> ended (a role switch's drain-timeout rollback, LinkManager::switchRole: endSplit), open or
+  // ended -> none (its end frame, or the link's serving threads ending: closeSplit). An open pull is
+  // counted in the engine's served_in_flight; an ended one is not (its count was given back when it
+  // was ended, so it cannot hold a later switch) and its later chunks are refused until it closes.
+  // openSplit/endSplit/closeSplit return true when the caller must add (open) or give back (end,
+  // close) that count. Called by the link's serving threads (channel and lanes) and the switch.
+  enum class Split : uint8_t { kNone = 0, kOpen = 1, kEnded = 2 };
+  bool openSplit() {
+    uint8_t expected = static_cast<uint8_t>(Split::kNone);
+    return split_.compare_exchange_strong(expected, static_cast<uint8_t>(Split::kOpen), std::memory_order_seq_cst);
+  }
+  bool endSplit() {
+    uint8_t expected = static_cast<uint8_t>(Split::kOpen);
+    return split_.compare_exchange_strong(expected, static_cast<uint8_t>(Split::kEnded), std::memory_order_seq_cst);
+  }
+  bool closeSplit() {
+    return split_.exchange(static_cast<uint8_t>(Split::kNone), std::memory_order_seq_cst) ==
+           static_cast<uint8_t>(Split::kOpen);
+  }
+  Split split() const { return static_cast<Split>(split_.load(std::memory_order_seq_cst)); }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }
@@ -243,9 +258,8 @@ class Link {
   uint64_t chunk_bytes_ = uint64_t{1} << 20;
   std::atomic<uint64_t> rtt_us_{0};
   EpochTags epoch_tags_;
-  std::atomic<bool> split_open_{false};
-  std::atomic<bool> split_ended_{false};
-  States in_states_;  // serving thread only
+  std::atomic<uint8_t> split_{0};  // a Split
+  States in_states_;               // serving thread only
   mutable std::mutex state_mu_;
   bool broken_ = false;                         // guarded by state_mu_
   std::string broken_reason_;                   // guarded by state_mu_

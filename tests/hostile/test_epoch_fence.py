@@ -115,8 +115,9 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     served_in_flight though nothing is being served: a draining switch admits the pull's next
     chunk (a continuation) and refuses an unmarked read, and commits once the peer's end frame
     (a release with the mark) closed the pull. Opened again and never ended, it holds a switch
-    only until the drain timeout (rolled back, role and epoch unchanged), which ends it: its next
-    chunk is refused with LLM_ROLE_SWITCHING; the link's end closes it.
+    only until the drain timeout (rolled back, role and epoch unchanged), which ends it: no longer
+    counted (the next switch commits while the peer stays silent), its next chunk refused with
+    LLM_ROLE_SWITCHING until its end frame; the link's end closes an open pull.
     The mark on any other frame drops the link."""
     victim = peers("victim", env=variant.env())
     port = victim.call(native.start, 1, listen=True)
@@ -147,12 +148,20 @@ def test_a_split_pull_holds_a_switch_until_its_end_frame_or_the_drain_timeout(pe
     assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
     assert "1 served requests" in message and "rolled back" in message, message
     assert (state["role"], state["epoch"], state["phase"]) == ("PROMPT", 1, "ready")
-    # the rollback ended the open pull: its next chunk is refused, not admitted as a continuation
+    # the rollback ended the open pull: no longer counted (it holds no later switch), and its next
+    # chunk is refused, not admitted as a continuation
+    assert served() == 0
     assert a.call(hostile.exchange_header, chunk) == (S.LLM_ROLE_SWITCHING, _tag(1))
-    wait_until(lambda: served() == 1, 20, "the pull still open (refusing) until its end frame or the link's end")
+    assert served() == 0
+    # the peer still silent, its link alive: the next switch commits
+    assert victim.call(native.switch_role, "DECODER", True, 1)["epoch"] == 2
+    # the end frame closes the ended pull; a new one opens, counted, and the mark on a ping drops
+    # the link, which closes it
+    a.call(hostile.send, end)
+    assert a.call(hostile.exchange_header, chunk) == (0, _tag(2))
+    wait_until(lambda: served() == 1, 20, "a new pull open")
     assert a.call(hostile.exchange, rawwire.request(rawwire.OP_PING, b"", flags=SPLIT)) == "closed"
     wait_until(lambda: served() == 0, 20, "the open pull closed with its link")
-    assert victim.call(native.switch_role, "DECODER", True, 1)["epoch"] == 2
 
 
 @only("cpu-cma")

@@ -8,10 +8,10 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
 * a split pull's end frame (a release with the split mark) sent with no pull open, or twice, does
   not unbalance the drain's count: a request in flight still holds the switch (held);
 * the rollback *ends* a peer's open split pull ("at most one open pull per link, ended by a
-  rollback"), yet the ended pull stays counted in ``served_in_flight`` until the peer's end frame
-  or the link's end: one silent link whose single chunk was answered fails every later switch at
-  its drain timeout, for as long as the link lives (HOLE, strict xfail; a pin, by contrast, ends
-  at ``PinTimeoutMs``);
+  rollback"), yet the ended pull stayed counted in ``served_in_flight`` until the peer's end frame
+  or the link's end: one silent link whose single chunk was answered failed every later switch at
+  its drain timeout, for as long as the link lived (HOLE, fixed: the rollback gives the ended
+  pull's count back, Link::endSplit; the test now passes);
 * switches raced with the same ``expected_epoch``: exactly one commits, the others are refused
   with ``LLM_STALE_EPOCH`` or ``LLM_ROLE_SWITCHING``; the epoch moves by one (held);
 * switches started while a switch rolls back (``rolling_back``: its own read stays in flight at a
@@ -116,9 +116,6 @@ def test_an_end_frame_without_an_open_pull_does_not_unbalance_the_drain(peers: C
 
 
 @only("cpu-tcp", "cpu-cma")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="round 8: a split pull ended by a rollback stays counted in served_in_flight until the "
-                   "peer's end frame or its link's end, so one silent link fails every later switch")
 def test_a_split_pull_ended_by_a_rollback_does_not_hold_later_switches(peers: Callable[..., Peer],
                                                                        variant: Variant) -> None:
     """A raw peer sends one split chunk, reads its answer and then sends nothing more (an idle link
