@@ -46,17 +46,12 @@ from typing import Any
 
 import numpy as np
 
-from bench_transfer import MIB, percentile, save, set_transport
+from bench_transfer import MIB, nonzero_content, path_unavailable, percentile, save, set_transport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET_ID, INITIATOR_ID = 21, 22
 SLICE = 8 * MIB  # limits::kCancelSliceBytes
 CANCEL_AT = (0.25, 0.5, 0.75)  # fractions of the median async transfer time, in turn
-
-
-def content(nbytes: int) -> np.ndarray:
-    """The source: no byte is zero, so a zeroed (old) byte is never mistaken for a new one."""
-    return (np.arange(nbytes, dtype=np.uint64) * 31 % 251 + 1).astype(np.uint8)
 
 
 # ---------------------------------------------------------------- the target (serving) process
@@ -67,7 +62,7 @@ def target_main(conn: Any, path: str, nbytes: int) -> None:
 
     set_transport(path if path.startswith("ucx") else "auto")  # auto accepts tcp and cma
     engine = pdlink.Engine(pdlink.EngineOptions(cluster_id=TARGET_ID, listen="127.0.0.1:0", timeout_ms=60000))
-    source = content(nbytes)
+    source = nonzero_content(nbytes)
     region = engine.register(source, block_size=MIB)
     conn.send((engine.listen_port, region.address))
     conn.recv()  # "stop"
@@ -100,7 +95,7 @@ def run_initiator(path: str, port: int, src: int, cfg: dict[str, Any]) -> dict[s
 
     set_transport(path)
     nbytes = cfg["nbytes"]
-    expect = content(nbytes)
+    expect = nonzero_content(nbytes)
     dest = np.zeros(nbytes, np.uint8)
     engine = pdlink.Engine(pdlink.EngineOptions(cluster_id=INITIATOR_ID, timeout_ms=60000))
     try:
@@ -177,14 +172,6 @@ def run_initiator(path: str, port: int, src: int, cfg: dict[str, Any]) -> dict[s
 
 
 # ---------------------------------------------------------------- orchestration
-
-
-def ucx_loads() -> str | None:
-    """None when pdlink's UCX loader finds UCX here, else why not."""
-    from pdlink.native import core
-
-    info = dict(core().ucx_info())
-    return None if info.get("loaded") else str(info.get("error"))
 
 
 def measure(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -281,19 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="cma,tcp,ucx", help="comma-separated: cma, tcp, ucx (ucx over UCX_TLS=tcp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    from pdlink._sysinfo import direct_access_permitted
-
     cfg: dict[str, Any] = {"nbytes": 256 * MIB, "sizes": [64 * MIB, 256 * MIB], "reps": args.reps,
                            "cancels": args.cancels}
     if args.smoke:
         cfg.update(nbytes=16 * MIB, sizes=[4 * MIB, 16 * MIB], reps=2, cancels=3)
     results: dict[str, Any] = {"config": cfg, "paths": {}}
     for path in args.paths.split(","):
-        why = None
-        if path == "cma" and not direct_access_permitted():
-            why = "direct memory access (process_vm_readv) is not permitted here"
-        elif path == "ucx":
-            why = ucx_loads()
+        why = path_unavailable(path)
         if why is not None:
             print(f"{path}: skipped: {why}")
             results["paths"][path] = {"skipped": why}

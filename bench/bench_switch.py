@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_transfer import MIB, percentile, save, set_transport
+from bench_transfer import MIB, nonzero_content, path_unavailable, percentile, save, set_transport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFILL_ID, DECODER_ID = 11, 12
@@ -50,10 +50,6 @@ PULLERS = 8
 IN_FLIGHT_WAIT_S = 0.5
 REFUSED_BACKOFF_S = 0.001  # a puller refused with LLM_ROLE_SWITCHING tries again after this
 FIELD = "vLLM / SGLang / MindIE (issue #34): 0.3-1.6 s idle, up to 4.3 s under load"
-
-
-def content(nbytes: int) -> np.ndarray:
-    return (np.arange(nbytes, dtype=np.uint64) * 31 % 251 + 1).astype(np.uint8)
 
 
 # ---------------------------------------------------------------- the prefill (switching) process
@@ -65,7 +61,7 @@ def prefill_main(conn: Any, path: str, cfg: dict[str, Any]) -> None:
     set_transport(path if path.startswith("ucx") else "auto")  # auto accepts tcp and cma
     engine = pdlink.Engine(pdlink.EngineOptions(cluster_id=PREFILL_ID, role="PROMPT", listen="127.0.0.1:0",
                                                 timeout_ms=60000))
-    source = content(cfg["nbytes"])
+    source = nonzero_content(cfg["nbytes"])
     region = engine.register(source, block_size=cfg["nbytes"], key=KEY)
     conn.send((engine.listen_port, region.address))
     listen = f"127.0.0.1:{engine.listen_port}"
@@ -107,7 +103,7 @@ def decoder_main(conn: Any, path: str, port: int, src: int, cfg: dict[str, Any])
 
     set_transport(path)
     nbytes = cfg["nbytes"]
-    expect = content(nbytes)
+    expect = nonzero_content(nbytes)
     try:
         engines = [pdlink.Engine(pdlink.EngineOptions(cluster_id=DECODER_ID + i, role="DECODER", timeout_ms=60000))
                    for i in range(PULLERS)]
@@ -161,14 +157,6 @@ def decoder_main(conn: Any, path: str, port: int, src: int, cfg: dict[str, Any])
 
 
 # ---------------------------------------------------------------- orchestration
-
-
-def ucx_loads() -> str | None:
-    """None when pdlink's UCX loader finds UCX here, else why not."""
-    from pdlink.native import core
-
-    info = dict(core().ucx_info())
-    return None if info.get("loaded") else str(info.get("error"))
 
 
 def measure(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -243,18 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="cma,tcp,ucx", help="comma-separated: cma, tcp, ucx (ucx over UCX_TLS=tcp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    from pdlink._sysinfo import direct_access_permitted
-
     cfg = {"nbytes": 64 * MIB, "switches": args.switches}
     if args.smoke:
         cfg.update(nbytes=1 * MIB, switches=6)
     results: dict[str, Any] = {"config": cfg, "paths": {}}
     for path in args.paths.split(","):
-        why = None
-        if path == "cma" and not direct_access_permitted():
-            why = "direct memory access (process_vm_readv) is not permitted here"
-        elif path == "ucx":
-            why = ucx_loads()
+        why = path_unavailable(path)
         if why is not None:
             print(f"{path}: skipped: {why}")
             results["paths"][path] = {"skipped": why}

@@ -69,6 +69,26 @@ def save(out: str, stem: str, results: dict[str, Any], text: str) -> None:
         f.write(text + "\n")
 
 
+def nonzero_content(nbytes: int) -> np.ndarray:
+    """A source of ``nbytes`` with no zero byte, so a zeroed (old) byte is never mistaken for a new one."""
+    return (np.arange(nbytes, dtype=np.uint64) * 31 % 251 + 1).astype(np.uint8)
+
+
+def path_unavailable(path: str) -> str | None:
+    """Why data path ``path`` (cma, tcp, ucx) cannot run here, or None when it can: cma needs
+    process_vm_readv permitted, ucx needs pdlink's UCX loader to find UCX."""
+    if path == "cma":
+        from pdlink._sysinfo import direct_access_permitted
+
+        return None if direct_access_permitted() else "direct memory access (process_vm_readv) is not permitted here"
+    if path == "ucx":
+        from pdlink.native import core
+
+        info = dict(core().ucx_info())
+        return None if info.get("loaded") else str(info.get("error"))
+    return None
+
+
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
