@@ -199,7 +199,7 @@ def _roll_back(side: Peer, relay: Relay) -> tuple[str, int | None, str, dict]:
 @pytest.mark.parametrize("kind", ["prepared", "descriptors", "sync"])
 def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer], variant: Variant,
                                                       kind: str) -> None:
-    """The initiator's 48 MiB pull is held at a relay after 1 MiB when the initiator is switched with
+    """The initiator's 24 MiB pull is held at a relay after 1 MiB when the initiator is switched with
     a drain timeout it outlasts: the switch raises LLM_TIMEOUT naming one transfer cancelled and none
     still ending, role and epoch unchanged and phase ready; the pull ends cancelled (async:
     CANCELLED / TransferCancelled as after Pending.cancel; sync: TransferCancelled), each block of
@@ -239,7 +239,7 @@ def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer]
 @only("cpu-tcp")
 @pytest.mark.one_host("the test process relays the link")
 def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], variant: Variant) -> None:
-    """The serving side: the initiator's 48 MiB pull (chunk requests of a split pull) is held at a
+    """The serving side: the initiator's 24 MiB pull (chunk requests of a split pull) is held at a
     relay after 1 MiB of answers when the target is switched with a drain timeout it outlasts. The
     switch raises LLM_TIMEOUT (served requests in flight, none of its own cancelled), role and epoch
     unchanged; the pull's later chunks are refused, so it fails with LLM_ROLE_SWITCHING, each block
