@@ -31,6 +31,23 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
 * a hostile server whose answers carry odd epoch tags (near 2^32, 0, matching only in the low 16
   bits, changing every answer) gets a prepared transfer's reads served byte-exact into their
   destination only (held).
+
+Round 8b re-reviewed the fix of the split pull's count at a rollback (the link's split word
+none/open/ended), from the same docs: the count is never given back twice nor kept. All held:
+
+* an ended pull's chunks, on the channel and on a lane, are refused with no byte answered; a switch
+  right after the rollback commits; end frames after it close the pull without counting again; a
+  pull opened again counts once and is served on both streams;
+* an end frame sent around the moment the rollback ends the pull (eight times, 150-250 ms into a
+  200 ms drain timeout) leaves the count at 0, never below;
+* five ended pulls, one link dropped at the drain timeout, two links then dropped and two end
+  frames: the count stays 0;
+* chunks sent back to back on the channel and a lane for the whole drain and rollback: served while
+  it drains, then only refused, never served again;
+* an ended pull's end frame and a lane chunk sent at the same moment (both orders, forty times):
+  the chunk is refused, or served only as a new pull counted once;
+* after each of these, a read held by another peer is counted exactly once: it holds a switch that
+  rolls back naming it, and once it ends the next switch commits.
 """
 
 from __future__ import annotations
@@ -453,7 +470,7 @@ def test_an_end_frame_racing_the_rollback_gives_the_count_back_once(peers: Calla
     exactly once (it holds a switch)."""
     victim, port = _victim(peers, variant)
     a = _linked(peers, variant, port, 9)
-    roles, outcomes = ["PROMPT", "MIX"], []
+    roles, outcomes = ["PROMPT", "MIX"], list[str]()
     for i, delay in enumerate((0.15, 0.18, 0.19, 0.20, 0.20, 0.21, 0.22, 0.25)):
         assert a.call(hostile.exchange_header, CHUNK)[0] == 0, i
         wait_until(lambda: _served(victim) == 1, 20, "the pull open")
@@ -523,4 +540,33 @@ def test_chunks_on_the_channel_and_a_lane_racing_the_rollback_are_never_served_a
     a.call(hostile.send, END)
     assert a.call(hostile.exchange_header, PING)[0] == 0
     assert _served(victim) == 0
+    _held_switch_names_one(peers, victim, variant, port, 10, "PROMPT")
+
+
+@only("cpu-tcp")
+def test_an_ended_pulls_chunk_racing_its_end_frame_is_never_served(peers: Callable[..., Peer],
+                                                                    variant: Variant) -> None:
+    """Forty times: a raw peer with one lane opens a split pull, a switch with a 1 ms drain timeout
+    rolls back and ends it, then the peer sends the pull's end frame on the channel and a chunk on
+    the lane at the same moment (both orders). The chunk belongs to the ended pull (the end frame
+    was not yet seen when it arrived, or the chunk opens a new pull while the switch is over): it is
+    refused with no byte, or served whole only as a new pull opened once the word is none and the
+    phase ready; never a chunk served without a pull counted. Nothing is left counted."""
+    victim, port = _victim(peers, variant)
+    a = _lanes_linked(peers, port, 9)
+    answers = []
+    for i in range(40):
+        assert a.call(hostile.exchange_header, CHUNK)[0] == 0, i
+        victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=1)
+        assert victim.call(native.switch_result)[0] == "TransferTimeout", i
+        answers.append(a.call(round8.end_and_lane_chunk, END, CHUNK, bool(i % 2)))
+        assert a.call(hostile.exchange_header, PING)[0] == 0
+        state = victim.call(native.role_state)
+        if answers[-1] == (0, 4096):  # served: it must have opened a new pull (counted), so end it
+            wait_until(lambda: _served(victim) == 1, 20, "the chunk's new pull counted")
+            a.call(hostile.send, END)
+            assert a.call(hostile.exchange_header, PING)[0] == 0
+        wait_until(lambda: _served(victim) == 0, 20, "nothing counted")
+        assert state["phase"] == "ready"
+    assert set(answers) <= {(int(S.LLM_ROLE_SWITCHING), 0), (0, 4096)}, answers
     _held_switch_names_one(peers, victim, variant, port, 10, "PROMPT")

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pdlink
+import rawwire
 from peers import addr, native
 from peers.hostile import ATTACKER_IP
 
@@ -281,3 +282,19 @@ def close_at(delay_s: float) -> None:
     while time.monotonic() < at:
         pass
     hostile.close()
+
+
+def end_and_lane_chunk(end: bytes, chunk: bytes, end_first: bool) -> tuple[int, int] | str:
+    """Sends the split end frame on the raw link's channel and a split chunk on its first lane back to
+    back (in the order ``end_first`` says), so the victim's two serving threads handle them at about
+    the same moment; the lane's answer: (status, payload bytes), or "closed"."""
+    from peers import hostile
+
+    if end_first:
+        hostile.send(end)
+        hostile._lanes[0].sendall(chunk)
+    else:
+        hostile._lanes[0].sendall(chunk)
+        hostile.send(end)
+    r = rawwire.read_response(hostile._lanes[0])
+    return r if isinstance(r, str) else (r[0], len(r[2]))
