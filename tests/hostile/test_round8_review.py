@@ -31,6 +31,23 @@ inside its own process (tests/peers/round8.py). Claims and verdicts:
 * a hostile server whose answers carry odd epoch tags (near 2^32, 0, matching only in the low 16
   bits, changing every answer) gets a prepared transfer's reads served byte-exact into their
   destination only (held).
+
+Round 8b re-reviewed the fix of the split pull's count at a rollback (the link's split word
+none/open/ended), from the same docs: the count is never given back twice nor kept. All held:
+
+* an ended pull's chunks, on the channel and on a lane, are refused with no byte answered; a switch
+  right after the rollback commits; end frames after it close the pull without counting again; a
+  pull opened again counts once and is served on both streams;
+* an end frame sent around the moment the rollback ends the pull (eight times, 150-250 ms into a
+  200 ms drain timeout) leaves the count at 0, never below;
+* five ended pulls, one link dropped at the drain timeout, two links then dropped and two end
+  frames: the count stays 0;
+* chunks sent back to back on the channel and a lane for the whole drain and rollback: served while
+  it drains, then only refused, never served again;
+* an ended pull's end frame and a lane chunk sent at the same moment (both orders, forty times):
+  the chunk is refused, or served only as a new pull counted once;
+* after each of these, a read held by another peer is counted exactly once: it holds a switch that
+  rolls back naming it, and once it ends the next switch commits.
 """
 
 from __future__ import annotations
@@ -365,3 +382,191 @@ def test_a_server_with_odd_epoch_tags_gets_byte_exact_reads_or_a_clean_code(peer
     assert len(reads) >= 6, reads  # every post was answered by the server, odd tags and all
     want = before.with_tensor_bytes(0, 0, np.full(rows * row, 0x5A, dtype=np.uint8))
     assert_same(victim.call(native.snapshot, "dst"), want, "the prepared reads' destination")
+
+
+# --------------------------------------------------------------------------- round 8b: the split word
+# Attacks on the fix of the split pull's count at a rollback (a link's split word none/open/ended,
+# docs/architecture.md "Roles"), written from the docs alone: the count must never be given back twice
+# (an underflow would hide a later request from the drain) nor kept (a silent peer holding switches).
+
+
+def _lanes_linked(peers: Callable[..., Peer], port: int, cluster: int) -> Peer:
+    """A raw peer linked over TCP with a known nonce and one lane of that link open."""
+    a = peers(f"attacker{cluster}")
+    nonce = 0x5EED_0000_0000_0000_0000_0000_0000_0000 + cluster
+    assert a.call(hostile.link_raw, port, cluster, b"", None, rawwire.ANY, nonce) == (0, "")
+    assert [s for s, _ in a.call(hostile.open_lanes, port, cluster, nonce, 1)] == [0]
+    return a
+
+
+def _held_switch_names_one(peers: Callable[..., Peer], victim: Peer, variant: Variant, port: int, cluster: int,
+                           role: str) -> None:
+    """Another raw peer's unread 8 MiB read is counted exactly once, so a switch to ``role`` with a
+    300 ms drain timeout rolls back naming one served request (a count given back twice would have
+    wrapped or cancelled it), and once that peer is gone the next switch commits."""
+    holder = _linked(peers, variant, port, cluster)
+    holder.call(hostile.send, HOLD)
+    wait_until(lambda: _served(victim) == 1, 20, "the held read counted")
+    before = victim.call(native.role_state)["epoch"]
+    victim.call(native.switch_role_async, role, drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 served requests" in message, message
+    assert (state["epoch"], state["phase"]) == (before, "ready"), state
+    holder.call(hostile.close)
+    wait_until(lambda: _served(victim) == 0, 20, "the held read over")
+    assert victim.call(native.switch_role, role, True)["epoch"] == before + 1
+
+
+@only("cpu-tcp")
+def test_an_ended_pull_is_never_served_and_end_frames_around_the_rollback_count_once(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A raw peer with one lane opens a split pull (one chunk), a switch rolls back on it (the count
+    given back at once: 0 in the state the switch returns); the ended pull's chunks on the channel
+    and on the lane are refused with no byte answered, and a switch right after commits. Three end
+    frames then close it without counting again (never below 0), a pull opened again counts once
+    and its chunks on both streams are served, its end frame gives that back, and a read held by
+    another peer afterwards still holds a switch."""
+    victim, port = _victim(peers, variant)
+    src = victim.call(native.snapshot, "big")
+    a = _lanes_linked(peers, port, 9)
+    assert a.call(hostile.exchange_header, CHUNK) == (0, _tag(0))
+    wait_until(lambda: _served(victim) == 1, 20, "the pull open")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert "1 served requests" in message, message
+    assert (state["epoch"], state["served_in_flight"]) == (0, 0), state
+    # the ended pull: refused on both streams, nothing answered, nothing counted
+    channel, lane = a.call(hostile.exchange, CHUNK), a.call(hostile.lane_exchange, 0, CHUNK)
+    assert (channel[0], len(channel[2])) == (int(S.LLM_ROLE_SWITCHING), 0), channel
+    assert (lane[0], len(lane[2])) == (int(S.LLM_ROLE_SWITCHING), 0), lane
+    wait_until(lambda: _served(victim) == 0, 20, "the refused chunks over")  # each counted while answered
+    assert victim.call(native.switch_role, "PROMPT", True)["epoch"] == 1  # a switch right after commits
+    assert a.call(hostile.exchange, CHUNK)[0] == int(S.LLM_ROLE_SWITCHING)  # still ended after the commit
+    a.call(hostile.send, END + END + END)
+    assert a.call(hostile.exchange_header, PING)[0] == 0
+    assert _served(victim) == 0
+    # a pull opened again: counted once, served on both streams, given back by its end frame
+    assert a.call(hostile.exchange_header, CHUNK)[0] == 0
+    wait_until(lambda: _served(victim) == 1, 20, "the new pull open")
+    lane = a.call(hostile.lane_exchange, 0, CHUNK)
+    assert (lane[0], len(lane[2])) == (0, 4096), lane[:2]
+    assert _served(victim) == 1
+    a.call(hostile.send, END)
+    assert a.call(hostile.exchange_header, PING)[0] == 0
+    wait_until(lambda: _served(victim) == 0, 20, "the new pull closed")
+    _held_switch_names_one(peers, victim, variant, port, 10, "MIX")
+    assert_same(victim.call(native.snapshot, "big"), src, "the victim's region")
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_an_end_frame_racing_the_rollback_gives_the_count_back_once(peers: Callable[..., Peer],
+                                                                    variant: Variant) -> None:
+    """Eight times, a raw peer opens a split pull and sends its end frame around the moment a switch
+    with a 200 ms drain timeout gives up (150 to 250 ms after it started): whichever of the end frame
+    and the rollback moves the split word first gives the count back, the other not again. Each time
+    the count settles at 0 and a new pull opens; afterwards a read held by another peer is counted
+    exactly once (it holds a switch)."""
+    victim, port = _victim(peers, variant)
+    a = _linked(peers, variant, port, 9)
+    roles, outcomes = ["PROMPT", "MIX"], list[str]()
+    for i, delay in enumerate((0.15, 0.18, 0.19, 0.20, 0.20, 0.21, 0.22, 0.25)):
+        assert a.call(hostile.exchange_header, CHUNK)[0] == 0, i
+        wait_until(lambda: _served(victim) == 1, 20, "the pull open")
+        victim.call(native.switch_role_async, roles[len([o for o in outcomes if o == "ok"]) % 2],
+                    drain_timeout_ms=200)
+        a.call(round8.end_frame_at, END, delay)
+        outcomes.append(victim.call(native.switch_result)[0])
+        assert a.call(hostile.exchange_header, PING)[0] == 0
+        wait_until(lambda: _served(victim) == 0, 20, "the pull closed")
+        assert victim.call(native.role_state)["phase"] == "ready"
+    assert set(outcomes) <= {"ok", "TransferTimeout"}, outcomes
+    role = victim.call(native.role_state)["role"]
+    _held_switch_names_one(peers, victim, variant, port, 10, "MIX" if role != "MIX" else "PROMPT")
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_many_ended_pulls_and_links_dropped_at_the_rollback_count_once(peers: Callable[..., Peer],
+                                                                       variant: Variant) -> None:
+    """Five raw links each open a split pull; one closes its link around the moment the switch's
+    300 ms drain timeout passes. The switch rolls back naming what it waited for, the count is 0 at
+    once; two links then end (their pulls already ended), two send their end frames: the count stays
+    0, and a read held by another peer afterwards is counted exactly once."""
+    victim, port = _victim(peers, variant)
+    links = [_linked(peers, variant, port, 20 + i) for i in range(5)]
+    for a in links:
+        assert a.call(hostile.exchange_header, CHUNK)[0] == 0
+    wait_until(lambda: _served(victim) == 5, 20, "five pulls open")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    links[4].call(round8.close_at, 0.3)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert state["served_in_flight"] == 0, state
+    links[0].call(hostile.close)
+    links[1].call(hostile.close)
+    for a in links[2:4]:
+        a.call(hostile.send, END)
+        assert a.call(hostile.exchange_header, PING)[0] == 0
+    wait_until(lambda: victim.call(native.role_state)["served_in_flight"] == 0, 20, "nothing counted")
+    assert victim.call(native.role_state)["served_in_flight"] == 0
+    _held_switch_names_one(peers, victim, variant, port, 30, "PROMPT")
+
+
+@only("cpu-tcp")
+def test_chunks_on_the_channel_and_a_lane_racing_the_rollback_are_never_served_after_it(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A raw peer opens a split pull, then while a switch drains (300 ms) and rolls back it sends the
+    pull's chunks back to back, alternately on the link's channel and its lane, for 600 ms: the
+    answers are served chunks (4 KiB each) while the switch drains, then only refusals
+    (LLM_ROLE_SWITCHING, no byte): once ended, the pull is never served again, on either stream.
+    The count is 0 when the switch returns and after, and a read held by another peer still holds
+    a switch."""
+    victim, port = _victim(peers, variant)
+    a = _lanes_linked(peers, port, 9)
+    assert a.call(hostile.exchange_header, CHUNK)[0] == 0
+    wait_until(lambda: _served(victim) == 1, 20, "the pull open")
+    victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=300)
+    answers = a.call(round8.chunks_for, 0.6, CHUNK)
+    outcome, code, message, state = victim.call(native.switch_result)
+    assert (outcome, code) == ("TransferTimeout", S.LLM_TIMEOUT), message
+    assert state["served_in_flight"] == 0, state
+    assert all(status in (0, int(S.LLM_ROLE_SWITCHING)) for _, status, _ in answers), answers
+    first_refused = next(i for i, (_, status, _) in enumerate(answers) if status != 0)
+    assert {(s, n) for _, s, n in answers[:first_refused]} <= {(0, 4096)}, answers[:first_refused]
+    assert {(s, n) for _, s, n in answers[first_refused:]} == {(int(S.LLM_ROLE_SWITCHING), 0)}, answers
+    assert {stream for stream, _, _ in answers[first_refused:]} == {"channel", "lane"}, answers
+    assert _served(victim) == 0
+    a.call(hostile.send, END)
+    assert a.call(hostile.exchange_header, PING)[0] == 0
+    assert _served(victim) == 0
+    _held_switch_names_one(peers, victim, variant, port, 10, "PROMPT")
+
+
+@only("cpu-tcp")
+def test_an_ended_pulls_chunk_racing_its_end_frame_is_never_served(peers: Callable[..., Peer],
+                                                                    variant: Variant) -> None:
+    """Forty times: a raw peer with one lane opens a split pull, a switch with a 1 ms drain timeout
+    rolls back and ends it, then the peer sends the pull's end frame on the channel and a chunk on
+    the lane at the same moment (both orders). The chunk belongs to the ended pull (the end frame
+    was not yet seen when it arrived, or the chunk opens a new pull while the switch is over): it is
+    refused with no byte, or served whole only as a new pull opened once the word is none and the
+    phase ready; never a chunk served without a pull counted. Nothing is left counted."""
+    victim, port = _victim(peers, variant)
+    a = _lanes_linked(peers, port, 9)
+    answers = []
+    for i in range(40):
+        assert a.call(hostile.exchange_header, CHUNK)[0] == 0, i
+        victim.call(native.switch_role_async, "PROMPT", drain_timeout_ms=1)
+        assert victim.call(native.switch_result)[0] == "TransferTimeout", i
+        answers.append(a.call(round8.end_and_lane_chunk, END, CHUNK, bool(i % 2)))
+        assert a.call(hostile.exchange_header, PING)[0] == 0
+        state = victim.call(native.role_state)
+        if answers[-1] == (0, 4096):  # served: it must have opened a new pull (counted), so end it
+            wait_until(lambda: _served(victim) == 1, 20, "the chunk's new pull counted")
+            a.call(hostile.send, END)
+            assert a.call(hostile.exchange_header, PING)[0] == 0
+        wait_until(lambda: _served(victim) == 0, 20, "nothing counted")
+        assert state["phase"] == "ready"
+    assert set(answers) <= {(int(S.LLM_ROLE_SWITCHING), 0), (0, 4096)}, answers
+    _held_switch_names_one(peers, victim, variant, port, 10, "PROMPT")

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pdlink
+import rawwire
 from peers import addr, native
 from peers.hostile import ATTACKER_IP
 
@@ -238,3 +239,62 @@ def prepared_reads_from(port: int, rows: int, row_bytes: int, posts: int) -> lis
         except pdlink.LLMException as e:
             ends.append(f"{type(e).__name__} {int(e.status_code)}")
     return ends
+
+
+# --------------------------------------------------------------------------- round 8b: the split word
+
+def end_frame_at(frame: bytes, delay_s: float) -> None:
+    """Sends ``frame`` on the raw link of tests/peers/hostile.py once ``delay_s`` seconds have passed
+    from the call (a busy wait on the monotonic clock, so the frame races a victim's drain timeout
+    at a chosen moment); not answered."""
+    from peers import hostile
+
+    at = time.monotonic() + delay_s
+    while time.monotonic() < at:
+        pass
+    hostile.send(frame)
+
+
+def chunks_for(seconds: float, chunk: bytes) -> list[tuple[str, int, int]]:
+    """For ``seconds``, sends ``chunk`` alternately on the raw link's channel and its first lane
+    (tests/peers/hostile.py ``open_lanes``), each answered before the next: (stream, status, payload
+    bytes) of each answer, ("channel" | "lane", -1, 0) when the stream was dropped."""
+    from peers import hostile
+
+    out: list[tuple[str, int, int]] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        stream = "lane" if len(out) % 2 else "channel"
+        r = hostile.lane_exchange(0, chunk) if stream == "lane" else hostile.exchange(chunk)
+        if isinstance(r, str):
+            out.append((stream, -1, 0))
+            break
+        out.append((stream, r[0], len(r[2])))
+    return out
+
+
+def close_at(delay_s: float) -> None:
+    """Closes the raw link of tests/peers/hostile.py once ``delay_s`` seconds have passed from the
+    call (a busy wait, as in ``end_frame_at``)."""
+    from peers import hostile
+
+    at = time.monotonic() + delay_s
+    while time.monotonic() < at:
+        pass
+    hostile.close()
+
+
+def end_and_lane_chunk(end: bytes, chunk: bytes, end_first: bool) -> tuple[int, int] | str:
+    """Sends the split end frame on the raw link's channel and a split chunk on its first lane back to
+    back (in the order ``end_first`` says), so the victim's two serving threads handle them at about
+    the same moment; the lane's answer: (status, payload bytes), or "closed"."""
+    from peers import hostile
+
+    if end_first:
+        hostile.send(end)
+        hostile._lanes[0].sendall(chunk)
+    else:
+        hostile._lanes[0].sendall(chunk)
+        hostile.send(end)
+    r = rawwire.read_response(hostile._lanes[0])
+    return r if isinstance(r, str) else (r[0], len(r[2]))
