@@ -114,9 +114,11 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   std::optional<EngineState::Admission> admission;
   Status gate;
   if (counted) {
-    bool opened = false, continuation = false;
+    bool opened = false, continuation = false, ended = false;
     if (h.split) {  // a plain read (wire::decode)
-      opened = link->openSplit();
+      const Link::Split found = link->openSplit();
+      opened = found == Link::Split::kNone;
+      ended = found == Link::Split::kEnded;
       if (opened) s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
       continuation = !opened;
     }
@@ -125,7 +127,7 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
     if (!admission->admitted()) {
       if (opened) closeSplit(*link);
       gate = admission->status();
-    } else if (continuation && link->split() == Link::Split::kEnded) {
+    } else if (ended) {
       // A split pull opened before a drain timeout (docs/architecture.md, "Roles"): its later chunks
       // are refused until its end frame closes it; the requester's pull fails with this code. It no
       // longer counts in served_in_flight (the rollback gave its count back), so it holds no later

@@ -142,12 +142,16 @@ class Link {
   // ended -> none (its end frame, or the link's serving threads ending: closeSplit). An open pull is
   // counted in the engine's served_in_flight; an ended one is not (its count was given back when it
   // was ended, so it cannot hold a later switch) and its later chunks are refused until it closes.
-  // openSplit/endSplit/closeSplit return true when the caller must add (open) or give back (end,
-  // close) that count. Called by the link's serving threads (channel and lanes) and the switch.
+  // openSplit returns the word as it found it (kNone: this chunk opened the pull, and must add that
+  // count; kOpen: a continuation; kEnded: a chunk of an ended pull, refused), read in the same atomic
+  // step, so an end frame on another stream of the link cannot slip in between; endSplit/closeSplit
+  // return true when the caller must give back that count. Called by the link's serving threads
+  // (channel and lanes) and the switch.
   enum class Split : uint8_t { kNone = 0, kOpen = 1, kEnded = 2 };
-  bool openSplit() {
+  Split openSplit() {
     uint8_t expected = static_cast<uint8_t>(Split::kNone);
-    return split_.compare_exchange_strong(expected, static_cast<uint8_t>(Split::kOpen), std::memory_order_seq_cst);
+    split_.compare_exchange_strong(expected, static_cast<uint8_t>(Split::kOpen), std::memory_order_seq_cst);
+    return static_cast<Split>(expected);
   }
   bool endSplit() {
     uint8_t expected = static_cast<uint8_t>(Split::kOpen);
@@ -157,7 +161,6 @@ class Link {
     return split_.exchange(static_cast<uint8_t>(Split::kNone), std::memory_order_seq_cst) ==
            static_cast<uint8_t>(Split::kOpen);
   }
-  Split split() const { return static_cast<Split>(split_.load(std::memory_order_seq_cst)); }
 
   uint64_t peer() const { return peer_; }
   bool initiator() const { return initiator_; }

@@ -25,6 +25,10 @@ from verify import Snapshot, assert_same
 TARGET, INITIATOR = 1, 2
 BLOCKS, BLOCK = 24, 1 << 20  # 24 MiB regions of 1 MiB blocks: three cancel slices of 8 MiB
 NBYTES = BLOCKS * BLOCK
+# The drain-timeout tests' sync pulls are one request split into 1 MiB chunks over the link's 4
+# streams, each keeping up to 8 requested: 64 chunks leave some not yet asked for when the relay
+# holds the answers, so the pull still has a cancel point (or a chunk to refuse) at the rollback.
+SPLIT_BLOCKS = 64
 KINDS = ["descriptors", "batch", "prepared"]
 
 
@@ -33,10 +37,10 @@ def block_is(after: Snapshot, ref: Snapshot, block: int) -> bool:
     return bool(np.array_equal(after.tensor(0)[lo:hi], ref.tensor(0)[lo:hi]))
 
 
-def check_old_or_new(before: Snapshot, after: Snapshot, src: Snapshot) -> list[int]:
-    """Asserts each block of `after` holds its old (`before`) or its new (`src`) bytes and nothing
-    else changed (guards included); returns the new blocks."""
-    new = [b for b in range(BLOCKS) if block_is(after, src, b) and not block_is(after, before, b)]
+def check_old_or_new(before: Snapshot, after: Snapshot, src: Snapshot, blocks: int = BLOCKS) -> list[int]:
+    """Asserts each of the `blocks` blocks of `after` holds its old (`before`) or its new (`src`)
+    bytes and nothing else changed (guards included); returns the new blocks."""
+    new = [b for b in range(blocks) if block_is(after, src, b) and not block_is(after, before, b)]
     assert_same(after, before.with_rows(src, [(b, b) for b in new]), "destination of the cancelled transfer")
     return new
 
@@ -44,16 +48,19 @@ def check_old_or_new(before: Snapshot, after: Snapshot, src: Snapshot) -> list[i
 class Setup:
     """A listening target with "src" (filled, key 9) and "sink" (filled with another pattern), and an
     initiator with "dst", linked directly or through a relay (`relay_port`: the port to dial for
-    the target's), with prepared transfers "read" (src -> dst) and "write" (dst -> sink)."""
+    the target's), with prepared transfers "read" (src -> dst) and "write" (dst -> sink); each region
+    `blocks` blocks of BLOCK bytes."""
 
-    def __init__(self, peers: Callable[..., Peer], variant: Variant, relay_port: Callable[[int], int] | None = None):
+    def __init__(self, peers: Callable[..., Peer], variant: Variant, relay_port: Callable[[int], int] | None = None,
+                 blocks: int = BLOCKS):
+        self.blocks, self.nbytes = blocks, blocks * BLOCK
         self.target = peers("target", env=variant.env())
         self.initiator = peers("initiator", env=variant.env())
         port = self.target.call(native.start, TARGET, listen=True, timeout_ms=60000)
-        self.src = self.target.call(native.register, "src", BLOCKS, BLOCK, seed=1, key=9)
-        self.sink = self.target.call(native.register, "sink", BLOCKS, BLOCK, seed=3, key=10)
+        self.src = self.target.call(native.register, "src", blocks, BLOCK, seed=1, key=9)
+        self.sink = self.target.call(native.register, "sink", blocks, BLOCK, seed=3, key=10)
         self.initiator.call(native.start, INITIATOR, timeout_ms=60000)
-        self.initiator.call(native.register, "dst", BLOCKS, BLOCK, seed=2)
+        self.initiator.call(native.register, "dst", blocks, BLOCK, seed=2)
         if relay_port is None:  # linked directly
             assert self.initiator.call(native.connect, port, TARGET) == TARGET
         else:
@@ -166,11 +173,11 @@ def _relayed(peers: Callable[..., Peer], variant: Variant, relay: Relay) -> Setu
         relay.target_port = port
         return relay.port
 
-    s = Setup(peers, variant, relay_port)
+    s = Setup(peers, variant, relay_port, SPLIT_BLOCKS)
     # a whole-region read into another region first: it opens the link's lanes, so the reads held
     # below are split pulls (chunk requests over the channel and 3 lanes: Limits.tcp_streams 4)
-    s.initiator.call(native.register, "warm", BLOCKS, BLOCK, seed=4)
-    s.initiator.call(cancel.start_sync, "warm", "read", TARGET, "warm", s.src, NBYTES)
+    s.initiator.call(native.register, "warm", s.blocks, BLOCK, seed=4)
+    s.initiator.call(cancel.start_sync, "warm", "read", TARGET, "warm", s.src, s.nbytes)
     assert s.initiator.call(cancel.finish_sync, "warm") == (None, None)
     assert relay.connections() == 5
     return s
@@ -199,7 +206,7 @@ def _roll_back(side: Peer, relay: Relay) -> tuple[str, int | None, str, dict]:
 @pytest.mark.parametrize("kind", ["prepared", "descriptors", "sync"])
 def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer], variant: Variant,
                                                       kind: str) -> None:
-    """The initiator's 24 MiB pull is held at a relay after 1 MiB when the initiator is switched with
+    """The initiator's 64 MiB pull is held at a relay after 1 MiB when the initiator is switched with
     a drain timeout it outlasts: the switch raises LLM_TIMEOUT naming one transfer cancelled and none
     still ending, role and epoch unchanged and phase ready; the pull ends cancelled (async:
     CANCELLED / TransferCancelled as after Pending.cancel; sync: TransferCancelled), each block of
@@ -211,9 +218,9 @@ def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer]
         forwarded0 = relay.forwarded[DOWN]
         relay.hold_after(DOWN, 1 << 20)
         if kind == "sync":
-            s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, NBYTES)
+            s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, s.nbytes)
         else:
-            s.initiator.call(cancel.start, "t", kind, "read", TARGET, "dst", s.src, NBYTES, "read")
+            s.initiator.call(cancel.start, "t", kind, "read", TARGET, "dst", s.src, s.nbytes, "read")
         relay.wait_held(DOWN)
         outcome, code, message, after = _roll_back(s.initiator, relay)
         assert (outcome, code) == ("TransferTimeout", LLMStatusCode.LLM_TIMEOUT), message
@@ -224,14 +231,14 @@ def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer]
             assert s.initiator.call(cancel.finish_sync, "t") == ("TransferCancelled", None)
         else:
             assert s.initiator.call(cancel.finish, "t") == ("CANCELLED", "TransferCancelled", True)
-        assert relay.forwarded[DOWN] - forwarded0 < NBYTES
-        new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0)
-        assert len(new) < BLOCKS, "the cancel came after every block had moved"
+        assert relay.forwarded[DOWN] - forwarded0 < s.nbytes
+        new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0, s.blocks)
+        assert len(new) < s.blocks, "the cancel came after every block had moved"
         assert_same(s.snap(s.target, "src"), src0, "source of the cancelled transfer")
         _counts_back_to_zero(s.initiator, s.target)
         assert len(s.initiator.call(native.links)) == 1
-        s.initiator.call(native.post, "read", list(range(BLOCKS)), list(range(BLOCKS)), "read")
-        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
+        s.initiator.call(native.post, "read", list(range(s.blocks)), list(range(s.blocks)), "read")
+        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(s.blocks)]),
                     "destination after the cancelled transfer's retry")
         assert s.initiator.call(native.switch_role, "PROMPT", True, 0)["epoch"] == 1  # the next switch commits
 
@@ -239,7 +246,7 @@ def test_a_drain_timeout_cancels_this_sides_transfers(peers: Callable[..., Peer]
 @only("cpu-tcp")
 @pytest.mark.one_host("the test process relays the link")
 def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], variant: Variant) -> None:
-    """The serving side: the initiator's 24 MiB pull (chunk requests of a split pull) is held at a
+    """The serving side: the initiator's 64 MiB pull (chunk requests of a split pull) is held at a
     relay after 1 MiB of answers when the target is switched with a drain timeout it outlasts. The
     switch raises LLM_TIMEOUT (served requests in flight, none of its own cancelled), role and epoch
     unchanged; the pull's later chunks are refused, so it fails with LLM_ROLE_SWITCHING, each block
@@ -250,7 +257,7 @@ def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], v
         dst0, src0 = s.snap(s.initiator, "dst"), s.snap(s.target, "src")
         forwarded0 = relay.forwarded[DOWN]
         relay.hold_after(DOWN, 1 << 20)
-        s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, NBYTES)
+        s.initiator.call(cancel.start_sync, "t", "read", TARGET, "dst", s.src, s.nbytes)
         relay.wait_held(DOWN)
         # the open pull counts 1, and each chunk being served (blocked in its send) 1 more
         wait_until(lambda: _counts(s.target)[1] >= 1, 30, "the pull open on the target")
@@ -265,12 +272,12 @@ def test_a_drain_timeout_ends_the_peers_split_pull(peers: Callable[..., Peer], v
         assert (after["role"], after["epoch"], after["phase"]) == ("MIX", 0, "ready")
         raised, code = s.initiator.call(cancel.finish_sync, "t")
         assert code == LLMStatusCode.LLM_ROLE_SWITCHING, raised
-        assert relay.forwarded[DOWN] - forwarded0 < NBYTES
-        new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0)
-        assert len(new) < BLOCKS, "the pull completed"
+        assert relay.forwarded[DOWN] - forwarded0 < s.nbytes
+        new = check_old_or_new(dst0, s.snap(s.initiator, "dst"), src0, s.blocks)
+        assert len(new) < s.blocks, "the pull completed"
         assert_same(s.snap(s.target, "src"), src0, "source of the ended pull")
         _counts_back_to_zero(s.initiator, s.target)
         assert len(s.initiator.call(native.links)) == 1
-        s.initiator.call(native.post, "read", list(range(BLOCKS)), list(range(BLOCKS)), "read")
-        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(BLOCKS)]),
+        s.initiator.call(native.post, "read", list(range(s.blocks)), list(range(s.blocks)), "read")
+        assert_same(s.snap(s.initiator, "dst"), dst0.with_rows(src0, [(b, b) for b in range(s.blocks)]),
                     "destination after the ended pull's retry")
