@@ -12,7 +12,7 @@ from typing import Any
 import rawwire
 from conftest import Pair
 from peer import Peer
-from peers import hostile, kv
+from peers import hostile, kv, native
 
 SHAPE = (16, 4096)
 ROOT_INFO = 4108  # an HCCL root info
@@ -37,6 +37,24 @@ def attacker_links(peers: Callable[..., Peer], pair: Pair, cluster: int = 9) -> 
     a = peers(f"attacker{cluster}")
     unix = a.call(hostile.redirect_name, pair.port, cluster) if pair.variant.same_host else None
     assert a.call(hostile.link_raw, pair.port, cluster, b"", unix) == (0, "")
+    return a
+
+
+def listening_victim(peers: Callable[..., Peer], variant: Any, rows: int, row: int) -> tuple[Peer, int]:
+    """A victim engine (cluster 1, listening) with region "big" of ``rows`` x ``row`` bytes keyed 7;
+    (the victim, its port)."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    victim.call(native.register, "big", rows, row, seed=1, key=7)
+    return victim, port
+
+
+def raw_linked(peers: Callable[..., Peer], variant: Any, port: int, cluster: int) -> Peer:
+    """A raw attacker process (tests/peers/hostile.py) linked to the victim at ``port`` as
+    ``cluster`` (over its AF_UNIX redirect on same-host cells)."""
+    a = peers(f"attacker{cluster}")
+    unix = a.call(hostile.redirect_name, port, cluster) if variant.same_host else None
+    assert a.call(hostile.link_raw, port, cluster, b"", unix) == (0, "")
     return a
 
 

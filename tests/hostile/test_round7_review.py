@@ -32,7 +32,7 @@ from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, native, round7
 from poll import wait_until
-from review_kit import DEVICE, PING, ROOT_INFO, channel_body, refused_kept, setup
+from review_kit import DEVICE, PING, ROOT_INFO, channel_body, listening_victim, raw_linked, refused_kept, setup
 from verify import assert_same
 
 S = LLMStatusCode
@@ -44,17 +44,10 @@ _tag = rawwire.epoch_tag_of
 
 
 def _victim(peers: Callable[..., Peer], variant: Variant) -> tuple[Peer, int]:
-    victim = peers("victim", env=variant.env())
-    port = victim.call(native.start, 1, listen=True)
-    victim.call(native.register, "big", ROWS, ROW, seed=1, key=7)
-    return victim, port
+    return listening_victim(peers, variant, ROWS, ROW)
 
 
-def _linked(peers: Callable[..., Peer], variant: Variant, port: int, cluster: int) -> Peer:
-    a = peers(f"attacker{cluster}")
-    unix = a.call(hostile.redirect_name, port, cluster) if variant.same_host else None
-    assert a.call(hostile.link_raw, port, cluster, b"", unix) == (0, "")
-    return a
+_linked = raw_linked
 
 
 def _hold_a_drain(peers: Callable[..., Peer], variant: Variant, victim: Peer, port: int,

@@ -65,7 +65,7 @@ from pdlink import LLMStatusCode
 from peer import Peer
 from peers import hostile, kv, native, round8
 from poll import wait_until
-from review_kit import PING
+from review_kit import PING, listening_victim, raw_linked
 from verify import Snapshot, assert_guards_intact, assert_same
 
 S = LLMStatusCode
@@ -75,17 +75,10 @@ _tag = rawwire.epoch_tag_of
 
 
 def _victim(peers: Callable[..., Peer], variant: Variant) -> tuple[Peer, int]:
-    victim = peers("victim", env=variant.env())
-    port = victim.call(native.start, 1, listen=True)
-    victim.call(native.register, "big", ROWS, ROW, seed=1, key=7)
-    return victim, port
+    return listening_victim(peers, variant, ROWS, ROW)
 
 
-def _linked(peers: Callable[..., Peer], variant: Variant, port: int, cluster: int) -> Peer:
-    a = peers(f"attacker{cluster}")
-    unix = a.call(hostile.redirect_name, port, cluster) if variant.same_host else None
-    assert a.call(hostile.link_raw, port, cluster, b"", unix) == (0, "")
-    return a
+_linked = raw_linked
 
 
 def _served(victim: Peer) -> int:
