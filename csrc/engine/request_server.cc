@@ -140,6 +140,9 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
                                            std::to_string(h.epoch_tag) + ", but " + clusterName(s_.config.cluster_id) +
                                            " is at tag " + std::to_string(ours) + ": prepare it again");
     }
+    // A refused request is not served: it stops counting before its refusal is sent, so a peer that
+    // reads the refusal sees the drain's count without it.
+    if (!gate.ok()) admission.reset();
   }
   if (h.op == wire::Op::kPathConnect && !gate.ok()) return sendResponse(s, gate, deadline);
 
