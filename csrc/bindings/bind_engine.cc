@@ -56,7 +56,8 @@ void defLifetime(py::class_<Engine>& cls) {
                 l.max_handshakes_per_source == 0 || l.hello_timeout_ms <= 0 || l.pin_timeout_ms < 0 ||
                 l.handshake_timeout_ms <= 0 || l.max_notifications_per_link == 0 || l.max_notification_bytes == 0 ||
                 l.max_notification_bytes_per_link == 0 || l.max_notification_bytes_per_source == 0 ||
-                l.switch_drain_timeout_ms <= 0) {
+                l.switch_drain_timeout_ms <= 0 || l.max_offers == 0 || l.max_lease_ms <= 0 || l.offer_lease_ms <= 0 ||
+                l.offer_lease_ms > l.max_lease_ms || l.max_handoff_events == 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
             if (l.tcp_streams == 0 || l.tcp_streams > limits::kMaxTcpStreams || l.max_tcp_lanes == 0 ||
@@ -219,6 +220,80 @@ void defTransfers(py::class_<Engine>& cls) {
           py::call_guard<py::gil_scoped_release>());
 }
 
+// Engine's KV handoffs (engine/offers.h): offers, claims, aborts, holds, their events. Records are
+// plain tuples; pdlink.Engine wraps them.
+void defHandoffs(py::class_<Engine>& cls) {
+  cls.def(
+         "offer",
+         [](Engine& e, int64_t cache_id, std::vector<int64_t> blocks, const std::string& request_id, int64_t lease_ms) {
+           OfferTicket t = valueOrThrow(e.offer(cache_id, std::move(blocks), request_id, lease_ms));
+           return std::make_tuple(t.id, t.generation, t.lease_ms);
+         },
+         py::arg("cache_id"), py::arg("blocks"), py::arg("request_id"), py::arg("lease_ms"),
+         py::call_guard<py::gil_scoped_release>())
+      .def("release_offer", &Engine::releaseOffer, py::arg("offer_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "claim",
+          [](Engine& e, uint64_t peer, uint64_t key, uint64_t offer_id, uint64_t generation,
+             const std::string& request_id, int64_t local_cache_id, std::vector<int64_t> local_blocks,
+             std::vector<int64_t> remote_blocks, int64_t timeout_ms, const CancelToken* cancel) {
+            Engine::ClaimSpec c;
+            c.peer = peer;
+            c.key = key;
+            c.offer_id = offer_id;
+            c.generation = generation;
+            c.request_id = request_id;
+            c.local_cache_id = local_cache_id;
+            c.local_blocks = std::move(local_blocks);
+            c.remote_blocks = std::move(remote_blocks);
+            c.timeout_ms = timeout_ms;
+            c.cancel = cancel;
+            throwIfError(e.claim(c));
+          },
+          py::arg("peer"), py::arg("key"), py::arg("offer_id"), py::arg("generation"), py::arg("request_id"),
+          py::arg("local_cache_id"), py::arg("local_blocks"), py::arg("remote_blocks"), py::arg("timeout_ms"),
+          py::arg("cancel") = nullptr, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abort",
+          [](Engine& e, const std::string& request_id, std::optional<uint64_t> peer, const std::string& reason,
+             int64_t timeout_ms) { throwIfError(e.abort(request_id, peer, reason, timeout_ms)); },
+          py::arg("request_id"), py::arg("peer"), py::arg("reason"), py::arg("timeout_ms"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "hold",
+          [](Engine& e, uint64_t peer, const std::vector<std::pair<uint64_t, uint64_t>>& offers, int64_t timeout_ms) {
+            throwIfError(e.hold(peer, offers, timeout_ms));
+          },
+          py::arg("peer"), py::arg("offers"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def("take_released",
+           [](Engine& e) {
+             std::vector<std::tuple<uint64_t, std::string, std::string, uint64_t>> out;
+             for (const ReleasedOffer& r : e.takeReleased()) {
+               out.emplace_back(r.offer_id, r.request_id, offerReasonName(r.reason), r.peer);
+             }
+             return out;
+           })
+      .def("take_handoff_events",
+           [](Engine& e) {
+             std::vector<std::tuple<std::string, uint64_t, std::string, std::string>> out;
+             for (const PeerHandoffEvent& ev : e.takeHandoffEvents()) {
+               out.emplace_back(ev.kind, ev.peer, ev.request_id, ev.reason);
+             }
+             return out;
+           })
+      .def(
+          "take_finalized_offers",
+          [](Engine& e, int64_t timeout_ms) {
+            std::vector<std::pair<uint64_t, std::string>> out;
+            for (const auto& [id, reason] : e.takeFinalizedOffers(timeout_ms)) {
+              out.emplace_back(id, offerReasonName(reason));
+            }
+            return out;
+          },
+          py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def("wake_handoffs", &Engine::wakeHandoffs);
+}
+
 }  // namespace
 
 void bindEngine(py::module_& m) {
@@ -227,6 +302,7 @@ void bindEngine(py::module_& m) {
   defLinks(cls);
   defCaches(cls);
   defTransfers(cls);
+  defHandoffs(cls);
 }
 
 }  // namespace pdlink::bindings

@@ -120,6 +120,7 @@ void bindStatus(py::module_& m) {
   // pdlink's own codes (core/status.h), which pdlink.LLMStatusCode names.
   m.attr("LLM_STALE_EPOCH") = static_cast<uint32_t>(Code::kStaleEpoch);
   m.attr("LLM_ROLE_SWITCHING") = static_cast<uint32_t>(Code::kRoleSwitching);
+  m.attr("LLM_OFFER_RELEASED") = static_cast<uint32_t>(Code::kOfferReleased);
   py::enum_<Scope>(m, "Scope", "What a failure concerns (core/status.h): the call, one link, or the engine.")
       .value("CALL", Scope::kCall)
       .value("LINK", Scope::kLink)

@@ -69,7 +69,8 @@ void bindEnums(py::module_& m) {
       .value("PREFIX_KEY", wire::TargetKind::kPrefixKey)
       .value("ID_INDEX", wire::TargetKind::kIdIndex)
       .value("BLOCKS", wire::TargetKind::kBlocks)
-      .value("RAW", wire::TargetKind::kRaw);
+      .value("RAW", wire::TargetKind::kRaw)
+      .value("OFFER", wire::TargetKind::kOffer);
   py::enum_<TransferSpec::Mode>(m, "TransferMode")
       .value("SLOT_TO_SLOT", TransferSpec::Mode::kSlotToSlot)
       .value("BLOCKS_TO_BLOCKS", TransferSpec::Mode::kBlocksToBlocks)
@@ -96,6 +97,10 @@ void bindEngineLimits(py::module_& m) {
       .def_readwrite("max_tcp_lanes", &EngineLimits::max_tcp_lanes)
       .def_readwrite("tcp_chunk_bytes", &EngineLimits::tcp_chunk_bytes)
       .def_readwrite("switch_drain_timeout_ms", &EngineLimits::switch_drain_timeout_ms)
+      .def_readwrite("max_offers", &EngineLimits::max_offers)
+      .def_readwrite("max_lease_ms", &EngineLimits::max_lease_ms)
+      .def_readwrite("offer_lease_ms", &EngineLimits::offer_lease_ms)
+      .def_readwrite("max_handoff_events", &EngineLimits::max_handoff_events)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) +
                ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
@@ -110,7 +115,10 @@ void bindEngineLimits(py::module_& m) {
                ", max_notification_bytes_per_source=" + std::to_string(l.max_notification_bytes_per_source) +
                ", tcp_streams=" + std::to_string(l.tcp_streams) + ", max_tcp_lanes=" + std::to_string(l.max_tcp_lanes) +
                ", tcp_chunk_bytes=" + std::to_string(l.tcp_chunk_bytes) +
-               ", switch_drain_timeout_ms=" + std::to_string(l.switch_drain_timeout_ms) + ")";
+               ", switch_drain_timeout_ms=" + std::to_string(l.switch_drain_timeout_ms) +
+               ", max_offers=" + std::to_string(l.max_offers) + ", max_lease_ms=" + std::to_string(l.max_lease_ms) +
+               ", offer_lease_ms=" + std::to_string(l.offer_lease_ms) +
+               ", max_handoff_events=" + std::to_string(l.max_handoff_events) + ")";
       });
 }
 
@@ -243,12 +251,18 @@ void bindEngineReports(py::module_& m) {
                  field("handshakes_evicted", &EngineStats::handshakes_evicted),
                  field("listener_backoffs", &EngineStats::listener_backoffs),
                  field("pins_expired", &EngineStats::pins_expired), field("notifications", &EngineStats::notifications),
-                 field("notifications_refused", &EngineStats::notifications_refused)));
+                 field("notifications_refused", &EngineStats::notifications_refused),
+                 field("offers_live", &EngineStats::offers_live),
+                 field("offers_released", &EngineStats::offers_released),
+                 field("offers_expired", &EngineStats::offers_expired),
+                 field("offers_aborted", &EngineStats::offers_aborted), field("offer_bytes", &EngineStats::offer_bytes),
+                 field("handoff_events_dropped", &EngineStats::handoff_events_dropped)));
   bindRecord(
       m, "RoleState",
       std::make_tuple(field("role", &RoleState::role), field("epoch", &RoleState::epoch),
                       field("phase", &RoleState::phase), field("transfers_in_flight", &RoleState::transfers_in_flight),
-                      field("served_in_flight", &RoleState::served_in_flight), field("pins", &RoleState::pins)));
+                      field("served_in_flight", &RoleState::served_in_flight), field("pins", &RoleState::pins),
+                      field("offers", &RoleState::offers)));
   bindRecord(m, "PoolInfo",
              std::make_tuple(field("placement", &Engine::PoolInfo::placement), field("base", &Engine::PoolInfo::base),
                              field("capacity", &Engine::PoolInfo::capacity), field("used", &Engine::PoolInfo::used)));

@@ -67,6 +67,11 @@ constexpr size_t kLinkLogEntries = 1024;
 // longer ones; how many a receiver keeps unread is an engine limit (EngineLimits).
 constexpr uint32_t kMaxNotifyNameBytes = 4u << 10;
 constexpr uint32_t kMaxNotifyMessageBytes = 64u << 10;
+// A KV handoff frame (wire::HandoffBody): an abort's request id and reason, and the offers one hold
+// names (16 bytes each: 1 MiB at most). Both sides refuse more.
+constexpr uint32_t kMaxHandoffRequestIdBytes = 256;
+constexpr uint32_t kMaxHandoffReasonBytes = 256;
+constexpr uint32_t kMaxHoldOffers = 1u << 16;
 // An AF_UNIX abstract socket name offered for a same-host link (sun_path minus the leading NUL).
 constexpr size_t kUnixNameBytes = 64;
 

@@ -60,6 +60,8 @@ const char* codeName(Code code) {
       return "LLM_STALE_EPOCH";
     case Code::kRoleSwitching:
       return "LLM_ROLE_SWITCHING";
+    case Code::kOfferReleased:
+      return "LLM_OFFER_RELEASED";
   }
   return "LLM_FAILED";
 }

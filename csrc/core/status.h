@@ -12,6 +12,8 @@
 //   kOutOfMemory                            free caches in the pool, then retry.
 //   kStaleEpoch                             read the role state, prepare again, then retry.
 //   kRoleSwitching                          wait until the switch is over (phase ready), then retry.
+//   kOfferReleased                          the handoff is over (claimed, expired, aborted, link down):
+//                                           ask the prefill side for the request again.
 //
 // Scope: what a failure concerns, so that a caller knows what else it affects without reading
 // codes (a Status carries it; Python reads it as `_core.Scope`, pdlink.Scope):
@@ -70,9 +72,12 @@ enum class Code : uint32_t {
   // docs/compatibility.md). kStaleEpoch: a role epoch the call (expected_epoch) or a prepared
   // transfer (its epoch tag, wire v7) was made against is no longer the engine's; nothing changed,
   // prepare again. kRoleSwitching: a role switch is pending on that engine (draining, switching or
-  // rolling back); nothing changed, retry once it is ready.
+  // rolling back); nothing changed, retry once it is ready. kOfferReleased: a KV handoff's offer
+  // (engine/offers.h) was released (claimed, expired, aborted by either side, its link down) or
+  // never existed; nothing more of it is served, and the message says why.
   kStaleEpoch = 0x5010B101,
   kRoleSwitching = 0x5010B102,
+  kOfferReleased = 0x5010B103,
 };
 
 // What a failure concerns (above). Values are stable: Python and tests read them by name.

@@ -78,6 +78,8 @@ Status Engine::initialize(const EngineConfig& config) {
     }
   }
   state_.config = config;
+  state_.offers.configure(OfferLimits{config.limits.max_offers, config.limits.max_lease_ms,
+                                      config.limits.offer_lease_ms, config.limits.max_handoff_events});
   link_manager_.setOneWayLocked(config.one_way_links);
   if (config.device_pool.bytes > 0) {
     auto pool =
@@ -135,6 +137,7 @@ void Engine::finalize() {
   state_.waitThreads();
   std::lock_guard<std::mutex> lock(state_.mu);
   link_manager_.clearPendingLocked();
+  state_.offers.releaseAll(OfferReason::kReleased);  // nothing serves them any more
   state_.registry.clear();
   server_.clearNotifications();  // unread notifications go with the links
   state_.device_pool.reset();
@@ -154,6 +157,13 @@ EngineStats Engine::stats() const {
   s.handshakes_refused = link_manager_.handshakesRefused();
   server_.addStats(&s);
   s.threads = state_.threadsRunning();
+  const OfferStats o = state_.offers.stats();
+  s.offers_live = o.live;
+  s.offers_released = o.released;
+  s.offers_expired = o.expired;
+  s.offers_aborted = o.aborted;
+  s.offer_bytes = o.bytes;
+  s.handoff_events_dropped = o.events_dropped;
   return s;
 }
 

@@ -158,6 +158,45 @@ class Engine {
   Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
               const CancelToken* cancel = nullptr);
 
+  // KV handoffs (engine/offers.h; docs/native_api.md, "Handoffs").
+  // Retains `blocks` of the registered blocks cache `cache_id` (registered with a key) for
+  // `request_id`: kRoleSwitching while a switch is pending, else OfferTable::offer's errors.
+  Result<OfferTicket> offer(int64_t cache_id, std::vector<int64_t> blocks, std::string request_id, int64_t lease_ms);
+  // The application gives an offer up (reason "released"); a no-op once released.
+  void releaseOffer(uint64_t offer_id) { state_.offers.release(offer_id); }
+  // A claim: pulls the offer's `remote_blocks` of the peer's region `key` into `local_blocks` of the
+  // local blocks cache (same count, same block size and tensors, as a pull checks), through the
+  // kOffer target, and, once every byte landed, releases the offer on the peer by the pull's kCommit.
+  // kOfferReleased when the peer refuses the offer, or an abort of `request_id` from that peer
+  // arrived before the claim returned; else a pull's errors.
+  struct ClaimSpec {
+    uint64_t peer = 0;
+    uint64_t key = 0;
+    uint64_t offer_id = 0;
+    uint64_t generation = 0;
+    std::string request_id;
+    int64_t local_cache_id = 0;
+    std::vector<int64_t> local_blocks, remote_blocks;
+    int64_t timeout_ms = 0;
+    const CancelToken* cancel = nullptr;
+  };
+  Status claim(const ClaimSpec& spec);
+  // Releases this engine's offers of `request_id` (reason "aborted") and tells `peer` (or, with no
+  // peer, every linked peer: failures to reach one are skipped) with a kHandoff abort. With `peer`,
+  // that peer's answer is the result.
+  Status abort(const std::string& request_id, std::optional<uint64_t> peer, const std::string& reason,
+               int64_t timeout_ms);
+  // Tells `peer` to extend the leases of these offers (id, generation) and bind them to this link.
+  Status hold(uint64_t peer, const std::vector<std::pair<uint64_t, uint64_t>>& offers, int64_t timeout_ms);
+  std::vector<ReleasedOffer> takeReleased() { return state_.offers.takeReleased(); }
+  std::vector<PeerHandoffEvent> takeHandoffEvents() { return state_.offers.takePeerEvents(); }
+  // The offers finalised since the last call (waits up to timeout_ms for one); wakeHandoffs ends a
+  // wait at once. For one dispatcher (pdlink.Engine's callbacks).
+  std::vector<std::pair<uint64_t, OfferReason>> takeFinalizedOffers(int64_t timeout_ms) {
+    return state_.offers.takeFinalized(timeout_ms);
+  }
+  void wakeHandoffs() { state_.offers.wake(); }
+
   // Local copy: for each tensor pair (dst_addrs[t], src_addrs[t]) and each (dst_off, src_off, len).
   struct CopyRun {
     uint64_t dst_offset, src_offset, length;

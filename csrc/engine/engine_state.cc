@@ -53,6 +53,7 @@ RoleState EngineState::roleState() const {
   r.transfers_in_flight = transfers_in_flight.load();
   r.served_in_flight = served_in_flight.load();
   r.pins = pins_held.load();
+  r.offers = offers.liveCount();
   return r;
 }
 

@@ -25,6 +25,7 @@
 #include "core/status.h"
 #include "engine/engine_types.h"
 #include "engine/mem_pool.h"
+#include "engine/offers.h"
 #include "engine/pin_epochs.h"
 #include "engine/registry.h"
 #include "transport/path.h"
@@ -77,6 +78,9 @@ struct EngineState {
   std::atomic<int64_t> transfers_in_flight{0};
   std::atomic<int64_t> served_in_flight{0};
   std::atomic<int64_t> pins_held{0};
+  // The KV handoffs this engine offers (engine/offers.h): its live offers count in a drain too (a
+  // handoff never outlives its role epoch).
+  OfferTable offers{[this] { drainNotify(); }};
   // The abort word (core/cancel.h, CancelPoint): +1 when a switch's drain times out. A transfer of
   // this side reads it at admission (Admission::arm) and stops at its next cancel point once it
   // moved.
@@ -101,7 +105,9 @@ struct EngineState {
   // Waits until nothing counted above is left (`transfers_only`: until transfers_in_flight is 0), at
   // most `timeout_ms`: true when drained.
   bool drain(int64_t timeout_ms, bool transfers_only = false);
-  int64_t inFlight() const { return transfers_in_flight.load() + served_in_flight.load() + pins_held.load(); }
+  int64_t inFlight() const {
+    return transfers_in_flight.load() + served_in_flight.load() + pins_held.load() + offers.liveCount();
+  }
 
   // One transfer of this side, or one request of a peer being served, counted in `counter` while
   // it lives. Counted first, then checked: a drain that starts in between sees it counted, or it

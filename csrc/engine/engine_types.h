@@ -55,6 +55,7 @@ struct RoleState {
   int64_t transfers_in_flight = 0;  // this side's own pulls, pushes, posts and describes running
   int64_t served_in_flight = 0;     // peers' reads, writes, describes and path connects being served
   int64_t pins = 0;                 // served links holding a direct, IPC or one-sided pin
+  int64_t offers = 0;               // KV handoff offers not yet released (engine/offers.h)
 };
 
 // How a link moves bytes. kAuto: direct memory access (cross-memory attach) when both ends are on
@@ -119,6 +120,14 @@ struct EngineLimits {
   // the pins peers hold to end (Engine::switchRole) before it rolls back with kTimeout. A peer
   // cannot hold a switch longer: it can neither link nor start a request while the switch drains.
   int64_t switch_drain_timeout_ms = 30000;
+  // KV handoffs (engine/offers.h, Engine::offer): offers held at once (live, or released and not
+  // yet reported), the longest lease an offer may ask for, the lease of one that asks for none,
+  // and the entries of each handoff event queue (released offers; aborts peers sent: one peer at
+  // most a quarter of them), the oldest dropped when full.
+  uint32_t max_offers = 65536;
+  int64_t max_lease_ms = 3600000;
+  int64_t offer_lease_ms = 60000;
+  uint32_t max_handoff_events = 4096;
 
   // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and
   // memory descriptor (transport/cma/cma.h).
@@ -184,6 +193,12 @@ struct EngineStats {
   uint64_t pins_expired = 0;           // pins released before the peer's next frame
   size_t notifications = 0;            // notifications received and not yet taken
   uint64_t notifications_refused = 0;  // notifications refused because a queue bound was reached
+  uint64_t offers_live = 0;            // KV handoff offers not yet released (engine/offers.h)
+  uint64_t offers_released = 0;        // offers released, every reason
+  uint64_t offers_expired = 0;         // of those, by their lease
+  uint64_t offers_aborted = 0;         // of those, by an abort of this engine or of a peer
+  uint64_t offer_bytes = 0;            // bytes the live offers retain
+  uint64_t handoff_events_dropped = 0;  // handoff events dropped from a full queue
 };
 
 // A notification a peer sent (Engine::notify): its cluster id and the bytes it sent.

@@ -30,6 +30,10 @@ void RequestServer::serve(const std::shared_ptr<Link>& link) {
   closeSplit(*link);                    // a split pull of the peer open on this link is over with it
   s_.pin_epochs.give(state.pin_epoch);  // moves first: a copy still running on our pins fails its check
   for (const std::string& key : state.exported) s_.backend->closeExport(key);
+  state.offer_pins.clear();
+  // The offers bound to this link are released (link_down) as soon as its serving ends: a killed
+  // decoder's sockets are closed by its kernel, so this is at once (engine/offers.h).
+  s_.offers.linkEnded(link);
   if (!state.unlinked) {
     std::string why =
         st.message().find("closed by peer") != std::string::npos ? "peer closed the connection" : st.message();
@@ -88,6 +92,7 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   for (const std::string& key : state->exported) s_.backend->closeExport(key);
   state->exported.clear();
   state->pinned.clear();
+  state->offer_pins.clear();
   countPins(state);
   // A peer that stalls mid-frame only ties up this link's thread, and only until this deadline.
   Deadline deadline = Deadline::afterMs(std::max<int64_t>(2 * s_.config.sync_timeout_ms, 5000));
@@ -158,6 +163,11 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   if (h.op == wire::Op::kCommit) {
     // A commit releases keys the peer read; over our own one-way link it read nothing.
     if (!admitAccess(*link, h).ok()) return Status::OK();
+    // Through an offer: the claim is complete, the offer released (claimed) if from its bound link.
+    if (tb.target.kind == wire::TargetKind::kOffer) {
+      s_.offers.commit(tb.target, link);
+      return Status::OK();
+    }
     s_.registry.commitRead(tb.target, tb.tensors);
     return Status::OK();
   }
@@ -168,7 +178,7 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
   if (h.op == wire::Op::kRelease) return Status::OK();
   if (h.op == wire::Op::kDescribe)
     return gate.ok() ? serveDescribe(*link, s, h, tb, deadline) : sendResponse(s, gate, deadline);
-  return serveAccess(*link, s, h, tb, deadline, state, gate);
+  return serveAccess(link, s, h, tb, deadline, state, gate);
 }
 
 Status RequestServer::awaitRequest(const Link& link, Stream& s, ServeState* state, bool* expired) {
@@ -182,6 +192,7 @@ Status RequestServer::awaitRequest(const Link& link, Stream& s, ServeState* stat
     for (const std::string& key : state->exported) s_.backend->closeExport(key);
     state->exported.clear();
     state->pinned.clear();
+    state->offer_pins.clear();
     countPins(state);
     pins_expired_.fetch_add(1);
     PDLINK_LOG(kInfo, clusterName(link.peer())
@@ -227,6 +238,8 @@ bool RequestServer::serveControl(const std::shared_ptr<Link>& link, Stream& s, c
     *result = serveNotify(*link, s, body, deadline);
   } else if (h.op == wire::Op::kConfirm) {
     *result = serveConfirm(*link, s, body, deadline);
+  } else if (h.op == wire::Op::kHandoff) {
+    *result = serveHandoff(link, s, body, deadline);
   } else if (h.op == wire::Op::kPathConnect) {
     // A path's setup frame: the path its header names (readRequest found it) answers for itself.
     *result = setup->answer(*setup, *link, s, body, s_.pathEnv(), deadline);
@@ -269,8 +282,10 @@ Status RequestServer::serveDescribe(const Link& link, Stream& s, const wire::Req
   return sendAnswer(s, wire::encode(d.value()), deadline);
 }
 
-Status RequestServer::serveAccess(Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
-                                  Deadline deadline, ServeState* state, const Status& gate) {
+Status RequestServer::serveAccess(const std::shared_ptr<Link>& link_ptr, Stream& s, const wire::RequestHeader& h,
+                                  const wire::TransferBody& tb, Deadline deadline, ServeState* state,
+                                  const Status& gate) {
+  Link& link = *link_ptr;
   auto payload = tb.payloadBytes();
   const bool is_write = h.op == wire::Op::kWrite;
   const bool in_stream = is_write && h.flags == 0;  // the stream path's: the payload follows in this stream
@@ -291,7 +306,19 @@ Status RequestServer::serveAccess(Link& link, Stream& s, const wire::RequestHead
     PDLINK_LOG(kDebug, "refused a request from " << clusterName(link.peer()) << ": " << admitted.message());
     return refuse(admitted);
   }
-  auto resolved = s_.registry.resolve(tb, is_write);
+  // An offer's reads are checked by the offer table (engine/offers.h): live, its generation, its
+  // bound link, every run inside its blocks; the guard counts this read in the offer's `serving`
+  // until the response is sent, or, on a pinned access, until the pin ends.
+  OfferTable::Guard offer_guard;
+  Result<Resolved> resolved = Status(Code::kFailed, "");
+  if (tb.target.kind == wire::TargetKind::kOffer) {
+    Resolved r;
+    Status admitted = is_write ? Status(Code::kParamInvalid, "an offer is read only: writes to it are refused")
+                               : s_.offers.admitRead(tb, link_ptr, link.peer(), &offer_guard, &r);
+    resolved = admitted.ok() ? Result<Resolved>(std::move(r)) : Result<Resolved>(admitted);
+  } else {
+    resolved = s_.registry.resolve(tb, is_write);
+  }
   if (!resolved.ok()) {
     PDLINK_LOG(kDebug, "rejected " << (is_write ? "write" : "read") << " from " << clusterName(link.peer()) << ": "
                                    << resolved.status().message());
@@ -318,7 +345,10 @@ Status RequestServer::serveAccess(Link& link, Stream& s, const wire::RequestHead
   PathServer* server = s_.paths.serverFor(h.flags);
   if (!server) return refuse(Status(Code::kFeatureNotEnabled, "this engine does not serve that path"));
   Status served = server->serve(call);
-  if (call.pin) state->pinned = r.keep;  // until the peer's next frame, or the pin bound
+  if (call.pin) {  // until the peer's next frame, or the pin bound
+    state->pinned = r.keep;
+    if (offer_guard) state->offer_pins.push_back(std::move(offer_guard));
+  }
   return served;
 }
 
@@ -388,6 +418,9 @@ Status RequestServer::admitHeader(const Link& link, const wire::RequestHeader& h
   }
   if (h.op == wire::Op::kNotify && h.body_len > wire::kMaxNotifyBodyBytes) {
     return Status(Code::kLinkFailed, "oversized notification");
+  }
+  if (h.op == wire::Op::kHandoff && (h.body_len == 0 || h.body_len > wire::kMaxHandoffBodyBytes)) {
+    return Status(Code::kLinkFailed, "a handoff frame without a body, or oversized");
   }
   if (h.op == wire::Op::kRead && h.payload_len != 0) return Status(Code::kLinkFailed, "a payload on a read");
   return Status::OK();

@@ -47,6 +47,7 @@ class RequestServer {
   // What a link's serving keeps between requests (Engine::ServeState).
   struct ServeState {
     std::vector<std::shared_ptr<CacheEntry>> pinned;  // what a direct or IPC access of the peer uses
+    std::vector<OfferTable::Guard> offer_pins;         // the offers such an access reads (engine/offers.h)
     std::vector<std::string> exported;                // IPC keys exported for it
     bool unlinked = false;                            // the peer unlinked
     PinEpochs::Word* pin_epoch = nullptr;             // this link's (pin_epochs), while it is served
@@ -80,6 +81,9 @@ class RequestServer {
   // (Engine::serveStream); no exception escapes.
   Status serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state);
 
+  // Sends a kHandoff frame to the peer over this side's link and waits for its answer (as notify).
+  Status sendHandoff(uint64_t cluster_id, const wire::HandoffBody& body, int64_t timeout_ms);
+
   // Notifications (Engine::notify, Engine::takeNotifications).
   Status notify(uint64_t cluster_id, const std::string& name, const std::string& message, int64_t timeout_ms);
   std::vector<Notification> takeNotifications();
@@ -109,8 +113,8 @@ class RequestServer {
   // checked, then served by the path its flags name.
   // `gate`: the refusal decided before (a pending role switch, a stale epoch tag), answered once the
   // frame's payload is consumed; OK to serve.
-  Status serveAccess(Link& link, Stream& s, const wire::RequestHeader& h, const wire::TransferBody& tb,
-                     Deadline deadline, ServeState* state, const Status& gate);
+  Status serveAccess(const std::shared_ptr<Link>& link, Stream& s, const wire::RequestHeader& h,
+                     const wire::TransferBody& tb, Deadline deadline, ServeState* state, const Status& gate);
   // Closes the peer's split pull open on `link` (wire::kMarkSplit), if one is: its count in
   // served_in_flight is given back and a drain woken.
   void closeSplit(Link& link);
@@ -133,6 +137,9 @@ class RequestServer {
   // A kNotify frame: queued within the limits and acknowledged (a refusal keeps the link); a
   // malformed body drops the link.
   Status serveNotify(const Link& link, Stream& s, const std::string& body, Deadline deadline);
+  // A kHandoff frame (engine/offers.h): an abort or a hold from the peer, acted on and acknowledged;
+  // a malformed body drops the link.
+  Status serveHandoff(const std::shared_ptr<Link>& link, Stream& s, const std::string& body, Deadline deadline);
   // Answers kConfirm: whether this engine dialled (or is dialling) the asker with that nonce.
   Status serveConfirm(const Link& link, Stream& s, const std::string& body, Deadline deadline);
 

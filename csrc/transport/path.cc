@@ -8,7 +8,8 @@ namespace pdlink {
 std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
 
 bool usesKeyCommit(wire::TargetKind kind) {
-  return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex;
+  // kOffer: the commit releases the offer (claimed), on every path, after every byte landed.
+  return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex || kind == wire::TargetKind::kOffer;
 }
 
 Status failTransfer(Link& link, const Status& st, const char* what) {

@@ -34,6 +34,12 @@ class Reader {
     return true;
   }
   size_t left() const { return n_ - pos_; }
+  // The next `k` bytes (k <= left(), checked by the caller), skipped.
+  const char* take(size_t k) {
+    const char* at = reinterpret_cast<const char*>(p_) + pos_;
+    pos_ += k;
+    return at;
+  }
 
  private:
   const uint8_t* p_;
@@ -243,6 +249,8 @@ std::string Target::describe() const {
       return "blocks cache (model_id=" + std::to_string(model_id) + ")";
     case TargetKind::kRaw:
       return "registered memory";
+    case TargetKind::kOffer:
+      return "offer " + std::to_string(req_id) + " of blocks cache (model_id=" + std::to_string(model_id) + ")";
   }
   return "unknown target";
 }
@@ -289,7 +297,7 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
       !r.get(&t.batch_index) || !r.get(&out->block_size)) {
     return malformed("transfer");
   }
-  if (kind < 1 || kind > 5) return malformed("transfer");
+  if (kind < 1 || kind > 6) return malformed("transfer");
   t.kind = static_cast<TargetKind>(kind);
   // Counts are bounded by the bytes that are there and by the limits before anything is allocated.
   if (!r.get(&count)) return malformed("transfer");
@@ -479,6 +487,52 @@ Status decode(const uint8_t* p, size_t n, NotifyBody* out) {
   const char* c = reinterpret_cast<const char*>(p) + 4;
   out->name.assign(c, name_len);
   out->message.assign(c + name_len, n - 4 - name_len);
+  return Status::OK();
+}
+
+std::string encode(const HandoffBody& b) {
+  Writer w;
+  w.put(static_cast<uint8_t>(b.kind));
+  if (b.kind == HandoffBody::kAbort) {
+    w.put(static_cast<uint16_t>(b.request_id.size()));
+    w.bytes(b.request_id);
+    w.put(static_cast<uint16_t>(b.reason.size()));
+    w.bytes(b.reason);
+  } else {
+    w.put(static_cast<uint32_t>(b.offers.size()));
+    for (const auto& [id, generation] : b.offers) {
+      w.put(id);
+      w.put(generation);
+    }
+  }
+  return w.take();
+}
+
+Status decode(const uint8_t* p, size_t n, HandoffBody* out) {
+  Reader r(p, n);
+  uint8_t kind = 0;
+  if (!r.get(&kind)) return malformed("handoff");
+  if (kind == HandoffBody::kAbort) {
+    out->kind = HandoffBody::kAbort;
+    uint16_t len = 0;
+    if (!r.get(&len) || len > limits::kMaxHandoffRequestIdBytes || len > r.left()) return malformed("handoff");
+    out->request_id.assign(r.take(len), len);
+    if (!r.get(&len) || len > limits::kMaxHandoffReasonBytes || len != r.left()) return malformed("handoff");
+    out->reason.assign(r.take(len), len);
+    return Status::OK();
+  }
+  if (kind != HandoffBody::kHold) return malformed("handoff");
+  out->kind = HandoffBody::kHold;
+  uint32_t count = 0;
+  // Bounded by the bound and by the bytes that are there before anything is allocated.
+  if (!r.get(&count) || count > limits::kMaxHoldOffers || uint64_t{count} * 16 != r.left()) {
+    return malformed("handoff");
+  }
+  out->offers.resize(count);
+  for (auto& [id, generation] : out->offers) {
+    r.get(&id);
+    r.get(&generation);
+  }
   return Status::OK();
 }
 

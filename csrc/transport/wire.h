@@ -44,6 +44,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/limits.h"
@@ -167,8 +168,9 @@ enum class Op : uint8_t {
                       // whose hello had it, from there?" -> Response
   kPathConnect = 12,  // body: a path-connect header naming a path, then that path's setup body
                       // (below) -> that path's answer
+  kHandoff = 13,      // body: a HandoffBody (a KV handoff's abort or hold, engine/offers.h) -> Response
 };
-constexpr uint8_t kMaxOp = 12;
+constexpr uint8_t kMaxOp = 13;
 // Whether `op` is an op of this version (the decoder drops a frame with any other).
 bool isOp(uint8_t op);
 
@@ -294,6 +296,11 @@ enum class TargetKind : uint8_t {
   kIdIndex = 3,     // (cache_id, batch_index) -> (cache, slot)
   kBlocks = 4,      // model_id -> blocks cache; offsets are from the tensor start
   kRaw = 5,         // run offsets are absolute addresses inside any registered tensor (one tensor)
+  // A KV handoff's offer (engine/offers.h): model_id = the offered region's key, req_id = the offer
+  // id, prefix_id = its generation; offsets are from the tensor start, as kBlocks'. Reads only (a
+  // write is refused), each run inside the offer's blocks, from the offer's bound link; a kCommit
+  // through it releases the offer (claimed). Never read through cma's cached layout.
+  kOffer = 6,
 };
 
 struct Target {
@@ -393,5 +400,23 @@ constexpr uint32_t kMaxNotifyBodyBytes = 4 + limits::kMaxNotifyNameBytes + limit
 std::string encode(const NotifyBody& b);
 // kLinkFailed for a short body or a field past its bound.
 Status decode(const uint8_t* p, size_t n, NotifyBody* out);
+
+// kHandoff body: u8 kind, then
+//   kAbort: u16 length + request id (<= limits::kMaxHandoffRequestIdBytes), u16 length + reason
+//           (<= limits::kMaxHandoffReasonBytes): "release your offers of that request id, and fail
+//           my claims of it";
+//   kHold:  u32 n (<= limits::kMaxHoldOffers), then n x (offer id u64, generation u64): "extend
+//           these offers' leases and bind them to this link".
+// Nothing else may follow. A decoder drops the link on anything else (kLinkFailed).
+struct HandoffBody {
+  enum Kind : uint8_t { kAbort = 1, kHold = 2 };
+  Kind kind = kAbort;
+  std::string request_id;
+  std::string reason;
+  std::vector<std::pair<uint64_t, uint64_t>> offers;  // kHold: (offer id, generation)
+};
+constexpr uint32_t kMaxHandoffBodyBytes = 5 + 16 * limits::kMaxHoldOffers;
+std::string encode(const HandoffBody& b);
+Status decode(const uint8_t* p, size_t n, HandoffBody* out);
 
 }  // namespace pdlink::wire

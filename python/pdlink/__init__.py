@@ -45,6 +45,10 @@ _EXPORTS = {
     "LinkError": "status",
     "OutOfMemory": "status",
     "NotSupported": "status",
+    "OfferReleased": "status",
+    "Offer": "engine",
+    "Ticket": "engine",
+    "HandoffEvent": "engine",
     # the engine's constants (read from the native module on first use)
     "ANY_CLUSTER": "constants",
     "BACKENDS": "constants",
@@ -77,10 +81,13 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         Notification,
         Pending,
         PreparedTransfer,
+        HandoffEvent,
+        Offer,
         Region,
         RemoteRegion,
         RoleState,
         Scope,
+        Ticket,
         TransferCancelled,
     )
     from .kv import KvCaches  # noqa: F401
@@ -91,6 +98,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         LLMStatusCode,
         NotFound,
         NotSupported,
+        OfferReleased,
         OutOfMemory,
         TransferTimeout,
     )

@@ -25,6 +25,7 @@ LATEST_LINK_MARK: int  # Engine.linked_since(it) lists no peer, only the latest 
 LIMITS: dict[str, int]  # what one peer may make an engine spend (csrc/core/limits.h)
 LLM_STALE_EPOCH: int  # pdlink's own status codes (csrc/core/status.h), which pdlink.LLMStatusCode names
 LLM_ROLE_SWITCHING: int
+LLM_OFFER_RELEASED: int
 # the PDLINK_* variables the core reads (csrc/core/environment.h): name, meaning, default, empty_is_value
 NATIVE_VARIABLES: tuple[tuple[str, str, str | None, bool], ...]
 

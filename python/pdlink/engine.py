@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,9 +46,9 @@ if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
 
 __all__ = [
-    "BatchTransfer", "Engine", "EngineOptions", "Limits", "LinkInfo", "LinkResult", "MemoryMap", "MemoryPool",
-    "Notification", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "RoleState", "Scope",
-    "TransferCancelled",
+    "BatchTransfer", "Engine", "EngineOptions", "HandoffEvent", "Limits", "LinkInfo", "LinkResult", "MemoryMap",
+    "MemoryPool", "Notification", "Offer", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "RoleState",
+    "Scope", "Ticket", "TransferCancelled",
 ]
 
 T = TypeVar("T")
@@ -108,6 +109,14 @@ class Limits:
     tcp_chunk_bytes: int | None = None
     # How long ``Engine.switch_role`` waits for what is in flight before it rolls back (30000).
     switch_drain_timeout_ms: int | None = None
+    # KV handoffs (``Engine.offer``, docs/native_api.md, "Handoffs"): offers held at once (65536;
+    # past it ``offer`` raises ``OutOfMemory``), the longest lease (3600000 ms), the lease of an offer
+    # that names none (60000 ms), and the entries of each handoff event queue (4096; the oldest
+    # dropped when full, one peer's aborts at most a quarter of them).
+    max_offers: int | None = None
+    max_lease_ms: int | None = None
+    offer_lease_ms: int | None = None
+    max_handoff_events: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -122,7 +131,8 @@ class RoleState:
     ``"failed"`` (docs/architecture.md, "Roles"). ``transfers_in_flight``: this side's own pulls,
     pushes, posts and describes running; ``served_in_flight``: the peers' requests being served
     now; ``pins``: the links whose peer holds a pin (a direct, IPC or one-sided access awaiting the
-    peer's next frame). A switch drains until the three counts are 0."""
+    peer's next frame); ``offers``: this engine's KV handoff offers not yet released (``Engine.offer``).
+    A switch drains until the four counts are 0."""
 
     role: str
     epoch: int
@@ -130,6 +140,7 @@ class RoleState:
     transfers_in_flight: int
     served_in_flight: int
     pins: int
+    offers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -438,6 +449,90 @@ class BatchTransfer:
         self.write = native.write
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """What a decoder needs to claim an offer (``Engine.offer`` -> ``Offer.ticket``; send it to the
+    decoder, it pickles small): the prefill's ``cluster_id`` and ``address`` (``"ip:port"`` it listens
+    on; ``""`` when it does not listen: the decoder must be linked already), the offered region's
+    ``key``, ``tensors``, ``block_size`` and ``length`` (per tensor), the offered ``blocks``, and the
+    offer's ``offer_id``, ``generation`` (a ticket of another engine incarnation, or a guessed one,
+    matches nothing), ``request_id`` and ``lease_ms``."""
+
+    cluster_id: int
+    address: str
+    key: int
+    tensors: int
+    block_size: int
+    length: int
+    blocks: tuple[int, ...]
+    offer_id: int
+    generation: int
+    request_id: str
+    lease_ms: int
+
+
+@dataclass(frozen=True)
+class HandoffEvent:
+    """A handoff event. From ``Engine.released()``: ``kind`` ``"released"``, an offer of this engine
+    was released (``offer_id``, ``request_id``, ``reason``: ``"claimed"``, ``"expired"``,
+    ``"aborted"``, ``"peer_aborted"``, ``"link_down"`` or ``"released"``; ``peer``: the cluster id
+    of the link it was bound to, 0 for none). From ``Engine.handoff_events()``: ``kind``
+    ``"aborted"``, peer ``peer`` aborted ``request_id`` with ``reason`` (``offer_id`` None)."""
+
+    kind: str
+    peer: int
+    request_id: str
+    reason: str
+    offer_id: int | None = None
+
+
+class Offer:
+    """One KV handoff offer of this engine (``Engine.offer``): its blocks stay retained for
+    ``ticket.request_id`` until the offer is released.
+
+    ``released``: True once the offer is released AND no read of it is being served: from then the
+    blocks may be reused (a late claim fails with ``pdlink.OfferReleased`` and lands nothing).
+    ``reason``: None while live, then ``"claimed"``, ``"expired"``, ``"aborted"``, ``"peer_aborted"``,
+    ``"link_down"`` or ``"released"``. ``release()`` gives it up (reason ``"released"``; a no-op once
+    released); ``wait(timeout)`` waits until ``released`` (True) or the timeout (False). The
+    ``on_release(offer)`` given to ``Engine.offer`` runs once, on the engine's handoff thread, after
+    ``released`` became True."""
+
+    def __init__(self, engine: Engine, ticket: Ticket, on_release: Callable[[Offer], object] | None) -> None:
+        self.ticket = ticket
+        self._engine = engine
+        self._on_release = on_release
+        self._done = threading.Event()
+        self._reason: str | None = None
+
+    @property
+    def released(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    def release(self) -> None:
+        self._engine._native.release_offer(self.ticket.offer_id)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _finish(self, reason: str) -> None:
+        self._reason = reason
+        self._done.set()
+        if self._on_release is not None:
+            try:
+                self._on_release(self)
+            except Exception:  # noqa: BLE001: a callback's error must not stop the other offers' callbacks
+                logging.getLogger("pdlink").exception("an offer's on_release callback raised")
+
+    def __repr__(self) -> str:
+        return (f"Offer(offer_id={self.ticket.offer_id}, request_id={self.ticket.request_id!r}, "
+                f"released={self.released}, reason={self._reason!r})")
+
+
 def _descriptors(descs: Descriptors, what: str) -> np.ndarray:
     arr = np.asarray(descs, dtype=np.uint64)
     if arr.ndim != 2 or arr.shape[1] != 2 or arr.shape[0] == 0:
@@ -472,6 +567,12 @@ class Engine:
         self._batches: dict[int, BatchTransfer] = {}  # peer -> its descriptor transfers (read_batch)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # KV handoffs: the live offers by id, and the thread that reports their releases (started by
+        # the first offer; _handoff_lock orders an offer's insertion before its release's report).
+        self._offers: dict[int, Offer] = {}
+        self._handoff_lock = threading.Lock()
+        self._handoff_thread: threading.Thread | None = None
+        self._handoff_stop = False
 
     # ------------------------------------------------------------------ lifetime
 
@@ -482,7 +583,14 @@ class Engine:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self._native.finalize()
+        self._native.finalize()  # releases every offer (reason "released")
+        with self._handoff_lock:
+            thread, self._handoff_thread = self._handoff_thread, None
+            self._handoff_stop = True
+        if thread is not None:
+            self._native.wake_handoffs()
+            if thread is not threading.current_thread():
+                thread.join()
         with self._lock:  # peers can reach nothing now
             self._regions.clear()
             self._owners.clear()
@@ -550,7 +658,7 @@ class Engine:
         r = self._native.role_state()
         return RoleState(role=str(r.role.name), epoch=int(r.epoch), phase=str(r.phase.name).lower(),
                          transfers_in_flight=int(r.transfers_in_flight), served_in_flight=int(r.served_in_flight),
-                         pins=int(r.pins))
+                         pins=int(r.pins), offers=int(r.offers))
 
     @property
     def listen_port(self) -> int:
@@ -837,6 +945,134 @@ class Engine:
                 self._batches.clear()
             batch = self._batches[peer] = self.batch(peer)
         (batch.write if push else batch.read)(local, remote, lengths, timeout_ms or 0, cancel)
+
+    # ------------------------------------------------------------------ KV handoffs
+
+    def offer(self, region: Region, blocks: Indices, *, request_id: str, lease_ms: int | None = None,
+              on_release: Callable[[Offer], object] | None = None) -> Offer:
+        """Retains ``blocks`` (block indices of ``region``, a region registered here with a ``key``)
+        for ``request_id`` (at most 256 bytes UTF-8) until a decoder claims them
+        (``Engine.claim(offer.ticket, ...)``), the lease passes (``lease_ms``, default
+        ``Limits.offer_lease_ms``, at most ``Limits.max_lease_ms``; a hold or a claim's read extends
+        it), either side aborts the request, the decoder's link goes down, or ``Offer.release()``
+        (docs/native_api.md, "Handoffs"). Raises ``InvalidArgument``, ``OutOfMemory`` past
+        ``Limits.max_offers``, ``LLM_ROLE_SWITCHING`` while a role switch is pending."""
+        if region.key is None:
+            raise ValueError("an offer is read through a region registered with a key (register(key=...))")
+        with self._lock:
+            if region.cache_id not in self._regions:
+                raise ValueError(f"region {region.cache_id} is not registered here")
+        if lease_ms is not None and (type(lease_ms) is not int or lease_ms <= 0):
+            raise ValueError(f"lease_ms must be a positive int, got {lease_ms!r}")
+        block_list = [int(b) for b in np.asarray(blocks, np.int64).reshape(-1)]
+        with self._handoff_lock:
+            if self._handoff_stop:
+                raise ValueError("the engine is closed")
+            offer_id, generation, lease = self._native.offer(region.cache_id, block_list, str(request_id),
+                                                             lease_ms or 0)
+            ticket = Ticket(cluster_id=self.cluster_id, address=self._address(), key=int(region.key),
+                            tensors=region.tensors, block_size=region.block_size, length=region.length,
+                            blocks=tuple(sorted(set(block_list))), offer_id=int(offer_id),
+                            generation=int(generation), request_id=str(request_id), lease_ms=int(lease))
+            offer = self._offers[ticket.offer_id] = Offer(self, ticket, on_release)
+            if self._handoff_thread is None:
+                self._handoff_thread = threading.Thread(target=self._report_releases, name="pdlink-handoffs",
+                                                        daemon=True)
+                self._handoff_thread.start()
+        return offer
+
+    def claim(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,
+              timeout_ms: int | None = None) -> None:
+        """Pulls the ticket's blocks into ``local_blocks`` of ``local_region`` (same count, same
+        tensors and block size), linking to the ticket's engine first if this one is not linked to
+        it; once every byte landed, the offer is released on the prefill side by the pull's own
+        closing frame (no extra round trip). Raises ``pdlink.OfferReleased`` when the offer is over
+        (claimed, expired, aborted, its link down, another decoder's) or the prefill aborted the
+        request before this returned; a pull's errors otherwise."""
+        self._claim(ticket, local_region, local_blocks, timeout_ms)
+
+    def claim_async(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,
+                    timeout_ms: int | None = None) -> Pending:
+        """``claim`` on the engine's async pool; ``Pending.cancel()`` stops it at its next cancel
+        point: the offer then stays live (it is released only by a claim that landed every byte) and
+        this engine may claim it again."""
+        local = np.array(local_blocks, np.int64)
+        return self._submit_transfer(lambda token: self._claim(ticket, local_region, local, timeout_ms, token))
+
+    def _claim(self, ticket: Ticket, local: Region, local_blocks: Indices, timeout_ms: int | None,
+               cancel: Any = None) -> None:
+        if not isinstance(ticket, Ticket):
+            raise TypeError(f"ticket must be a pdlink.Ticket, got {type(ticket).__name__}")
+        if local.cache_id not in self._regions:
+            raise ValueError(f"region {local.cache_id} is not registered here")
+        if local.tensors != ticket.tensors or local.block_size != ticket.block_size:
+            raise ValueError(f"the local region has {local.tensors} tensors of {local.block_size}-byte blocks, the "
+                             f"offer {ticket.tensors} of {ticket.block_size}-byte blocks")
+        blocks = [int(b) for b in np.asarray(local_blocks, np.int64).reshape(-1)]
+        if len(blocks) != len(ticket.blocks):
+            raise ValueError(f"the ticket offers {len(ticket.blocks)} blocks, got {len(blocks)} local ones")
+        if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
+            raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
+        if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken
+                                      for link in self.links()):
+            self.connect(ticket.address, cluster_id=ticket.cluster_id)
+        self._native.claim(ticket.cluster_id, ticket.key, ticket.offer_id, ticket.generation, ticket.request_id,
+                           local.cache_id, blocks, list(ticket.blocks), timeout_ms or 0, cancel)
+
+    def abort(self, request_id: str, *, peer: int | None = None, reason: str = "",
+              timeout_ms: int | None = None) -> None:
+        """Aborts ``request_id``: this engine's offers of it are released (reason ``"aborted"``), and
+        ``peer`` (or every linked peer, skipping those it cannot reach) is told: its offers of it
+        are released (``"peer_aborted"``), it queues a ``HandoffEvent`` (``handoff_events()``), and
+        its claims of it from this engine fail with ``pdlink.OfferReleased``. ``reason``: at most
+        256 bytes UTF-8. With ``peer``, that peer's failure raises."""
+        timeout = self.options.timeout_ms if timeout_ms is None else timeout_ms
+        self._native.abort(str(request_id), peer, str(reason), timeout)
+
+    def hold(self, tickets: Sequence[Ticket], *, timeout_ms: int | None = None) -> None:
+        """A decoder's heartbeat: each ticket's offer gets its lease extended by its ``lease_ms`` and
+        is bound to this engine's link (from then, that link's death releases it, reason
+        ``"link_down"``). One frame per prefill engine; offers that are over are skipped."""
+        timeout = self.options.timeout_ms if timeout_ms is None else timeout_ms
+        by_peer: dict[int, list[tuple[int, int]]] = {}
+        for t in tickets:
+            by_peer.setdefault(t.cluster_id, []).append((t.offer_id, t.generation))
+        for peer, offers in by_peer.items():
+            self._native.hold(peer, offers, timeout)
+
+    def released(self) -> list[HandoffEvent]:
+        """Takes the records of this engine's offers released since the last call, oldest first
+        (at most ``Limits.max_handoff_events`` kept: the oldest are dropped past it)."""
+        return [HandoffEvent("released", int(peer), rid, reason, int(oid))
+                for oid, rid, reason, peer in self._native.take_released()]
+
+    def handoff_events(self) -> list[HandoffEvent]:
+        """Takes what peers told this engine of their handoffs (``kind`` ``"aborted"``), oldest first."""
+        return [HandoffEvent(kind, int(peer), rid, reason) for kind, peer, rid, reason in
+                self._native.take_handoff_events()]
+
+    def _address(self) -> str:
+        if self.options.listen is None:
+            return ""
+        ip, _ = _split_address(self.options.listen)
+        return f"{ip}:{self.listen_port}"
+
+    def _report_releases(self) -> None:
+        """The handoff thread: reports each released offer to its ``Offer`` (``released``, ``wait``,
+        ``on_release``), until the engine closed and nothing is left to report."""
+        while True:
+            done = self._native.take_finalized_offers(200)
+            finished = []
+            with self._handoff_lock:
+                for offer_id, reason in done:
+                    offer = self._offers.pop(int(offer_id), None)
+                    if offer is not None:
+                        finished.append((offer, str(reason)))
+                stop = self._handoff_stop and not done
+            for offer, reason in finished:
+                offer._finish(reason)
+            if stop:
+                return
 
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Pending:
         with self._lock:

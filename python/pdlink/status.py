@@ -79,6 +79,7 @@ class LLMStatusCode(NamedIntEnum):
     # the values are written here so that ``import pdlink`` does not load the native module).
     LLM_STALE_EPOCH = _LLM_CODE_BASE + 0x101
     LLM_ROLE_SWITCHING = _LLM_CODE_BASE + 0x102
+    LLM_OFFER_RELEASED = _LLM_CODE_BASE + 0x103  # a KV handoff's offer is released (Engine.claim)
     LLM_DEVICE_MEM_ERROR = 507053  # ACL_ERROR_RT_DEVICE_MEM_ERROR
     LLM_SUSPECT_REMOTE_ERROR = 507057  # ACL_ERROR_RT_SUSPECT_REMOTE_ERROR
     LLM_UNKNOWN_ERROR = -1  # Python only
@@ -179,6 +180,12 @@ class NotSupported(LLMException, NotImplementedError):
     """The feature is not available here (``LLM_FEATURE_NOT_ENABLED``)."""
 
 
+class OfferReleased(LLMException):
+    """A KV handoff's offer is over (``LLM_OFFER_RELEASED``): claimed, expired, aborted by either
+    side, its decoder's link down, or never offered; nothing of it landed (docs/native_api.md,
+    "Handoffs"). The message says why."""
+
+
 _ERROR_CLASSES: dict[LLMStatusCode, type[LLMException]] = {
     LLMStatusCode.LLM_PARAM_INVALID: InvalidArgument,
     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST: NotFound,
@@ -195,6 +202,7 @@ _ERROR_CLASSES: dict[LLMStatusCode, type[LLMException]] = {
     LLMStatusCode.LLM_BLOCKS_OUT_OF_MEMORY: OutOfMemory,
     LLMStatusCode.LLM_NO_FREE_BLOCK: OutOfMemory,
     LLMStatusCode.LLM_FEATURE_NOT_ENABLED: NotSupported,
+    LLMStatusCode.LLM_OFFER_RELEASED: OfferReleased,
 }
 
 

@@ -41,6 +41,7 @@ EXPECTED_CODES = {
     "LLM_OUT_OF_MEMORY": 1343270940,
     "LLM_STALE_EPOCH": 0x5010B101,  # pdlink's own (role epochs): no llm_datadist call raises them
     "LLM_ROLE_SWITCHING": 0x5010B102,
+    "LLM_OFFER_RELEASED": 0x5010B103,
     "LLM_DEVICE_MEM_ERROR": 507053,
     "LLM_SUSPECT_REMOTE_ERROR": 507057,
     "LLM_UNKNOWN_ERROR": -1,
@@ -74,6 +75,7 @@ def test_pdlinks_own_codes_are_the_native_modules():
     core = internals.core
     assert LLMStatusCode.LLM_STALE_EPOCH == core.LLM_STALE_EPOCH
     assert LLMStatusCode.LLM_ROLE_SWITCHING == core.LLM_ROLE_SWITCHING
+    assert LLMStatusCode.LLM_OFFER_RELEASED == core.LLM_OFFER_RELEASED
 
 
 def test_status_code_hex_values():
