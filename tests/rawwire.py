@@ -31,7 +31,7 @@ HELLO_SAME_HOST, HELLO_PAYLOAD_INTEGRITY = 1, 2
 AUTH_PAYLOAD_INTEGRITY = 1
 
 (OP_READ, OP_WRITE, OP_COMMIT, OP_UNLINK, OP_PING, OP_DESCRIBE, OP_RELEASE) = range(1, 8)
-OP_NOTIFY, OP_CONFIRM, OP_PATH_CONNECT = 9, 11, 12
+OP_NOTIFY, OP_CONFIRM, OP_PATH_CONNECT, OP_HANDOFF = 9, 11, 12, 13
 # v4's device-channel and ucx-connect frames: unknown ops since v5 (a frame with either is dropped).
 OLD_OP_DEVICE_CHANNEL, OLD_OP_UCX_CONNECT = 8, 10
 FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED, FLAG_UCX = 1, 2, 4, 8
@@ -39,7 +39,7 @@ FLAG_DIRECT, FLAG_DEVICE, FLAG_ONE_SIDED, FLAG_UCX = 1, 2, 4, 8
 PATH_DEVICE_CHANNEL, PATH_UCX = FLAG_DEVICE, FLAG_UCX
 FLAG_TEST_PATH = 16  # the path of a C++ test build only (csrc/tests/pipe_path.h)
 MARK_SPLIT = 32  # wire v7's split mark, alone: on a read a chunk of a split pull, on a release its end
-KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW = range(1, 6)
+KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW, KIND_OFFER = range(1, 7)
 ANY = 2**64 - 1
 LINK_FAILED = 0x5010B009
 
@@ -280,6 +280,26 @@ def counted_body(tensor_count: int, run_count: int, tensor_bytes: bytes = b"", r
     """A body whose counts say one thing and whose bytes may say another (for bounds tests)."""
     return (body_header(model=model) + struct.pack("<I", tensor_count) + tensor_bytes + struct.pack("<I", run_count)
             + run_bytes)
+
+
+def offer_body(model: int, offer_id: int, generation: int, runs=((0, 64),), tensors=(0,), block_size: int = 0) -> bytes:
+    """A TransferBody naming a KV handoff's offer (kOffer: model = the region's key, req = the offer
+    id, prefix = its generation)."""
+    b = body_header(kind=KIND_OFFER, model=model, req=offer_id, prefix=generation, block_size=block_size)
+    b += struct.pack("<I", len(tensors)) + b"".join(struct.pack("<I", t) for t in tensors)
+    b += struct.pack("<I", len(runs)) + b"".join(struct.pack("<QQ", o, n) for o, n in runs)
+    return b
+
+
+def abort_body(request_id: bytes, reason: bytes = b"") -> bytes:
+    """A kHandoff abort: kind 1, u16 length + request id, u16 length + reason."""
+    return struct.pack("<BH", 1, len(request_id)) + request_id + struct.pack("<H", len(reason)) + reason
+
+
+def hold_body(offers: list[tuple[int, int]], count: int | None = None) -> bytes:
+    """A kHandoff hold: kind 2, u32 count (``count`` overrides it), then (offer id, generation) pairs."""
+    n = len(offers) if count is None else count
+    return struct.pack("<BI", 2, n) + b"".join(struct.pack("<QQ", i, g) for i, g in offers)
 
 
 def notify_body(name: bytes, message: bytes) -> bytes:
