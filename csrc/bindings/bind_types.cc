@@ -243,20 +243,20 @@ void bindEngineReports(py::module_& m) {
                              field("transport", &LinkInfo::transport), field("authenticated", &LinkInfo::authenticated),
                              field("payload_integrity", &LinkInfo::payload_integrity),
                              field("device_paths", &LinkInfo::device_paths), field("lanes", &LinkInfo::lanes)));
-  bindRecord(m, "EngineStats",
-             std::make_tuple(
-                 field("live_links", &EngineStats::live_links), field("tombstones", &EngineStats::tombstones),
-                 field("handshakes", &EngineStats::handshakes), field("threads", &EngineStats::threads),
-                 field("handshakes_refused", &EngineStats::handshakes_refused),
-                 field("handshakes_evicted", &EngineStats::handshakes_evicted),
-                 field("listener_backoffs", &EngineStats::listener_backoffs),
-                 field("pins_expired", &EngineStats::pins_expired), field("notifications", &EngineStats::notifications),
-                 field("notifications_refused", &EngineStats::notifications_refused),
-                 field("offers_live", &EngineStats::offers_live),
-                 field("offers_released", &EngineStats::offers_released),
-                 field("offers_expired", &EngineStats::offers_expired),
-                 field("offers_aborted", &EngineStats::offers_aborted), field("offer_bytes", &EngineStats::offer_bytes),
-                 field("handoff_events_dropped", &EngineStats::handoff_events_dropped)));
+  bindRecord(
+      m, "EngineStats",
+      std::make_tuple(
+          field("live_links", &EngineStats::live_links), field("tombstones", &EngineStats::tombstones),
+          field("handshakes", &EngineStats::handshakes), field("threads", &EngineStats::threads),
+          field("handshakes_refused", &EngineStats::handshakes_refused),
+          field("handshakes_evicted", &EngineStats::handshakes_evicted),
+          field("listener_backoffs", &EngineStats::listener_backoffs),
+          field("pins_expired", &EngineStats::pins_expired), field("notifications", &EngineStats::notifications),
+          field("notifications_refused", &EngineStats::notifications_refused),
+          field("offers_live", &EngineStats::offers_live), field("offers_released", &EngineStats::offers_released),
+          field("offers_expired", &EngineStats::offers_expired), field("offers_aborted", &EngineStats::offers_aborted),
+          field("offer_bytes", &EngineStats::offer_bytes),
+          field("handoff_events_dropped", &EngineStats::handoff_events_dropped)));
   bindRecord(
       m, "RoleState",
       std::make_tuple(field("role", &RoleState::role), field("epoch", &RoleState::epoch),

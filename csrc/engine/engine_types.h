@@ -183,21 +183,21 @@ struct PeerAddress {
 
 // Counters of what peers made an engine spend (Engine::stats): for tests, logs and metrics.
 struct EngineStats {
-  size_t live_links = 0;               // links with channels (dialled and accepted)
-  size_t tombstones = 0;               // dead links still reported until unlinked (engine/link_table.h)
-  size_t handshakes = 0;               // connections in a handshake now
-  size_t threads = 0;                  // engine threads running (serving, handshakes)
-  uint64_t handshakes_refused = 0;     // connections dropped for want of a handshake slot
-  uint64_t handshakes_evicted = 0;     // silent connections dropped to make room for a newcomer
-  uint64_t listener_backoffs = 0;      // times a listener paused for want of descriptors
-  uint64_t pins_expired = 0;           // pins released before the peer's next frame
-  size_t notifications = 0;            // notifications received and not yet taken
-  uint64_t notifications_refused = 0;  // notifications refused because a queue bound was reached
-  uint64_t offers_live = 0;            // KV handoff offers not yet released (engine/offers.h)
-  uint64_t offers_released = 0;        // offers released, every reason
-  uint64_t offers_expired = 0;         // of those, by their lease
-  uint64_t offers_aborted = 0;         // of those, by an abort of this engine or of a peer
-  uint64_t offer_bytes = 0;            // bytes the live offers retain
+  size_t live_links = 0;                // links with channels (dialled and accepted)
+  size_t tombstones = 0;                // dead links still reported until unlinked (engine/link_table.h)
+  size_t handshakes = 0;                // connections in a handshake now
+  size_t threads = 0;                   // engine threads running (serving, handshakes)
+  uint64_t handshakes_refused = 0;      // connections dropped for want of a handshake slot
+  uint64_t handshakes_evicted = 0;      // silent connections dropped to make room for a newcomer
+  uint64_t listener_backoffs = 0;       // times a listener paused for want of descriptors
+  uint64_t pins_expired = 0;            // pins released before the peer's next frame
+  size_t notifications = 0;             // notifications received and not yet taken
+  uint64_t notifications_refused = 0;   // notifications refused because a queue bound was reached
+  uint64_t offers_live = 0;             // KV handoff offers not yet released (engine/offers.h)
+  uint64_t offers_released = 0;         // offers released, every reason
+  uint64_t offers_expired = 0;          // of those, by their lease
+  uint64_t offers_aborted = 0;          // of those, by an abort of this engine or of a peer
+  uint64_t offer_bytes = 0;             // bytes the live offers retain
   uint64_t handoff_events_dropped = 0;  // handoff events dropped from a full queue
 };
 

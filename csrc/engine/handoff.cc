@@ -100,7 +100,8 @@ Status Engine::abort(const std::string& request_id, std::optional<uint64_t> peer
   for (const LinkInfo& link : links()) {
     if (link.broken) continue;
     Status st = server_.sendHandoff(link.peer_cluster_id, body, timeout_ms);
-    if (!st.ok()) PDLINK_LOG(kInfo, "could not tell " << clusterName(link.peer_cluster_id) << " of an abort: " << st.message());
+    if (!st.ok())
+      PDLINK_LOG(kInfo, "could not tell " << clusterName(link.peer_cluster_id) << " of an abort: " << st.message());
   }
   return Status::OK();
 }

@@ -180,8 +180,9 @@ Status OfferTable::admitRead(const wire::TransferBody& body, const std::shared_p
   }
   for (uint32_t tensor : body.tensors) {
     if (tensor >= L.num_tensors) {
-      return Status(Code::kParamInvalid, "tensor index " + std::to_string(tensor) + " out of range: the offer's region has " +
-                                             std::to_string(L.num_tensors) + " tensors");
+      return Status(Code::kParamInvalid, "tensor index " + std::to_string(tensor) +
+                                             " out of range: the offer's region has " + std::to_string(L.num_tensors) +
+                                             " tensors");
     }
   }
   for (const wire::Run& run : body.runs) {

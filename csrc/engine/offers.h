@@ -170,7 +170,8 @@ class OfferTable {
   size_t releaseRequest(const std::string& request_id, OfferReason reason, const std::shared_ptr<Link>& from_link);
   // A hold from `link`: each (id, generation) that is live and unbound or bound to `link` is bound to
   // it and its lease extended by its lease_ms; the rest are ignored. Returns how many were held.
-  size_t hold(const std::shared_ptr<Link>& link, uint64_t peer, const std::vector<std::pair<uint64_t, uint64_t>>& offers);
+  size_t hold(const std::shared_ptr<Link>& link, uint64_t peer,
+              const std::vector<std::pair<uint64_t, uint64_t>>& offers);
   // The link's serving ended: its offers are released (link_down).
   void linkEnded(const std::shared_ptr<Link>& link);
   // Releases every offer (finalize); their events are queued as any release's.

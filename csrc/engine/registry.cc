@@ -234,7 +234,7 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
         break;
       }
       case wire::TargetKind::kRaw:
-        break;  // handled above
+        break;                        // handled above
       case wire::TargetKind::kOffer:  // the offer table's (engine/offers.h), never the registry's
         return Status(Code::kParamInvalid, "an offer is resolved by the offer table");
     }

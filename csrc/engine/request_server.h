@@ -47,7 +47,7 @@ class RequestServer {
   // What a link's serving keeps between requests (Engine::ServeState).
   struct ServeState {
     std::vector<std::shared_ptr<CacheEntry>> pinned;  // what a direct or IPC access of the peer uses
-    std::vector<OfferTable::Guard> offer_pins;         // the offers such an access reads (engine/offers.h)
+    std::vector<OfferTable::Guard> offer_pins;        // the offers such an access reads (engine/offers.h)
     std::vector<std::string> exported;                // IPC keys exported for it
     bool unlinked = false;                            // the peer unlinked
     PinEpochs::Word* pin_epoch = nullptr;             // this link's (pin_epochs), while it is served

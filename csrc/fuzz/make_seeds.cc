@@ -217,6 +217,12 @@ int main(int argc, char** argv) {
   byid.target.batch_index = 2;
   seed("body-id-index", kModeBody, wire::encode(byid));
   seed("body-raw", kModeBody, wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}})));
+  wire::TransferBody offer = body(K::kOffer, {0}, {{32, 64}});  // a KV handoff's offer (engine/offers.h)
+  offer.target.model_id = 7;
+  offer.target.req_id = 1;
+  offer.target.prefix_id = 0x5a5a5a5a5a5a5a5a;
+  offer.block_size = 32;
+  seed("body-offer", kModeBody, wire::encode(offer));
 
   // A session through the serving loop: read and commit by key (which frees the pooled slot's key),
   // a direct read, device flags, a describe, the memory table and a read by address, a write, a notification,
@@ -255,6 +261,16 @@ int main(int argc, char** argv) {
   seed("serve-path-connect-short", kModeServe, std::string(1, '\0') + ping + bodyFrame(wire::Op::kPathConnect, ""));
   // (announced, with only the path's header sent: the link is dropped before the rest is read)
   const wire::RequestHeader oversized{wire::Op::kPathConnect, 1 + wire::kMaxUcxHelloBytes + 1, 0};
+  // KV handoffs: a read and a commit of an offer (refused: none is offered), a hold and an abort
+  // (acknowledged), then a hold whose count is past its entries (the link is dropped).
+  wire::HandoffBody abort{wire::HandoffBody::kAbort, "req-11", "gone", {}};
+  wire::HandoffBody hold{wire::HandoffBody::kHold, "", "", {{1, 2}, {3, 4}}};
+  std::string bad_hold = wire::encode(hold);
+  bad_hold[1] = 3;
+  seed("serve-handoff", kModeServe,
+       std::string(1, '\0') + frame(wire::Op::kRead, offer) + frame(wire::Op::kCommit, offer) +
+           bodyFrame(wire::Op::kHandoff, wire::encode(hold)) + bodyFrame(wire::Op::kHandoff, wire::encode(abort)) +
+           bodyFrame(wire::Op::kHandoff, bad_hold));
   seed("serve-path-connect-oversized", kModeServe,
        std::string(1, '\0') + ping + std::string(1, static_cast<char>(kStepFrame)) + wire::encode(oversized) +
            std::string(1, static_cast<char>(wire::kFlagUcx)));

@@ -71,7 +71,8 @@ void requestHeaderCases() {
     bad[4] = static_cast<char>(op);
     bad[5] = 0;
     const bool known = op == 1 || op == 2 || op == 3 || op == 4 || op == 5 || op == 6 || op == 7 || op == 9 ||
-                       op == 11 || op == static_cast<uint8_t>(wire::Op::kPathConnect);
+                       op == 11 || op == static_cast<uint8_t>(wire::Op::kPathConnect) ||
+                       op == static_cast<uint8_t>(wire::Op::kHandoff);
     check(wire::isOp(op) == known, "request header: op " + std::to_string(op) + " known or not");
     checkCode(wire::decode(bytes(bad), bad.size(), &got), known ? Code::kSuccess : Code::kLinkFailed,
               "request header: decoding op " + std::to_string(op));

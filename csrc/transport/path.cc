@@ -9,7 +9,8 @@ std::string clusterName(uint64_t id) { return "cluster " + std::to_string(id); }
 
 bool usesKeyCommit(wire::TargetKind kind) {
   // kOffer: the commit releases the offer (claimed), on every path, after every byte landed.
-  return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex || kind == wire::TargetKind::kOffer;
+  return kind == wire::TargetKind::kRequestKey || kind == wire::TargetKind::kIdIndex ||
+         kind == wire::TargetKind::kOffer;
 }
 
 Status failTransfer(Link& link, const Status& st, const char* what) {

@@ -102,6 +102,7 @@ class TargetKind(_Enum):  # how the serving side finds the cache a transfer addr
     ID_INDEX: ClassVar[TargetKind]
     BLOCKS: ClassVar[TargetKind]
     RAW: ClassVar[TargetKind]  # run offsets are absolute addresses inside one registered tensor
+    OFFER: ClassVar[TargetKind]  # a KV handoff's offer: model_id = key, req_id = offer id, prefix_id = generation
 
 class TransferMode(_Enum):
     SLOT_TO_SLOT: ClassVar[TransferMode]
@@ -141,6 +142,10 @@ class EngineLimits:
     max_tcp_lanes: int  # extra TCP streams (lanes) of all links together
     tcp_chunk_bytes: int  # the chunk a large tcp transfer is split into
     switch_drain_timeout_ms: int  # how long a role switch drains before it rolls back
+    max_offers: int  # KV handoff offers held at once (engine/offers.h)
+    max_lease_ms: int  # the longest lease an offer may ask for
+    offer_lease_ms: int  # the lease of an offer that asks for none
+    max_handoff_events: int  # entries of each handoff event queue
     def __init__(self) -> None: ...
 
 class Notification:
@@ -243,6 +248,18 @@ class EngineStats:
     def notifications(self) -> int: ...  # notifications received and not yet taken
     @property
     def notifications_refused(self) -> int: ...  # refused because a queue bound was reached
+    @property
+    def offers_live(self) -> int: ...  # KV handoff offers not yet released
+    @property
+    def offers_released(self) -> int: ...
+    @property
+    def offers_expired(self) -> int: ...
+    @property
+    def offers_aborted(self) -> int: ...
+    @property
+    def offer_bytes(self) -> int: ...  # bytes the live offers retain
+    @property
+    def handoff_events_dropped(self) -> int: ...  # dropped from a full handoff event queue
     def as_dict(self) -> dict[str, int]: ...  # the fields in order
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
@@ -264,6 +281,8 @@ class RoleState:
     def served_in_flight(self) -> int: ...  # peers' requests being served
     @property
     def pins(self) -> int: ...  # served links holding a peer's pin
+    @property
+    def offers(self) -> int: ...  # KV handoff offers not yet released
     def as_dict(self) -> dict[str, Any]: ...  # the fields in order
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
@@ -457,6 +476,30 @@ class Engine:
     def describe_memory(self, cluster_id: int, timeout_ms: int) -> tuple[int, list[tuple[int, int]]]: ...
     # Descriptor lists to one peer: [local[i], +lengths[i]) <-> [remote[i], +lengths[i]), absolute addresses.
     def batch(self, peer: int) -> BatchTransfer: ...
+    # KV handoffs (engine/offers.h): records are tuples, pdlink.Engine wraps them.
+    def offer(
+        self, cache_id: int, blocks: Sequence[int], request_id: str, lease_ms: int
+    ) -> tuple[int, int, int]: ...  # (offer id, generation, lease_ms)
+    def release_offer(self, offer_id: int) -> None: ...
+    def claim(
+        self,
+        peer: int,
+        key: int,
+        offer_id: int,
+        generation: int,
+        request_id: str,
+        local_cache_id: int,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        timeout_ms: int,
+        cancel: CancelToken | None = None,
+    ) -> None: ...
+    def abort(self, request_id: str, peer: int | None, reason: str, timeout_ms: int) -> None: ...
+    def hold(self, peer: int, offers: Sequence[tuple[int, int]], timeout_ms: int) -> None: ...
+    def take_released(self) -> list[tuple[int, str, str, int]]: ...  # (offer id, request id, reason, peer)
+    def take_handoff_events(self) -> list[tuple[str, int, str, str]]: ...  # (kind, peer, request id, reason)
+    def take_finalized_offers(self, timeout_ms: int) -> list[tuple[int, str]]: ...  # (offer id, reason)
+    def wake_handoffs(self) -> None: ...
     def copy_local(
         self,
         dst: Sequence[int],

@@ -10,6 +10,7 @@ a release and reuse against a late claim never serves a stale byte (``RACE_ITERA
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,7 +22,7 @@ from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import handoff, native
 from poll import wait_until
-from verify import check_transfer, nothing, rows
+from verify import Snapshot, check_transfer, nothing, rows
 
 PREFILL, DECODER, OTHER = 1, 2, 3
 ROWS, ROW = 8, 256
@@ -48,10 +49,10 @@ class Two:
     def link(self) -> None:
         assert self.decode.call(native.connect, self.port, PREFILL) == PREFILL
 
-    def src(self) -> Callable[[], object]:
+    def src(self) -> Callable[[], Snapshot]:
         return lambda: self.prefill.call(native.snapshot, "src")
 
-    def dst(self, side: Peer | None = None) -> Callable[[], object]:
+    def dst(self, side: Peer | None = None) -> Callable[[], Snapshot]:
         return lambda: (side or self.decode).call(native.snapshot, "dst")
 
 
@@ -210,7 +211,7 @@ def test_a_cancelled_claim_leaves_the_offer_claimable_again(peers: Callable[...,
         cancelled += 1
         assert prefill.call(handoff.state, tag) == (False, None)  # still live
         check_transfer(lambda: prefill.call(native.snapshot, "src"), lambda: decode.call(native.snapshot, "dst"),
-                       lambda: decode.call_within(120, handoff.claim, ticket, "dst", list(range(rows_))),
+                       functools.partial(decode.call_within, 120, handoff.claim, ticket, "dst", list(range(rows_))),
                        rows([(b, b) for b in range(rows_)]))
         _released(prefill, tag, "claimed")
         break

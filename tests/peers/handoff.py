@@ -72,7 +72,7 @@ def finish(tag: str, timeout: float = 60) -> tuple[str, str | None]:
     except pdlink.TransferCancelled:
         return "CANCELLED", None
     except pdlink.LLMException as e:
-        return "FAILED", e.status_code.name
+        return "FAILED", pdlink.LLMStatusCode(e.status_code).name
     return "DONE", None
 
 
