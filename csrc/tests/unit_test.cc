@@ -281,8 +281,38 @@ void transferBodyCases() {
   std::string longer = f + '\0';
   checkCode(wire::decode(bytes(longer), longer.size(), &got), Code::kLinkFailed, "transfer body: a trailing byte");
   std::string bad = f;
+  bad[0] = 7;  // 6 is kOffer (a KV handoff's offer, since the handoffs)
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "transfer body: target kind 7");
   bad[0] = 6;
-  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "transfer body: target kind 6");
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kSuccess, "transfer body: target kind 6 (offer)");
+  bad[0] = 0;
+  checkCode(wire::decode(bytes(bad), bad.size(), &got), Code::kLinkFailed, "transfer body: target kind 0");
+  // kHandoff bodies: both kinds round trip; every bound and every mismatch is refused.
+  {
+    wire::HandoffBody abort{wire::HandoffBody::kAbort, "req-1", "gone", {}};
+    wire::HandoffBody hold{wire::HandoffBody::kHold, "", "", {{1, 2}, {3, 4}}};
+    wire::HandoffBody a2, h2;
+    std::string ea = wire::encode(abort), eh = wire::encode(hold);
+    checkCode(wire::decode(bytes(ea), ea.size(), &a2), Code::kSuccess, "handoff: abort");
+    check(a2.kind == wire::HandoffBody::kAbort && a2.request_id == "req-1" && a2.reason == "gone", "handoff: abort");
+    checkCode(wire::decode(bytes(eh), eh.size(), &h2), Code::kSuccess, "handoff: hold");
+    check(h2.kind == wire::HandoffBody::kHold && h2.offers == hold.offers, "handoff: hold round trip");
+    for (size_t cut = 0; cut < ea.size(); ++cut) {
+      checkCode(wire::decode(bytes(ea), cut, &a2), Code::kLinkFailed, "handoff: abort cut at " + std::to_string(cut));
+    }
+    for (size_t cut = 0; cut < eh.size(); ++cut) {
+      checkCode(wire::decode(bytes(eh), cut, &h2), Code::kLinkFailed, "handoff: hold cut at " + std::to_string(cut));
+    }
+    std::string trailing = ea + 'x';
+    checkCode(wire::decode(bytes(trailing), trailing.size(), &a2), Code::kLinkFailed, "handoff: trailing byte");
+    wire::HandoffBody too_long{
+        wire::HandoffBody::kAbort, std::string(limits::kMaxHandoffRequestIdBytes + 1, 'r'), "", {}};
+    std::string el = wire::encode(too_long);
+    checkCode(wire::decode(bytes(el), el.size(), &a2), Code::kLinkFailed, "handoff: request id past its bound");
+    std::string huge = eh;
+    huge[1] = huge[2] = huge[3] = huge[4] = '\xff';  // a count of 2^32 - 1 with two entries
+    checkCode(wire::decode(bytes(huge), huge.size(), &h2), Code::kLinkFailed, "handoff: hold count 2^32 - 1");
+  }
   // counts past the limits are refused (the encoder writes what it is given)
   std::vector<uint32_t> many(limits::kMaxRequestTensors + 1, 0);
   f = wire::encode(body(wire::TargetKind::kBlocks, many, {{0, 1}}));

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+import internals
 import pdlink
-from backend_env import Variant
+from backend_env import Variant, peer_env
 from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import handoff, native
@@ -258,3 +259,31 @@ def test_a_role_switch_drains_live_offers(two: Two) -> None:
     two.decode.call(handoff.claim, ticket, "dst", [0])
     _released(two.prefill, "o", "claimed")
     assert two.prefill.call(native.switch_role, "PROMPT")["epoch"] == 1
+
+
+def test_the_handoff_bounds_and_their_defaults(peers: Callable[..., Peer]) -> None:
+    """Defaults from the engine; past max_offers an offer is refused (LLM_OUT_OF_MEMORY, nothing
+    retained) until one is released; a lease past max_lease_ms, blocks out of range and an offer of
+    a region without a key are refused."""
+    limits = internals.core.EngineLimits()
+    assert (limits.max_offers, limits.max_lease_ms, limits.offer_lease_ms, limits.max_handoff_events) == (
+        65536, 3_600_000, 60_000, 4096)
+    side = peers("prefill", env=peer_env("cpu"))
+    side.call(native.start, PREFILL, limits={"max_offers": 2, "max_lease_ms": 1000, "offer_lease_ms": 1000})
+    side.call(native.register, "src", ROWS, ROW, seed=1, key=KEY)
+    side.call(native.register, "plain", ROWS, ROW, seed=1)
+    side.call(handoff.offer, "a", "src", [0], "r-a")
+    side.call(handoff.offer, "b", "src", [1], "r-b")
+    with pytest.raises(LLMException) as e:
+        side.call(handoff.offer, "c", "src", [2], "r-c")
+    assert e.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY and "max_offers" in str(e.value)
+    assert side.call(handoff.stats)["offers_live"] == 2
+    side.call(handoff.release, "a")
+    _released(side, "a", "released")
+    side.call(handoff.offer, "c", "src", [2], "r-c")
+    for args in ((["src", [3], "r-d", 1001]), (["src", [ROWS], "r-d"]), (["src", [], "r-d"])):
+        with pytest.raises(LLMException) as e:
+            side.call(handoff.offer, "d", *args)
+        assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, str(e.value)
+    with pytest.raises(ValueError):
+        side.call(handoff.offer, "d", "plain", [0], "r-d")
