@@ -127,7 +127,12 @@ Status RequestServer::serveOne(const std::shared_ptr<Link>& link, Stream& s, Ser
       if (opened) s_.served_in_flight.fetch_add(1, std::memory_order_seq_cst);
       continuation = !opened;
     }
-    admission.emplace(s_, s_.served_in_flight, continuation);
+    // A read of a KV handoff's offer (target kind kOffer, the body's first byte) is admitted while a
+    // switch drains, as a continuation: live offers are what the drain waits for (their claims end
+    // them), and the offer table refuses a read of any offer that is not live (engine/offers.h).
+    const bool offer_read = h.op == wire::Op::kRead && !body.empty() &&
+                            static_cast<uint8_t>(body[0]) == static_cast<uint8_t>(wire::TargetKind::kOffer);
+    admission.emplace(s_, s_.served_in_flight, continuation || offer_read);
     const uint32_t ours = s_.epoch_tag.load(std::memory_order_acquire);
     if (!admission->admitted()) {
       if (opened) closeSplit(*link);

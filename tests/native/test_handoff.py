@@ -247,8 +247,9 @@ def test_release_and_reuse_racing_a_late_claim_10000_times(two: Two) -> None:
 
 
 def test_a_role_switch_drains_live_offers(two: Two) -> None:
-    """A live offer holds a switch's drain (it rolls back with LLM_TIMEOUT, nothing changed); once
-    claimed, the switch commits."""
+    """A live offer holds a switch's drain: past its timeout the switch rolls back (LLM_TIMEOUT,
+    nothing changed). While a switch drains, a new offer is refused with LLM_ROLE_SWITCHING, and a
+    claim of a live offer is served (the drain waits for it): claimed, the switch commits."""
     two.link()
     ticket = two.prefill.call(handoff.offer, "o", "src", [0], "req-9")
     with pytest.raises(LLMException) as e:
@@ -256,9 +257,15 @@ def test_a_role_switch_drains_live_offers(two: Two) -> None:
     assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
     state = two.prefill.call(native.role_state)
     assert (state["role"], state["epoch"], state["phase"], state["offers"]) == ("MIX", 0, "ready", 1)
-    two.decode.call(handoff.claim, ticket, "dst", [0])
+    two.prefill.call(native.switch_role_async, "PROMPT", drain_timeout_ms=60_000)
+    wait_until(lambda: two.prefill.call(native.role_state)["phase"] == "draining", 10, "the switch draining")
+    with pytest.raises(LLMException) as e:
+        two.prefill.call(handoff.offer, "late", "src", [1], "req-10")
+    assert e.value.status_code == LLMStatusCode.LLM_ROLE_SWITCHING
+    check_transfer(two.src(), two.dst(), lambda: two.decode.call(handoff.claim, ticket, "dst", [3]), rows([(0, 3)]))
+    outcome, _, _, after = two.prefill.call(native.switch_result, 60)
+    assert (outcome, after["role"], after["epoch"], after["offers"]) == ("ok", "PROMPT", 1, 0)
     _released(two.prefill, "o", "claimed")
-    assert two.prefill.call(native.switch_role, "PROMPT")["epoch"] == 1
 
 
 def test_the_handoff_bounds_and_their_defaults(peers: Callable[..., Peer]) -> None:

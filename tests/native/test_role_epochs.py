@@ -241,7 +241,7 @@ def test_a_listener_that_cannot_be_bound_rolls_back_while_the_old_one_is_held() 
         assert "rolled back" in str(err.value)
         assert (e.role_state().as_dict(), e.listen_port) == (
             {"role": "MIX", "epoch": 0, "phase": "ready", "transfers_in_flight": 0, "served_in_flight": 0,
-             "pins": 0}, port)
+             "pins": 0, "offers": 0}, port)
         with pdlink.Engine(pdlink.EngineOptions(cluster_id=2, backend="cpu")) as d:
             assert d.connect(f"127.0.0.1:{port}") == 1  # still listening where it was
 
