@@ -74,9 +74,10 @@ class LLMStatusCode(NamedIntEnum):
     LLM_TIMEOUT = _LLM_CODE_BASE + 0x1A
     LLM_LINK_BUSY = _LLM_CODE_BASE + 0x1B
     LLM_OUT_OF_MEMORY = _LLM_CODE_BASE + 0x1C
-    # pdlink's own codes (role epochs, docs/compatibility.md): what pdlink._core's LLM_STALE_EPOCH
-    # and LLM_ROLE_SWITCHING are (C++ core/status.h; tests/native/test_status.py checks they agree:
-    # the values are written here so that ``import pdlink`` does not load the native module).
+    # pdlink's own codes (role epochs, KV handoffs; docs/compatibility.md): what pdlink._core's
+    # LLM_STALE_EPOCH, LLM_ROLE_SWITCHING and LLM_OFFER_RELEASED are (C++ core/status.h;
+    # tests/native/test_status.py checks they agree: the values are written here so that
+    # ``import pdlink`` does not load the native module).
     LLM_STALE_EPOCH = _LLM_CODE_BASE + 0x101
     LLM_ROLE_SWITCHING = _LLM_CODE_BASE + 0x102
     LLM_OFFER_RELEASED = _LLM_CODE_BASE + 0x103  # a KV handoff's offer is released (Engine.claim)
