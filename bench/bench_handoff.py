@@ -71,54 +71,64 @@ def run_path(path: str, iters: int) -> dict[str, Any]:
             dst_region = decoder.register(dest, block_size=size)
             prepared = decoder.prepare(PREFILL_ID, dst_region, src_region.remote())
             for count in COUNTS:
-                remote = list(range(0, 2 * count, 2))  # every other block
-                local = list(range(1, 2 * count, 2))
-                expect = source.reshape(BLOCKS, size)[remote]
-                parts: dict[str, list[float]] = {"offer": [], "claim": [], "seen": []}
-                n = [0]
-
-                def bare() -> None:
-                    prepared.read(local, remote)
-
-                def handoff() -> None:
-                    t0 = time.perf_counter()
-                    offer = prefill.offer(src_region, remote, request_id=f"r{n[0]}")
-                    t1 = time.perf_counter()
-                    decoder.claim(offer.ticket, dst_region, local)
-                    t2 = time.perf_counter()
-                    if not offer.wait(60) or offer.reason != "claimed":
-                        raise AssertionError(f"{path}: offer ended {offer.reason}")
-                    t3 = time.perf_counter()
-                    n[0] += 1
-                    parts["offer"].append(t1 - t0)
-                    parts["claim"].append(t2 - t1)
-                    parts["seen"].append(t3 - t2)
-
-                modes = {"bare": bare, "handoff": handoff}
-                times: dict[str, list[float]] = {m: [] for m in modes}
-                for i in range(WARMUP + iters):
-                    order = list(modes) if i % 2 == 0 else list(modes)[::-1]
-                    for mode in order:
-                        dest[:] = 0
-                        t0 = time.perf_counter()
-                        modes[mode]()
-                        t = time.perf_counter() - t0
-                        got = dest.reshape(BLOCKS, size)
-                        if not np.array_equal(got[local], expect) or np.count_nonzero(got) != count * size:
-                            raise AssertionError(f"{path}: {mode} of {count} x {size} B: the destination differs")
-                        if i >= WARMUP:
-                            times[mode].append(t)
-                for k in parts:
-                    del parts[k][:WARMUP]
-                if prefill.stats()["offers_live"]:
-                    raise AssertionError(f"{path}: offers left live")
-                cells[f"{size}x{count}"] = {"size": size, "count": count, "times": times, "parts": parts}
+                cells[f"{size}x{count}"] = run_cell(path, prefill, decoder, prepared, (src_region, dst_region),
+                                                    (source, dest), size, count, iters)
             decoder.deregister(dst_region)
             prefill.deregister(src_region)
     finally:
         decoder.close()
         prefill.close()
     return {"transport": transport, "cells": cells}
+
+
+def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tuple[Any, Any],
+             arrays: tuple[np.ndarray, np.ndarray], size: int, count: int, iters: int) -> dict[str, Any]:
+    """One cell: ``count`` blocks of ``size`` bytes (every other one of the region), bare and handoff
+    alternating, every destination checked."""
+    src_region, dst_region = regions
+    source, dest = arrays
+    remote = list(range(0, 2 * count, 2))  # every other block
+    local = list(range(1, 2 * count, 2))
+    expect = source.reshape(BLOCKS, size)[remote]
+    parts: dict[str, list[float]] = {"offer": [], "claim": [], "seen": []}
+    n = [0]
+
+    def bare() -> None:
+        prepared.read(local, remote)
+
+    def handoff() -> None:
+        t0 = time.perf_counter()
+        offer = prefill.offer(src_region, remote, request_id=f"r{n[0]}")
+        t1 = time.perf_counter()
+        decoder.claim(offer.ticket, dst_region, local)
+        t2 = time.perf_counter()
+        if not offer.wait(60) or offer.reason != "claimed":
+            raise AssertionError(f"{path}: offer ended {offer.reason}")
+        t3 = time.perf_counter()
+        n[0] += 1
+        parts["offer"].append(t1 - t0)
+        parts["claim"].append(t2 - t1)
+        parts["seen"].append(t3 - t2)
+
+    modes = {"bare": bare, "handoff": handoff}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for i in range(WARMUP + iters):
+        order = list(modes) if i % 2 == 0 else list(modes)[::-1]
+        for mode in order:
+            dest[:] = 0
+            t0 = time.perf_counter()
+            modes[mode]()
+            t = time.perf_counter() - t0
+            got = dest.reshape(BLOCKS, size)
+            if not np.array_equal(got[local], expect) or np.count_nonzero(got) != count * size:
+                raise AssertionError(f"{path}: {mode} of {count} x {size} B: the destination differs")
+            if i >= WARMUP:
+                times[mode].append(t)
+    for k in parts:
+        del parts[k][:WARMUP]
+    if prefill.stats()["offers_live"]:
+        raise AssertionError(f"{path}: offers left live")
+    return {"size": size, "count": count, "times": times, "parts": parts}
 
 
 def measure(path: str, iters: int) -> dict[str, Any]:
@@ -154,7 +164,8 @@ def report(results: dict[str, Any]) -> list[str]:
     cfg = results["config"]
     lines = [f"handoff: offer + claim + release seen by the prefill vs a bare prepared pull of the same blocks, "
              f"{cfg['iters']} of each per cell, alternating; median [p90] in us",
-             "| path | block | blocks | bare | handoff | handoff / bare | handoff - bare | offer / claim / release seen |",
+             "| path | block | blocks | bare | handoff | handoff / bare | handoff - bare "
+             "| offer / claim / release seen |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for path, r in results["paths"].items():
         if "skipped" in r:

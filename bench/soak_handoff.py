@@ -28,12 +28,13 @@ cycles go on.
 
 At the end (the decoder of the last restart alive and linked): the prefill's ``stats()`` must reach
 ``offers_live == 0`` (polled: leases and link deaths do their work), every offer made must have
-ended with a reason (``Offer.reason``), ``Engine.released()`` must have reported each exactly once
-with the same reason, and no handoff event dropped. The prefill's RSS, open fds and threads are
-sampled after warm-up (at cycle ``--warmup``, default half a kill period after the first kill, once
-the offers of the kills so far have ended: the soak pauses for at most a lease there) and at the end; growth beyond ``--max-rss-mib`` (16), ``--max-fds``
-(2) or ``--max-threads`` (2) fails the run. Exit status 0 only when every check held; the summary
-is printed (and, with ``--out``, saved as ``soak_handoff.{json,txt}``).
+ended with a reason (``Offer.reason``), ``Engine.released()`` must have reported each offer once
+and the same counts per reason, ``stats()["offers_released"]`` must equal the offers made, and no
+handoff event dropped. The prefill's RSS, open fds and threads are sampled after warm-up (at cycle
+``--warmup``, default half a kill period after the first kill, once the offers of the kills so far
+have ended: the soak pauses for at most a lease there) and at the end; growth beyond
+``--max-rss-mib`` (16), ``--max-fds`` (2) or ``--max-threads`` (2) fails the run. Exit status 0 only
+when every check held; the summary is printed (and, with ``--out``, saved as ``soak_handoff.{json,txt}``).
 
     python bench/soak_handoff.py                                # 100,000 cycles, a kill every 1,000
     python bench/soak_handoff.py --cycles 2000 --kill-every 1000  # what the heavy test runs
@@ -47,7 +48,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -209,15 +209,20 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         nonlocal duplicate_events
         for ev in engine.released():
             events[ev.reason] += 1
+            assert ev.offer_id is not None  # a released offer's record names it
             if ev.offer_id in event_ids:
                 duplicate_events += 1
-            event_ids.add(int(ev.offer_id))
+            event_ids.add(ev.offer_id)
         for oid in [oid for oid, (o, _) in outstanding.items() if o.released]:
             offer, blocks = outstanding.pop(oid)
             reasons[offer.reason] += 1
             free.extend(blocks)
         # ids of ended offers that released() reported: forget them (flat memory), keep the rest
         event_ids.intersection_update(outstanding)
+
+    def settled(condition: Any) -> bool:
+        reap()
+        return bool(condition())
 
     def make(blocks: list[int], value: int, rid: str) -> Any:
         nonlocal made
@@ -229,7 +234,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def take(n: int) -> list[int]:
         if len(free) < n:
-            wait_for(lambda: (reap(), len(free) >= n)[1], cfg["lease_ms"] / 1000 + 30, "free blocks")
+            wait_for(lambda: settled(lambda: len(free) >= n), cfg["lease_ms"] / 1000 + 30, "free blocks")
         rng.shuffle(free)
         return [free.pop() for _ in range(n)]
 
@@ -276,7 +281,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
             reap()
             if warm is None and cycle >= cfg["warmup"]:
                 # the warm-up sample: once the offers of the kills so far ended (at most a lease)
-                wait_for(lambda: (reap(), not outstanding)[1], cfg["lease_ms"] / 1000 + 30, "warm-up: no offer left")
+                wait_for(lambda: settled(lambda: not outstanding), cfg["lease_ms"] / 1000 + 30, "warm-up: no offer")
                 warm, warm_at = resources(), cycle
             if (cycle + 1) % cfg["kill_every"] == 0:
                 held = make(take(1), 0xAA, f"held-{kills}")
@@ -294,7 +299,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         # the end: every offer released (leases and link deaths did their work), the link settled
         end_wait = cfg["lease_ms"] / 1000 + 30
         try:
-            wait_for(lambda: (reap(), not outstanding and engine.stats()["offers_live"] == 0)[1], end_wait,
+            wait_for(lambda: settled(lambda: not outstanding and engine.stats()["offers_live"] == 0), end_wait,
                      "no live offer")
         except AssertionError as e:
             failures.append(f"stranded: {e}; outstanding {len(outstanding)}, stats {engine.stats()}")
