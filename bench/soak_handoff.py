@@ -30,7 +30,8 @@ At the end (the decoder of the last restart alive and linked): the prefill's ``s
 ``offers_live == 0`` (polled: leases and link deaths do their work), every offer made must have
 ended with a reason (``Offer.reason``), ``Engine.released()`` must have reported each offer once
 and the same counts per reason, ``stats()["offers_released"]`` must equal the offers made, and no
-handoff event dropped. The prefill's RSS, open fds and threads are sampled after warm-up (at cycle
+handoff event dropped (both engines take theirs; the prefill's must be one ``"aborted"`` per
+abort of a decoder). The prefill's RSS, open fds and threads are sampled after warm-up (at cycle
 ``--warmup``, default half a kill period after the first kill, once the offers of the kills so far
 have ended: the soak pauses for at most a lease there) and at the end; growth beyond
 ``--max-rss-mib`` (16), ``--max-fds`` (2) or ``--max-threads`` (2) fails the run. Exit status 0 only
@@ -69,10 +70,13 @@ ACTIONS = (("decoder_abort", 0.05), ("abort_first", 0.05), ("release_first", 0.0
 # (claim result, offer reason) each action may end with. A prefill abort racing a claim may also
 # lose the claim but win the release: the claim landed every byte (checked) and returned before the
 # abort reached the decoder, and the prefill's abort released the offer before the claim's commit
-# arrived ("ok" with "aborted"; docs/native_api.md: the first reason wins).
+# arrived ("ok" with "aborted"; docs/native_api.md: the first reason wins); or the other way round:
+# the claim's commit released the offer ("claimed") but the abort reached the decoder before its
+# claim returned, which fails that claim (``LLM_OFFER_RELEASED`` with "claimed"; its bytes landed).
 EXPECTED = {"plain": {("ok", "claimed")}, "decoder_abort": {("LLM_OFFER_RELEASED", "peer_aborted")},
             "abort_first": {("LLM_OFFER_RELEASED", "aborted")}, "release_first": {("LLM_OFFER_RELEASED", "released")},
-            "abort_racing": {("ok", "claimed"), ("LLM_OFFER_RELEASED", "aborted"), ("ok", "aborted")}}
+            "abort_racing": {("ok", "claimed"), ("LLM_OFFER_RELEASED", "aborted"), ("ok", "aborted"),
+                             ("LLM_OFFER_RELEASED", "claimed")}}
 
 
 # ---------------------------------------------------------------- the decoder (a child process)
@@ -96,6 +100,7 @@ def decoder_main(conn: Any, transport: str) -> None:
         if op == "stop":
             break
         if op == "claim":
+            engine.handoff_events()  # the prefill's aborts told to this engine: taken, so none is dropped
             _, ticket, value, abort_first = cmd
             local = list(range(len(ticket.blocks)))
             dest[: len(local) * BLOCK] = 0
@@ -197,16 +202,20 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
     events: Counter[str] = Counter()  # Engine.released()'s reasons
     event_ids: set[int] = set()  # offer ids released() reported, while their offer is outstanding
     duplicate_events = 0
+    told: Counter[str] = Counter()  # Engine.handoff_events() by kind
     outcomes: Counter[str] = Counter()  # "action/claim code/offer reason"
     landed_on_failure: Counter[str] = Counter()  # failed claims that landed blocks anyway ("some", "all")
     failures: list[str] = []
     made = 0
     kills = 0
+    decoder_aborts = 0
     warm: dict[str, int] | None = None
     warm_at = None
 
     def reap() -> None:
         nonlocal duplicate_events
+        for ev in engine.handoff_events():  # the decoders' aborts, told to this engine
+            told[ev.kind] += 1
         for ev in engine.released():
             events[ev.reason] += 1
             assert ev.offer_id is not None  # a released offer's record names it
@@ -274,6 +283,8 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
             allowed = {"all"} if code == "ok" else {"none", "some", "all"} if action == "abort_racing" else {"none"}
             if code != "ok" and got != "none":
                 landed_on_failure[got] += 1
+            if action == "decoder_abort":
+                decoder_aborts += 1
             if (code, offer.reason) not in EXPECTED[action] or got not in allowed:
                 failures.append(f"cycle {cycle}: {outcome}, landed {got}")
                 if len(failures) > 20:
@@ -304,6 +315,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         except AssertionError as e:
             failures.append(f"stranded: {e}; outstanding {len(outstanding)}, stats {engine.stats()}")
         decoder.call("hold", [])  # the decoder is alive and answers
+        link_transports = sorted({link.transport for link in engine.links()})
         end = resources()
         if warm is not None:
             try:  # the killed decoders' sockets may still be closing: give them a moment
@@ -324,6 +336,8 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         failures.append(f"{total} offers made, {sum(reasons.values())} ended with a reason")
     if events != reasons:
         failures.append(f"released() reported {dict(events)}, the offers ended {dict(reasons)}")
+    if told != Counter({"aborted": decoder_aborts}) and (told or decoder_aborts):
+        failures.append(f"the decoders aborted {decoder_aborts} requests, handoff_events() told {dict(told)}")
     if duplicate_events:
         failures.append(f"released() reported {duplicate_events} offers twice")
     if stats["offers_live"] or stats["offer_bytes"]:
@@ -343,9 +357,10 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
             failures.append(f"fds grew {growth['fds']} (bound {cfg['max_fds']})")
         if growth["threads"] > cfg["max_threads"]:
             failures.append(f"threads grew {growth['threads']} (bound {cfg['max_threads']})")
-    return {"config": cfg, "cycles_done": sum(outcomes.values()), "offers_made": total, "kills": kills,
+    return {"config": cfg, "link_transports": link_transports, "cycles_done": sum(outcomes.values()), "offers_made": total, "kills": kills,
             "duration_s": duration, "reasons": dict(reasons), "outcomes": dict(sorted(outcomes.items())),
             "failed_claims_that_landed": dict(landed_on_failure),
+            "decoder_aborts": decoder_aborts, "handoff_events": dict(told),
             "warm": warm, "warm_at_cycle": warm_at, "end": end, "growth": growth,
             "stats": {k: stats[k] for k in ("offers_live", "offers_released", "offers_expired", "offers_aborted",
                                             "offer_bytes", "handoff_events_dropped")},
@@ -363,12 +378,13 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
 
 def report(s: dict[str, Any]) -> list[str]:
     cfg = s["config"]
-    lines = [f"soak: {s['cycles_done']} cycles ({cfg['transport']}), {s['offers_made']} offers, {s['kills']} decoder "
+    lines = [f"soak: {s['cycles_done']} cycles ({cfg['transport']}: links {', '.join(s['link_transports'])}), {s['offers_made']} offers, {s['kills']} decoder "
              f"kills, {s['duration_s']:.0f} s ({s['cycles_done'] / max(s['duration_s'], 1e-9):.0f} cycles/s)",
              "offers ended: " + ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())),
              "outcomes (action/claim/offer): " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items()),
              "failed claims (an abort racing them) that landed blocks, each old or new: "
              + (", ".join(f"{k} {v}" for k, v in s["failed_claims_that_landed"].items()) or "none"),
+             f"decoder aborts {s['decoder_aborts']}, told to the prefill: {s['handoff_events']}",
              "prefill stats at the end: " + ", ".join(f"{k} {v}" for k, v in s["stats"].items())]
     if s["growth"] is not None:
         w, e, g = s["warm"], s["end"], s["growth"]
