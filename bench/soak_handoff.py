@@ -357,7 +357,8 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
             failures.append(f"fds grew {growth['fds']} (bound {cfg['max_fds']})")
         if growth["threads"] > cfg["max_threads"]:
             failures.append(f"threads grew {growth['threads']} (bound {cfg['max_threads']})")
-    return {"config": cfg, "link_transports": link_transports, "cycles_done": sum(outcomes.values()), "offers_made": total, "kills": kills,
+    return {"config": cfg, "link_transports": link_transports, "cycles_done": sum(outcomes.values()),
+            "offers_made": total, "kills": kills,
             "duration_s": duration, "reasons": dict(reasons), "outcomes": dict(sorted(outcomes.items())),
             "failed_claims_that_landed": dict(landed_on_failure),
             "decoder_aborts": decoder_aborts, "handoff_events": dict(told),
@@ -378,7 +379,8 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
 
 def report(s: dict[str, Any]) -> list[str]:
     cfg = s["config"]
-    lines = [f"soak: {s['cycles_done']} cycles ({cfg['transport']}: links {', '.join(s['link_transports'])}), {s['offers_made']} offers, {s['kills']} decoder "
+    lines = [f"soak: {s['cycles_done']} cycles ({cfg['transport']}: links {', '.join(s['link_transports'])}), "
+             f"{s['offers_made']} offers, {s['kills']} decoder "
              f"kills, {s['duration_s']:.0f} s ({s['cycles_done'] / max(s['duration_s'], 1e-9):.0f} cycles/s)",
              "offers ended: " + ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())),
              "outcomes (action/claim/offer): " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items()),
