@@ -22,9 +22,11 @@ The prefill waits for each offer to be released (``Offer.wait``) before the next
 its blocks: a stale read would show another cycle's value at the decoder. Every ``--kill-every``
 cycles three more offers are made: one the decoder holds (bound to its link), one it claims
 asynchronously, one never sent; the decoder is killed right after the claim was sent, and a new
-one started. The first two end ``"link_down"`` (or ``"claimed"`` when the claim landed before the
-kill), the third ``"expired"`` at its lease (``--lease-ms``, 3000 ms): they are reaped while the
-cycles go on.
+one started. The held one must end ``"link_down"`` (the prefill waits for it before starting the
+next decoder; the time from the kill, its process reaped, until ``Offer.released`` is printed),
+the one in flight ends ``"link_down"`` when its first read was served before the kill and
+``"expired"`` otherwise (or ``"claimed"``), the third ``"expired"`` at its lease (``--lease-ms``,
+3000 ms): those two are reaped while the cycles go on.
 
 At the end (the decoder of the last restart alive and linked): the prefill's ``stats()`` must reach
 ``offers_live == 0`` (polled: leases and link deaths do their work), every offer made must have
@@ -48,6 +50,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from collections import Counter
@@ -203,6 +206,8 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
     event_ids: set[int] = set()  # offer ids released() reported, while their offer is outstanding
     duplicate_events = 0
     told: Counter[str] = Counter()  # Engine.handoff_events() by kind
+    kill_reasons: Counter[str] = Counter()  # "held|flying|unsent/reason" of the offers made at the kills
+    held_release_s: list[float] = []  # from a kill (its process reaped) to its held offer released
     outcomes: Counter[str] = Counter()  # "action/claim code/offer reason"
     landed_on_failure: Counter[str] = Counter()  # failed claims that landed blocks anyway ("some", "all")
     failures: list[str] = []
@@ -225,6 +230,9 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         for oid in [oid for oid, (o, _) in outstanding.items() if o.released]:
             offer, blocks = outstanding.pop(oid)
             reasons[offer.reason] += 1
+            kind = offer.ticket.request_id.split("-")[0]
+            if kind != "req":
+                kill_reasons[f"{kind}/{offer.reason}"] += 1
             free.extend(blocks)
         # ids of ended offers that released() reported: forget them (flat memory), keep the rest
         event_ids.intersection_update(outstanding)
@@ -301,6 +309,9 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
                 decoder.call("hold", [held.ticket])
                 decoder.conn.send(("claim_nowait", flying.ticket))
                 decoder.kill()
+                t_kill = time.monotonic()
+                held.wait(cfg["lease_ms"] / 1000 + 10)  # its link's death releases it, not its lease
+                held_release_s.append(time.monotonic() - t_kill)
                 kills += 1
                 decoder = Decoder(cfg["transport"])
             if cfg["progress"] and (cycle + 1) % cfg["progress"] == 0:
@@ -336,6 +347,8 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         failures.append(f"{total} offers made, {sum(reasons.values())} ended with a reason")
     if events != reasons:
         failures.append(f"released() reported {dict(events)}, the offers ended {dict(reasons)}")
+    if any(k.startswith("held/") and k != "held/link_down" for k in kill_reasons):
+        failures.append(f"an offer held by a killed decoder ended otherwise than link_down: {dict(kill_reasons)}")
     if told != Counter({"aborted": decoder_aborts}) and (told or decoder_aborts):
         failures.append(f"the decoders aborted {decoder_aborts} requests, handoff_events() told {dict(told)}")
     if duplicate_events:
@@ -361,6 +374,9 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
             "offers_made": total, "kills": kills,
             "duration_s": duration, "reasons": dict(reasons), "outcomes": dict(sorted(outcomes.items())),
             "failed_claims_that_landed": dict(landed_on_failure),
+            "kill_offers": dict(sorted(kill_reasons.items())),
+            "held_release_ms": {"median": statistics.median(held_release_s) * 1e3 if held_release_s else None,
+                                "max": max(held_release_s) * 1e3 if held_release_s else None},
             "decoder_aborts": decoder_aborts, "handoff_events": dict(told),
             "warm": warm, "warm_at_cycle": warm_at, "end": end, "growth": growth,
             "stats": {k: stats[k] for k in ("offers_live", "offers_released", "offers_expired", "offers_aborted",
@@ -377,6 +393,10 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
+def fmt_ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def report(s: dict[str, Any]) -> list[str]:
     cfg = s["config"]
     lines = [f"soak: {s['cycles_done']} cycles ({cfg['transport']}: links {', '.join(s['link_transports'])}), "
@@ -386,6 +406,10 @@ def report(s: dict[str, Any]) -> list[str]:
              "outcomes (action/claim/offer): " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items()),
              "failed claims (an abort racing them) that landed blocks, each old or new: "
              + (", ".join(f"{k} {v}" for k, v in s["failed_claims_that_landed"].items()) or "none"),
+             "offers made at the kills (held by the decoder / its claim in flight / never sent): "
+             + ", ".join(f"{k} {v}" for k, v in s["kill_offers"].items())
+             + f"; kill -> held offer seen released: median {fmt_ms(s['held_release_ms']['median'])}, max "
+             f"{fmt_ms(s['held_release_ms']['max'])} ms (lease {cfg['lease_ms']} ms)",
              f"decoder aborts {s['decoder_aborts']}, told to the prefill: {s['handoff_events']}",
              "prefill stats at the end: " + ", ".join(f"{k} {v}" for k, v in s["stats"].items())]
     if s["growth"] is not None:
