@@ -21,12 +21,13 @@ into its own region and checks every byte it got. What happens around the claim 
 The prefill waits for each offer to be released (``Offer.wait``) before the next cycle, then reuses
 its blocks: a stale read would show another cycle's value at the decoder. Every ``--kill-every``
 cycles three more offers are made: one the decoder holds (bound to its link), one it claims
-asynchronously, one never sent; the decoder is killed right after the claim was sent, and a new
-one started. The held one must end ``"link_down"`` (the prefill waits for it before starting the
-next decoder; the time from the kill, its process reaped, until ``Offer.released`` is printed),
-the one in flight ends ``"link_down"`` when its first read was served before the kill and
-``"expired"`` otherwise (or ``"claimed"``), the third ``"expired"`` at its lease (``--lease-ms``,
-3000 ms): those two are reaped while the cycles go on.
+asynchronously, one never sent; the decoder is killed 0 to ``--kill-delay-ms`` (3) ms after the
+claim was sent (so the kill lands before, during or after it), and a new one started. The held
+one must end ``"link_down"`` (the prefill waits for it before starting the next decoder; the time
+from the SIGKILL until ``Offer.released`` is printed); the one in flight ends ``"claimed"`` when
+the claim finished before the kill, ``"link_down"`` when its first read was served, and
+``"expired"`` otherwise; the third ``"expired"`` at its lease (``--lease-ms``, 3000 ms): those two
+are reaped while the cycles go on.
 
 At the end (the decoder of the last restart alive and linked): the prefill's ``stats()`` must reach
 ``offers_live == 0`` (polled: leases and link deaths do their work), every offer made must have
@@ -207,7 +208,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
     duplicate_events = 0
     told: Counter[str] = Counter()  # Engine.handoff_events() by kind
     kill_reasons: Counter[str] = Counter()  # "held|flying|unsent/reason" of the offers made at the kills
-    held_release_s: list[float] = []  # from a kill (its process reaped) to its held offer released
+    held_release_s: list[float] = []  # from a SIGKILL to its held offer released
     outcomes: Counter[str] = Counter()  # "action/claim code/offer reason"
     landed_on_failure: Counter[str] = Counter()  # failed claims that landed blocks anyway ("some", "all")
     failures: list[str] = []
@@ -308,8 +309,9 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
                 make(take(1), 0xCC, f"unsent-{kills}")
                 decoder.call("hold", [held.ticket])
                 decoder.conn.send(("claim_nowait", flying.ticket))
-                decoder.kill()
+                time.sleep(rng.uniform(0, cfg["kill_delay_ms"]) / 1000)  # the kill lands before, in or after the claim
                 t_kill = time.monotonic()
+                decoder.kill()
                 held.wait(cfg["lease_ms"] / 1000 + 10)  # its link's death releases it, not its lease
                 held_release_s.append(time.monotonic() - t_kill)
                 kills += 1
@@ -347,6 +349,10 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         failures.append(f"{total} offers made, {sum(reasons.values())} ended with a reason")
     if events != reasons:
         failures.append(f"released() reported {dict(events)}, the offers ended {dict(reasons)}")
+    cut = ("flying/claimed", "flying/link_down", "flying/expired")
+    if any(k.startswith("flying/") and k not in cut for k in kill_reasons):
+        failures.append(f"an offer whose claim a kill cut ended otherwise than claimed, link_down or expired: "
+                        f"{dict(kill_reasons)}")
     if any(k.startswith("held/") and k != "held/link_down" for k in kill_reasons):
         failures.append(f"an offer held by a killed decoder ended otherwise than link_down: {dict(kill_reasons)}")
     if told != Counter({"aborted": decoder_aborts}) and (told or decoder_aborts):
@@ -394,7 +400,7 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
 
 
 def fmt_ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+    return "-" if x is None else f"{x:.2f}"
 
 
 def report(s: dict[str, Any]) -> list[str]:
@@ -430,6 +436,8 @@ def config(argv: list[str] | None = None) -> tuple[dict[str, Any], str | None]:
                     "half a kill period after the first kill)")
     ap.add_argument("--lease-ms", type=int, default=3000, help="every offer's lease")
     ap.add_argument("--transport", default="auto", help="the decoder's and prefill's data path: auto, cma, tcp, ucx")
+    ap.add_argument("--kill-delay-ms", type=float, default=3.0, help="the kill comes 0 to this many ms (uniform) "
+                    "after the asynchronous claim was sent")
     ap.add_argument("--seed", type=int, default=35)
     ap.add_argument("--max-rss-mib", type=float, default=16)
     ap.add_argument("--max-fds", type=int, default=2)
@@ -439,7 +447,8 @@ def config(argv: list[str] | None = None) -> tuple[dict[str, Any], str | None]:
     a = ap.parse_args(argv)
     warmup = a.warmup if a.warmup is not None else min(a.kill_every + a.kill_every // 2, a.cycles - 1)
     return ({"cycles": a.cycles, "kill_every": a.kill_every, "warmup": warmup, "lease_ms": a.lease_ms,
-             "transport": a.transport, "seed": a.seed, "max_rss_mib": a.max_rss_mib, "max_fds": a.max_fds,
+             "transport": a.transport, "kill_delay_ms": a.kill_delay_ms, "seed": a.seed,
+             "max_rss_mib": a.max_rss_mib, "max_fds": a.max_fds,
              "max_threads": a.max_threads, "progress": a.progress}, a.out)
 
 
