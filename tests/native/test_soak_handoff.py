@@ -2,8 +2,8 @@
 ``bench/soak_handoff.py`` with 2,000 offer / claim / release cycles and random aborts from both
 sides, the decoder process killed (SIGKILL) and started again every 1,000 cycles (2 kills). The
 soak checks itself and exits non-zero when a check fails; this test asserts its end conditions
-again from its saved summary: every cycle ran, the kills happened (and their offers ended
-``"link_down"`` or ``"expired"``, proving the faults were met), no live offer and no retained byte
+again from its saved summary: every cycle ran, the kills happened (the offer each killed decoder held ended
+``"link_down"``, its unsent one ``"expired"``: the faults were met), no live offer and no retained byte
 on the prefill at the end, every offer's end reason accounted for, the prefill's RSS, fds and
 threads within the soak's stated bounds between warm-up and the end."""
 
@@ -35,6 +35,12 @@ def test_soak_of_2000_handoffs_with_aborts_and_two_decoder_kills(tmp_path):
     reasons = s["reasons"]
     assert reasons.get("link_down", 0) + reasons.get("expired", 0) >= s["kills"] * 2
     assert reasons.get("expired", 0) >= s["kills"]  # the unsent ones
+    kill_offers = s["kill_offers"]
+    assert kill_offers.get("held/link_down") == s["kills"]  # released by the link's death, not the lease
+    assert kill_offers.get("unsent/expired") == s["kills"]
+    assert sum(v for k, v in kill_offers.items() if k.startswith("flying/")) == s["kills"]
+    assert set(kill_offers) <= {"held/link_down", "unsent/expired", "flying/claimed", "flying/link_down",
+                                "flying/expired"}
     assert sum(reasons.values()) == s["offers_made"] == CYCLES + 3 * s["kills"]
     # aborts from both sides happened, and each ended as the soak expects
     outcomes = s["outcomes"]
