@@ -1,6 +1,6 @@
 """The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py,
-bench_pull_blocks.py, bench_hixl.py, bench_fleet.py (on loopback), bench_switch.py, bench_cancel.py
-and bench_hosts.py (no timing is asserted)."""
+bench_pull_blocks.py, bench_hixl.py, bench_fleet.py (on loopback), bench_switch.py, bench_cancel.py,
+bench_handoff.py and bench_hosts.py (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,25 @@ def test_switch_benchmark_smoke_runs_and_verifies(tmp_path):
         assert (run["loaded"]["epoch"], run["loaded"]["phase"], run["loaded"]["pins"]) == (2 * switches, "ready", 0)
         assert run["pulls"]["pulls"] > 0 and run["pulls"]["exact_after"] and not run["pulls"]["errors"]
     assert "| path | idle p50 |" in (tmp_path / "switch.txt").read_text()
+
+
+def test_handoff_benchmark_smoke_runs_and_verifies(tmp_path):
+    """bench/bench_handoff.py --smoke: on every path that runs here each cell (4 KiB and 256 KiB
+    blocks, 1 and 16 per request) timed its bare pulls and its handoffs, every destination checked
+    byte for byte by the bench (it fails otherwise), every offer released "claimed"."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_handoff.py"), "--smoke", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "handoff.json").read_text())
+    ran = {path: run for path, run in results["paths"].items() if "skipped" not in run}
+    assert set(ran) in ({"cma", "tcp"}, {"tcp"}, {"cma", "tcp", "ucx"}, {"tcp", "ucx"}), results["paths"]
+    iters = results["config"]["iters"]
+    for run in ran.values():
+        assert set(run["cells"]) == {f"{s}x{c}" for s in (4096, 262144) for c in (1, 16)}
+        for cell in run["cells"].values():
+            assert len(cell["times"]["bare"]) == len(cell["times"]["handoff"]) == iters
+            assert all(len(v) == iters for v in cell["parts"].values())
+    assert "| path | block | blocks | bare | handoff | handoff / bare |" in (tmp_path / "handoff.txt").read_text()
 
 
 def test_cancel_benchmark_smoke_runs_and_verifies(tmp_path):

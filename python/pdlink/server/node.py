@@ -801,10 +801,18 @@ class Node:
                              else None} for i in range(len(engines))],
                 "testKv": kv.test_kv.enabled,
             }
+        live = stranded = 0
         for i, engine in enumerate(engines):
             ext["devices"][i]["links"] = [
                 {"target": link.peer_cluster_id, "address": link.peer_address, "initiator": link.initiator,
                  "broken": link.broken, "transport": link.transport} for link in engine.links()]
+            stats = engine.stats()
+            ext["devices"][i]["offersLive"] = stats["offers_live"]
+            ext["devices"][i]["strandedBytes"] = stats["offer_bytes"]
+            live += stats["offers_live"]
+            stranded += stats["offer_bytes"]
+        # KV handoffs (docs/native_api.md, "Handoffs"): offers not yet released, and the bytes they retain
+        ext["handoffs"] = {"offersLive": live, "strandedBytes": stranded}
         resource = {
             "availSlotsNum": model.max_batch_size, "availBlockNum": blocks, "waitingRequestNum": 0,
             "runningRequestNum": 0, "swappedRequestNum": 0, "freeNpuBlockNums": blocks, "freeCpuBlockNums": 0,

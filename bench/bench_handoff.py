@@ -1,0 +1,212 @@
+"""What a KV handoff costs (issue #35): offer + claim + release, until the prefill sees the release,
+against a bare prepared pull of the same blocks on the same link.
+
+One process per data path (cma, tcp, and ucx over its tcp transport where UCX loads) holds two
+engines, so both timings are read from one clock and nothing but the engines sits between the
+offer and the claim: a prefill engine that listens and registers a region of 64 blocks with a key,
+and a decoder engine linked to it over loopback, with a destination of 64 blocks of the same size.
+For each block size (4 KiB and 256 KiB) and blocks per request (1 and 16; the blocks every other one
+of the region, as a paged cache's are):
+
+  * bare    : ``PreparedTransfer.read(local, remote)`` (``Engine.prepare`` once, by the region's key);
+  * handoff : ``offer = prefill.offer(region, blocks, ...)``, ``decoder.claim(offer.ticket, ...)``,
+              ``offer.wait()`` (the prefill's ``Offer.released``: the claim's commit arrived and the
+              handoff thread reported it). Its three parts are timed too.
+
+``--iters`` of each (default 300), the two alternating (which one goes first alternates too),
+after a warm-up of 10 each; the destination is zeroed before each and checked byte for byte
+after it (outside the timed window; a mismatch fails the run). Reported per cell: the median and
+p90 of each, handoff / bare of the medians, and the handoff's parts at their medians.
+
+    python bench/bench_handoff.py              # writes bench/results/handoff.{json,txt}
+    python bench/bench_handoff.py --smoke      # 5 iterations per cell: seconds (CI)
+    python bench/bench_handoff.py --paths tcp --iters 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from bench_transfer import HERE, path_unavailable, percentile, save, set_transport
+
+PREFILL_ID, DECODER_ID = 51, 52
+BLOCKS = 64
+KEY = 3
+SIZES = (4096, 256 * 1024)
+COUNTS = (1, 16)
+WARMUP = 10
+
+
+def measure_path(conn: Any, path: str, iters: int) -> None:
+    try:
+        conn.send(("ok", run_path(path, iters)))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_path(path: str, iters: int) -> dict[str, Any]:
+    import pdlink
+
+    set_transport(path)
+    prefill = pdlink.Engine(pdlink.EngineOptions(cluster_id=PREFILL_ID, listen="127.0.0.1:0", timeout_ms=60000))
+    decoder = pdlink.Engine(pdlink.EngineOptions(cluster_id=DECODER_ID, timeout_ms=60000))
+    cells: dict[str, Any] = {}
+    try:
+        decoder.connect(f"127.0.0.1:{prefill.listen_port}", cluster_id=PREFILL_ID)
+        transport = decoder.links()[0].transport
+        for size in SIZES:
+            source = (np.arange(BLOCKS * size, dtype=np.uint64) * 31 % 251 + 1).astype(np.uint8)
+            dest = np.zeros(BLOCKS * size, np.uint8)
+            src_region = prefill.register(source, block_size=size, key=KEY)
+            dst_region = decoder.register(dest, block_size=size)
+            prepared = decoder.prepare(PREFILL_ID, dst_region, src_region.remote())
+            for count in COUNTS:
+                cells[f"{size}x{count}"] = run_cell(path, prefill, decoder, prepared, (src_region, dst_region),
+                                                    (source, dest), size, count, iters)
+            decoder.deregister(dst_region)
+            prefill.deregister(src_region)
+    finally:
+        decoder.close()
+        prefill.close()
+    return {"transport": transport, "cells": cells}
+
+
+def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tuple[Any, Any],
+             arrays: tuple[np.ndarray, np.ndarray], size: int, count: int, iters: int) -> dict[str, Any]:
+    """One cell: ``count`` blocks of ``size`` bytes (every other one of the region), bare and handoff
+    alternating, every destination checked."""
+    src_region, dst_region = regions
+    source, dest = arrays
+    remote = list(range(0, 2 * count, 2))  # every other block
+    local = list(range(1, 2 * count, 2))
+    expect = source.reshape(BLOCKS, size)[remote]
+    parts: dict[str, list[float]] = {"offer": [], "claim": [], "seen": []}
+    n = [0]
+
+    def bare() -> None:
+        prepared.read(local, remote)
+
+    def handoff() -> None:
+        t0 = time.perf_counter()
+        offer = prefill.offer(src_region, remote, request_id=f"r{n[0]}")
+        t1 = time.perf_counter()
+        decoder.claim(offer.ticket, dst_region, local)
+        t2 = time.perf_counter()
+        if not offer.wait(60) or offer.reason != "claimed":
+            raise AssertionError(f"{path}: offer ended {offer.reason}")
+        t3 = time.perf_counter()
+        n[0] += 1
+        parts["offer"].append(t1 - t0)
+        parts["claim"].append(t2 - t1)
+        parts["seen"].append(t3 - t2)
+
+    modes = {"bare": bare, "handoff": handoff}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for i in range(WARMUP + iters):
+        order = list(modes) if i % 2 == 0 else list(modes)[::-1]
+        for mode in order:
+            dest[:] = 0
+            t0 = time.perf_counter()
+            modes[mode]()
+            t = time.perf_counter() - t0
+            got = dest.reshape(BLOCKS, size)
+            if not np.array_equal(got[local], expect) or np.count_nonzero(got) != count * size:
+                raise AssertionError(f"{path}: {mode} of {count} x {size} B: the destination differs")
+            if i >= WARMUP:
+                times[mode].append(t)
+    for k in parts:
+        del parts[k][:WARMUP]
+    if prefill.stats()["offers_live"]:
+        raise AssertionError(f"{path}: offers left live")
+    return {"size": size, "count": count, "times": times, "parts": parts}
+
+
+def measure(path: str, iters: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=measure_path, args=(child, path, iters), daemon=True)
+    proc.start()
+    try:
+        status, value = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{path}: {value}")
+        return dict(value)
+    finally:
+        proc.join(60)
+
+
+def us(x: float) -> str:
+    v = x * 1e6
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def summarize(r: dict[str, Any]) -> None:
+    for cell in r["cells"].values():
+        st = {}
+        for mode, ts in cell["times"].items():
+            st[mode] = {"p50": statistics.median(ts), "p90": percentile(ts, 90), "n": len(ts)}
+        st["ratio"] = st["handoff"]["p50"] / st["bare"]["p50"]
+        st["parts"] = {k: statistics.median(v) for k, v in cell["parts"].items()}
+        cell["stats"] = st
+
+
+def report(results: dict[str, Any]) -> list[str]:
+    cfg = results["config"]
+    lines = [f"handoff: offer + claim + release seen by the prefill vs a bare prepared pull of the same blocks, "
+             f"{cfg['iters']} of each per cell, alternating; median [p90] in us",
+             "| path | block | blocks | bare | handoff | handoff / bare | handoff - bare "
+             "| offer / claim / release seen |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path, r in results["paths"].items():
+        if "skipped" in r:
+            lines.append(f"| {path} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        for cell in r["cells"].values():
+            st = cell["stats"]
+            b, h, p = st["bare"], st["handoff"], st["parts"]
+            size = f"{cell['size'] // 1024} KiB"
+            lines.append(f"| {path} ({r['transport']}) | {size} | {cell['count']} | {us(b['p50'])} [{us(b['p90'])}] | "
+                         f"{us(h['p50'])} [{us(h['p90'])}] | {st['ratio']:.2f} | {us(h['p50'] - b['p50'])} | "
+                         f"{us(p['offer'])} / {us(p['claim'])} / {us(p['seen'])} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="5 iterations per cell: checks that everything runs")
+    ap.add_argument("--iters", type=int, default=300, help="timed iterations of each mode per cell")
+    ap.add_argument("--paths", default="cma,tcp,ucx", help="comma-separated: cma, tcp, ucx (ucx over UCX_TLS=tcp)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    iters = 5 if args.smoke else args.iters
+    results: dict[str, Any] = {"config": {"iters": iters, "sizes": SIZES, "counts": COUNTS, "blocks": BLOCKS},
+                               "paths": {}}
+    for path in args.paths.split(","):
+        why = path_unavailable(path)
+        if why is not None:
+            print(f"{path}: skipped: {why}")
+            results["paths"][path] = {"skipped": why}
+            continue
+        r = measure("ucx:tcp" if path == "ucx" else path, iters)
+        summarize(r)
+        results["paths"][path] = r
+        print(f"{path}: handoff / bare " + ", ".join(f"{k} {c['stats']['ratio']:.2f}" for k, c in r["cells"].items()),
+              flush=True)
+    lines = report(results)
+    print("\n".join(lines))
+    save(args.out, "handoff", results, "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
