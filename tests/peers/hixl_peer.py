@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import hixl
+import internals
 import ports
 from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, direct_write
@@ -291,6 +292,41 @@ def collect_finished(count: int, limit_s: float = 20.0) -> list[tuple[int, int, 
         if len(got) < count:
             time.sleep(0.001)
     return got
+
+
+def set_limits(max_pending: int | None = None, async_timeout_ms: int | None = None) -> tuple[int, int]:
+    """Sets this process's ``MAX_PENDING_TRANSFERS`` and ``ASYNC_TRANSFER_TIMEOUT_MS`` (None: as
+    they are) for the next calls; returns the values they had."""
+    module = internals.hixl_module()
+    old = (module.MAX_PENDING_TRANSFERS, module.ASYNC_TRANSFER_TIMEOUT_MS)
+    if max_pending is not None:
+        module.MAX_PENDING_TRANSFERS = max_pending
+    if async_timeout_ms is not None:
+        module.ASYNC_TRANSFER_TIMEOUT_MS = async_timeout_ms
+    return old
+
+
+def counts() -> dict[str, Any]:
+    """What the engine keeps for async requests: ``requests`` (not yet reported), and, while it is
+    initialized, ``in_flight`` (its pdlink engine's own transfers running) and ``links``."""
+    h = _engine()
+    engine = internals.hixl_engine(h)
+    out: dict[str, Any] = {"requests": internals.hixl_requests(h), "initialized": engine is not None}
+    if engine is not None:
+        out["in_flight"] = engine.role_state().transfers_in_flight
+        out["links"] = len(engine.links())
+    return out
+
+
+def wait_status(req: int, limit_s: float = 30.0) -> tuple[int, str]:
+    """Polls ``get_transfer_status(req)`` until it is no longer ``(SUCCESS, WAITING)`` (or
+    ``limit_s`` passes): the last answer."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        ret, name = status(req)
+        if (ret, name) != (hixl.SUCCESS, "WAITING") or time.monotonic() > deadline:
+            return ret, name
+        time.sleep(0.001)
 
 
 def parallel_transfers(remote: str, op: str, batches: Sequence[Sequence[Desc]], timeout_ms: int = 10000) -> list[int]:
