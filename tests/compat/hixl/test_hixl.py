@@ -1514,6 +1514,7 @@ def test_engines_killed_and_restarted_in_turn_relink_and_move_every_byte(
 MIB = 1 << 20
 PIECES = 24  # descriptors of 1 MiB: the transfer is three requests of 8 MiB, each a cancel point
 TRIPLES = [(i * MIB, i * MIB, MIB) for i in range(PIECES)]  # (src offset, dst offset, len)
+GUARD_S = 20  # bounds a disconnect or finalize: reaching it means it waited for the held bytes (a hang)
 
 
 class Held:
@@ -1590,11 +1591,12 @@ def test_disconnect_cancels_a_request_in_flight_and_forgets_it(peers: Callable[.
     PARAM_INVALID) and aborts their transfers: so does this one, and the transfer has stopped when
     disconnect returns; the engine links again and moves every byte."""
     h = Held(peers, variant, relay)
-    assert h.client.call(hixl_peer.disconnect, h.remote) == hixl.SUCCESS
+    assert h.client.call_within(GUARD_S, hixl_peer.disconnect, h.remote) == hixl.SUCCESS
     up = relay.forwarded[UP]
+    # stopped when disconnect returned (not polled): nothing kept, nothing in flight, no link
+    assert h.client.call(hixl_peer.counts) == {"requests": 0, "initialized": True, "in_flight": 0, "links": 0}
     assert h.client.call(hixl_peer.status, h.req) == (hixl.PARAM_INVALID, "FAILED")
     assert h.client.call(hixl_peer.all_status) == (hixl.SUCCESS, [])
-    assert _nothing_kept(h.client)["links"] == 0
     h.stopped(relay, up)
     # the same engine links again (directly) and reads the whole buffer exactly
     assert h.client.call(hixl_peer.connect, h.two.server_id) == hixl.SUCCESS
@@ -1610,7 +1612,8 @@ def test_finalize_cancels_a_request_in_flight(peers: Callable[..., Peer], varian
     """CANN's finalize destroys every client, aborting their transfers: finalize here cancels the
     request held in flight, returns once it stopped, and every later query is FAILED."""
     h = Held(peers, variant, relay)
-    assert h.client.call(hixl_peer.finalize) is None
+    # the relay still holds the request's bytes: finalize does not wait for them
+    assert h.client.call_within(GUARD_S, hixl_peer.finalize) is None
     up = relay.forwarded[UP]
     assert h.client.call(hixl_peer.status, h.req) == (hixl.FAILED, "FAILED")
     assert h.client.call(hixl_peer.all_status) == (hixl.FAILED, [])
