@@ -64,8 +64,8 @@ def cache_manager(engine: Any, remote_accessible: bool = True) -> Any:
 
 
 def hixl_module() -> Any:
-    """The module of pdlink's ``hixl.Hixl`` (its limits, ``MAX_PENDING_TRANSFERS`` and
-    ``ASYNC_TRANSFER_TIMEOUT_MS``, are read there at each call)."""
+    """The module of pdlink's ``hixl.Hixl`` (its limits, ``MAX_PENDING_TRANSFERS`` say, are read
+    there at each call)."""
     from pdlink.compat.hixl import hixl as module
 
     return module

@@ -294,16 +294,11 @@ def collect_finished(count: int, limit_s: float = 20.0) -> list[tuple[int, int, 
     return got
 
 
-def set_limits(max_pending: int | None = None, async_timeout_ms: int | None = None) -> tuple[int, int]:
-    """Sets this process's ``MAX_PENDING_TRANSFERS`` and ``ASYNC_TRANSFER_TIMEOUT_MS`` (None: as
-    they are) for the next calls; returns the values they had."""
+def set_max_pending(max_pending: int) -> int:
+    """Sets this process's ``MAX_PENDING_TRANSFERS`` for the next calls; returns the old value."""
     module = internals.hixl_module()
-    old = (module.MAX_PENDING_TRANSFERS, module.ASYNC_TRANSFER_TIMEOUT_MS)
-    if max_pending is not None:
-        module.MAX_PENDING_TRANSFERS = max_pending
-    if async_timeout_ms is not None:
-        module.ASYNC_TRANSFER_TIMEOUT_MS = async_timeout_ms
-    return old
+    old, module.MAX_PENDING_TRANSFERS = module.MAX_PENDING_TRANSFERS, max_pending
+    return int(old)
 
 
 def counts() -> dict[str, Any]:
