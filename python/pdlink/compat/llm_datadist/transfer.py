@@ -15,6 +15,12 @@ starts), then runs the layer loop on a background thread:
 Results are keyed by ``dst_cluster_id`` (two configs to one cluster share a slot), and
 ``CacheTask.get_results`` returns them per config, in order (``None``: never transferred).
 
+A running job is held by its manager's ``AsyncTasks``: ``LLMDataDist.finalize`` stops it with
+``LLM_PARAM_INVALID`` and ``unlink_clusters`` stops its configs to the unlinked clusters with
+``LLM_NOT_YET_LINK`` (the codes upstream's next push gets then): the push in flight, cut by the
+closing link, and the next push record that code, and the loop ends there as at any failure.
+A dropped ``CacheTask`` does not stop its job (upstream's thread runs on too).
+
 The module is shared by the v2 ``CacheManager`` and the v1 ``KvCacheManager``: the caller passes
 the function that runs one native transfer (``CacheManager._transfer``'s signature), whether the
 source is a blocks cache, the mode (remote-accessible or not) and the timeout code.
