@@ -171,20 +171,20 @@ class Hixl:
                 return
             self._finalized = True
             pool, self._connect_pool = self._connect_pool, None
-            peers = list(self._links.values())
             self._links.clear()
             self._batches.clear()
             self._remote_memory.clear()
             stopped = self._cancel_requests(None)
+            busy = {r.peer for r in stopped}  # links with a request still running
             self._mems.clear()
             self._connect_queue.clear()
             self._connect_status.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        for peer in peers:  # a cancelled request waits for nothing more once its link is gone
+        for peer in busy:  # a cancelled request waits for nothing more once its link is gone
             self._drop(engine, peer, AUTO_CONNECT_TIMEOUT_MS)
         self._wait_stopped(stopped)
-        engine.close()
+        engine.close()  # tells the other peers, as before
 
     def _live(self) -> Engine | None:
         with self._state:
@@ -311,28 +311,28 @@ class Hixl:
         self._wait_stopped(stopped)
         return code
 
-    def _cancel_requests(self, remote: str | None) -> list[Pending]:
+    def _cancel_requests(self, remote: str | None) -> list[_Request]:
         """Forgets the async requests to ``remote`` (None: all) and cancels each still running
-        (``Pending.cancel``: it stops at its next cancel point); returns their pendings. Called
+        (``Pending.cancel``: it stops at its next cancel point); returns those. Called
         with ``_state`` held: a cancel waits for nothing. CANN's disconnect and finalize do the same:
         the client's requests leave its index (``ClientManager::EraseReqIndexByClient``, then a
         query is PARAM_INVALID) and its transfers are aborted (``HixlCSClient::Destroy``)."""
         gone = [rid for rid, r in self._requests.items() if remote is None or r.remote == remote]
         stopped = []
         for rid in gone:
-            pending = self._requests.pop(rid).pending
-            pending.cancel()
-            stopped.append(pending)
+            request = self._requests.pop(rid)
+            if request.pending.cancel():  # False: it had ended already
+                stopped.append(request)
         return stopped
 
     @staticmethod
-    def _wait_stopped(stopped: list[Pending]) -> None:
+    def _wait_stopped(stopped: list[_Request]) -> None:
         """Waits until each cancelled request has stopped (after its link was dropped, at once: the
         request it had in flight fails with the link), so that nothing lands in, or is read from,
         memory the caller frees next. Each is bounded by ASYNC_TRANSFER_TIMEOUT_MS anyway."""
-        for pending in stopped:
+        for request in stopped:
             try:
-                pending.wait(ASYNC_TRANSFER_TIMEOUT_MS / 1000)
+                request.pending.wait(ASYNC_TRANSFER_TIMEOUT_MS / 1000)
             except BaseException:  # noqa: BLE001 - cancelled or failed: stopped either way
                 pass
 
