@@ -71,10 +71,11 @@ def hixl_module() -> Any:
     return module
 
 
-def hixl_requests(h: Any) -> int:
-    """How many async requests a ``hixl.Hixl`` keeps (not yet reported finished)."""
+def hixl_requests(h: Any) -> tuple[int, int]:
+    """How many async requests a ``hixl.Hixl`` keeps (not yet reported finished), and how many of
+    those still run."""
     with h._state:
-        return len(h._requests)
+        return len(h._requests), sum(not r.pending.done() for r in h._requests.values())
 
 
 def hixl_engine(h: Any) -> Any:

@@ -301,12 +301,22 @@ def set_max_pending(max_pending: int) -> int:
     return int(old)
 
 
+def set_async_timeout(timeout_ms: int) -> int:
+    """Sets this process's ``ASYNC_TRANSFER_TIMEOUT_MS`` for the next ``transfer_async`` calls;
+    returns the old value."""
+    module = internals.hixl_module()
+    old, module.ASYNC_TRANSFER_TIMEOUT_MS = module.ASYNC_TRANSFER_TIMEOUT_MS, timeout_ms
+    return int(old)
+
+
 def counts() -> dict[str, Any]:
-    """What the engine keeps for async requests: ``requests`` (not yet reported), and, while it is
-    initialized, ``in_flight`` (its pdlink engine's own transfers running) and ``links``."""
+    """What the engine keeps for async requests: ``requests`` (not yet reported), ``running`` (of
+    those, the ones not ended), and, while it is initialized, ``in_flight`` (its pdlink engine's
+    own transfers running) and ``links``."""
     h = _engine()
     engine = internals.hixl_engine(h)
-    out: dict[str, Any] = {"requests": internals.hixl_requests(h), "initialized": engine is not None}
+    requests, running = internals.hixl_requests(h)
+    out: dict[str, Any] = {"requests": requests, "running": running, "initialized": engine is not None}
     if engine is not None:
         out["in_flight"] = engine.role_state().transfers_in_flight
         out["links"] = len(engine.links())
