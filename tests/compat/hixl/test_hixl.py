@@ -4,8 +4,9 @@ mistakes that raise TypeError (spec section 6); the codes and empty companions o
 before initialize and after finalize; option and engine-string validation; registration rules; and,
 between real peer processes (tests/peers/hixl_peer.py), the official example's READ of 8 MiB, WRITE
 flows, the call sequences of Ray, vllm-ascend EPLB and Mooncake TENT (spec 11.3-11.5),
-notifications, strict address validation (nothing moves), async requests, a frozen peer and a dead
-one. Every transfer checks the whole destination (moved bytes equal the source, everything else
+notifications, strict address validation (nothing moves), async requests (and what becomes of one
+held in flight at a relay when its remote is disconnected, its engine finalized or its timeout
+passes; the bound on requests nobody polls), a frozen peer and a dead one. Every transfer checks the whole destination (moved bytes equal the source, everything else
 and the guard bytes unchanged) and the source unchanged.
 """
 

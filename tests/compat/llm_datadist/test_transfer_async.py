@@ -1,7 +1,9 @@
 """Layer-wise ``transfer_cache_async`` (llm_datadist_api.md §7.8-7.11, 8.5, 10.5) across two real processes.
 
 Every transfer kind (keyed or raw addresses; cache->cache, blocks->blocks, cache->blocks), the
-layer loop's stop rules, ``CacheTask`` timeouts and every validation rule. The prefill pushes into
+layer loop's stop rules, ``CacheTask`` timeouts, tasks stopped by ``finalize`` and
+``unlink_clusters`` (between layers, and with a push held in flight at a relay) and every
+validation rule. The prefill pushes into
 the decoder (the decoder dials, links are symmetric); every push checks the whole destination
 (moved bytes equal the source, every other byte and the guards unchanged) and the source unchanged
 (tests/verify.py). Peer-side code: tests/peers/transfer_async.py.
