@@ -6,8 +6,9 @@ between real peer processes (tests/peers/hixl_peer.py), the official example's R
 flows, the call sequences of Ray, vllm-ascend EPLB and Mooncake TENT (spec 11.3-11.5),
 notifications, strict address validation (nothing moves), async requests (and what becomes of one
 held in flight at a relay when its remote is disconnected, its engine finalized or its timeout
-passes; the bound on requests nobody polls), a frozen peer and a dead one. Every transfer checks the whole destination (moved bytes equal the source, everything else
-and the guard bytes unchanged) and the source unchanged.
+passes; the bound on requests nobody polls), a frozen peer and a dead one. Every transfer checks
+the whole destination (moved bytes equal the source, everything else and the guard bytes
+unchanged) and the source unchanged.
 """
 
 from __future__ import annotations
