@@ -85,7 +85,8 @@ run() {
 # pip_build NAME SANITIZE: a virtualenv $CI_OUT/NAME-venv with pdlink[test] built by pip with
 # PDLINK_SANITIZE=SANITIZE (its own scikit-build-core build directory, $CI_OUT/NAME-skb). The C++
 # test programs are built there too, against the same sanitized core: the core is compiled once
-# per sanitizer, not twice (that saved about 8 of CI's minutes).
+# per sanitizer, not twice (that saved about 8 of CI's minutes). Not ucx_test: .ci/ucx.sh runs it,
+# and nothing here does (PDLINK_BUILD_UCX_TEST=OFF).
 pip_build() {
   local venv="$CI_OUT/$1-venv"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -94,7 +95,8 @@ pip_build() {
   # environment), so nothing between pip and CMake can drop it.
   PDLINK_SANITIZE=$2 "$venv/bin/python" -m pip install -q --disable-pip-version-check ".[test]" \
     -C build-dir="$PWD/$CI_OUT/$1-skb" -C cmake.build-type=RelWithDebInfo \
-    -C cmake.define.PDLINK_SANITIZE="$2" -C cmake.define.PDLINK_BUILD_TESTS=ON >>"$logs/pip-$1.log" 2>&1 ||
+    -C cmake.define.PDLINK_SANITIZE="$2" -C cmake.define.PDLINK_BUILD_TESTS=ON \
+    -C cmake.define.PDLINK_BUILD_UCX_TEST=OFF >>"$logs/pip-$1.log" 2>&1 ||
     { tail -n 60 "$logs/pip-$1.log"; exit 1; }
   local runtime=libasan deps core
   [ "$2" = thread ] && runtime=libtsan
