@@ -35,7 +35,8 @@ from pdlink.status import as_llm_exception, error_class, raise_if_false, raise_i
 __all__ = [
     "backend_info", "backend_name", "BodyError", "cache_count", "cache_manager", "client_context", "ClientError",
     "cluster_id", "core", "data_type_module", "DEFAULT_CONFIG_JSON", "device_cache_ids", "DeviceMemory",
-    "as_llm_exception", "direct_access_permitted", "engine", "error_class", "handle_llm_status", "invalidate",
+    "as_llm_exception", "async_tasks", "direct_access_permitted", "engine", "error_class", "handle_llm_status",
+    "hixl_engine", "hixl_module", "hixl_requests", "invalidate",
     "ucx_info", "LIMIT_OPTIONS", "ip_to_int", "itemsize", "native_engine",
     "ManagementClient", "manager_role", "engines", "NodeSpec", "NotReady", "open_backend", "open_engine",
     "parse_engine_options", "parse_rank_table", "parse_role_request", "pools", "PushType", "raise_if_false",
@@ -60,6 +61,31 @@ def cache_manager(engine: Any, remote_accessible: bool = True) -> Any:
     from pdlink.compat.llm_datadist.cache_manager import CacheManager
 
     return CacheManager(SimpleNamespace(_is_call_linked=False), engine, remote_accessible, {})
+
+
+def hixl_module() -> Any:
+    """The module of pdlink's ``hixl.Hixl`` (its limits, ``MAX_PENDING_TRANSFERS`` say, are read
+    there at each call)."""
+    from pdlink.compat.hixl import hixl as module
+
+    return module
+
+
+def hixl_requests(h: Any) -> tuple[int, int]:
+    """How many async requests a ``hixl.Hixl`` keeps (not yet reported finished), and how many of
+    those still run."""
+    with h._state:
+        return len(h._requests), sum(not r.pending.done() for r in h._requests.values())
+
+
+def hixl_engine(h: Any) -> Any:
+    """The ``pdlink.Engine`` under a ``hixl.Hixl`` (None once finalized)."""
+    return h._engine
+
+
+def async_tasks(cm: Any) -> int:
+    """How many ``transfer_cache_async`` jobs a CacheManager holds (running ones)."""
+    return len(cm._async_tasks)
 
 
 def native_engine(engine: Any) -> Any:

@@ -38,7 +38,10 @@ from typing import Any, TypeVar
 from poll import wait_until
 
 _CTX = mp.get_context("spawn")
-DEFAULT_CALL_TIMEOUT = 30.0
+# A hang guard, never a measure: a peer that does not answer a call within it is killed. 60 s, so
+# that a call that fills hundreds of MiB still answers on a 2-core machine under other load (30 s did
+# not, beside three other jobs).
+DEFAULT_CALL_TIMEOUT = 60.0
 
 R = TypeVar("R")
 

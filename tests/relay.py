@@ -79,6 +79,10 @@ class Relay:
             self._budget = [None, None]
             self._cond.notify_all()
 
+    def ended(self) -> bool:
+        """Whether every connection the relay took has ended (both its threads returned)."""
+        return all(not t.is_alive() for conn in list(self._conns) for t in conn._threads)
+
     def connections(self) -> int:
         """How many connections the relay has taken so far."""
         return len(self._conns)

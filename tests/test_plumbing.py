@@ -13,7 +13,7 @@ from pdlink import LLMException, LLMStatusCode
 from peer import Peer, PeerTimeout, RemoteError, RemoteTraceback
 from peers import kv, selftest
 from poll import hang_guard, wait_until
-from verify import assert_same, pattern
+from verify import PATTERN_PERIOD, assert_same, pattern, pattern_formula
 
 
 def test_a_call_runs_in_the_peer_and_returns_its_result(peers: Callable[..., Peer]) -> None:
@@ -86,6 +86,17 @@ def test_test_data_and_guards_are_what_verify_says(pair: Pair) -> None:
         guard.regions[0][offset] ^= 0xFF
         with pytest.raises(AssertionError, match=where):
             assert_same(guard, snap, "check")
+
+
+@pytest.mark.parametrize("tensor, seed", [(0, 1), (3, 7), (1, -2)])
+def test_the_pattern_is_its_formula_repeated(tensor: int, seed: int) -> None:
+    """``verify.pattern`` (one period repeated) is byte for byte ``pattern_formula`` at every size
+    around the period's edges and over several periods; each call returns a new, writable array."""
+    for nbytes in [0, 1, 255, 256, PATTERN_PERIOD - 1, PATTERN_PERIOD, PATTERN_PERIOD + 1, 3 * PATTERN_PERIOD + 17]:
+        assert pattern(nbytes, tensor, seed).tobytes() == pattern_formula(nbytes, tensor, seed).tobytes(), nbytes
+    a = pattern(PATTERN_PERIOD + 1, tensor, seed)
+    a[0] ^= 0xFF
+    assert pattern(1, tensor, seed)[0] == pattern_formula(1, tensor, seed)[0] != a[0]
 
 
 def test_pool_snapshots_cover_the_whole_pool(make_pair: Callable[..., Pair]) -> None:

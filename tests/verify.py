@@ -24,6 +24,7 @@ This module is imported by tests and by peer modules alike: numpy only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -37,11 +38,35 @@ def guard_pattern() -> np.ndarray:
     return _GUARD_PATTERN.copy()
 
 
-def pattern(nbytes: int, tensor: int, seed: int) -> np.ndarray:
-    """Deterministic test data for tensor ``tensor`` of a cache filled with ``seed``: every byte
-    depends on its offset, the tensor and the seed, so a shifted or swapped range shows."""
+# pattern()'s bytes repeat every PATTERN_PERIOD bytes: adding 256 * 251 to an offset adds a multiple
+# of 251 to both i * 31 and (i >> 8) * 7 (the latter exactly 251 * 7), so the value mod 251 is the same.
+PATTERN_PERIOD = 256 * 251
+
+
+def pattern_formula(nbytes: int, tensor: int, seed: int) -> np.ndarray:
+    """``pattern``'s definition, byte by byte (int64 arithmetic: slow for large ``nbytes``)."""
     i = np.arange(nbytes, dtype=np.int64)
     return ((i * 31 + (i >> 8) * 7 + tensor * 53 + seed * 101) % 251 + 1).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_period(tensor: int, seed: int) -> np.ndarray:
+    period = pattern_formula(PATTERN_PERIOD, tensor, seed)
+    period.flags.writeable = False
+    return period
+
+
+def pattern(nbytes: int, tensor: int, seed: int) -> np.ndarray:
+    """Deterministic test data for tensor ``tensor`` of a cache filled with ``seed``: byte ``i`` is
+    ``(i * 31 + (i >> 8) * 7 + tensor * 53 + seed * 101) % 251 + 1`` (``pattern_formula``), so it
+    depends on its offset, the tensor and the seed and a shifted or swapped range shows (a shift
+    by a multiple of ``PATTERN_PERIOD`` bytes excepted). Built by repeating one period, which
+    equals the formula (tests/test_plumbing.py) at a fraction of its cost for large buffers; a new
+    array each call."""
+    period = _pattern_period(tensor, seed)
+    if nbytes <= PATTERN_PERIOD:
+        return period[:nbytes].copy()
+    return np.resize(period, nbytes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,6 +117,7 @@ void bindStatus(py::module_& m) {
   py::register_exception_translator(&translate);
   // pdlink.native calls it once, with pdlink.status.native_errors(): the class each code raises.
   m.def("_register_errors", &registerErrors, py::arg("errors"));
+  m.attr("CANCELLED_ERROR_KEY") = kCancelledKey;  // the key of TransferCancelled's entry in that table
   // pdlink's own codes (core/status.h), which pdlink.LLMStatusCode names.
   m.attr("LLM_STALE_EPOCH") = static_cast<uint32_t>(Code::kStaleEpoch);
   m.attr("LLM_ROLE_SWITCHING") = static_cast<uint32_t>(Code::kRoleSwitching);

@@ -34,8 +34,9 @@ def ptrace_grant_active() -> bool: ...  # same-host peers may read this process 
 def covers(ranges: Sequence[tuple[int, int]], addresses: Sequence[int], lengths: Sequence[int]) -> bool: ...
 
 # {status code: (exception class, status_code value)}: what a failed Status raises (csrc/bindings/status_bridge.h);
-# key -1: the class a transfer stopped at a cancel point raises, as cls(message)
+# key CANCELLED_ERROR_KEY: the class a transfer stopped at a cancel point raises, as cls(message)
 def _register_errors(errors: Mapping[int, tuple[type[BaseException], object]]) -> None: ...
+CANCELLED_ERROR_KEY: int
 
 def _hmac_sha256(key: bytes, msg: bytes) -> bytes: ...  # the links' MAC, libcrypto's (tests)
 def crypto_library() -> str: ...  # where libcrypto was loaded from; raises LLMException when it cannot be

@@ -26,9 +26,10 @@ def core() -> Any:
         from .engine import TransferCancelled
         from .status import LLMStatusCode, native_errors
 
-        # -1: a transfer stopped at a cancel point (by its token or a drain timeout) raises
+        # A transfer stopped at a cancel point (by its token or a drain timeout) raises
         # TransferCancelled, synchronous calls included.
-        _core._register_errors({**native_errors(), -1: (TransferCancelled, LLMStatusCode.LLM_FAILED)})
+        _core._register_errors({**native_errors(),
+                                _core.CANCELLED_ERROR_KEY: (TransferCancelled, LLMStatusCode.LLM_FAILED)})
         _core.set_ucx_wheel_dir(_ucx_wheel_dir())
         _core_module = _core
     return _core_module

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import hixl
+import internals
 import ports
 from peers import addr
 from peers.memory import GuardedTensors, device_memory_is_remote, direct_write
@@ -291,6 +292,46 @@ def collect_finished(count: int, limit_s: float = 20.0) -> list[tuple[int, int, 
         if len(got) < count:
             time.sleep(0.001)
     return got
+
+
+def set_max_pending(max_pending: int) -> int:
+    """Sets this process's ``MAX_PENDING_TRANSFERS`` for the next calls; returns the old value."""
+    module = internals.hixl_module()
+    old, module.MAX_PENDING_TRANSFERS = module.MAX_PENDING_TRANSFERS, max_pending
+    return int(old)
+
+
+def set_async_timeout(timeout_ms: int) -> int:
+    """Sets this process's ``ASYNC_TRANSFER_TIMEOUT_MS`` for the next ``transfer_async`` calls;
+    returns the old value."""
+    module = internals.hixl_module()
+    old, module.ASYNC_TRANSFER_TIMEOUT_MS = module.ASYNC_TRANSFER_TIMEOUT_MS, timeout_ms
+    return int(old)
+
+
+def counts() -> dict[str, Any]:
+    """What the engine keeps for async requests: ``requests`` (not yet reported), ``running`` (of
+    those, the ones not ended), and, while it is initialized, ``in_flight`` (its pdlink engine's
+    own transfers running) and ``links``."""
+    h = _engine()
+    engine = internals.hixl_engine(h)
+    requests, running = internals.hixl_requests(h)
+    out: dict[str, Any] = {"requests": requests, "running": running, "initialized": engine is not None}
+    if engine is not None:
+        out["in_flight"] = engine.role_state().transfers_in_flight
+        out["links"] = len(engine.links())
+    return out
+
+
+def wait_status(req: int, limit_s: float = 30.0) -> tuple[int, str]:
+    """Polls ``get_transfer_status(req)`` until it is no longer ``(SUCCESS, WAITING)`` (or
+    ``limit_s`` passes): the last answer."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        ret, name = status(req)
+        if (ret, name) != (hixl.SUCCESS, "WAITING") or time.monotonic() > deadline:
+            return ret, name
+        time.sleep(0.001)
 
 
 def parallel_transfers(remote: str, op: str, batches: Sequence[Sequence[Desc]], timeout_ms: int = 10000) -> list[int]:

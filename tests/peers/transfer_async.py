@@ -13,6 +13,7 @@ import dataclasses
 import threading
 from typing import Any
 
+import internals
 from llm_datadist import LayerSynchronizer, LLMStatusCode
 from peers import kv
 from peers.memory import GuardedTensors, device_memory_is_remote
@@ -29,14 +30,16 @@ class Recorder(LayerSynchronizer):
     """Records each ``synchronize_layer`` call; waits for the gate (if any) first; answers False at
     layer ``fail_at``."""
 
-    def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None,
+                 gate_from: int = 0) -> None:
         self.calls: Calls = []
         self.fail_at = fail_at
         self.gate = gate
+        self.gate_from = gate_from  # the gate holds this layer and the later ones
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         self.calls.append((layer_index, timeout_in_millis))
-        if self.gate is not None and not self.gate.wait(GATE_WAIT_S):
+        if self.gate is not None and layer_index >= self.gate_from and not self.gate.wait(GATE_WAIT_S):
             return False
         return layer_index != self.fail_at
 
@@ -52,10 +55,20 @@ class _State:
 _S = _State()
 
 
-def new_sync(fail_at: int | None = None, gated: bool = False) -> None:
-    """A fresh recording synchronizer for the next transfers; ``gated``: every layer waits for
-    ``open_gate``."""
-    _S.sync = Recorder(fail_at, threading.Event() if gated else None)
+def new_sync(fail_at: int | None = None, gated: bool = False, gate_from: int = 0) -> None:
+    """A fresh recording synchronizer for the next transfers; ``gated``: every layer from
+    ``gate_from`` on waits for ``open_gate``."""
+    _S.sync = Recorder(fail_at, threading.Event() if gated else None, gate_from)
+
+
+def sync_waiting(layer: int) -> bool:
+    """Whether the synchronizer was called for ``layer`` (a gated one waits there)."""
+    return any(i == layer for i, _ in _S.sync.calls)
+
+
+def running_tasks() -> int:
+    """How many transfer_cache_async jobs the cache manager holds (running ones)."""
+    return internals.async_tasks(_manager())
 
 
 def open_gate() -> None:

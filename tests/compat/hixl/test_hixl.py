@@ -4,9 +4,11 @@ mistakes that raise TypeError (spec section 6); the codes and empty companions o
 before initialize and after finalize; option and engine-string validation; registration rules; and,
 between real peer processes (tests/peers/hixl_peer.py), the official example's READ of 8 MiB, WRITE
 flows, the call sequences of Ray, vllm-ascend EPLB and Mooncake TENT (spec 11.3-11.5),
-notifications, strict address validation (nothing moves), async requests, a frozen peer and a dead
-one. Every transfer checks the whole destination (moved bytes equal the source, everything else
-and the guard bytes unchanged) and the source unchanged.
+notifications, strict address validation (nothing moves), async requests (and what becomes of one
+held in flight at a relay when its remote is disconnected, its engine finalized or its timeout
+passes; the bound on requests nobody polls), a frozen peer and a dead one. Every transfer checks
+the whole destination (moved bytes equal the source, everything else and the guard bytes
+unchanged) and the source unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from comm_util import free_port, rank_table
 from conftest import only
 from peer import Peer
 from peers import hixl_peer
-from poll import hang_guard
+from poll import hang_guard, wait_until
+from relay import DOWN, UP, Relay
 from verify import Copy, Snapshot, assert_same
 
 R = TypeVar("R")
@@ -1497,3 +1500,175 @@ def test_engines_killed_and_restarted_in_turn_relink_and_move_every_byte(
             s = back
         else:
             c = back
+
+
+# ============================================================================ async requests' lifecycle
+# What becomes of async requests (docs/hixl.md, "Async requests"; the originals' behaviour and where
+# it is written: docs/compatibility.md) when their remote is disconnected, their engine is finalized
+# or they time out while their bytes are held in flight at a relay (tests/relay.py), and the bound on
+# requests nobody polls. Each held case reads 24 descriptors of 1 MiB through a relay that holds the
+# answers after 1 MiB: the request is in flight and cannot have completed. After the disconnect,
+# finalize or timeout the request reports the original's exact status, the engine keeps nothing for
+# it (no request, no transfer in flight), and the transfer provably stopped: the destination holds
+# each descriptor's old or new bytes (guards and everything else unchanged), and stays exactly so
+# after the relay lets the held bytes go.
+
+MIB = 1 << 20
+PIECES = 24  # descriptors of 1 MiB: the transfer is three requests of 8 MiB, each a cancel point
+TRIPLES = [(i * MIB, i * MIB, MIB) for i in range(PIECES)]  # (src offset, dst offset, len)
+GUARD_S = 20  # bounds a disconnect or finalize: reaching it means it waited for the held bytes (a hang)
+
+
+class Held:
+    """A listening server with "src" (a seeded pattern) and a client with "dst" (another), 24 MiB
+    each, the client linked to the server through ``relay`` (tcp: the only path whose bytes wait at
+    a relay), and one READ of all of "src" in 1 MiB descriptors submitted and held in flight after
+    1 MiB of answers."""
+
+    def __init__(self, peers: Callable[..., Peer], variant: Variant, relay: Relay, async_timeout_ms: int | None = None):
+        self.two = Two(peers, variant)
+        self.client, self.server = self.two.client, self.two.server
+        self.src, self.dst = self.two.buffers(PIECES * MIB)
+        relay.target_port = int(self.two.server_id.rsplit(":", 1)[1])
+        self.remote = f"127.0.0.1:{relay.port}"
+        assert self.client.call(hixl_peer.connect, self.remote) == hixl.SUCCESS
+        if async_timeout_ms is not None:
+            self.client.call(hixl_peer.set_async_timeout, async_timeout_ms)
+        self.src0 = self.server.call(hixl_peer.snapshot, "src")
+        self.dst0 = self.client.call(hixl_peer.snapshot, "dst")
+        relay.hold_after(DOWN, MIB)
+        ret, self.req = self.client.call(hixl_peer.transfer_async, self.remote, "READ",
+                                         read_descs(self.dst, self.src, TRIPLES), 77)
+        assert (ret, self.req != 0) == (hixl.SUCCESS, True)
+        relay.wait_held(DOWN)
+        assert self.client.call(hixl_peer.status, self.req) == (hixl.SUCCESS, "WAITING")  # in flight, held
+
+    def stopped(self, relay: Relay, up: int) -> int:
+        """Asserts the transfer stopped: "dst" holds new bytes (the source's, at their places) in at
+        most as many bytes as the relay let through (the request in flight when its link was
+        dropped may have landed in part), old bytes everywhere else, guards included; once the
+        relay lets the held bytes go and its connections ended, nothing more landed and no request
+        went out after ``up`` bytes (what the relay had forwarded towards the server when the
+        request was stopped); "src" unchanged. Returns how many bytes landed."""
+        after = self.client.call(hixl_peer.snapshot, "dst")
+        new = _landed(self.dst0, after, self.src0)
+        assert new <= MIB, f"{new} bytes landed, more than the relay let through"
+        relay.release()
+        wait_until(relay.ended, 30, "the relayed connection ended")
+        assert relay.forwarded[UP] == up, "a request went out after the stop"
+        assert_same(self.client.call(hixl_peer.snapshot, "dst"), after, "dst once the relay let go")
+        assert_same(self.server.call(hixl_peer.snapshot, "src"), self.src0, "the server's src")
+        return new
+
+
+def _landed(before: Snapshot, after: Snapshot, src: Snapshot) -> int:
+    """How many bytes of ``after``'s tensor changed from ``before``; asserts that each changed byte
+    holds ``src``'s byte at its place (the transfer's, nothing else) and that everything else,
+    guards included, holds ``before``'s. (A tcp link moves a request in chunks over several
+    streams: the part that landed need not be a prefix.)"""
+    changed = np.flatnonzero(before.tensor(0) != after.tensor(0))
+    runs = np.split(changed, np.flatnonzero(np.diff(changed) != 1) + 1) if changed.size else []
+    copies = [Copy(0, int(r[0]), 0, int(r[0]), int(r[-1]) - int(r[0]) + 1) for r in runs]
+    assert_same(after, before.with_bytes(src, copies), "dst of the stopped request")
+    return int(changed.size)
+
+
+@pytest.fixture
+def relay() -> Iterator[Relay]:
+    with Relay(0) as r:
+        yield r
+
+
+def _nothing_kept(client: Peer) -> dict[str, Any]:
+    """Polls until the client's engine keeps no request and runs no transfer."""
+    return wait_until(lambda: (c := client.call(hixl_peer.counts))["requests"] == 0
+                      and c.get("in_flight", 0) == 0 and c, 30, "no request kept, no transfer in flight")
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+def test_disconnect_cancels_a_request_in_flight_and_forgets_it(peers: Callable[..., Peer], variant: Variant,
+                                                               relay: Relay) -> None:
+    """CANN's disconnect erases the remote's requests from its index (a query then answers
+    PARAM_INVALID) and aborts their transfers: so does this one, and the transfer has stopped when
+    disconnect returns; the engine links again and moves every byte."""
+    h = Held(peers, variant, relay)
+    assert h.client.call_within(GUARD_S, hixl_peer.disconnect, h.remote) == hixl.SUCCESS
+    up = relay.forwarded[UP]
+    # stopped when disconnect returned (not polled): nothing kept, nothing in flight, no link
+    assert h.client.call(hixl_peer.counts) == {"requests": 0, "running": 0, "initialized": True, "in_flight": 0,
+                                               "links": 0}
+    assert h.client.call(hixl_peer.status, h.req) == (hixl.PARAM_INVALID, "FAILED")
+    assert h.client.call(hixl_peer.all_status) == (hixl.SUCCESS, [])
+    h.stopped(relay, up)
+    # the same engine links again (directly) and reads the whole buffer exactly
+    assert h.client.call(hixl_peer.connect, h.two.server_id) == hixl.SUCCESS
+    code = check_moves(lambda: h.client.call(hixl_peer.transfer_sync, h.two.server_id, "READ",
+                                             read_descs(h.dst, h.src, TRIPLES)),
+                       [(h.server, "src", h.client, "dst", TRIPLES)])
+    assert code == hixl.SUCCESS
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+def test_finalize_cancels_a_request_in_flight(peers: Callable[..., Peer], variant: Variant, relay: Relay) -> None:
+    """CANN's finalize destroys every client, aborting their transfers: finalize here cancels the
+    request held in flight, returns once it stopped, and every later query is FAILED."""
+    h = Held(peers, variant, relay)
+    # the relay still holds the request's bytes: finalize does not wait for them
+    assert h.client.call_within(GUARD_S, hixl_peer.finalize) is None
+    up = relay.forwarded[UP]
+    assert h.client.call(hixl_peer.status, h.req) == (hixl.FAILED, "FAILED")
+    assert h.client.call(hixl_peer.all_status) == (hixl.FAILED, [])
+    assert h.client.call(hixl_peer.counts) == {"requests": 0, "running": 0, "initialized": False}
+    h.stopped(relay, up)
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+def test_a_request_past_its_timeout_reports_failed_once_and_stops(peers: Callable[..., Peer], variant: Variant,
+                                                                  relay: Relay) -> None:
+    """A request held past ASYNC_TRANSFER_TIMEOUT_MS (here 1 s) reports FAILED (never TIMEOUT: the
+    original's async path, whose device transfers time out in their kernel, reports FAILED too), once;
+    then the engine keeps nothing for it and nothing more lands."""
+    h = Held(peers, variant, relay, async_timeout_ms=1000)
+    assert h.client.call(hixl_peer.wait_status, h.req) == (hixl.SUCCESS, "FAILED")
+    up = relay.forwarded[UP]
+    assert h.client.call(hixl_peer.status, h.req) == (hixl.PARAM_INVALID, "FAILED")  # reported already
+    _nothing_kept(h.client)
+    h.stopped(relay, up)
+
+
+def test_requests_nobody_polls_are_bounded(peers: Callable[..., Peer], variant: Variant) -> None:
+    """MAX_PENDING_TRANSFERS (here 3) requests not yet reported: the next transfer_async is
+    (RESOURCE_EXHAUSTED, 0) and moves nothing; reporting one finished frees its place."""
+    two = Two(peers, variant)
+    src, dst = two.buffers()
+    assert two.client.call(hixl_peer.connect, two.server_id) == hixl.SUCCESS
+    two.client.call(hixl_peer.set_max_pending, 3)
+    parts = [[(i * 1024, i * 1024, 1000)] for i in range(4)]
+
+    def submit() -> tuple[list[int], tuple[int, int]]:
+        reqs = []
+        for part in parts[:3]:
+            ret, req = two.client.call(hixl_peer.transfer_async, two.server_id, "READ", read_descs(dst, src, part))
+            assert ret == hixl.SUCCESS
+            reqs.append(req)
+        wait_until(lambda: two.client.call(hixl_peer.counts)["running"] == 0, 30, "the three requests ended")
+        refused = two.client.call(hixl_peer.transfer_async, two.server_id, "READ", read_descs(dst, src, parts[3]))
+        return reqs, refused
+
+    reqs, refused = check_moves(submit, [(two.server, "src", two.client, "dst", [t for p in parts[:3] for t in p])])
+    assert refused == (hixl.RESOURCE_EXHAUSTED, 0)
+    assert two.client.call(hixl_peer.counts)["requests"] == 3
+    assert two.client.call(hixl_peer.wait_done, reqs[0])[:2] == (hixl.SUCCESS, "COMPLETED")
+
+    def fourth() -> tuple[int, str, int] | None:
+        ret, _, done = two.client.call(hixl_peer.transfer_async_settled, two.server_id, "READ",
+                                       read_descs(dst, src, parts[3]))
+        assert ret == hixl.SUCCESS
+        return done
+
+    done = check_moves(fourth, [(two.server, "src", two.client, "dst", parts[3])])
+    assert done is not None and done[:2] == (hixl.SUCCESS, "COMPLETED")
+    assert two.client.call(hixl_peer.counts)["requests"] == 2  # the two never polled

@@ -1,7 +1,9 @@
 """Layer-wise ``transfer_cache_async`` (llm_datadist_api.md §7.8-7.11, 8.5, 10.5) across two real processes.
 
 Every transfer kind (keyed or raw addresses; cache->cache, blocks->blocks, cache->blocks), the
-layer loop's stop rules, ``CacheTask`` timeouts and every validation rule. The prefill pushes into
+layer loop's stop rules, ``CacheTask`` timeouts, tasks stopped by ``finalize`` and
+``unlink_clusters`` (between layers, and with a push held in flight at a relay) and every
+validation rule. The prefill pushes into
 the decoder (the decoder dials, links are symmetric); every push checks the whole destination
 (moved bytes equal the source, every other byte and the guards unchanged) and the source unchanged
 (tests/verify.py). Peer-side code: tests/peers/transfer_async.py.
@@ -10,13 +12,13 @@ the decoder (the decoder dials, links are symmetric); every push checks the whol
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
-from conftest import DECODER_ID, PROMPT_ID, Pair
+from conftest import DECODER_ID, PROMPT_ID, Pair, only
 from internals import transfer_cache_async
 from llm_datadist import (
     BlocksCacheKey,
@@ -33,6 +35,8 @@ from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import kv
 from peers import transfer_async as ta
+from poll import wait_until
+from relay import DOWN, Relay
 from verify import Copy, Snapshot, assert_same, check_transfer, nothing, rows
 
 S = LLMStatusCode
@@ -178,6 +182,106 @@ def test_failure_mid_way_records_the_code_and_stops(pair: Pair) -> None:
     outcome = pushed(pair, "kv", "kv", run(pair, "kv", [keyed(range(2, 3), range(2, 3))], [2], [2]),
                      rows([(2, 2)], tensors=[(4, 4), (5, 5)]))
     assert outcome[:2] == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+# ---------------------------------------------------------------------------- finalize and unlink stop a task
+# llm_datadist's task thread pushes layer by layer through the native wrapper: after finalize the
+# wrapper is gone and the next layer's push is LLM_PARAM_INVALID; after unlink_clusters the next
+# push to that cluster is LLM_NOT_YET_LINK; the loop ends at that first failure (docs/compatibility.md).
+
+
+def _held_at_layer_1(pair: Pair) -> tuple[Snapshot, Snapshot]:
+    """A two-layer push of blocks 2 and 3 whose layer 0 moved and whose layer 1 waits at the
+    synchronizer; the source and destination before it."""
+    setup_blocks(pair, 4, seed=8)
+    src0, dst0 = snapshot(pair.prefill, "kv"), snapshot(pair.decode, "kv")
+    pair.prefill.call(ta.new_sync, gated=True, gate_from=1)
+    pair.prefill.call(ta.transfer, "kv", ta.SYNC, [keyed(range(0, 2), range(0, 2))], [2, 3], [2, 3])
+    wait_until(lambda: pair.prefill.call(ta.sync_waiting, 1), TASK_GUARD_S, "layer 1 at the synchronizer")
+    assert pair.prefill.call(ta.running_tasks) == 1
+    return src0, dst0
+
+
+def test_finalize_stops_a_task_at_its_next_layer(pair: Pair) -> None:
+    """Finalized while layer 1 waits: the task ends there with LLM_PARAM_INVALID (what the
+    original's next push gets from its finalized wrapper), only layer 0 moved, the manager keeps no
+    task."""
+    src0, dst0 = _held_at_layer_1(pair)
+    pair.prefill.call(kv.finalize)
+    pair.prefill.call(ta.open_gate)
+    assert pair.prefill.call_within(TASK_GUARD_S, ta.outcome) == (
+        S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID], [(0, None), (1, None)])
+    assert pair.prefill.call(ta.running_tasks) == 0
+    assert_same(snapshot(pair.decode, "kv"), dst0.with_rows(src0, [(2, 2), (3, 3)], [(0, 0), (1, 1)]), "destination")
+    assert_same(snapshot(pair.prefill, "kv"), src0, "source")
+
+
+def test_unlink_stops_a_task_at_its_next_layer(pair: Pair) -> None:
+    """The prefill unlinks the decoder while layer 1 waits: the task ends there with
+    LLM_NOT_YET_LINK, only layer 0 moved, the manager keeps no task."""
+    src0, dst0 = _held_at_layer_1(pair)
+    assert pair.prefill.call(kv.unlink, DECODER_ID, pair.port, True) == S.LLM_SUCCESS
+    pair.prefill.call(ta.open_gate)
+    assert pair.prefill.call_within(TASK_GUARD_S, ta.outcome) == (
+        S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK], [(0, None), (1, None)])
+    assert pair.prefill.call(ta.running_tasks) == 0
+    assert_same(snapshot(pair.decode, "kv"), dst0.with_rows(src0, [(2, 2), (3, 3)], [(0, 0), (1, 1)]), "destination")
+
+
+BIG = (8, 1 << 18)  # 8 blocks of 512 KiB: 4 MiB per tensor, a layer of 8 MiB
+
+
+def _landed(before: Snapshot, after: Snapshot, src: Snapshot, tensors: Sequence[int]) -> int:
+    """How many bytes of ``after`` changed from ``before``; asserts that they lie in ``tensors``
+    and hold ``src``'s bytes at their places, and that everything else (guards included) holds
+    ``before``'s."""
+    copies = []
+    for t in range(len(before.tensors)):
+        changed = np.flatnonzero(before.tensor(t) != after.tensor(t))
+        assert t in tensors or not changed.size, f"tensor {t} changed"
+        for run in (np.split(changed, np.flatnonzero(np.diff(changed) != 1) + 1) if changed.size else []):
+            copies.append(Copy(t, int(run[0]), t, int(run[0]), int(run[-1]) - int(run[0]) + 1))
+    assert_same(after, before.with_bytes(src, copies), "destination of the stopped task")
+    return sum(c.nbytes for c in copies)
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+@pytest.mark.parametrize("stop", ["finalize", "unlink"])
+def test_a_push_held_in_flight_stops_with_the_originals_code(make_pair: Callable[..., Pair], stop: str) -> None:
+    """Layer 0 of a two-layer push of 8 MiB layers held at a relay after 1 MiB, then the prefill is
+    finalized or unlinks the decoder (force): the task ends with the code the original's next push
+    gets (LLM_PARAM_INVALID, LLM_NOT_YET_LINK), layer 1 is never asked for, the decoder's cache
+    changed only in layer 0 (by at most what the relay let through while it held; its tensors
+    hold the source's bytes or their old ones), and layer 1 stays untouched once the relay lets
+    the bytes sent before the stop go."""
+    pair = make_pair(pool=None)
+    with Relay(pair.port) as relay:
+        pair.prefill.call(kv.register_blocks, "big", 4, BIG, seed=9, key=Pair.KEY)
+        pair.decode.call(kv.register_blocks, "big", 4, BIG, seed=None, key=DST_KEY)
+        assert pair.decode.call(kv.link, PROMPT_ID, relay.port, ip="127.0.0.1") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        src0, dst0 = snapshot(pair.prefill, "big"), snapshot(pair.decode, "big")
+        relay.hold_after(DOWN, 1 << 20)  # the prefill accepted the link: its pushes flow down
+        blocks = list(range(BIG[0]))
+        pair.prefill.call(ta.new_sync)
+        pair.prefill.call(ta.transfer, "big", ta.SYNC, [keyed(range(0, 2), range(0, 2))], blocks, blocks)
+        relay.wait_held(DOWN)
+        if stop == "finalize":
+            pair.prefill.call_within(TASK_GUARD_S, kv.finalize)
+            code = S.LLM_PARAM_INVALID
+        else:
+            assert pair.prefill.call_within(TASK_GUARD_S, kv.unlink, DECODER_ID, pair.port, True) == S.LLM_SUCCESS
+            code = S.LLM_NOT_YET_LINK
+        assert pair.prefill.call_within(TASK_GUARD_S, ta.outcome) == (code, [code], [(0, None)])
+        assert pair.prefill.call(ta.running_tasks) == 0
+        after = snapshot(pair.decode, "big")
+        assert _landed(dst0, after, src0, [0, 1]) <= 1 << 20
+        # what the prefill had sent before the stop (in the sockets' buffers and held at the relay)
+        # still reaches the decoder, which writes it where it belongs: layer 1 is never touched
+        relay.release()
+        wait_until(relay.ended, TASK_GUARD_S, "the relayed connection ended")
+        _landed(dst0, snapshot(pair.decode, "big"), src0, [0, 1])
+        assert_same(snapshot(pair.prefill, "big"), src0, "source")
 
 
 # ---------------------------------------------------------------------------- raw addresses (TransferConfig)

@@ -718,14 +718,33 @@ def test_multi_device_partial_allocation_failure_rolls_back(peers: Callable[...,
     p.call(v1.bare_close)
 
 
-def test_v1_transfer_cache_async_into_raw_decoder_addresses(pair_v1: V1) -> None:
-    """v1 transfer_cache_async: PROMPT only, TransferConfig only, WAIT_PROCESS_TIMEOUT on timeout."""
-    p, d = pair_v1.prefill, pair_v1.decode
+def _linked_src_and_dst(pair: V1) -> tuple[Peer, Peer, Any]:
+    """The pair linked, a seeded 4-block cache "src" on the prefill, a zeroed one "dst" on the decoder;
+    returns (prefill, decoder, dst's device addresses)."""
+    p, d = pair.prefill, pair.decode
     p.call(v1.allocate, "src", 4, (1, 256), seed=7)
     d.call(v1.allocate, "dst", 4, (1, 256))
     d.call(v1.zero, "dst")
-    pair_v1.link()
-    dst_addrs = d.call(v1.device_addrs, "dst")[0]
+    pair.link()
+    return p, d, d.call(v1.device_addrs, "dst")[0]
+
+
+def test_v1_finalize_stops_a_transfer_cache_async_task(pair_v1: V1) -> None:
+    """A v1 task whose layer 0 waits at its synchronizer when the prefill is finalized ends with
+    LLM_PARAM_INVALID (the original's code for a push after finalize) once the layer is released,
+    and nothing moves."""
+    p, d, dst_addrs = _linked_src_and_dst(pair_v1)
+    with unchanged((d, "dst")):
+        p.call(v1.transfer_cache_async, "held", "src", DECODER_ID, dst_addrs, gated=True)
+        p.call(v1.finalize)
+        p.call(v1.open_gate)
+        assert p.call_within(hang_guard(5000), v1.synchronize, "held", 5000) == S.LLM_PARAM_INVALID
+        assert p.call(v1.task_results, "held") == [S.LLM_PARAM_INVALID]
+
+
+def test_v1_transfer_cache_async_into_raw_decoder_addresses(pair_v1: V1) -> None:
+    """v1 transfer_cache_async: PROMPT only, TransferConfig only, WAIT_PROCESS_TIMEOUT on timeout."""
+    p, d, dst_addrs = _linked_src_and_dst(pair_v1)
 
     def transfer() -> None:
         p.call(v1.transfer_cache_async, "task", "src", DECODER_ID, dst_addrs)

@@ -162,7 +162,9 @@ class Hixl:
             return SUCCESS
 
     def finalize(self) -> None:
-        """Disconnects every link, releases all memory and the engine. Idempotent."""
+        """Disconnects every link, releases all memory and the engine. Idempotent. Async requests
+        still running are cancelled first (as CANN's finalize aborts them) and have stopped when
+        this returns; they are forgotten (every later call is FAILED)."""
         with self._state:
             engine, self._engine = self._engine, None
             if engine is None:
@@ -172,13 +174,17 @@ class Hixl:
             self._links.clear()
             self._batches.clear()
             self._remote_memory.clear()
-            self._requests.clear()
+            stopped = self._cancel_requests(None)
+            busy = {r.peer for r in stopped}  # links with a request still running
             self._mems.clear()
             self._connect_queue.clear()
             self._connect_status.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        engine.close()
+        for peer in busy:  # a cancelled request waits for nothing more once its link is gone
+            self._drop(engine, peer, AUTO_CONNECT_TIMEOUT_MS)
+        self._wait_stopped(stopped)
+        engine.close()  # tells the other peers, as before
 
     def _live(self) -> Engine | None:
         with self._state:
@@ -281,7 +287,9 @@ class Hixl:
 
     def disconnect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         """Drops the link to ``remote_engine`` (SUCCESS also when the peer is gone: it is dropped
-        here); NOT_CONNECTED without one. Its outstanding async requests are forgotten."""
+        here); NOT_CONNECTED without one. Its outstanding async requests are forgotten (a later
+        query is PARAM_INVALID) and those still running are cancelled: they have stopped when this
+        returns (docs/hixl.md, "Async requests")."""
         remote, timeout = self._check_remote(remote_engine, timeout_in_millis)
         engine = self._live()
         if engine is None:
@@ -298,9 +306,35 @@ class Hixl:
             self._remote_memory.pop(remote, None)
             if peer is None:
                 return NOT_CONNECTED
-            for req in [r for r, q in self._requests.items() if q.remote == remote]:
-                del self._requests[req]
-        return self._drop(engine, peer, timeout)
+            stopped = self._cancel_requests(remote)
+        code = self._drop(engine, peer, timeout)
+        self._wait_stopped(stopped)
+        return code
+
+    def _cancel_requests(self, remote: str | None) -> list[_Request]:
+        """Forgets the async requests to ``remote`` (None: all) and cancels each still running
+        (``Pending.cancel``: it stops at its next cancel point); returns those. Called
+        with ``_state`` held: a cancel waits for nothing. CANN's disconnect and finalize do the same:
+        the client's requests leave its index (``ClientManager::EraseReqIndexByClient``, then a
+        query is PARAM_INVALID) and its transfers are aborted (``HixlCSClient::Destroy``)."""
+        gone = [rid for rid, r in self._requests.items() if remote is None or r.remote == remote]
+        stopped = []
+        for rid in gone:
+            request = self._requests.pop(rid)
+            if request.pending.cancel():  # False: it had ended already
+                stopped.append(request)
+        return stopped
+
+    @staticmethod
+    def _wait_stopped(stopped: list[_Request]) -> None:
+        """Waits until each cancelled request has stopped (after its link was dropped, at once: the
+        request it had in flight fails with the link), so that nothing lands in, or is read from,
+        memory the caller frees next. Each is bounded by ASYNC_TRANSFER_TIMEOUT_MS anyway."""
+        for request in stopped:
+            try:
+                request.pending.wait(ASYNC_TRANSFER_TIMEOUT_MS / 1000)
+            except BaseException:  # noqa: BLE001 - cancelled or failed: stopped either way
+                pass
 
     @staticmethod
     def _drop(engine: Engine, peer: int, timeout: int) -> int:
@@ -317,8 +351,10 @@ class Hixl:
             peer = self._links.pop(remote, None)
             self._batches.pop(remote, None)
             self._remote_memory.pop(remote, None)
+            stopped = self._cancel_requests(remote) if peer is not None else []
         if peer is not None:
             self._drop(engine, peer, AUTO_CONNECT_TIMEOUT_MS)
+            self._wait_stopped(stopped)
 
     # ------------------------------------------------------------------ async connect
 

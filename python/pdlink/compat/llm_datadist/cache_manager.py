@@ -150,6 +150,9 @@ class CacheManager:
         # pins: a prepared transfer over a cache that is gone fails like the unprepared call.
         self._prepared: dict[tuple[Any, ...], Any] = {}
         self._specs: dict[tuple[Any, ...], Any] = {}  # slot transfers' TransferSpecs, by what built them
+        from .transfer import AsyncTasks
+
+        self._async_tasks = AsyncTasks()  # running transfer_cache_async jobs (finalize and unlink stop them)
 
     # ------------------------------------------------------------------ helpers
 
@@ -533,7 +536,7 @@ class CacheManager:
         return transfer_cache_async(self._transfer, src_cache, src_cache.is_blocks_cache, layer_synchronizer,
                                     transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
                                     remote_cache_accessible=self._remote_cache_accessible,
-                                    timeout_code=LLMStatusCode.LLM_TIMEOUT)
+                                    timeout_code=LLMStatusCode.LLM_TIMEOUT, tasks=self._async_tasks)
 
     # ------------------------------------------------------------------ local copies
 

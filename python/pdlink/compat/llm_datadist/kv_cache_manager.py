@@ -459,7 +459,8 @@ class KvCacheManager:
         return transfer_cache_async(self._cms[0]._transfer, cache, cache.is_blocks_cache, layer_synchronizer,
                                     transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
                                     remote_cache_accessible=False,
-                                    timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
+                                    timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+                                    tasks=self._cms[0]._async_tasks)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Any]:
         """Deprecated: one ``Tensor`` per device viewing tensor ``tensor_index`` of ``cache``.

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ... import constants, environment
@@ -502,6 +502,10 @@ class LLMDataDist:
         """Unlink every peer, free pools and stop the engine. A no-op when not initialised."""
         if not self._is_initialized:
             return
+        # transfer_cache_async tasks still running stop at their next push (the one in flight ends
+        # with the links below), reporting what upstream's next layer gets from a finalized wrapper
+        for tasks in self._async_tasks():
+            tasks.stop(LLMStatusCode.LLM_PARAM_INVALID)
         if self._comm_manager is not None:
             self._comm_manager.close()
             self._comm_manager = None
@@ -516,6 +520,28 @@ class LLMDataDist:
         with LLMDataDist._instance_lock:
             if LLMDataDist.llm_engine_instance is self:
                 LLMDataDist.llm_engine_instance = None
+
+    def _async_tasks(self) -> list[Any]:
+        """The ``AsyncTasks`` of every CacheManager (v2's, or v1's one per device)."""
+        if self._cache_manager is not None:
+            return [self._cache_manager._async_tasks]
+        if self._kv_cache_manager is not None:
+            return [cm._async_tasks for cm in self._kv_cache_manager._cms]
+        return []
+
+    def _unlinking(self, ids: list[int], unlink: Callable[[], list[LinkResult]]) -> list[LinkResult]:
+        """Runs ``unlink`` of clusters ``ids``: transfer_cache_async tasks pushing to them stop first
+        (``LLM_NOT_YET_LINK``, upstream's code for a push to a cluster not linked), and go on for a
+        cluster whose link stayed (its unlink failed)."""
+        tasks = self._async_tasks()
+        for t in tasks:
+            t.stop(LLMStatusCode.LLM_NOT_YET_LINK, ids)
+        results = unlink()
+        linked = {link.peer_cluster_id for engine in self._engines for link in engine.links()}
+        kept = [c for c in ids if c in linked]
+        for t in tasks:
+            t.resume(kept)
+        return results
 
     # ------------------------------------------------------------------ links
 
@@ -618,7 +644,8 @@ class LLMDataDist:
                 ids.append(by_address.get(f"{_int_ip_to_str(ip)}:{port}", constants.ANY_CLUSTER))
             else:
                 ids.append(c.remote_cluster_id)
-        done = iter(engine.disconnect_each(ids, timeout_ms=timeout, force=force) if ids else [])
+        done = iter(self._unlinking(ids, lambda: engine.disconnect_each(ids, timeout_ms=timeout, force=force))
+                    if ids else [])
         return self._results("unlink_clusters", clusters, [r if r is not None else next(done) for r in results])
 
     def _comms(self):
@@ -712,8 +739,14 @@ class LLMDataDist:
         if len(clusters) > _MAX_CLUSTERS_PER_CALL:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
         ids = [check_uint64("remote_cluster_id", c.remote_cluster_id) for c in clusters]
-        per_device = fan_out(len(self._engines),
-                             lambda i: self._engines[i].disconnect_each(ids, timeout_ms=timeout, force=force))
+        per_device: list[list[LinkResult]] = []
+
+        def unlink() -> list[LinkResult]:
+            per_device.extend(fan_out(len(self._engines),
+                                      lambda i: self._engines[i].disconnect_each(ids, timeout_ms=timeout, force=force)))
+            return []
+
+        self._unlinking(ids, unlink)
         return self._results("unlink_clusters", clusters, _combine_device_results(len(clusters), per_device))
 
     def check_link_status(self, remote_cluster_id: int) -> None:

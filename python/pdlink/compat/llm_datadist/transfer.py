@@ -15,6 +15,12 @@ starts), then runs the layer loop on a background thread:
 Results are keyed by ``dst_cluster_id`` (two configs to one cluster share a slot), and
 ``CacheTask.get_results`` returns them per config, in order (``None``: never transferred).
 
+A running job is held by its manager's ``AsyncTasks``: ``LLMDataDist.finalize`` stops it with
+``LLM_PARAM_INVALID`` and ``unlink_clusters`` stops its configs to the unlinked clusters with
+``LLM_NOT_YET_LINK`` (the codes upstream's next push gets then): the push in flight, cut by the
+closing link, and the next push record that code, and the loop ends there as at any failure.
+A dropped ``CacheTask`` does not stop its job (upstream's thread runs on too).
+
 The module is shared by the v2 ``CacheManager`` and the v1 ``KvCacheManager``: the caller passes
 the function that runs one native transfer (``CacheManager._transfer``'s signature), whether the
 source is a blocks cache, the mode (remote-accessible or not) and the timeout code.
@@ -39,7 +45,7 @@ from ._utils import (
 )
 from .llm_types import BlocksCacheKey, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 
-__all__ = ["CacheTask", "transfer_cache_async"]
+__all__ = ["AsyncTasks", "CacheTask", "transfer_cache_async"]
 
 logger = logging.getLogger("pdlink")
 
@@ -249,12 +255,51 @@ class _Target:
 # ---------------------------------------------------------------------------- the worker
 
 
+class AsyncTasks:
+    """The running ``transfer_cache_async`` jobs of one CacheManager, so that ``finalize`` and
+    ``unlink_clusters`` can stop them (llm_datadist_api.md §10.5, docs/compatibility.md). A job is
+    here from its start until its thread ends; there are never more than the caller started and
+    has not seen end (each job ends at its last layer, at its first failure, or when stopped)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: set[_TransferJob] = set()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def _add(self, job: _TransferJob) -> None:
+        with self._lock:
+            self._jobs.add(job)
+
+    def _discard(self, job: _TransferJob) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+
+    def stop(self, code: LLMStatusCode, clusters: Sequence[int] | None = None) -> None:
+        """Every job's configs to ``clusters`` (None: all) stop: the push of one in flight, if it
+        fails, and their next push record ``code`` instead, and the job ends there, as the
+        original's loop does at a failure (its later configs stay ``None``)."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.stop(code, clusters)
+
+    def resume(self, clusters: Sequence[int]) -> None:
+        """Undoes ``stop`` for ``clusters`` (an unlink that did not take the link down)."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.resume(clusters)
+
+
 class _TransferJob(threading.Thread):
     """Runs the layer loop of llm_datadist_api.md §10.5 once. Not a daemon thread, as upstream: the interpreter
     lets an in-flight push finish before the atexit ``finalize``."""
 
     def __init__(self, transfer_fn: Callable[..., None], src_cache: Any, layer_synchronizer: LayerSynchronizer,
-                 targets: list[_Target], num_layers: int) -> None:
+                 targets: list[_Target], num_layers: int, tasks: AsyncTasks | None = None) -> None:
         super().__init__(name="pdlink-transfer-cache-async")
         self._transfer_fn = transfer_fn
         self._src_cache = src_cache
@@ -263,6 +308,27 @@ class _TransferJob(threading.Thread):
         self._num_layers = num_layers
         self._rets: dict[int, LLMStatusCode] = {}
         self.error: BaseException | None = None
+        self._tasks = tasks
+        self._stop_lock = threading.Lock()
+        self._stop_all: LLMStatusCode | None = None  # finalize
+        self._stopped: dict[int, LLMStatusCode] = {}  # dst_cluster_id -> code (unlink_clusters)
+
+    def stop(self, code: LLMStatusCode, clusters: Sequence[int] | None) -> None:
+        with self._stop_lock:
+            if clusters is None:
+                self._stop_all = code
+            else:
+                for c in clusters:
+                    self._stopped[c] = code
+
+    def resume(self, clusters: Sequence[int]) -> None:
+        with self._stop_lock:
+            for c in clusters:
+                self._stopped.pop(c, None)
+
+    def _stop_code(self, cluster: int) -> LLMStatusCode | None:
+        with self._stop_lock:
+            return self._stop_all if self._stop_all is not None else self._stopped.get(cluster)
 
     @property
     def num_configs(self) -> int:
@@ -277,6 +343,9 @@ class _TransferJob(threading.Thread):
         except BaseException as e:  # noqa: BLE001 - reported as the timeout code, as upstream
             self.error = e
             logger.error("%s: the transfer thread failed: %s: %s", _OP, type(e).__name__, e)
+        finally:
+            if self._tasks is not None:
+                self._tasks._discard(self)
 
     def _transfer_layers(self) -> None:
         for layer in range(self._num_layers):
@@ -290,11 +359,20 @@ class _TransferJob(threading.Thread):
                     self._rets[t.dst_cluster_id] = LLMStatusCode.LLM_PARAM_INVALID
                 return
             for t in picked:
+                stopped = self._stop_code(t.dst_cluster_id)
+                if stopped is not None:
+                    logger.error("%s: layer %d to cluster %d not transferred: %s", _OP, layer, t.dst_cluster_id,
+                                 "the link was unlinked" if stopped == LLMStatusCode.LLM_NOT_YET_LINK
+                                 else "the engine was finalized")
+                    self._rets[t.dst_cluster_id] = stopped
+                    return
                 try:
                     t.push_layer(self._transfer_fn, self._src_cache, layer)
                 except LLMException as e:
                     logger.error("%s: layer %d to cluster %d failed: %s", _OP, layer, t.dst_cluster_id, e)
-                    self._rets[t.dst_cluster_id] = code_2_status(e.status_code)
+                    # a push that the unlink or finalize cut short reports what the next one would
+                    stopped = self._stop_code(t.dst_cluster_id)
+                    self._rets[t.dst_cluster_id] = stopped if stopped is not None else code_2_status(e.status_code)
                     return
                 if layer == t.src_range.stop - 1:
                     self._rets[t.dst_cluster_id] = LLMStatusCode.LLM_SUCCESS
@@ -321,6 +399,7 @@ def transfer_cache_async(
     *,
     remote_cache_accessible: bool,
     timeout_code: LLMStatusCode = LLMStatusCode.LLM_TIMEOUT,
+    tasks: AsyncTasks | None = None,
 ) -> CacheTask:
     """Validate (llm_datadist_api.md §10.5), then push ``src_cache`` layer by layer on a new thread.
 
@@ -334,6 +413,8 @@ def transfer_cache_async(
       ``TransferConfig`` when False (``TypeError`` otherwise).
     * ``timeout_code``: what ``CacheTask`` answers while the thread runs (v2 ``LLM_TIMEOUT``, v1
       ``LLM_WAIT_PROCESS_TIMEOUT``).
+    * ``tasks``: the manager's ``AsyncTasks``, which holds the job while it runs (``finalize`` and
+      ``unlink_clusters`` stop it through there).
     """
     # Rules 4-6 and the argument types, in llm_datadist's order.
     _check_block_indices("dst_block_indices", dst_block_indices)
@@ -390,7 +471,9 @@ def transfer_cache_async(
     layout = _Layout(src_cache, src_is_blocks)
     for target in targets:
         target.plan(layout, list(src_block_indices or ()), list(dst_block_indices or ()), dst_block_memory_size)
-    job = _TransferJob(transfer_fn, src_cache, layer_synchronizer, targets, num_layers)
+    job = _TransferJob(transfer_fn, src_cache, layer_synchronizer, targets, num_layers, tasks)
+    if tasks is not None:
+        tasks._add(job)
     job.start()
     logger.info("%s: started, %d config(s), %d layer(s)", _OP, len(targets), num_layers)
     return CacheTask(job, timeout_code)
