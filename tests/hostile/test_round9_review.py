@@ -1,0 +1,269 @@
+"""Round 9 hostile review: KV handoffs attacked by a raw peer that knows only docs/security.md
+("KV handoffs") and the public docs it points to. Each test is one attack; a hole is marked
+``xfail(strict=True, reason="round 9: ...")``, a claim that held is a plain test. Raw peers run
+tests/peers/round9.py (several raw links in one attacker process) and tests/peers/hostile.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import rawwire
+from backend_env import Variant
+from conftest import only
+from pdlink import LLMStatusCode
+from peer import Peer
+from peers import handoff, hostile, native, round9
+from poll import wait_until
+from review_kit import PING, listening_victim
+from verify import assert_same
+
+S = LLMStatusCode
+ROWS, ROW, KEY = 8, 256, 7
+
+pytestmark = pytest.mark.one_host("raw attacker processes talk to the victim")
+
+
+def _read(ticket: object, runs=((ROW, ROW),), flags: int = 0) -> bytes:
+    body = rawwire.offer_body(KEY, ticket.offer_id, ticket.generation, runs=runs,  # type: ignore[attr-defined]
+                              block_size=ROW)
+    return rawwire.request(rawwire.OP_READ, body, flags=flags)
+
+
+def _commit(ticket: object) -> bytes:
+    return rawwire.request(rawwire.OP_COMMIT, rawwire.offer_body(KEY, ticket.offer_id,  # type: ignore[attr-defined]
+                                                                 ticket.generation))  # type: ignore[attr-defined]
+
+
+def _abort(rid: bytes, reason: bytes = b"") -> bytes:
+    return rawwire.request(rawwire.OP_HANDOFF, rawwire.abort_body(rid, reason))
+
+
+def _hold(ticket: object) -> bytes:
+    return rawwire.request(rawwire.OP_HANDOFF, rawwire.hold_body([(ticket.offer_id,  # type: ignore[attr-defined]
+                                                                   ticket.generation)]))  # type: ignore[attr-defined]
+
+
+def _attacker(peers: Callable[..., Peer], variant: Variant, port: int, clusters: list[int],
+              name: str = "attacker") -> Peer:
+    """One raw attacker process holding a link to the victim per cluster id (link i is clusters[i])."""
+    a = peers(name)
+    for c in clusters:
+        unix = a.call(hostile.redirect_name, port, c) if variant.same_host else None
+        a.call(round9.link, port, c, unix)
+    return a
+
+
+@only("cpu-tcp")
+def test_a_commit_with_no_read_before_it_releases_nothing(peers: Callable[..., Peer], variant: Variant) -> None:
+    """A commit naming an unbound offer (its ticket known, never read) from a link that never read
+    it: no link is bound, so nothing is released; the offer is still claimable by its decoder."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9, 10])
+    a.call(round9.send, 0, _commit(ticket))
+    assert a.call(round9.exchange, 0, PING) == (0, "", b"")
+    assert victim.call(handoff.state, "o") == (False, None)
+    before = victim.call(native.snapshot, "big")
+    assert a.call(round9.exchange, 1, _read(ticket)) == (0, "", bytes(before.tensor(0)[ROW:2 * ROW]))
+    assert victim.call(handoff.state, "o") == (False, None)
+
+
+@only("cpu-tcp")
+def test_an_abort_from_another_link_leaves_a_bound_offer_and_its_reads(peers: Callable[..., Peer],
+                                                                      variant: Variant) -> None:
+    """Link 0 reads (binds) the offer; link 1 (another cluster id) aborts its request id: the offer
+    stays live and link 0 still reads it; the abort is queued as link 1's event."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    before = victim.call(native.snapshot, "big")
+    a = _attacker(peers, variant, port, [9, 10])
+    row = bytes(before.tensor(0)[ROW:2 * ROW])
+    assert a.call(round9.exchange, 0, _read(ticket)) == (0, "", row)
+    assert a.call(round9.exchange, 1, _abort(b"req", b"mine")) == (0, "", b"")
+    assert victim.call(handoff.state, "o") == (False, None)
+    assert a.call(round9.exchange, 0, _read(ticket)) == (0, "", row)
+    assert victim.call(round9.handoff_events) == [("aborted", 10, "req", "mine")]
+
+
+@only("cpu-tcp")
+def test_any_linked_peer_aborts_an_unbound_offer_by_its_request_id_alone(peers: Callable[..., Peer],
+                                                                         variant: Variant) -> None:
+    """As documented (security.md: "the receiver's live offers of that id are released unless bound
+    to another link"): a peer without the ticket, knowing or guessing only the request id, releases
+    an offer no decoder has read or held yet ("peer_aborted"). Recorded so a change is seen: a
+    request id is no secret, so an offer is safe from this only once its decoder bound it."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    victim.call(handoff.offer, "o", "big", [1], "req-17")
+    a = _attacker(peers, variant, port, [9])
+    assert a.call(round9.exchange, 0, _abort(b"req-17")) == (0, "", b"")
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the stranger's abort")
+    assert victim.call(handoff.state, "o") == (True, "peer_aborted")
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9: a peer's abort whose request id is not UTF-8 makes "
+                   "handoff_events() raise UnicodeDecodeError, and the queue it took (honest events) is lost")
+def test_request_ids_and_reasons_with_nuls_or_invalid_utf8_reach_python_without_breaking_the_queue(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """Aborts whose request id or reason holds a NUL or bytes that are not UTF-8: the application's
+    ``handoff_events()`` must still return (the honest events with them), not raise on one bad record."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    a = _attacker(peers, variant, port, [9])
+    for rid, why in ((b"ok-1", b""), (b"r\x00q", b"a\x00b"), (b"\xff\xfe", b"x"), (b"ok-2", b"\xc3")):
+        assert a.call(round9.exchange, 0, _abort(rid, why)) == (0, "", b"")
+    events = victim.call(round9.handoff_events)
+    again = victim.call(round9.handoff_events)  # what is left after a call that raised
+    assert isinstance(events, list), (events, again)
+    assert [e[2] for e in events][:2] == ["ok-1", "r\x00q"], events
+    assert len(events) == 4, events
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9: the per-peer quarter is per cluster id, which a peer picks: "
+                   "one attacker under five ids evicts every other peer's handoff events")
+def test_an_abort_flood_from_many_cluster_ids_does_not_evict_an_earlier_peers_event(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """security.md: what a peer's frames queue is at most ``max_handoff_events``, one peer at most a
+    quarter (its oldest go first; other peers' stay). An attacker process dials five links under
+    five cluster ids and floods aborts: the honest peer's one event, queued first, must stay."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True, limits={"max_handoff_events": 64})
+    honest = _attacker(peers, variant, port, [50], name="honest")
+    assert honest.call(round9.exchange, 0, _abort(b"honest", b"why")) == (0, "", b"")
+    a = _attacker(peers, variant, port, [100, 101, 102, 103, 104])
+    for i in range(5):
+        assert a.call(round9.flood, i, [_abort(b"flood-%d-%d" % (i, k)) for k in range(64)]) == [0] * 64
+    events = victim.call(round9.handoff_events)
+    assert isinstance(events, list) and len(events) <= 64, events
+    assert ("aborted", 50, "honest", "why") in events, (len(events), events[:3])
+
+
+@only("cpu-tcp")
+def test_holds_from_another_link_do_not_keep_a_bound_offer_past_its_lease(peers: Callable[..., Peer],
+                                                                         variant: Variant) -> None:
+    """Link 0 binds the offer (lease 1 s) by a read and goes quiet; link 1 holds it again and
+    again: its holds extend nothing, the offer expires."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    a = _attacker(peers, variant, port, [9, 10])
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req", 1000)
+    assert a.call(round9.exchange, 0, _read(ticket))[0] == 0
+
+    def expired_while_held() -> bool:
+        assert a.call(round9.exchange, 1, _hold(ticket)) == (0, "", b"")
+        return bool(victim.call(handoff.state, "o")[0])
+
+    wait_until(expired_while_held, 20, "the offer expired while another link held it")
+    assert victim.call(handoff.state, "o") == (True, "expired")
+
+
+@only("cpu-tcp")
+def test_a_bound_links_death_releases_its_offers_and_gives_back_what_it_held(peers: Callable[..., Peer],
+                                                                            variant: Variant) -> None:
+    """A raw decoder binds two offers (a read, a hold), then its sockets close: both are released
+    "link_down" at once (not at the 1 h lease), and the victim's threads, descriptors and live
+    offers are back where they were; an unbound offer stays."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    t1 = victim.call(handoff.offer, "a", "big", [1], "r1", 3_600_000)
+    t2 = victim.call(handoff.offer, "b", "big", [2], "r2", 3_600_000)
+    victim.call(handoff.offer, "c", "big", [3], "r3", 3_600_000)
+    base = victim.call(round9.resources)  # the lease thread started with the first offer
+    a = _attacker(peers, variant, port, [9])
+    assert a.call(round9.exchange, 0, _read(t1))[0] == 0
+    assert a.call(round9.exchange, 0, _hold(t2)) == (0, "", b"")
+    a.call(round9.close, 0)
+    wait_until(lambda: victim.call(handoff.state, "a")[0] and victim.call(handoff.state, "b")[0], 10,
+               "the bound offers released when their link died")
+    assert victim.call(handoff.state, "a") == (True, "link_down")
+    assert victim.call(handoff.state, "b") == (True, "link_down")
+    assert victim.call(handoff.state, "c") == (False, None)
+    assert victim.call(round9.live_offers) == 1
+    wait_until(lambda: victim.call(round9.resources) == base, 10, f"threads and descriptors back to {base}")
+
+
+@only("cpu-cma")
+def test_a_release_waits_for_a_pinned_direct_read_of_the_offer(peers: Callable[..., Peer],
+                                                              variant: Variant) -> None:
+    """The fence on cma: a same-host raw peer reads the offer directly (answered addresses, the
+    cache pinned until its next frame) and then stalls. The application releases the offer: it is
+    not reported released while the pin is held; the peer's next frame (a read of the offer) is
+    refused, ends the pin, and the release is then reported."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9])
+    answer = a.call(round9.exchange, 0, _read(ticket, flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    victim.call(handoff.release, "o")
+    assert victim.call(round9.wait, "o", 0.5) is False
+    answer = a.call(round9.exchange, 0, _read(ticket, flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED and answer[2] == b"", answer
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the release reported once the pin ended")
+    assert victim.call(handoff.state, "o") == (True, "released")
+
+
+@only("cpu-tcp")
+def test_holds_cannot_carry_an_offer_across_a_role_switch(peers: Callable[..., Peer], variant: Variant) -> None:
+    """A raw decoder holds a live offer while the prefill switches roles: the switch must not commit
+    with the offer live (it rolls back at its drain timeout, the offer still live), and once the
+    application releases the offer the switch commits."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9])
+    assert a.call(round9.exchange, 0, _hold(ticket)) == (0, "", b"")
+    with pytest.raises(Exception) as e:
+        victim.call(native.switch_role, "PROMPT", drain_timeout_ms=500)
+    assert getattr(e.value, "status_code", None) == S.LLM_TIMEOUT or "TIMEOUT" in str(e.value), e.value
+    assert victim.call(handoff.state, "o") == (False, None)
+    assert a.call(round9.exchange, 0, _hold(ticket)) == (0, "", b"")
+    victim.call(handoff.release, "o")
+    victim.call(native.switch_role, "PROMPT", drain_timeout_ms=5000)
+    assert victim.call(round9.live_offers) == 0
+
+
+@only("cpu-tcp")
+@pytest.mark.parametrize("mode", ["read_wrong_length", "read_huge_payload", "resp_payload_on_error",
+                                  "resp_text_on_success"])
+def test_a_hostile_servers_answer_to_a_claim_lands_nothing(peers: Callable[..., Peer], variant: Variant,
+                                                           mode: str) -> None:
+    """The decoder claims a ticket whose address is a hostile server: a claim answered with the wrong
+    length, an oversized payload, a payload announced on an error or text on a success fails, the
+    decoder's region unchanged, and no commit (release) is sent for it."""
+    from pdlink import Ticket
+
+    attacker = peers("attacker")
+    port = attacker.call(hostile.serve, mode)
+    decoder = peers("decoder", env=variant.env())
+    decoder.call(native.start, 2)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    before = decoder.call(native.snapshot, "dst")
+    ticket = Ticket(cluster_id=1, address=f"{hostile.ATTACKER_IP}:{port}", key=KEY, tensors=1, block_size=ROW,
+                    length=ROWS * ROW, blocks=(1, 2), offer_id=5, generation=0x1234, request_id="req", lease_ms=60000)
+    with pytest.raises(Exception) as e:
+        decoder.call(handoff.claim, ticket, "dst", [3, 4], 2000)
+    assert getattr(e.value, "status_code", None) is not None, e.value
+    assert_same(decoder.call(native.snapshot, "dst"), before, "the decoder's region after the failed claim")
+    seen = attacker.call(hostile.observed)
+    assert any(o.get("op") == rawwire.OP_READ and o.get("kind") == rawwire.KIND_OFFER for o in seen), seen
+    assert not any(o.get("op") == rawwire.OP_COMMIT for o in seen), seen
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9: remembered aborts are keyed by cluster id: a stranger that "
+                   "links to the decoder as the prefill's cluster id fails the decoder's claims from the prefill")
+def test_an_abort_under_the_prefills_cluster_id_from_a_stranger_does_not_fail_the_decoders_claim(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A stranger links to the decoder calling itself the prefill's cluster id (1) and aborts the
+    request id the decoder is about to claim from the real prefill: the remembered abort must be the
+    stranger's link's, not cluster 1's, so the decoder's claim from the real prefill lands."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    decoder = peers("decoder", env=variant.env())
+    dport = decoder.call(native.start, 2, listen=True)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    a = peers("attacker")
+    a.call(round9.link, dport, 1, None)
+    assert a.call(round9.exchange, 0, _abort(b"req", b"spoofed")) == (0, "", b"")
+    decoder.call(handoff.claim, ticket, "dst", [3])
+    wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the claim")
+    assert prefill.call(handoff.state, "o") == (True, "claimed")
