@@ -267,3 +267,41 @@ def test_an_abort_under_the_prefills_cluster_id_from_a_stranger_does_not_fail_th
     decoder.call(handoff.claim, ticket, "dst", [3])
     wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the claim")
     assert prefill.call(handoff.state, "o") == (True, "claimed")
+
+
+@only("cpu-tcp")
+def test_an_abort_flood_under_one_cluster_id_keeps_to_its_quarter(peers: Callable[..., Peer],
+                                                                  variant: Variant) -> None:
+    """The per-peer share holds for one cluster id: a peer flooding 4 x the queue's worth of aborts
+    keeps only its newest quarter queued (the rest counted dropped), and the honest peer's event
+    queued before it stays."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True, limits={"max_handoff_events": 64})
+    honest = _attacker(peers, variant, port, [50], name="honest")
+    assert honest.call(round9.exchange, 0, _abort(b"honest", b"why")) == (0, "", b"")
+    a = _attacker(peers, variant, port, [100])
+    assert a.call(round9.flood, 0, [_abort(b"flood-%d" % k) for k in range(256)]) == [0] * 256
+    assert victim.call(handoff.stats)["handoff_events_dropped"] == 256 - 16
+    events = victim.call(round9.handoff_events)
+    assert events == [("aborted", 50, "honest", "why")] + [("aborted", 100, "flood-%d" % k, "")
+                                                             for k in range(240, 256)]
+
+
+@only("cpu-tcp")
+def test_a_hold_then_a_commit_releases_an_offer_claimed_with_no_byte_read(peers: Callable[..., Peer],
+                                                                          variant: Variant) -> None:
+    """Recorded, not a hole: the ticket's holder binds the offer by a hold and commits without
+    reading: the offer is released "claimed" though no block was read (native_api's "claimed: a
+    claim landed every block" is what an honest decoder does; the prefill cannot tell). Only the
+    bound link can do it: the same commit from another link changed nothing before."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9, 10])
+    assert a.call(round9.exchange, 0, _hold(ticket)) == (0, "", b"")
+    a.call(round9.send, 1, _commit(ticket))
+    assert a.call(round9.exchange, 1, PING) == (0, "", b"")
+    assert victim.call(handoff.state, "o") == (False, None)
+    a.call(round9.send, 0, _commit(ticket))
+    assert a.call(round9.exchange, 0, PING) == (0, "", b"")
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the holder's commit")
+    assert victim.call(handoff.state, "o") == (True, "claimed")
