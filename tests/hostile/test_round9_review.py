@@ -305,3 +305,35 @@ def test_a_hold_then_a_commit_releases_an_offer_claimed_with_no_byte_read(peers:
     assert a.call(round9.exchange, 0, PING) == (0, "", b"")
     wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the holder's commit")
     assert victim.call(handoff.state, "o") == (True, "claimed")
+
+
+@only("cpu-tcp")
+def test_reads_of_an_offer_on_a_tcp_lane_are_checked_like_the_links_own(peers: Callable[..., Peer],
+                                                                       variant: Variant) -> None:
+    """A raw peer with a lane of its link: a lane read of the offer with a wrong generation or
+    outside its blocks is refused with nothing answered; one inside is served and binds the offer to
+    the lane's link (another link is refused); the link's commit releases it, and a lane read after
+    that is refused."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    src = victim.call(native.snapshot, "big")
+    ticket = victim.call(handoff.offer, "o", "big", [1, 2], "req")
+    a = peers("attacker9")
+    nonce = 0x5EED_0000_0000_0000_0000_0000_0000_0009
+    assert a.call(hostile.link_raw, port, 9, b"", None, rawwire.ANY, nonce) == (0, "")
+    assert [s for s, _ in a.call(hostile.open_lanes, port, 9, nonce, 1)] == [0]
+    wrong = rawwire.request(rawwire.OP_READ, rawwire.offer_body(KEY, ticket.offer_id, ticket.generation ^ 1,
+                                                                runs=((ROW, ROW),), block_size=ROW))
+    for frame in (wrong, _read(ticket, runs=((0, 2 * ROW),)), _read(ticket, runs=((3 * ROW, ROW),))):
+        answer = a.call(hostile.lane_exchange, 0, frame)
+        assert isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED and answer[2] == b"", answer
+    assert a.call(hostile.lane_exchange, 0, _read(ticket, runs=((ROW, 2 * ROW),))) == (
+        0, "", bytes(src.tensor(0)[ROW:3 * ROW]))
+    b = _attacker(peers, variant, port, [10])
+    answer = b.call(round9.exchange, 0, _read(ticket))
+    assert isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED and "another link" in answer[1], answer
+    a.call(hostile.send, _commit(ticket))
+    assert a.call(hostile.exchange, PING) == (0, "", b"")
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the link's commit")
+    assert victim.call(handoff.state, "o") == (True, "claimed")
+    answer = a.call(hostile.lane_exchange, 0, _read(ticket))
+    assert isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED and answer[2] == b"", answer
