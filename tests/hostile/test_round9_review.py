@@ -337,3 +337,26 @@ def test_reads_of_an_offer_on_a_tcp_lane_are_checked_like_the_links_own(peers: C
     assert victim.call(handoff.state, "o") == (True, "claimed")
     answer = a.call(hostile.lane_exchange, 0, _read(ticket))
     assert isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED and answer[2] == b"", answer
+
+
+@only("cpu-tcp")
+def test_a_peer_that_stops_reading_an_offers_answer_holds_its_release_only_until_the_send_deadline(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """The bound decoder reads 12 MiB of an offer and never reads the answer: the read is being
+    served, so the application's release is not reported at once (the fence); the serving side's
+    request deadline (max(2 x the engine's timeout, 5 s): 5 s here) ends the answer, and the release
+    is then reported ("released"), the offer no longer live."""
+    big = 4 << 20
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True, timeout_ms=1000)
+    victim.call(native.register, "big", 8, big, seed=1, key=KEY)
+    a = _attacker(peers, variant, port, [9])
+    ticket = victim.call(handoff.offer, "o", "big", [1, 2, 3], "req")
+    a.call(round9.send, 0, rawwire.request(rawwire.OP_READ, rawwire.offer_body(
+        KEY, ticket.offer_id, ticket.generation, runs=((big, 3 * big),), block_size=big)))
+    wait_until(lambda: victim.call(native.role_state)["served_in_flight"] == 1, 10, "the read being served")
+    victim.call(handoff.release, "o")
+    assert victim.call(handoff.state, "o") == (False, None)
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 20, "the release reported after the send deadline")
+    assert victim.call(handoff.state, "o") == (True, "released")
+    assert victim.call(round9.live_offers) == 0
