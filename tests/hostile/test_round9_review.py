@@ -360,3 +360,56 @@ def test_a_peer_that_stops_reading_an_offers_answer_holds_its_release_only_until
     wait_until(lambda: victim.call(handoff.state, "o")[0], 20, "the release reported after the send deadline")
     assert victim.call(handoff.state, "o") == (True, "released")
     assert victim.call(round9.live_offers) == 0
+
+
+OTHER_OPS = {
+    "release": (rawwire.OP_RELEASE, 0),
+    "split end": (rawwire.OP_RELEASE, rawwire.MARK_SPLIT),
+    "describe": (rawwire.OP_DESCRIBE, 0),
+    "split chunk": (rawwire.OP_READ, rawwire.MARK_SPLIT),
+}
+
+
+@only("cpu-tcp", "cpu-cma")
+@pytest.mark.parametrize("what", sorted(OTHER_OPS))
+def test_other_ops_naming_an_offer_from_a_stranger_link_neither_release_nor_read_it(
+        peers: Callable[..., Peer], variant: Variant, what: str) -> None:
+    """Link 0 binds the offer; link 1 names it (its ticket known) in a release, a split pull's end
+    frame, a describe or a split pull's chunk: whatever the answer, no byte of the cache comes back,
+    the offer stays live and link 0 still reads it."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9, 10])
+    flags = rawwire.FLAG_DIRECT if variant.same_host else 0
+    assert a.call(round9.exchange, 0, _read(ticket, flags=flags))[0] == 0
+    op, mark = OTHER_OPS[what]
+    frame = rawwire.request(op, rawwire.offer_body(KEY, ticket.offer_id, ticket.generation, runs=((ROW, ROW),),
+                                                   block_size=ROW), flags=mark)
+    if op == rawwire.OP_RELEASE:
+        a.call(round9.send, 1, frame)
+    else:
+        answer = a.call(round9.exchange, 1, frame)
+        assert answer == "closed" or (isinstance(answer, tuple) and answer[0] != 0 and answer[2] == b""), answer
+    answer = a.call(round9.exchange, 1, PING)
+    assert answer == "closed" or answer == (0, "", b""), answer
+    assert victim.call(handoff.state, "o") == (False, None)
+    assert a.call(round9.exchange, 0, _read(ticket, flags=flags))[0] == 0
+    assert victim.call(handoff.state, "o") == (False, None)
+
+
+@only("cpu-cma")
+def test_a_direct_write_to_an_offer_is_refused_and_answers_no_address(peers: Callable[..., Peer],
+                                                                      variant: Variant) -> None:
+    """On a same-host link a direct write (answered with addresses the peer would write into) names
+    the offer: refused, no address answered, the cache unchanged."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    before = victim.call(native.snapshot, "big")
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9])
+    frame = rawwire.request(rawwire.OP_WRITE, rawwire.offer_body(KEY, ticket.offer_id, ticket.generation,
+                                                                 runs=((ROW, ROW),), block_size=ROW),
+                            flags=rawwire.FLAG_DIRECT)
+    answer = a.call(round9.exchange, 0, frame)
+    assert isinstance(answer, tuple) and answer[0] != 0 and answer[2] == b"", answer
+    assert_same(victim.call(native.snapshot, "big"), before, "the cache after a direct write to the offer")
+    assert victim.call(handoff.state, "o") == (False, None)
