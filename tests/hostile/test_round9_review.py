@@ -413,3 +413,27 @@ def test_a_direct_write_to_an_offer_is_refused_and_answers_no_address(peers: Cal
     assert isinstance(answer, tuple) and answer[0] != 0 and answer[2] == b"", answer
     assert_same(victim.call(native.snapshot, "big"), before, "the cache after a direct write to the offer")
     assert victim.call(handoff.state, "o") == (False, None)
+
+
+
+@only("cpu-tcp", "cpu-cma")
+@pytest.mark.xfail(strict=True, reason="round 9: a stranger linking in under the bound decoder's cluster id (no "
+                   "secret) replaces the decoder's live link, and the decoder's bound offers are released link_down")
+def test_a_stranger_linking_as_the_bound_decoders_cluster_id_does_not_release_its_offer(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """The decoder (a raw link as cluster 9) binds the offer (on cma by a direct read). A stranger,
+    another process, links in claiming cluster 9 (no secret: a cluster id is a claim,
+    security.md "Identities"). security.md: "an offer bound to a decoder's link is aborted only from
+    that link, or by this engine": the offer must stay live and the decoder's link keep reading it;
+    the stranger reads nothing."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    decoder = _attacker(peers, variant, port, [9], name="decoder")
+    flags = rawwire.FLAG_DIRECT if variant.same_host else 0
+    assert decoder.call(round9.exchange, 0, _read(ticket, flags=flags))[0] == 0
+    stranger = _attacker(peers, variant, port, [9], name="stranger")
+    answer = stranger.call(round9.exchange, 0, _read(ticket, flags=flags))
+    assert answer == "closed" or (isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED
+                                  and answer[2] == b""), answer
+    assert victim.call(handoff.state, "o") == (False, None)
+    assert decoder.call(round9.exchange, 0, _read(ticket, flags=flags))[0] == 0
