@@ -349,7 +349,7 @@ def test_a_peer_that_stops_reading_an_offers_answer_holds_its_release_only_until
     big = 4 << 20
     victim = peers("victim", env=variant.env())
     port = victim.call(native.start, 1, listen=True, timeout_ms=1000)
-    victim.call(native.register, "big", 8, big, seed=1, key=KEY)
+    victim.call(native.register, "big", 4, big, seed=None, key=KEY)
     a = _attacker(peers, variant, port, [9])
     ticket = victim.call(handoff.offer, "o", "big", [1, 2, 3], "req")
     a.call(round9.send, 0, rawwire.request(rawwire.OP_READ, rawwire.offer_body(
