@@ -437,3 +437,34 @@ def test_a_stranger_linking_as_the_bound_decoders_cluster_id_does_not_release_it
                                   and answer[2] == b""), answer
     assert victim.call(handoff.state, "o") == (False, None)
     assert decoder.call(round9.exchange, 0, _read(ticket, flags=flags))[0] == 0
+
+
+@only("cpu-tcp")
+def test_a_guess_learns_nothing_from_the_refusals_text(peers: Callable[..., Peer], variant: Variant) -> None:
+    """security.md: "one answer for every unknown offer so a guess learns nothing". A read naming a
+    live offer's id with a wrong generation, a released offer's id with a wrong generation, a never
+    used id, and another key with the right ticket, are refused with the same status and text (but
+    the id it named, echoed back)."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    live = victim.call(handoff.offer, "live", "big", [1], "req")
+    gone = victim.call(handoff.offer, "gone", "big", [2], "req2")
+    victim.call(handoff.release, "gone")
+    a = _attacker(peers, variant, port, [9])
+
+    def refused(key: int, offer_id: int, generation: int) -> tuple[int, str, bytes] | str:
+        """The answer, the offer id it names (echoed back) written as N."""
+        answer = a.call(round9.exchange, 0, rawwire.request(rawwire.OP_READ, rawwire.offer_body(
+            key, offer_id, generation, runs=((ROW, ROW),), block_size=ROW)))
+        if isinstance(answer, tuple):
+            return answer[0], answer[1].replace(f"offer {offer_id} ", "offer N "), answer[2]
+        return answer
+
+    answers = {
+        "live id, wrong generation": refused(KEY, live.offer_id, live.generation ^ 1),
+        "released id, wrong generation": refused(KEY, gone.offer_id, gone.generation ^ 1),
+        "unused id": refused(KEY, live.offer_id + 1000, live.generation),
+        "live offer, wrong key": refused(KEY + 1, live.offer_id, live.generation),
+    }
+    assert len(set(answers.values())) == 1, answers
+    (answer,) = set(answers.values())
+    assert isinstance(answer, tuple) and answer[0] == S.LLM_OFFER_RELEASED and answer[2] == b"", answer
