@@ -41,6 +41,7 @@ import numpy as np
 from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
+from .status import LLMStatusCode
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
@@ -1013,9 +1014,17 @@ class Engine:
             raise ValueError(f"the ticket offers {len(ticket.blocks)} blocks, got {len(blocks)} local ones")
         if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
             raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
-        if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken
-                                      for link in self.links()):
-            self.connect(ticket.address, cluster_id=ticket.cluster_id)
+        if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken and
+                                      (link.initiator or link.authenticated) for link in self.links()):
+            # No link to the ticket's engine that proves it is that engine (one this engine dialled,
+            # or one a link secret authenticated): an accepted link's cluster id is only a claim
+            # (docs/security.md, "Identities"), so dial the ticket's address. The engine there
+            # confirms a genuine accepted link (LLM_ALREADY_LINK: kept) or the accepted one is an
+            # impostor's and is dropped for the dialled one.
+            ip, port = _split_address(ticket.address)
+            (result,) = self._native.link([(ticket.cluster_id, ip, port)], self.options.connect_timeout_ms)
+            if int(result.status) != LLMStatusCode.LLM_ALREADY_LINK:
+                result.check()
         self._native.claim(ticket.cluster_id, ticket.key, ticket.offer_id, ticket.generation, ticket.request_id,
                            local.cache_id, blocks, list(ticket.blocks), timeout_ms or 0, cancel)
 

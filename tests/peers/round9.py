@@ -22,9 +22,10 @@ _links: list[hostile._Client] = []
 
 # ---------------------------------------------------------------- attacker side
 
-def link(port: int, cluster: int, unix: str | None = None) -> int:
-    """One more raw link to the victim at ``port`` as ``cluster``; its index."""
-    status = hostile.link_raw(port, cluster, b"", unix)
+def link(port: int, cluster: int, unix: str | None = None, secret: bytes = b"") -> int:
+    """One more raw link to the victim at ``port`` as ``cluster`` (proving ``secret`` when given);
+    its index."""
+    status = hostile.link_raw(port, cluster, secret, unix)
     assert status == (0, ""), status
     assert hostile._client is not None
     _links.append(hostile._client)
