@@ -281,7 +281,8 @@ void defHandoffs(py::class_<Engine>& cls) {
              const std::vector<PeerHandoffEvent> taken = e.takeHandoffEvents();
              py::list out;
              for (const PeerHandoffEvent& ev : taken) {
-               out.append(py::make_tuple(messageText(ev.kind), ev.peer, messageText(ev.request_id), messageText(ev.reason)));
+               out.append(
+                   py::make_tuple(messageText(ev.kind), ev.peer, messageText(ev.request_id), messageText(ev.reason)));
              }
              return out;
            })

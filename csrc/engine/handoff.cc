@@ -97,7 +97,8 @@ Status Engine::abort(const std::string& request_id, std::optional<uint64_t> peer
                                            std::to_string(limits::kMaxHandoffRequestIdBytes) + " bytes each");
   }
   if (!wire::isUtf8(request_id.data(), request_id.size()) || !wire::isUtf8(reason.data(), reason.size())) {
-    return Status(Code::kParamInvalid, "a request id and a reason are UTF-8 text (a peer drops a link that sends other)");
+    return Status(Code::kParamInvalid,
+                  "a request id and a reason are UTF-8 text (a peer drops a link that sends other)");
   }
   state_.offers.releaseRequest(request_id, OfferReason::kAborted, nullptr);
   wire::HandoffBody body;

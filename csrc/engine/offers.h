@@ -243,7 +243,7 @@ class OfferTable {
   std::deque<std::pair<uint64_t, OfferReason>> finalized_;   // for the dispatcher
   std::deque<ReleasedOffer> released_;
   std::deque<PeerHandoffEvent> peer_events_;
-  std::map<uint64_t, size_t> peer_share_;        // events of one peer in peer_events_
+  std::map<uint64_t, size_t> peer_share_;       // events of one peer in peer_events_
   std::map<std::string, size_t> source_share_;  // events of one source in peer_events_
   // Remembered aborts, by the identity of the link they arrived on (owner order of its control
   // block, which an expired weak_ptr keeps, so a later link never matches).

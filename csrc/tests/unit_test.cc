@@ -319,14 +319,14 @@ void transferBodyCases() {
              {nul, std::string("a\0b", 3), true},
              {"\xc3\xa9t\xc3\xa9", "\xe2\x82\xac \xf0\x9f\x98\x80", true},  // two- to four-byte forms
              {"\xef\xbf\xbf", "\xf4\x8f\xbf\xbf", true},                    // U+FFFF, U+10FFFF
-             {"\xff\xfe", "x", false},                                        // bytes never in UTF-8
-             {"ok", "\xc3", false},                                            // a cut sequence
-             {"\x80", "", false},                                              // a lone continuation
-             {"\xc0\xaf", "", false},                                          // overlong '/'
-             {"\xe0\x80\xaf", "", false},                                      // overlong, three bytes
-             {"\xed\xa0\x80", "", false},                                      // a surrogate (U+D800)
-             {"\xf4\x90\x80\x80", "", false},                                  // past U+10FFFF
-             {"ok", "\xe2\x82", false},                                       // a cut three-byte form
+             {"\xff\xfe", "x", false},                                      // bytes never in UTF-8
+             {"ok", "\xc3", false},                                         // a cut sequence
+             {"\x80", "", false},                                           // a lone continuation
+             {"\xc0\xaf", "", false},                                       // overlong '/'
+             {"\xe0\x80\xaf", "", false},                                   // overlong, three bytes
+             {"\xed\xa0\x80", "", false},                                   // a surrogate (U+D800)
+             {"\xf4\x90\x80\x80", "", false},                               // past U+10FFFF
+             {"ok", "\xe2\x82", false},                                     // a cut three-byte form
          }) {
       const std::string e = wire::encode(wire::HandoffBody{wire::HandoffBody::kAbort, rid, why, {}});
       const std::string what = "handoff: abort with a " + std::string(ok ? "valid" : "malformed") + " UTF-8 field";
