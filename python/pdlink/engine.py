@@ -113,7 +113,7 @@ class Limits:
     # KV handoffs (``Engine.offer``, docs/native_api.md, "Handoffs"): offers held at once (65536;
     # past it ``offer`` raises ``OutOfMemory``), the longest lease (3600000 ms), the lease of an offer
     # that names none (60000 ms), and the entries of each handoff event queue (4096; the oldest
-    # dropped when full, one peer's aborts at most a quarter of them).
+    # dropped when full, one peer's aborts at most a quarter of them, one source's at most a quarter).
     max_offers: int | None = None
     max_lease_ms: int | None = None
     offer_lease_ms: int | None = None
@@ -985,11 +985,12 @@ class Engine:
     def claim(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,
               timeout_ms: int | None = None) -> None:
         """Pulls the ticket's blocks into ``local_blocks`` of ``local_region`` (same count, same
-        tensors and block size), linking to the ticket's engine first if this one is not linked to
-        it; once every byte landed, the offer is released on the prefill side by the pull's own
-        closing frame (no extra round trip). Raises ``pdlink.OfferReleased`` when the offer is over
-        (claimed, expired, aborted, its link down, another decoder's) or the prefill aborted the
-        request before this returned; a pull's errors otherwise."""
+        tensors and block size), linking to the ticket's engine first (``ticket.address``) unless a
+        link this engine dialled, or one a link secret authenticated, reaches its cluster id; once
+        every byte landed, the offer is released on the prefill side by the pull's own closing frame
+        (no extra round trip). Raises ``pdlink.OfferReleased`` when the offer is over (claimed,
+        expired, aborted, its link down, another decoder's) or the prefill aborted the request (over
+        the link this claim uses) before this returned; a pull's errors otherwise."""
         self._claim(ticket, local_region, local_blocks, timeout_ms)
 
     def claim_async(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,

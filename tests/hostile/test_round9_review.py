@@ -318,6 +318,26 @@ def test_a_hold_then_a_commit_releases_an_offer_claimed_with_no_byte_read(peers:
 
 
 @only("cpu-tcp")
+def test_a_commit_from_the_bound_link_with_another_key_releases_nothing(peers: Callable[..., Peer],
+                                                                        variant: Variant) -> None:
+    """A commit is checked like a read: from the bound link, naming the offer's id and generation
+    under another key (model id), it releases nothing; with the offer's key it releases it
+    "claimed"."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = _attacker(peers, variant, port, [9])
+    assert a.call(round9.exchange, 0, _read(ticket))[0] == 0
+    a.call(round9.send, 0, rawwire.request(rawwire.OP_COMMIT, rawwire.offer_body(KEY + 1, ticket.offer_id,
+                                                                                 ticket.generation)))
+    assert a.call(round9.exchange, 0, PING) == (0, "", b"")
+    assert victim.call(handoff.state, "o") == (False, None)
+    a.call(round9.send, 0, _commit(ticket))
+    assert a.call(round9.exchange, 0, PING) == (0, "", b"")
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the commit with its key")
+    assert victim.call(handoff.state, "o") == (True, "claimed")
+
+
+@only("cpu-tcp")
 def test_reads_of_an_offer_on_a_tcp_lane_are_checked_like_the_links_own(peers: Callable[..., Peer],
                                                                        variant: Variant) -> None:
     """A raw peer with a lane of its link: a lane read of the offer with a wrong generation or
