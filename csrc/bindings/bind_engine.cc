@@ -265,19 +265,24 @@ void defHandoffs(py::class_<Engine>& cls) {
             throwIfError(e.hold(peer, offers, timeout_ms));
           },
           py::arg("peer"), py::arg("offers"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      // Both build the Python list from the records already taken, each string decoded with
+      // replacement (utf8Text), so no record can make the call raise and lose the queue it emptied.
       .def("take_released",
            [](Engine& e) {
-             std::vector<std::tuple<uint64_t, std::string, std::string, uint64_t>> out;
-             for (const ReleasedOffer& r : e.takeReleased()) {
-               out.emplace_back(r.offer_id, r.request_id, offerReasonName(r.reason), r.peer);
+             const std::vector<ReleasedOffer> taken = e.takeReleased();
+             py::list out;
+             for (const ReleasedOffer& r : taken) {
+               out.append(py::make_tuple(r.offer_id, messageText(r.request_id), offerReasonName(r.reason), r.peer));
              }
              return out;
            })
       .def("take_handoff_events",
            [](Engine& e) {
-             std::vector<std::tuple<std::string, uint64_t, std::string, std::string>> out;
-             for (const PeerHandoffEvent& ev : e.takeHandoffEvents()) {
-               out.emplace_back(ev.kind, ev.peer, ev.request_id, ev.reason);
+             const std::vector<PeerHandoffEvent> taken = e.takeHandoffEvents();
+             py::list out;
+             for (const PeerHandoffEvent& ev : taken) {
+               out.append(
+                   py::make_tuple(messageText(ev.kind), ev.peer, messageText(ev.request_id), messageText(ev.reason)));
              }
              return out;
            })

@@ -34,5 +34,12 @@ constexpr int64_t kProbeWaitsMs[] = {500, 1000, 1500};
 constexpr int64_t kProbeWindowMs = 500 + 1000 + 1500;
 // kLinkFailed (kParamInvalid stays) for one peer of a connect to several, naming its address.
 Status linkError(const PeerAddress& peer, const Status& st);
+// The source whose share a link's peer-driven queues count against (unread notifications, queued
+// handoff events): an accepted link's source (LinkManager::sourceOf: a local peer's uid, a remote
+// one's IP address), so one process linking as many cluster ids gains nothing; a link this side
+// dialled is its own source.
+inline std::string shareSource(const Link& link) {
+  return link.source().empty() ? "cluster " + std::to_string(link.peer()) : link.source();
+}
 
 }  // namespace pdlink::detail

@@ -39,7 +39,7 @@ Status RequestServer::serveHandoff(const std::shared_ptr<Link>& link, Stream& s,
     return st;
   }
   if (handoff.kind == wire::HandoffBody::kAbort) {
-    s_.offers.peerAborted(link, link->peer(), handoff.request_id, handoff.reason);
+    s_.offers.peerAborted(link, link->peer(), detail::shareSource(*link), handoff.request_id, handoff.reason);
   } else {
     s_.offers.hold(link, link->peer(), handoff.offers);
   }
@@ -62,7 +62,12 @@ Status Engine::claim(const ClaimSpec& c) {
     return Status(Code::kOfferReleased, Scope::kCall,
                   "request " + c.request_id + " was aborted by " + clusterName(c.peer) + " " + when);
   };
-  if (state_.offers.abortedBy(c.peer, c.request_id)) return aborted("before the claim");
+  // An abort fails the claims over the link it arrived on, the one this claim pulls through: an
+  // abort from another link under the same cluster id (a stranger claiming it) fails nothing here.
+  // (No link: nothing can have arrived on it; the pull answers why.)
+  auto link_r = link_manager_.usableLink(c.peer);
+  const std::shared_ptr<Link> link = link_r.ok() ? link_r.value() : nullptr;
+  if (state_.offers.abortedBy(link, c.request_id)) return aborted("before the claim");
   if (c.local_blocks.size() != c.remote_blocks.size()) {
     return Status(Code::kParamInvalid, "a claim lands as many blocks as the ticket offers (" +
                                            std::to_string(c.remote_blocks.size()) + "), got " +
@@ -81,7 +86,7 @@ Status Engine::claim(const ClaimSpec& c) {
   spec.timeout_ms = c.timeout_ms;
   spec.cancel = c.cancel;
   PDLINK_RETURN_IF_ERROR(transfers_.pull(spec));
-  if (state_.offers.abortedBy(c.peer, c.request_id)) return aborted("while the claim ran");
+  if (state_.offers.abortedBy(link, c.request_id)) return aborted("while the claim ran");
   return Status::OK();
 }
 
@@ -90,6 +95,10 @@ Status Engine::abort(const std::string& request_id, std::optional<uint64_t> peer
   if (request_id.size() > limits::kMaxHandoffRequestIdBytes || reason.size() > limits::kMaxHandoffReasonBytes) {
     return Status(Code::kParamInvalid, "a request id and a reason have at most " +
                                            std::to_string(limits::kMaxHandoffRequestIdBytes) + " bytes each");
+  }
+  if (!wire::isUtf8(request_id.data(), request_id.size()) || !wire::isUtf8(reason.data(), reason.size())) {
+    return Status(Code::kParamInvalid,
+                  "a request id and a reason are UTF-8 text (a peer drops a link that sends other)");
   }
   state_.offers.releaseRequest(request_id, OfferReason::kAborted, nullptr);
   wire::HandoffBody body;

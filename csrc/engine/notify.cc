@@ -81,7 +81,7 @@ Status RequestServer::serveNotify(const Link& link, Stream& s, const std::string
     std::lock_guard<std::mutex> lock(notify_mu_);
     Inbox::Share& mine = inbox_.per_peer[link.peer()];
     // A link this side dialled is its own source; an accepted one shares its source's budget.
-    const std::string source = link.source().empty() ? "cluster " + std::to_string(link.peer()) : link.source();
+    const std::string source = detail::shareSource(link);
     uint64_t& from_source = inbox_.per_source[source];
     if (mine.count >= lim.max_notifications_per_link) {
       queued = Status(Code::kLinkBusy, "it holds " + std::to_string(mine.count) +

@@ -251,8 +251,8 @@ void OfferTable::commit(const wire::Target& target, const std::shared_ptr<Link>&
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = offers_.find(target.req_id);
-    if (it == offers_.end() || it->second.generation != target.prefix_id || !it->second.bound ||
-        !sameLink(it->second.link, link)) {
+    if (it == offers_.end() || it->second.generation != target.prefix_id ||
+        *it->second.cache->blocks_model != target.model_id || !it->second.bound || !sameLink(it->second.link, link)) {
       return;
     }
     finalised = closeLocked(it, OfferReason::kClaimed);
@@ -353,33 +353,39 @@ void OfferTable::releaseAll(OfferReason reason) {
   }
 }
 
-void OfferTable::peerAborted(const std::shared_ptr<Link>& link, uint64_t peer, const std::string& request_id,
-                             const std::string& reason) {
+template <typename Pick>
+void OfferTable::dropEventLocked(Pick pick) {
+  auto e = std::find_if(peer_events_.begin(), peer_events_.end(), pick);
+  if (e == peer_events_.end()) e = peer_events_.begin();
+  if (--peer_share_[e->peer] == 0) peer_share_.erase(e->peer);
+  if (--source_share_[e->source] == 0) source_share_.erase(e->source);
+  peer_events_.erase(e);
+  stats_.events_dropped += 1;
+}
+
+void OfferTable::peerAborted(const std::shared_ptr<Link>& link, uint64_t peer, const std::string& source,
+                             const std::string& request_id, const std::string& reason) {
   releaseRequest(request_id, OfferReason::kPeerAborted, link);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t max = std::max<size_t>(1, limits_.max_events);
   const size_t share = std::max<size_t>(1, max / 4);
-  if (peer_share_[peer] >= share) {
+  auto peer_it = peer_share_.find(peer);
+  auto source_it = source_share_.find(source);
+  if (peer_it != peer_share_.end() && peer_it->second >= share) {
     // This peer's share is full: its oldest event goes (another peer's are untouched).
-    for (auto e = peer_events_.begin(); e != peer_events_.end(); ++e) {
-      if (e->peer == peer) {
-        peer_events_.erase(e);
-        break;
-      }
-    }
-    peer_share_[peer] -= 1;
-    stats_.events_dropped += 1;
+    dropEventLocked([&](const PeerHandoffEvent& e) { return e.peer == peer; });
+  } else if (source_it != source_share_.end() && source_it->second >= share) {
+    // Its source's share is full (one process may link as many cluster ids): that source's oldest.
+    dropEventLocked([&](const PeerHandoffEvent& e) { return e.source == source; });
   } else if (peer_events_.size() >= max) {
-    const uint64_t oldest = peer_events_.front().peer;
-    peer_events_.pop_front();
-    if (--peer_share_[oldest] == 0) peer_share_.erase(oldest);
-    stats_.events_dropped += 1;
+    dropEventLocked([](const PeerHandoffEvent&) { return true; });
   }
-  peer_events_.push_back(PeerHandoffEvent{"aborted", peer, request_id, reason});
+  peer_events_.push_back(PeerHandoffEvent{"aborted", peer, request_id, reason, source});
   peer_share_[peer] += 1;
-  auto key = std::make_pair(peer, request_id);
-  if (abort_set_.insert(key).second) {
-    aborts_.push_back(key);
+  source_share_[source] += 1;
+  AbortKey key{link, request_id};
+  if (link && abort_set_.insert(key).second) {
+    aborts_.push_back(std::move(key));
     if (aborts_.size() > max) {
       abort_set_.erase(aborts_.front());
       aborts_.pop_front();
@@ -387,9 +393,10 @@ void OfferTable::peerAborted(const std::shared_ptr<Link>& link, uint64_t peer, c
   }
 }
 
-bool OfferTable::abortedBy(uint64_t peer, const std::string& request_id) const {
+bool OfferTable::abortedBy(const std::shared_ptr<Link>& link, const std::string& request_id) const {
+  if (!link) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  return abort_set_.count({peer, request_id}) != 0;
+  return abort_set_.count(AbortKey{link, request_id}) != 0;
 }
 
 std::vector<ReleasedOffer> OfferTable::takeReleased() {
@@ -405,6 +412,7 @@ std::vector<PeerHandoffEvent> OfferTable::takePeerEvents() {
                                     std::make_move_iterator(peer_events_.end()));
   peer_events_.clear();
   peer_share_.clear();
+  source_share_.clear();
   return out;
 }
 

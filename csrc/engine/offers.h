@@ -30,9 +30,12 @@
 //    calls it when the link's serving ends.
 //  * Bounds (OfferLimits, from EngineLimits): max_offers offers live, closing, or finalised and not
 //    yet taken by the dispatcher (offer() past it: kOutOfMemory, nothing retained); a lease at most
-//    max_lease_ms; max_events entries in each event queue (released offers; what peers told: the
-//    latter with a per-peer share of a quarter, so one peer cannot fill it): the oldest is dropped
-//    and counted when one is full; as many (peer, request id) aborts remembered for claims.
+//    max_lease_ms; max_events entries in each event queue (released offers; what peers told): the
+//    oldest is dropped and counted when one is full. What peers told has two shares of a quarter
+//    each, so neither one peer (a cluster id, which a peer picks) nor the links of one source (where
+//    they come from, as for notifications: LinkManager::sourceOf, a dialled link its own source;
+//    detail::shareSource) can fill it: past its peer's share an event drops that peer's oldest, past
+//    its source's share that source's oldest. As many (link, request id) aborts remembered for claims.
 // Threading: every method is thread-safe under one mutex (a leaf: nothing is called out of the table
 // with it held but the `on_change` hook, which is called without it).
 #pragma once
@@ -63,7 +66,7 @@ class Link;
 // Why an offer was released (HandoffEvent.reason in Python).
 enum class OfferReason : uint8_t {
   kNone = 0,
-  kClaimed = 1,      // a decoder's claim pulled every block and committed
+  kClaimed = 1,      // its bound link committed it: the bound decoder said it is done
   kExpired = 2,      // its lease passed
   kAborted = 3,      // this engine's abort(request_id)
   kPeerAborted = 4,  // a peer's abort of its request id
@@ -100,6 +103,7 @@ struct PeerHandoffEvent {
   uint64_t peer = 0;
   std::string request_id;
   std::string reason;
+  std::string source;  // the share it counts against (detail::shareSource of its link)
 };
 
 struct OfferStats {
@@ -161,7 +165,8 @@ class OfferTable {
   Status admitRead(const wire::TransferBody& body, const std::shared_ptr<Link>& link, uint64_t peer, Guard* guard,
                    Resolved* resolved);
   // A kCommit through a kOffer target from `link`: releases the offer (claimed) when it is live, the
-  // generation matches and `link` is its bound link; otherwise nothing.
+  // generation and key (model_id) match, as for a read, and `link` is its bound link; otherwise
+  // nothing.
   void commit(const wire::Target& target, const std::shared_ptr<Link>& link);
   // The application gives the offer up (reason kReleased, or the one given). A no-op once released.
   void release(uint64_t id, OfferReason reason = OfferReason::kReleased);
@@ -177,12 +182,15 @@ class OfferTable {
   // Releases every offer (finalize); their events are queued as any release's.
   void releaseAll(OfferReason reason);
 
-  // A peer's abort of `request_id` arrived on `link` (from cluster `peer`): its offers are released
-  // (peer_aborted, releaseRequest's rule), an event queued, and the abort remembered for claims.
-  void peerAborted(const std::shared_ptr<Link>& link, uint64_t peer, const std::string& request_id,
-                   const std::string& reason);
-  // Whether an abort of `request_id` from `peer` arrived (among the latest max_events ones).
-  bool abortedBy(uint64_t peer, const std::string& request_id) const;
+  // A peer's abort of `request_id` arrived on `link` (from cluster `peer`, its links' share
+  // `source`): its offers are released (peer_aborted, releaseRequest's rule), an event queued
+  // (within the peer's and the source's shares), and the abort remembered for claims over `link`.
+  void peerAborted(const std::shared_ptr<Link>& link, uint64_t peer, const std::string& source,
+                   const std::string& request_id, const std::string& reason);
+  // Whether an abort of `request_id` arrived on `link` (among the latest max_events ones): by the
+  // link's identity, so an abort from another link under the same cluster id (a stranger claiming
+  // it) fails no claim over `link`. False for a null link.
+  bool abortedBy(const std::shared_ptr<Link>& link, const std::string& request_id) const;
 
   std::vector<ReleasedOffer> takeReleased();
   std::vector<PeerHandoffEvent> takePeerEvents();
@@ -235,9 +243,23 @@ class OfferTable {
   std::deque<std::pair<uint64_t, OfferReason>> finalized_;   // for the dispatcher
   std::deque<ReleasedOffer> released_;
   std::deque<PeerHandoffEvent> peer_events_;
-  std::map<uint64_t, size_t> peer_share_;  // events of one peer in peer_events_
-  std::deque<std::pair<uint64_t, std::string>> aborts_;
-  std::set<std::pair<uint64_t, std::string>> abort_set_;
+  std::map<uint64_t, size_t> peer_share_;       // events of one peer in peer_events_
+  std::map<std::string, size_t> source_share_;  // events of one source in peer_events_
+  // Remembered aborts, by the identity of the link they arrived on (owner order of its control
+  // block, which an expired weak_ptr keeps, so a later link never matches).
+  using AbortKey = std::pair<std::weak_ptr<Link>, std::string>;
+  struct AbortLess {
+    bool operator()(const AbortKey& a, const AbortKey& b) const {
+      if (a.first.owner_before(b.first)) return true;
+      if (b.first.owner_before(a.first)) return false;
+      return a.second < b.second;
+    }
+  };
+  std::deque<AbortKey> aborts_;
+  std::set<AbortKey, AbortLess> abort_set_;
+  // Under mu_: drops the oldest event `pick` selects (the first, when none matches) and counts it.
+  template <typename Pick>
+  void dropEventLocked(Pick pick);
   OfferStats stats_;
   bool woken_ = false;
   bool stop_ = false;

@@ -28,6 +28,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backends/backend.h"
@@ -312,6 +313,26 @@ void transferBodyCases() {
     std::string huge = eh;
     huge[1] = huge[2] = huge[3] = huge[4] = '\xff';  // a count of 2^32 - 1 with two entries
     checkCode(wire::decode(bytes(huge), huge.size(), &h2), Code::kLinkFailed, "handoff: hold count 2^32 - 1");
+    // A request id or reason that is not UTF-8 is malformed (the link drops); a NUL is a character.
+    const std::string nul("r\0q", 3);
+    for (const auto& [rid, why, ok] : std::vector<std::tuple<std::string, std::string, bool>>{
+             {nul, std::string("a\0b", 3), true},
+             {"\xc3\xa9t\xc3\xa9", "\xe2\x82\xac \xf0\x9f\x98\x80", true},  // two- to four-byte forms
+             {"\xef\xbf\xbf", "\xf4\x8f\xbf\xbf", true},                    // U+FFFF, U+10FFFF
+             {"\xff\xfe", "x", false},                                      // bytes never in UTF-8
+             {"ok", "\xc3", false},                                         // a cut sequence
+             {"\x80", "", false},                                           // a lone continuation
+             {"\xc0\xaf", "", false},                                       // overlong '/'
+             {"\xe0\x80\xaf", "", false},                                   // overlong, three bytes
+             {"\xed\xa0\x80", "", false},                                   // a surrogate (U+D800)
+             {"\xf4\x90\x80\x80", "", false},                               // past U+10FFFF
+             {"ok", "\xe2\x82", false},                                     // a cut three-byte form
+         }) {
+      const std::string e = wire::encode(wire::HandoffBody{wire::HandoffBody::kAbort, rid, why, {}});
+      const std::string what = "handoff: abort with a " + std::string(ok ? "valid" : "malformed") + " UTF-8 field";
+      checkCode(wire::decode(bytes(e), e.size(), &a2), ok ? Code::kSuccess : Code::kLinkFailed, what);
+      if (ok) check(a2.request_id == rid && a2.reason == why, what + ": round trip");
+    }
   }
   // counts past the limits are refused (the encoder writes what it is given)
   std::vector<uint32_t> many(limits::kMaxRequestTensors + 1, 0);

@@ -490,6 +490,39 @@ Status decode(const uint8_t* p, size_t n, NotifyBody* out) {
   return Status::OK();
 }
 
+bool isUtf8(const char* p, size_t n) {
+  const auto* s = reinterpret_cast<const unsigned char*>(p);
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range (the rest are 0x80..0xBF)
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong below
+      if (c == 0xED) hi = 0x9F;  // surrogates above
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong below
+      if (c == 0xF4) hi = 0x8F;  // past U+10FFFF above
+    } else {
+      return false;  // a continuation byte, an overlong lead (C0, C1) or F5..FF
+    }
+    if (n - i < len || s[i + 1] < lo || s[i + 1] > hi) return false;
+    for (size_t k = 2; k < len; ++k) {
+      if (s[i + k] < 0x80 || s[i + k] > 0xBF) return false;
+    }
+    i += len;
+  }
+  return true;
+}
+
 std::string encode(const HandoffBody& b) {
   Writer w;
   w.put(static_cast<uint8_t>(b.kind));
@@ -519,6 +552,9 @@ Status decode(const uint8_t* p, size_t n, HandoffBody* out) {
     out->request_id.assign(r.take(len), len);
     if (!r.get(&len) || len > limits::kMaxHandoffReasonBytes || len != r.left()) return malformed("handoff");
     out->reason.assign(r.take(len), len);
+    if (!isUtf8(out->request_id.data(), out->request_id.size()) || !isUtf8(out->reason.data(), out->reason.size())) {
+      return malformed("handoff");
+    }
     return Status::OK();
   }
   if (kind != HandoffBody::kHold) return malformed("handoff");

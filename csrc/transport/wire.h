@@ -407,7 +407,8 @@ Status decode(const uint8_t* p, size_t n, NotifyBody* out);
 //           my claims of it";
 //   kHold:  u32 n (<= limits::kMaxHoldOffers), then n x (offer id u64, generation u64): "extend
 //           these offers' leases and bind them to this link".
-// Nothing else may follow. A decoder drops the link on anything else (kLinkFailed).
+// Nothing else may follow. A decoder drops the link on anything else (kLinkFailed), and on a request
+// id or reason that is not well-formed UTF-8 (isUtf8: they reach the application as text).
 struct HandoffBody {
   enum Kind : uint8_t { kAbort = 1, kHold = 2 };
   Kind kind = kAbort;
@@ -418,5 +419,8 @@ struct HandoffBody {
 constexpr uint32_t kMaxHandoffBodyBytes = 5 + 16 * limits::kMaxHoldOffers;
 std::string encode(const HandoffBody& b);
 Status decode(const uint8_t* p, size_t n, HandoffBody* out);
+// Whether [p, p + n) is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing past
+// U+10FFFF). NUL is a character like any other.
+bool isUtf8(const char* p, size_t n);
 
 }  // namespace pdlink::wire

@@ -41,6 +41,7 @@ import numpy as np
 from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
+from .status import LLMStatusCode
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
@@ -112,7 +113,7 @@ class Limits:
     # KV handoffs (``Engine.offer``, docs/native_api.md, "Handoffs"): offers held at once (65536;
     # past it ``offer`` raises ``OutOfMemory``), the longest lease (3600000 ms), the lease of an offer
     # that names none (60000 ms), and the entries of each handoff event queue (4096; the oldest
-    # dropped when full, one peer's aborts at most a quarter of them).
+    # dropped when full, one peer's aborts at most a quarter of them, one source's at most a quarter).
     max_offers: int | None = None
     max_lease_ms: int | None = None
     offer_lease_ms: int | None = None
@@ -984,11 +985,12 @@ class Engine:
     def claim(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,
               timeout_ms: int | None = None) -> None:
         """Pulls the ticket's blocks into ``local_blocks`` of ``local_region`` (same count, same
-        tensors and block size), linking to the ticket's engine first if this one is not linked to
-        it; once every byte landed, the offer is released on the prefill side by the pull's own
-        closing frame (no extra round trip). Raises ``pdlink.OfferReleased`` when the offer is over
-        (claimed, expired, aborted, its link down, another decoder's) or the prefill aborted the
-        request before this returned; a pull's errors otherwise."""
+        tensors and block size), linking to the ticket's engine first (``ticket.address``) unless a
+        link this engine dialled, or one a link secret authenticated, reaches its cluster id; once
+        every byte landed, the offer is released on the prefill side by the pull's own closing frame
+        (no extra round trip). Raises ``pdlink.OfferReleased`` when the offer is over (claimed,
+        expired, aborted, its link down, another decoder's) or the prefill aborted the request (over
+        the link this claim uses) before this returned; a pull's errors otherwise."""
         self._claim(ticket, local_region, local_blocks, timeout_ms)
 
     def claim_async(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,
@@ -1013,9 +1015,17 @@ class Engine:
             raise ValueError(f"the ticket offers {len(ticket.blocks)} blocks, got {len(blocks)} local ones")
         if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
             raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
-        if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken
-                                      for link in self.links()):
-            self.connect(ticket.address, cluster_id=ticket.cluster_id)
+        if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken and
+                                      (link.initiator or link.authenticated) for link in self.links()):
+            # No link to the ticket's engine that proves it is that engine (one this engine dialled,
+            # or one a link secret authenticated): an accepted link's cluster id is only a claim
+            # (docs/security.md, "Identities"), so dial the ticket's address. The engine there
+            # confirms a genuine accepted link (LLM_ALREADY_LINK: kept) or the accepted one is an
+            # impostor's and is dropped for the dialled one.
+            ip, port = _split_address(ticket.address)
+            (result,) = self._native.link([(ticket.cluster_id, ip, port)], self.options.connect_timeout_ms)
+            if int(result.status) != LLMStatusCode.LLM_ALREADY_LINK:
+                result.check()
         self._native.claim(ticket.cluster_id, ticket.key, ticket.offer_id, ticket.generation, ticket.request_id,
                            local.cache_id, blocks, list(ticket.blocks), timeout_ms or 0, cancel)
 
