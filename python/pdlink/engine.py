@@ -526,7 +526,7 @@ class Offer:
         if self._on_release is not None:
             try:
                 self._on_release(self)
-            except Exception:  # noqa: BLE001: a callback's error must not stop the other offers' callbacks
+            except Exception:  # noqa: BLE001 - a callback's error must not stop the other offers' callbacks
                 logging.getLogger("pdlink").exception("an offer's on_release callback raised")
 
     def __repr__(self) -> str:
