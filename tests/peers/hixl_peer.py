@@ -294,18 +294,12 @@ def collect_finished(count: int, limit_s: float = 20.0) -> list[tuple[int, int, 
     return got
 
 
-def set_max_pending(max_pending: int) -> int:
-    """Sets this process's ``MAX_PENDING_TRANSFERS`` for the next calls; returns the old value."""
+def set_limit(name: str, value: int) -> int:
+    """Sets this process's hixl module limit ``name`` (``MAX_PENDING_TRANSFERS``,
+    ``ASYNC_TRANSFER_TIMEOUT_MS``: read at each call) to ``value``; returns the old value."""
     module = internals.hixl_module()
-    old, module.MAX_PENDING_TRANSFERS = module.MAX_PENDING_TRANSFERS, max_pending
-    return int(old)
-
-
-def set_async_timeout(timeout_ms: int) -> int:
-    """Sets this process's ``ASYNC_TRANSFER_TIMEOUT_MS`` for the next ``transfer_async`` calls;
-    returns the old value."""
-    module = internals.hixl_module()
-    old, module.ASYNC_TRANSFER_TIMEOUT_MS = module.ASYNC_TRANSFER_TIMEOUT_MS, timeout_ms
+    old = getattr(module, name)
+    setattr(module, name, value)
     return int(old)
 
 
@@ -321,17 +315,6 @@ def counts() -> dict[str, Any]:
         out["in_flight"] = engine.role_state().transfers_in_flight
         out["links"] = len(engine.links())
     return out
-
-
-def wait_status(req: int, limit_s: float = 30.0) -> tuple[int, str]:
-    """Polls ``get_transfer_status(req)`` until it is no longer ``(SUCCESS, WAITING)`` (or
-    ``limit_s`` passes): the last answer."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        ret, name = status(req)
-        if (ret, name) != (hixl.SUCCESS, "WAITING") or time.monotonic() > deadline:
-            return ret, name
-        time.sleep(0.001)
 
 
 def parallel_transfers(remote: str, op: str, batches: Sequence[Sequence[Desc]], timeout_ms: int = 10000) -> list[int]:

@@ -1533,7 +1533,7 @@ class Held:
         self.remote = f"127.0.0.1:{relay.port}"
         assert self.client.call(hixl_peer.connect, self.remote) == hixl.SUCCESS
         if async_timeout_ms is not None:
-            self.client.call(hixl_peer.set_async_timeout, async_timeout_ms)
+            self.client.call(hixl_peer.set_limit, "ASYNC_TRANSFER_TIMEOUT_MS", async_timeout_ms)
         self.src0 = self.server.call(hixl_peer.snapshot, "src")
         self.dst0 = self.client.call(hixl_peer.snapshot, "dst")
         relay.hold_after(DOWN, MIB)
@@ -1632,7 +1632,7 @@ def test_a_request_past_its_timeout_reports_failed_once_and_stops(peers: Callabl
     original's async path, whose device transfers time out in their kernel, reports FAILED too), once;
     then the engine keeps nothing for it and nothing more lands."""
     h = Held(peers, variant, relay, async_timeout_ms=1000)
-    assert h.client.call(hixl_peer.wait_status, h.req) == (hixl.SUCCESS, "FAILED")
+    assert h.client.call(hixl_peer.wait_done, h.req)[:2] == (hixl.SUCCESS, "FAILED")
     up = relay.forwarded[UP]
     assert h.client.call(hixl_peer.status, h.req) == (hixl.PARAM_INVALID, "FAILED")  # reported already
     _nothing_kept(h.client)
@@ -1645,7 +1645,7 @@ def test_requests_nobody_polls_are_bounded(peers: Callable[..., Peer], variant: 
     two = Two(peers, variant)
     src, dst = two.buffers()
     assert two.client.call(hixl_peer.connect, two.server_id) == hixl.SUCCESS
-    two.client.call(hixl_peer.set_max_pending, 3)
+    two.client.call(hixl_peer.set_limit, "MAX_PENDING_TRANSFERS", 3)
     parts = [[(i * 1024, i * 1024, 1000)] for i in range(4)]
 
     def submit() -> tuple[list[int], tuple[int, int]]:

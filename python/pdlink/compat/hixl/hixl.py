@@ -333,7 +333,7 @@ class Hixl:
         for request in stopped:
             try:
                 request.pending.wait(ASYNC_TRANSFER_TIMEOUT_MS / 1000)
-            except BaseException:  # noqa: BLE001 - cancelled or failed: stopped either way
+            except Exception:  # noqa: BLE001 - cancelled or failed: stopped either way
                 pass
 
     @staticmethod
