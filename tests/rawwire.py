@@ -1,4 +1,4 @@
-"""A raw speaker of pdlink's wire protocol (v8), for hostile-peer and hostile-server tests: it says
+"""A raw speaker of pdlink's wire protocol (v9), for hostile-peer and hostile-server tests: it says
 exactly the bytes a test wants, well-formed or not. Layouts: csrc/transport/wire.h and
 docs/architecture.md, "Wire protocol"."""
 
@@ -11,8 +11,8 @@ import os
 import socket
 import struct
 
-VERSION = 8
-# Wire v8 (csrc/transport/wire.h): a request header is 24 bytes, a reserved u16 at offset 6 (zero,
+VERSION = 9
+# Wire v9 (csrc/transport/wire.h; its headers are v8's): a request header is 24 bytes, a reserved u16 at offset 6 (zero,
 # anything else is malformed) and the u32 epoch tag at offset 8 (0: unfenced); a response header is
 # 24 bytes, its last u32 the server's epoch tag. The tag is 1 + epoch % EPOCH_TAG_PERIOD.
 REQUEST_FORMAT = "<IBBHIIQ"  # magic, op, flags, reserved, epoch_tag, body_len, payload_len

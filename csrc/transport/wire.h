@@ -1,4 +1,4 @@
-// The pdlink wire protocol (version 8), spoken over each channel of a link.
+// The pdlink wire protocol (version 9), spoken over each channel of a link.
 //
 // A link is two stream connections opened by the initiator to the acceptor:
 //   FORWARD: the initiator sends requests, the acceptor serves them;
@@ -57,7 +57,7 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
-constexpr uint16_t kProtocolVersion = 8;
+constexpr uint16_t kProtocolVersion = 9;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;

@@ -1,4 +1,4 @@
-"""KV handoffs from a raw peer on the wire (wire v8's kOffer target and kHandoff frame; docs/security.md,
+"""KV handoffs from a raw peer on the wire (wire v9's kOffer target and kHandoff frame; docs/security.md,
 "Handoffs"): a read of an offer with a wrong generation, an unknown id, runs outside its blocks, a
 tensor it does not have, or from another link than the one it is bound to, is refused (the link
 kept, nothing moved); a write to an offer is refused with its payload consumed; a malformed kHandoff
