@@ -242,7 +242,8 @@ void bindEngineReports(py::module_& m) {
                              field("broken", &LinkInfo::broken), field("broken_reason", &LinkInfo::broken_reason),
                              field("transport", &LinkInfo::transport), field("authenticated", &LinkInfo::authenticated),
                              field("payload_integrity", &LinkInfo::payload_integrity),
-                             field("device_paths", &LinkInfo::device_paths), field("lanes", &LinkInfo::lanes)));
+                             field("device_paths", &LinkInfo::device_paths), field("lanes", &LinkInfo::lanes),
+                             field("confirmed", &LinkInfo::confirmed)));
   bindRecord(
       m, "EngineStats",
       std::make_tuple(

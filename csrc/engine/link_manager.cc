@@ -489,10 +489,10 @@ Status LinkManager::admitLinkAttempt(const PeerAddress& peer, uint64_t guard_key
   // answers LLM_ALREADY_LINK. (So a peer that linked to us first makes our own link attempt
   // ALREADY_LINK: its link is symmetric. One-way links count only our own.) An accepted link
   // alone is only a claim, though: the engine at the dialled address must confirm it is the
-  // other end of it (settleClaim).
+  // other end of it (settleClaim), once: a confirmed link answers ALREADY_LINK at once.
   for (const LinkInfo& l : links_.ownInfos()) {
     if ((known && l.peer_cluster_id == peer.cluster_id) || (!known && l.peer_address == where)) {
-      if (known && !l.initiator && !l.broken) {
+      if (known && !l.initiator && !l.broken && !l.confirmed) {
         *claimed = links_.slot(peer.cluster_id, false);
         if (*claimed) continue;
       }
@@ -545,6 +545,7 @@ Status LinkManager::settleClaim(const PeerAddress& peer, uint64_t peer_id, const
   // dialled one used.
   Status confirmed = confirmDialled(*link, *claimed, deadline);
   if (confirmed.ok()) {
+    claimed->markConfirmed();  // later attempts (a link call, a claim) need not dial again
     dropUnused(*link, deadline);
     if (linked_id) *linked_id = peer_id;
     return Status(Code::kAlreadyLink, clusterName(peer_id) + " is already linked");

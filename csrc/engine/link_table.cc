@@ -7,7 +7,8 @@ namespace pdlink {
 namespace {
 LinkInfo infoOf(const Link& l) {
   return LinkInfo{l.peer(),      l.peerAddress(),   l.initiator(),        l.broken(),          l.brokenReason(),
-                  l.transport(), l.authenticated(), l.payloadIntegrity(), l.devicePathNames(), l.lanes()};
+                  l.transport(), l.authenticated(), l.payloadIntegrity(), l.devicePathNames(), l.lanes(),
+                  l.confirmed()};
 }
 }  // namespace
 

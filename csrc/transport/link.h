@@ -61,6 +61,7 @@ struct LinkInfo {
   bool payload_integrity = false;         // and so is every payload
   std::vector<std::string> device_paths;  // the paths of this side's DEVICE-memory requests, in the order tried
   std::vector<std::string> lanes;         // what the host path moves bytes over (ucx: "tcp/lo", ...)
+  bool confirmed = false;                 // accepted, and the engine at the peer's address said it made it
 };
 
 // One extra TCP stream of a link (a LANE channel, transport/wire.h): its socket, and with a link
@@ -178,6 +179,12 @@ class Link {
     endpoint_ = std::move(endpoint);
   }
   const std::string& source() const { return source_; }
+  // An accepted link whose peer this engine confirmed (LinkManager::settleClaim: the engine at the
+  // address its cluster id was dialled at answered that it made this very link): its identity is then
+  // as proven as a dialled link's, for as long as this Link object lives (a replacement is a new one).
+  // Any thread; never unset.
+  void markConfirmed() { confirmed_.store(true, std::memory_order_release); }
+  bool confirmed() const { return confirmed_.load(std::memory_order_acquire); }
   const wire::Nonce& nonce() const { return nonce_; }
   const std::string& endpoint() const { return endpoint_; }
 
@@ -234,6 +241,7 @@ class Link {
  private:
   const uint64_t peer_;
   const bool initiator_;
+  std::atomic<bool> confirmed_{false};
   Socket out_;
   Socket in_;
   std::unique_ptr<AuthStream> out_auth_, in_auth_;  // set before the link is shared, then constant

@@ -209,6 +209,8 @@ class LinkInfo:
     def device_paths(self) -> tuple[str, ...]: ...  # this side's DEVICE paths, in the order tried
     @property
     def lanes(self) -> tuple[str, ...]: ...  # what the host path moves bytes over ("tcp/lo", ...)
+    @property
+    def confirmed(self) -> bool: ...  # accepted, and the engine at the peer's address said it made it
     def as_dict(self) -> dict[str, Any]: ...  # the fields in order; device_paths and lanes as lists
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...

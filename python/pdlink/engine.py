@@ -65,7 +65,8 @@ def __getattr__(name: str) -> Any:
     # LinkInfo: one link of an engine (``Engine.links()``), the native module's bound class, read
     # from it on first use so that importing this module does not load it. Read-only attributes
     # ``peer_cluster_id``, ``peer_address``, ``initiator``, ``broken``, ``broken_reason``,
-    # ``transport``, ``authenticated``, ``payload_integrity``, ``device_paths`` (a tuple), and
+    # ``transport``, ``authenticated``, ``payload_integrity``, ``device_paths`` (a tuple),
+    # ``confirmed`` (an accepted link whose peer this engine confirmed by dialling it), and
     # ``lanes``: what the host path moves bytes over beneath ``transport``, where it has a choice
     # (for ``ucx``, UCX's lanes as ``"transport/device"``: ``"tcp/lo"``, ``"cma/memory"``,
     # ``"rc_mlx5/mlx5_0:1"``, once the link's first transfer connected them; for ``cma``, how the
@@ -986,7 +987,8 @@ class Engine:
               timeout_ms: int | None = None) -> None:
         """Pulls the ticket's blocks into ``local_blocks`` of ``local_region`` (same count, same
         tensors and block size), linking to the ticket's engine first (``ticket.address``) unless a
-        link this engine dialled, or one a link secret authenticated, reaches its cluster id; once
+        link this engine dialled, one a link secret authenticated, or one confirmed (a genuine
+        accepted link, after its first such dial) reaches its cluster id; once
         every byte landed, the offer is released on the prefill side by the pull's own closing frame
         (no extra round trip). Raises ``pdlink.OfferReleased`` when the offer is over (claimed,
         expired, aborted, its link down, another decoder's) or the prefill aborted the request (over
@@ -1016,12 +1018,13 @@ class Engine:
         if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
             raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
         if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken and
-                                      (link.initiator or link.authenticated) for link in self.links()):
+                                      (link.initiator or link.authenticated or link.confirmed)
+                                      for link in self.links()):
             # No link to the ticket's engine that proves it is that engine (one this engine dialled,
-            # or one a link secret authenticated): an accepted link's cluster id is only a claim
-            # (docs/security.md, "Identities"), so dial the ticket's address. The engine there
-            # confirms a genuine accepted link (LLM_ALREADY_LINK: kept) or the accepted one is an
-            # impostor's and is dropped for the dialled one.
+            # one a link secret authenticated, one confirmed): an accepted link's cluster id is only
+            # a claim (docs/security.md, "Identities"), so dial the ticket's address. The engine
+            # there confirms a genuine accepted link (LLM_ALREADY_LINK: kept, and confirmed from
+            # then on) or the accepted one is an impostor's and is dropped for the dialled one.
             ip, port = _split_address(ticket.address)
             (result,) = self._native.link([(ticket.cluster_id, ip, port)], self.options.connect_timeout_ms)
             if int(result.status) != LLMStatusCode.LLM_ALREADY_LINK:

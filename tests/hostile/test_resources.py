@@ -458,12 +458,21 @@ def test_a_peer_that_linked_first_is_confirmed_and_the_dialler_answers_already_l
     """llm_datadist's cross-linking answer holds: the prefill links to the decoder first; the
     decoder's own link to the prefill is confirmed by the prefill (it dialled that link), so the
     decoder answers LLM_ALREADY_LINK and neither side keeps a second link; the decoder pulls over
-    the prefill's link."""
+    the prefill's link. The link stays confirmed: a second link call does not dial again."""
     d, dport, p, pport = _engines(peers, variant)
     assert p.call(kv.link, DECODER_ID, dport)[0] == S.LLM_SUCCESS
+    assert [link["confirmed"] for link in d.call(kv.links)] == [False]
     assert d.call(kv.link, PROMPT_ID, pport)[0] == S.LLM_ALREADY_LINK
     assert _linked_ids(d) == [(PROMPT_ID, False, False)]
+    assert [link["confirmed"] for link in d.call(kv.links)] == [True]
     wait_until(lambda: _linked_ids(p) == [(DECODER_ID, True, False)], 20, "the spare link gone from the prefill")
+    # Confirmed once, for the link's life: with the prefill frozen (a dial to it would hang until the
+    # timeout, 5 s, and fail), another link call answers at once from the confirmed link.
+    p.freeze()
+    try:
+        assert d.call(kv.link, PROMPT_ID, pport)[0] == S.LLM_ALREADY_LINK
+    finally:
+        p.thaw()
     check_transfer(lambda: p.call(kv.snapshot, "kv"), lambda: d.call(kv.snapshot, "kv"),
                    lambda: d.call(kv.pull_blocks, KEY, "kv", [5], [5]), rows([(5, 5)]))
 

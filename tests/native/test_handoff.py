@@ -187,6 +187,29 @@ def test_another_decoder_cannot_claim_a_bound_offer(two: Two) -> None:
     _released(two.prefill, "o", "claimed")
 
 
+def test_claims_over_the_prefills_own_link_confirm_it_once(peers: Callable[..., Peer], variant: Variant) -> None:
+    """The prefill dialled the decoder (no link secret): an accepted link's cluster id is only a
+    claim, so the decoder's first claim dials the ticket's address, where the prefill confirms the
+    link (LLM_ALREADY_LINK, the spare link closed); from then on the link is ``confirmed`` and later
+    claims pull over it (docs/security.md, "Identities": a confirmed link answers at once)."""
+    prefill, decode = peers("prefill", env=variant.env()), peers("decode", env=variant.env())
+    prefill.call(native.start, PREFILL, listen=True)
+    prefill.call(native.register, "src", ROWS, ROW, seed=1, key=KEY)
+    dport = decode.call(native.start, DECODER, listen=True)
+    decode.call(native.register, "dst", ROWS, ROW, seed=2)
+    assert prefill.call(native.connect, dport, DECODER) == DECODER
+    assert [(link.initiator, link.confirmed) for link in decode.call(native.links)] == [(False, False)]
+    src, dst = (lambda: prefill.call(native.snapshot, "src")), (lambda: decode.call(native.snapshot, "dst"))
+    for n, (remote, local) in enumerate([(3, 6), (4, 1)]):
+        ticket = prefill.call(handoff.offer, f"o{n}", "src", [remote], f"req-c{n}")
+        claim = functools.partial(decode.call, handoff.claim, ticket, "dst", [local])
+        check_transfer(src, dst, claim, rows([(remote, local)]))
+        _released(prefill, f"o{n}", "claimed")
+        assert [(link.initiator, link.confirmed) for link in decode.call(native.links)] == [(False, True)]
+    wait_until(lambda: [link.initiator for link in prefill.call(native.links)] == [True], 20,
+               "the spare link gone from the prefill")
+
+
 def test_a_cancelled_claim_leaves_the_offer_claimable_again(peers: Callable[..., Peer], variant: Variant) -> None:
     """A claim of 32 MiB (four cancel slices: more than a cancel right after the start can miss) is
     cancelled: the offer stays live, and the same decoder's next claim moves exact bytes."""
@@ -244,6 +267,37 @@ def test_release_and_reuse_racing_a_late_claim_never_serves_a_stale_byte(two: Tw
 @pytest.mark.heavy
 def test_release_and_reuse_racing_a_late_claim_10000_times(two: Two) -> None:
     _race(two, HEAVY_RACE_ITERATIONS)
+
+
+ABORT_RACE_ITERATIONS = 100
+# What an abort from the prefill racing a claim may end in (docs/native_api.md, "Handoffs"): (the
+# claim's verdict, the offer's reason). The claim ran first (claimed, claimed); the abort came first
+# (refused: nothing landed, aborted); or the two crossed: the claim landed every byte and its commit
+# came after the abort (claimed, aborted), or the abort reached the decoder before the claim
+# returned (refused, landed: every byte landed and the claim still fails).
+ABORT_RACE_OUTCOMES = {("claimed", "claimed"), ("refused", "aborted"), ("claimed", "aborted"),
+                       ("refused, landed", "aborted")}
+
+
+def test_an_abort_racing_a_claim_ends_in_one_of_the_documented_outcomes(two: Two) -> None:
+    """The prefill aborts a request while the decoder's claim of it runs, ``ABORT_RACE_ITERATIONS``
+    times: each time the pair of outcomes is one of ``ABORT_RACE_OUTCOMES``; a claim that fails
+    leaves the destination as it was or as a claim leaves it (the offer's bytes), never anything
+    else; nothing stays live."""
+    two.link()
+    seen: dict[tuple[str, str], int] = {}
+    for i in range(ABORT_RACE_ITERATIONS):
+        block, value, tag = i % ROWS, i % 200 + 1, f"a{i}"
+        ticket = two.prefill.call(handoff.race_offer, tag, "src", block, value, f"abort-race-{i}")
+        two.decode.call(handoff.race_claim, tag, ticket, "dst", block)
+        reason = two.prefill.call(handoff.race_abort, tag, f"abort-race-{i}")
+        verdict = two.decode.call(handoff.race_verdict, tag, "dst", block, value)
+        assert (verdict, reason) in ABORT_RACE_OUTCOMES, f"iteration {i}: {(verdict, reason)} (so far {seen})"
+        seen[(verdict, reason)] = seen.get((verdict, reason), 0) + 1
+    # the race was run: some claims ran before the abort, some after it
+    assert any(v == "claimed" for v, _ in seen) and any(v.startswith("refused") for v, _ in seen), seen
+    stats = two.prefill.call(handoff.stats)
+    assert (stats["offers_live"], stats["offer_bytes"]) == (0, 0), stats
 
 
 def test_a_role_switch_drains_live_offers(two: Two) -> None:

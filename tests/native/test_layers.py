@@ -116,7 +116,8 @@ def test_engine_reports_are_the_engines_own_typed_records() -> None:
         assert isinstance(link.device_paths, tuple) and isinstance(link.lanes, tuple)
         assert pickle.loads(pickle.dumps(link)) == link and hash(pickle.loads(pickle.dumps(link))) == hash(link)
         assert list(link.as_dict()) == ["peer_cluster_id", "peer_address", "initiator", "broken", "broken_reason",
-                                        "transport", "authenticated", "payload_integrity", "device_paths", "lanes"]
+                                        "transport", "authenticated", "payload_integrity", "device_paths", "lanes",
+                                        "confirmed"]
         with pytest.raises(AttributeError):
             link.broken = True  # type: ignore[misc]
         stats = dialler.stats()

@@ -152,19 +152,31 @@ def race_claim(tag: str, ticket: pdlink.Ticket, name: str, block: int) -> None:
 def race_verdict(tag: str, name: str, block: int, value: int) -> str:
     """What the claim ``tag`` did: "claimed" (the whole region is what it was but block ``block``,
     which holds ``value`` in every byte), "refused" (it failed with LLM_OFFER_RELEASED and the
-    region is unchanged), or what went wrong."""
+    region is unchanged), "refused, landed" (it failed with LLM_OFFER_RELEASED and the region is as
+    a claim leaves it: an abort that arrived after the last read was served), or what went wrong."""
     status, code = finish(tag)
     before = _state["before"].pop(tag)
     after = native.snapshot(name)
     region = _region(name)
+    expected = before.with_tensor_bytes(0, block * region.block_size, np.full(region.block_size, value, np.uint8))
     if status == "DONE":
         got = direct_read(region.address + block * region.block_size, region.block_size, device_memory_is_remote())
-        expected = before.with_tensor_bytes(0, block * region.block_size, np.full(region.block_size, value, np.uint8))
         wrong = differences(after, expected)
         if not np.all(got == value) or wrong:
             return f"claimed, but the destination is wrong: {wrong[:3]} (block values {np.unique(got)[:5]})"
         return "claimed"
     if code == "LLM_OFFER_RELEASED":
+        if not differences(after, expected):
+            return "refused, landed"
         wrong = differences(after, before)
         return "refused" if not wrong else f"refused, but the destination changed: {wrong[:3]}"
     return f"{status} {code}"
+
+
+def race_abort(tag: str, request_id: str) -> str:
+    """Aborts ``request_id`` (this engine's offer ``tag`` of it, and every linked peer is told),
+    waits until the offer is released; its reason."""
+    made = _state["offers"].pop(tag)
+    abort(request_id)
+    assert made.wait(30), "the offer was not released within 30 s"
+    return str(made.reason)

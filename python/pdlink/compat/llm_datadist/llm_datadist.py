@@ -383,7 +383,8 @@ class LLMDataDist:
         """pdlink extension: one dict per link (peer_cluster_id, peer_address, initiator,
         broken, broken_reason, transport: the path of HOST memory, authenticated,
         payload_integrity, device_paths: the paths of DEVICE memory, in the order tried, lanes:
-        what the host path moves bytes over, e.g. UCX's ``"tcp/lo"``); in v1
+        what the host path moves bytes over, e.g. UCX's ``"tcp/lo"``, confirmed: an accepted link
+        whose peer this engine confirmed by dialling it); in v1
         multi-device mode each also has ``device_index``."""
         engine = self._live_engine()
         if len(self._engines) == 1:
