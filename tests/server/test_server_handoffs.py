@@ -1,6 +1,8 @@
 """``GET /v1/status`` counts KV handoffs (issue 35): ``pdlink.handoffs.offersLive`` (offers of the
 instance's engines not yet released) and ``pdlink.handoffs.strandedBytes`` (the bytes those offers
-retain), and each device's ``offersLive`` / ``strandedBytes``, read from the engines' ``stats()``.
+retain), and each device's ``offersLive`` / ``strandedBytes``, read from the engines' ``stats()``;
+the server takes the engines' handoff events (released offers, a peer's abort) and counts them
+(``released``, ``aborted``; ``eventsDropped`` none), in ``/metrics`` too.
 
 The server runs in this process (``pdlink.server.node.Node`` with the app of ``build_apps``, driven
 by ASGI messages: no socket), so the test reaches the engine the role post created and makes
@@ -55,6 +57,7 @@ def prefill(tmp_path) -> Iterator[Any]:
     """A prefill instance (in this process) that applied its role: ``(node, app)``."""
     from pdlink.server.app import build_apps
     from pdlink.server.config import load
+    from pdlink.server.metrics import Metrics
     from pdlink.server.node import Node
     from pdlink.server.validation import parse_role_request
 
@@ -65,7 +68,7 @@ def prefill(tmp_path) -> Iterator[Any]:
                         kv={"listenPortBase": free_block(8), "linkTotalTimeMs": 500, "linkRetryIntervalMs": 50,
                             "testKv": {"enabled": False}})
     settings = load(path, env={})
-    node = Node(settings)
+    node = Node(settings, Metrics())
     try:
         node.accept(parse_role_request("prefill", decode_body(P_ID, [0], [(NOBODY, [0])])))
         wait_until(lambda: node._engines and node.status()["pdlink"]["appliedGeneration"] == 1, 20,
@@ -86,12 +89,20 @@ def _counts(app: Any) -> tuple[int, int]:
     return h["offersLive"], h["strandedBytes"]
 
 
+def _events(app: Any) -> tuple[int, int, int]:
+    h = _status(app)["pdlink"]["handoffs"]
+    return h["released"], h["aborted"], h["eventsDropped"]
+
+
+NO_HANDOFFS = {"offersLive": 0, "strandedBytes": 0, "released": 0, "aborted": 0, "eventsDropped": 0}
+
+
 def test_status_counts_live_offers_and_their_bytes_until_released(prefill):
     node, app = prefill
     doc = _status(app)
     assert set(doc["service"]) == SERVICE_KEYS and set(doc["resource"]) == RESOURCE_KEYS
     assert set(doc) == {"service", "resource", "linkStatus", "pdlink"}
-    assert doc["pdlink"]["handoffs"] == {"offersLive": 0, "strandedBytes": 0}
+    assert doc["pdlink"]["handoffs"] == NO_HANDOFFS
     assert (doc["pdlink"]["devices"][0]["offersLive"], doc["pdlink"]["devices"][0]["strandedBytes"]) == (0, 0)
 
     engine: pdlink.Engine = node._engines[0]
@@ -114,7 +125,14 @@ def test_status_counts_live_offers_and_their_bytes_until_released(prefill):
         decoder.claim(claimed.ticket, local, [1])
         assert claimed.wait(10) and claimed.reason == "claimed"
         wait_until(lambda: _counts(app) == (0, 0), 10, "no live offer")
+        # the decoder aborts a request: the prefill's engine queues the event, the server takes it
+        decoder.abort("req-gone", peer=P_ID, reason="client went away")
+        wait_until(lambda: _events(app) == (2, 1, 0), 10, "two released offers and one abort taken")
     assert np.array_equal(dest[BLOCK:], source[6 * BLOCK:7 * BLOCK]) and not dest[:BLOCK].any()
+    assert (engine.released(), engine.handoff_events()) == ([], [])  # taken by the server, none left
     doc = _status(app)
     assert set(doc["service"]) == SERVICE_KEYS and set(doc["resource"]) == RESOURCE_KEYS
-    assert doc["pdlink"]["handoffs"] == {"offersLive": 0, "strandedBytes": 0}
+    assert doc["pdlink"]["handoffs"] == {**NO_HANDOFFS, "released": 2, "aborted": 1}
+    rendered = node._metrics.render().decode()
+    assert 'pdlink_handoff_events_total{kind="released"} 2.0' in rendered
+    assert 'pdlink_handoff_events_total{kind="aborted"} 1.0' in rendered

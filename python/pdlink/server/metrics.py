@@ -12,6 +12,7 @@ Every metric lives in the server's own registry (nothing global):
 | ``pdlink_transfer_bytes_total`` | counter | ``op``, ``direction`` (pull/push): bytes moved by this instance's transfers |
 | ``pdlink_transfer_seconds`` | histogram | ``op``: latency of each successful transfer |
 | ``pdlink_errors_total`` | counter | ``op``, ``code`` (``LLMStatusCode`` name): failed transfers, and links given up |
+| ``pdlink_handoff_events_total`` | counter | ``kind``: KV handoff events taken from the engines (``released`` offers, peers' ``aborted`` requests) |
 
 Transfers are counted on the side that initiates them (a pull is counted by the puller; the side
 serving it moves bytes in its C++ threads and is not counted).
@@ -62,6 +63,8 @@ class Metrics:
                                  buckets=_BUCKETS, registry=r)
         self.errors = Counter("pdlink_errors", "Failed transfers and links given up, by LLMStatusCode",
                               ["op", "code"], registry=r)
+        self.handoffs = Counter("pdlink_handoff_events", "KV handoff events taken from the engines", ["kind"],
+                                registry=r)
 
     def attach(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(snapshot))
@@ -82,6 +85,9 @@ class Metrics:
 
     def link_failed(self, code: str) -> None:
         self.errors.labels("link", code).inc()
+
+    def handoff_event(self, kind: str) -> None:
+        self.handoffs.labels(kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -320,8 +320,12 @@ class Node:
         self._good_plan: _Plan | None = None  # the latest plan applied without an error
         self._busy = 0  # test pulls admitted and not yet ended
         self._idle = threading.Condition(self._lock)  # notified when _busy drops
+        self._handoff_counts = {"released": 0, "aborted": 0}  # handoff events taken from the engines
+        self._handoff_stop = threading.Event()
         self._worker = threading.Thread(target=self._run, daemon=True, name="pdlink-role-worker")
         self._worker.start()
+        self._handoff_reader = threading.Thread(target=self._read_handoffs, daemon=True, name="pdlink-serve-handoffs")
+        self._handoff_reader.start()
 
     # ------------------------------------------------------------------ accepting a post
 
@@ -801,7 +805,7 @@ class Node:
                              else None} for i in range(len(engines))],
                 "testKv": kv.test_kv.enabled,
             }
-        live = stranded = 0
+        live = stranded = dropped = 0
         for i, engine in enumerate(engines):
             ext["devices"][i]["links"] = [
                 {"target": link.peer_cluster_id, "address": link.peer_address, "initiator": link.initiator,
@@ -811,8 +815,13 @@ class Node:
             ext["devices"][i]["strandedBytes"] = stats["offer_bytes"]
             live += stats["offers_live"]
             stranded += stats["offer_bytes"]
-        # KV handoffs (docs/native_api.md, "Handoffs"): offers not yet released, and the bytes they retain
-        ext["handoffs"] = {"offersLive": live, "strandedBytes": stranded}
+            dropped += stats["handoff_events_dropped"]
+        # KV handoffs (docs/native_api.md, "Handoffs"): offers not yet released, the bytes they retain,
+        # and the events taken from the engines (released offers, peers' aborts) or dropped unread
+        with self._lock:
+            counts = dict(self._handoff_counts)
+        ext["handoffs"] = {"offersLive": live, "strandedBytes": stranded, "released": counts.get("released", 0),
+                           "aborted": counts.get("aborted", 0), "eventsDropped": dropped}
         resource = {
             "availSlotsNum": model.max_batch_size, "availBlockNum": blocks, "waitingRequestNum": 0,
             "runningRequestNum": 0, "swappedRequestNum": 0, "freeNpuBlockNums": blocks, "freeCpuBlockNums": 0,
@@ -821,6 +830,32 @@ class Node:
         link_peers = [{"target": v["target"], "link": "ok" if v["state"] == "ok" else f"failed : {v['reason']}"}
                       for v in views if v["state"] != "linking"]
         return {"service": service, "resource": resource, "linkStatus": {"peers": link_peers}, "pdlink": ext}
+
+    # KV handoffs: the engines queue what peers told them (aborts) and their released offers, at most
+    # Limits.max_handoff_events each; nothing else in this process reads them, so the server takes
+    # them every HANDOFF_READ_S, counts them (status, metrics) and logs them (debug).
+    HANDOFF_READ_S = 1.0
+
+    def _read_handoffs(self) -> None:
+        while not self._handoff_stop.wait(self.HANDOFF_READ_S):
+            self.take_handoff_events()
+
+    def take_handoff_events(self) -> None:
+        """Takes the engines' handoff events now (the reader thread does every ``HANDOFF_READ_S``)."""
+        with self._lock:
+            engines = list(self._engines)
+        for engine in engines:
+            try:
+                events = engine.released() + engine.handoff_events()
+            except LLMException:  # an engine closed by a role change meanwhile: nothing more to take
+                continue
+            for event in events:
+                logger.debug("handoff %s: request %r from cluster %d (%r)", event.kind, event.request_id, event.peer,
+                             event.reason)
+                self._metrics.handoff_event(event.kind)
+            with self._lock:
+                for event in events:
+                    self._handoff_counts[event.kind] = self._handoff_counts.get(event.kind, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
         """Cheap numbers for the metrics collector."""
@@ -906,6 +941,8 @@ class Node:
             self._wake.notify_all()
             self._idle.notify_all()
             fence = self._fence
+        self._handoff_stop.set()
+        self._handoff_reader.join(30)
         self._worker.join(30)
         if fence is not None:  # an SGLang caller may wait on it
             fence.outcome, fence.error = fence.outcome or "failed", fence.error or "the server is shutting down"
