@@ -1,17 +1,21 @@
 """What a KV handoff costs (issue #35): offer + claim + release, until the prefill sees the release,
 against a bare prepared pull of the same blocks on the same link.
 
-One process per data path (cma, tcp, and ucx over its tcp transport where UCX loads) holds two
-engines, so both timings are read from one clock and nothing but the engines sits between the
-offer and the claim: a prefill engine that listens and registers a region of 64 blocks with a key,
-and a decoder engine linked to it over loopback, with a destination of 64 blocks of the same size.
-For each block size (4 KiB and 256 KiB) and blocks per request (1 and 16; the blocks every other one
-of the region, as a paged cache's are):
+Per data path (cma, tcp, and ucx over its tcp transport where UCX loads), two processes, as in
+serving: a prefill that listens and registers a region of 64 blocks with a key, and a decoder
+linked to it over loopback, with a destination of 64 blocks of the same size. (One process holding
+both engines would time the prefill's handoff thread, woken by each release, against the decoder's
+claim for the same interpreter lock.) For each block size (4 KiB and 256 KiB) and blocks per
+request (1 and 16; the blocks every other one of the region, as a paged cache's are):
 
-  * bare    : ``PreparedTransfer.read(local, remote)`` (``Engine.prepare`` once, by the region's key);
-  * handoff : ``offer = prefill.offer(region, blocks, ...)``, ``decoder.claim(offer.ticket, ...)``,
-              ``offer.wait()`` (the prefill's ``Offer.released``: the claim's commit arrived and the
-              handoff thread reported it). Its three parts are timed too.
+  * bare    : ``PreparedTransfer.read(local, remote)`` in the decoder (``Engine.prepare`` once, by
+              the region's key);
+  * handoff : its three parts, each timed where it runs: ``prefill.offer(region, blocks, ...)`` in
+              the prefill; ``decoder.claim(offer.ticket, ...)`` in the decoder; and from the
+              claim's return until the prefill's ``on_release`` callback ran (``Offer.released``:
+              the claim's commit arrived and the handoff thread reported it; 0 when it ran before
+              the claim returned). ``time.perf_counter`` is the system's monotonic clock, the same
+              in both processes; the ticket travels between them over a pipe, outside the timing.
 
 ``--iters`` of each (default 300), the two alternating (which one goes first alternates too),
 after a warm-up of 10 each; the destination is zeroed before each and checked byte for byte
@@ -45,6 +49,53 @@ COUNTS = (1, 16)
 WARMUP = 10
 
 
+def source_bytes(size: int) -> np.ndarray:
+    """What the prefill's region of ``size``-byte blocks holds (the decoder checks against it)."""
+    return (np.arange(BLOCKS * size, dtype=np.uint64) * 31 % 251 + 1).astype(np.uint8)
+
+
+def prefill_main(conn: Any, path: str) -> None:
+    """The prefill process: answers the decoder's requests on ``conn`` until ``close``."""
+    import pdlink
+
+    set_transport(path)
+    engine = pdlink.Engine(pdlink.EngineOptions(cluster_id=PREFILL_ID, listen="127.0.0.1:0", timeout_ms=60000))
+    seen: dict[int, float] = {}
+    offers: dict[int, Any] = {}
+    region = None
+    try:
+        conn.send(engine.listen_port)
+        while True:
+            op, *args = conn.recv()
+            if op == "register":
+                if region is not None:
+                    engine.deregister(region)
+                region = engine.register(source_bytes(args[0]), block_size=args[0], key=KEY)
+                conn.send(region.remote())
+            elif op == "offer":
+                blocks, request_id = args
+                t0 = time.perf_counter()
+                offer = engine.offer(region, blocks, request_id=request_id,
+                                     on_release=lambda o: seen.__setitem__(o.ticket.offer_id, time.perf_counter()))
+                t = time.perf_counter() - t0
+                offers[offer.ticket.offer_id] = offer
+                conn.send((offer.ticket, t))
+            elif op == "seen":
+                offer = offers.pop(args[0])
+                if not offer.wait(60):
+                    raise AssertionError("an offer was not released within 60 s")
+                while offer.ticket.offer_id not in seen:  # the callback runs right after wait() returns
+                    time.sleep(0)
+                conn.send((seen.pop(offer.ticket.offer_id), offer.reason))
+            elif op == "live":
+                conn.send(engine.stats()["offers_live"])
+            else:
+                conn.send(None)
+                return
+    finally:
+        engine.close()
+
+
 def measure_path(conn: Any, path: str, iters: int) -> None:
     try:
         conn.send(("ok", run_path(path, iters)))
@@ -55,37 +106,42 @@ def measure_path(conn: Any, path: str, iters: int) -> None:
 
 
 def run_path(path: str, iters: int) -> dict[str, Any]:
+    """The decoder process: starts the prefill's, links to it, runs every cell."""
     import pdlink
 
     set_transport(path)
-    prefill = pdlink.Engine(pdlink.EngineOptions(cluster_id=PREFILL_ID, listen="127.0.0.1:0", timeout_ms=60000))
+    ctx = mp.get_context("spawn")
+    prefill, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_main, args=(child, path), daemon=True)
+    proc.start()
     decoder = pdlink.Engine(pdlink.EngineOptions(cluster_id=DECODER_ID, timeout_ms=60000))
     cells: dict[str, Any] = {}
     try:
-        decoder.connect(f"127.0.0.1:{prefill.listen_port}", cluster_id=PREFILL_ID)
+        port = prefill.recv()
+        decoder.connect(f"127.0.0.1:{port}", cluster_id=PREFILL_ID)
         transport = decoder.links()[0].transport
         for size in SIZES:
-            source = (np.arange(BLOCKS * size, dtype=np.uint64) * 31 % 251 + 1).astype(np.uint8)
+            prefill.send(("register", size))
+            remote = prefill.recv()
             dest = np.zeros(BLOCKS * size, np.uint8)
-            src_region = prefill.register(source, block_size=size, key=KEY)
             dst_region = decoder.register(dest, block_size=size)
-            prepared = decoder.prepare(PREFILL_ID, dst_region, src_region.remote())
+            prepared = decoder.prepare(PREFILL_ID, dst_region, remote)
             for count in COUNTS:
-                cells[f"{size}x{count}"] = run_cell(path, prefill, decoder, prepared, (src_region, dst_region),
-                                                    (source, dest), size, count, iters)
+                cells[f"{size}x{count}"] = run_cell(path, prefill, decoder, prepared, dst_region,
+                                                    (source_bytes(size), dest), size, count, iters)
             decoder.deregister(dst_region)
-            prefill.deregister(src_region)
     finally:
         decoder.close()
-        prefill.close()
+        prefill.send(("close",))
+        prefill.recv()
+        proc.join(60)
     return {"transport": transport, "cells": cells}
 
 
-def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tuple[Any, Any],
+def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, dst_region: Any,
              arrays: tuple[np.ndarray, np.ndarray], size: int, count: int, iters: int) -> dict[str, Any]:
     """One cell: ``count`` blocks of ``size`` bytes (every other one of the region), bare and handoff
     alternating, every destination checked."""
-    src_region, dst_region = regions
     source, dest = arrays
     remote = list(range(0, 2 * count, 2))  # every other block
     local = list(range(1, 2 * count, 2))
@@ -93,22 +149,27 @@ def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tupl
     parts: dict[str, list[float]] = {"offer": [], "claim": [], "seen": []}
     n = [0]
 
-    def bare() -> None:
-        prepared.read(local, remote)
-
-    def handoff() -> None:
+    def bare() -> float:
         t0 = time.perf_counter()
-        offer = prefill.offer(src_region, remote, request_id=f"r{n[0]}")
+        prepared.read(local, remote)
+        return time.perf_counter() - t0
+
+    def handoff() -> float:
+        prefill.send(("offer", remote, f"r{n[0]}"))
+        ticket, offer_s = prefill.recv()
         t1 = time.perf_counter()
-        decoder.claim(offer.ticket, dst_region, local)
+        decoder.claim(ticket, dst_region, local)
         t2 = time.perf_counter()
-        if not offer.wait(60) or offer.reason != "claimed":
-            raise AssertionError(f"{path}: offer ended {offer.reason}")
-        t3 = time.perf_counter()
+        prefill.send(("seen", ticket.offer_id))
+        seen_at, reason = prefill.recv()
+        if reason != "claimed":
+            raise AssertionError(f"{path}: offer ended {reason}")
         n[0] += 1
-        parts["offer"].append(t1 - t0)
-        parts["claim"].append(t2 - t1)
-        parts["seen"].append(t3 - t2)
+        claim_s, seen_s = t2 - t1, max(0.0, seen_at - t2)
+        parts["offer"].append(offer_s)
+        parts["claim"].append(claim_s)
+        parts["seen"].append(seen_s)
+        return offer_s + claim_s + seen_s
 
     modes = {"bare": bare, "handoff": handoff}
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -116,9 +177,7 @@ def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tupl
         order = list(modes) if i % 2 == 0 else list(modes)[::-1]
         for mode in order:
             dest[:] = 0
-            t0 = time.perf_counter()
-            modes[mode]()
-            t = time.perf_counter() - t0
+            t = modes[mode]()
             got = dest.reshape(BLOCKS, size)
             if not np.array_equal(got[local], expect) or np.count_nonzero(got) != count * size:
                 raise AssertionError(f"{path}: {mode} of {count} x {size} B: the destination differs")
@@ -126,7 +185,8 @@ def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tupl
                 times[mode].append(t)
     for k in parts:
         del parts[k][:WARMUP]
-    if prefill.stats()["offers_live"]:
+    prefill.send(("live",))
+    if prefill.recv():
         raise AssertionError(f"{path}: offers left live")
     return {"size": size, "count": count, "times": times, "parts": parts}
 
@@ -134,7 +194,7 @@ def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, regions: tupl
 def measure(path: str, iters: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=measure_path, args=(child, path, iters), daemon=True)
+    proc = ctx.Process(target=measure_path, args=(child, path, iters), daemon=False)  # it starts the prefill process
     proc.start()
     try:
         status, value = conn.recv()
