@@ -274,9 +274,10 @@ ABORT_RACE_ITERATIONS = 100
 # claim's verdict, the offer's reason). The claim ran first (claimed, claimed); the abort came first
 # (refused: nothing landed, aborted); or the two crossed: the claim landed every byte and its commit
 # came after the abort (claimed, aborted), or the abort reached the decoder before the claim
-# returned (refused, landed: every byte landed and the claim still fails).
+# returned (refused, landed: every byte landed and the claim still fails), its commit reaching the
+# prefill after the abort or before it (aborted or claimed).
 ABORT_RACE_OUTCOMES = {("claimed", "claimed"), ("refused", "aborted"), ("claimed", "aborted"),
-                       ("refused, landed", "aborted")}
+                       ("refused, landed", "aborted"), ("refused, landed", "claimed")}
 
 
 def test_an_abort_racing_a_claim_ends_in_one_of_the_documented_outcomes(two: Two) -> None:
