@@ -25,6 +25,12 @@ p90 of each, handoff / bare of the medians, and the handoff's parts at their med
     python bench/bench_handoff.py              # writes bench/results/handoff.{json,txt}
     python bench/bench_handoff.py --smoke      # 5 iterations per cell: seconds (CI)
     python bench/bench_handoff.py --paths tcp --iters 100
+    python bench/bench_handoff.py --prefill-dials   # the prefill dials the decoder: handoff_prefill_dials.*
+
+With ``--prefill-dials`` the decoder listens and the prefill links to it, so the decoder's link is
+an accepted one: without a link secret its cluster id is only a claim, and the first claim dials
+the ticket's address once to confirm it (docs/security.md, "Identities"). That first claim's time
+is reported apart; every later one pulls over the confirmed link.
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ def prefill_main(conn: Any, path: str) -> None:
                 while offer.ticket.offer_id not in seen:  # the callback runs right after wait() returns
                     time.sleep(0)
                 conn.send((seen.pop(offer.ticket.offer_id), offer.reason))
+            elif op == "dial":
+                engine.connect(f"127.0.0.1:{args[0]}", cluster_id=DECODER_ID)
+                conn.send(None)
             elif op == "live":
                 conn.send(engine.stats()["offers_live"])
             else:
@@ -96,17 +105,17 @@ def prefill_main(conn: Any, path: str) -> None:
         engine.close()
 
 
-def measure_path(conn: Any, path: str, iters: int) -> None:
+def measure_path(conn: Any, path: str, iters: int, prefill_dials: bool) -> None:
     try:
-        conn.send(("ok", run_path(path, iters)))
+        conn.send(("ok", run_path(path, iters, prefill_dials)))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         import traceback
 
         conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_path(path: str, iters: int) -> dict[str, Any]:
-    """The decoder process: starts the prefill's, links to it, runs every cell."""
+def run_path(path: str, iters: int, prefill_dials: bool) -> dict[str, Any]:
+    """The decoder process: starts the prefill's, links to it (or has it link here), runs every cell."""
     import pdlink
 
     set_transport(path)
@@ -114,11 +123,16 @@ def run_path(path: str, iters: int) -> dict[str, Any]:
     prefill, child = ctx.Pipe()
     proc = ctx.Process(target=prefill_main, args=(child, path), daemon=True)
     proc.start()
-    decoder = pdlink.Engine(pdlink.EngineOptions(cluster_id=DECODER_ID, timeout_ms=60000))
+    decoder = pdlink.Engine(pdlink.EngineOptions(cluster_id=DECODER_ID, timeout_ms=60000,
+                                                 listen="127.0.0.1:0" if prefill_dials else None))
     cells: dict[str, Any] = {}
     try:
         port = prefill.recv()
-        decoder.connect(f"127.0.0.1:{port}", cluster_id=PREFILL_ID)
+        if prefill_dials:
+            prefill.send(("dial", decoder.listen_port))
+            prefill.recv()
+        else:
+            decoder.connect(f"127.0.0.1:{port}", cluster_id=PREFILL_ID)
         transport = decoder.links()[0].transport
         for size in SIZES:
             prefill.send(("register", size))
@@ -183,18 +197,20 @@ def run_cell(path: str, prefill: Any, decoder: Any, prepared: Any, dst_region: A
                 raise AssertionError(f"{path}: {mode} of {count} x {size} B: the destination differs")
             if i >= WARMUP:
                 times[mode].append(t)
+    first_claim = parts["claim"][0]
     for k in parts:
         del parts[k][:WARMUP]
     prefill.send(("live",))
     if prefill.recv():
         raise AssertionError(f"{path}: offers left live")
-    return {"size": size, "count": count, "times": times, "parts": parts}
+    return {"size": size, "count": count, "times": times, "parts": parts, "first_claim": first_claim}
 
 
-def measure(path: str, iters: int) -> dict[str, Any]:
+def measure(path: str, iters: int, prefill_dials: bool) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=measure_path, args=(child, path, iters), daemon=False)  # it starts the prefill process
+    # not a daemon: it starts the prefill's process
+    proc = ctx.Process(target=measure_path, args=(child, path, iters, prefill_dials), daemon=False)
     proc.start()
     try:
         status, value = conn.recv()
@@ -222,8 +238,9 @@ def summarize(r: dict[str, Any]) -> None:
 
 def report(results: dict[str, Any]) -> list[str]:
     cfg = results["config"]
+    who = "the prefill dialled the decoder" if cfg["prefill_dials"] else "the decoder dialled the prefill"
     lines = [f"handoff: offer + claim + release seen by the prefill vs a bare prepared pull of the same blocks, "
-             f"{cfg['iters']} of each per cell, alternating; median [p90] in us",
+             f"{cfg['iters']} of each per cell, alternating ({who}); median [p90] in us",
              "| path | block | blocks | bare | handoff | handoff / bare | handoff - bare "
              "| offer / claim / release seen |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -238,6 +255,11 @@ def report(results: dict[str, Any]) -> list[str]:
             lines.append(f"| {path} ({r['transport']}) | {size} | {cell['count']} | {us(b['p50'])} [{us(b['p90'])}] | "
                          f"{us(h['p50'])} [{us(h['p90'])}] | {st['ratio']:.2f} | {us(h['p50'] - b['p50'])} | "
                          f"{us(p['offer'])} / {us(p['claim'])} / {us(p['seen'])} |")
+    for path, r in results["paths"].items():
+        if "skipped" not in r:
+            first = next(iter(r["cells"].values()))["first_claim"]
+            confirming = ", confirming the link" if cfg["prefill_dials"] else ""
+            lines.append(f"{path}: the run's first claim (1 block of 4 KiB{confirming}): {us(first)} us")
     return lines
 
 
@@ -246,25 +268,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="5 iterations per cell: checks that everything runs")
     ap.add_argument("--iters", type=int, default=300, help="timed iterations of each mode per cell")
     ap.add_argument("--paths", default="cma,tcp,ucx", help="comma-separated: cma, tcp, ucx (ucx over UCX_TLS=tcp)")
+    ap.add_argument("--prefill-dials", action="store_true",
+                    help="the prefill links to the decoder (its first claim confirms the link)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     iters = 5 if args.smoke else args.iters
-    results: dict[str, Any] = {"config": {"iters": iters, "sizes": SIZES, "counts": COUNTS, "blocks": BLOCKS},
-                               "paths": {}}
+    results: dict[str, Any] = {"config": {"iters": iters, "sizes": SIZES, "counts": COUNTS, "blocks": BLOCKS,
+                                          "prefill_dials": args.prefill_dials}, "paths": {}}
     for path in args.paths.split(","):
         why = path_unavailable(path)
         if why is not None:
             print(f"{path}: skipped: {why}")
             results["paths"][path] = {"skipped": why}
             continue
-        r = measure("ucx:tcp" if path == "ucx" else path, iters)
+        r = measure("ucx:tcp" if path == "ucx" else path, iters, args.prefill_dials)
         summarize(r)
         results["paths"][path] = r
         print(f"{path}: handoff / bare " + ", ".join(f"{k} {c['stats']['ratio']:.2f}" for k, c in r["cells"].items()),
               flush=True)
     lines = report(results)
     print("\n".join(lines))
-    save(args.out, "handoff", results, "\n".join(lines))
+    save(args.out, "handoff_prefill_dials" if args.prefill_dials else "handoff", results, "\n".join(lines))
     return 0
 
 
