@@ -357,3 +357,33 @@ def test_an_abort_flood_from_a_stranger_does_not_make_the_decoder_forget_the_pre
         decoder.call(handoff.claim, ticket, "dst", [3])
     assert getattr(e.value, "status_code", None) == LLMStatusCode.LLM_OFFER_RELEASED, e.value
     assert_same(decoder.call(native.snapshot, "dst"), before, "the decoder's region after the failed claim")
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9b: a claim of a hostile ticket (the prefill's cluster id, the "
+                   "attacker's address) leaves a dialled link 'cluster 1' to the attacker, and the decoder's later "
+                   "claims of the real prefill's tickets are served by the attacker (the ticket's address ignored)")
+def test_a_hostile_tickets_dial_does_not_capture_the_real_prefills_later_claims(peers: Callable[..., Peer],
+                                                                             variant: Variant) -> None:
+    """Fix 3's dial, as a router that passes one forged ticket would: the ticket names the prefill's
+    cluster id (1) and the attacker's address (a server that answers a hello as whatever cluster it
+    is dialled as, and reads with 0x5a bytes). The decoder claims it (it lands the attacker's bytes:
+    the ticket was the attacker's). Then the decoder claims the real prefill's ticket (cluster 1,
+    the prefill's address): it must land the prefill's bytes and release the offer "claimed", and
+    the attacker must see no read of it."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    attacker = peers("attacker")
+    aport = attacker.call(hostile.serve, "read_exact")
+    decoder = peers("decoder", env=variant.env())
+    decoder.call(native.start, 2)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    forged = decoder.call(round9b.forge, ticket, None, f"{hostile.ATTACKER_IP}:{aport}")
+    decoder.call(handoff.claim, forged, "dst", [2])
+    reads_before = sum(o.get("op") == rawwire.OP_READ for o in attacker.call(hostile.observed))
+    assert reads_before >= 1
+    decoder.call(handoff.claim, ticket, "dst", [3])
+    reads_after = sum(o.get("op") == rawwire.OP_READ for o in attacker.call(hostile.observed))
+    src, dst = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "dst")
+    assert (reads_after - reads_before, bytes(dst.tensor(0)[3 * ROW:4 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW]),
+            prefill.call(handoff.state, "o")) == (0, True, (True, "claimed"))
