@@ -387,3 +387,32 @@ def test_a_hostile_tickets_dial_does_not_capture_the_real_prefills_later_claims(
     src, dst = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "dst")
     assert (reads_after - reads_before, bytes(dst.tensor(0)[3 * ROW:4 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW]),
             prefill.call(handoff.state, "o")) == (0, True, (True, "claimed"))
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9b: every hostile ticket's dial leaves a dialled link to the "
+                   "attacker; a stream of them (one cluster id each) fills MaxLinks and the decoder's claim of an "
+                   "honest ticket fails")
+def test_a_stream_of_hostile_tickets_cannot_fill_the_decoders_link_table(peers: Callable[..., Peer],
+                                                                        variant: Variant) -> None:
+    """Fix 3's dial, bounded? The decoder (MaxLinks 4) claims four tickets naming four cluster ids
+    at the attacker's address (a server that answers as whatever cluster it is dialled as). Each
+    claim dials and lands the attacker's bytes. Then the decoder claims the real prefill's ticket:
+    it must land the prefill's bytes (the hostile tickets' links must not keep the decoder from
+    linking to an honest prefill)."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    attacker = peers("attacker")
+    aport = attacker.call(hostile.serve, "read_exact")
+    decoder = peers("decoder", env=variant.env())
+    decoder.call(native.start, 2, limits={"max_links": 4})
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    for n in range(4):
+        forged = decoder.call(round9b.forge, ticket, 1000 + n, f"{hostile.ATTACKER_IP}:{aport}")
+        decoder.call(handoff.claim, forged, "dst", [n])
+    assert [c for c, _ in decoder.call(round9b.link_clusters)] == [1000, 1001, 1002, 1003]
+    decoder.call(handoff.claim, ticket, "dst", [5])
+    src, dst = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "dst")
+    assert bytes(dst.tensor(0)[5 * ROW:6 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW])
+    wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the honest claim")
+    assert prefill.call(handoff.state, "o") == (True, "claimed")
