@@ -416,3 +416,33 @@ def test_a_stream_of_hostile_tickets_cannot_fill_the_decoders_link_table(peers: 
     assert bytes(dst.tensor(0)[5 * ROW:6 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW])
     wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the honest claim")
     assert prefill.call(handoff.state, "o") == (True, "claimed")
+
+
+@only("cpu-tcp")
+def test_with_the_decoder_dialled_by_the_prefill_a_stranger_cannot_squat_and_the_prefills_abort_holds(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """Fix 3 as the brief puts it: the real prefill dials the decoder (no secret), so the decoder's
+    only link to cluster 1 is an accepted one. A stranger linking to the decoder as cluster 1 is
+    refused (that link is healthy). The prefill aborts "req" to the decoder over its link and offers
+    "req" again: the decoder's claim (which must dial the ticket's address, the accepted link being
+    only a claim) still fails LLM_OFFER_RELEASED, landing nothing; a claim of another request id
+    over the same route lands and releases its offer "claimed"."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    decoder = peers("decoder", env=variant.env())
+    dport = decoder.call(native.start, 2, listen=True)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    before = decoder.call(native.snapshot, "dst")
+    prefill.call(native.connect, dport, 2)
+    stranger = peers("stranger")
+    status, message = stranger.call(hostile.link_raw, dport, 1)
+    assert status != 0, message
+    prefill.call(handoff.abort, "req", 2, "gone")
+    aborted = prefill.call(handoff.offer, "o", "big", [1], "req")
+    with pytest.raises(Exception) as e:
+        decoder.call(handoff.claim, aborted, "dst", [3])
+    assert getattr(e.value, "status_code", None) == LLMStatusCode.LLM_OFFER_RELEASED, e.value
+    assert_same(decoder.call(native.snapshot, "dst"), before, "the decoder's region after the failed claim")
+    other = prefill.call(handoff.offer, "p", "big", [2], "req-2")
+    decoder.call(handoff.claim, other, "dst", [4])
+    wait_until(lambda: prefill.call(handoff.state, "p")[0], 10, "the other offer released by its claim")
+    assert prefill.call(handoff.state, "p") == (True, "claimed")
