@@ -446,3 +446,23 @@ def test_with_the_decoder_dialled_by_the_prefill_a_stranger_cannot_squat_and_the
     decoder.call(handoff.claim, other, "dst", [4])
     wait_until(lambda: prefill.call(handoff.state, "p")[0], 10, "the other offer released by its claim")
     assert prefill.call(handoff.state, "p") == (True, "claimed")
+
+
+@only("cpu-tcp")
+def test_links_that_abort_and_die_give_back_their_descriptors_and_threads(peers: Callable[..., Peer],
+                                                                         variant: Variant) -> None:
+    """Remembered aborts are kept by link (fix 3): does a dead link stay alive through them? Twenty
+    raw links, one after the other (cluster ids 200..219), each send one abort and close. Every abort
+    was answered and queued (the source's newest quarter: 16 of 64 kept); once they are gone the
+    victim's threads and descriptors are back where they were."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True, limits={"max_handoff_events": 64})
+    base = victim.call(round9.resources)
+    a = peers("attacker")
+    for n in range(20):
+        i = a.call(round9b.link_from, port, 200 + n, hostile.ATTACKER_IP)
+        assert a.call(round9.exchange, i, _abort(b"churn-%d" % n)) == (0, "", b"")
+        a.call(round9.close, i)
+    wait_until(lambda: victim.call(round9.resources) == base, 15, f"threads and descriptors back to {base}")
+    assert victim.call(handoff.stats)["handoff_events_dropped"] == 4
+    assert victim.call(round9.handoff_events) == [("aborted", 200 + n, "churn-%d" % n, "") for n in range(4, 20)]
