@@ -466,3 +466,35 @@ def test_links_that_abort_and_die_give_back_their_descriptors_and_threads(peers:
     wait_until(lambda: victim.call(round9.resources) == base, 15, f"threads and descriptors back to {base}")
     assert victim.call(handoff.stats)["handoff_events_dropped"] == 4
     assert victim.call(round9.handoff_events) == [("aborted", 200 + n, "churn-%d" % n, "") for n in range(4, 20)]
+
+
+BAD_ADDRESSES = ["", "127.0.0.1", "127.0.0.1:99999", "127.0.0.1:-1", "[::1]:1", "a" * 4096 + ":1",
+                 "127.0.0.1:1:2", "256.1.1.1:80", "127.0.0.1:0", "\x00:1"]
+
+
+@only("cpu-tcp")
+def test_tickets_naming_odd_addresses_or_the_decoder_itself_fail_and_leave_the_decoder_serving(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """Fix 3's dial with hostile addresses: tickets of an unknown cluster id (7) whose address is
+    empty, has no port, a port out of range, IPv6, 4 KiB of name, extra colons, a bad IPv4 or a NUL,
+    and tickets naming the decoder's own address (as cluster 7, and as its own cluster id 2). Each
+    claim raises an LLMException or a ValueError with nothing landed; afterwards the decoder
+    holds no link but its prefill's (none), and a claim of the honest ticket lands."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    decoder = peers("decoder", env=variant.env())
+    dport = decoder.call(native.start, 2, listen=True)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    before = decoder.call(native.snapshot, "dst")
+    cases = [(7, address) for address in BAD_ADDRESSES] + [(7, f"127.0.0.1:{dport}"), (2, f"127.0.0.1:{dport}")]
+    outcomes = {}
+    for cluster, address in cases:
+        forged = decoder.call(round9b.forge, ticket, cluster, address)
+        outcomes[(cluster, address[:20])] = decoder.call(round9b.claim_outcome, forged, "dst", [3], 2000)
+    assert all(o != "ok" and (o.startswith(("LinkError", "LLMException", "OfferReleased", "InvalidArgument"))
+                              or o == "ValueError") for o in outcomes.values()), outcomes
+    assert_same(decoder.call(native.snapshot, "dst"), before, "the decoder's region after the failed claims")
+    assert decoder.call(round9b.link_clusters) == []
+    decoder.call(handoff.claim, ticket, "dst", [3])
+    wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the honest claim")
+    assert prefill.call(handoff.state, "o") == (True, "claimed")

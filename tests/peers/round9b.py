@@ -146,5 +146,18 @@ def exit_after_a_release() -> None:
     engine.abort("req")
 
 
+def claim_outcome(ticket: Any, name: str, blocks: list[int], timeout_ms: int) -> str:
+    """``engine.claim``: "ok", or the exception's type and status code's name."""
+    import pdlink
+
+    try:
+        handoff.claim(ticket, name, blocks, timeout_ms)
+        return "ok"
+    except pdlink.LLMException as e:
+        return f"{type(e).__name__} {pdlink.LLMStatusCode(e.status_code).name}"
+    except Exception as e:  # noqa: BLE001 - what reaches the application is the finding
+        return f"{type(e).__name__}"
+
+
 if __name__ == "__main__":  # python -m peers.round9b, from tests/ (test_round9b_review.py)
     exit_after_a_release()
