@@ -498,3 +498,28 @@ def test_tickets_naming_odd_addresses_or_the_decoder_itself_fail_and_leave_the_d
     decoder.call(handoff.claim, ticket, "dst", [3])
     wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the honest claim")
     assert prefill.call(handoff.state, "o") == (True, "claimed")
+
+
+@only("cpu-cma")
+def test_one_user_from_several_processes_over_af_unix_is_one_source(peers: Callable[..., Peer],
+                                                                    variant: Variant) -> None:
+    """Fix 2 on a same-host cell (where the victim takes only same-host links): two attacker
+    processes of one user link over the victim's AF_UNIX name, five links in all (cluster ids
+    100..104), each filling its quarter (16 of 64). All five are one uid, one source: it keeps its
+    newest 16, the rest counted dropped, and the honest peer's event (a link the victim dialled)
+    stays."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True, limits={"max_handoff_events": 64})
+    _honest_told(peers, variant, victim)
+    procs = [peers("attacker-a"), peers("attacker-b")]
+    links = []
+    for n in range(5):
+        p = procs[n % 2]
+        unix = p.call(hostile.redirect_name, port, 100 + n)
+        assert unix, "no same-host redirect"
+        links.append((p, p.call(round9.link, port, 100 + n, unix)))
+    for n, (p, i) in enumerate(links):
+        assert p.call(round9.flood, i, [_abort(b"f-%d-%d" % (n, k)) for k in range(16)]) == [0] * 16
+    assert victim.call(handoff.stats)["handoff_events_dropped"] == 5 * 16 - 16
+    assert victim.call(round9.handoff_events) == [("aborted", 50, "honest", "why")] + [
+        ("aborted", 104, "f-4-%d" % k, "") for k in range(16)]
