@@ -277,7 +277,7 @@ def test_a_peer_of_another_wire_version_is_refused_with_both_versions_named(
     a = peers("attacker")
     status, message = a.call(round9b.old_hello, port, version)
     assert status != 0, message
-    assert str(version) in message and str(rawwire.VERSION) in message, message
+    assert f"this engine speaks pdlink protocol {rawwire.VERSION}, the dialler {version}" in message, message
     assert victim.call(round9b.link_clusters) == []
 
 
@@ -523,3 +523,23 @@ def test_one_user_from_several_processes_over_af_unix_is_one_source(peers: Calla
     assert victim.call(handoff.stats)["handoff_events_dropped"] == 5 * 16 - 16
     assert victim.call(round9.handoff_events) == [("aborted", 50, "honest", "why")] + [
         ("aborted", 104, "f-4-%d" % k, "") for k in range(16)]
+
+
+@only("cpu-tcp")
+def test_a_claim_that_dials_a_v8_engine_fails_naming_both_versions(peers: Callable[..., Peer],
+                                                                   variant: Variant) -> None:
+    """Wire v9 from the dialling side: the ticket's address is an engine that acks in wire v8. The
+    claim fails (its message names both versions), nothing lands, and the decoder holds no link."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    attacker = peers("attacker")
+    aport = attacker.call(hostile.serve, "ack_other_version", version=8)
+    decoder = peers("decoder", env=variant.env())
+    decoder.call(native.start, 2)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    before = decoder.call(native.snapshot, "dst")
+    forged = decoder.call(round9b.forge, ticket, 5, f"{hostile.ATTACKER_IP}:{aport}")
+    message = decoder.call(round9b.claim_message, forged, "dst", [3], 3000)
+    assert f"the peer speaks pdlink protocol 8, this engine {rawwire.VERSION}" in message, message
+    assert_same(decoder.call(native.snapshot, "dst"), before, "the decoder's region after the failed claim")
+    assert decoder.call(round9b.link_clusters) == []
