@@ -543,3 +543,26 @@ def test_a_claim_that_dials_a_v8_engine_fails_naming_both_versions(peers: Callab
     assert f"the peer speaks pdlink protocol 8, this engine {rawwire.VERSION}" in message, message
     assert_same(decoder.call(native.snapshot, "dst"), before, "the decoder's region after the failed claim")
     assert decoder.call(round9b.link_clusters) == []
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9b: a peer may link as cluster id 0, the id released() and "
+                   "handoff_events() use for 'no bound link' (native_api.md: 'peer the cluster id of the bound "
+                   "link or 0')")
+def test_a_peer_cannot_link_as_cluster_zero_and_claim_as_nobody(peers: Callable[..., Peer],
+                                                                variant: Variant) -> None:
+    """native_api.md: a released record's ``peer`` is "the cluster id of the bound link or 0". A
+    raw peer that links as cluster 0 and claims the offer (a read, then its commit) leaves a record
+    ``(0, "req", "claimed")``: the application cannot tell who claimed it. Linking as 0 (as the
+    victim's own id is) must be refused."""
+    victim, port = listening_victim(peers, variant, ROWS, ROW)
+    ticket = victim.call(handoff.offer, "o", "big", [1], "req")
+    a = peers("attacker")
+    i = a.call(round9b.try_link_from, port, 0, hostile.ATTACKER_IP)
+    if not isinstance(i, int):
+        return  # refused: what the test wants
+    assert a.call(round9.exchange, i, _read(ticket))[0] == 0
+    a.call(round9.send, i, _commit(ticket))
+    assert a.call(round9.exchange, i, PING) == (0, "", b"")
+    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the commit")
+    assert victim.call(round9b.released_records) != [(0, "req", "claimed")]

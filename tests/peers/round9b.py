@@ -21,17 +21,26 @@ from peers import handoff, hostile, native, round9
 # ---------------------------------------------------------------- attacker side
 
 
-def link_from(port: int, cluster: int, source: str) -> int:
+def try_link_from(port: int, cluster: int, source: str) -> int | tuple[int, str]:
     """One more raw link to the victim at ``port`` as ``cluster``, both channels over TCP from the
-    loopback address ``source``; its index in round9's list."""
+    loopback address ``source``: its index in round9's list, or the refusal (status, message)."""
     nonce = int.from_bytes(cluster.to_bytes(8, "little") + socket.inet_aton(source) * 2, "little")
     h = rawwire.handshake(port, cluster=cluster, expected=rawwire.ANY, nonce=nonce, source=source)
-    assert h.status == 0, (h.status, h.message)
+    if h.status != 0:
+        return h.status, h.message
     r = rawwire.handshake(port, channel=1, cluster=cluster, expected=rawwire.ANY, nonce=nonce, source=source)
-    assert r.status == 0, (r.status, r.message)
+    if r.status != 0:
+        return r.status, r.message
     h.sock.settimeout(10)
     round9._links.append(hostile._Client(h.sock, r.sock))
     return len(round9._links) - 1
+
+
+def link_from(port: int, cluster: int, source: str) -> int:
+    """``try_link_from`` that must link: the link's index."""
+    i = try_link_from(port, cluster, source)
+    assert isinstance(i, int), i
+    return i
 
 
 def old_hello(port: int, version: int) -> tuple[int, str]:
