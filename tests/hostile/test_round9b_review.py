@@ -566,3 +566,35 @@ def test_a_peer_cannot_link_as_cluster_zero_and_claim_as_nobody(peers: Callable[
     assert a.call(round9.exchange, i, PING) == (0, "", b"")
     wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the commit")
     assert victim.call(round9b.released_records) != [(0, "req", "claimed")]
+
+
+@only("cpu-tcp")
+def test_a_hostile_tickets_dial_does_not_drop_the_genuine_prefills_link(peers: Callable[..., Peer],
+                                                                       variant: Variant) -> None:
+    """The real prefill (cluster 1) dialled the decoder: the decoder's only link to cluster 1 is
+    that accepted one. A forged ticket (the real offer, cluster 1, the attacker's address: a server
+    that answers as whatever cluster it is dialled as) is claimed: the decoder dials the attacker,
+    which cannot confirm the accepted link (kConfirm), and the decoder lets the attacker's link go.
+    Held: the genuine link survives (the decoder still holds its accepted link to cluster 1, the
+    prefill's is not broken), the claim reads the real offer over it, landing the prefill's bytes
+    and releasing the offer "claimed", and the attacker served no read."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    attacker = peers("attacker")
+    aport = attacker.call(hostile.serve, "read_exact")
+    decoder = peers("decoder", env=variant.env())
+    dport = decoder.call(native.start, 2, listen=True)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    prefill.call(native.connect, dport, 2)
+    assert decoder.call(round9b.link_clusters) == [(1, False)]
+    forged = decoder.call(round9b.forge, ticket, None, f"{hostile.ATTACKER_IP}:{aport}")
+    assert decoder.call(round9b.claim_outcome, forged, "dst", [2], 3000) == "ok"
+    seen = attacker.call(hostile.observed)
+    assert any(o.get("event") == "hello" for o in seen), seen
+    assert not any(o.get("op") == rawwire.OP_READ for o in seen), seen
+    assert decoder.call(round9b.link_clusters) == [(1, False)]
+    assert prefill.call(round9b.link_clusters) == [(2, True)]
+    src, dst = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "dst")
+    assert bytes(dst.tensor(0)[2 * ROW:3 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW])
+    wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the claim")
+    assert prefill.call(handoff.state, "o") == (True, "claimed")
