@@ -198,5 +198,14 @@ def claim_message(ticket: Any, name: str, blocks: list[int], timeout_ms: int) ->
         return str(e)
 
 
+def start_dialler(cluster_id: int, connect_timeout_ms: int) -> None:
+    """Starts this peer's engine (tests/peers/native.py's, not listening) with ``connect_timeout_ms``
+    bounding each dial."""
+    import pdlink
+
+    native._state["engine"] = pdlink.Engine(pdlink.EngineOptions(cluster_id=cluster_id,
+                                                                 connect_timeout_ms=connect_timeout_ms))
+
+
 if __name__ == "__main__":  # python -m peers.round9b, from tests/ (test_round9b_review.py)
     exit_after_a_release()
