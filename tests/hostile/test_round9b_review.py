@@ -599,3 +599,34 @@ def test_a_hostile_tickets_dial_does_not_drop_the_genuine_prefills_link(peers: C
     assert bytes(dst.tensor(0)[2 * ROW:3 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW])
     wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the claim")
     assert prefill.call(handoff.state, "o") == (True, "claimed")
+
+
+@only("cpu-tcp")
+@pytest.mark.xfail(strict=True, reason="round 9b: a hostile ticket's address that refuses kConfirm makes the "
+                   "decoder drop the genuine prefill's accepted link as an impostor's and keep the attacker's "
+                   "dialled link as cluster 1: the prefill's later claims go to the attacker")
+def test_a_hostile_ticket_whose_server_denies_the_genuine_link_does_not_unlink_the_prefill(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """As the held case above, but the attacker's server refuses every request it gets (the kConfirm
+    that asks whether the decoder's accepted link of cluster 1 is its own included). The genuine
+    prefill dialled the decoder; after the forged ticket's claim, the decoder must still hold that
+    link, and a claim of the prefill's honest ticket must land the prefill's bytes and release its
+    offer "claimed"."""
+    prefill, _ = listening_victim(peers, variant, ROWS, ROW)
+    ticket = prefill.call(handoff.offer, "o", "big", [1], "req")
+    other = prefill.call(handoff.offer, "p", "big", [2], "req-2")
+    attacker = peers("attacker")
+    aport = attacker.call(hostile.serve, "refuse_everything")
+    decoder = peers("decoder", env=variant.env())
+    dport = decoder.call(native.start, 2, listen=True)
+    decoder.call(native.register, "dst", ROWS, ROW, seed=2)
+    prefill.call(native.connect, dport, 2)
+    forged = decoder.call(round9b.forge, ticket, None, f"{hostile.ATTACKER_IP}:{aport}")
+    decoder.call(round9b.claim_outcome, forged, "dst", [2], 3000)
+    seen = attacker.call(hostile.observed)
+    assert any(o.get("op") == rawwire.OP_CONFIRM for o in seen), seen
+    links = decoder.call(round9b.link_clusters)
+    outcome = decoder.call(round9b.claim_outcome, other, "dst", [4], 3000)
+    assert (links, outcome) == ([(1, False)], "ok")
+    wait_until(lambda: prefill.call(handoff.state, "p")[0], 10, "the other offer released by its claim")
+    assert prefill.call(handoff.state, "p") == (True, "claimed")
