@@ -27,11 +27,13 @@ run on a pool of ``EngineOptions.async_workers`` threads per engine (created on 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import enum
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -586,13 +588,7 @@ class Engine:
         if pool is not None:
             pool.shutdown(wait=True)
         self._native.finalize()  # releases every offer (reason "released")
-        with self._handoff_lock:
-            thread, self._handoff_thread = self._handoff_thread, None
-            self._handoff_stop = True
-        if thread is not None:
-            self._native.wake_handoffs()
-            if thread is not threading.current_thread():
-                thread.join()
+        self._stop_handoffs()
         with self._lock:  # peers can reach nothing now
             self._regions.clear()
             self._owners.clear()
@@ -981,6 +977,7 @@ class Engine:
                 self._handoff_thread = threading.Thread(target=self._report_releases, name="pdlink-handoffs",
                                                         daemon=True)
                 self._handoff_thread.start()
+                _handoff_engines.add(self)
         return offer
 
     def claim(self, ticket: Ticket, local_region: Region, local_blocks: Indices, *,
@@ -1070,6 +1067,16 @@ class Engine:
         ip, _ = _split_address(self.options.listen)
         return f"{ip}:{self.listen_port}"
 
+    def _stop_handoffs(self) -> None:
+        """Stops the handoff thread (no offer is reported after it) and waits for it."""
+        with self._handoff_lock:
+            thread, self._handoff_thread = self._handoff_thread, None
+            self._handoff_stop = True
+        if thread is not None:
+            self._native.wake_handoffs()
+            if thread is not threading.current_thread():
+                thread.join()
+
     def _report_releases(self) -> None:
         """The handoff thread: reports each released offer to its ``Offer`` (``released``, ``wait``,
         ``on_release``), until the engine closed and nothing is left to report."""
@@ -1121,6 +1128,20 @@ def _notify_bytes(value: bytes | str, what: str) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise TypeError(f"a notification's {what} must be bytes or str, got {type(value).__name__}")
+
+
+# The engines whose handoff thread runs. That thread is a daemon that waits in a native call without
+# the GIL; one that came back from it while the interpreter finalizes would be ended by pthread_exit,
+# whose unwinding through the C++ frames terminates the process (SIGABRT). So at exit, before
+# finalizing, every such thread is stopped (atexit runs before daemon threads are cut off). An engine
+# joins the set when it starts the thread; one closed meanwhile has stopped its own.
+_handoff_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_handoffs_at_exit() -> None:
+    for engine in list(_handoff_engines):
+        engine._stop_handoffs()
 
 
 def _split_address(address: Address) -> tuple[str, int]:

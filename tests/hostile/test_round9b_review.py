@@ -309,8 +309,6 @@ def test_handoff_frames_and_offer_reads_before_any_offer_exists(peers: Callable[
 
 
 @only("cpu-tcp")
-@pytest.mark.xfail(strict=True, reason="round 9b: a process that exits (no engine.close()) while the pdlink-handoffs "
-                   "thread returns from take_finalized_offers dies of SIGABRT (std::terminate)")
 def test_a_process_that_exits_right_after_an_offer_is_released_exits_cleanly(variant: Variant) -> None:
     """An application that made an offer and exits without ``engine.close()`` just after the offer
     is released (here by its own abort; a peer's abort, a commit or a link's death wake the handoff
