@@ -6,6 +6,7 @@
 
 #include "core/limits.h"
 #include "transport/link.h"
+#include "transport/wire.h"
 
 namespace pdlink {
 
@@ -85,6 +86,9 @@ Result<OfferTicket> OfferTable::offer(std::shared_ptr<CacheEntry> cache, std::ve
   if (request_id.size() > limits::kMaxHandoffRequestIdBytes) {
     return Status(Code::kParamInvalid,
                   "a request id has at most " + std::to_string(limits::kMaxHandoffRequestIdBytes) + " bytes");
+  }
+  if (!wire::isUtf8(request_id.data(), request_id.size())) {
+    return Status(Code::kParamInvalid, "a request id is UTF-8 text (it reaches a peer's application as text)");
   }
   if (blocks.empty()) return Status(Code::kParamInvalid, "an offer needs at least one block");
   const uint64_t slots = cache->layout.num_slots;

@@ -481,8 +481,8 @@ class Engine:
     def batch(self, peer: int) -> BatchTransfer: ...
     # KV handoffs (engine/offers.h): records are tuples, pdlink.Engine wraps them.
     def offer(
-        self, cache_id: int, blocks: Sequence[int], request_id: str, lease_ms: int
-    ) -> tuple[int, int, int]: ...  # (offer id, generation, lease_ms)
+        self, cache_id: int, blocks: Sequence[int], request_id: str | bytes, lease_ms: int
+    ) -> tuple[int, int, int]: ...  # (offer id, generation, lease_ms); request_id: UTF-8 (bytes: as they are)
     def release_offer(self, offer_id: int) -> None: ...
     def claim(
         self,
@@ -490,14 +490,14 @@ class Engine:
         key: int,
         offer_id: int,
         generation: int,
-        request_id: str,
+        request_id: str | bytes,
         local_cache_id: int,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
         timeout_ms: int,
         cancel: CancelToken | None = None,
     ) -> None: ...
-    def abort(self, request_id: str, peer: int | None, reason: str, timeout_ms: int) -> None: ...
+    def abort(self, request_id: str | bytes, peer: int | None, reason: str | bytes, timeout_ms: int) -> None: ...
     def hold(self, peer: int, offers: Sequence[tuple[int, int]], timeout_ms: int) -> None: ...
     def take_released(self) -> list[tuple[int, str, str, int]]: ...  # (offer id, request id, reason, peer)
     def take_handoff_events(self) -> list[tuple[str, int, str, str]]: ...  # (kind, peer, request id, reason)

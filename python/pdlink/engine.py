@@ -966,7 +966,7 @@ class Engine:
         with self._handoff_lock:
             if self._handoff_stop:
                 raise ValueError("the engine is closed")
-            offer_id, generation, lease = self._native.offer(region.cache_id, block_list, str(request_id),
+            offer_id, generation, lease = self._native.offer(region.cache_id, block_list, _utf8(request_id),
                                                              lease_ms or 0)
             ticket = Ticket(cluster_id=self.cluster_id, address=self._address(), key=int(region.key),
                             tensors=region.tensors, block_size=region.block_size, length=region.length,
@@ -1026,7 +1026,7 @@ class Engine:
             (result,) = self._native.link([(ticket.cluster_id, ip, port)], self.options.connect_timeout_ms)
             if int(result.status) != LLMStatusCode.LLM_ALREADY_LINK:
                 result.check()
-        self._native.claim(ticket.cluster_id, ticket.key, ticket.offer_id, ticket.generation, ticket.request_id,
+        self._native.claim(ticket.cluster_id, ticket.key, ticket.offer_id, ticket.generation, _utf8(ticket.request_id),
                            local.cache_id, blocks, list(ticket.blocks), timeout_ms or 0, cancel)
 
     def abort(self, request_id: str, *, peer: int | None = None, reason: str = "",
@@ -1037,7 +1037,7 @@ class Engine:
         its claims of it from this engine fail with ``pdlink.OfferReleased``. ``reason``: at most
         256 bytes UTF-8. With ``peer``, that peer's failure raises."""
         timeout = self.options.timeout_ms if timeout_ms is None else timeout_ms
-        self._native.abort(str(request_id), peer, str(reason), timeout)
+        self._native.abort(_utf8(request_id), peer, _utf8(reason), timeout)
 
     def hold(self, tickets: Sequence[Ticket], *, timeout_ms: int | None = None) -> None:
         """A decoder's heartbeat: each ticket's offer gets its lease extended by its ``lease_ms`` and
@@ -1142,6 +1142,12 @@ _handoff_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 def _stop_handoffs_at_exit() -> None:
     for engine in list(_handoff_engines):
         engine._stop_handoffs()
+
+
+def _utf8(text: object) -> bytes:
+    """``str(text)`` as UTF-8, a lone surrogate kept as the bytes that encode it, which are not
+    UTF-8: the engine then refuses them with ``InvalidArgument`` like any other such bytes."""
+    return str(text).encode("utf-8", "surrogatepass")
 
 
 def _split_address(address: Address) -> tuple[str, int]:

@@ -124,8 +124,6 @@ def test_request_ids_from_the_application_cannot_make_released_or_handoff_events
 
 
 @only("cpu-tcp")
-@pytest.mark.xfail(strict=True, reason="round 9b: a request id or reason with a lone surrogate raises TypeError "
-                   "(pybind's 'incompatible function arguments'), not InvalidArgument as native_api.md says")
 def test_a_request_id_with_no_utf8_form_raises_invalid_argument(peers: Callable[..., Peer],
                                                                 variant: Variant) -> None:
     """native_api.md: "A request id and a reason are UTF-8 text (...; ``abort`` raises
