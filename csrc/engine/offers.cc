@@ -388,13 +388,38 @@ void OfferTable::peerAborted(const std::shared_ptr<Link>& link, uint64_t peer, c
   peer_share_[peer] += 1;
   source_share_[source] += 1;
   AbortKey key{link, request_id};
-  if (link && abort_set_.insert(key).second) {
-    aborts_.push_back(std::move(key));
-    if (aborts_.size() > max) {
-      abort_set_.erase(aborts_.front());
-      aborts_.pop_front();
-    }
+  if (link && abort_set_.count(key) == 0) rememberAbortLocked(std::move(key), source);
+}
+
+void OfferTable::rememberAbortLocked(AbortKey key, const std::string& source) {
+  const size_t max = std::max<size_t>(1, limits_.max_events);
+  const size_t share = std::max<size_t>(1, max / 4);
+  // What goes to make room, as for the events: past the link's share its oldest, past its source's
+  // share that source's oldest, past the bound the oldest of all; never another link's because of
+  // one link's flood.
+  auto forget = [&](auto pick) {
+    auto a = std::find_if(aborts_.begin(), aborts_.end(), pick);
+    if (a == aborts_.end()) a = aborts_.begin();
+    auto l = abort_link_share_.find(a->key.first);
+    if (l != abort_link_share_.end() && --l->second == 0) abort_link_share_.erase(l);
+    if (--abort_source_share_[a->source] == 0) abort_source_share_.erase(a->source);
+    abort_set_.erase(a->key);
+    aborts_.erase(a);
+  };
+  const std::weak_ptr<Link>& link = key.first;
+  auto link_it = abort_link_share_.find(link);
+  auto source_it = abort_source_share_.find(source);
+  if (link_it != abort_link_share_.end() && link_it->second >= share) {
+    forget([&](const RememberedAbort& a) { return !LinkLess()(a.key.first, link) && !LinkLess()(link, a.key.first); });
+  } else if (source_it != abort_source_share_.end() && source_it->second >= share) {
+    forget([&](const RememberedAbort& a) { return a.source == source; });
+  } else if (aborts_.size() >= max) {
+    forget([](const RememberedAbort&) { return true; });
   }
+  abort_link_share_[link] += 1;
+  abort_source_share_[source] += 1;
+  abort_set_.insert(key);
+  aborts_.push_back(RememberedAbort{std::move(key), source});
 }
 
 bool OfferTable::abortedBy(const std::shared_ptr<Link>& link, const std::string& request_id) const {

@@ -35,7 +35,8 @@
 //    each, so neither one peer (a cluster id, which a peer picks) nor the links of one source (where
 //    they come from, as for notifications: LinkManager::sourceOf, a dialled link its own source;
 //    detail::shareSource) can fill it: past its peer's share an event drops that peer's oldest, past
-//    its source's share that source's oldest. As many (link, request id) aborts remembered for claims.
+//    its source's share that source's oldest. As many (link, request id) aborts remembered for claims,
+//    with the same two shares (a link for a peer): a stranger's flood forgets only its own.
 // Threading: every method is thread-safe under one mutex (a leaf: nothing is called out of the table
 // with it held but the `on_change` hook, which is called without it).
 #pragma once
@@ -246,7 +247,8 @@ class OfferTable {
   std::map<uint64_t, size_t> peer_share_;       // events of one peer in peer_events_
   std::map<std::string, size_t> source_share_;  // events of one source in peer_events_
   // Remembered aborts, by the identity of the link they arrived on (owner order of its control
-  // block, which an expired weak_ptr keeps, so a later link never matches).
+  // block, which an expired weak_ptr keeps, so a later link never matches), oldest first, with
+  // each link's and each source's count in aborts_ (their shares).
   using AbortKey = std::pair<std::weak_ptr<Link>, std::string>;
   struct AbortLess {
     bool operator()(const AbortKey& a, const AbortKey& b) const {
@@ -255,8 +257,19 @@ class OfferTable {
       return a.second < b.second;
     }
   };
-  std::deque<AbortKey> aborts_;
+  struct LinkLess {
+    bool operator()(const std::weak_ptr<Link>& a, const std::weak_ptr<Link>& b) const { return a.owner_before(b); }
+  };
+  struct RememberedAbort {
+    AbortKey key;
+    std::string source;
+  };
+  std::deque<RememberedAbort> aborts_;
   std::set<AbortKey, AbortLess> abort_set_;
+  std::map<std::weak_ptr<Link>, size_t, LinkLess> abort_link_share_;
+  std::map<std::string, size_t> abort_source_share_;
+  // Under mu_: remembers `key` from `source` (not yet remembered), within the shares.
+  void rememberAbortLocked(AbortKey key, const std::string& source);
   // Under mu_: drops the oldest event `pick` selects (the first, when none matches) and counts it.
   template <typename Pick>
   void dropEventLocked(Pick pick);

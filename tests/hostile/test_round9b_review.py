@@ -324,12 +324,9 @@ def test_a_process_that_exits_right_after_an_offer_is_released_exits_cleanly(var
     assert codes == [(0, "")] * 12, codes
 
 
-FORGOTTEN = ("round 9b: remembered aborts are one FIFO of max_handoff_events for every link: a stranger's abort "
-             "flood makes the decoder forget the real prefill's abort, and the claim it should fail lands")
-
 
 @only("cpu-tcp")
-@pytest.mark.parametrize("noise", [0, pytest.param(64, marks=pytest.mark.xfail(strict=True, reason=FORGOTTEN))])
+@pytest.mark.parametrize("noise", [0, 64])
 def test_an_abort_flood_from_a_stranger_does_not_make_the_decoder_forget_the_prefills_abort(
         peers: Callable[..., Peer], variant: Variant, noise: int) -> None:
     """native_api.md: an abort "fails its claims of that request id over the link the abort arrived
