@@ -324,7 +324,6 @@ def test_a_process_that_exits_right_after_an_offer_is_released_exits_cleanly(var
     assert codes == [(0, "")] * 12, codes
 
 
-
 @only("cpu-tcp")
 @pytest.mark.parametrize("noise", [0, 64])
 def test_an_abort_flood_from_a_stranger_does_not_make_the_decoder_forget_the_prefills_abort(
