@@ -272,7 +272,9 @@ void defHandoffs(py::class_<Engine>& cls) {
              const std::vector<ReleasedOffer> taken = e.takeReleased();
              py::list out;
              for (const ReleasedOffer& r : taken) {
-               out.append(py::make_tuple(r.offer_id, messageText(r.request_id), offerReasonName(r.reason), r.peer));
+               // peer: None for an offer never bound (a peer may link as any id, 0 included)
+               const py::object peer = r.bound ? py::object(py::int_(r.peer)) : py::object(py::none());
+               out.append(py::make_tuple(r.offer_id, messageText(r.request_id), offerReasonName(r.reason), peer));
              }
              return out;
            })

@@ -245,7 +245,7 @@ void OfferTable::finaliseLocked(std::unordered_map<uint64_t, Offer>::iterator it
     released_.pop_front();
     stats_.events_dropped += 1;
   }
-  released_.push_back(ReleasedOffer{it->first, o.request_id, o.reason, o.bound ? o.peer : 0});
+  released_.push_back(ReleasedOffer{it->first, o.request_id, o.reason, o.bound, o.bound ? o.peer : 0});
   finalized_.emplace_back(it->first, o.reason);
   offers_.erase(it);  // drops the cache reference
 }

@@ -95,6 +95,7 @@ struct ReleasedOffer {
   uint64_t offer_id = 0;
   std::string request_id;
   OfferReason reason = OfferReason::kNone;
+  bool bound = false;  // it was bound to a link, of cluster `peer` (any id a peer linked as, 0 included)
   uint64_t peer = 0;
 };
 

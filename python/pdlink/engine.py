@@ -480,11 +480,12 @@ class HandoffEvent:
     """A handoff event. From ``Engine.released()``: ``kind`` ``"released"``, an offer of this engine
     was released (``offer_id``, ``request_id``, ``reason``: ``"claimed"``, ``"expired"``,
     ``"aborted"``, ``"peer_aborted"``, ``"link_down"`` or ``"released"``; ``peer``: the cluster id
-    of the link it was bound to, 0 for none). From ``Engine.handoff_events()``: ``kind``
-    ``"aborted"``, peer ``peer`` aborted ``request_id`` with ``reason`` (``offer_id`` None)."""
+    of the link it was bound to, None when it was never bound). From ``Engine.handoff_events()``:
+    ``kind`` ``"aborted"``, peer ``peer`` aborted ``request_id`` with ``reason`` (``offer_id``
+    None)."""
 
     kind: str
-    peer: int
+    peer: int | None
     request_id: str
     reason: str
     offer_id: int | None = None
@@ -577,6 +578,7 @@ class Engine:
         self._handoff_lock = threading.Lock()
         self._handoff_thread: threading.Thread | None = None
         self._handoff_stop = False
+        self._claim_dialled: dict[int, str] = {}  # cluster id -> the ticket address a claim dialled it at
 
     # ------------------------------------------------------------------ lifetime
 
@@ -1014,20 +1016,44 @@ class Engine:
             raise ValueError(f"the ticket offers {len(ticket.blocks)} blocks, got {len(blocks)} local ones")
         if timeout_ms is not None and (type(timeout_ms) is not int or not 0 < timeout_ms < 2**31):
             raise ValueError(f"timeout_ms must be a positive int, got {timeout_ms!r}")
-        if ticket.address and not any(link.peer_cluster_id == ticket.cluster_id and not link.broken and
-                                      (link.initiator or link.authenticated or link.confirmed)
-                                      for link in self.links()):
-            # No link to the ticket's engine that proves it is that engine (one this engine dialled,
-            # one a link secret authenticated, one confirmed): an accepted link's cluster id is only
-            # a claim (docs/security.md, "Identities"), so dial the ticket's address. The engine
-            # there confirms a genuine accepted link (LLM_ALREADY_LINK: kept, and confirmed from
-            # then on) or the accepted one is an impostor's and is dropped for the dialled one.
-            ip, port = _split_address(ticket.address)
-            (result,) = self._native.link([(ticket.cluster_id, ip, port)], self.options.connect_timeout_ms)
-            if int(result.status) != LLMStatusCode.LLM_ALREADY_LINK:
-                result.check()
+        if ticket.address:
+            self._link_for_claim(ticket)
         self._native.claim(ticket.cluster_id, ticket.key, ticket.offer_id, ticket.generation, _utf8(ticket.request_id),
                            local.cache_id, blocks, list(ticket.blocks), timeout_ms or 0, cancel)
+
+    def _link_for_claim(self, ticket: Ticket) -> None:
+        """Makes sure a link that proves it reaches the ticket's engine is there (docs/security.md,
+        "KV handoffs": a ticket is the application's data, and a claim reads from the engine at the
+        address it names)."""
+        links = [link for link in self.links() if link.peer_cluster_id == ticket.cluster_id and not link.broken]
+        proven = [link for link in links if link.initiator or link.authenticated or link.confirmed]
+        with self._lock:
+            dialled_at = self._claim_dialled.get(ticket.cluster_id)
+        if proven and dialled_at not in (None, ticket.address) and not any(link.authenticated for link in proven):
+            # The link was dialled by a claim of a ticket that put this cluster id at another
+            # address: without a link secret a cluster id is only what the engine there said, so
+            # one of the two tickets is not that engine's. Use the address this ticket names.
+            logging.getLogger("pdlink").warning(
+                "cluster %d: the link a claim dialled at %s is dropped for this ticket's address %s",
+                ticket.cluster_id, dialled_at, ticket.address)
+            self._native.unlink([ticket.cluster_id], self.options.connect_timeout_ms, True)
+            proven = []
+        if proven:
+            return
+        # No link that proves it is the ticket's engine (one this engine dialled, one a link secret
+        # authenticated, one confirmed): an accepted link's cluster id is only a claim
+        # (docs/security.md, "Identities"), so dial the ticket's address. The engine there confirms
+        # a genuine accepted link (LLM_ALREADY_LINK: kept, and confirmed from then on) or the
+        # accepted one is an impostor's and is dropped for the dialled one.
+        ip, port = _split_address(ticket.address)
+        (result,) = self._native.link([(ticket.cluster_id, ip, port)], self.options.connect_timeout_ms)
+        if int(result.status) == LLMStatusCode.LLM_ALREADY_LINK:
+            return
+        result.check()
+        live = {link.peer_cluster_id for link in self.links() if link.initiator and not link.broken}
+        with self._lock:  # one entry per link this engine has, of those a claim dialled
+            self._claim_dialled = {c: a for c, a in self._claim_dialled.items() if c in live}
+            self._claim_dialled[ticket.cluster_id] = ticket.address
 
     def abort(self, request_id: str, *, peer: int | None = None, reason: str = "",
               timeout_ms: int | None = None) -> None:
@@ -1053,7 +1079,7 @@ class Engine:
     def released(self) -> list[HandoffEvent]:
         """Takes the records of this engine's offers released since the last call, oldest first
         (at most ``Limits.max_handoff_events`` kept: the oldest are dropped past it)."""
-        return [HandoffEvent("released", int(peer), rid, reason, int(oid))
+        return [HandoffEvent("released", None if peer is None else int(peer), rid, reason, int(oid))
                 for oid, rid, reason, peer in self._native.take_released()]
 
     def handoff_events(self) -> list[HandoffEvent]:
