@@ -168,27 +168,6 @@ def claim_outcome(ticket: Any, name: str, blocks: list[int], timeout_ms: int) ->
         return f"{type(e).__name__}"
 
 
-def rss_kib() -> int:
-    """This process's resident set, KiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def churn(port: int, first_cluster: int, count: int, frame: bytes) -> int:
-    """``count`` raw links, one after the other (cluster ids from ``first_cluster``), each sending
-    ``frame`` and closing once it is answered; how many were answered with status 0."""
-    ok = 0
-    for n in range(count):
-        i = link_from(port, first_cluster + n, hostile.ATTACKER_IP)
-        answer = round9.exchange(i, frame)
-        ok += isinstance(answer, tuple) and answer[0] == 0
-        round9.close(i)
-    return ok
-
-
 def claim_message(ticket: Any, name: str, blocks: list[int], timeout_ms: int) -> str:
     """The message of the exception ``engine.claim`` raises ("ok" when it does not)."""
     try:
