@@ -554,10 +554,11 @@ def test_report_records_of_a_raw_peers_link_are_what_the_doc_says(peers: Callabl
     seen = victim.call(round5.report_records)
     assert seen["stats"] == sorted(["live_links", "tombstones", "handshakes", "threads", "handshakes_refused",
                                     "handshakes_evicted", "listener_backoffs", "pins_expired", "notifications",
-                                    "notifications_refused"]), seen
+                                    "notifications_refused", "offers_live", "offers_released", "offers_expired",
+                                    "offers_aborted", "offer_bytes", "handoff_events_dropped"]), seen
     [link] = seen["links"]
     assert {"peer_cluster_id", "peer_address", "transport", "device_paths", "lanes", "authenticated",
-            "broken", "broken_reason"} <= set(link["fields"]), link
+            "broken", "broken_reason", "confirmed"} <= set(link["fields"]), link
     assert link["pickles_equal"] and link["hash_equal"] and not link["writable"] and link["cluster"] == 9, link
 
 

@@ -19,6 +19,7 @@ import pytest
 import internals
 import pdlink
 from backend_env import Variant, peer_env
+from conftest import only
 from pdlink import LLMException, LLMStatusCode
 from peer import Peer
 from peers import handoff, native
@@ -301,11 +302,21 @@ def test_an_abort_racing_a_claim_ends_in_one_of_the_documented_outcomes(two: Two
     assert (stats["offers_live"], stats["offer_bytes"]) == (0, 0), stats
 
 
+def _warm(two: Two) -> None:
+    """A claim of an offer of block 7 into the decoder's block 7: the link's data path is set up
+    (on ucx, its first transfer connects the path)."""
+    warm = two.prefill.call(handoff.offer, "warm", "src", [7], "req-warm")
+    check_transfer(two.src(), two.dst(), lambda: two.decode.call(handoff.claim, warm, "dst", [7]), rows([(7, 7)]))
+    _released(two.prefill, "warm", "claimed")
+
+
 def test_a_role_switch_drains_live_offers(two: Two) -> None:
     """A live offer holds a switch's drain: past its timeout the switch rolls back (LLM_TIMEOUT,
     nothing changed). While a switch drains, a new offer is refused with LLM_ROLE_SWITCHING, and a
-    claim of a live offer is served (the drain waits for it): claimed, the switch commits."""
+    claim of a live offer is served (the drain waits for it): claimed, the switch commits. (The
+    link has moved bytes before: see the next test for a ucx link that has not.)"""
     two.link()
+    _warm(two)
     ticket = two.prefill.call(handoff.offer, "o", "src", [0], "req-9")
     with pytest.raises(LLMException) as e:
         two.prefill.call(native.switch_role, "PROMPT", True, None, 200)
@@ -320,6 +331,26 @@ def test_a_role_switch_drains_live_offers(two: Two) -> None:
     check_transfer(two.src(), two.dst(), lambda: two.decode.call(handoff.claim, ticket, "dst", [3]), rows([(0, 3)]))
     outcome, _, _, after = two.prefill.call(native.switch_result, 60)
     assert (outcome, after["role"], after["epoch"], after["offers"]) == ("ok", "PROMPT", 1, 0)
+    _released(two.prefill, "o", "claimed")
+
+
+@only("cpu-ucx", "cpu-ucx-sm")
+def test_on_ucx_a_claim_that_would_set_up_the_path_is_refused_while_draining(two: Two) -> None:
+    """Documented (docs/native_api.md, "Handoffs"): a ucx link's first transfer connects its path (a
+    path connect, which a draining engine refuses like any new setup), so a claim that is a fresh
+    link's first transfer fails with LLM_ROLE_SWITCHING while the prefill drains, landing nothing;
+    the offer stays live (the switch then rolls back at its timeout), and once the switch is over
+    the same claim lands."""
+    two.link()
+    ticket = two.prefill.call(handoff.offer, "o", "src", [0], "req-11")
+    two.prefill.call(native.switch_role_async, "PROMPT", drain_timeout_ms=1500)
+    wait_until(lambda: two.prefill.call(native.role_state)["phase"] == "draining", 10, "the switch draining")
+    with pytest.raises(LLMException) as e:
+        check_transfer(two.src(), two.dst(), lambda: two.decode.call(handoff.claim, ticket, "dst", [3]), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_ROLE_SWITCHING, str(e.value)
+    outcome, code, _, after = two.prefill.call(native.switch_result, 60)
+    assert (outcome, code, after["role"], after["offers"]) == ("TransferTimeout", LLMStatusCode.LLM_TIMEOUT, "MIX", 1)
+    check_transfer(two.src(), two.dst(), lambda: two.decode.call(handoff.claim, ticket, "dst", [3]), rows([(0, 3)]))
     _released(two.prefill, "o", "claimed")
 
 
