@@ -166,10 +166,13 @@ def race_verdict(tag: str, name: str, block: int, value: int) -> str:
             return f"claimed, but the destination is wrong: {wrong[:3]} (block values {np.unique(got)[:5]})"
         return "claimed"
     if code == "LLM_OFFER_RELEASED":
+        # unchanged first: the block may hold this value already (an earlier claim of the same
+        # block and value), and then nothing tells the two apart; "refused" is true either way
+        if not differences(after, before):
+            return "refused"
         if not differences(after, expected):
             return "refused, landed"
-        wrong = differences(after, before)
-        return "refused" if not wrong else f"refused, but the destination changed: {wrong[:3]}"
+        return f"refused, but the destination changed: {differences(after, before)[:3]}"
     return f"{status} {code}"
 
 
