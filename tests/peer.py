@@ -1,7 +1,15 @@
 """Real peer processes for cross-process tests.
 
-A ``Peer`` is a separate Python process (multiprocessing "spawn": nothing is inherited but
-``sys.path`` and the environment). A test calls module-level functions in it::
+A ``Peer`` is a separate Python process that inherits nothing but ``sys.path``, the environment
+and the modules every peer imports. It is forked by multiprocessing's fork server, which imports
+those modules (numpy, pdlink, the drop-ins, ``tests/peers/kv.py``) once per test process: a peer
+then starts in milliseconds, where a fresh interpreter took 0.4 s of CPU importing them, times
+thousands of peers a run. The fork server is a fresh interpreter itself, kept single-threaded (so
+a fork copies no lock held by another thread), and never makes an engine or logs: what pdlink
+reads from the environment it reads when an engine starts, in the peer, after the peer has taken
+the environment it was given. A new interpreter ("spawn") starts a peer on an emulated host or in
+a pid namespace of its own (through its wrapper), one given a variable that only a starting process
+reads (``_START_VARIABLES``), and one asked ``fresh``. A test calls module-level functions in it::
 
     from peers import kv
     port = prefill.call(kv.start, "prompt", 1, listen=True)
@@ -11,7 +19,7 @@ The function travels by reference (its module and name), so it must live in an i
 peer-side code goes in ``tests/peers/*.py``, where ruff and mypy check it like the rest. Arguments and
 results are pickled. An exception raised in the peer is raised again in the test, with its type
 (``LLMException`` keeps ``status_code``) and the peer's traceback chained as its cause. Every call
-is bounded (30 s by default, ``call_within`` for another bound): a hung peer fails the test, it never
+is bounded (60 s by default, ``call_within`` for another bound): a hung peer fails the test, it never
 hangs it; the peer is killed then, since its state is unknown. Teardown kills the peer by pid.
 
 State that must outlive one call (the engine, caches, worker threads) lives in the peer module's
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import os
@@ -37,7 +46,15 @@ from typing import Any, TypeVar
 
 from poll import wait_until
 
-_CTX = mp.get_context("spawn")
+_SPAWN = mp.get_context("spawn")
+_FORKSERVER = mp.get_context("forkserver")
+# What every peer imports, imported once by the fork server (a module that fails to import there is
+# left out, and imported by each peer that needs it, as before).
+_PRELOAD = ["numpy", "pdlink", "llm_datadist", "hixl", "internals", "peers.kv"]
+_FORKSERVER_STARTED: list[bool] = []
+# Variables read when a process starts (the dynamic loader's, the interpreter's, the sanitizer
+# runtimes', the allocator's): a fork would not take them, so a peer given one is spawned.
+_START_VARIABLES = ("LD_", "PYTHON", "ASAN_", "TSAN_", "UBSAN_", "LSAN_", "MALLOC_", "GLIBC_TUNABLES", "OPENBLAS_")
 # A hang guard, never a measure: a peer that does not answer a call within it is killed. 60 s, so
 # that a call that fills hundreds of MiB still answers on a 2-core machine under other load (30 s did
 # not, beside three other jobs).
@@ -140,7 +157,31 @@ def _subclass_escaped(fn: Any, e: BaseException) -> AssertionError | None:
     return None
 
 
-def _main(conn: Any) -> None:
+def _start_forkserver() -> None:
+    """Starts this process's fork server once, with the peers' modules imported and OpenBLAS (which
+    numpy loads) held to the calling thread: a fork server with a second thread would copy its
+    state half-way (and ThreadSanitizer refuses threads in a child of a multi-threaded fork)."""
+    if _FORKSERVER_STARTED:
+        return
+    _FORKSERVER.set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # the fork server's own environment, copied at its start
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = saved
+    _FORKSERVER_STARTED.append(True)
+
+
+def _main(conn: Any, environ: dict[str, str] | None = None) -> None:
+    """A peer's loop: calls until the pipe closes. ``environ``: the environment to take first (a
+    forked peer's: the fork server's own is that of the test process when it started)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     while True:
         try:
             fn, args, kwargs = conn.recv()
@@ -164,7 +205,7 @@ class Peer:
     """One peer process; ``close()`` (or the ``peers`` fixture's teardown) kills it."""
 
     def __init__(self, name: str = "peer", env: Mapping[str, str | None] | None = None, pid_namespace: bool = False,
-                 executable: str | None = None):
+                 executable: str | None = None, fresh: bool = False):
         """``env``: variables the peer gets on top of this process's environment; a value of None
         leaves that variable out of the peer's environment. ``pid_namespace``: the peer runs in a
         pid namespace of its own (needs ``pid_namespace_error() is None``): the kernel cannot
@@ -172,13 +213,29 @@ class Peer:
         ``pid`` is then that of the wrapper, whose death kills the peer. ``executable``: runs the
         interpreter through that wrapper instead (``pdlink.testing.hosts.Host.python``: the peer
         runs on an emulated host); ``pid`` is then the interpreter's own, found below the wrapper,
-        and killing the wrapper kills it."""
+        and killing the wrapper kills it. ``fresh``: a new interpreter (spawn) rather than a fork of
+        the fork server, for a peer whose address space must be laid out unlike the others' (an
+        attacker whose memory must not map the victim's addresses); a peer given a variable that
+        takes effect only when a process starts (``_START_VARIABLES``) is started fresh too."""
         self.name = name
-        parent, child = _CTX.Pipe()
+        parent, child = _SPAWN.Pipe()
         self._conn = parent
         self._broken: str | None = None
         self._wrapped = executable is not None
         self._interpreter: int | None = None
+        if not (fresh or pid_namespace or executable or any(k.startswith(_START_VARIABLES) for k in env or {})):
+            environ = dict(os.environ)
+            for k, v in (env or {}).items():
+                if v is None:
+                    environ.pop(k, None)
+                else:
+                    environ[k] = v
+            with _SPAWN_LOCK:
+                _start_forkserver()
+            self.proc: Any = _FORKSERVER.Process(target=_main, args=(child, environ), name=name, daemon=True)
+            self.proc.start()
+            child.close()
+            return
         saved: dict[str, str | None] = {}
         for k, v in (env or {}).items():  # spawn copies os.environ at start
             saved[k] = os.environ.get(k)
@@ -187,7 +244,7 @@ class Peer:
             else:
                 os.environ[k] = v
         try:
-            self.proc = _CTX.Process(target=_main, args=(child,), name=name, daemon=True)
+            self.proc = _SPAWN.Process(target=_main, args=(child,), name=name, daemon=True)
             with _SPAWN_LOCK:
                 spawn_exe = multiprocessing.spawn.get_executable()
                 if pid_namespace or executable:
@@ -221,7 +278,7 @@ class Peer:
     # ------------------------------------------------------------------ calls
 
     def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """``fn(*args, **kwargs)`` in the peer, bounded by 30 s; its result, or its exception."""
+        """``fn(*args, **kwargs)`` in the peer, bounded by DEFAULT_CALL_TIMEOUT (60 s); its result, or its exception."""
         return self.call_within(DEFAULT_CALL_TIMEOUT, fn, *args, **kwargs)
 
     def call_within(self, seconds: float, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:

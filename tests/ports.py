@@ -12,10 +12,13 @@ rather than impossible.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
 _rng = random.Random()
+# A peer forked from a process that imported this module must not draw its parent's ports.
+os.register_at_fork(after_in_child=_rng.seed)
 
 
 def _ephemeral_range() -> tuple[int, int]:

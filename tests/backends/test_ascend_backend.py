@@ -1,7 +1,8 @@
 """The Ascend backend's loader and backend on the fake vendor libraries (tests/fake_ascend).
 
-The loader runs once per process, so each case runs in a fresh peer process (a new interpreter,
-tests/peer.py) with its own environment, calling functions of tests/peers/ascend_backend.py.
+The loader runs once per process, so each case runs in a new peer process (tests/peer.py: none has
+run the loader before, the fork server included) with its own environment, calling functions of
+tests/peers/ascend_backend.py. LD_LIBRARY_PATH takes a fresh interpreter (peer.py does that).
 End-to-end transfers on this backend are the `[ascend]` cases of the shared suite.
 """
 

@@ -65,7 +65,10 @@ def victim(peers: Callable[..., Peer], variant: Variant) -> Peer:
 
 
 def start_attacker(peers: Callable[..., Peer], mode: str, redirect: bool = False, **params: object) -> tuple[Peer, int]:
-    a = peers("attacker")
+    """The attacker is a fresh interpreter, not a fork like the victim: its address space is laid
+    out as another program's, so the victim's addresses are not mapped in it (the same-host attacks
+    that name them rely on that, as a real attacker's would)."""
+    a = peers("attacker", fresh=True)
     return a, a.call(hostile.serve, mode, redirect, **params)
 
 

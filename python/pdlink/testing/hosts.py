@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -406,6 +407,7 @@ class Hosts:
         self._closed = False
         self._anchors: list[subprocess.Popen[str]] = []
         self._hosts: list[Host] = []
+        self._init_fds: list[int] = []  # a pidfd per host's init: close() waits on them
         self._wires: list[Wire] = [wire] * n
         self._down: set[int] = set()
         self._cut: set[frozenset[int]] = set()
@@ -484,6 +486,10 @@ class Hosts:
             stage = os.path.join(self.state_dir, f"h{i}")
             os.makedirs(stage, mode=0o755)
             pid, ino = self._start_anchor("host", stage)
+            # Opened while the anchor waits on its init (so the pid still names that init): the init
+            # dies by PR_SET_PDEATHSIG only some time after its anchor, so close() kills it directly
+            # and waits on this until it has exited with every process of the host.
+            self._init_fds.append(os.pidfd_open(pid))
             ip = f"198.18.0.{i + 1}"
             enter = os.path.join(self.state_dir, f"h{i}.enter")
             python = os.path.join(self.state_dir, f"h{i}.python")
@@ -714,21 +720,30 @@ class Hosts:
     def close(self) -> None:
         """Tear everything down: every process of every host killed (the kernel kills a pid
         namespace with its init), the switch and every link gone, the state directory removed.
-        Idempotent; returns when the anchors are reaped."""
+        Idempotent; returns when the anchors are reaped and every host's init has exited (at most
+        30 s)."""
         if self._closed:
             return
         self._closed = True
         if self._relay is not None:
             self._relay.close()
+        for fd in self._init_fds:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
         for a in self._anchors:
             with contextlib.suppress(OSError):
                 a.kill()
+        deadline = time.monotonic() + 30
         for a in self._anchors:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                a.wait(30)
+                a.wait(max(0.0, deadline - time.monotonic()))
             for stream in (a.stdout, a.stderr):
                 if stream is not None:
                     stream.close()
+        for fd in self._init_fds:  # readable once that init has exited (its host's processes with it)
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            os.close(fd)
+        self._init_fds.clear()
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def __del__(self) -> None:
