@@ -23,6 +23,26 @@ def test_a_call_runs_in_the_peer_and_returns_its_result(peers: Callable[..., Pee
     assert pid == p.pid != __import__("os").getpid()
 
 
+def test_peers_are_forks_of_one_fork_server_with_their_own_environment_unless_asked_fresh(
+        peers: Callable[..., Peer]) -> None:
+    import os
+
+    names = ["PDL_SELFTEST", "HOME"]
+    a = peers("a", env={"PDL_SELFTEST": "a", "HOME": None})
+    b = peers("b")
+    c = peers("c", fresh=True)
+    ia, ib, ic = (p.call(selftest.identity, names) for p in (a, b, c))
+    # a fork takes the environment it is given (set, or left out by None), as a new interpreter does
+    assert ia["env"] == {"PDL_SELFTEST": "a", "HOME": None}
+    assert ib["env"] == {"PDL_SELFTEST": None, "HOME": os.environ.get("HOME")} == ic["env"]
+    # forks of one fork server (not of this process), with its modules where it put them; the
+    # fresh peer is this process's own child
+    assert ia["ppid"] == ib["ppid"] != os.getpid() and ic["ppid"] == os.getpid()
+    assert ia["numpy_at"] == ib["numpy_at"]
+    # each fork draws its own ports (tests/ports.py reseeds its generator in a fork)
+    assert len({tuple(ia["ports"]), tuple(ib["ports"]), tuple(ic["ports"])}) == 3
+
+
 def test_a_peer_exception_keeps_its_type_code_and_traceback(peers: Callable[..., Peer]) -> None:
     p = peers("p")
     with pytest.raises(LLMException) as e:

@@ -27,3 +27,18 @@ def block() -> None:
 
 def die(code: int) -> None:
     os._exit(code)
+
+
+def identity(names: list[str]) -> dict[str, Any]:
+    """What tells a forked peer from a new interpreter: its parent, the address of a module the
+    fork server imported, four ports drawn by tests/ports.py, the given variables."""
+    import numpy
+
+    import ports
+
+    return {
+        "ppid": os.getppid(),
+        "numpy_at": id(numpy),
+        "ports": ports.free_ports(4),
+        "env": {name: os.environ.get(name) for name in names},
+    }
