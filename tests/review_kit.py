@@ -12,7 +12,9 @@ from typing import Any
 import rawwire
 from conftest import Pair
 from peer import Peer
-from peers import hostile, kv, native
+from peers import handoff, hostile, kv, native
+from poll import wait_until
+from verify import check_transfer, rows
 
 SHAPE = (16, 4096)
 ROOT_INFO = 4108  # an HCCL root info
@@ -106,3 +108,16 @@ def after(victim: Pair, secret: list[bytes], blocks: int = 3) -> None:
     """The victim still serves its honest decoder; its unregistered secret is unchanged."""
     victim.pulled([blocks])
     assert victim.prefill.call(kv.secrets) == secret
+
+
+def claim_lands(prefill: Peer, decoder: Peer, ticket: Any, offer: str = "o") -> None:
+    """The decoder claims ``ticket``, an offer of block 1 of the prefill's region "big", into block 3
+    of its region "dst": the offer is released "claimed", block 3 holds the source's block and the
+    rest of both regions is unchanged."""
+    def claim() -> None:
+        decoder.call(handoff.claim, ticket, "dst", [3])
+        wait_until(lambda: prefill.call(handoff.state, offer)[0], 10, "the offer released by the claim")
+
+    check_transfer(lambda: prefill.call(native.snapshot, "big"), lambda: decoder.call(native.snapshot, "dst"), claim,
+                   rows([(1, 3)]))
+    assert prefill.call(handoff.state, offer) == (True, "claimed")

@@ -16,7 +16,7 @@ from pdlink import LLMStatusCode
 from peer import Peer
 from peers import handoff, hostile, native, round9
 from poll import wait_until
-from review_kit import PING, listening_victim
+from review_kit import PING, claim_lands, listening_victim
 from verify import assert_same
 
 S = LLMStatusCode
@@ -275,9 +275,7 @@ def test_an_abort_under_the_prefills_cluster_id_from_a_stranger_does_not_fail_th
     a = peers("attacker")
     a.call(round9.link, dport, 1, None)
     assert a.call(round9.exchange, 0, _abort(b"req", b"spoofed")) == (0, "", b"")
-    decoder.call(handoff.claim, ticket, "dst", [3])
-    wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the claim")
-    assert prefill.call(handoff.state, "o") == (True, "claimed")
+    claim_lands(prefill, decoder, ticket)
 
 
 @only("cpu-tcp")
@@ -487,11 +485,7 @@ def test_with_a_link_secret_a_stranger_cannot_link_as_the_bound_decoder(peers: C
         status, message = stranger.call(hostile.link_raw, port, 9, secret, None)
         assert status != 0, (secret, message)
     assert victim.call(handoff.state, "o") == (False, None)
-    decoder.call(handoff.claim, ticket, "dst", [3])
-    wait_until(lambda: victim.call(handoff.state, "o")[0], 10, "the offer released by the decoder's claim")
-    assert victim.call(handoff.state, "o") == (True, "claimed")
-    src, dst = victim.call(native.snapshot, "big"), decoder.call(native.snapshot, "dst")
-    assert bytes(dst.tensor(0)[3 * ROW:4 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW])
+    claim_lands(victim, decoder, ticket)
 
 
 @only("cpu-tcp")

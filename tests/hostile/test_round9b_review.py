@@ -18,7 +18,7 @@ from pdlink import LLMStatusCode
 from peer import Peer
 from peers import handoff, hostile, native, round9, round9b
 from poll import wait_until
-from review_kit import PING, listening_victim
+from review_kit import PING, claim_lands, listening_victim
 from verify import assert_same
 
 ROWS, ROW, KEY = 8, 256, 7
@@ -205,11 +205,7 @@ def test_a_stranger_squatting_the_prefills_id_before_the_prefill_dials_neither_f
     i = a.call(round9b.link_from, dport, 1, hostile.ATTACKER_IP)
     assert a.call(round9.exchange, i, _abort(b"req", b"spoofed")) == (0, "", b"")
     prefill.call(native.connect, dport, 2)
-    decoder.call(handoff.claim, ticket, "dst", [3])
-    wait_until(lambda: prefill.call(handoff.state, "o")[0], 10, "the offer released by the claim")
-    assert prefill.call(handoff.state, "o") == (True, "claimed")
-    src, dst = prefill.call(native.snapshot, "big"), decoder.call(native.snapshot, "dst")
-    assert bytes(dst.tensor(0)[3 * ROW:4 * ROW]) == bytes(src.tensor(0)[ROW:2 * ROW])
+    claim_lands(prefill, decoder, ticket)
 
 
 @only("cpu-tcp")
