@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer runs; exits non-zero on any finding (a sanitizer report from any process, or a failing
-# test). Its parts on 2 cores, 2026-12-06 (docs/reliability.md): the ASan suite 10 minutes, the
-# TSan suite 5, each in two pytest workers with peers forked from a fork server (tests/peer.py);
+# test). Its parts on 2 cores, 2026-12-06 (docs/reliability.md): the ASan suite 7 minutes, the
+# TSan suite 4, each in two pytest workers with peers forked from a fork server (tests/peer.py);
 # the two sanitized pip builds (the core at -O1, the bindings at -O0: CMakeLists.txt) and the C++
 # programs the rest.
 # Uses GCC's sanitizer runtimes (they come with g++); builds go under build/ci/.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The UCX job (docs/ucx.md), in the CI virtualenv (.ci/run activates it). About 8 minutes.
+# The UCX job (docs/ucx.md), in the CI virtualenv (.ci/run activates it). About 6 minutes.
 #  1. Installs what pdlink's ucx extra installs (the libucx-cu12 wheel: libucp and its transports).
 #  2. ucx_abi_check: transport/ucx/ucp_min.h compiled against the wheel's own UCX headers (every
 #     constant and field offset pdlink declares must equal UCX's).
@@ -9,7 +9,7 @@
 #     (sm alone names no network transport: an engine refuses it), `--require ucx` (a library that
 #     does not load is a failure there too); about a second each.
 #  4. pdlink version finds the wheel; then every test that names ucx, the shared suite's cpu-ucx and
-#     cpu-ucx-sm cells among them (about 7 minutes).
+#     cpu-ucx-sm cells among them (about 5 minutes).
 # The sanitizer runs leave UCX out: libucp is not instrumented, and its memory hooks (UCX_MEM_EVENTS)
 # interpose on the allocator the sanitizers replace.
 set -euo pipefail
