@@ -3,6 +3,7 @@ polling. If these helpers lied, every test built on them would."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -20,13 +21,11 @@ def test_a_call_runs_in_the_peer_and_returns_its_result(peers: Callable[..., Pee
     p = peers("p")
     args, kwargs, pid = p.call(selftest.echo, 1, [2, 3], key=b"\x00\xff")
     assert (args, kwargs) == ((1, [2, 3]), {"key": b"\x00\xff"})
-    assert pid == p.pid != __import__("os").getpid()
+    assert pid == p.pid != os.getpid()
 
 
 def test_peers_are_forks_of_one_fork_server_with_their_own_environment_unless_asked_fresh(
         peers: Callable[..., Peer]) -> None:
-    import os
-
     names = ["PDL_SELFTEST", "HOME"]
     a = peers("a", env={"PDL_SELFTEST": "a", "HOME": None})
     b = peers("b")
