@@ -243,14 +243,45 @@ def test_a_cancelled_claim_leaves_the_offer_claimable_again(peers: Callable[...,
     assert cancelled == 1, "no claim was cancelled before its last request in 5 attempts"
 
 
+def _claim_seconds(two: Two, n: int = 5) -> float:
+    """The median time a claim of one block takes on this (warm) link, as the test sees it (the
+    call to the decoder included): the scale of the window a race's two sides are placed in."""
+    took = []
+    for k in range(n):
+        ticket = two.prefill.call(handoff.offer, f"time{k}", "src", [k % ROWS], f"time-{k}")
+        start = time.monotonic()
+        two.decode.call(handoff.claim, ticket, "dst", [k % ROWS])
+        took.append(time.monotonic() - start)
+        _released(two.prefill, f"time{k}", "claimed")
+    return sorted(took)[n // 2]
+
+
+# How a race's two sides are placed: iteration i puts the prefill's side (a release, an abort) at
+# an offset from the start of the decoder's claim that sweeps RACE_STEPS points from -RACE_SPREAD to
+# +RACE_SPREAD claim times (delaying the claim for a negative offset, the other side for a positive
+# one), so on a fast machine or a sanitized one some come well before the claim, some cross it and
+# some come after it.
+RACE_STEPS = 11
+RACE_SPREAD = 2.0
+
+
+def _race_delays(two: Two, iterations: int) -> Iterator[tuple[float, float]]:
+    """(the claim's delay, the other side's delay) of each iteration, on a linked and warm pair."""
+    window = _claim_seconds(two) * RACE_SPREAD
+    for i in range(iterations):
+        offset = window * (2 * (i % RACE_STEPS) / (RACE_STEPS - 1) - 1)
+        yield max(0.0, -offset), max(0.0, offset)
+
+
 def _race(two: Two, iterations: int) -> None:
     two.link()
+    _warm(two)
     verdicts: dict[str, int] = {}
-    for i in range(iterations):
+    for i, (claim_delay, release_delay) in enumerate(_race_delays(two, iterations)):
         block, value, tag = i % ROWS, i % 200 + 1, f"r{i}"
         ticket = two.prefill.call(handoff.race_offer, tag, "src", block, value, f"race-{i}")
-        two.decode.call(handoff.race_claim, tag, ticket, "dst", block)
-        two.prefill.call(handoff.race_release_and_reuse, tag, "src", block, REUSE)
+        two.decode.call(handoff.race_claim, tag, ticket, "dst", block, claim_delay)
+        two.prefill.call(handoff.race_release_and_reuse, tag, "src", block, REUSE, release_delay)
         verdict = two.decode.call(handoff.race_verdict, tag, "dst", block, value)
         assert verdict in ("claimed", "refused"), f"iteration {i}: {verdict} (so far {verdicts})"
         verdicts[verdict] = verdicts.get(verdict, 0) + 1
@@ -283,16 +314,17 @@ ABORT_RACE_OUTCOMES = {("claimed", "claimed"), ("refused", "aborted"), ("claimed
 
 def test_an_abort_racing_a_claim_ends_in_one_of_the_documented_outcomes(two: Two) -> None:
     """The prefill aborts a request while the decoder's claim of it runs, ``ABORT_RACE_ITERATIONS``
-    times: each time the pair of outcomes is one of ``ABORT_RACE_OUTCOMES``; a claim that fails
-    leaves the destination as it was or as a claim leaves it (the offer's bytes), never anything
-    else; nothing stays live."""
+    times, the aborts spread over a claim's run: each time the pair of outcomes is one of
+    ``ABORT_RACE_OUTCOMES``; a claim that fails leaves the destination as it was or as a claim
+    leaves it (the offer's bytes), never anything else; nothing stays live."""
     two.link()
+    _warm(two)
     seen: dict[tuple[str, str], int] = {}
-    for i in range(ABORT_RACE_ITERATIONS):
+    for i, (claim_delay, abort_delay) in enumerate(_race_delays(two, ABORT_RACE_ITERATIONS)):
         block, value, tag = i % ROWS, i % 200 + 1, f"a{i}"
         ticket = two.prefill.call(handoff.race_offer, tag, "src", block, value, f"abort-race-{i}")
-        two.decode.call(handoff.race_claim, tag, ticket, "dst", block)
-        reason = two.prefill.call(handoff.race_abort, tag, f"abort-race-{i}")
+        two.decode.call(handoff.race_claim, tag, ticket, "dst", block, claim_delay)
+        reason = two.prefill.call(handoff.race_abort, tag, f"abort-race-{i}", abort_delay)
         verdict = two.decode.call(handoff.race_verdict, tag, "dst", block, value)
         assert (verdict, reason) in ABORT_RACE_OUTCOMES, f"iteration {i}: {(verdict, reason)} (so far {seen})"
         seen[(verdict, reason)] = seen.get((verdict, reason), 0) + 1

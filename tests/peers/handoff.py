@@ -12,6 +12,7 @@ Offers are kept by a tag; errors raise in the test (``Peer.call``) with their st
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from peers import native
 from peers.memory import device_memory_is_remote, direct_read, direct_write
 from verify import differences
 
-_state: dict[str, Any] = {"offers": {}, "pending": {}, "holding": None, "before": {}}
+_state: dict[str, Any] = {"offers": {}, "pending": {}, "holding": None, "before": {}, "starting": {}}
 
 
 def _region(name: str) -> pdlink.Region:
@@ -133,20 +134,28 @@ def race_offer(tag: str, name: str, block: int, value: int, request_id: str) -> 
     return offer(tag, name, [block], request_id)
 
 
-def race_release_and_reuse(tag: str, name: str, block: int, reuse: int) -> str:
-    """Releases offer ``tag`` (unless a claim already did), waits until it is released, then
-    reuses its block at once: writes ``reuse`` over it. Its reason."""
+def race_release_and_reuse(tag: str, name: str, block: int, reuse: int, delay_s: float = 0.0) -> str:
+    """``delay_s`` after the call arrives, releases offer ``tag`` (unless a claim already did), waits
+    until it is released, then reuses its block at once: writes ``reuse`` over it. Its reason."""
     made = _state["offers"].pop(tag)
+    time.sleep(delay_s)  # places the release within a claim's run (a schedule, not a wait for a condition)
     made.release()
     assert made.wait(30), "the offer was not released within 30 s"
     _fill(name, block, reuse)
     return str(made.reason)
 
 
-def race_claim(tag: str, ticket: pdlink.Ticket, name: str, block: int) -> None:
-    """Snapshots region ``name`` whole, then claims ``ticket`` into ``block`` on a thread."""
+def race_claim(tag: str, ticket: pdlink.Ticket, name: str, block: int, delay_s: float = 0.0) -> None:
+    """Snapshots region ``name`` whole, then returns; ``delay_s`` later (a schedule, not a wait for
+    a condition) a thread starts the claim of ``ticket`` into ``block`` (``race_verdict`` waits)."""
     _state["before"][tag] = native.snapshot(name)
-    claim_async(tag, ticket, name, [block])
+
+    def start() -> None:
+        time.sleep(delay_s)
+        claim_async(tag, ticket, name, [block])
+
+    _state["starting"][tag] = threading.Thread(target=start, name=f"race-claim-{tag}")
+    _state["starting"][tag].start()
 
 
 def race_verdict(tag: str, name: str, block: int, value: int) -> str:
@@ -154,6 +163,7 @@ def race_verdict(tag: str, name: str, block: int, value: int) -> str:
     which holds ``value`` in every byte), "refused" (it failed with LLM_OFFER_RELEASED and the
     region is unchanged), "refused, landed" (it failed with LLM_OFFER_RELEASED and the region is as
     a claim leaves it: an abort that arrived after the last read was served), or what went wrong."""
+    _state["starting"].pop(tag).join()
     status, code = finish(tag)
     before = _state["before"].pop(tag)
     after = native.snapshot(name)
@@ -176,10 +186,11 @@ def race_verdict(tag: str, name: str, block: int, value: int) -> str:
     return f"{status} {code}"
 
 
-def race_abort(tag: str, request_id: str) -> str:
-    """Aborts ``request_id`` (this engine's offer ``tag`` of it, and every linked peer is told),
-    waits until the offer is released; its reason."""
+def race_abort(tag: str, request_id: str, delay_s: float = 0.0) -> str:
+    """``delay_s`` after the call arrives, aborts ``request_id`` (this engine's offer ``tag`` of it,
+    and every linked peer is told), waits until the offer is released; its reason."""
     made = _state["offers"].pop(tag)
+    time.sleep(delay_s)  # places the abort within a claim's run (a schedule, not a wait for a condition)
     abort(request_id)
     assert made.wait(30), "the offer was not released within 30 s"
     return str(made.reason)
