@@ -1,0 +1,274 @@
+"""KV geometry and the tensor-parallel plan: which prefill ranks a decode rank reads, and which
+bytes of each block (docs/native_api.md, "Different TP and block sizes").
+
+Pure Python: no engine, no native module. A ``KvGeometry`` describes one rank's KV cache (one
+tensor per layer and K/V, each a run of equal blocks); ``check_pair`` says whether a decode rank's
+geometry can be filled from a prefill rank's (a ``GeometryMismatch`` naming the field if not);
+``tp_plan`` returns, for one decode rank, the reads that fill each of its blocks::
+
+    from pdlink import kv
+    prefill = [kv.KvGeometry("HND", kv_heads=8, head_size=128, dtype="bfloat16", block_tokens=16,
+                             tp_size=2, tp_rank=r) for r in range(2)]
+    decode = kv.KvGeometry("HND", kv_heads=8, head_size=128, dtype="bfloat16", block_tokens=16)
+    plan = kv.tp_plan(decode, prefill)          # TP 2 -> 1: heads 0-3 from rank 0, 4-7 from rank 1
+    for read in plan.reads:                     # per local block b, from remote block
+        ...                                     # plan.block_ratio * b + read.sub_block
+
+A read pairs a ``Row`` of the remote block with a ``Row`` of the local block, piece by piece: a row
+is ``count`` pieces of ``length`` bytes, each ``stride`` bytes after the previous, at ``offset``
+from the block's start (the strided descriptors of ``Engine.read``). The reads of a plan cover
+every byte of a local block exactly once. The rules are vLLM's (NixlConnector): a decode rank at
+least as wide as the prefill's reads one rank (``tp_rank * remote_tp // tp``); a narrower one reads
+the ranks holding its heads, and where KV heads are fewer than the prefill's TP size (heads
+replicated over ranks) it reads each head once and skips the duplicates; MLA caches (replicated
+whole on every rank) are read from one rank; a head slice needs head-major (HND) blocks, since in
+token-major (NHD) blocks it is one piece per token, which a caller must ask for (``per_token``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .status import InvalidArgument, LLMStatusCode
+
+__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "tp_plan"]
+
+# Block layouts: head-major blocks [heads, tokens, head_size]; token-major blocks [tokens, heads,
+# head_size]; MLA blocks [tokens, head_size] (one latent head, the whole of it on every rank).
+LAYOUTS = ("HND", "NHD", "MLA")
+
+# Element sizes by dtype name (the names torch and numpy use; bfloat16 and the fp8 types are not
+# numpy's, which is why this is a table and not numpy.dtype).
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int32": 4, "int16": 2,
+}
+
+
+class GeometryMismatch(InvalidArgument):
+    """Two geometries that cannot be mapped onto each other (``LLM_PARAM_INVALID``); ``field`` names
+    the ``KvGeometry`` field that differs."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"KV geometry mismatch in {field!r}: {detail}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        self.field = field
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[GeometryMismatch], tuple[str, str]]:
+        return (GeometryMismatch, (self.field, self.detail))
+
+
+def _invalid(field: str, message: str) -> InvalidArgument:
+    return InvalidArgument(f"KvGeometry.{field}: {message}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """One rank's KV cache. ``kv_heads`` is the model's number of KV heads in all (1 for MLA);
+    ``head_size`` the elements per head (MLA: the latent width); ``dtype`` a name from
+    ``_ITEMSIZE`` (``"bfloat16"``, ``"float16"``, ...); ``block_tokens`` the tokens per block;
+    ``layers`` and ``kv`` (tensors per layer: 2 for K and V, 1 for MLA) count the block tensors.
+    Invalid values raise ``InvalidArgument`` naming the field."""
+
+    layout: str
+    kv_heads: int
+    head_size: int
+    dtype: str
+    block_tokens: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    layers: int = 1
+    kv: int = 2
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise _invalid("layout", f"{self.layout!r} is not one of {LAYOUTS}")
+        if self.dtype not in _ITEMSIZE:
+            raise _invalid("dtype", f"{self.dtype!r} is not one of {sorted(_ITEMSIZE)}")
+        for name in ("kv_heads", "head_size", "block_tokens", "tp_size", "layers", "kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _invalid(name, f"must be a positive int, not {value!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise _invalid("tp_rank", f"{self.tp_rank!r} is not in [0, tp_size={self.tp_size})")
+        if self.layout == "MLA" and (self.kv_heads != 1 or self.kv != 1):
+            raise _invalid("kv_heads", "an MLA cache has one latent head and one tensor per layer (kv_heads=1, kv=1)")
+        if self.layout != "MLA" and self.kv_heads % self.tp_size and self.tp_size % self.kv_heads:
+            raise _invalid("tp_size", f"{self.tp_size} ranks cannot share {self.kv_heads} KV heads evenly")
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def heads(self) -> int:
+        """KV heads this rank holds (one, replicated, where the model has fewer than ``tp_size``)."""
+        return 1 if self.layout == "MLA" else max(1, self.kv_heads // self.tp_size)
+
+    @property
+    def first_head(self) -> int:
+        """The model's index of this rank's first head."""
+        if self.layout == "MLA":
+            return 0
+        if self.kv_heads < self.tp_size:  # replicated: rank r holds head r * kv_heads // tp_size
+            return self.tp_rank * self.kv_heads // self.tp_size
+        return self.tp_rank * self.heads
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one (layer, K/V) tensor."""
+        return self.block_tokens * self.heads * self.head_size * self.itemsize
+
+
+@dataclass(frozen=True)
+class Row:
+    """``count`` pieces of ``length`` bytes, each ``stride`` bytes after the previous, the first at
+    ``offset`` bytes from a block's start."""
+
+    offset: int
+    length: int
+    stride: int
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.count
+
+
+class TpRead(NamedTuple):
+    """One read of a plan, for each local block ``b``: heads ``[first_head, first_head + heads)``
+    of remote rank ``remote_rank``'s block ``block_ratio * b + sub_block`` (``remote``, relative to
+    that block) into local block ``b`` (``local``, relative to it), piece by piece."""
+
+    remote_rank: int
+    first_head: int
+    heads: int
+    sub_block: int
+    remote: Row
+    local: Row
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """What one decode rank (``local``) reads: ``reads`` fill each of its blocks, every byte once;
+    one local block spans ``block_ratio`` remote blocks; ``ranks`` are the remote ranks read and
+    ``skipped`` those given that hold some of the local heads but are not read (each of those heads
+    is read from another rank: the duplicates of replicated heads, and MLA's other ranks)."""
+
+    local: KvGeometry
+    block_ratio: int
+    reads: tuple[TpRead, ...]
+    skipped: tuple[int, ...]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r.remote_rank for r in self.reads}))
+
+    @property
+    def pieces_per_block(self) -> int:
+        """Pieces one local block is moved in (a measure of the plan's cost per block)."""
+        return sum(r.local.count for r in self.reads)
+
+
+# The fields two geometries must agree on, whatever their TP and block sizes.
+_SAME = ("layout", "layers", "kv", "kv_heads", "head_size", "dtype")
+
+
+def check_pair(local: KvGeometry, remote: KvGeometry) -> int:
+    """Whether ``local`` (a decode rank) can be filled from ranks of ``remote``'s geometry; the block
+    ratio (local block tokens over remote's). Raises ``GeometryMismatch`` naming the first field that
+    cannot be mapped: a different layout (no HND/NHD permute), model shape or dtype; a local block
+    that is not a whole number of remote blocks (different block sizes need the prefill's blocks
+    smaller); TP sizes neither of which divides the other."""
+    for name in _SAME:
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            raise GeometryMismatch(name, f"the decode side has {mine!r}, the prefill side {theirs!r}")
+    if local.block_tokens % remote.block_tokens:
+        raise GeometryMismatch("block_tokens", f"a decode block of {local.block_tokens} tokens is not a whole number "
+                                               f"of prefill blocks of {remote.block_tokens}")
+    if max(local.tp_size, remote.tp_size) % min(local.tp_size, remote.tp_size):
+        raise GeometryMismatch("tp_size", f"TP {remote.tp_size} -> {local.tp_size}: neither size divides the other")
+    return local.block_tokens // remote.block_tokens
+
+
+def _paired(remote: Row, local: Row) -> tuple[Row, Row]:
+    """The pair as one piece each where both rows' pieces are back to back (they pair piece by
+    piece, so neither is merged alone)."""
+    if remote.stride == remote.length and local.stride == local.length:
+        return (Row(remote.offset, remote.nbytes, remote.nbytes, 1), Row(local.offset, local.nbytes, local.nbytes, 1))
+    return remote, local
+
+
+def _rows(local: KvGeometry, remote: KvGeometry, sub: int, head: int, n: int) -> tuple[Row, Row]:
+    """The (remote, local) rows that move heads ``[head, head + n)`` of remote sub-block ``sub``."""
+    size, tokens = local.head_size * local.itemsize, remote.block_tokens
+    hr, hl = head - remote.first_head, head - local.first_head
+    if local.layout == "NHD":  # [tokens, heads, head_size]: one piece per token
+        return _paired(Row(hr * size, n * size, remote.heads * size, tokens),
+                       Row((sub * tokens * local.heads + hl) * size, n * size, local.heads * size, tokens))
+    # HND [heads, tokens, head_size] and MLA [tokens, head_size] (one head): one piece per head
+    span = tokens * size
+    return _paired(Row(hr * span, span, span, n),
+                   Row(hl * local.block_tokens * size + sub * span, span, local.block_tokens * size, n))
+
+
+def tp_plan(local: KvGeometry, remotes: Iterable[KvGeometry] | Mapping[Any, KvGeometry], *,
+            per_token: bool = False) -> TpPlan:
+    """The plan for decode rank ``local`` over the prefill ranks ``remotes`` (their geometries, each
+    with its ``tp_rank``; a mapping's keys are ignored). Every remote is checked against ``local``
+    (``check_pair``); they must share one TP size and have distinct ranks. Each head the local rank
+    holds is read from the preferred rank (``tp_rank * remote_tp // tp``) where it holds it, else
+    from the lowest given rank that does. Raises ``GeometryMismatch``: a field that cannot be
+    mapped; ``tp_rank`` when no given rank holds a needed head; ``layout`` for a head slice of NHD
+    blocks unless ``per_token`` (one piece per token per head run)."""
+    given = list(remotes.values()) if isinstance(remotes, Mapping) else list(remotes)
+    if not given:
+        raise GeometryMismatch("tp_rank", "no prefill rank was given")
+    ratio = check_pair(local, given[0])
+    by_rank: dict[int, KvGeometry] = {}
+    for g in given:
+        if check_pair(local, g) != ratio or g.block_tokens != given[0].block_tokens:
+            raise GeometryMismatch("block_tokens", "the prefill ranks have different block sizes")
+        if g.tp_size != given[0].tp_size:
+            raise GeometryMismatch("tp_size", f"the prefill ranks disagree on their TP size "
+                                              f"({g.tp_size} and {given[0].tp_size})")
+        if g.tp_rank in by_rank:
+            raise GeometryMismatch("tp_rank", f"prefill rank {g.tp_rank} was given twice")
+        by_rank[g.tp_rank] = g
+    remote_tp = given[0].tp_size
+    preferred = local.tp_rank * remote_tp // local.tp_size
+
+    def holds(g: KvGeometry, head: int) -> bool:
+        return g.first_head <= head < g.first_head + g.heads
+
+    # each local head's source rank, then runs of consecutive heads from one rank
+    sources = []
+    for head in range(local.first_head, local.first_head + local.heads):
+        ranks = sorted(r for r, g in by_rank.items() if holds(g, head))
+        if not ranks:
+            raise GeometryMismatch("tp_rank", f"head {head} of decode rank {local.tp_rank} is on none of the "
+                                              f"prefill ranks given ({sorted(by_rank)})")
+        sources.append(preferred if preferred in ranks else ranks[0])
+    runs: list[tuple[int, int, int]] = []  # (rank, first head, heads)
+    for k, rank in enumerate(sources):
+        head = local.first_head + k
+        if runs and runs[-1][0] == rank and runs[-1][1] + runs[-1][2] == head:
+            runs[-1] = (rank, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((rank, head, 1))
+    reads = []
+    for sub in range(ratio):
+        for rank, head, n in runs:
+            remote_row, local_row = _rows(local, by_rank[rank], sub, head, n)
+            if local_row.count > 1 and local.layout == "NHD" and not per_token:
+                raise GeometryMismatch("layout", f"heads {head}-{head + n - 1} of NHD (token-major) blocks are "
+                                                 f"{local_row.count} pieces per block, one per token; use HND blocks, "
+                                                 f"or pass per_token=True to accept that")
+            reads.append(TpRead(rank, head, n, sub, remote_row, local_row))
+    used = {r for r, _, _ in runs}
+    holding = {r for r, g in by_rank.items()
+               if any(holds(g, h) for h in range(local.first_head, local.first_head + local.heads))}
+    return TpPlan(local, ratio, tuple(reads), tuple(sorted(holding - used)))
