@@ -43,7 +43,7 @@ import numpy as np
 from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
-from .status import LLMStatusCode
+from .status import InvalidArgument, LLMStatusCode
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
@@ -56,7 +56,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-Descriptors = np.ndarray | Sequence[tuple[int, int]]
+Descriptors = np.ndarray | Sequence[tuple[int, int]] | Sequence[tuple[int, int, int, int]]
 Indices = np.ndarray | Sequence[int]
 Addresses = np.ndarray | list[int]
 #: Where an engine listens or is dialled: ``"ip:port"``, or the pair ``(ip, port)`` (passed on as it is).
@@ -538,11 +538,48 @@ class Offer:
                 f"released={self.released}, reason={self._reason!r})")
 
 
-def _descriptors(descs: Descriptors, what: str) -> np.ndarray:
+#: The most pieces one ``read``/``write`` call's strided rows may expand to on either side (each
+#: piece costs 16 bytes of this process's memory per side while the call runs).
+MAX_ROW_PIECES = 1 << 22
+_U64_MAX = np.uint64(2**64 - 1)
+
+
+def _descriptors(descs: Descriptors, what: str, destination: bool = False) -> np.ndarray:
+    """``descs`` as an (M, 2) uint64 array of (address, length) pieces: (N, 2) pairs as they are,
+    (N, 4) strided rows ``(address, length, stride, count)`` expanded piece by piece. A row needs
+    ``length`` and ``count`` >= 1 and must not wrap past 2**64; on a ``destination`` side its
+    pieces must not overlap (``stride >= length`` where ``count > 1``)."""
     arr = np.asarray(descs, dtype=np.uint64)
-    if arr.ndim != 2 or arr.shape[1] != 2 or arr.shape[0] == 0:
-        raise ValueError(f"{what} must be a non-empty list of (address, length) pairs, got shape {arr.shape}")
-    return arr
+    if arr.ndim != 2 or arr.shape[1] not in (2, 4) or arr.shape[0] == 0:
+        raise ValueError(f"{what} must be a non-empty list of (address, length) pairs or (address, length, stride, "
+                         f"count) rows, got shape {arr.shape}")
+    if arr.shape[1] == 2:
+        return arr
+    address, length, stride, count = arr.T
+
+    def refuse(bad: np.ndarray, why: str) -> None:
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidArgument(f"{what} row {i} {tuple(int(v) for v in arr[i])}: {why}",
+                                  status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+    refuse((length == 0) | (count == 0), "length and count must be at least 1")
+    # the last piece's end, address + stride * (count - 1) + length, must not pass 2**64
+    room = _U64_MAX - address
+    refuse(length > room, "wraps past the end of the address space")
+    steps = count - np.uint64(1)
+    room = room - length
+    refuse((steps > 0) & (stride > room // np.maximum(steps, np.uint64(1))), "wraps past the end of the address space")
+    if destination:
+        refuse((count > 1) & (stride < length), "its pieces overlap (stride below length), which a destination refuses")
+    total = int(count.sum(dtype=np.uint64)) if count.max() < MAX_ROW_PIECES else MAX_ROW_PIECES + 1
+    if total > MAX_ROW_PIECES:
+        raise InvalidArgument(f"{what} rows expand to more than {MAX_ROW_PIECES} pieces; split the call",
+                              status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    row = np.repeat(np.arange(arr.shape[0]), count.astype(np.int64))
+    first = np.cumsum(count.astype(np.int64)) - count.astype(np.int64)
+    k = (np.arange(total, dtype=np.int64) - first[row]).astype(np.uint64)
+    return np.stack([address[row] + k * stride[row], length[row]], axis=1)
 
 
 class Engine:
@@ -853,6 +890,9 @@ class Engine:
         """Copies each remote ``(address, length)`` into the local one at the same index. Local
         descriptors lie in this engine's regions, remote ones in the peer's; one outside them
         (here or at the peer) fails the call with ``InvalidArgument`` and nothing moves.
+        Either list may instead be ``(N, 4)`` strided rows ``(address, length, stride, count)``:
+        ``count`` pieces of ``length`` bytes, each ``stride`` after the previous; the two lists then
+        pair piece by piece (docs/native_api.md, "Strided rows").
         ``timeout_ms`` (default ``EngineOptions.timeout_ms``) bounds the whole call."""
         self._transfer(peer, local, remote, False, timeout_ms)
 
@@ -862,12 +902,12 @@ class Engine:
 
     def read_async(self, peer: int, local: Descriptors, remote: Descriptors, **kwargs: Any) -> Pending:
         """``read`` on the engine's async pool; ``Pending.cancel()`` stops it."""
-        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
+        lo, ro = _descriptors(local, "local", True), _descriptors(remote, "remote")
         return self._submit_transfer(lambda token: self._transfer(peer, lo, ro, False, _timeout_kw(**kwargs), token))
 
     def write_async(self, peer: int, local: Descriptors, remote: Descriptors, **kwargs: Any) -> Pending:
         """``write`` on the engine's async pool; ``Pending.cancel()`` stops it."""
-        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
+        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote", True)
         return self._submit_transfer(lambda token: self._transfer(peer, lo, ro, True, _timeout_kw(**kwargs), token))
 
     def read_batch(self, peer: int, local_addresses: Addresses, remote_addresses: Addresses, lengths: Addresses, *,
@@ -918,11 +958,13 @@ class Engine:
 
     def _transfer(self, peer: int, local: Descriptors, remote: Descriptors, push: bool,
                   timeout_ms: int | None, cancel: Any = None) -> None:
-        lo, ro = _descriptors(local, "local"), _descriptors(remote, "remote")
+        lo, ro = _descriptors(local, "local", not push), _descriptors(remote, "remote", push)
         if lo.shape != ro.shape:
-            raise ValueError(f"local and remote descriptor lists differ in length ({len(lo)} vs {len(ro)})")
+            raise InvalidArgument(f"local and remote descriptor lists differ in length ({len(lo)} vs {len(ro)} pieces)",
+                                  status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if not np.array_equal(lo[:, 1], ro[:, 1]):
-            raise ValueError("a local descriptor and its remote one differ in length")
+            raise InvalidArgument("a local piece and its remote one differ in length",
+                                  status_code=LLMStatusCode.LLM_PARAM_INVALID)
         self._batch(peer, lo[:, 0], ro[:, 0], lo[:, 1], push, timeout_ms, cancel)
 
     def batch(self, peer: int) -> BatchTransfer:

@@ -1,7 +1,7 @@
 """KV geometry and the tensor-parallel plan: which prefill ranks a decode rank reads, and which
 bytes of each block (docs/native_api.md, "Different TP and block sizes").
 
-Pure Python: no engine, no native module. A ``KvGeometry`` describes one rank's KV cache (one
+Pure Python and numpy: no engine, no native module. A ``KvGeometry`` describes one rank's KV cache (one
 tensor per layer and K/V, each a run of equal blocks); ``check_pair`` says whether a decode rank's
 geometry can be filled from a prefill rank's (a ``GeometryMismatch`` naming the field if not);
 ``tp_plan`` returns, for one decode rank, the reads that fill each of its blocks::
@@ -27,13 +27,15 @@ token-major (NHD) blocks it is one piece per token, which a caller must ask for 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .status import InvalidArgument, LLMStatusCode
 
-__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "tp_plan"]
+__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "plan_rows", "tp_plan"]
 
 # Block layouts: head-major blocks [heads, tokens, head_size]; token-major blocks [tokens, heads,
 # head_size]; MLA blocks [tokens, head_size] (one latent head, the whole of it on every rank).
@@ -159,6 +161,7 @@ class TpPlan:
 
     local: KvGeometry
     block_ratio: int
+    remote_block_bytes: int
     reads: tuple[TpRead, ...]
     skipped: tuple[int, ...]
 
@@ -271,4 +274,50 @@ def tp_plan(local: KvGeometry, remotes: Iterable[KvGeometry] | Mapping[Any, KvGe
     used = {r for r, _, _ in runs}
     holding = {r for r, g in by_rank.items()
                if any(holds(g, h) for h in range(local.first_head, local.first_head + local.heads))}
-    return TpPlan(local, ratio, tuple(reads), tuple(sorted(holding - used)))
+    return TpPlan(local, ratio, given[0].block_bytes, tuple(reads), tuple(sorted(holding - used)))
+
+
+def plan_rows(plan: TpPlan, local_tensors: Sequence[int], remote_tensors: Mapping[int, Sequence[int]],
+              local_blocks: Sequence[int] | np.ndarray, remote_blocks: Sequence[int] | np.ndarray
+              ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The strided rows that carry out ``plan`` for some blocks, per remote rank read: ``{rank:
+    (local_rows, remote_rows)}``, (N, 4) uint64 arrays of ``(address, length, stride, count)`` that
+    pair piece by piece, for ``Engine.read(peer_of_rank, local_rows, remote_rows)``.
+    ``local_tensors`` are the base addresses of the local (layer, K/V) tensors, ``layers * kv`` of
+    them in the order both sides use; ``remote_tensors[rank]`` the same for each rank read.
+    ``local_blocks[i]`` is filled from remote blocks ``remote_blocks[block_ratio * i + j]``,
+    ``j < block_ratio``. Raises ``InvalidArgument`` for lists of the wrong sizes."""
+    tensors = plan.local.layers * plan.local.kv
+    local_b = np.asarray(local_blocks, dtype=np.uint64).reshape(-1)
+    remote_b = np.asarray(remote_blocks, dtype=np.uint64).reshape(-1)
+    if len(remote_b) != plan.block_ratio * len(local_b):
+        raise InvalidArgument(f"{len(local_b)} local blocks need {plan.block_ratio * len(local_b)} remote blocks "
+                              f"(block_ratio {plan.block_ratio}), not {len(remote_b)}",
+                              status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    if len(local_tensors) != tensors:
+        raise InvalidArgument(f"{len(local_tensors)} local tensors given; the geometry has {tensors} (layers * kv)",
+                              status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    lt = np.asarray(local_tensors, dtype=np.uint64)
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for rank in plan.ranks:
+        if len(remote_tensors.get(rank, ())) != tensors:
+            raise InvalidArgument(f"rank {rank} needs {tensors} remote tensor addresses (layers * kv)",
+                                  status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        rt = np.asarray(remote_tensors[rank], dtype=np.uint64)
+        reads = [r for r in plan.reads if r.remote_rank == rank]
+        # [tensor, block, read] -> one row each side
+        lbase = lt[:, None] + local_b[None, :] * np.uint64(plan.local.block_bytes)
+        local_rows, remote_rows = [], []
+        for r in reads:
+            rblocks = remote_b[r.sub_block::plan.block_ratio]
+            rbase = rt[:, None] + rblocks[None, :] * np.uint64(plan.remote_block_bytes)
+            local_rows.append(_row_array(lbase + np.uint64(r.local.offset), r.local))
+            remote_rows.append(_row_array(rbase + np.uint64(r.remote.offset), r.remote))
+        out[rank] = (np.concatenate(local_rows), np.concatenate(remote_rows))
+    return out
+
+
+def _row_array(addresses: np.ndarray, row: Row) -> np.ndarray:
+    n = addresses.size
+    return np.stack([addresses.reshape(-1), np.full(n, row.length, np.uint64), np.full(n, row.stride, np.uint64),
+                     np.full(n, row.count, np.uint64)], axis=1)

@@ -16,22 +16,9 @@ from hypothesis import strategies as st
 
 from pdlink import InvalidArgument, LLMStatusCode, kv
 from pdlink.kv import GeometryMismatch, KvGeometry, Row, TpPlan
+from tp_reference import blocks_of, model_kv
 
 BLOCKS = 3  # local blocks per test
-
-
-def model_kv(kv_heads: int, head_bytes: int, tokens: int, seed: int = 0) -> np.ndarray:
-    """One (layer, K/V) tensor of the whole model: [tokens, heads, head bytes] of random bytes."""
-    return np.random.default_rng(seed).integers(0, 256, (tokens, kv_heads, head_bytes), dtype=np.uint8)
-
-
-def blocks_of(g: KvGeometry, x: np.ndarray) -> np.ndarray:
-    """Rank ``g``'s blocks of ``x``: [blocks, block bytes] in its layout."""
-    heads = x[:, g.first_head:g.first_head + g.heads, :]
-    blocks = heads.reshape(-1, g.block_tokens, g.heads, heads.shape[2])  # [blocks, T, H, D]
-    if g.layout == "HND":
-        blocks = blocks.transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1)
 
 
 def apply(plan: TpPlan, remote: dict[int, np.ndarray], local_blocks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -237,3 +224,58 @@ def test_every_plan_fills_each_byte_once_with_the_reference_bytes(layout: str, h
                       per_token=True)
     # the pieces a block costs: one per read of HND blocks per sub-block and head run, one per token at most
     assert plan.pieces_per_block <= (prefill_block << ratio_log) * max(1, plan.local.heads)
+
+
+# ---------------------------------------------------------------------------------- plan_rows
+def expand(rows_: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(a) + k * int(s), int(n)) for a, n, s, c in rows_ for k in range(int(c))]
+
+
+@pytest.mark.parametrize(("layout", "heads", "prefill_tp", "decode_tp", "ratio"), [
+    ("HND", 4, 2, 1, 1), ("HND", 4, 1, 2, 2), ("HND", 2, 4, 2, 1), ("NHD", 4, 2, 1, 2), ("MLA", 1, 4, 2, 2),
+])
+def test_plan_rows_move_the_planned_blocks_between_any_block_indices(layout: str, heads: int, prefill_tp: int,
+                                                                    decode_tp: int, ratio: int) -> None:
+    """Rows for local blocks [4, 0, 2] of a 2-layer cache from scattered remote blocks, applied to
+    memory laid out as the addresses say (tensors 4096 bytes apart from 1 << 20, each rank's
+    region its own range): the local blocks equal the reference, every other byte is untouched."""
+    prefill = [geometry(layout, heads, prefill_tp, r, 2) for r in range(prefill_tp)]
+    decode = geometry(layout, heads, decode_tp, decode_tp - 1, 2 * ratio)
+    plan = kv.tp_plan(decode, prefill, per_token=True)
+    tensors, local_blocks, remote_blocks = decode.layers * decode.kv, [4, 0, 2], []
+    for b in local_blocks:  # remote blocks for local block b: scattered, 16 - (ratio * b + j)
+        remote_blocks += [16 - (ratio * b + j) for j in range(ratio)]
+    xs = [model_kv(heads, decode.head_size * decode.itemsize, 17 * 2, seed=t) for t in range(tensors)]
+    tensor_bytes = 17 * max(g.block_bytes for g in prefill + [decode])
+    base = {r: (r + 2) << 20 for r in range(prefill_tp)}
+    memory = {r: np.zeros(tensors * tensor_bytes, np.uint8) for r in range(prefill_tp)}
+    for g in prefill:
+        for t in range(tensors):
+            blocks = blocks_of(g, xs[t]).reshape(-1)
+            memory[g.tp_rank][t * tensor_bytes:t * tensor_bytes + blocks.size] = blocks
+    local = np.full(tensors * tensor_bytes, 0xEE, np.uint8)
+    expected = local.copy()
+    local_base = 1 << 20
+    for t in range(tensors):
+        for i, b in enumerate(local_blocks):  # the tokens of its remote blocks, in order
+            tokens = np.concatenate([xs[t][rb * 2:rb * 2 + 2] for rb in remote_blocks[ratio * i:ratio * (i + 1)]])
+            off = t * tensor_bytes + b * decode.block_bytes
+            expected[off:off + decode.block_bytes] = blocks_of(decode, tokens)[0]
+    rows_ = kv.plan_rows(plan, [local_base + t * tensor_bytes for t in range(tensors)],
+                         {r: [base[r] + t * tensor_bytes for t in range(tensors)] for r in plan.ranks},
+                         local_blocks, remote_blocks)
+    assert sorted(rows_) == list(plan.ranks)
+    for rank, (lrows, rrows) in rows_.items():
+        for (la, n), (ra, m) in zip(expand(lrows), expand(rrows), strict=True):
+            assert n == m
+            local[la - local_base:la - local_base + n] = memory[rank][ra - base[rank]:ra - base[rank] + n]
+    np.testing.assert_array_equal(local, expected)
+
+
+def test_plan_rows_check_their_lists() -> None:
+    plan = kv.tp_plan(geometry("HND", 4, 1, 0, 4), [geometry("HND", 4, 1, 0, 2)])
+    for args, text in ((([0, 1], {0: [0, 1]}, [0], [0]), "need 2 remote blocks"),
+                       (([0], {0: [0, 1]}, [0], [0, 1]), "1 local tensors given"),
+                       (([0, 1, 2, 3], {0: [0]}, [0], [0, 1]), "rank 0 needs 4 remote tensor addresses")):
+        with pytest.raises(InvalidArgument, match=text):
+            kv.plan_rows(plan, *args)

@@ -270,12 +270,13 @@ def links() -> list[pdlink.LinkInfo]:
     return _engine().links()
 
 
-def descriptors(peer: int, name: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
+def descriptors(peer: int, name: str, local: Sequence[tuple[int, ...]], remote: Sequence[tuple[int, ...]],
                 op: str, tensor: int = 0) -> None:
     """``Engine.read`` / ``write`` of descriptor lists: ``local`` as (offset in tensor ``tensor``
-    of region ``name``, length), ``remote`` as (absolute address, length)."""
+    of region ``name``, length), ``remote`` as (absolute address, length); or either as strided
+    rows, (offset or address, length, stride, count)."""
     base = _state["regions"][name].region.addresses[tensor]
-    local_descs = [(base + offset, length) for offset, length in local]
+    local_descs = [(base + d[0], *d[1:]) for d in local]
     getattr(_engine(), op)(peer, local_descs, list(remote))
 
 

@@ -1,0 +1,113 @@
+"""Prefill and decode with different TP and block sizes, in real processes on every backend and
+data path: prefill ranks (one engine each) hold their blocks of a model's KV tensors; a decode
+rank plans its reads (``pdlink.kv.tp_plan``), turns them into strided rows (``kv.plan_rows``) and
+reads them with ``Engine.read``. The decode region must then equal, byte for byte, the reference
+(tests/tp_reference.py: its blocks cut from the same model tensors) in the blocks read and be
+unchanged everywhere else, guards included; the prefill regions must be unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from backend_env import Variant
+from pdlink import InvalidArgument, LLMStatusCode, kv
+from peer import Peer
+from peers import native, tp
+from tp_reference import rank_tensors
+from verify import Snapshot, assert_same
+
+PREFILL_RANKS = 4
+BLOCKS = 6  # decode blocks per region; a prefill region holds block_ratio times as many
+LOCAL_BLOCKS = [4, 0, 3]  # the decode blocks read, each from the remote blocks below
+SEED = 40
+
+
+def geometry(layout: str, heads: int, tp_size: int, rank: int, block_tokens: int) -> kv.KvGeometry:
+    return kv.KvGeometry(layout, kv_heads=heads, head_size=16, dtype="bfloat16", block_tokens=block_tokens,
+                         tp_size=tp_size, tp_rank=rank, layers=2, kv=1 if layout == "MLA" else 2)
+
+
+# (layout, KV heads, prefill TP, decode TP, decode rank, prefill block tokens, decode block tokens, per_token)
+CASES = {
+    "tp 2 -> 1": ("HND", 4, 2, 1, 0, 4, 4, False),
+    "tp 1 -> 2": ("HND", 4, 1, 2, 1, 4, 4, False),
+    "tp 4 -> 2, 2 kv heads": ("HND", 2, 4, 2, 1, 4, 4, False),
+    "mla 4 -> 2": ("MLA", 1, 4, 2, 1, 4, 4, False),
+    "16 -> 32 tokens, tp 2 -> 1": ("HND", 4, 2, 1, 0, 2, 4, False),
+    "nhd tp 1 -> 2, per token": ("NHD", 4, 1, 2, 0, 4, 4, True),
+}
+
+
+def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[..., Peer], variant: Variant) -> None:
+    prefill = [peers(f"prefill{r}", env=variant.env()) for r in range(PREFILL_RANKS)]
+    ports = [p.call(native.start, 10 + r, listen=True) for r, p in enumerate(prefill)]
+    decode = peers("decode", env=variant.env())
+    decode.call(native.start, 2)
+    for r, port in enumerate(ports):
+        assert decode.call(native.connect, port, 10 + r) == 10 + r
+    for case, (layout, heads, p_tp, d_tp, d_rank, p_tokens, d_tokens, per_token) in CASES.items():
+        name = case.replace(" ", "_")
+        ratio = d_tokens // p_tokens
+        geometries = [geometry(layout, heads, p_tp, r, p_tokens) for r in range(p_tp)]
+        local = geometry(layout, heads, d_tp, d_rank, d_tokens)
+        plan = kv.tp_plan(local, geometries, per_token=per_token)
+        ranks = {}
+        for g in geometries:
+            prefill[g.tp_rank].call(native.register, name, BLOCKS * ratio, g.block_bytes, seed=None,
+                                    tensors=g.layers * g.kv)
+            ranks[g.tp_rank] = (10 + g.tp_rank,
+                                prefill[g.tp_rank].call(tp.fill, name, g, BLOCKS * ratio, SEED))
+        decode.call(native.register, name, BLOCKS, local.block_bytes, seed=7, tensors=local.layers * local.kv)
+        # decode block LOCAL_BLOCKS[i] from prefill blocks ratio * b + j of b = BLOCKS - 1 - LOCAL_BLOCKS[i]
+        remote_blocks = [ratio * (BLOCKS - 1 - b) + j for b in LOCAL_BLOCKS for j in range(ratio)]
+        sources = {r: prefill[r].call(native.snapshot, name) for r in range(p_tp)}
+        before = decode.call(native.snapshot, name)
+        read = decode.call(tp.read_plan, name, plan, ranks, LOCAL_BLOCKS, remote_blocks)
+        assert read == list(plan.ranks), case
+        assert_same(decode.call(native.snapshot, name), expected(before, local), f"{case}: the decode region")
+        for r, snap in sources.items():
+            assert_same(prefill[r].call(native.snapshot, name), snap, f"{case}: prefill rank {r}'s region")
+
+
+def expected(before: Snapshot, local: kv.KvGeometry) -> Snapshot:
+    """``before`` with decode block b replaced by the model's tokens of decode-sized block
+    ``BLOCKS - 1 - b`` (the prefill blocks it was read from) in every tensor."""
+    want = rank_tensors(local, BLOCKS, SEED)  # the decode rank's blocks of the same model tensors
+    out = before
+    for t, tensor in enumerate(want):
+        for b in LOCAL_BLOCKS:
+            src = BLOCKS - 1 - b
+            out = out.with_tensor_bytes(t, b * local.block_bytes,
+                                        tensor[src * local.block_bytes:(src + 1) * local.block_bytes])
+    return out
+
+
+@pytest.mark.parametrize("bad", ["stride past the region", "a block past the region"])
+def test_rows_past_a_prefill_region_are_refused_and_move_nothing(peers: Callable[..., Peer], variant: Variant,
+                                                                 bad: str) -> None:
+    """A plan's rows over a remote block index past the prefill's region: the prefill refuses the
+    request (InvalidArgument), and the decode region is unchanged."""
+    prefill = peers("prefill", env=variant.env())
+    port = prefill.call(native.start, 10, listen=True)
+    decode = peers("decode", env=variant.env())
+    decode.call(native.start, 2)
+    decode.call(native.connect, port, 10)
+    g = geometry("HND", 4, 1, 0, 4)
+    local = geometry("HND", 4, 2, 1, 4)
+    prefill.call(native.register, "kv", BLOCKS, g.block_bytes, seed=None, tensors=g.layers * g.kv)
+    addresses = prefill.call(tp.fill, "kv", g, BLOCKS, SEED)
+    decode.call(native.register, "kv", BLOCKS, local.block_bytes, seed=7, tensors=local.layers * local.kv)
+    plan = kv.tp_plan(local, [g])
+    remote_blocks = [BLOCKS] if bad == "a block past the region" else [BLOCKS - 1]
+    if bad == "stride past the region":  # the tensor addresses moved so the last tensor's block runs past
+        addresses = [a + g.block_bytes // 2 for a in addresses]
+    before = decode.call(native.snapshot, "kv")
+    with pytest.raises(InvalidArgument) as e:
+        decode.call(tp.read_plan, "kv", plan, {0: (10, addresses)}, [1], remote_blocks)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert_same(decode.call(native.snapshot, "kv"), before, "the decode region after a refused plan")
+    assert np.array_equal(prefill.call(native.snapshot, "kv").tensor(0)[:g.block_bytes],
+                          rank_tensors(g, BLOCKS, SEED)[0][:g.block_bytes])
