@@ -34,7 +34,7 @@ import enum
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,14 +44,15 @@ from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import InvalidArgument, LLMStatusCode
+from .tp import TpPlan, plan_rows
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
 
 __all__ = [
     "BatchTransfer", "Engine", "EngineOptions", "HandoffEvent", "Limits", "LinkInfo", "LinkResult", "MemoryMap",
-    "MemoryPool", "Notification", "Offer", "Pending", "PreparedTransfer", "Region", "RemoteRegion", "RoleState",
-    "Scope", "Ticket", "TransferCancelled",
+    "MemoryPool", "Notification", "Offer", "Pending", "PreparedPlan", "PreparedTransfer", "Region", "RemoteRegion",
+    "RoleState", "Scope", "Ticket", "TransferCancelled",
 ]
 
 T = TypeVar("T")
@@ -279,20 +280,22 @@ class Region:
     def remote(self) -> RemoteRegion:
         """What a peer needs to address this region (send it out of band; it pickles)."""
         return RemoteRegion(address=self.address, length=self.length, block_size=self.block_size, key=self.key,
-                            tensors=self.tensors)
+                            tensors=self.tensors, addresses=self.addresses)
 
 
 @dataclass(frozen=True)
 class RemoteRegion:
     """A peer's registered memory, as the peer described it (``Region.remote()``): by ``key`` when
     it published one, else by ``address`` and ``length`` (one tensor). ``tensors``: how many tensors
-    of ``length`` bytes the region has."""
+    of ``length`` bytes the region has; ``addresses``: each tensor's address, where the peer gave
+    them (``Region.remote()`` does; a TP plan's reads need them: ``Engine.prepare_plan``)."""
 
     length: int
     block_size: int
     address: int = 0
     key: int | None = None
     tensors: int = 1
+    addresses: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -434,6 +437,43 @@ class PreparedTransfer:
         """``write`` on the engine's async pool; ``Pending.cancel()`` stops it."""
         return self._engine._submit_transfer(self._native.write, np.array(local, np.int64),
                                              np.array(remote, np.int64))
+
+
+class PreparedPlan:
+    """A TP plan bound to a local region and the prefill ranks' regions (``Engine.prepare_plan``):
+    ``read(local_blocks, remote_blocks)`` moves every slice the plan needs into local blocks
+    ``local_blocks[i]`` from remote blocks ``remote_blocks[block_ratio * i + j]``, as one strided
+    read per prefill rank, the ranks' reads at once on the engine's async pool. Each rank's read
+    is all or nothing; when one fails, the others may have landed (their blocks hold the new bytes
+    of their heads), and the call raises the first failure. Not a pin, like ``PreparedTransfer``."""
+
+    def __init__(self, engine: Engine, plan: TpPlan, local: Region, sources: Mapping[int, tuple[int, RemoteRegion]]):
+        self._engine, self.plan, self._local = engine, plan, local
+        self._peers = {rank: sources[rank][0] for rank in plan.ranks}
+        self._remote = {rank: sources[rank][1].addresses for rank in plan.ranks}
+        self.local_blocks = local.length // plan.local.block_bytes
+        self.remote_blocks = min(sources[rank][1].length // plan.remote_block_bytes for rank in plan.ranks)
+
+    def read(self, local_blocks: Indices, remote_blocks: Indices, *, timeout_ms: int | None = None) -> None:
+        """Reads the plan's slices of ``remote_blocks`` into ``local_blocks`` (numpy int64 arrays or
+        lists of ints). A block index out of either region's range is ``InvalidArgument`` before
+        anything is sent."""
+        lb, rb = np.asarray(local_blocks, np.int64).reshape(-1), np.asarray(remote_blocks, np.int64).reshape(-1)
+        for what, idx, n in (("local", lb, self.local_blocks), ("remote", rb, self.remote_blocks)):
+            if idx.size and (idx.min() < 0 or idx.max() >= n):
+                raise InvalidArgument(f"a {what} block index is outside [0, {n})",
+                                      status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        rows = plan_rows(self.plan, self._local.addresses, self._remote, lb, rb)
+        pending = [self._engine.read_async(self._peers[rank], lr, rr, timeout_ms=timeout_ms)
+                   for rank, (lr, rr) in rows.items()]
+        errors = []
+        for p in pending:
+            try:
+                p.wait()
+            except BaseException as e:  # noqa: BLE001 - every rank's read is waited for; the first error is raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class BatchTransfer:
@@ -955,6 +995,32 @@ class Engine:
         spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=local.cache_id)
         native = self._native.prepare(spec, block, remote.address, remote.length)
         return PreparedTransfer(self, native)
+
+    def prepare_plan(self, plan: TpPlan, local: Region, sources: Mapping[int, tuple[int, RemoteRegion]]
+                     ) -> PreparedPlan:
+        """Binds a TP plan (``pdlink.kv.tp_plan``) to this engine's ``local`` region and, for each
+        prefill rank the plan reads, ``sources[rank] = (peer, remote_region)`` (the peer's
+        ``Region.remote()``, with its tensor addresses). Checked here, never per read
+        (``InvalidArgument``): each region has the plan's ``layers * kv`` tensors, holds a whole
+        number of its blocks (the plan's block bytes on each side), and a source for every rank
+        read. Nothing is sent until a read."""
+        tensors = plan.local.layers * plan.local.kv
+        if local.tensors != tensors or local.length % plan.local.block_bytes:
+            raise InvalidArgument(f"the local region ({local.tensors} tensors of {local.length} bytes) does not hold "
+                                  f"the plan's {tensors} tensors of {plan.local.block_bytes}-byte blocks",
+                                  status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        for rank in plan.ranks:
+            if rank not in sources:
+                raise InvalidArgument(f"the plan reads prefill rank {rank}, and no source was given for it",
+                                      status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            remote = sources[rank][1]
+            if len(remote.addresses) != tensors or remote.length % plan.remote_block_bytes or \
+                    remote.length < plan.remote_block_bytes:
+                raise InvalidArgument(f"prefill rank {rank}'s region ({len(remote.addresses)} tensor addresses, "
+                                      f"{remote.length} bytes each) does not hold the plan's {tensors} tensors of "
+                                      f"{plan.remote_block_bytes}-byte blocks (a RemoteRegion from Region.remote() "
+                                      f"carries its tensor addresses)", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        return PreparedPlan(self, plan, local, sources)
 
     def _transfer(self, peer: int, local: Descriptors, remote: Descriptors, push: bool,
                   timeout_ms: int | None, cancel: Any = None) -> None:

@@ -7,11 +7,13 @@ unchanged everywhere else, guards included; the prefill regions must be unchange
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+import pdlink
 from backend_env import Variant
 from pdlink import InvalidArgument, LLMStatusCode, kv
 from peer import Peer
@@ -41,7 +43,11 @@ CASES = {
 }
 
 
-def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[..., Peer], variant: Variant) -> None:
+@pytest.mark.parametrize("via", ["rows", "prepared"])
+def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[..., Peer], variant: Variant,
+                                                              via: str) -> None:
+    """``via``: ``kv.plan_rows`` and one ``Engine.read`` per rank, or ``Engine.prepare_plan`` and
+    its ``read`` (the ranks' reads at once)."""
     prefill = [peers(f"prefill{r}", env=variant.env()) for r in range(PREFILL_RANKS)]
     ports = [p.call(native.start, 10 + r, listen=True) for r, p in enumerate(prefill)]
     decode = peers("decode", env=variant.env())
@@ -63,12 +69,15 @@ def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[...
         decode.call(native.register, name, BLOCKS, local.block_bytes, seed=7, tensors=local.layers * local.kv)
         # decode block LOCAL_BLOCKS[i] from prefill blocks ratio * b + j of b = BLOCKS - 1 - LOCAL_BLOCKS[i]
         remote_blocks = [ratio * (BLOCKS - 1 - b) + j for b in LOCAL_BLOCKS for j in range(ratio)]
-        sources = {r: prefill[r].call(native.snapshot, name) for r in range(p_tp)}
+        originals = {r: prefill[r].call(native.snapshot, name) for r in range(p_tp)}
         before = decode.call(native.snapshot, name)
-        read = decode.call(tp.read_plan, name, plan, ranks, LOCAL_BLOCKS, remote_blocks)
-        assert read == list(plan.ranks), case
+        if via == "rows":
+            assert decode.call(tp.read_plan, name, plan, ranks, LOCAL_BLOCKS, remote_blocks) == list(plan.ranks), case
+        else:
+            sources = {r: (10 + r, prefill[r].call(native.remote, name)) for r in plan.ranks}
+            decode.call(tp.read_prepared, name, plan, sources, LOCAL_BLOCKS, remote_blocks)
         assert_same(decode.call(native.snapshot, name), expected(before, local), f"{case}: the decode region")
-        for r, snap in sources.items():
+        for r, snap in originals.items():
             assert_same(prefill[r].call(native.snapshot, name), snap, f"{case}: prefill rank {r}'s region")
 
 
@@ -111,3 +120,37 @@ def test_rows_past_a_prefill_region_are_refused_and_move_nothing(peers: Callable
     assert_same(decode.call(native.snapshot, "kv"), before, "the decode region after a refused plan")
     assert np.array_equal(prefill.call(native.snapshot, "kv").tensor(0)[:g.block_bytes],
                           rank_tensors(g, BLOCKS, SEED)[0][:g.block_bytes])
+
+
+def test_prepare_plan_checks_the_regions_against_the_plan_before_anything_is_sent() -> None:
+    """In this process, no peer: a region of the wrong tensor count or block size, a rank with no
+    source, a RemoteRegion without tensor addresses, and block indices past either region are
+    refused with InvalidArgument (LLM_PARAM_INVALID); a good binding reports its block counts."""
+    prefill = [geometry("HND", 4, 2, r, 4) for r in range(2)]
+    local_g = geometry("HND", 4, 1, 0, 4)
+    plan = kv.tp_plan(local_g, prefill)
+    tensors = local_g.layers * local_g.kv
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
+        keep = [np.zeros(BLOCKS * local_g.block_bytes, np.uint8) for _ in range(tensors)]
+        local = engine.register(keep, block_size=local_g.block_bytes)
+        wrong = engine.register(keep[:2], block_size=local_g.block_bytes)
+        remote = pdlink.RemoteRegion(length=BLOCKS * prefill[0].block_bytes, block_size=prefill[0].block_bytes,
+                                     address=1 << 30, tensors=tensors,
+                                     addresses=tuple((1 << 30) + t * (1 << 20) for t in range(tensors)))
+        good = {0: (10, remote), 1: (11, remote)}
+        bad = [(wrong, good, "does not hold the plan's 4 tensors"),
+               (local, {0: (10, remote)}, "no source was given for it"),
+               (local, {0: (10, remote), 1: (11, dataclasses.replace(remote, addresses=()))}, "0 tensor addresses"),
+               (local, {0: (10, remote), 1: (11, dataclasses.replace(remote, length=remote.length - 1))},
+                "does not hold the plan's")]
+        for region, sources, text in bad:
+            with pytest.raises(InvalidArgument, match=text) as e:
+                engine.prepare_plan(plan, region, sources)
+            assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        prepared = engine.prepare_plan(plan, local, good)
+        assert (prepared.local_blocks, prepared.remote_blocks) == (BLOCKS, BLOCKS)
+        for lb, rb, text in (([BLOCKS], [0], "local block index"), ([0], [BLOCKS], "remote block index"),
+                             ([-1], [0], "local block index")):
+            with pytest.raises(InvalidArgument, match=text) as e:
+                prepared.read(lb, rb)
+            assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID

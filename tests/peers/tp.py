@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import pdlink
 from pdlink import kv
 from peers import native
 from peers.memory import device_memory_is_remote, direct_write
@@ -31,3 +32,11 @@ def read_plan(name: str, plan: kv.TpPlan, ranks: Mapping[int, tuple[int, Sequenc
     for rank, (local_rows, remote_rows) in rows.items():
         native._engine().read(ranks[rank][0], local_rows, remote_rows)
     return sorted(rows)
+
+
+def read_prepared(name: str, plan: kv.TpPlan, sources: Mapping[int, tuple[int, pdlink.RemoteRegion]],
+                  local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> None:
+    """Reads ``plan`` into region ``name`` through ``Engine.prepare_plan``: ``sources[r]`` is (the
+    cluster id, the ``RemoteRegion``) of prefill rank ``r``."""
+    prepared = native._engine().prepare_plan(plan, native._state["regions"][name].region, sources)
+    prepared.read(local_blocks, remote_blocks)

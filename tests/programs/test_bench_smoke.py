@@ -1,6 +1,6 @@
 """The benchmarks keep working: tiny runs of bench/bench_transfer.py, bench_auth.py, bench_small.py,
 bench_pull_blocks.py, bench_hixl.py, bench_fleet.py (on loopback), bench_switch.py, bench_cancel.py,
-bench_handoff.py and bench_hosts.py (no timing is asserted)."""
+bench_handoff.py, bench_hosts.py and bench_tp.py (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,18 @@ def test_small_transfer_benchmark_smoke_runs_and_verifies(tmp_path):
             assert run[key]["p50"] > 0, key
     assert results["memcpy"]["blocks_4K"]["us_per_desc"] > 0 and results["import"]["pdlink"]["median"] > 0
     assert "pdlink small-transfer benchmark" in (tmp_path / "small.txt").read_text()
+
+
+def test_head_sliced_pull_benchmark_smoke_runs_and_verifies(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_tp.py"), "--smoke", "--no-peers",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((tmp_path / "tp.json").read_text())
+    assert {run["transport"] for run in results["pdlink"]} in ({"cma", "tcp"}, {"tcp"})
+    for run in results["pdlink"]:  # each kind produced a number (each verified its bytes first)
+        for key in ("sliced_rows", "sliced_list", "whole"):
+            assert run[key]["median"] > 0, key
+    assert "pdlink head-sliced pull benchmark" in (tmp_path / "tp.txt").read_text()
 
 
 def test_pull_blocks_benchmark_runs_and_verifies():

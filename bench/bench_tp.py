@@ -1,0 +1,163 @@
+"""Head-sliced pulls (prefill TP != decode TP): pdlink's strided rows beside a whole-block pull of
+the same bytes and beside NIXL's strided descriptors on the same work, in one run, same host.
+
+A target process registers 2 x TOTAL bytes as blocks of BLOCK bytes. For each pdlink transport
+the initiator reads, into a dense buffer of TOTAL bytes:
+
+  * sliced, rows : the second half of every block (a head slice of an HND block), as one strided
+    row per side (``Engine.read`` with (N, 4) rows: remote ``(base + BLOCK/2, BLOCK/2, BLOCK, N)``);
+  * sliced, list : the same pieces as an (N, 2) descriptor list (what the rows expand to);
+  * whole        : the same number of bytes as whole blocks of BLOCK/2 (an (N, 2) list), the
+    reference the issue holds the slice to (>= 0.8x).
+
+NIXL (UCX backend, default transports; bench/peers/nixl_strided_peer.py) runs the sliced read with
+its Nx5 strided descriptors and the whole-block read, when PDLINK_BENCH_NIXL_PYTHON (or this
+interpreter) has it (NIXL >= 1.5). Each kind is verified byte for byte once. Reported: medians
+with min and max, and the ratios.
+
+    python bench/bench_tp.py              # about a minute on 2 cores
+    python bench/bench_tp.py --smoke      # seconds; what CI runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_small import fmt, gbps, pattern  # noqa: E402
+from bench_transfer import run_peer, save, summary  # noqa: E402
+
+KIB, MIB = 1024, 1024 * 1024
+TARGET_ID, INITIATOR_ID = 1, 2
+
+
+def target_main(conn: Any, total: int) -> None:
+    import pdlink
+
+    data = pattern(2 * total, 1)
+    engine = pdlink.Engine(pdlink.EngineOptions(cluster_id=TARGET_ID, listen="127.0.0.1:0", transport="auto"))
+    region = engine.register(data)
+    conn.send({"port": engine.listen_port, "address": region.address})
+    conn.recv()
+    engine.close()
+
+
+def initiator_main(conn: Any, transport: str, total: int, block: int, reps: int, info: dict[str, Any]) -> None:
+    try:
+        conn.send(("ok", run_initiator(transport, total, block, reps, info)))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_initiator(transport: str, total: int, block: int, reps: int, info: dict[str, Any]) -> dict[str, Any]:
+    import pdlink
+
+    half, n = block // 2, 2 * total // block
+    source = pattern(2 * total, 1).reshape(n, block)
+    local = np.zeros(total, np.uint8)
+    res: dict[str, Any] = {"transport": transport}
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=INITIATOR_ID, transport=transport)) as engine:
+        peer = engine.connect(f"127.0.0.1:{info['port']}")
+        got = {link.transport for link in engine.links()}
+        assert got == {transport}, f"asked for {transport}, linked over {got}"
+        engine.register(local)
+        base, raddr = local.ctypes.data, info["address"]
+        rows_local = np.array([[base, half, half, n]], np.uint64)
+        rows_remote = np.array([[raddr + half, half, block, n]], np.uint64)
+        k = np.arange(n, dtype=np.uint64)
+        list_local = np.stack([base + k * half, np.full(n, half, np.uint64)], axis=1)
+        list_remote = np.stack([raddr + half + k * block, np.full(n, half, np.uint64)], axis=1)
+        whole_remote = np.stack([raddr + k * half, np.full(n, half, np.uint64)], axis=1)
+        sliced = source[:, half:].reshape(-1)
+        for kind, lo, ro, want in (("sliced_rows", rows_local, rows_remote, sliced),
+                                   ("sliced_list", list_local, list_remote, sliced),
+                                   ("whole", list_local, whole_remote, source.reshape(-1)[:total])):
+            local[:] = 0
+            engine.read(peer, lo, ro)
+            if not np.array_equal(local, want):
+                raise AssertionError(f"{transport}: {kind}: bytes differ")
+            res[kind] = summary(gbps(lambda: engine.read(peer, lo, ro), total, reps))  # noqa: B023 - used at once
+    return res
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"pdlink head-sliced pull benchmark ({results['config']})"]
+    nixl = results["peers"].get("NIXL/UCX default")
+    for r in results["pdlink"]:
+        tr = r["transport"]
+        for kind in ("sliced_rows", "sliced_list", "whole"):
+            line = f"  pdlink {tr:<4} {kind:<12}: {fmt(r[kind])}"
+            if kind != "whole":
+                line += f"  ({r[kind]['median'] / r['whole']['median']:.2f}x the whole-block read)"
+            if nixl and kind == "sliced_rows":
+                line += f"  ({r[kind]['median'] / nixl['sliced']['median']:.2f}x NIXL's strided read)"
+            lines.append(line)
+    if nixl:
+        lines.append(f"  NIXL/UCX strided sliced  : {fmt(nixl['sliced'])}  "
+                     f"({nixl['sliced']['median'] / nixl['whole']['median']:.2f}x its whole-block read)")
+        lines.append(f"  NIXL/UCX whole           : {fmt(nixl['whole'])}")
+    else:
+        lines.append("  NIXL: not run (see above)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and counts: checks that everything runs")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--block-kib", type=int, default=128, help="prefill block size (half of it is read)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where tp.json goes")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--transports", default="cma,tcp")
+    args = ap.parse_args()
+    from pdlink._sysinfo import direct_access_permitted
+
+    transports = args.transports.split(",")
+    if "cma" in transports and not direct_access_permitted():
+        print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
+        transports.remove("cma")
+    total = 1 * MIB if args.smoke else 64 * MIB
+    reps = 2 if args.smoke else args.reps
+    block = args.block_kib * KIB
+    ctx = mp.get_context("spawn")
+    results: dict[str, Any] = {"config": f"{total // MIB} MiB read, half of each {block // KIB} KiB block, "
+                                         f"{reps} reps, no secret", "pdlink": [], "peers": {}}
+    parent, child = ctx.Pipe()
+    target = ctx.Process(target=target_main, args=(child, total), daemon=True)
+    target.start()
+    info = parent.recv()
+    try:
+        for tr in transports:
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=initiator_main, args=(b, tr, total, block, reps, info), daemon=True)
+            p.start()
+            status, value = a.recv()
+            p.join(60)
+            if status != "ok":
+                raise SystemExit(f"pdlink {tr} run failed:\n{value}")
+            results["pdlink"].append(value)
+    finally:
+        parent.send("stop")
+        target.join(30)
+    if not args.no_peers:
+        mod = os.environ.get("NIXL_MOD", "nixl_cu12")
+        nixl = run_peer("NIXL/UCX strided", "nixl_strided_peer.py", "PDLINK_BENCH_NIXL_PYTHON", mod + "._api",
+                        {"NIXL_MOD": mod}, {"total": total, "block": block, "reps": reps, "lat_n": 0})
+        if nixl:
+            results["peers"]["NIXL/UCX default"] = nixl
+    text = report(results)
+    print(text)
+    save(args.out, "tp", results, text)
+
+
+if __name__ == "__main__":
+    main()
