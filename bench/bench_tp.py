@@ -8,7 +8,10 @@ the initiator reads, into a dense buffer of TOTAL bytes:
     row per side (``Engine.read`` with (N, 4) rows: remote ``(base + BLOCK/2, BLOCK/2, BLOCK, N)``);
   * sliced, list : the same pieces as an (N, 2) descriptor list (what the rows expand to);
   * whole        : the same number of bytes as whole blocks of BLOCK/2 (an (N, 2) list), the
-    reference the issue holds the slice to (>= 0.8x).
+    reference the issue holds the slice to (>= 0.8x);
+  * sliced, prepared : the head slice as a prepared transfer with a block view (``Engine.prepare``
+    with ``remote_view=(BLOCK/2, BLOCK/2)``, posted by index arrays), beside
+  * whole, prepared  : the whole-block prepared transfer of the same bytes (blocks of BLOCK/2).
 
 NIXL (UCX backend, default transports; bench/peers/nixl_strided_peer.py) runs the sliced read with
 its Nx5 strided descriptors and the whole-block read, when PDLINK_BENCH_NIXL_PYTHON (or this
@@ -69,7 +72,7 @@ def run_initiator(transport: str, total: int, block: int, reps: int, info: dict[
         peer = engine.connect(f"127.0.0.1:{info['port']}")
         got = {link.transport for link in engine.links()}
         assert got == {transport}, f"asked for {transport}, linked over {got}"
-        engine.register(local)
+        region = engine.register(local, block_size=half)
         base, raddr = local.ctypes.data, info["address"]
         rows_local = np.array([[base, half, half, n]], np.uint64)
         rows_remote = np.array([[raddr + half, half, block, n]], np.uint64)
@@ -78,14 +81,22 @@ def run_initiator(transport: str, total: int, block: int, reps: int, info: dict[
         list_remote = np.stack([raddr + half + k * block, np.full(n, half, np.uint64)], axis=1)
         whole_remote = np.stack([raddr + k * half, np.full(n, half, np.uint64)], axis=1)
         sliced = source[:, half:].reshape(-1)
-        for kind, lo, ro, want in (("sliced_rows", rows_local, rows_remote, sliced),
-                                   ("sliced_list", list_local, list_remote, sliced),
-                                   ("whole", list_local, whole_remote, source.reshape(-1)[:total])):
+        idx = np.arange(n, dtype=np.int64)
+        sliced_view = engine.prepare(peer, region, pdlink.RemoteRegion(length=2 * total, block_size=block,
+                                                                       address=raddr), remote_view=(half, half))
+        whole_blocks = engine.prepare(peer, region, pdlink.RemoteRegion(length=total, block_size=half, address=raddr))
+        runs: list[tuple[str, Any, Any]] = [
+            ("sliced_rows", lambda: engine.read(peer, rows_local, rows_remote), sliced),
+            ("sliced_list", lambda: engine.read(peer, list_local, list_remote), sliced),
+            ("whole", lambda: engine.read(peer, list_local, whole_remote), source.reshape(-1)[:total]),
+            ("sliced_prepared", lambda: sliced_view.read(idx, idx), sliced),
+            ("whole_prepared", lambda: whole_blocks.read(idx, idx), source.reshape(-1)[:total])]
+        for kind, move, want in runs:
             local[:] = 0
-            engine.read(peer, lo, ro)
+            move()
             if not np.array_equal(local, want):
                 raise AssertionError(f"{transport}: {kind}: bytes differ")
-            res[kind] = summary(gbps(lambda: engine.read(peer, lo, ro), total, reps))  # noqa: B023 - used at once
+            res[kind] = summary(gbps(move, total, reps))
     return res
 
 
@@ -94,11 +105,12 @@ def report(results: dict[str, Any]) -> str:
     nixl = results["peers"].get("NIXL/UCX default")
     for r in results["pdlink"]:
         tr = r["transport"]
-        for kind in ("sliced_rows", "sliced_list", "whole"):
-            line = f"  pdlink {tr:<4} {kind:<12}: {fmt(r[kind])}"
-            if kind != "whole":
-                line += f"  ({r[kind]['median'] / r['whole']['median']:.2f}x the whole-block read)"
-            if nixl and kind == "sliced_rows":
+        for kind, whole in (("sliced_rows", "whole"), ("sliced_list", "whole"), ("whole", None),
+                            ("sliced_prepared", "whole_prepared"), ("whole_prepared", None)):
+            line = f"  pdlink {tr:<4} {kind:<15}: {fmt(r[kind])}"
+            if whole:
+                line += f"  ({r[kind]['median'] / r[whole]['median']:.2f}x {whole})"
+            if nixl and kind.startswith("sliced_") and kind != "sliced_list":
                 line += f"  ({r[kind]['median'] / nixl['sliced']['median']:.2f}x NIXL's strided read)"
             lines.append(line)
     if nixl:

@@ -173,16 +173,17 @@ void defTransfers(py::class_<Engine>& cls) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "prepare",
-          [](Engine& e, const TransferSpec& spec, uint64_t block_size, uint64_t remote_base, uint64_t remote_bytes) {
+          [](Engine& e, const TransferSpec& spec, uint64_t block_size, uint64_t remote_base, uint64_t remote_bytes,
+             const BlockMapping& mapping) {
             Result<std::shared_ptr<PreparedTransfer>> r = Status(Code::kFailed, "");
             {
               py::gil_scoped_release unlocked;
-              r = e.prepare(spec, block_size, remote_base, remote_bytes);
+              r = e.prepare(spec, block_size, remote_base, remote_bytes, mapping);
             }
             return BoundPrepared{&e, valueOrThrow(std::move(r))};
           },
           py::arg("spec"), py::arg("block_size") = 0, py::arg("remote_base") = 0, py::arg("remote_bytes") = 0,
-          py::keep_alive<0, 1>())
+          py::arg("mapping") = BlockMapping{}, py::keep_alive<0, 1>())
       .def(
           "describe_memory",
           [](Engine& e, uint64_t cluster_id, int64_t timeout_ms) {

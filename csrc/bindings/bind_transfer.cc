@@ -92,7 +92,13 @@ using Indices = Ints<int64_t>;
 
 void BoundPrepared::post(py::handle local, py::handle remote, bool is_push, const CancelToken* cancel) {
   const Indices l(local, "local blocks"), r(remote, "remote blocks");
-  if (l.size() != r.size()) throw py::value_error("local and remote block arrays differ in length");
+  const uint32_t ratio = prepared->mapping.block_ratio;
+  if (r.size() != l.size() * ratio) {
+    throw py::value_error(ratio == 1 ? std::string("local and remote block arrays differ in length")
+                                     : "block_ratio " + std::to_string(ratio) + ": " + std::to_string(l.size()) +
+                                           " local blocks need " + std::to_string(l.size() * ratio) +
+                                           " remote blocks, got " + std::to_string(r.size()));
+  }
   Status st;
   {
     py::gil_scoped_release unlocked;
@@ -173,6 +179,7 @@ void bindTransfers(py::module_& m) {
           [](BoundPrepared& b, py::handle l, py::handle r, const CancelToken* cancel) { b.post(l, r, true, cancel); },
           py::arg("local"), py::arg("remote"), py::arg("cancel") = nullptr)
       .def_property_readonly("block_size", [](const BoundPrepared& b) { return b.prepared->block_size; })
+      .def_property_readonly("mapping", [](const BoundPrepared& b) { return b.prepared->mapping; })
       .def_property_readonly("local_blocks", [](const BoundPrepared& b) { return b.prepared->local_blocks; })
       .def_property_readonly("remote_blocks", [](const BoundPrepared& b) { return b.prepared->remote_blocks; })
       .def_property_readonly("peer_cluster_id", [](const BoundPrepared& b) { return b.prepared->peer_cluster_id; });

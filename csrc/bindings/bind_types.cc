@@ -180,6 +180,31 @@ void bindCacheTypes(py::module_& m) {
       .def("__repr__", [](const wire::Target& t) { return "Target(" + t.describe() + ")"; });
 }
 
+void bindBlockMapping(py::module_& m) {
+  // A prepared transfer's block views and ratio (engine/engine_types.h BlockMapping).
+  py::class_<BlockMapping>(m, "BlockMapping")
+      .def(py::init([](uint64_t remote_block_size, uint64_t local_view_offset, uint64_t local_view_length,
+                       uint64_t remote_view_offset, uint64_t remote_view_length, uint32_t block_ratio) {
+             return BlockMapping{remote_block_size,  local_view_offset,  local_view_length,
+                                 remote_view_offset, remote_view_length, block_ratio};
+           }),
+           py::kw_only(), py::arg("remote_block_size") = 0, py::arg("local_view_offset") = 0,
+           py::arg("local_view_length") = 0, py::arg("remote_view_offset") = 0, py::arg("remote_view_length") = 0,
+           py::arg("block_ratio") = 1)
+      .def_readonly("remote_block_size", &BlockMapping::remote_block_size)
+      .def_readonly("local_view_offset", &BlockMapping::local_view_offset)
+      .def_readonly("local_view_length", &BlockMapping::local_view_length)
+      .def_readonly("remote_view_offset", &BlockMapping::remote_view_offset)
+      .def_readonly("remote_view_length", &BlockMapping::remote_view_length)
+      .def_readonly("block_ratio", &BlockMapping::block_ratio)
+      .def("__repr__", [](const BlockMapping& b) {
+        return "BlockMapping(remote_block_size=" + std::to_string(b.remote_block_size) + ", local_view=(" +
+               std::to_string(b.local_view_offset) + ", " + std::to_string(b.local_view_length) + "), remote_view=(" +
+               std::to_string(b.remote_view_offset) + ", " + std::to_string(b.remote_view_length) +
+               "), block_ratio=" + std::to_string(b.block_ratio) + ")";
+      });
+}
+
 void bindTransferSpec(py::module_& m) {
   // One pull or push (engine/engine.h TransferSpec): runs are (offset, length) pairs.
   py::class_<TransferSpec>(m, "TransferSpec")
@@ -327,6 +352,7 @@ void bindTypes(py::module_& m) {
   bindEngineLimits(m);
   bindEngineStructs(m);
   bindCacheTypes(m);
+  bindBlockMapping(m);
   bindTransferSpec(m);
   bindEngineReports(m);
 }

@@ -219,8 +219,9 @@ Status Engine::pull(const TransferSpec& spec) { return transfers_.pull(spec); }
 Status Engine::push(const TransferSpec& spec) { return transfers_.push(spec); }
 
 Result<std::shared_ptr<PreparedTransfer>> Engine::prepare(const TransferSpec& spec, uint64_t block_size,
-                                                          uint64_t remote_base, uint64_t remote_bytes) {
-  return transfers_.prepare(spec, block_size, remote_base, remote_bytes);
+                                                          uint64_t remote_base, uint64_t remote_bytes,
+                                                          const BlockMapping& mapping) {
+  return transfers_.prepare(spec, block_size, remote_base, remote_bytes, mapping);
 }
 
 Status Engine::post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push,

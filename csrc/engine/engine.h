@@ -148,10 +148,12 @@ class Engine {
   // Describes a prepared transfer (see PreparedTransfer): `spec` names the peer, the target (kBlocks
   // or kRaw), the local cache and the tensor pairs; `block_size` divides the local tensors (0: the
   // local cache's own block size, its stride); for kRaw, `remote_bytes` is the registered length at
-  // `remote_base`. kParamInvalid for a bad description; nothing is sent to the peer.
+  // `remote_base`; `mapping` its block views and ratio (engine_types.h BlockMapping). kParamInvalid
+  // for a bad description; nothing is sent to the peer.
   Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size, uint64_t remote_base,
-                                                    uint64_t remote_bytes);
-  // Moves local block local[i] <-> remote block remote[i] for i < n (coalescing consecutive pairs),
+                                                    uint64_t remote_bytes, const BlockMapping& mapping = {});
+  // Moves local block local[i] <-> remote block remote[i] for i < n (coalescing consecutive pairs;
+  // with a block ratio r, `remote` has r * n entries: the mapping's rule),
   // a pull or a push, bounded by the sync timeout. Errors as pull/push; kParamInvalid for an index
   // out of range or a local cache that is no longer registered.
   // `cancel` (null: none): the post's cancel token (core/cancel.h), the caller's until it returns.

@@ -258,13 +258,29 @@ struct TransferSpec {
 // post after the peer deregistered fails with the peer's code and moves nothing.
 // Threading: one PreparedTransfer may be posted from several threads (its fields are immutable but
 // the generation, which is atomic); posts on one link are serialised like any transfer.
+// How a prepared transfer maps blocks (issue #36; docs/native_api.md, "Block views and ratios"). The
+// default maps every byte of local block i to remote block remote[i]. A view is the byte range
+// [offset, offset + length) of every block of one side (a head slice of a head-major block; length
+// 0: the whole block); a ratio r maps one local block to r remote blocks: the local view is cut in
+// r equal pieces, piece j <-> the remote view of remote block remote[r * i + j] (prefill blocks of
+// 16 tokens into decode blocks of 32, token-major). So remote_view length * r == local view length.
+struct BlockMapping {
+  uint64_t remote_block_size = 0;  // the peer's block size (0: the local one)
+  uint64_t local_view_offset = 0;
+  uint64_t local_view_length = 0;  // 0: the whole local block
+  uint64_t remote_view_offset = 0;
+  uint64_t remote_view_length = 0;  // 0: the local view's length / block_ratio
+  uint32_t block_ratio = 1;
+};
+
 struct PreparedTransfer {
   uint64_t peer_cluster_id = 0;
   wire::Target target;         // kBlocks or kRaw
   uint64_t remote_base = 0;    // kRaw: the peer's address of remote block 0
-  uint64_t remote_blocks = 0;  // kRaw: the blocks there (the bound on remote indices); kBlocks: 0
+  uint64_t remote_blocks = 0;  // kRaw: the remote blocks there (the bound on remote indices); kBlocks: 0
   int64_t local_cache_id = 0;
-  uint64_t block_size = 0;
+  uint64_t block_size = 0;                              // the local block size
+  BlockMapping mapping;                                 // resolved: sizes and view lengths all set
   uint64_t local_blocks = 0;                            // tensor_size / block_size of the local cache
   std::vector<uint32_t> local_tensors, remote_tensors;  // pairs; all local tensors i <-> i when empty
   std::weak_ptr<CacheEntry> local;

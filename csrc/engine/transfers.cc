@@ -217,7 +217,7 @@ std::vector<TransferPlan> Transfers::split(const TransferPlan& p, uint64_t max_b
   // Only the last one commits a pulled request key.
   const uint64_t tensors = std::max<uint64_t>(1, p.remote.tensors.size());
   const uint64_t runs_per_request = std::max<uint64_t>(1, limits::kMaxRequestPieces / tensors);
-  const uint64_t unit = p.remote.block_size > 0 ? p.remote.block_size : std::max<uint64_t>(1, p.block_unit);
+  const uint64_t unit = p.block_unit > 0 ? p.block_unit : std::max<uint64_t>(1, p.remote.block_size);
   const uint64_t limit = std::max<uint64_t>(unit, max_bytes / tensors / unit * unit);  // bytes per tensor
   std::vector<TransferPlan> out;
   TransferPlan* cur = nullptr;
@@ -320,8 +320,47 @@ Status Transfers::transfer(const TransferSpec& spec, bool is_push) {
   return execute(link_r.value(), p_r.value(), is_push, timeout_ms);
 }
 
+namespace {
+
+// `m` with every size set, or why it cannot map blocks of `local_bs` bytes (see BlockMapping).
+Result<BlockMapping> resolveMapping(BlockMapping m, uint64_t local_bs) {
+  if (m.remote_block_size == 0) m.remote_block_size = local_bs;
+  if (m.block_ratio == 0) return Status(Code::kParamInvalid, "block_ratio must be at least 1");
+  if (m.local_view_length == 0) {
+    if (m.local_view_offset >= local_bs) return Status(Code::kParamInvalid, "the local view starts past the block");
+    m.local_view_length = local_bs - m.local_view_offset;
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(m.local_view_offset, m.local_view_length, &end) || end > local_bs) {
+    return Status(Code::kParamInvalid, "the local view [" + std::to_string(m.local_view_offset) + ", +" +
+                                           std::to_string(m.local_view_length) + ") is not inside a local block of " +
+                                           std::to_string(local_bs) + " bytes");
+  }
+  if (m.local_view_length % m.block_ratio != 0) {
+    return Status(Code::kParamInvalid, "the local view (" + std::to_string(m.local_view_length) +
+                                           " bytes) does not divide into block_ratio " + std::to_string(m.block_ratio) +
+                                           " equal pieces");
+  }
+  const uint64_t piece = m.local_view_length / m.block_ratio;
+  if (m.remote_view_length == 0) m.remote_view_length = piece;
+  if (m.remote_view_length != piece) {
+    return Status(Code::kParamInvalid, "the remote view (" + std::to_string(m.remote_view_length) +
+                                           " bytes) is not the local view's share per remote block (" +
+                                           std::to_string(piece) + " bytes)");
+  }
+  if (__builtin_add_overflow(m.remote_view_offset, m.remote_view_length, &end) || end > m.remote_block_size) {
+    return Status(Code::kParamInvalid, "the remote view [" + std::to_string(m.remote_view_offset) + ", +" +
+                                           std::to_string(m.remote_view_length) + ") is not inside a remote block of " +
+                                           std::to_string(m.remote_block_size) + " bytes");
+  }
+  return m;
+}
+
+}  // namespace
+
 Result<std::shared_ptr<PreparedTransfer>> Transfers::prepare(const TransferSpec& spec, uint64_t block_size,
-                                                             uint64_t remote_base, uint64_t remote_bytes) {
+                                                             uint64_t remote_base, uint64_t remote_bytes,
+                                                             const BlockMapping& mapping) {
   const bool raw = spec.target.kind == wire::TargetKind::kRaw;
   if (!raw && spec.target.kind != wire::TargetKind::kBlocks) {
     return Status(Code::kParamInvalid, "a prepared transfer addresses a blocks cache by key, or registered memory");
@@ -338,11 +377,14 @@ Result<std::shared_ptr<PreparedTransfer>> Transfers::prepare(const TransferSpec&
                                            " does not divide the local tensors (" + std::to_string(L.tensor_size) +
                                            " bytes)");
   }
+  auto resolved = resolveMapping(mapping, block_size);
+  if (!resolved.ok()) return resolved.status();
   auto p = std::make_shared<PreparedTransfer>();
   p->peer_cluster_id = spec.peer_cluster_id;
   p->target = spec.target;
   p->local_cache_id = spec.local_cache_id;
   p->block_size = block_size;
+  p->mapping = resolved.value();
   p->local_blocks = L.tensor_size / block_size;
   if (spec.local_tensors.size() != spec.remote_tensors.size()) {
     return Status(Code::kParamInvalid, "local and remote tensor lists differ in length");
@@ -361,11 +403,12 @@ Result<std::shared_ptr<PreparedTransfer>> Transfers::prepare(const TransferSpec&
   if (raw) {
     uint64_t end = 0;
     if (tensors != 1) return Status(Code::kParamInvalid, "a transfer to registered memory moves one tensor");
-    if (remote_bytes < block_size || __builtin_add_overflow(remote_base, remote_bytes, &end)) {
+    const uint64_t remote_bs = p->mapping.remote_block_size;
+    if (remote_bytes < remote_bs || __builtin_add_overflow(remote_base, remote_bytes, &end)) {
       return Status(Code::kParamInvalid, "the remote memory is empty, smaller than a block, or wraps");
     }
     p->remote_base = remote_base;
-    p->remote_blocks = remote_bytes / block_size;
+    p->remote_blocks = remote_bytes / remote_bs;
   }
   p->local = local.value();
   p->generation.store(generation, std::memory_order_release);
@@ -422,20 +465,26 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   }
   p.remote.target = prep.target;
   const bool raw = prep.target.kind == wire::TargetKind::kRaw;
-  const uint64_t bs = prep.block_size;
-  p.remote.block_size = raw ? 0 : bs;
-  p.block_unit = bs;
-  const uint64_t max_remote = raw ? prep.remote_blocks : UINT64_MAX / bs;
+  const BlockMapping& m = prep.mapping;
+  const uint64_t bs = prep.block_size, rbs = m.remote_block_size, piece = m.remote_view_length;
+  p.remote.block_size = raw ? 0 : rbs;
+  // a split by size cuts only between whole pieces: a block's piece is never half-written
+  p.block_unit = piece;
+  const uint64_t max_remote = raw ? prep.remote_blocks : UINT64_MAX / rbs;
   for (size_t i = 0; i < n; ++i) {
-    const int64_t lb = local[i], rb = remote[i];
+    const int64_t lb = local[i];
     if (lb < 0 || static_cast<uint64_t>(lb) >= prep.local_blocks) {
       return Status(Code::kParamInvalid, "block index " + std::to_string(lb) + " out of range: local cache has " +
                                              std::to_string(prep.local_blocks) + " blocks");
     }
-    if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
-      return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
+    for (uint32_t j = 0; j < m.block_ratio; ++j) {
+      const int64_t rb = remote[i * m.block_ratio + j];
+      if (rb < 0 || static_cast<uint64_t>(rb) >= max_remote) {
+        return Status(Code::kParamInvalid, "remote block index " + std::to_string(rb) + " out of range");
+      }
+      appendRun(p, static_cast<uint64_t>(lb) * bs + m.local_view_offset + j * piece,
+                (raw ? prep.remote_base : 0) + static_cast<uint64_t>(rb) * rbs + m.remote_view_offset, piece);
     }
-    appendRun(p, static_cast<uint64_t>(lb) * bs, (raw ? prep.remote_base : 0) + static_cast<uint64_t>(rb) * bs, bs);
   }
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();

@@ -41,7 +41,7 @@ class Transfers {
   Status pull(const TransferSpec& spec);
   Status push(const TransferSpec& spec);
   Result<std::shared_ptr<PreparedTransfer>> prepare(const TransferSpec& spec, uint64_t block_size, uint64_t remote_base,
-                                                    uint64_t remote_bytes);
+                                                    uint64_t remote_bytes, const BlockMapping& mapping = {});
   Status post(PreparedTransfer& p, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
               const CancelToken* cancel = nullptr);
   Result<wire::RawTable> describeMemory(uint64_t cluster_id, int64_t timeout_ms);

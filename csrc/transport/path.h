@@ -57,8 +57,8 @@ struct TransferPlan {
   const std::atomic<uint64_t>* abort = nullptr;
   uint64_t abort_admitted = 0;
   CancelPoint cancelPoint() const { return CancelPoint{cancel, abort, abort_admitted}; }
-  // The transfer's block in bytes where the remote side has none (a prepared transfer to registered
-  // memory): a split by size cuts runs at whole multiples of it (0: remote.block_size, or bytes).
+  // A prepared transfer's unit in bytes (a block, or a block view's piece: engine_types.h
+  // BlockMapping): a split by size cuts runs at whole multiples of it (0: remote.block_size, or bytes).
   uint64_t block_unit = 0;
 };
 

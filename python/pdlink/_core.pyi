@@ -354,6 +354,24 @@ class Target:
     def __init__(self, *, kind: TargetKind = ..., model_id: int = 0, req_id: int = 0, prefix_id: int = 0,
                  cache_id: int = 0, batch_index: int = 0) -> None: ...
 
+class BlockMapping:
+    """A prepared transfer's block views and ratio (csrc/engine/engine_types.h BlockMapping)."""
+
+    @property
+    def remote_block_size(self) -> int: ...  # 0: the local block size
+    @property
+    def local_view_offset(self) -> int: ...
+    @property
+    def local_view_length(self) -> int: ...  # 0: the whole block
+    @property
+    def remote_view_offset(self) -> int: ...
+    @property
+    def remote_view_length(self) -> int: ...  # 0: the local view's length / block_ratio
+    @property
+    def block_ratio(self) -> int: ...
+    def __init__(self, *, remote_block_size: int = 0, local_view_offset: int = 0, local_view_length: int = 0,
+                 remote_view_offset: int = 0, remote_view_length: int = 0, block_ratio: int = 1) -> None: ...
+
 class TransferSpec:
     """One pull or push; runs are (offset, length) pairs."""
 
@@ -394,6 +412,8 @@ class CancelToken:
 class PreparedTransfer:
     @property
     def block_size(self) -> int: ...
+    @property
+    def mapping(self) -> BlockMapping: ...  # resolved: every size set
     @property
     def local_blocks(self) -> int: ...
     @property
@@ -474,7 +494,8 @@ class Engine:
     def push(self, spec: TransferSpec) -> None: ...
     # A prepared block transfer (engine/engine.h PreparedTransfer); block_size 0: the local cache's.
     def prepare(
-        self, spec: TransferSpec, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0
+        self, spec: TransferSpec, block_size: int = 0, remote_base: int = 0, remote_bytes: int = 0,
+        mapping: BlockMapping = ...
     ) -> PreparedTransfer: ...
     def describe_memory(self, cluster_id: int, timeout_ms: int) -> tuple[int, list[tuple[int, int]]]: ...
     # Descriptor lists to one peer: [local[i], +lengths[i]) <-> [remote[i], +lengths[i]), absolute addresses.

@@ -442,10 +442,16 @@ class PreparedTransfer:
 class PreparedPlan:
     """A TP plan bound to a local region and the prefill ranks' regions (``Engine.prepare_plan``):
     ``read(local_blocks, remote_blocks)`` moves every slice the plan needs into local blocks
-    ``local_blocks[i]`` from remote blocks ``remote_blocks[block_ratio * i + j]``, as one strided
-    read per prefill rank, the ranks' reads at once on the engine's async pool. Each rank's read
-    is all or nothing; when one fails, the others may have landed (their blocks hold the new bytes
-    of their heads), and the call raises the first failure. Not a pin, like ``PreparedTransfer``."""
+    ``local_blocks[i]`` from remote blocks ``remote_blocks[block_ratio * i + j]``, every rank's
+    reads at once on the engine's async pool, and waits for all of them.
+
+    How a rank is read (``paths``): ``"prepared"`` where each of its reads is one piece per block
+    on both sides (head slices of HND blocks, whole token-major blocks under a block ratio) and its
+    region is reached by key with the plan's block size: one native prepared transfer per read,
+    with block views (``Engine.prepare``), which costs no more per block than a whole-block one;
+    else ``"rows"``: strided rows (``pdlink.kv.plan_rows``, ``Engine.read``). Each posted request
+    is all or nothing; when one fails, others may have landed, and the call raises the first
+    failure. Not a pin, like ``PreparedTransfer``."""
 
     def __init__(self, engine: Engine, plan: TpPlan, local: Region, sources: Mapping[int, tuple[int, RemoteRegion]]):
         self._engine, self.plan, self._local = engine, plan, local
@@ -453,24 +459,50 @@ class PreparedPlan:
         self._remote = {rank: sources[rank][1].addresses for rank in plan.ranks}
         self.local_blocks = local.length // plan.local.block_bytes
         self.remote_blocks = min(sources[rank][1].length // plan.remote_block_bytes for rank in plan.ranks)
+        # rank -> [(sub-block, native prepared transfer)] where every read of the rank can be one
+        self._prepared: dict[int, list[tuple[int, PreparedTransfer]]] = {}
+        for rank in plan.ranks:
+            remote = sources[rank][1]
+            reads = [r for r in plan.reads if r.remote_rank == rank]
+            if (remote.key is not None and remote.block_size == plan.remote_block_bytes
+                    and local.block_size == plan.local.block_bytes
+                    and all(r.local.count == 1 and r.remote.count == 1 for r in reads)):
+                self._prepared[rank] = [
+                    (r.sub_block, engine.prepare(self._peers[rank], local, remote,
+                                                 local_view=(r.local.offset, r.local.length),
+                                                 remote_view=(r.remote.offset, r.remote.length)))
+                    for r in reads]
 
-    def read(self, local_blocks: Indices, remote_blocks: Indices, *, timeout_ms: int | None = None) -> None:
+    @property
+    def paths(self) -> dict[int, str]:
+        """How each prefill rank is read: ``"prepared"`` or ``"rows"`` (the class docstring)."""
+        return {rank: "prepared" if rank in self._prepared else "rows" for rank in self.plan.ranks}
+
+    def read(self, local_blocks: Indices, remote_blocks: Indices) -> None:
         """Reads the plan's slices of ``remote_blocks`` into ``local_blocks`` (numpy int64 arrays or
-        lists of ints). A block index out of either region's range is ``InvalidArgument`` before
-        anything is sent."""
+        lists of ints), bounded by the engine's timeout. A block index out of either region's range,
+        or a remote list that is not ``block_ratio`` times the local one, is ``InvalidArgument``
+        before anything is sent."""
         lb, rb = np.asarray(local_blocks, np.int64).reshape(-1), np.asarray(remote_blocks, np.int64).reshape(-1)
+        if len(rb) != self.plan.block_ratio * len(lb) or not len(lb):
+            raise InvalidArgument(f"{len(lb)} local blocks need {self.plan.block_ratio * len(lb)} remote blocks "
+                                  f"(block_ratio {self.plan.block_ratio}), got {len(rb)}",
+                                  status_code=LLMStatusCode.LLM_PARAM_INVALID)
         for what, idx, n in (("local", lb, self.local_blocks), ("remote", rb, self.remote_blocks)):
-            if idx.size and (idx.min() < 0 or idx.max() >= n):
+            if idx.min() < 0 or idx.max() >= n:
                 raise InvalidArgument(f"a {what} block index is outside [0, {n})",
                                       status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        rows = plan_rows(self.plan, self._local.addresses, self._remote, lb, rb)
-        pending = [self._engine.read_async(self._peers[rank], lr, rr, timeout_ms=timeout_ms)
-                   for rank, (lr, rr) in rows.items()]
+        pending = [prepared.read_async(lb, rb[sub::self.plan.block_ratio])
+                   for posts in self._prepared.values() for sub, prepared in posts]
+        rest = {rank: addresses for rank, addresses in self._remote.items() if rank not in self._prepared}
+        if rest:
+            rows = plan_rows(self.plan, self._local.addresses, rest, lb, rb, ranks=sorted(rest))
+            pending += [self._engine.read_async(self._peers[rank], lr, rr) for rank, (lr, rr) in rows.items()]
         errors = []
         for p in pending:
             try:
                 p.wait()
-            except BaseException as e:  # noqa: BLE001 - every rank's read is waited for; the first error is raised
+            except BaseException as e:  # noqa: BLE001 - every request is waited for; the first error is raised
                 errors.append(e)
         if errors:
             raise errors[0]
@@ -976,10 +1008,19 @@ class Engine:
         return self._submit_transfer(lambda token: self._batch(peer, local_addresses, remote_addresses, lengths,
                                                                True, _timeout_kw(**kwargs), token))
 
-    def prepare(self, peer: int, local: Region, remote: RemoteRegion, *,
-                block_size: int | None = None) -> PreparedTransfer:
+    def prepare(self, peer: int, local: Region, remote: RemoteRegion, *, block_size: int | None = None,
+                local_view: tuple[int, int] | None = None, remote_view: tuple[int, int] | None = None,
+                block_ratio: int = 1) -> PreparedTransfer:
         """A prepared block transfer between ``local`` and the peer's ``remote`` region, in blocks
-        of ``block_size`` (default: the local region's). Nothing is sent to the peer until a post."""
+        of ``block_size`` (default: the local region's). Nothing is sent to the peer until a post.
+
+        Block views and ratios (docs/native_api.md, "Block views and ratios"): ``local_view`` and
+        ``remote_view`` are ``(offset, length)`` byte ranges of every block of each side (a head
+        slice of a head-major block); ``block_ratio`` r maps one local block to r remote blocks
+        (``read(local, remote)`` then takes r remote indices per local one, local block
+        ``local[i]``'s view in r equal pieces from remote blocks ``remote[r * i + j]``). With any
+        of them each side's blocks are its own region's ``block_size``. A mapping that does not fit
+        the blocks raises ``InvalidArgument`` here."""
         if local.cache_id not in self._regions:
             raise ValueError(f"region {local.cache_id} is not registered here")
         if local.tensors != remote.tensors:
@@ -993,7 +1034,12 @@ class Engine:
         else:
             target = c.Target(kind=c.TargetKind.RAW)
         spec = c.TransferSpec(peer_cluster_id=peer, target=target, local_cache_id=local.cache_id)
-        native = self._native.prepare(spec, block, remote.address, remote.length)
+        mapped = local_view is not None or remote_view is not None or block_ratio != 1
+        lv, rv = local_view or (0, 0), remote_view or (0, 0)
+        mapping = c.BlockMapping(remote_block_size=remote.block_size if mapped else block, local_view_offset=lv[0],
+                                 local_view_length=lv[1], remote_view_offset=rv[0], remote_view_length=rv[1],
+                                 block_ratio=block_ratio)
+        native = self._native.prepare(spec, block, remote.address, remote.length, mapping)
         return PreparedTransfer(self, native)
 
     def prepare_plan(self, plan: TpPlan, local: Region, sources: Mapping[int, tuple[int, RemoteRegion]]

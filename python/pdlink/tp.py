@@ -278,15 +278,16 @@ def tp_plan(local: KvGeometry, remotes: Iterable[KvGeometry] | Mapping[Any, KvGe
 
 
 def plan_rows(plan: TpPlan, local_tensors: Sequence[int], remote_tensors: Mapping[int, Sequence[int]],
-              local_blocks: Sequence[int] | np.ndarray, remote_blocks: Sequence[int] | np.ndarray
-              ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+              local_blocks: Sequence[int] | np.ndarray, remote_blocks: Sequence[int] | np.ndarray,
+              ranks: Sequence[int] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """The strided rows that carry out ``plan`` for some blocks, per remote rank read: ``{rank:
     (local_rows, remote_rows)}``, (N, 4) uint64 arrays of ``(address, length, stride, count)`` that
     pair piece by piece, for ``Engine.read(peer_of_rank, local_rows, remote_rows)``.
     ``local_tensors`` are the base addresses of the local (layer, K/V) tensors, ``layers * kv`` of
     them in the order both sides use; ``remote_tensors[rank]`` the same for each rank read.
     ``local_blocks[i]`` is filled from remote blocks ``remote_blocks[block_ratio * i + j]``,
-    ``j < block_ratio``. Raises ``InvalidArgument`` for lists of the wrong sizes."""
+    ``j < block_ratio``. ``ranks``: only these of the plan's ranks (default: all it reads).
+    Raises ``InvalidArgument`` for lists of the wrong sizes."""
     tensors = plan.local.layers * plan.local.kv
     local_b = np.asarray(local_blocks, dtype=np.uint64).reshape(-1)
     remote_b = np.asarray(remote_blocks, dtype=np.uint64).reshape(-1)
@@ -299,7 +300,7 @@ def plan_rows(plan: TpPlan, local_tensors: Sequence[int], remote_tensors: Mappin
                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
     lt = np.asarray(local_tensors, dtype=np.uint64)
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for rank in plan.ranks:
+    for rank in plan.ranks if ranks is None else ranks:
         if len(remote_tensors.get(rank, ())) != tensors:
             raise InvalidArgument(f"rank {rank} needs {tensors} remote tensor addresses (layers * kv)",
                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)

@@ -171,6 +171,73 @@ def test_prepared_transfers_move_blocks_by_index(two: Two, by: str) -> None:
         native.post, "w", [0, 1, 2], [4, 5, 6], "write"), rows([(0, 4), (1, 5), (2, 6)]))
 
 
+@pytest.mark.parametrize("by", ["key", "address"])
+def test_prepared_block_views_and_ratios_move_exact_bytes(two: Two, by: str) -> None:
+    """A head slice (the second half of each remote block into the first half of each local one),
+    both ways; a block ratio of 2 (a local block of 256 bytes from two remote blocks of 128, the
+    target's region "small"); and both at once (the middle half of each local block in two pieces
+    of 64, each the second quarter of a remote block)."""
+    two.target.call(native.register, "small", 2 * ROWS, ROW // 2, seed=3, key=8)
+    src, small, sink = (two.target.call(native.remote, name) for name in ("src", "small", "sink"))
+    if by == "address":
+        src, small, sink = (type(r)(length=r.length, block_size=r.block_size, address=r.address)
+                            for r in (src, small, sink))
+    half = ROW // 2
+    two.initiator.call(native.prepare, "slice", TARGET, "dst", src, local_view=(0, half), remote_view=(half, half))
+    check_transfer(two.read("src"), two.read("dst"), lambda: two.initiator.call(
+        native.post, "slice", [2, 5, 6], [1, 6, 7], "read"),
+        copies([(1 * ROW + half, 2 * ROW, half), (6 * ROW + half, 5 * ROW, half), (7 * ROW + half, 6 * ROW, half)]))
+    two.initiator.call(native.prepare, "slice-w", TARGET, "dst", sink, local_view=(half, half), remote_view=(0, half))
+    check_transfer(two.read("dst"), two.read("sink"), lambda: two.initiator.call(
+        native.post, "slice-w", [0, 3], [4, 1], "write"), copies([(half, 4 * ROW, half), (3 * ROW + half, ROW, half)]))
+    # a ratio: the target's "small" blocks are 128 bytes
+    two.initiator.call(native.prepare, "ratio", TARGET, "dst", small, block_ratio=2)
+    src_small = lambda: two.target.call(native.snapshot, "small")  # noqa: E731
+    check_transfer(src_small, two.read("dst"), lambda: two.initiator.call(
+        native.post, "ratio", [3, 0], [5, 0, 15, 14], "read"),
+        copies([(5 * half, 3 * ROW, half), (0, 3 * ROW + half, half), (15 * half, 0, half), (14 * half, half, half)]))
+    q = ROW // 4
+    two.initiator.call(native.prepare, "both", TARGET, "dst", small, block_ratio=2, local_view=(q, half),
+                       remote_view=(q // 2, q))
+    check_transfer(src_small, two.read("dst"), lambda: two.initiator.call(
+        native.post, "both", [7], [9, 2], "read"),
+        copies([(9 * half + q // 2, 7 * ROW + q, q), (2 * half + q // 2, 7 * ROW + 2 * q, q)]))
+
+
+# Mappings refused at prepare (InvalidArgument, nothing sent): (Engine.prepare's keywords, the message).
+BAD_MAPPINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "a local view past the block": ({"local_view": (ROW // 2, ROW // 2 + 1)}, "is not inside a local block"),
+    "a remote view past the block": ({"remote_view": (ROW - 8, 16), "local_view": (0, 16)},
+                                     "is not inside a remote block"),
+    "a remote view of another length": ({"remote_view": (0, 16), "local_view": (0, 32)}, "is not the local view's"),
+    "a view that does not divide by the ratio": ({"local_view": (0, 101), "block_ratio": 2}, "equal pieces"),
+    "a ratio of 0": ({"block_ratio": 0}, "block_ratio must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MAPPINGS))
+def test_a_mapping_that_does_not_fit_the_blocks_is_refused_at_prepare(two: Two, case: str) -> None:
+    kwargs, text = BAD_MAPPINGS[case]
+    with pytest.raises(InvalidArgument, match=text) as e:
+        two.initiator.call(native.prepare, "bad", TARGET, "dst", two.target.call(native.remote, "src"), **kwargs)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_a_ratio_post_needs_ratio_remote_indices_per_local_one(two: Two) -> None:
+    two.target.call(native.register, "small", 2 * ROWS, ROW // 2, seed=3, key=8)
+    two.initiator.call(native.prepare, "ratio", TARGET, "dst", two.target.call(native.remote, "small"), block_ratio=2)
+    with pytest.raises(ValueError, match="2 local blocks need 4 remote blocks, got 3"):
+        check_transfer(lambda: two.target.call(native.snapshot, "small"), two.read("dst"), lambda: two.initiator.call(
+            native.post, "ratio", [0, 1], [0, 1, 2], "read"), nothing)
+    with pytest.raises(InvalidArgument, match="remote block index 16 out of range") as e:  # the raw bound: 16 blocks
+        two.initiator.call(native.prepare, "raw", TARGET, "dst", type(two.target.call(native.remote, "small"))(
+            length=2 * ROWS * (ROW // 2), block_size=ROW // 2, address=two.target.call(native.addresses, "small")[0]),
+            block_ratio=2)
+        check_transfer(lambda: two.target.call(native.snapshot, "small"), two.read("dst"), lambda: two.initiator.call(
+            native.post, "raw", [0], [15, 16], "read"), nothing)
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
 def test_regions_of_several_tensors_move_every_tensors_blocks(two: Two) -> None:
     """A region of 3 tensors (a KV cache's layers) published by key: a prepared post moves the
     indexed blocks of every tensor; a descriptor into one tensor moves only there."""

@@ -32,14 +32,16 @@ def geometry(layout: str, heads: int, tp_size: int, rank: int, block_tokens: int
                          tp_size=tp_size, tp_rank=rank, layers=2, kv=1 if layout == "MLA" else 2)
 
 
-# (layout, KV heads, prefill TP, decode TP, decode rank, prefill block tokens, decode block tokens, per_token)
+# (layout, KV heads, prefill TP, decode TP, decode rank, prefill block tokens, decode block tokens, per_token,
+#  how Engine.prepare_plan reads each rank: one piece per block on both sides -> native prepared transfers)
 CASES = {
-    "tp 2 -> 1": ("HND", 4, 2, 1, 0, 4, 4, False),
-    "tp 1 -> 2": ("HND", 4, 1, 2, 1, 4, 4, False),
-    "tp 4 -> 2, 2 kv heads": ("HND", 2, 4, 2, 1, 4, 4, False),
-    "mla 4 -> 2": ("MLA", 1, 4, 2, 1, 4, 4, False),
-    "16 -> 32 tokens, tp 2 -> 1": ("HND", 4, 2, 1, 0, 2, 4, False),
-    "nhd tp 1 -> 2, per token": ("NHD", 4, 1, 2, 0, 4, 4, True),
+    "tp 2 -> 1": ("HND", 4, 2, 1, 0, 4, 4, False, "prepared"),
+    "tp 1 -> 2": ("HND", 4, 1, 2, 1, 4, 4, False, "prepared"),
+    "tp 4 -> 2, 2 kv heads": ("HND", 2, 4, 2, 1, 4, 4, False, "prepared"),
+    "mla 4 -> 2": ("MLA", 1, 4, 2, 1, 4, 4, False, "prepared"),
+    "16 -> 32 tokens, tp 2 -> 1": ("HND", 4, 2, 1, 0, 2, 4, False, "rows"),  # HND sub-blocks: a piece per head
+    "nhd 16 -> 32 tokens, tp 2 -> 2": ("NHD", 4, 2, 2, 1, 2, 4, False, "prepared"),  # token-major: one piece
+    "nhd tp 1 -> 2, per token": ("NHD", 4, 1, 2, 0, 4, 4, True, "rows"),
 }
 
 
@@ -47,14 +49,16 @@ CASES = {
 def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[..., Peer], variant: Variant,
                                                               via: str) -> None:
     """``via``: ``kv.plan_rows`` and one ``Engine.read`` per rank, or ``Engine.prepare_plan`` and
-    its ``read`` (the ranks' reads at once)."""
+    its ``read`` (the ranks' reads at once; native prepared transfers with block views where each
+    read is one piece per block, strided rows otherwise: the case says which)."""
     prefill = [peers(f"prefill{r}", env=variant.env()) for r in range(PREFILL_RANKS)]
     ports = [p.call(native.start, 10 + r, listen=True) for r, p in enumerate(prefill)]
     decode = peers("decode", env=variant.env())
     decode.call(native.start, 2)
     for r, port in enumerate(ports):
         assert decode.call(native.connect, port, 10 + r) == 10 + r
-    for case, (layout, heads, p_tp, d_tp, d_rank, p_tokens, d_tokens, per_token) in CASES.items():
+    for key, (case, (layout, heads, p_tp, d_tp, d_rank, p_tokens, d_tokens, per_token, path)) in \
+            enumerate(CASES.items(), 100):
         name = case.replace(" ", "_")
         ratio = d_tokens // p_tokens
         geometries = [geometry(layout, heads, p_tp, r, p_tokens) for r in range(p_tp)]
@@ -63,7 +67,7 @@ def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[...
         ranks = {}
         for g in geometries:
             prefill[g.tp_rank].call(native.register, name, BLOCKS * ratio, g.block_bytes, seed=None,
-                                    tensors=g.layers * g.kv)
+                                    tensors=g.layers * g.kv, key=key)
             ranks[g.tp_rank] = (10 + g.tp_rank,
                                 prefill[g.tp_rank].call(tp.fill, name, g, BLOCKS * ratio, SEED))
         decode.call(native.register, name, BLOCKS, local.block_bytes, seed=7, tensors=local.layers * local.kv)
@@ -75,7 +79,8 @@ def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[...
             assert decode.call(tp.read_plan, name, plan, ranks, LOCAL_BLOCKS, remote_blocks) == list(plan.ranks), case
         else:
             sources = {r: (10 + r, prefill[r].call(native.remote, name)) for r in plan.ranks}
-            decode.call(tp.read_prepared, name, plan, sources, LOCAL_BLOCKS, remote_blocks)
+            paths = decode.call(tp.read_prepared, name, plan, sources, LOCAL_BLOCKS, remote_blocks)
+            assert paths == dict.fromkeys(plan.ranks, path), (case, paths)
         assert_same(decode.call(native.snapshot, name), expected(before, local), f"{case}: the decode region")
         for r, snap in originals.items():
             assert_same(prefill[r].call(native.snapshot, name), snap, f"{case}: prefill rank {r}'s region")
@@ -150,7 +155,7 @@ def test_prepare_plan_checks_the_regions_against_the_plan_before_anything_is_sen
         prepared = engine.prepare_plan(plan, local, good)
         assert (prepared.local_blocks, prepared.remote_blocks) == (BLOCKS, BLOCKS)
         for lb, rb, text in (([BLOCKS], [0], "local block index"), ([0], [BLOCKS], "remote block index"),
-                             ([-1], [0], "local block index")):
+                             ([-1], [0], "local block index"), ([0, 1], [0], "2 local blocks need 2 remote")):
             with pytest.raises(InvalidArgument, match=text) as e:
                 prepared.read(lb, rb)
             assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID

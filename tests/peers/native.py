@@ -305,9 +305,10 @@ def local_memory() -> pdlink.MemoryMap:
     return _engine().local_memory()
 
 
-def prepare(tag: str, peer: int, name: str, remote_region: pdlink.RemoteRegion) -> None:
-    """Prepares a transfer between region ``name`` and the peer's region, kept under ``tag``."""
-    _state["prepared"][tag] = _engine().prepare(peer, _state["regions"][name].region, remote_region)
+def prepare(tag: str, peer: int, name: str, remote_region: pdlink.RemoteRegion, **mapping: Any) -> None:
+    """Prepares a transfer between region ``name`` and the peer's region, kept under ``tag``;
+    ``mapping``: ``Engine.prepare``'s ``local_view``, ``remote_view``, ``block_ratio``."""
+    _state["prepared"][tag] = _engine().prepare(peer, _state["regions"][name].region, remote_region, **mapping)
 
 
 def post(tag: str, local: Sequence[int], remote_blocks: Sequence[int], op: str) -> None:

@@ -35,8 +35,9 @@ def read_plan(name: str, plan: kv.TpPlan, ranks: Mapping[int, tuple[int, Sequenc
 
 
 def read_prepared(name: str, plan: kv.TpPlan, sources: Mapping[int, tuple[int, pdlink.RemoteRegion]],
-                  local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> None:
+                  local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> dict[int, str]:
     """Reads ``plan`` into region ``name`` through ``Engine.prepare_plan``: ``sources[r]`` is (the
-    cluster id, the ``RemoteRegion``) of prefill rank ``r``."""
+    cluster id, the ``RemoteRegion``) of prefill rank ``r``. How each rank was read (``paths``)."""
     prepared = native._engine().prepare_plan(plan, native._state["regions"][name].region, sources)
     prepared.read(local_blocks, remote_blocks)
+    return prepared.paths

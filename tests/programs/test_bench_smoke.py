@@ -77,7 +77,7 @@ def test_head_sliced_pull_benchmark_smoke_runs_and_verifies(tmp_path):
     results = json.loads((tmp_path / "tp.json").read_text())
     assert {run["transport"] for run in results["pdlink"]} in ({"cma", "tcp"}, {"tcp"})
     for run in results["pdlink"]:  # each kind produced a number (each verified its bytes first)
-        for key in ("sliced_rows", "sliced_list", "whole"):
+        for key in ("sliced_rows", "sliced_list", "whole", "sliced_prepared", "whole_prepared"):
             assert run[key]["median"] > 0, key
     assert "pdlink head-sliced pull benchmark" in (tmp_path / "tp.txt").read_text()
 
