@@ -25,7 +25,6 @@ PDLINK_BENCH_NIXL_PYTHON / PDLINK_BENCH_MOONCAKE_PYTHON: interpreters that have 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -37,7 +36,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_small import gbps, latency, memcpy_ceiling, pattern, run_nixl  # noqa: E402
+from bench_small import gbps, host_transports, latency, memcpy_ceiling, pattern, run_nixl, run_pair  # noqa: E402
 from bench_transfer import fmt, run_peer, save, summary  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
@@ -177,35 +176,14 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--transports", default="cma,tcp")
     args = ap.parse_args()
-    from pdlink._sysinfo import direct_access_permitted
-
-    transports = args.transports.split(",")
-    if "cma" in transports and not direct_access_permitted():
-        print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
-        transports.remove("cma")
+    transports = host_transports(args.transports)
     total = 1 * MIB if args.smoke else 64 * MIB
     reps = 2 if args.smoke else args.reps
     lat_n = 200 if args.smoke else 5000
-    ctx = mp.get_context("spawn")
     results: dict[str, Any] = {"config": f"{total // MIB} MiB, {reps} reps, {lat_n} latency samples, no secret",
-                               "hixl": [], "peers": {}}
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=server_main, args=(child, total), daemon=True)
-    server.start()
-    name, raddr = parent.recv()
-    try:
-        for tr in transports:
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(b, tr, total, reps, lat_n, name, raddr), daemon=True)
-            p.start()
-            status, value = a.recv()
-            p.join(60)
-            if status != "ok":
-                raise SystemExit(f"hixl {tr} run failed:\n{value}")
-            results["hixl"].append(value)
-    finally:
-        parent.send("stop")
-        server.join(30)
+                               "peers": {}}
+    results["hixl"] = run_pair("hixl", server_main, (total,), client_main, transports,
+                               lambda tr, info: (tr, total, reps, lat_n, *info))
     results["memcpy"] = memcpy_ceiling(total, reps)
     if not args.no_peers:
         nixl = run_nixl(total, reps, lat_n)

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,13 +97,18 @@ def gbps(fn, nbytes: int, reps: int) -> list[float]:
     return out
 
 
-def initiator_main(conn: Any, transport: str, total: int, reps: int, lat_n: int, info: dict[str, Any]) -> None:
+def report_to(conn: Any, run: Callable[..., Any], *args: Any) -> None:
+    """Sends ("ok", run(*args)), or ("error", the traceback): what ``run_pair`` reads."""
     try:
-        conn.send(("ok", run_initiator(transport, total, reps, lat_n, info)))
+        conn.send(("ok", run(*args)))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         import traceback
 
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def initiator_main(conn: Any, transport: str, total: int, reps: int, lat_n: int, info: dict[str, Any]) -> None:
+    report_to(conn, run_initiator, transport, total, reps, lat_n, info)
 
 
 def run_initiator(transport: str, total: int, reps: int, lat_n: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -269,6 +275,44 @@ def run_nixl(total: int, reps: int, lat_n: int) -> dict[str, Any] | None:
     return out
 
 
+def host_transports(spec: str) -> list[str]:
+    """The transports of ``--transports`` that can run here (cma needs process_vm_readv)."""
+    from pdlink._sysinfo import direct_access_permitted
+
+    transports = spec.split(",")
+    if "cma" in transports and not direct_access_permitted():
+        print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
+        transports.remove("cma")
+    return transports
+
+
+def run_pair(label: str, target: Callable[..., None], target_args: tuple[Any, ...], initiator: Callable[..., None],
+             transports: list[str], initiator_args: Callable[[str, Any], tuple[Any, ...]]) -> list[Any]:
+    """Runs ``target(conn, *target_args)`` in a process, then for each transport
+    ``initiator(conn, *initiator_args(transport, what_the_target_sent))`` in another, one after the
+    other; each initiator sends ("ok", result) or ("error", text). Their results, in order."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=target, args=(child, *target_args), daemon=True)
+    server.start()
+    info = parent.recv()
+    out = []
+    try:
+        for tr in transports:
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=initiator, args=(b, *initiator_args(tr, info)), daemon=True)
+            p.start()
+            status, value = a.recv()
+            p.join(60)
+            if status != "ok":
+                raise SystemExit(f"{label} {tr} run failed:\n{value}")
+            out.append(value)
+    finally:
+        parent.send("stop")
+        server.join(30)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and counts: checks that everything runs")
@@ -277,35 +321,14 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--transports", default="cma,tcp")
     args = ap.parse_args()
-    from pdlink._sysinfo import direct_access_permitted
-
-    transports = args.transports.split(",")
-    if "cma" in transports and not direct_access_permitted():
-        print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
-        transports.remove("cma")
+    transports = host_transports(args.transports)
     total = 1 * MIB if args.smoke else 64 * MIB
     reps = 2 if args.smoke else args.reps
     lat_n = 200 if args.smoke else 5000
-    ctx = mp.get_context("spawn")
     results: dict[str, Any] = {"config": f"{total // MIB} MiB, {reps} reps, {lat_n} latency samples, no secret",
-                               "pdlink": [], "peers": {}}
-    parent, child = ctx.Pipe()
-    target = ctx.Process(target=target_main, args=(child, total), daemon=True)
-    target.start()
-    info = parent.recv()
-    try:
-        for tr in transports:
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=initiator_main, args=(b, tr, total, reps, lat_n, info), daemon=True)
-            p.start()
-            status, value = a.recv()
-            p.join(60)
-            if status != "ok":
-                raise SystemExit(f"pdlink {tr} run failed:\n{value}")
-            results["pdlink"].append(value)
-    finally:
-        parent.send("stop")
-        target.join(30)
+                               "peers": {}}
+    results["pdlink"] = run_pair("pdlink", target_main, (total,), initiator_main, transports,
+                                 lambda tr, info: (tr, total, reps, lat_n, info))
     results["memcpy"] = memcpy_ceiling(total, reps)
     if "cma" in transports:
         results["cma_ceiling"] = cma_ceiling(lat_n * 4)

@@ -25,7 +25,6 @@ with min and max, and the ratios.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 from typing import Any
@@ -34,7 +33,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_small import fmt, gbps, pattern  # noqa: E402
+from bench_small import fmt, gbps, host_transports, pattern, report_to, run_pair  # noqa: E402
 from bench_transfer import run_peer, save, summary  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
@@ -53,12 +52,7 @@ def target_main(conn: Any, total: int) -> None:
 
 
 def initiator_main(conn: Any, transport: str, total: int, block: int, reps: int, info: dict[str, Any]) -> None:
-    try:
-        conn.send(("ok", run_initiator(transport, total, block, reps, info)))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    report_to(conn, run_initiator, transport, total, block, reps, info)
 
 
 def run_initiator(transport: str, total: int, block: int, reps: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -131,35 +125,14 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--transports", default="cma,tcp")
     args = ap.parse_args()
-    from pdlink._sysinfo import direct_access_permitted
-
-    transports = args.transports.split(",")
-    if "cma" in transports and not direct_access_permitted():
-        print("direct memory access (process_vm_readv) is not permitted here: measuring tcp only")
-        transports.remove("cma")
+    transports = host_transports(args.transports)
     total = 1 * MIB if args.smoke else 64 * MIB
     reps = 2 if args.smoke else args.reps
     block = args.block_kib * KIB
-    ctx = mp.get_context("spawn")
     results: dict[str, Any] = {"config": f"{total // MIB} MiB read, half of each {block // KIB} KiB block, "
-                                         f"{reps} reps, no secret", "pdlink": [], "peers": {}}
-    parent, child = ctx.Pipe()
-    target = ctx.Process(target=target_main, args=(child, total), daemon=True)
-    target.start()
-    info = parent.recv()
-    try:
-        for tr in transports:
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=initiator_main, args=(b, tr, total, block, reps, info), daemon=True)
-            p.start()
-            status, value = a.recv()
-            p.join(60)
-            if status != "ok":
-                raise SystemExit(f"pdlink {tr} run failed:\n{value}")
-            results["pdlink"].append(value)
-    finally:
-        parent.send("stop")
-        target.join(30)
+                                         f"{reps} reps, no secret", "peers": {}}
+    results["pdlink"] = run_pair("pdlink", target_main, (total,), initiator_main, transports,
+                                 lambda tr, info: (tr, total, block, reps, info))
     if not args.no_peers:
         mod = os.environ.get("NIXL_MOD", "nixl_cu12")
         nixl = run_peer("NIXL/UCX strided", "nixl_strided_peer.py", "PDLINK_BENCH_NIXL_PYTHON", mod + "._api",

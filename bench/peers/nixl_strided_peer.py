@@ -5,7 +5,6 @@ prepared once and posted by index arrays, and, for comparison, the same bytes as
 half the size. Verified once each. UCX_TLS selects UCX's transports; NIXL_MOD names the module.
 Usage: python nixl_strided_peer.py total_MiB block_KiB reps lat_n  -> one JSON line
 """
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -14,20 +13,12 @@ import time
 
 import numpy as np
 from _common import summary
+from nixl_peer import agent, wait  # its argv is this one's (total_MiB block_KiB reps lat_n)
 
 TOTAL, BLOCK = int(sys.argv[1]) << 20, int(sys.argv[2]) << 10
 REPS = int(sys.argv[3])
 N = 2 * TOTAL // BLOCK  # remote blocks; half of each is read
 HALF = BLOCK // 2
-
-
-def api():
-    return importlib.import_module(os.environ.get("NIXL_MOD", "nixl") + "._api")
-
-
-def agent(name):
-    m = api()
-    return m.nixl_agent(name, m.nixl_agent_config(backends=["UCX"]))
 
 
 def target(conn):
@@ -39,21 +30,13 @@ def target(conn):
     conn.recv()
 
 
-def post(ag, h):
-    st = ag.transfer(h)
-    while st == "PROC":
-        st = ag.check_xfer_state(h)
-    if st != "DONE":
-        raise RuntimeError(f"nixl transfer state {st}")
-
-
 def timed(ag, h, check):
-    post(ag, h)
+    wait(ag, h)
     check()
     times = []
     for _ in range(REPS):
         t0 = time.perf_counter()
-        post(ag, h)
+        wait(ag, h)
         times.append(time.perf_counter() - t0)
     return [TOTAL / t / 1e9 for t in times]
 
