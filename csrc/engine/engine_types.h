@@ -244,20 +244,6 @@ struct TransferSpec {
   const CancelToken* cancel = nullptr;
 };
 
-// A prepared block transfer (Engine::prepare, pdlink.Engine.prepare): this side's cache and the
-// peer's memory described once, then posted many times with block-index arrays. Local block i is
-// bytes [i * block_size, +block_size) of each local tensor; remote block j is the same range of the
-// peer's blocks cache published under `target.model_id` (kBlocks, which the peer checks against its
-// own block size), or [remote_base + j * block_size, +block_size) of the peer's registered memory
-// (kRaw, one tensor).
-//
-// Not a pin: it holds the local cache only weakly, with the generation of this side's registry when
-// it was last checked. A post after any registry change re-checks that the same cache is still
-// registered ("re-prepares") and fails with kParamInvalid when it is not; the peer checks its side on
-// every post (its registry, and the cma path's cached descriptor by the peer's generation), so a
-// post after the peer deregistered fails with the peer's code and moves nothing.
-// Threading: one PreparedTransfer may be posted from several threads (its fields are immutable but
-// the generation, which is atomic); posts on one link are serialised like any transfer.
 // How a prepared transfer maps blocks (issue #36; docs/native_api.md, "Block views and ratios"). The
 // default maps every byte of local block i to remote block remote[i]. A view is the byte range
 // [offset, offset + length) of every block of one side (a head slice of a head-major block; length
@@ -273,6 +259,20 @@ struct BlockMapping {
   uint32_t block_ratio = 1;
 };
 
+// A prepared block transfer (Engine::prepare, pdlink.Engine.prepare): this side's cache and the
+// peer's memory described once, then posted many times with block-index arrays. Local block i is
+// bytes [i * block_size, +block_size) of each local tensor; remote block j is the same range of the
+// peer's blocks cache published under `target.model_id` (kBlocks, which the peer checks against its
+// own block size), or [remote_base + j * block_size, +block_size) of the peer's registered memory
+// (kRaw, one tensor); `mapping` narrows both to views, with the peer's own block size (BlockMapping).
+//
+// Not a pin: it holds the local cache only weakly, with the generation of this side's registry when
+// it was last checked. A post after any registry change re-checks that the same cache is still
+// registered ("re-prepares") and fails with kParamInvalid when it is not; the peer checks its side on
+// every post (its registry, and the cma path's cached descriptor by the peer's generation), so a
+// post after the peer deregistered fails with the peer's code and moves nothing.
+// Threading: one PreparedTransfer may be posted from several threads (its fields are immutable but
+// the generation, which is atomic); posts on one link are serialised like any transfer.
 struct PreparedTransfer {
   uint64_t peer_cluster_id = 0;
   wire::Target target;         // kBlocks or kRaw

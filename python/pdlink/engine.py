@@ -464,8 +464,8 @@ class PreparedPlan:
         for rank in plan.ranks:
             remote = sources[rank][1]
             reads = [r for r in plan.reads if r.remote_rank == rank]
-            if (remote.key is not None and remote.block_size == plan.remote_block_bytes
-                    and local.block_size == plan.local.block_bytes
+            if (remote.key is not None and remote.tensors == local.tensors
+                    and remote.block_size == plan.remote_block_bytes and local.block_size == plan.local.block_bytes
                     and all(r.local.count == 1 and r.remote.count == 1 for r in reads)):
                 self._prepared[rank] = [
                     (r.sub_block, engine.prepare(self._peers[rank], local, remote,
