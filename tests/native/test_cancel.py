@@ -20,7 +20,7 @@ from peer import Peer
 from peers import cancel, native
 from poll import wait_until
 from relay import DOWN, UP, Relay
-from verify import Snapshot, assert_same
+from verify import Copy, Snapshot, assert_same
 
 TARGET, INITIATOR = 1, 2
 BLOCKS, BLOCK = 24, 1 << 20  # 24 MiB regions of 1 MiB blocks: three cancel slices of 8 MiB
@@ -121,6 +121,48 @@ def test_cancel_mid_flight(peers: Callable[..., Peer], variant: Variant, op: str
                     "destination after the cancelled transfer's retry")
         assert_same(s.snap(source_side, source), source0, "source of the retry")
         s.pins_released()
+
+
+@only("cpu-tcp")
+@pytest.mark.one_host("the test process relays the link")
+def test_a_cancelled_prepared_read_with_a_block_view_leaves_each_piece_old_or_new(peers: Callable[..., Peer],
+                                                                                   variant: Variant) -> None:
+    """A prepared read with block views (the second half of each 1 MiB source block into the first
+    half of each destination block: 12 MiB in 24 pieces) cancelled while its bytes are held at the
+    relay: CANCELLED, each destination piece holds its old or its new bytes, never a mix, some are
+    old, the second halves, the rest and the source are unchanged; the link then reads them all."""
+    half = BLOCK // 2
+    with Relay(0) as relay:
+        def relay_port(port: int) -> int:
+            relay.target_port = port
+            return relay.port
+
+        s = Setup(peers, variant, relay_port)
+        s.initiator.call(native.prepare, "view", TARGET, "dst", s.target.call(native.remote, "src"),
+                         local_view=(0, half), remote_view=(half, half))
+        dst0, src0 = s.snap(s.initiator, "dst"), s.snap(s.target, "src")
+        relay.hold_after(DOWN, 1 << 20)
+        s.initiator.call(cancel.start, "t", "prepared", "read", TARGET, "dst", s.src, NBYTES, "view")
+        relay.wait_held(DOWN)
+        assert s.initiator.call(cancel.cancel, "t") == (True, "CANCELLED")
+        relay.release()
+        assert s.initiator.call(cancel.finish, "t") == ("CANCELLED", "TransferCancelled", True)
+        after = s.snap(s.initiator, "dst")
+
+        def piece(snap: Snapshot, offset: int) -> np.ndarray:
+            return snap.tensor(0)[offset:offset + half]
+
+        new = [b for b in range(BLOCKS) if np.array_equal(piece(after, b * BLOCK), piece(src0, b * BLOCK + half))
+               and not np.array_equal(piece(after, b * BLOCK), piece(dst0, b * BLOCK))]
+        assert_same(after, dst0.with_bytes(src0, [Copy(0, b * BLOCK + half, 0, b * BLOCK, half) for b in new]),
+                    "destination of the cancelled view read")
+        assert len(new) < BLOCKS, "the cancel came after every piece had moved"
+        assert_same(s.snap(s.target, "src"), src0, "source of the cancelled transfer")
+        s.pins_released()
+        s.initiator.call(native.post, "view", list(range(BLOCKS)), list(range(BLOCKS)), "read")
+        assert_same(s.snap(s.initiator, "dst"),
+                    dst0.with_bytes(src0, [Copy(0, b * BLOCK + half, 0, b * BLOCK, half) for b in range(BLOCKS)]),
+                    "destination after the retry")
 
 
 @pytest.mark.parametrize("kind", KINDS)
