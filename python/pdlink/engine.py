@@ -44,7 +44,7 @@ from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import InvalidArgument, LLMStatusCode
-from .tp import TpPlan, plan_rows
+from .tp import TpPlan, plan_rows, tensor_parts
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
@@ -495,9 +495,11 @@ class PreparedPlan:
         pending = [prepared.read_async(lb, rb[sub::self.plan.block_ratio])
                    for posts in self._prepared.values() for sub, prepared in posts]
         rest = {rank: addresses for rank, addresses in self._remote.items() if rank not in self._prepared}
-        if rest:
+        if rest:  # one request per rank and tensor: each stays inside one allocation (tensor_parts)
             rows = plan_rows(self.plan, self._local.addresses, rest, lb, rb, ranks=sorted(rest))
-            pending += [self._engine.read_async(self._peers[rank], lr, rr) for rank, (lr, rr) in rows.items()]
+            tensors = self._local.tensors
+            pending += [self._engine.read_async(self._peers[rank], lp, rp) for rank, (lr, rr) in rows.items()
+                        for lp, rp in zip(tensor_parts(lr, tensors), tensor_parts(rr, tensors), strict=True)]
         errors = []
         for p in pending:
             try:

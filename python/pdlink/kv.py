@@ -31,7 +31,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .native import core, placement_of
-from .tp import LAYOUTS, GeometryMismatch, KvGeometry, Row, TpPlan, TpRead, check_pair, plan_rows, tp_plan
+from .tp import (
+    LAYOUTS,
+    GeometryMismatch,
+    KvGeometry,
+    Row,
+    TpPlan,
+    TpRead,
+    check_pair,
+    plan_rows,
+    tensor_parts,
+    tp_plan,
+)
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import (  # noqa: F401
@@ -48,7 +59,7 @@ if TYPE_CHECKING:  # what the module __getattr__ below returns
 __all__ = [
     "ANY_CLUSTER", "CacheHandle", "CacheLayout", "GeometryMismatch", "Key", "KvCaches", "KvGeometry", "LAYOUTS",
     "PreparedBlocks", "Row", "Target", "TargetKind", "TpPlan", "TpRead", "TransferMode", "TransferSpec", "check_pair",
-    "placement", "plan_rows", "tp_plan",
+    "placement", "plan_rows", "tensor_parts", "tp_plan",
 ]
 
 Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)

@@ -35,7 +35,8 @@ import numpy as np
 
 from .status import InvalidArgument, LLMStatusCode
 
-__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "plan_rows", "tp_plan"]
+__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "plan_rows",
+           "tensor_parts", "tp_plan"]
 
 # Block layouts: head-major blocks [heads, tokens, head_size]; token-major blocks [tokens, heads,
 # head_size]; MLA blocks [tokens, head_size] (one latent head, the whole of it on every rank).
@@ -287,6 +288,9 @@ def plan_rows(plan: TpPlan, local_tensors: Sequence[int], remote_tensors: Mappin
     them in the order both sides use; ``remote_tensors[rank]`` the same for each rank read.
     ``local_blocks[i]`` is filled from remote blocks ``remote_blocks[block_ratio * i + j]``,
     ``j < block_ratio``. ``ranks``: only these of the plan's ranks (default: all it reads).
+    Each array holds ``layers * kv`` equal parts, one per tensor in order (``np.split(rows,
+    tensors)``): on the ascend-ipc path a request must stay inside one device allocation, so
+    tensors allocated apart are read one part at a time (``tensor_parts``).
     Raises ``InvalidArgument`` for lists of the wrong sizes."""
     tensors = plan.local.layers * plan.local.kv
     local_b = np.asarray(local_blocks, dtype=np.uint64).reshape(-1)
@@ -306,7 +310,7 @@ def plan_rows(plan: TpPlan, local_tensors: Sequence[int], remote_tensors: Mappin
                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)
         rt = np.asarray(remote_tensors[rank], dtype=np.uint64)
         reads = [r for r in plan.reads if r.remote_rank == rank]
-        # [tensor, block, read] -> one row each side
+        # [tensor, read, block] -> one row each side
         lbase = lt[:, None] + local_b[None, :] * np.uint64(plan.local.block_bytes)
         local_rows, remote_rows = [], []
         for r in reads:
@@ -314,11 +318,18 @@ def plan_rows(plan: TpPlan, local_tensors: Sequence[int], remote_tensors: Mappin
             rbase = rt[:, None] + rblocks[None, :] * np.uint64(plan.remote_block_bytes)
             local_rows.append(_row_array(lbase + np.uint64(r.local.offset), r.local))
             remote_rows.append(_row_array(rbase + np.uint64(r.remote.offset), r.remote))
-        out[rank] = (np.concatenate(local_rows), np.concatenate(remote_rows))
+        out[rank] = (np.concatenate(local_rows, axis=1).reshape(-1, 4),
+                     np.concatenate(remote_rows, axis=1).reshape(-1, 4))
     return out
 
 
+def tensor_parts(rows: np.ndarray, tensors: int) -> list[np.ndarray]:
+    """``plan_rows``' array cut into its ``tensors`` parts, one per tensor."""
+    return np.split(rows, tensors)
+
+
 def _row_array(addresses: np.ndarray, row: Row) -> np.ndarray:
-    n = addresses.size
-    return np.stack([addresses.reshape(-1), np.full(n, row.length, np.uint64), np.full(n, row.stride, np.uint64),
-                     np.full(n, row.count, np.uint64)], axis=1)
+    """[tensor, block, 4]: one row per address of the [tensor, block] array ``addresses``."""
+    shape = addresses.shape
+    return np.stack([addresses, np.full(shape, row.length, np.uint64), np.full(shape, row.stride, np.uint64),
+                     np.full(shape, row.count, np.uint64)], axis=-1)

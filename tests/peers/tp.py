@@ -25,12 +25,15 @@ def fill(name: str, geometry: kv.KvGeometry, blocks: int, seed: int) -> list[int
 def read_plan(name: str, plan: kv.TpPlan, ranks: Mapping[int, tuple[int, Sequence[int]]], local_blocks: Sequence[int],
               remote_blocks: Sequence[int]) -> list[int]:
     """Reads ``plan`` into region ``name``: ``ranks[r]`` is (the cluster id, the tensor addresses)
-    of prefill rank ``r``. One ``Engine.read`` of strided rows per rank read; the ranks read."""
+    of prefill rank ``r``. One ``Engine.read`` of strided rows per rank read and tensor (each
+    tensor is an allocation of its own: ``kv.tensor_parts``); the ranks read."""
     region = native._state["regions"][name].region
     rows = kv.plan_rows(plan, region.addresses, {r: addresses for r, (_, addresses) in ranks.items()}, local_blocks,
                         remote_blocks)
     for rank, (local_rows, remote_rows) in rows.items():
-        native._engine().read(ranks[rank][0], local_rows, remote_rows)
+        for lp, rp in zip(kv.tensor_parts(local_rows, region.tensors), kv.tensor_parts(remote_rows, region.tensors),
+                          strict=True):
+            native._engine().read(ranks[rank][0], lp, rp)
     return sorted(rows)
 
 
