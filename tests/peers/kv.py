@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -338,10 +339,11 @@ def secrets() -> list[bytes]:
     return [b.tobytes() for b in _S.secrets]
 
 
-def thread_with_id(tid: int, tries: int = 200) -> bool:
+def thread_with_id(tid: int, within_s: float = 30.0) -> str:
     """Starts a thread of this process whose thread id is ``tid`` (a pid number just freed), by
     setting the pid namespace's last pid (root only) before each try; it lives until
-    ``end_threads``. Whether it got that id."""
+    ``end_threads``. "" once it has that id, else what held the number at the end (a task created
+    between setting the last pid and the try takes it: the number is tried again once it is free)."""
     import threading
 
     def run(got: list[int], started: threading.Event, done: threading.Event) -> None:
@@ -349,7 +351,20 @@ def thread_with_id(tid: int, tries: int = 200) -> bool:
         started.set()
         done.wait()
 
-    for _ in range(tries):
+    def holder() -> str:
+        try:
+            with open(f"/proc/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except FileNotFoundError:
+            return ""
+        return f"task {tid} of process {fields['Tgid'].strip()} ({fields['Name'].strip()}; this is {os.getpid()})"
+
+    deadline, held = time.monotonic() + within_s, ""
+    while time.monotonic() < deadline:
+        held = holder()
+        if held:
+            time.sleep(0.01)  # polls for the number to be free again
+            continue
         got: list[int] = []
         started, done = threading.Event(), threading.Event()
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
@@ -359,10 +374,10 @@ def thread_with_id(tid: int, tries: int = 200) -> bool:
         started.wait()
         if got[0] == tid:
             _S.threads.append((t, done))
-            return True
+            return ""
         done.set()
         t.join()
-    return False
+    return held or f"pid {tid} was free but never given to this process's threads"
 
 
 def end_threads() -> None:
