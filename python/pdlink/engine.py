@@ -44,7 +44,7 @@ from . import environment
 from .kv import KvCaches
 from .native import core, open_engine, placement_of, role_of
 from .status import InvalidArgument, LLMStatusCode
-from .tp import TpPlan, plan_rows, tensor_parts
+from .tp import GeometryMismatch, KvGeometry, TpPlan, check_pair, check_views, plan_rows, tensor_parts
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     from ._core import LinkInfo, LinkResult, Scope
@@ -253,13 +253,34 @@ def _span_of(obj: Any) -> tuple[int, int] | None:
     return (int(array.ctypes.data), int(array.nbytes)) if array.flags.c_contiguous else None
 
 
+def _check_geometry(geometry: KvGeometry, tensors: int, block_size: int | None) -> None:
+    """A region registered with ``geometry`` has one tensor per (layer, K/V) and its blocks."""
+    if not isinstance(geometry, KvGeometry):
+        raise TypeError(f"geometry must be a pdlink.kv.KvGeometry, not {type(geometry).__name__}")
+    if tensors != geometry.layers * geometry.kv:
+        raise GeometryMismatch("layers", f"{tensors} tensors given; the geometry has {geometry.layers} layers of "
+                                         f"{geometry.kv} (layers * kv tensors)")
+    if block_size is not None and block_size != geometry.block_bytes:
+        raise GeometryMismatch("block_tokens", f"block_size {block_size} given; the geometry's blocks are "
+                                               f"{geometry.block_bytes} bytes")
+
+
+def _same_geometry(given: KvGeometry, expected: KvGeometry, what: str) -> None:
+    for f in dataclasses.fields(KvGeometry):
+        if getattr(given, f.name) != getattr(expected, f.name):
+            raise GeometryMismatch(f.name, f"{what} has {getattr(given, f.name)!r}, the plan "
+                                           f"{getattr(expected, f.name)!r}")
+
+
 @dataclass(frozen=True)
 class Region:
     """Memory this engine registered: one tensor, or several (the layers of a KV cache, say) of
     ``length`` bytes each, at ``addresses``. ``block_size`` divides each tensor into blocks for
     prepared transfers, where block ``i`` means bytes ``[i * block_size, +block_size)`` of every
     tensor. ``key``, when set, publishes the region to peers under that number
-    (``RemoteRegion(key=...)``), which lets same-host peers read it with one copy."""
+    (``RemoteRegion(key=...)``), which lets same-host peers read it with one copy. ``geometry``,
+    when set, is the KV geometry of its blocks (``pdlink.kv.KvGeometry``), which ``Engine.prepare``
+    and ``Engine.prepare_plan`` check against the peer's."""
 
     addresses: tuple[int, ...]
     length: int
@@ -267,6 +288,7 @@ class Region:
     block_size: int
     key: int | None
     cache_id: int
+    geometry: KvGeometry | None = None
 
     @property
     def address(self) -> int:
@@ -280,7 +302,7 @@ class Region:
     def remote(self) -> RemoteRegion:
         """What a peer needs to address this region (send it out of band; it pickles)."""
         return RemoteRegion(address=self.address, length=self.length, block_size=self.block_size, key=self.key,
-                            tensors=self.tensors, addresses=self.addresses)
+                            tensors=self.tensors, addresses=self.addresses, geometry=self.geometry)
 
 
 @dataclass(frozen=True)
@@ -288,7 +310,8 @@ class RemoteRegion:
     """A peer's registered memory, as the peer described it (``Region.remote()``): by ``key`` when
     it published one, else by ``address`` and ``length`` (one tensor). ``tensors``: how many tensors
     of ``length`` bytes the region has; ``addresses``: each tensor's address, where the peer gave
-    them (``Region.remote()`` does; a TP plan's reads need them: ``Engine.prepare_plan``)."""
+    them (``Region.remote()`` does; a TP plan's reads need them: ``Engine.prepare_plan``);
+    ``geometry``: the KV geometry the peer registered the region with, if any."""
 
     length: int
     block_size: int
@@ -296,6 +319,7 @@ class RemoteRegion:
     key: int | None = None
     tensors: int = 1
     addresses: tuple[int, ...] = ()
+    geometry: KvGeometry | None = None
 
 
 @dataclass(frozen=True)
@@ -800,14 +824,18 @@ class Engine:
 
     def register(self, memory: Any = None, *, address: int | Sequence[int] | None = None, length: int | None = None,
                  placement: str | enum.Enum = "HOST", block_size: int | None = None, key: int | None = None,
-                 remote_writable: bool = True) -> Region:
+                 remote_writable: bool = True, geometry: KvGeometry | None = None) -> Region:
         """Registers memory for transfers: an object with the buffer protocol or
         ``__array_interface__`` (a numpy array; its whole contiguous buffer), a tensor with
         ``data_ptr()`` (torch), or a list of them of equal size (a region of several tensors); or
         ``address`` (an int, or a list of them) and ``length`` per tensor (DEVICE memory of the
         backend, say). ``block_size`` (default: ``length``) must divide the length. ``key``
         publishes the region to peers under that number (unique per engine).
-        ``remote_writable=False`` refuses peers' writes.
+        ``remote_writable=False`` refuses peers' writes. ``geometry`` (a ``pdlink.kv.KvGeometry``):
+        the KV geometry of the region's blocks, carried by ``Region.remote()`` and checked by
+        ``prepare`` and ``prepare_plan`` against the peer's; the region must then have its
+        ``layers * kv`` tensors, and its blocks (``block_size``, which defaults to the geometry's
+        block) the geometry's bytes (``GeometryMismatch`` naming the field if not).
 
         Ownership: the engine holds a reference to every object given as ``memory`` until the
         region is deregistered or the engine closes, so peers never reach memory that was freed
@@ -829,7 +857,9 @@ class Engine:
         if (not addresses or any(not isinstance(a, int) or a <= 0 for a in addresses) or not isinstance(length, int)
                 or length <= 0):
             raise ValueError(f"addresses and length must be positive ints, got {address!r}, {length!r}")
-        block = length if block_size is None else block_size
+        if geometry is not None:
+            _check_geometry(geometry, len(addresses), block_size)
+        block = (length if geometry is None else geometry.block_bytes) if block_size is None else block_size
         if not isinstance(block, int) or block <= 0 or length % block:
             raise ValueError(f"block_size must be a positive divisor of the length {length}, got {block_size!r}")
         if key is not None and (not isinstance(key, int) or not 0 <= key < core().INVALID_ID):
@@ -837,7 +867,7 @@ class Engine:
         where = placement_of(placement)
         layout = core().CacheLayout(len(addresses), length, length // block, True, where)
         cache_id, _ = self._native.register_cache(layout, addresses, [], key, remote_writable)
-        region = Region(tuple(addresses), length, where.name, block, key, int(cache_id))
+        region = Region(tuple(addresses), length, where.name, block, key, int(cache_id), geometry)
         with self._lock:
             self._regions[region.cache_id] = region
             if owners:
@@ -1022,9 +1052,14 @@ class Engine:
         (``read(local, remote)`` then takes r remote indices per local one, local block
         ``local[i]``'s view in r equal pieces from remote blocks ``remote[r * i + j]``). With any
         of them each side's blocks are its own region's ``block_size``. A mapping that does not fit
-        the blocks raises ``InvalidArgument`` here."""
+        the blocks raises ``InvalidArgument`` here. Where both regions carry a geometry
+        (``register(geometry=...)``), each piece must hold the same heads on both sides
+        (``pdlink.kv.check_views``): ``GeometryMismatch`` naming the field if not."""
         if local.cache_id not in self._regions:
             raise ValueError(f"region {local.cache_id} is not registered here")
+        if local.geometry is not None and remote.geometry is not None:
+            check_views(local.geometry, remote.geometry, local_view=local_view, remote_view=remote_view,
+                        block_ratio=block_ratio)
         if local.tensors != remote.tensors:
             raise ValueError(f"the local region has {local.tensors} tensors, the remote one {remote.tensors}")
         if remote.key is None and remote.tensors > 1:
@@ -1051,8 +1086,12 @@ class Engine:
         ``Region.remote()``, with its tensor addresses). Checked here, never per read
         (``InvalidArgument``): each region has the plan's ``layers * kv`` tensors, holds a whole
         number of its blocks (the plan's block bytes on each side), and a source for every rank
-        read. Nothing is sent until a read."""
+        read; where a region carries a geometry (``register(geometry=...)``), it is the plan's:
+        the local one its ``plan.local``, each source's one the plan can read as that rank
+        (``GeometryMismatch`` naming the field). Nothing is sent until a read."""
         tensors = plan.local.layers * plan.local.kv
+        if local.geometry is not None:
+            _same_geometry(local.geometry, plan.local, "the local region")
         if local.tensors != tensors or local.length % plan.local.block_bytes:
             raise InvalidArgument(f"the local region ({local.tensors} tensors of {local.length} bytes) does not hold "
                                   f"the plan's {tensors} tensors of {plan.local.block_bytes}-byte blocks",
@@ -1062,6 +1101,15 @@ class Engine:
                 raise InvalidArgument(f"the plan reads prefill rank {rank}, and no source was given for it",
                                       status_code=LLMStatusCode.LLM_PARAM_INVALID)
             remote = sources[rank][1]
+            if remote.geometry is not None:
+                if remote.geometry.tp_rank != rank:
+                    raise GeometryMismatch("tp_rank", f"the source given for prefill rank {rank} is rank "
+                                                      f"{remote.geometry.tp_rank}'s region")
+                if check_pair(plan.local, remote.geometry) != plan.block_ratio or \
+                        remote.geometry.block_bytes != plan.remote_block_bytes:
+                    raise GeometryMismatch("block_tokens", f"prefill rank {rank}'s blocks are "
+                                                           f"{remote.geometry.block_bytes} bytes; the plan reads "
+                                                           f"{plan.remote_block_bytes}-byte blocks")
             if len(remote.addresses) != tensors or remote.length % plan.remote_block_bytes or \
                     remote.length < plan.remote_block_bytes:
                 raise InvalidArgument(f"prefill rank {rank}'s region ({len(remote.addresses)} tensor addresses, "

@@ -39,6 +39,7 @@ from .tp import (
     TpPlan,
     TpRead,
     check_pair,
+    check_views,
     plan_rows,
     tensor_parts,
     tp_plan,
@@ -59,7 +60,7 @@ if TYPE_CHECKING:  # what the module __getattr__ below returns
 __all__ = [
     "ANY_CLUSTER", "CacheHandle", "CacheLayout", "GeometryMismatch", "Key", "KvCaches", "KvGeometry", "LAYOUTS",
     "PreparedBlocks", "Row", "Target", "TargetKind", "TpPlan", "TpRead", "TransferMode", "TransferSpec", "check_pair",
-    "placement", "plan_rows", "tensor_parts", "tp_plan",
+    "check_views", "placement", "plan_rows", "tensor_parts", "tp_plan",
 ]
 
 Key = tuple[int, int, int]  # (req_id, prefix_id, model_id)

@@ -35,8 +35,8 @@ import numpy as np
 
 from .status import InvalidArgument, LLMStatusCode
 
-__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "plan_rows",
-           "tensor_parts", "tp_plan"]
+__all__ = ["GeometryMismatch", "KvGeometry", "LAYOUTS", "Row", "TpPlan", "TpRead", "check_pair", "check_views",
+           "plan_rows", "tensor_parts", "tp_plan"]
 
 # Block layouts: head-major blocks [heads, tokens, head_size]; token-major blocks [tokens, heads,
 # head_size]; MLA blocks [tokens, head_size] (one latent head, the whole of it on every rank).
@@ -180,22 +180,89 @@ class TpPlan:
 _SAME = ("layout", "layers", "kv", "kv_heads", "head_size", "dtype")
 
 
-def check_pair(local: KvGeometry, remote: KvGeometry) -> int:
+def check_pair(local: KvGeometry, remote: KvGeometry, *, sides: tuple[str, str] = ("decode", "prefill")) -> int:
     """Whether ``local`` (a decode rank) can be filled from ranks of ``remote``'s geometry; the block
     ratio (local block tokens over remote's). Raises ``GeometryMismatch`` naming the first field that
     cannot be mapped: a different layout (no HND/NHD permute), model shape or dtype; a local block
     that is not a whole number of remote blocks (different block sizes need the prefill's blocks
-    smaller); TP sizes neither of which divides the other."""
+    smaller); TP sizes neither of which divides the other. ``sides`` names the two in messages."""
     for name in _SAME:
         mine, theirs = getattr(local, name), getattr(remote, name)
         if mine != theirs:
-            raise GeometryMismatch(name, f"the decode side has {mine!r}, the prefill side {theirs!r}")
+            raise GeometryMismatch(name, f"the {sides[0]} side has {mine!r}, the {sides[1]} side {theirs!r}")
     if local.block_tokens % remote.block_tokens:
-        raise GeometryMismatch("block_tokens", f"a decode block of {local.block_tokens} tokens is not a whole number "
-                                               f"of prefill blocks of {remote.block_tokens}")
+        raise GeometryMismatch("block_tokens", f"a {sides[0]} block of {local.block_tokens} tokens is not a whole "
+                                               f"number of {sides[1]} blocks of {remote.block_tokens}")
     if max(local.tp_size, remote.tp_size) % min(local.tp_size, remote.tp_size):
         raise GeometryMismatch("tp_size", f"TP {remote.tp_size} -> {local.tp_size}: neither size divides the other")
     return local.block_tokens // remote.block_tokens
+
+
+def check_views(local: KvGeometry, remote: KvGeometry, *, local_view: tuple[int, int] | None = None,
+                remote_view: tuple[int, int] | None = None, block_ratio: int = 1) -> None:
+    """The check ``Engine.prepare`` makes between two regions that both carry a geometry
+    (docs/native_api.md, "Geometry at prepare"): that each piece its block views and ratio pair
+    holds the same heads on both sides, in the same shape. ``local_view`` / ``remote_view``: the
+    ``(offset, length)`` of each block (``None``: the whole block); local block ``b``'s view is cut
+    in ``block_ratio`` equal pieces, each paired with one remote block's view. Raises
+    ``GeometryMismatch``: a field ``check_pair`` refuses (the sides named local and remote); a view
+    off the layout's units (``layout``: whole heads of an HND block, whole tokens of an NHD or MLA
+    one, and a piece of an HND block with more tokens than the remote one is one head); a head
+    slice of NHD blocks (``layout``: one piece per token, which ``tp_plan(..., per_token=True)``
+    asks for); pieces that hold different heads (``tp_size``, or ``tp_rank`` under one TP size).
+    Which tokens pair is the caller's choice of block indices, so it is not checked."""
+    check_pair(local, remote, sides=("local", "remote"))
+    lo, ll = local_view if local_view is not None else (0, local.block_bytes)
+    ro, rl = remote_view if remote_view is not None else (0, remote.block_bytes)
+    if block_ratio < 1:
+        return  # the engine refuses it
+    piece = ll // block_ratio
+    if ll % block_ratio or piece != rl:
+        field = ("block_tokens" if local.block_tokens != remote.block_tokens else
+                 "tp_size" if local.tp_size != remote.tp_size else "layout")
+        raise GeometryMismatch(field, f"local pieces of {ll / block_ratio:g} bytes (block_ratio {block_ratio}) would "
+                                      f"pair with remote views of {rl}: local blocks of {local.heads} heads of "
+                                      f"{local.block_tokens} tokens, remote ones of {remote.heads} heads of "
+                                      f"{remote.block_tokens} tokens; give block views and the ratio that pair them")
+
+    def heads(g: KvGeometry, offset: int, length: int, side: str) -> tuple[int, int]:
+        """The model heads ``(first, count)`` of bytes ``[offset, +length)`` of a block of ``g``."""
+        size = g.head_size * g.itemsize
+        if g.layout == "HND":  # [heads, tokens, head_size]: whole heads, or a token run of one head
+            row = g.block_tokens * size
+            if offset % row == 0 and length % row == 0:
+                return g.first_head + offset // row, length // row
+            if offset % size == 0 and length % size == 0 and offset // row == (offset + length - 1) // row:
+                return g.first_head + offset // row, 1
+            raise GeometryMismatch("layout", f"{side} bytes [{offset}, +{length}) of an HND block are neither whole "
+                                             f"heads ({row} bytes each) nor whole tokens of one head")
+        token = g.heads * size  # NHD [tokens, heads, head_size], MLA [tokens, head_size]: whole tokens
+        if offset % token or length % token:
+            raise GeometryMismatch("layout", f"{side} bytes [{offset}, +{length}) of a token-major ({g.layout}) "
+                                             f"block are not whole tokens ({token} bytes each)")
+        return g.first_head, g.heads
+
+    theirs = heads(remote, ro, rl, "remote")
+    for j in range(block_ratio):
+        mine = heads(local, lo + j * piece, piece, "local")
+        if mine == theirs:
+            continue
+        if local.layout == "NHD":
+            raise GeometryMismatch("layout", f"the local NHD blocks hold heads {_span(mine)}, the remote ones "
+                                             f"{_span(theirs)}: a head slice of token-major blocks is one piece per "
+                                             f"token, which a TP plan makes on request (tp_plan(..., per_token=True))")
+        if local.layout == "HND" and local.block_tokens != remote.block_tokens and mine[1] != theirs[1]:
+            raise GeometryMismatch("block_tokens", f"the remote pieces hold heads {_span(theirs)}; a piece of an HND "
+                                                   f"block with more tokens is one head's run of tokens: prepare one "
+                                                   f"head per view (as Engine.prepare_plan does)")
+        field = "tp_size" if local.tp_size != remote.tp_size else "tp_rank"
+        raise GeometryMismatch(field, f"a local piece holds heads {_span(mine)}, its remote one heads {_span(theirs)}: "
+                                      f"give block views of the heads both hold, or use Engine.prepare_plan")
+
+
+def _span(heads: tuple[int, int]) -> str:
+    first, count = heads
+    return f"{first}-{first + count - 1}" if count > 1 else str(first)
 
 
 def _paired(remote: Row, local: Row) -> tuple[Row, Row]:

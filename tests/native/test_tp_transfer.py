@@ -50,7 +50,9 @@ def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[...
                                                               via: str) -> None:
     """``via``: ``kv.plan_rows`` and one ``Engine.read`` per rank, or ``Engine.prepare_plan`` and
     its ``read`` (the ranks' reads at once; native prepared transfers with block views where each
-    read is one piece per block, strided rows otherwise: the case says which)."""
+    read is one piece per block, strided rows otherwise: the case says which), over regions
+    registered with their geometries (so every view the plan prepares passes the geometry check of
+    ``Engine.prepare``)."""
     prefill = [peers(f"prefill{r}", env=variant.env()) for r in range(PREFILL_RANKS)]
     ports = [p.call(native.start, 10 + r, listen=True) for r, p in enumerate(prefill)]
     decode = peers("decode", env=variant.env())
@@ -67,10 +69,11 @@ def test_a_decode_rank_reads_its_plan_from_the_prefill_ranks(peers: Callable[...
         ranks = {}
         for g in geometries:
             prefill[g.tp_rank].call(native.register, name, BLOCKS * ratio, g.block_bytes, seed=None,
-                                    tensors=g.layers * g.kv, key=key)
+                                    tensors=g.layers * g.kv, key=key, geometry=g if via == "prepared" else None)
             ranks[g.tp_rank] = (10 + g.tp_rank,
                                 prefill[g.tp_rank].call(tp.fill, name, g, BLOCKS * ratio, SEED))
-        decode.call(native.register, name, BLOCKS, local.block_bytes, seed=7, tensors=local.layers * local.kv)
+        decode.call(native.register, name, BLOCKS, local.block_bytes, seed=7, tensors=local.layers * local.kv,
+                    geometry=local if via == "prepared" else None)
         # decode block LOCAL_BLOCKS[i] from prefill blocks ratio * b + j of b = BLOCKS - 1 - LOCAL_BLOCKS[i]
         remote_blocks = [ratio * (BLOCKS - 1 - b) + j for b in LOCAL_BLOCKS for j in range(ratio)]
         originals = {r: prefill[r].call(native.snapshot, name) for r in range(p_tp)}
@@ -161,3 +164,85 @@ def test_prepare_plan_checks_the_regions_against_the_plan_before_anything_is_sen
             with pytest.raises(InvalidArgument, match=text) as e:
                 prepared.read(lb, rb)
             assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def hnd(heads: int, tp_size: int, rank: int, block_tokens: int = 4, dtype: str = "bfloat16") -> kv.KvGeometry:
+    return dataclasses.replace(geometry("HND", heads, tp_size, rank, block_tokens), dtype=dtype)
+
+
+HEAD = 4 * 16 * 2  # bytes of one head of an HND block of hnd(): 4 tokens of 16 bfloat16
+# local geometry, remote geometry, prepare's keywords -> the field named (None: accepted)
+PREPARES = {
+    "tp 2 -> 1, whole blocks": (hnd(4, 1, 0), hnd(4, 2, 0), {}, "tp_size"),
+    "tp 2 -> 1, the heads rank 0 holds": (hnd(4, 1, 0), hnd(4, 2, 0), {"local_view": (0, 2 * HEAD)}, None),
+    "tp 2 -> 1, rank 1's heads from rank 0": (hnd(4, 1, 0), hnd(4, 2, 0), {"local_view": (2 * HEAD, 2 * HEAD)},
+                                              "tp_size"),
+    "tp 1 -> 2, the decode rank's heads": (hnd(4, 2, 1), hnd(4, 1, 0), {"remote_view": (2 * HEAD, 2 * HEAD)}, None),
+    "tp 2, ranks 1 and 0": (hnd(4, 2, 1), hnd(4, 2, 0), {}, "tp_rank"),
+    "a view of half a head": (hnd(4, 2, 1), hnd(4, 1, 0), {"remote_view": (2 * HEAD + 8, 2 * HEAD)}, "layout"),
+    "dtypes": (hnd(4, 1, 0, dtype="float16"), hnd(4, 1, 0), {}, "dtype"),
+    "tp 2 -> 2, 4 -> 8 tokens, whole HND blocks": (hnd(4, 2, 0, 8), hnd(4, 2, 0), {"block_ratio": 2}, "block_tokens"),
+    "4 -> 8 tokens, no ratio": (hnd(4, 1, 0, 8), hnd(4, 1, 0), {}, "block_tokens"),
+    "4 -> 8 tokens, one head's tokens": (hnd(4, 1, 0, 8), hnd(4, 1, 0),
+                                         {"local_view": (2 * HEAD * 2 + HEAD, HEAD), "remote_view": (2 * HEAD, HEAD)},
+                                         None),
+    "nhd tp 1 -> 2, a token range": (dataclasses.replace(geometry("NHD", 4, 2, 0, 4)), geometry("NHD", 4, 1, 0, 4),
+                                     {"remote_view": (0, 2 * 2 * 4 * 16 * 2 // 2)}, "layout"),
+    "nhd 4 -> 8 tokens": (geometry("NHD", 4, 1, 0, 8), geometry("NHD", 4, 1, 0, 4), {"block_ratio": 2}, None),
+    "mla 4 -> 2": (geometry("MLA", 1, 2, 1, 4), geometry("MLA", 1, 4, 3, 4), {}, None),
+}
+
+
+@pytest.mark.parametrize("case", PREPARES)
+def test_prepare_checks_the_two_regions_geometries(case: str) -> None:
+    """In this process (prepare sends nothing): between two regions that carry geometries,
+    ``Engine.prepare`` refuses a pairing whose pieces would hold different heads, or bytes off the
+    layout's units, with ``GeometryMismatch`` (LLM_PARAM_INVALID) naming the field; the pairings a
+    TP plan makes are accepted."""
+    local_g, remote_g, keywords, field = PREPARES[case]
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
+        keep = [np.zeros(2 * local_g.block_bytes, np.uint8) for _ in range(local_g.layers * local_g.kv)]
+        local = engine.register(keep, geometry=local_g)
+        assert local.block_size == local_g.block_bytes and local.remote().geometry == local_g
+        remote = pdlink.RemoteRegion(length=2 * remote_g.block_bytes, block_size=remote_g.block_bytes, key=5,
+                                     tensors=local.tensors, geometry=remote_g)
+        if field is None:
+            engine.prepare(10, local, remote, **keywords)
+            return
+        with pytest.raises(kv.GeometryMismatch) as e:
+            engine.prepare(10, local, remote, **keywords)
+        assert (e.value.field, e.value.status_code) == (field, LLMStatusCode.LLM_PARAM_INVALID), e.value
+
+
+def test_a_region_registered_with_a_geometry_must_have_its_tensors_and_blocks() -> None:
+    g = hnd(4, 1, 0)
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
+        keep = [np.zeros(2 * g.block_bytes, np.uint8) for _ in range(g.layers * g.kv)]
+        for memory, keywords, field in ((keep[:3], {}, "layers"), (keep, {"block_size": g.block_bytes // 2},
+                                                                   "block_tokens")):
+            with pytest.raises(kv.GeometryMismatch) as e:
+                engine.register(memory, geometry=g, **keywords)
+            assert (e.value.field, e.value.status_code) == (field, LLMStatusCode.LLM_PARAM_INVALID)
+        with pytest.raises(TypeError, match="KvGeometry"):
+            engine.register(keep, geometry=dataclasses.asdict(g))  # type: ignore[arg-type]
+        assert engine.local_memory().ranges == ()  # nothing was registered
+
+
+def test_prepare_plan_checks_the_regions_geometries_against_the_plan() -> None:
+    prefill = [hnd(4, 2, r) for r in range(2)]
+    plan = kv.tp_plan(hnd(4, 1, 0), prefill)
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
+        keep = [np.zeros(2 * plan.local.block_bytes, np.uint8) for _ in range(4)]
+        other = engine.register(keep, geometry=dataclasses.replace(plan.local, dtype="float16"))
+        sources = {r: (10 + r, pdlink.RemoteRegion(length=2 * g.block_bytes, block_size=g.block_bytes, key=5,
+                                                   tensors=4, addresses=(1 << 30,) * 4, geometry=g))
+                   for r, g in enumerate(prefill)}
+        with pytest.raises(kv.GeometryMismatch) as e:
+            engine.prepare_plan(plan, other, sources)
+        assert e.value.field == "dtype"
+        engine.deregister(other)
+        local = engine.register(keep, geometry=plan.local)
+        with pytest.raises(kv.GeometryMismatch) as e:
+            engine.prepare_plan(plan, local, {0: sources[1], 1: sources[0]})
+        assert (e.value.field, e.value.status_code) == ("tp_rank", LLMStatusCode.LLM_PARAM_INVALID)
+        assert engine.prepare_plan(plan, local, sources).paths == {0: "prepared", 1: "prepared"}

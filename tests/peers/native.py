@@ -64,15 +64,16 @@ def start(cluster_id: int, listen: bool = False, timeout_ms: int = 3000, limits:
 
 
 def register(name: str, rows: int, row_bytes: int, seed: int | None, key: int | None = None,
-             tensors: int = 1, host: bool = False) -> int:
+             tensors: int = 1, host: bool = False, geometry: kv.KvGeometry | None = None) -> int:
     """A region of ``tensors`` tensors of ``rows`` blocks of ``row_bytes`` in guarded memory
     (filled with ``verify.pattern(.., seed)``, zeros for None), in DEVICE memory on a device
-    backend unless ``host``; returns its (first tensor's) address."""
+    backend unless ``host``, with the KV ``geometry`` if given; returns its (first tensor's)
+    address."""
     device = device_memory_is_remote() and not host
     memory = GuardedTensors(tensors, rows * row_bytes, rows, seed, device)
     region = _engine().register(address=memory.addrs[0] if tensors == 1 else list(memory.addrs),
                                 length=rows * row_bytes, placement="DEVICE" if device else "HOST",
-                                block_size=row_bytes, key=key)
+                                block_size=row_bytes, key=key, geometry=geometry)
     _state["regions"][name] = _Named(memory, region)
     return region.address
 
