@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -172,7 +173,7 @@ def hnd(heads: int, tp_size: int, rank: int, block_tokens: int = 4, dtype: str =
 
 HEAD = 4 * 16 * 2  # bytes of one head of an HND block of hnd(): 4 tokens of 16 bfloat16
 # local geometry, remote geometry, prepare's keywords -> the field named (None: accepted)
-PREPARES = {
+PREPARES: dict[str, tuple[kv.KvGeometry, kv.KvGeometry, dict[str, Any], str | None]] = {
     "tp 2 -> 1, whole blocks": (hnd(4, 1, 0), hnd(4, 2, 0), {}, "tp_size"),
     "tp 2 -> 1, the heads rank 0 holds": (hnd(4, 1, 0), hnd(4, 2, 0), {"local_view": (0, 2 * HEAD)}, None),
     "tp 2 -> 1, rank 1's heads from rank 0": (hnd(4, 1, 0), hnd(4, 2, 0), {"local_view": (2 * HEAD, 2 * HEAD)},
@@ -218,10 +219,9 @@ def test_a_region_registered_with_a_geometry_must_have_its_tensors_and_blocks() 
     g = hnd(4, 1, 0)
     with pdlink.Engine(pdlink.EngineOptions(cluster_id=2)) as engine:
         keep = [np.zeros(2 * g.block_bytes, np.uint8) for _ in range(g.layers * g.kv)]
-        for memory, keywords, field in ((keep[:3], {}, "layers"), (keep, {"block_size": g.block_bytes // 2},
-                                                                   "block_tokens")):
+        for memory, block_size, field in ((keep[:3], None, "layers"), (keep, g.block_bytes // 2, "block_tokens")):
             with pytest.raises(kv.GeometryMismatch) as e:
-                engine.register(memory, geometry=g, **keywords)
+                engine.register(memory, geometry=g, block_size=block_size)
             assert (e.value.field, e.value.status_code) == (field, LLMStatusCode.LLM_PARAM_INVALID)
         with pytest.raises(TypeError, match="KvGeometry"):
             engine.register(keep, geometry=dataclasses.asdict(g))  # type: ignore[arg-type]
