@@ -11,7 +11,7 @@ import os
 import socket
 import struct
 
-VERSION = 9
+VERSION = 10
 # Wire v9 (csrc/transport/wire.h; its headers are v8's): a request header is 24 bytes, a reserved u16 at offset 6 (zero,
 # anything else is malformed) and the u32 epoch tag at offset 8 (0: unfenced); a response header is
 # 24 bytes, its last u32 the server's epoch tag. The tag is 1 + epoch % EPOCH_TAG_PERIOD.
@@ -41,6 +41,7 @@ FLAG_TEST_PATH = 16  # the path of a C++ test build only (csrc/tests/pipe_path.h
 MARK_SPLIT = 32  # wire v7's split mark, alone: on a read a chunk of a split pull, on a release its end
 KIND_REQUEST_KEY, KIND_PREFIX_KEY, KIND_ID_INDEX, KIND_BLOCKS, KIND_RAW, KIND_OFFER = range(1, 7)
 ANY = 2**64 - 1
+ROWS_MARK = 0x80000000  # the top bit of a TransferBody's run count: rows follow (wire v10)
 LINK_FAILED = 0x5010B009
 
 
@@ -342,5 +343,19 @@ def parse_body(body: bytes) -> tuple[int, list[int], list[tuple[int, int]]]:
     pos += 4 * nt
     (nr,) = struct.unpack_from("<I", body, pos)
     pos += 4
+    if nr & ROWS_MARK:  # rows (offset, length, stride, count): their runs
+        flat = struct.unpack_from(f"<{4 * (nr & ~ROWS_MARK)}Q", body, pos)
+        return kind, tensors, [(o + k * stride, n) for o, n, stride, count in zip(*[iter(flat)] * 4)
+                               for k in range(count)]
     flat = struct.unpack_from(f"<{2 * nr}Q", body, pos)
     return kind, tensors, list(zip(flat[::2], flat[1::2]))
+
+
+def rows_body(rows, model: int = 0, tensors=(0,), block_size: int = 0, kind: int = KIND_BLOCKS, req: int = ANY,
+              count: int | None = None) -> bytes:
+    """A TransferBody whose runs go as rows ``(offset, length, stride, count)`` (``count``
+    overrides the row count the body states)."""
+    b = body_header(kind=kind, model=model, block_size=block_size, req=req)
+    b += struct.pack("<I", len(tensors)) + b"".join(struct.pack("<I", t) for t in tensors)
+    b += struct.pack("<I", (len(rows) if count is None else count) | ROWS_MARK)
+    return b + b"".join(struct.pack("<QQQQ", *row) for row in rows)

@@ -196,7 +196,8 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   if (t.kind == wire::TargetKind::kRaw) {
     if (body.tensors.size() != 1) return Status(Code::kParamInvalid, "a raw-address transfer moves one tensor");
     Resolved r;
-    PDLINK_RETURN_IF_ERROR(resolveRaw(body.runs, for_write, &r));
+    PDLINK_RETURN_IF_ERROR(body.rows.empty() ? resolveRaw(body.runs, for_write, &r)
+                                             : resolveRawRows(body, for_write, &r));
     r.addrs = {0};
     r.tensors = {0};
     r.runs = body.runs;
@@ -255,11 +256,20 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
                                              " has " + std::to_string(L.num_tensors) + " tensors");
     }
   }
-  for (const wire::Run& run : body.runs) {
-    uint64_t end = 0;
-    if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) || end > limit) {
-      return Status(Code::kParamInvalid, "access [" + std::to_string(run.offset) + ", +" + std::to_string(run.length) +
-                                             ") is outside " + t.describe() + " (" + std::to_string(limit) + " bytes)");
+  auto outside = [&](uint64_t offset, uint64_t length) {
+    return Status(Code::kParamInvalid, "access [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                                           ") is outside " + t.describe() + " (" + std::to_string(limit) + " bytes)");
+  };
+  // A row at once: its runs lie in [offset, end()), which decode checked does not wrap.
+  for (const wire::Row& row : body.rows) {
+    if (row.length == 0 || row.end() > limit) return outside(row.offset, row.end() - row.offset);
+  }
+  if (body.rows.empty()) {
+    for (const wire::Run& run : body.runs) {
+      uint64_t end = 0;
+      if (run.length == 0 || __builtin_add_overflow(run.offset, run.length, &end) || end > limit) {
+        return outside(run.offset, run.length);
+      }
     }
   }
   Resolved r;
@@ -269,6 +279,22 @@ Result<Resolved> Registry::resolve(const wire::TransferBody& body, bool for_writ
   r.runs = body.runs;
   r.base = slotted ? slot * L.stride() : 0;
   return r;
+}
+
+Status Registry::resolveRawRows(const wire::TransferBody& body, bool for_write, Resolved* out) const {
+  // Each row's span as one range; where a span is not registered memory by the rule of
+  // core/spans.h (a row whose runs lie in tensors with unregistered gaps between them), the runs
+  // one by one, as a body of pairs is checked.
+  std::vector<wire::Run> spans;
+  spans.reserve(body.rows.size());
+  for (const wire::Row& row : body.rows) spans.push_back(wire::Run{row.offset, row.end() - row.offset});
+  if (!resolveRaw(spans, for_write, out).ok()) return resolveRaw(body.runs, for_write, out);
+  std::vector<Placement> by_row;
+  by_row.swap(out->run_placements);
+  out->run_placements.reserve(body.runs.size());
+  for (size_t i = 0; i < body.rows.size(); ++i)
+    out->run_placements.insert(out->run_placements.end(), body.rows[i].count, by_row[i]);
+  return Status::OK();
 }
 
 Status Registry::resolveRaw(const std::vector<wire::Run>& runs, bool for_write, Resolved* out,

@@ -138,6 +138,9 @@ class Registry {
 
   // Serving side: find what a peer addresses and check its runs, tensors and (for writes)
   // remote accessibility. kKvCacheNotExist when the target is absent, kParamInvalid otherwise.
+  // A body that came as rows (wire::TransferBody::rows) is checked a row at a time: the row's span
+  // holds all its runs, so a row of any count costs one check (a kRaw span that is not registered
+  // memory falls back to its runs one by one).
   // A kRaw run (an absolute address range; also how Engine checks local_absolute runs) must lie
   // inside one registered tensor or across up to limits::kMaxRawSpan tensors that follow each other
   // exactly, all of one placement; all the runs of one request together take at most
@@ -202,6 +205,10 @@ class Registry {
   // requests that touch many), its placement appended to out->run_placements.
   Status resolveRawRunLocked(const wire::Run& run, bool for_write, uint64_t max_steps, uint64_t* steps, Resolved* out,
                              std::set<const CacheEntry*>* kept) const;
+  // resolve() of a kRaw body that came as rows (body.rows): each row's span [offset, end()) checked
+  // as one range, which holds each of its runs; where that fails, body.runs one by one. Placements
+  // are per run either way.
+  Status resolveRawRows(const wire::TransferBody& body, bool for_write, Resolved* out) const;
   void eraseLocked(std::map<int64_t, std::shared_ptr<CacheEntry>>::iterator it);
   void unbindLocked(int64_t id, uint64_t slot);
   void maybeFreeLocked(int64_t id);

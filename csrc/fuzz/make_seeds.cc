@@ -217,6 +217,12 @@ int main(int argc, char** argv) {
   byid.target.batch_index = 2;
   seed("body-id-index", kModeBody, wire::encode(byid));
   seed("body-raw", kModeBody, wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}})));
+  // runs in arithmetic progression go as rows (wire v10)
+  wire::TransferBody rows = body(K::kBlocks, {0, 2}, {{32, 16}, {64, 16}, {96, 16}, {8, 4}, {8, 4}, {8, 4}});
+  rows.block_size = 32;
+  seed("body-rows", kModeBody, wire::encode(rows));
+  seed("body-raw-rows", kModeBody,
+       wire::encode(body(K::kRaw, {0}, {{kRawTensorAddr, 8}, {kRawTensorAddr + 20, 8}, {kRawTensorAddr + 40, 8}})));
   wire::TransferBody offer = body(K::kOffer, {0}, {{32, 64}});  // a KV handoff's offer (engine/offers.h)
   offer.target.model_id = 7;
   offer.target.req_id = 1;
@@ -238,6 +244,7 @@ int main(int argc, char** argv) {
   s += frame(wire::Op::kDescribe, blocks7);
   s += frame(wire::Op::kDescribe, body(K::kRaw, {}, {}));  // the memory table, answered on any link
   s += frame(wire::Op::kRead, body(K::kRaw, {0}, {{kRawTensorAddr + 10, 90}}));
+  s += frame(wire::Op::kRead, rows);
   s += frame(wire::Op::kWrite, reqkey);
   s += frame(wire::Op::kRead, blocks, wire::kFlagUcx);  // an engine without the ucx path refuses it
   // Path connects a CPU engine without ucx refuses, the link kept: ucx's, a device channel's.

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <set>
@@ -356,6 +357,88 @@ void transferBodyCases() {
   checkCode(huge.payloadBytes().status(), Code::kParamInvalid, "transfer body: payload overflowing 64 bits");
 }
 
+// Rows (wire v10): runs in arithmetic progression are sent as rows, decoded into the same runs;
+// every row the decoder cannot expand safely is malformed.
+void rowCases() {
+  using Rows = std::vector<wire::Row>;
+  auto same = [](const Rows& a, const Rows& b) {
+    return a.size() == b.size() &&
+           std::equal(a.begin(), a.end(), b.begin(), [](const wire::Row& x, const wire::Row& y) {
+             return x.offset == y.offset && x.length == y.length && x.stride == y.stride && x.count == y.count;
+           });
+  };
+  const std::vector<wire::Run> runs = {{0, 16}, {32, 16}, {64, 16}, {100, 8}, {100, 8}, {200, 4}, {150, 4}, {100, 4}};
+  check(same(wire::rowsOf(runs), Rows{{0, 16, 32, 3}, {100, 8, 0, 2}, {200, 4, 4, 1}, {150, 4, 4, 1}, {100, 4, 4, 1}}),
+        "rows: a stride, the same bytes again, and runs going back each their own row");
+  check(wire::rowsOf({}).empty(), "rows: none of no runs");
+  wire::TransferBody b = body(wire::TargetKind::kBlocks, {0, 1}, {{0, 16}, {32, 16}, {64, 16}});
+  std::string f = wire::encode(b);
+  const size_t count_at = 1 + 8 * 6 + 4 + 4 * 2;
+  uint32_t stated = 0;
+  std::memcpy(&stated, f.data() + count_at, sizeof(stated));
+  check(stated == (1 | wire::kRowsMark) && f.size() == count_at + 4 + 32, "rows: three runs of one stride go as a row");
+  wire::TransferBody got;
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "rows: decoded");
+  check(got.runs.size() == 3 && got.runs[2].offset == 64 && got.runs[2].length == 16 &&
+            same(got.rows, Rows{{0, 16, 32, 3}}) && got.rows[0].end() == 80,
+        "rows: the runs, and the row kept");
+  f = wire::encode(body(wire::TargetKind::kBlocks, {0}, {{0, 16}, {32, 16}}));
+  std::memcpy(&stated, f.data() + 1 + 8 * 6 + 4 + 4, sizeof(stated));
+  check(stated == 2, "rows: two runs go as pairs (a row is not smaller)");
+  checkCode(wire::decode(bytes(f), f.size(), &got), Code::kSuccess, "rows: pairs decoded");
+  check(got.rows.empty(), "rows: none kept for pairs");
+  auto encoded = [](const Rows& rows, uint32_t tensors, uint32_t count) {
+    std::string out = wire::encode(body(wire::TargetKind::kBlocks, {}, {}));
+    out.resize(1 + 8 * 6);  // the target and block size
+    auto put = [&](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+    put(&tensors, 4);
+    for (uint32_t t = 0; t < tensors; ++t) put(&t, 4);
+    put(&count, 4);
+    for (const wire::Row& r : rows) {
+      put(&r.offset, 8);
+      put(&r.length, 8);
+      put(&r.stride, 8);
+      put(&r.count, 8);
+    }
+    return out;
+  };
+  const uint64_t kMax = limits::kMaxRequestPieces;
+  struct Bad {
+    Rows rows;
+    uint32_t tensors;
+    uint32_t count;
+    const char* what;
+  };
+  const uint64_t top = std::numeric_limits<uint64_t>::max();
+  for (const Bad& c : std::vector<Bad>{
+           {{{0, 16, 16, 0}}, 1, 1 | wire::kRowsMark, "a row of no run"},
+           {{{top - 63, 16, 32, 3}}, 1, 1 | wire::kRowsMark, "a row that wraps"},
+           {{{0, 16, uint64_t{1} << 63, 3}}, 1, 1 | wire::kRowsMark, "a stride past 64 bits"},
+           {{{1, top, 0, 1}}, 1, 1 | wire::kRowsMark, "a length that wraps"},
+           {{}, 1, wire::kRowsMark, "no rows"},
+           {{{0, 16, 16, 2}}, 1, 2 | wire::kRowsMark, "more rows stated than sent"},
+           {{{0, 1, 1, kMax + 1}}, 1, 1 | wire::kRowsMark, "a row past the piece limit"},
+           {{{0, 1, 1, kMax / 2}, {0, 1, 1, kMax / 2 + 1}}, 1, 2 | wire::kRowsMark, "rows past the piece limit"},
+           {{{0, 1, 1, kMax / 2 + 1}}, 2, 1 | wire::kRowsMark, "a row past the limit with its tensors"},
+           {{{0, 1, 1, 1}}, 0, 1 | wire::kRowsMark, "fine: one run of no tensor"},
+       }) {
+    std::string e = encoded(c.rows, c.tensors, c.count);
+    const bool fine = std::string(c.what).rfind("fine", 0) == 0;
+    checkCode(wire::decode(bytes(e), e.size(), &got), fine ? Code::kSuccess : Code::kLinkFailed,
+              std::string("rows: ") + c.what);
+  }
+  std::string at = encoded({{0, 1, 0, kMax / 2}}, 2, 1 | wire::kRowsMark);
+  checkCode(wire::decode(bytes(at), at.size(), &got), Code::kSuccess, "rows: at the piece limit with its tensors");
+  check(got.runs.size() == kMax / 2, "rows: every run of a row at the limit");
+  std::string e = encoded({{0, 16, 16, 2}}, 1, 1 | wire::kRowsMark);
+  for (size_t n = 0; n < e.size(); ++n) {
+    if (wire::decode(bytes(e), n, &got).code() != Code::kLinkFailed) {
+      check(false, "rows: truncated to " + std::to_string(n) + " bytes is refused");
+      break;
+    }
+  }
+}
+
 void descriptorAndAnswerCases() {
   wire::CacheDescriptor d{5, 4096, 256, {0x1000, 0x9000}};
   std::string f = wire::encode(d);
@@ -631,6 +714,39 @@ void registryCases() {
   raw.runs = {{t1 + kSlots * kStride - 4, 8}};
   checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid,
             "registry: a raw range from a tensor into unregistered memory");
+  // rows (wire v10): a row is checked by its span, and each of its runs gets its placement
+  auto decoded = [](const wire::TransferBody& body) {
+    std::string f = wire::encode(body);
+    wire::TransferBody out;
+    checkCode(wire::decode(bytes(f), f.size(), &out), Code::kSuccess, "registry: a body of rows decoded");
+    return out;
+  };
+  raw.runs = {{t1, 8}, {t1 + 64, 8}, {t1 + 128, 8}};
+  wire::TransferBody as_rows = decoded(raw);
+  r = reg.resolve(as_rows, false);
+  check(as_rows.rows.size() == 1 && r.ok() && r.value().runs.size() == 3 && r.value().run_placements.size() == 3,
+        "registry: a raw row, a placement per run");
+  const uint64_t tensor_end = t1 + kSlots * kStride;
+  raw.runs = {{tensor_end - 24, 8}, {tensor_end - 8, 8}, {tensor_end + 8, 8}};
+  checkCode(reg.resolve(decoded(raw), false).status(), Code::kParamInvalid,
+            "registry: a raw row whose last run is outside its tensor");
+  {  // runs in two caches with unregistered memory between them: the span fails, the runs pass
+    const uint64_t x = a.value()->addrs[0], y = b.value()->addrs[0], lo = std::min(x, y), hi = std::max(x, y);
+    wire::TransferBody gap = raw;
+    gap.runs = {{lo + 8, 8}, {hi + 8, 8}};
+    gap.rows = {{lo + 8, 8, hi - lo, 2}};
+    r = reg.resolve(gap, false);
+    check(r.ok() && r.value().keep.size() == 2 && r.value().run_placements.size() == 2,
+          "registry: a raw row over unregistered memory is checked run by run");
+  }
+  checkCode(reg.resolve(decoded(blocksBody(7, {0}, {{0, 8}, {kStride, 8}, {2 * kStride, 8}})), false).status(),
+            Code::kSuccess, "registry: a row of blocks");
+  r = reg.resolve(
+      decoded(blocksBody(7, {0}, {{(kSlots - 2) * kStride, 8}, {(kSlots - 1) * kStride, 8}, {kSlots * kStride, 8}})),
+      false);
+  checkCode(r.status(), Code::kParamInvalid, "registry: a row of blocks whose last run is past the cache");
+  check(r.status().message().find("+" + std::to_string(2 * kStride + 8) + ")") != std::string::npos,
+        "registry: the refusal names the row's span: " + r.status().message());
   {  // a range across at most limits::kMaxRawSpan (64) tensors that follow each other
     Registry wide;
     std::vector<uint8_t> mw;
@@ -835,6 +951,7 @@ int main() {
   requestHeaderCases();
   responseHeaderCases();
   transferBodyCases();
+  rowCases();
   notifyBodyCases();
   ucxCases();
   descriptorAndAnswerCases();

@@ -269,6 +269,27 @@ Result<uint64_t> TransferBody::payloadBytes() const {
   return total;
 }
 
+std::vector<Row> rowsOf(const std::vector<Run>& runs) {
+  std::vector<Row> rows;
+  size_t i = 0;
+  while (i < runs.size()) {
+    Row row{runs[i].offset, runs[i].length, runs[i].length, 1};
+    size_t j = i + 1;
+    if (j < runs.size() && runs[j].length == row.length && runs[j].offset >= row.offset) {
+      row.stride = runs[j].offset - row.offset;
+      while (j < runs.size() && runs[j].length == row.length && runs[j].offset >= runs[j - 1].offset &&
+             runs[j].offset - runs[j - 1].offset == row.stride) {
+        ++j;
+      }
+      row.count = j - i;
+      if (row.count == 1) row.stride = row.length;
+    }
+    rows.push_back(row);
+    i += row.count;
+  }
+  return rows;
+}
+
 std::string encode(const TransferBody& b) {
   Writer w;
   w.put(static_cast<uint8_t>(b.target.kind));
@@ -280,6 +301,17 @@ std::string encode(const TransferBody& b) {
   w.put(b.block_size);
   w.put(static_cast<uint32_t>(b.tensors.size()));
   for (uint32_t t : b.tensors) w.put(t);
+  const std::vector<Row> rows = rowsOf(b.runs);
+  if (2 * rows.size() < b.runs.size()) {  // a row is twice a pair's bytes
+    w.put(static_cast<uint32_t>(rows.size()) | kRowsMark);
+    for (const Row& r : rows) {
+      w.put(r.offset);
+      w.put(r.length);
+      w.put(r.stride);
+      w.put(r.count);
+    }
+    return w.take();
+  }
   w.put(static_cast<uint32_t>(b.runs.size()));
   for (const Run& r : b.runs) {
     w.put(r.offset);
@@ -308,13 +340,44 @@ Status decode(const uint8_t* p, size_t n, TransferBody* out) {
   const uint64_t tensors = count;
   out->tensors.resize(count);
   for (uint32_t i = 0; i < count; ++i) r.get(&out->tensors[i]);
-  if (!r.get(&count) || count > r.left() / (2 * sizeof(uint64_t)) || tensors * count > limits::kMaxRequestPieces) {
-    return malformed("transfer");
-  }
-  out->runs.resize(count);
-  for (uint32_t i = 0; i < count; ++i) {
-    r.get(&out->runs[i].offset);
-    r.get(&out->runs[i].length);
+  if (!r.get(&count)) return malformed("transfer");
+  out->rows.clear();
+  if (count & kRowsMark) {
+    // Rows: each checked, and the runs they hold counted against the limit, before any is expanded.
+    count &= ~kRowsMark;
+    if (count > r.left() / (4 * sizeof(uint64_t)) || count == 0) return malformed("transfer");
+    out->rows.resize(count);
+    uint64_t pieces = 0;
+    for (Row& row : out->rows) {
+      uint64_t span = 0, end = 0;
+      r.get(&row.offset);
+      r.get(&row.length);
+      r.get(&row.stride);
+      r.get(&row.count);
+      if (row.count == 0 || row.count > limits::kMaxRequestPieces ||
+          __builtin_mul_overflow(row.stride, row.count - 1, &span) || __builtin_add_overflow(span, row.length, &span) ||
+          __builtin_add_overflow(row.offset, span, &end)) {
+        return malformed("transfer");
+      }
+      pieces += row.count;  // at most kMaxRequestPieces per row and kMaxBodyBytes / 32 rows: no overflow
+      if (pieces > limits::kMaxRequestPieces || tensors * pieces > limits::kMaxRequestPieces) {
+        return malformed("transfer");
+      }
+    }
+    out->runs.clear();
+    out->runs.reserve(pieces);
+    for (const Row& row : out->rows) {
+      for (uint64_t k = 0; k < row.count; ++k) out->runs.push_back(Run{row.offset + k * row.stride, row.length});
+    }
+  } else {
+    if (count > r.left() / (2 * sizeof(uint64_t)) || tensors * count > limits::kMaxRequestPieces) {
+      return malformed("transfer");
+    }
+    out->runs.resize(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      r.get(&out->runs[i].offset);
+      r.get(&out->runs[i].length);
+    }
   }
   if (r.left() != 0) return malformed("transfer");
   return Status::OK();

@@ -57,7 +57,7 @@ constexpr uint32_t kAckMagic = 0x414C4450;       // "PDLA"
 constexpr uint32_t kRequestMagic = 0x514C4450;   // "PDLQ"
 constexpr uint32_t kResponseMagic = 0x534C4450;  // "PDLS"
 constexpr uint32_t kAuthMagic = 0x524C4450;      // "PDLR"
-constexpr uint16_t kProtocolVersion = 9;
+constexpr uint16_t kProtocolVersion = 10;
 constexpr uint64_t kAnyCluster = UINT64_MAX;  // Hello.expected_peer when the dialler does not know it
 
 constexpr uint32_t kMaxBodyBytes = limits::kMaxBodyBytes;
@@ -320,13 +320,38 @@ struct Run {
   uint64_t length;
 };
 
+// `count` runs of `length` bytes, each `stride` bytes after the previous (stride 0: the same bytes
+// again), the first at `offset`: how runs in arithmetic progression go on the wire (since v10).
+struct Row {
+  uint64_t offset;
+  uint64_t length;
+  uint64_t stride;
+  uint64_t count;
+  // One past the last byte of the last run, for count >= 1 (decode refuses a row of no run, and
+  // one where this wraps).
+  uint64_t end() const { return offset + stride * (count - 1) + length; }
+};
+// `runs` as rows: each maximal stretch of runs of one length whose offsets step by one stride
+// (forward or 0) is one row. Exactly the runs again when expanded, in order.
+std::vector<Row> rowsOf(const std::vector<Run>& runs);
+
 // The body of kRead, kWrite and kCommit. The same runs apply to every listed tensor; the payload is
 // tensor-major: for each tensor in `tensors`, for each run, `length` bytes.
+//
+// Layout: target kind u8, model_id, req_id, prefix_id u64, cache_id i64, batch_index u64,
+// block_size u64, tensor count u32 and the u32 tensors, then a u32 whose top bit (kRowsMark, since
+// v10) says how the runs follow: clear, that many (offset, length) u64 pairs; set, its other bits
+// count rows (offset, length, stride, count) u64 each. encode() sends rows when they take fewer
+// bytes (rowsOf). decode() expands rows into `runs`, after checking that each has a run and does
+// not wrap and that every run of the body fits the piece limit, and keeps them in `rows` for the
+// server's checks, which take a row's span [offset, end()) at once (engine/registry.h).
+constexpr uint32_t kRowsMark = 0x80000000u;
 struct TransferBody {
   Target target;
   uint64_t block_size = 0;  // kBlocks: the requester's block size, must equal the server's stride
   std::vector<uint32_t> tensors;
   std::vector<Run> runs;
+  std::vector<Row> rows;  // set by decode when the body came as rows (runs holds their runs); never sent
   // Total payload bytes, or an error if the descriptor would overflow 64 bits.
   Result<uint64_t> payloadBytes() const;
   // tensors x runs: the byte ranges this body names (limits::kMaxRequestPieces at most).

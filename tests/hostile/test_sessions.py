@@ -337,14 +337,14 @@ def test_the_acceptor_says_which_proof_failed(peers: Callable[..., Peer], varian
     assert (h.stage, h.status) == ("auth", S.LLM_LINK_FAILED) and says in h.message, h
 
 
-@pytest.mark.parametrize("other", [rawwire.VERSION + 1, 8, 7, 4], ids=["newer", "v8", "v7", "v4"])
+@pytest.mark.parametrize("other", [rawwire.VERSION + 1, 9, 8, 7, 4], ids=["newer", "v9", "v8", "v7", "v4"])
 def test_a_peer_of_another_protocol_version_is_named_as_such(peers: Callable[..., Peer], variant: Variant,
                                                              other: int) -> None:
     """Both directions: an acceptor refuses a Hello of another version saying so; a dialler told
-    another version by the endpoint it dials says so. v8 (its frames are v9's, without the KV handoff's
-    target kind and frame), v7 (a u16 epoch tag at offset 6 of a 20-byte
-    request header) and v4 (before kPathConnect replaced its device-channel and ucx-connect frames)
-    are such versions."""
+    another version by the endpoint it dials says so. v9 (its frames are v10's, without rows in
+    transfer bodies), v8 (v9's, without the KV handoff's target kind and frame), v7 (a u16 epoch
+    tag at offset 6 of a 20-byte request header) and v4 (before kPathConnect replaced its
+    device-channel and ucx-connect frames) are such versions."""
     p = peers("prefill", env=variant.env())
     port = p.call(kv.start, "prompt", PROMPT_ID, listen=True)
     with socket.create_connection(("127.0.0.1", port)) as s:
