@@ -4,6 +4,10 @@
 // transfers (transfers.cc).
 #include "engine/engine.h"
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include <sys/resource.h>
 #include <sys/socket.h>
 
@@ -290,7 +294,32 @@ Result<std::shared_ptr<CacheEntry>> Engine::allocateCache(const CacheLayout& lay
 }
 
 Status Engine::deallocateCache(int64_t id, bool expect_blocks) { return state_.registry.deallocate(id, expect_blocks); }
-Status Engine::unregisterCache(int64_t id) { return state_.registry.unregister(id); }
+Status Engine::unregisterCache(int64_t id) {
+  auto removed = state_.registry.unregister(id);
+  if (!removed.ok()) return removed.status();
+  std::shared_ptr<CacheEntry> entry = std::move(removed).value();
+  // No request resolves to it any more; what already did holds the entry (a transfer being served
+  // or made, a pin, an offer and its reads): the memory is the caller's again only once the last
+  // of those is gone. Offers are given up; the rest ends within its own deadline, a pin at the
+  // peer's next frame or after the pin timeout.
+  const size_t offers = state_.offers.releaseCache(entry.get(), OfferReason::kReleased);
+  const int64_t bound_ms =
+      2 * std::max<int64_t>(state_.pinTimeoutMs(), std::max<int64_t>(2 * state_.config.sync_timeout_ms, 5000));
+  const Deadline deadline = Deadline::afterMs(bound_ms);
+  auto pause = std::chrono::microseconds(50);
+  while (entry.use_count() > 1) {
+    if (deadline.expired()) {
+      return Status(Code::kTimeout, "cache " + std::to_string(id) +
+                                        " was unregistered, but transfers still use its "
+                                        "memory after " +
+                                        std::to_string(bound_ms) + " ms: keep it allocated");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(5));
+  }
+  if (offers) PDLINK_LOG(kInfo, "cache " << id << " unregistered: " << offers << " offer(s) of it released");
+  return Status::OK();
+}
 void Engine::removeCacheKey(const RequestKey& key) { state_.registry.removeKey(key); }
 
 Status Engine::copyLocal(const std::vector<uint64_t>& dst_addrs, Placement dst_placement,

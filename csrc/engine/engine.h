@@ -129,6 +129,12 @@ class Engine {
   Result<std::shared_ptr<CacheEntry>> allocateCache(const CacheLayout& layout, const std::vector<RequestKey>& keys,
                                                     std::optional<uint64_t> blocks_model);
   Status deallocateCache(int64_t cache_id, bool expect_blocks);
+  // Withdraws registered memory: no request resolves to it from now on, its live offers are
+  // released (kReleased), and the call returns once nothing uses the memory any more (transfers
+  // being served or made over it end within their deadlines, a peer's pin at its next frame or
+  // after the pin timeout), so the caller may then free it. Blocks meanwhile (the binding releases
+  // the GIL). kTimeout if something still uses it after twice the longest of those bounds: the
+  // memory must then stay allocated. kParamInvalid for unknown or pool-allocated ids.
   Status unregisterCache(int64_t cache_id);
   void removeCacheKey(const RequestKey& key);
   size_t cacheCount() const { return state_.registry.size(); }

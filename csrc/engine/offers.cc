@@ -357,6 +357,27 @@ void OfferTable::releaseAll(OfferReason reason) {
   }
 }
 
+size_t OfferTable::releaseCache(const CacheEntry* cache, OfferReason reason) {
+  size_t n = 0;
+  bool finalised = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<uint64_t> ids;
+    for (auto& [id, o] : offers_) {
+      if (o.state == State::kLive && o.cache.get() == cache) ids.push_back(id);
+    }
+    for (uint64_t id : ids) {
+      finalised = closeLocked(offers_.find(id), reason) || finalised;
+      ++n;
+    }
+  }
+  if (finalised) {
+    finalized_cv_.notify_all();
+    changed();
+  }
+  return n;
+}
+
 template <typename Pick>
 void OfferTable::dropEventLocked(Pick pick) {
   auto e = std::find_if(peer_events_.begin(), peer_events_.end(), pick);

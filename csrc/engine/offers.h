@@ -183,6 +183,8 @@ class OfferTable {
   void linkEnded(const std::shared_ptr<Link>& link);
   // Releases every offer (finalize); their events are queued as any release's.
   void releaseAll(OfferReason reason);
+  // Releases the live offers of `cache` (its region is being deregistered); returns how many.
+  size_t releaseCache(const CacheEntry* cache, OfferReason reason);
 
   // A peer's abort of `request_id` arrived on `link` (from cluster `peer`, its links' share
   // `source`): its offers are released (peer_aborted, releaseRequest's rule), an event queued

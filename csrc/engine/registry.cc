@@ -118,7 +118,7 @@ Status Registry::deallocate(int64_t id, bool expect_blocks) {
   return Status::OK();
 }
 
-Status Registry::unregister(int64_t id) {
+Result<std::shared_ptr<CacheEntry>> Registry::unregister(int64_t id) {
   std::unique_lock<RegistryMutex> lock(mu_);
   auto it = caches_.find(id);
   if (it == caches_.end()) {
@@ -136,8 +136,9 @@ Status Registry::unregister(int64_t id) {
     for (auto& [slot, binding] : b->second) slots.push_back(slot);
     for (uint64_t slot : slots) unbindLocked(id, slot);
   }
+  std::shared_ptr<CacheEntry> entry = it->second;
   eraseLocked(it);
-  return Status::OK();
+  return entry;
 }
 
 void Registry::removeKey(const RequestKey& key) {

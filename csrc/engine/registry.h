@@ -131,8 +131,11 @@ class Registry {
   Result<std::shared_ptr<CacheEntry>> get(int64_t id) const;
   // Drops the id reference of a pool-allocated cache; a no-op for unknown or registered caches.
   Status deallocate(int64_t id, bool expect_blocks);
-  // Removes a registered cache and its keys. kParamInvalid for pool-allocated or unknown ids.
-  Status unregister(int64_t id);
+  // Removes a registered cache and its keys: no later request resolves to it. Returns the entry,
+  // which transfers already resolved may still hold (Resolved::keep, pins, offers): the memory stays
+  // in use until its last reference goes (Engine::unregisterCache waits for that). kParamInvalid
+  // for pool-allocated or unknown ids.
+  Result<std::shared_ptr<CacheEntry>> unregister(int64_t id);
   // Unbinds the request and prefix keys of `key`; a no-op when absent.
   void removeKey(const RequestKey& key);
 

@@ -796,17 +796,17 @@ void registryCases() {
   check(reg.published()->generation.load() == gen0, "registry: adds and resolves leave the generation alone");
 
   // unregister: keys and indexes go, the generation moves
-  checkCode(reg.unregister(1), Code::kSuccess, "registry: unregister cache 1");
+  checkCode(reg.unregister(1).status(), Code::kSuccess, "registry: unregister cache 1");
   check(reg.published()->generation.load() > gen0, "registry: unregister bumps the generation");
   by_key.target.model_id = 0;
   checkCode(reg.resolve(by_key, false).status(), Code::kKvCacheNotExist, "registry: keys of an unregistered cache");
   raw.tensors = {0};
   raw.runs = {{a.value()->addrs[0], 8}};
   checkCode(reg.resolve(raw, false).status(), Code::kParamInvalid, "registry: raw addresses of an unregistered cache");
-  checkCode(reg.unregister(1), Code::kParamInvalid, "registry: unregister twice");
+  checkCode(reg.unregister(1).status(), Code::kParamInvalid, "registry: unregister twice");
   auto again = reg.add(userCache(&m4, 1, false, std::nullopt), {reqKey(1, 0)});
   check(again.ok() && again.value()->id == 4, "registry: a freed key binds again, under a new id");
-  checkCode(reg.unregister(2), Code::kSuccess, "registry: unregister the blocks cache");
+  checkCode(reg.unregister(2).status(), Code::kSuccess, "registry: unregister the blocks cache");
   checkCode(reg.describe(7).status(), Code::kKvCacheNotExist, "registry: describe after unregister");
 }
 
@@ -832,7 +832,7 @@ void poolLifetimeCases() {
     if (!a.ok()) return;
     id = a.value()->id;
   }
-  checkCode(reg.unregister(id), Code::kParamInvalid, "registry pool: unregister of an allocated cache");
+  checkCode(reg.unregister(id).status(), Code::kParamInvalid, "registry pool: unregister of an allocated cache");
   checkCode(reg.deallocate(id, /*expect_blocks=*/true), Code::kParamInvalid, "registry pool: the wrong deallocate");
   checkCode(reg.deallocate(id, false), Code::kSuccess, "registry pool: deallocate");
   check(p->used() == 2 * 4096 && reg.size() == 1, "registry pool: a bound request key keeps the memory");

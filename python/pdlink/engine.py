@@ -875,8 +875,12 @@ class Engine:
         return region
 
     def deregister(self, region: Region) -> None:
-        """Withdraws a region: peers can no longer reach it, and prepared transfers over it fail
-        on their next post. Transfers already running finish first."""
+        """Withdraws a region: peers can no longer reach it, prepared transfers over it fail on
+        their next post, and its live offers are released (``"released"``). Returns once nothing
+        uses its memory (docs/native_api.md, "Memory"): transfers being served or made over it
+        finish first, a peer's pin of it ends at the peer's next frame or after ``PinTimeoutMs``.
+        Raises ``LLMException`` (``LLM_TIMEOUT``) if something still uses it after twice the
+        longest of those bounds; the engine then keeps the registered object."""
         with self._lock:
             if self._regions.pop(region.cache_id, None) is None:
                 raise ValueError(f"region {region.cache_id} is not registered here")

@@ -140,17 +140,18 @@ def test_a_range_inside_one_registration_is_served_whatever_overlaps_it(peers: C
                                        "request past max_request_span_steps and Engine.read does not split by "
                                        "steps: covers says yes to a list the read is refused for")
 def test_covers_of_a_list_past_the_request_step_bound_matches_the_read(peers: Callable[..., Peer]) -> None:
-    """64 adjacent one-byte registrations; a descriptor list of max_request_span_steps / 64 + 1
-    ranges each across all 64 (one step past the bound): ``MemoryMap.covers`` ("a list it accepts
-    is one the peer accepts") and an honest ``Engine.read`` of that list must agree."""
+    """64 adjacent one-byte registrations; a descriptor list of ranges across all 64 and across 63
+    of them in turn, past max_request_span_steps: ``MemoryMap.covers`` ("a list it accepts is one
+    the peer accepts") and an honest ``Engine.read`` of that list must agree. (Lengths in turn: a
+    list of one range repeated goes as one row of stride 0 (wire v10), which the peer checks once.)"""
     span = LIMITS["max_raw_span"]
     layout = [(i, 1) for i in range(span)]
     victim, honest, _attacker, base = setup(peers, layout)
-    count = LIMITS["max_request_span_steps"] // span + 1
-    q = [(base, span)] * count
+    count = LIMITS["max_request_span_steps"] // (2 * span - 1) + 1
+    q = [(base, span), (base, span - 1)] * count
     says = honest.call(overlaps.remote_covers, VICTIM, q)
     try:
-        honest.call_within(120, native.descriptors, VICTIM, "dst", [(0, span)] * count, q, "read")
+        honest.call_within(120, native.descriptors, VICTIM, "dst", [(0, span), (0, span - 1)] * count, q, "read")
         read = True
     except LLMException as e:
         read = False

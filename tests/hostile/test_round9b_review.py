@@ -264,10 +264,10 @@ def test_commits_with_a_wrong_generation_or_repeated_release_once_and_keep_the_l
 
 
 @only("cpu-tcp")
-@pytest.mark.parametrize("version", [8, 10])
+@pytest.mark.parametrize("version", [8, 9, rawwire.VERSION + 1])
 def test_a_peer_of_another_wire_version_is_refused_with_both_versions_named(
         peers: Callable[..., Peer], variant: Variant, version: int) -> None:
-    """Wire v9: a hello of v8 (or v10) is refused at the handshake, the reason naming both the
+    """Wire v10: a hello of v8, v9 (or v11) is refused at the handshake, the reason naming both the
     peer's version and this engine's; no link is made."""
     victim, port = listening_victim(peers, variant, ROWS, ROW)
     a = peers("attacker")

@@ -410,6 +410,7 @@ class _Client:
 
 
 _client: _Client | None = None
+_answer = {"left": 0, "at": 0}  # the payload start_answer left in the socket
 _words = (ctypes.c_uint64 * 2)(1, 0)  # this process's "published words" (generation, role), for a victim's probe
 
 
@@ -448,6 +449,47 @@ def redirect_name(port: int, cluster: int = 9) -> str:
 def send(frame: bytes) -> None:
     assert _client is not None
     _client.fwd.sendall(frame)
+
+
+def start_answer(frame: bytes) -> tuple[int, str, int]:
+    """Sends one request frame and reads its response's header and message, leaving the payload in
+    the socket (``read_answer`` reads it): (status, message, payload length)."""
+    assert _client is not None
+    _client.fwd.sendall(frame)
+    status, mlen, plen, _tag = rawwire.response_header(rawwire.recv_exact(_client.fwd, rawwire.RESPONSE_HEADER_BYTES))
+    _answer.update(left=plen, at=0)
+    return status, rawwire.recv_exact(_client.fwd, mlen).decode(), plen
+
+
+def read_answer(nbytes: int, unit: bytes) -> bool:
+    """Reads the next ``nbytes`` of the payload ``start_answer`` left (all of what is left when
+    ``nbytes`` is 0); whether every byte is ``unit``'s byte at that payload offset (the payload
+    being ``unit`` repeated)."""
+    assert _client is not None
+    n = _answer["left"] if nbytes == 0 else nbytes
+    same = True
+    while n:
+        got = rawwire.recv_exact(_client.fwd, min(n, len(unit) - _answer["at"] % len(unit)))
+        start = _answer["at"] % len(unit)
+        same = same and got == unit[start:start + len(got)]
+        _answer["at"] += len(got)
+        _answer["left"] -= len(got)
+        n -= len(got)
+    return same
+
+
+def send_zeros(nbytes: int) -> None:
+    """Sends ``nbytes`` zero bytes (a payload's rest), 1 MiB at a time."""
+    assert _client is not None
+    chunk = bytes(1 << 20)
+    while nbytes:
+        _client.fwd.sendall(chunk[:min(nbytes, len(chunk))])
+        nbytes -= min(nbytes, len(chunk))
+
+
+def read_response() -> tuple[int, str, bytes]:
+    assert _client is not None
+    return rawwire.read_response(_client.fwd)
 
 
 def exchange(frame: bytes) -> tuple[int, str, bytes] | str:

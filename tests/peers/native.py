@@ -134,6 +134,24 @@ def withdrawn() -> None:
     _state["withdrawer"].join(60)
 
 
+def withdrawing() -> bool:
+    """Whether the thread of ``withdraw_and_reuse_after`` or ``deregister_owned_in_background`` is
+    still in its deregistration."""
+    return bool(_state["withdrawer"].is_alive())
+
+
+def deregister_owned_in_background(name: str) -> None:
+    """``deregister_owned`` in a thread of its own (``withdrawing``, ``withdrawn``)."""
+    thread = threading.Thread(target=deregister_owned, args=(name,))
+    thread.start()
+    _state["withdrawer"] = thread
+
+
+def regions() -> int:
+    """How many regions this engine has registered (a deregistration under way counts none)."""
+    return len(_engine().local_memory().ranges)
+
+
 def reregister(name: str, fill: int) -> int:
     """Region ``name``'s memory filled with ``fill`` and registered again (same layout)."""
     named = _state["regions"][name]
