@@ -282,26 +282,12 @@ void OfferTable::release(uint64_t id, OfferReason reason) {
 
 size_t OfferTable::releaseRequest(const std::string& request_id, OfferReason reason,
                                   const std::shared_ptr<Link>& from_link) {
-  size_t n = 0;
-  bool finalised = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<uint64_t> ids;
-    for (auto& [id, o] : offers_) {
-      if (o.state != State::kLive || o.request_id != request_id) continue;
-      if (from_link && o.bound && !sameLink(o.link, from_link)) continue;
-      ids.push_back(id);
-    }
-    for (uint64_t id : ids) {
-      finalised = closeLocked(offers_.find(id), reason) || finalised;
-      ++n;
-    }
-  }
-  if (finalised) {
-    finalized_cv_.notify_all();
-    changed();
-  }
-  return n;
+  return releaseWhere(
+      [&](const Offer& o) {
+        return o.state == State::kLive && o.request_id == request_id &&
+               !(from_link && o.bound && !sameLink(o.link, from_link));
+      },
+      reason);
 }
 
 size_t OfferTable::hold(const std::shared_ptr<Link>& link, uint64_t peer,
@@ -344,27 +330,22 @@ void OfferTable::linkEnded(const std::shared_ptr<Link>& link) {
 }
 
 void OfferTable::releaseAll(OfferReason reason) {
-  bool finalised = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<uint64_t> ids;
-    for (auto& [id, o] : offers_) ids.push_back(id);
-    for (uint64_t id : ids) finalised = closeLocked(offers_.find(id), reason) || finalised;
-  }
-  if (finalised) {
-    finalized_cv_.notify_all();
-    changed();
-  }
+  releaseWhere([](const Offer&) { return true; }, reason);
 }
 
 size_t OfferTable::releaseCache(const CacheEntry* cache, OfferReason reason) {
+  return releaseWhere([&](const Offer& o) { return o.state == State::kLive && o.cache.get() == cache; }, reason);
+}
+
+template <typename Pred>
+size_t OfferTable::releaseWhere(Pred pick, OfferReason reason) {
   size_t n = 0;
   bool finalised = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<uint64_t> ids;
     for (auto& [id, o] : offers_) {
-      if (o.state == State::kLive && o.cache.get() == cache) ids.push_back(id);
+      if (pick(o)) ids.push_back(id);
     }
     for (uint64_t id : ids) {
       finalised = closeLocked(offers_.find(id), reason) || finalised;

@@ -231,6 +231,10 @@ class OfferTable {
   // serves it. Returns true when a live offer was finalised (on_change is due).
   bool closeLocked(std::unordered_map<uint64_t, Offer>::iterator it, OfferReason reason);
   void finaliseLocked(std::unordered_map<uint64_t, Offer>::iterator it);
+  // Closes every offer `pick` selects with `reason` (closeLocked, under mu_; then the waiters and
+  // on_change, without it); returns how many it selected.
+  template <typename Pred>
+  size_t releaseWhere(Pred pick, OfferReason reason);
   void extendLocked(uint64_t id, Offer& o);
   void leaseLoop();
   void changed();
