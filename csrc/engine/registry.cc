@@ -288,7 +288,10 @@ Status Registry::resolveRawRows(const wire::TransferBody& body, bool for_write, 
   // one by one, as a body of pairs is checked.
   std::vector<wire::Run> spans;
   spans.reserve(body.rows.size());
-  for (const wire::Row& row : body.rows) spans.push_back(wire::Run{row.offset, row.end() - row.offset});
+  for (const wire::Row& row : body.rows) {
+    if (row.length == 0) return resolveRaw(body.runs, for_write, out);  // refused there, as an empty run
+    spans.push_back(wire::Run{row.offset, row.end() - row.offset});
+  }
   if (!resolveRaw(spans, for_write, out).ok()) return resolveRaw(body.runs, for_write, out);
   std::vector<Placement> by_row;
   by_row.swap(out->run_placements);
