@@ -97,7 +97,7 @@ def prefill_main(conn: Any, path: str) -> None:
                 engine.connect(f"127.0.0.1:{args[0]}", cluster_id=DECODER_ID)
                 conn.send(None)
             elif op == "live":
-                conn.send(engine.stats()["offers_live"])
+                conn.send(engine.stats().offers_live)
             else:
                 conn.send(None)
                 return

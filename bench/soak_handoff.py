@@ -32,7 +32,7 @@ are reaped while the cycles go on.
 At the end (the decoder of the last restart alive and linked): the prefill's ``stats()`` must reach
 ``offers_live == 0`` (polled: leases and link deaths do their work), every offer made must have
 ended with a reason (``Offer.reason``), ``Engine.released()`` must have reported each offer once
-and the same counts per reason, ``stats()["offers_released"]`` must equal the offers made, and no
+and the same counts per reason, ``stats().offers_released`` must equal the offers made, and no
 handoff event dropped (both engines take theirs; the prefill's must be one ``"aborted"`` per
 abort of a decoder). The prefill's RSS, open fds and threads are sampled after warm-up (at cycle
 ``--warmup``, default half a kill period after the first kill, once the offers of the kills so far
@@ -323,7 +323,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
         # the end: every offer released (leases and link deaths did their work), the link settled
         end_wait = cfg["lease_ms"] / 1000 + 30
         try:
-            wait_for(lambda: settled(lambda: not outstanding and engine.stats()["offers_live"] == 0), end_wait,
+            wait_for(lambda: settled(lambda: not outstanding and engine.stats().offers_live == 0), end_wait,
                      "no live offer")
         except AssertionError as e:
             failures.append(f"stranded: {e}; outstanding {len(outstanding)}, stats {engine.stats()}")
@@ -336,7 +336,7 @@ def soak(cfg: dict[str, Any]) -> dict[str, Any]:
                                   and end["threads"] - warm["threads"] <= cfg["max_threads"])[1], 10, "fds and threads")
             except AssertionError:
                 pass
-        stats = engine.stats()
+        stats = engine.stats().as_dict()
     finally:
         try:
             decoder.stop()

@@ -60,6 +60,10 @@ void defLifetime(py::class_<Engine>& cls) {
                 l.offer_lease_ms > l.max_lease_ms || l.max_handoff_events == 0) {
               throw py::value_error("limits must be positive (pin_timeout_ms: 0 for the default)");
             }
+            if (l.max_metric_peers > limits::kMaxMetricPeers) {
+              throw py::value_error("max_metric_peers must lie in [0, " + std::to_string(limits::kMaxMetricPeers) +
+                                    "]");
+            }
             if (l.tcp_streams == 0 || l.tcp_streams > limits::kMaxTcpStreams || l.max_tcp_lanes == 0 ||
                 l.tcp_chunk_bytes < limits::kMinTcpChunkBytes || l.tcp_chunk_bytes > limits::kMaxTcpChunkBytes) {
               throw py::value_error("tcp_streams must lie in [1, " + std::to_string(limits::kMaxTcpStreams) +
@@ -78,7 +82,7 @@ void defLifetime(py::class_<Engine>& cls) {
       .def_property_readonly("backend", [](const Engine& e) { return std::string(e.backendName()); })
       .def_property_readonly("backend_handle", [](const Engine& e) { return e.backend(); })
       .def_property_readonly("cache_count", &Engine::cacheCount)
-      .def("stats", &Engine::stats)
+      .def("stats", &Engine::stats, py::call_guard<py::gil_scoped_release>())
       .def("pools", &Engine::pools);
 }
 

@@ -101,6 +101,7 @@ void bindEngineLimits(py::module_& m) {
       .def_readwrite("max_lease_ms", &EngineLimits::max_lease_ms)
       .def_readwrite("offer_lease_ms", &EngineLimits::offer_lease_ms)
       .def_readwrite("max_handoff_events", &EngineLimits::max_handoff_events)
+      .def_readwrite("max_metric_peers", &EngineLimits::max_metric_peers)
       .def("__repr__", [](const EngineLimits& l) {
         return "EngineLimits(max_links=" + std::to_string(l.max_links) +
                ", max_links_per_source=" + std::to_string(l.max_links_per_source) +
@@ -118,7 +119,8 @@ void bindEngineLimits(py::module_& m) {
                ", switch_drain_timeout_ms=" + std::to_string(l.switch_drain_timeout_ms) +
                ", max_offers=" + std::to_string(l.max_offers) + ", max_lease_ms=" + std::to_string(l.max_lease_ms) +
                ", offer_lease_ms=" + std::to_string(l.offer_lease_ms) +
-               ", max_handoff_events=" + std::to_string(l.max_handoff_events) + ")";
+               ", max_handoff_events=" + std::to_string(l.max_handoff_events) +
+               ", max_metric_peers=" + std::to_string(l.max_metric_peers) + ")";
       });
 }
 
@@ -269,6 +271,24 @@ void bindEngineReports(py::module_& m) {
                              field("payload_integrity", &LinkInfo::payload_integrity),
                              field("device_paths", &LinkInfo::device_paths), field("lanes", &LinkInfo::lanes),
                              field("confirmed", &LinkInfo::confirmed)));
+  // Telemetry's series (engine/telemetry.h), bound before EngineStats, which holds them.
+  bindRecord(m, "HistogramCounts",
+             std::make_tuple(field("buckets", &HistogramCounts::buckets), field("sum", &HistogramCounts::sum),
+                             field("count", &HistogramCounts::count)));
+  bindRecord(m, "TransferSeries",
+             std::make_tuple(field("peer", &TransferSeries::peer), field("path", &TransferSeries::path),
+                             field("op", &TransferSeries::op), field("transfers", &TransferSeries::transfers),
+                             field("bytes", &TransferSeries::bytes), field("descriptors", &TransferSeries::descriptors),
+                             field("queue", &TransferSeries::queue), field("wire", &TransferSeries::wire),
+                             field("total", &TransferSeries::total)));
+  bindRecord(m, "FailureSeries",
+             std::make_tuple(field("peer", &FailureSeries::peer), field("path", &FailureSeries::path),
+                             field("op", &FailureSeries::op), field("code", &FailureSeries::code),
+                             field("stage", &FailureSeries::stage), field("count", &FailureSeries::count)));
+  bindRecord(m, "LinkEventSeries",
+             std::make_tuple(field("peer", &LinkEventSeries::peer), field("event", &LinkEventSeries::event),
+                             field("reason", &LinkEventSeries::reason), field("count", &LinkEventSeries::count)));
+  m.attr("LATENCY_BOUNDS") = py::tuple(py::cast(std::vector<double>(kLatencyBounds.begin(), kLatencyBounds.end())));
   bindRecord(
       m, "EngineStats",
       std::make_tuple(
@@ -282,7 +302,13 @@ void bindEngineReports(py::module_& m) {
           field("offers_live", &EngineStats::offers_live), field("offers_released", &EngineStats::offers_released),
           field("offers_expired", &EngineStats::offers_expired), field("offers_aborted", &EngineStats::offers_aborted),
           field("offer_bytes", &EngineStats::offer_bytes),
-          field("handoff_events_dropped", &EngineStats::handoff_events_dropped)));
+          field("handoff_events_dropped", &EngineStats::handoff_events_dropped),
+          field("pinned_bytes", &EngineStats::pinned_bytes), field("role_epoch", &EngineStats::role_epoch),
+          field("taken_at", &EngineStats::taken_at), field("transfers", &EngineStats::transfers),
+          field("failures", &EngineStats::failures), field("link_events", &EngineStats::link_events),
+          field("links_by_path", &EngineStats::links_by_path)))
+      .def("since", &EngineStats::since, py::arg("earlier"))
+      .def("__sub__", &EngineStats::since);
   bindRecord(
       m, "RoleState",
       std::make_tuple(field("role", &RoleState::role), field("epoch", &RoleState::epoch),
@@ -332,6 +358,7 @@ void bindConstants(py::module_& m) {
     limits["max_tcp_depth"] = limits::kMaxTcpDepth;
     limits["max_notify_name_bytes"] = limits::kMaxNotifyNameBytes;
     limits["max_notify_message_bytes"] = limits::kMaxNotifyMessageBytes;
+    limits["max_metric_peers"] = limits::kMaxMetricPeers;
     m.attr("LIMITS") = limits;
   }
   // The PDLINK_* variables the core reads itself (core/environment.h): (name, meaning, fallback or

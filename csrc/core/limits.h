@@ -18,6 +18,8 @@ constexpr uint32_t kMaxRequestTensors = 1u << 16;
 // Tensors x runs of one request: the byte ranges a server resolves, pins and, on the direct and
 // one-sided paths, answers with addresses for (16 bytes each: at most 4 MiB per answer).
 constexpr uint64_t kMaxRequestPieces = uint64_t{1} << 18;
+// The most peers EngineLimits::max_metric_peers may give series of their own (engine/telemetry.h).
+constexpr uint32_t kMaxMetricPeers = 4096;
 // Raw-address ranges (a kRaw target: registered memory named by absolute address, as descriptor
 // lists do). A server finds a range's memory through an index of every registered tensor by start
 // address, one step per registration the range runs across (Registry::resolve); a requester that

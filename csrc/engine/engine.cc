@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <tuple>
 #include <thread>
 
 #include <sys/resource.h>
@@ -81,7 +83,11 @@ Status Engine::initialize(const EngineConfig& config) {
       return opened.status();
     }
   }
+  if (lim.max_metric_peers > limits::kMaxMetricPeers) {
+    return Status(Code::kParamInvalid, "max_metric_peers must be at most " + std::to_string(limits::kMaxMetricPeers));
+  }
   state_.config = config;
+  state_.telemetry = std::make_shared<Telemetry>(lim.max_metric_peers);
   state_.offers.configure(OfferLimits{config.limits.max_offers, config.limits.max_lease_ms,
                                       config.limits.offer_lease_ms, config.limits.max_handoff_events});
   link_manager_.setOneWayLocked(config.one_way_links);
@@ -168,7 +174,72 @@ EngineStats Engine::stats() const {
   s.offers_aborted = o.aborted;
   s.offer_bytes = o.bytes;
   s.handoff_events_dropped = o.events_dropped;
+  s.pinned_bytes = static_cast<uint64_t>(std::max<int64_t>(0, state_.pinned_bytes.load()));
+  s.role_epoch = state_.roleState().epoch;
+  s.taken_at = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (state_.telemetry) {
+    TelemetrySnapshot t = state_.telemetry->snapshot();
+    s.transfers = std::move(t.transfers);
+    s.failures = std::move(t.failures);
+    s.link_events = std::move(t.link_events);
+  }
   return s;
+}
+
+namespace {
+
+HistogramCounts minus(const HistogramCounts& a, const HistogramCounts& b) {
+  HistogramCounts d = a;
+  for (size_t i = 0; i < d.buckets.size() && i < b.buckets.size(); ++i) d.buckets[i] -= b.buckets[i];
+  d.sum -= b.sum;
+  d.count -= b.count;
+  return d;
+}
+
+// Subtracts from each entry of `later` the entry of `earlier` with the same key (`key_of`), by
+// `sub`; entries new since `earlier` stay whole.
+template <class T, class Key, class Sub>
+void subtractMatching(std::vector<T>& later, const std::vector<T>& earlier, Key key_of, Sub sub) {
+  std::map<decltype(key_of(earlier.front())), const T*> index;
+  for (const T& e : earlier) index.emplace(key_of(e), &e);
+  for (T& l : later) {
+    auto it = index.find(key_of(l));
+    if (it != index.end()) sub(l, *it->second);
+  }
+}
+
+}  // namespace
+
+EngineStats EngineStats::since(const EngineStats& earlier) const {
+  EngineStats d = *this;
+  d.handshakes_refused -= earlier.handshakes_refused;
+  d.handshakes_evicted -= earlier.handshakes_evicted;
+  d.listener_backoffs -= earlier.listener_backoffs;
+  d.pins_expired -= earlier.pins_expired;
+  d.notifications_refused -= earlier.notifications_refused;
+  d.offers_released -= earlier.offers_released;
+  d.offers_expired -= earlier.offers_expired;
+  d.offers_aborted -= earlier.offers_aborted;
+  d.handoff_events_dropped -= earlier.handoff_events_dropped;
+  subtractMatching(
+      d.transfers, earlier.transfers, [](const TransferSeries& x) { return std::make_tuple(x.peer, x.path, x.op); },
+      [](TransferSeries& t, const TransferSeries& e) {
+        t.transfers -= e.transfers;
+        t.bytes -= e.bytes;
+        t.descriptors -= e.descriptors;
+        t.queue = minus(t.queue, e.queue);
+        t.wire = minus(t.wire, e.wire);
+        t.total = minus(t.total, e.total);
+      });
+  subtractMatching(
+      d.failures, earlier.failures,
+      [](const FailureSeries& x) { return std::make_tuple(x.peer, x.path, x.op, x.code, x.stage); },
+      [](FailureSeries& f, const FailureSeries& e) { f.count -= e.count; });
+  subtractMatching(
+      d.link_events, earlier.link_events,
+      [](const LinkEventSeries& x) { return std::make_tuple(x.peer, x.event, x.reason); },
+      [](LinkEventSeries& l, const LinkEventSeries& e) { l.count -= e.count; });
+  return d;
 }
 
 // ---------------------------------------------------------------- limits

@@ -78,6 +78,11 @@ struct EngineState {
   std::atomic<int64_t> transfers_in_flight{0};
   std::atomic<int64_t> served_in_flight{0};
   std::atomic<int64_t> pins_held{0};
+  // Bytes the served links hold pinned (ServeState::countPins): EngineStats::pinned_bytes.
+  std::atomic<int64_t> pinned_bytes{0};
+  // What this engine's transfers and links did (engine/telemetry.h), made by initialize (its cap on
+  // peers is a limit); shared with the links' down hooks, which may outlive the engine.
+  std::shared_ptr<Telemetry> telemetry;
   // The KV handoffs this engine offers (engine/offers.h): its live offers count in a drain too (a
   // handoff never outlives its role epoch).
   OfferTable offers{[this] { drainNotify(); }};

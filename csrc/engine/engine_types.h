@@ -8,10 +8,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cancel.h"
 #include "engine/registry.h"
+#include "engine/telemetry.h"
 #include "transport/wire.h"
 
 namespace pdlink {
@@ -128,6 +130,9 @@ struct EngineLimits {
   int64_t max_lease_ms = 3600000;
   int64_t offer_lease_ms = 60000;
   uint32_t max_handoff_events = 4096;
+  // Telemetry (engine/telemetry.h): the peers that get series of their own; later ones are counted
+  // under one "other" peer (a bound on the metrics' cardinality and memory).
+  uint32_t max_metric_peers = 64;
 
   // Descriptors one link may hold: its two channels, and on a same-host link the peer's pidfd and
   // memory descriptor (transport/cma/cma.h).
@@ -199,6 +204,20 @@ struct EngineStats {
   uint64_t offers_aborted = 0;          // of those, by an abort of this engine or of a peer
   uint64_t offer_bytes = 0;             // bytes the live offers retain
   uint64_t handoff_events_dropped = 0;  // handoff events dropped from a full queue
+  uint64_t pinned_bytes = 0;            // bytes of this engine's memory pinned for peers' direct accesses now
+  uint64_t role_epoch = 0;              // the role epoch (RoleState::epoch)
+  double taken_at = 0;                  // when this snapshot was taken: seconds on the monotonic clock
+  // Telemetry (engine/telemetry.h): this side's transfers, failures and link events, and its live
+  // links by host path.
+  std::vector<TransferSeries> transfers;
+  std::vector<FailureSeries> failures;
+  std::vector<LinkEventSeries> link_events;
+  std::vector<std::pair<std::string, uint64_t>> links_by_path;
+  // What changed since `earlier` (a snapshot of the same engine): counts and histograms as
+  // differences, series absent from `earlier` whole; the gauges (live_links, tombstones, handshakes,
+  // threads, notifications, offers_live, offer_bytes, pinned_bytes, role_epoch, links_by_path) and
+  // taken_at as in this one.
+  EngineStats since(const EngineStats& earlier) const;
 };
 
 // A notification a peer sent (Engine::notify): its cluster id and the bytes it sent.

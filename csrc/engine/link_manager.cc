@@ -62,6 +62,7 @@ void LinkManager::listenUnixLocked() {
 
 void LinkManager::closeAll(const std::vector<std::shared_ptr<Link>>& links) {
   for (auto& link : links) {
+    link->ending(LinkDown::kFinalized);
     if (!link->broken()) {
       std::unique_lock<std::mutex> out(link->outMutex(), std::try_to_lock);
       if (out.owns_lock()) {  // tell the peer, best effort, without waiting on a busy link
@@ -70,7 +71,7 @@ void LinkManager::closeAll(const std::vector<std::shared_ptr<Link>>& links) {
         (void)link->out().sendFrame(frame, Deadline::afterMs(200));
       }
     }
-    link->breakLink("engine finalized");
+    link->breakLink("engine finalized", LinkDown::kFinalized);
   }
 }
 
@@ -89,6 +90,16 @@ void LinkManager::addStatsLocked(EngineStats* s) const {
   s->handshakes_evicted = slots_.evicted;
   for (const Listener* l : {listener_.get(), comm_listener_.get(), unix_listener_.get()}) {
     if (l) s->listener_backoffs += l->backoffs();
+  }
+  for (const LinkInfo& info : links_.infos()) {
+    if (info.broken) continue;
+    auto it = std::find_if(s->links_by_path.begin(), s->links_by_path.end(),
+                           [&](const auto& e) { return e.first == info.transport; });
+    if (it == s->links_by_path.end()) {
+      s->links_by_path.emplace_back(info.transport, 1);
+    } else {
+      ++it->second;
+    }
   }
 }
 
@@ -701,13 +712,17 @@ Status LinkManager::chooseTransport(const Socket& channel, pid_t peer_pid, uid_t
 
 void LinkManager::installLink(const std::shared_ptr<Link>& link) {
   link_log_.emplace_back(++link_seq_, link->peer());
+  if (s_.telemetry) {  // counted once installed: up now, down when it breaks (its hook)
+    s_.telemetry->linkUp(link->peer());
+    link->setDownHook([t = s_.telemetry, peer = link->peer()](LinkDown why) { t->linkDown(peer, why); });
+  }
   if (link_log_.size() > limits::kLinkLogEntries) link_log_.pop_front();
   if (std::shared_ptr<Link> old = links_.install(link)) {
     // The peer re-linked without unlinking (it restarted, or force-unlinked its end), and its old
     // link was dead, or the newcomer proved the secret (handleIncoming): the old entity is stale,
     // as in llm_datadist's force re-link.
     PDLINK_LOG(kInfo, "replacing stale link to " << clusterName(link->peer()));
-    old->breakLink("replaced by a new link from the peer");
+    old->breakLink("replaced by a new link from the peer", LinkDown::kReplaced);
   }
 }
 
@@ -730,7 +745,7 @@ void LinkManager::dropUnused(Link& link, Deadline deadline) {
     wire::ResponseHeader rh;
     (void)request(link, wire::RequestHeader{wire::Op::kUnlink, 0, 0}, "", deadline, "closing a spare link to", &rh);
   }
-  link.breakLink("not needed: the peer's own link to this engine serves");
+  link.breakLink("not needed: the peer's own link to this engine serves", LinkDown::kReplaced);
 }
 
 bool LinkManager::stillAlive(const std::shared_ptr<Link>& link) {
@@ -782,6 +797,7 @@ Status LinkManager::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool forc
   Status result;
   Deadline deadline = Deadline::afterMs(timeout_ms);
   for (const auto& link : links) {
+    link->ending(LinkDown::kUnlinked);
     if (!force && !link->broken()) {
       // Tell the peer so it drops its end too; a dead peer cannot be told.
       std::lock_guard<std::mutex> out(link->outMutex());
@@ -797,7 +813,7 @@ Status LinkManager::unlinkOne(uint64_t cluster_id, int64_t timeout_ms, bool forc
                                                              "); disconnect on that side too");
       }
     }
-    link->breakLink("unlinked by this side");
+    link->breakLink("unlinked by this side", LinkDown::kUnlinked);
   }
   PDLINK_LOG(kInfo, "unlinked " << clusterName(cluster_id) << (force ? " (force)" : ""));
   return result;

@@ -59,6 +59,7 @@ void RequestServer::serveLane(const std::shared_ptr<Link>& link, Stream& lane) {
 Status RequestServer::serveStream(const std::shared_ptr<Link>& link, Stream& in, ServeState* state) {
   in.setEpochWord(&s_.epoch_tag);  // every response carries this engine's epoch tag (wire v7)
   state->pins_held = &s_.pins_held;
+  state->pinned_bytes_total = &s_.pinned_bytes;
   Status st;
   while (st.ok() && !state->unlinked) {
     // Nothing a peer sends may take the process down: whatever escapes a frame drops this link.
@@ -251,7 +252,7 @@ bool RequestServer::serveControl(const std::shared_ptr<Link>& link, Stream& s, c
   } else if (h.op == wire::Op::kUnlink) {
     links_.forget(link);
     (void)sendResponse(s, Status::OK(), deadline);
-    link->breakLink("unlinked by the peer");
+    link->breakLink("unlinked by the peer", LinkDown::kPeerUnlinked);
     state->unlinked = true;
     PDLINK_LOG(kInfo, clusterName(link->peer()) << " unlinked");
     *result = Status::OK();
@@ -352,6 +353,7 @@ Status RequestServer::serveAccess(const std::shared_ptr<Link>& link_ptr, Stream&
   Status served = server->serve(call);
   if (call.pin) {  // until the peer's next frame, or the pin bound
     state->pinned = r.keep;
+    state->pinned_bytes = payload.value();
     if (offer_guard) state->offer_pins.push_back(std::move(offer_guard));
   }
   return served;

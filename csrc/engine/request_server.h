@@ -55,9 +55,19 @@ class RequestServer {
     // EngineState::pins_held (set by serveStream): this link counts 1 there while it holds pins.
     std::atomic<int64_t>* pins_held = nullptr;
     bool pins_counted = false;
-    // Brings this link's count in line with `pinned` and `exported`; true when it changed.
+    // The payload of the access now pinned (set with `pinned`), and what of it EngineState::
+    // pinned_bytes counts (`pinned_bytes_total`, set by serveStream).
+    uint64_t pinned_bytes = 0;
+    std::atomic<int64_t>* pinned_bytes_total = nullptr;
+    int64_t bytes_counted = 0;
+    // Brings this link's counts in line with `pinned` and `exported`; true when the pin count changed.
     bool countPins() {
       const bool held = !pinned.empty() || !exported.empty();
+      if (!held) pinned_bytes = 0;
+      if (pinned_bytes_total && static_cast<int64_t>(pinned_bytes) != bytes_counted) {
+        pinned_bytes_total->fetch_add(static_cast<int64_t>(pinned_bytes) - bytes_counted, std::memory_order_relaxed);
+        bytes_counted = static_cast<int64_t>(pinned_bytes);
+      }
       if (!pins_held || held == pins_counted) return false;
       pins_held->fetch_add(held ? 1 : -1, std::memory_order_seq_cst);
       pins_counted = held;
@@ -68,6 +78,7 @@ class RequestServer {
     ServeState& operator=(const ServeState&) = delete;
     ~ServeState() {
       if (pins_held && pins_counted) pins_held->fetch_sub(1, std::memory_order_seq_cst);
+      if (pinned_bytes_total) pinned_bytes_total->fetch_sub(bytes_counted, std::memory_order_relaxed);
     }
   };
   // The link's serving thread: serves its `in` channel until it fails or the peer unlinks, then

@@ -284,14 +284,41 @@ Result<wire::RawTable> Transfers::describeMemory(uint64_t cluster_id, int64_t ti
   return table;
 }
 
-Status Transfers::pull(const TransferSpec& spec) { return transfer(spec, false); }
-Status Transfers::push(const TransferSpec& spec) { return transfer(spec, true); }
+template <class Move>
+Status Transfers::counted(uint64_t peer, bool is_push, Move move) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  Outcome o;
+  Status st = move(&o);
+  Telemetry* t = s_.telemetry.get();
+  if (t == nullptr) return st;  // not initialised (the call failed)
+  Telemetry::Peer& counters = t->peer(peer);
+  if (!st.ok()) {
+    t->transferFailed(counters, o.path, is_push, st.code(), o.stage);
+    return st;
+  }
+  const Clock::time_point end = Clock::now();
+  const Clock::time_point wire = o.wire_start == Clock::time_point{} ? start : o.wire_start;
+  auto ns = [](Clock::duration d) {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+  };
+  t->transferDone(counters, o.path, is_push, o.bytes, o.descriptors, ns(wire - start), ns(end - wire), ns(end - start));
+  return st;
+}
 
-Status Transfers::transfer(const TransferSpec& spec, bool is_push) {
+Status Transfers::pull(const TransferSpec& spec) {
+  return counted(spec.peer_cluster_id, false, [&](Outcome* o) { return transfer(spec, false, o); });
+}
+Status Transfers::push(const TransferSpec& spec) {
+  return counted(spec.peer_cluster_id, true, [&](Outcome* o) { return transfer(spec, true, o); });
+}
+
+Status Transfers::transfer(const TransferSpec& spec, bool is_push, Outcome* outcome) {
   EngineState::Admission admission(s_, s_.transfers_in_flight);
   if (!admission.admitted()) return admission.status();
   auto link_r = links_.usableLink(spec.peer_cluster_id);
   if (!link_r.ok()) return link_r.status();
+  outcome->path = link_r.value()->transport();
   const int64_t timeout_ms = spec.timeout_ms > 0 ? spec.timeout_ms : s_.config.sync_timeout_ms;
   if (spec.local_absolute) {
     // Descriptor lists are the small, frequent transfers of transfer-engine callers: as post() does,
@@ -311,13 +338,22 @@ Status Transfers::transfer(const TransferSpec& spec, bool is_push) {
     PDLINK_RETURN_IF_ERROR(planAbsolute(spec, &scratch, &p));
     p.cancel = spec.cancel;
     admission.arm(&p);
-    return execute(link_r.value(), p, is_push, timeout_ms);
+    outcome->bytes = p.payload;
+    outcome->descriptors = spec.local_runs.size();
+    return execute(link_r.value(), p, is_push, timeout_ms, outcome);
   }
   auto p_r = plan(spec, is_push);
   if (!p_r.ok()) return p_r.status();
   p_r.value().cancel = spec.cancel;
   admission.arm(&p_r.value());
-  return execute(link_r.value(), p_r.value(), is_push, timeout_ms);
+  outcome->bytes = p_r.value().payload;
+  // What the caller named, per tensor: its ranges, its blocks, or one slot.
+  using Mode = TransferSpec::Mode;
+  const uint64_t named = spec.mode == Mode::kExplicit     ? spec.local_runs.size()
+                         : spec.mode == Mode::kSlotToSlot ? 1
+                                                          : spec.local_blocks.size();
+  outcome->descriptors = named * p_r.value().remote.tensors.size();
+  return execute(link_r.value(), p_r.value(), is_push, timeout_ms, outcome);
 }
 
 namespace {
@@ -417,11 +453,18 @@ Result<std::shared_ptr<PreparedTransfer>> Transfers::prepare(const TransferSpec&
 
 Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64_t* remote, size_t n, bool is_push,
                        const CancelToken* cancel) {
+  return counted(prep.peer_cluster_id, is_push,
+                 [&](Outcome* o) { return postUncounted(prep, local, remote, n, is_push, cancel, o); });
+}
+
+Status Transfers::postUncounted(PreparedTransfer& prep, const int64_t* local, const int64_t* remote, size_t n,
+                                bool is_push, const CancelToken* cancel, Outcome* outcome) {
   if (n == 0) return Status(Code::kParamInvalid, "the block list is empty");
   EngineState::Admission admission(s_, s_.transfers_in_flight);
   if (!admission.admitted()) return admission.status();
   auto link_r = links_.usableLink(prep.peer_cluster_id);
   if (!link_r.ok()) return link_r.status();
+  outcome->path = link_r.value()->transport();
   // This side: the same cache, unless the registry changed since it was last checked.
   std::shared_ptr<CacheEntry> entry = prep.local.lock();
   const uint64_t now = s_.registry.published()->generation.load(std::memory_order_acquire);
@@ -489,11 +532,13 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
   auto payload = p.remote.payloadBytes();
   if (!payload.ok()) return payload.status();
   p.payload = payload.value();
+  outcome->bytes = p.payload;
+  outcome->descriptors = n * m.block_ratio * p.remote.tensors.size();  // each block's pieces, per tensor
   // The epoch fence: the tag bound from the peer's first answer goes with every later post; the
   // first post binds it from the answer it gets (Link::epochTags).
   const uint32_t tag = prep.epoch_tag.load(std::memory_order_acquire);
   uint32_t seen = 0;
-  Status st = execute(link_r.value(), p, is_push, s_.config.sync_timeout_ms, tag, &seen);
+  Status st = execute(link_r.value(), p, is_push, s_.config.sync_timeout_ms, outcome, tag, &seen);
   if (tag == 0 && seen != 0 && st.ok()) {
     uint32_t expected = 0;
     prep.epoch_tag.compare_exchange_strong(expected, seen, std::memory_order_acq_rel);
@@ -502,7 +547,7 @@ Status Transfers::post(PreparedTransfer& prep, const int64_t* local, const int64
 }
 
 Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, int64_t timeout_ms,
-                          uint32_t epoch_tag, uint32_t* seen_tag) {
+                          Outcome* outcome, uint32_t epoch_tag, uint32_t* seen_tag) {
   const char* what = is_push ? "push to" : "pull from";
 
   std::lock_guard<std::mutex> out(link->outMutex());
@@ -530,29 +575,46 @@ Status Transfers::execute(const std::shared_ptr<Link>& link, TransferPlan& p, bo
   // token is not sliced for it (its tcp chunks and its requests are its cancel points).
   const CancelPoint cancel = p.cancelPoint();
   if (cancel.requested()) return cancelledStatus(what);
+  // Onto the wire: from here a failure is counted at the stage the link's helpers set (the out
+  // mutex is held, so the link's stage is this transfer's).
+  outcome->wire_start = std::chrono::steady_clock::now();
+  link->setStage(TransferStage::kRequest);
+  Status st;
   const bool slice = p.cancel != nullptr && p.payload > limits::kCancelSliceBytes;
-  if (!slice && p.remote.pieces() <= limits::kMaxRequestPieces) return transferPart(link, p, is_push, deadline, what);
-  for (TransferPlan& part : split(p, slice ? limits::kCancelSliceBytes : UINT64_MAX)) {
-    if (cancel.requested()) return cancelledStatus(what);
-    PDLINK_RETURN_IF_ERROR(transferPart(link, part, is_push, deadline, what));
+  if (!slice && p.remote.pieces() <= limits::kMaxRequestPieces) {
+    st = transferPart(link, p, is_push, deadline, what, outcome);
+  } else {
+    for (TransferPlan& part : split(p, slice ? limits::kCancelSliceBytes : UINT64_MAX)) {
+      if (cancel.requested()) {
+        st = cancelledStatus(what);
+        break;
+      }
+      st = transferPart(link, part, is_push, deadline, what, outcome);
+      if (!st.ok()) break;
+    }
   }
-  return Status::OK();
+  if (!st.ok()) outcome->stage = link->stage();
+  return st;
 }
 
 Status Transfers::transferPart(const std::shared_ptr<Link>& link, TransferPlan& p, bool is_push, Deadline deadline,
-                               const char* what) {
+                               const char* what, Outcome* outcome) {
   // A descriptor list (local_absolute) of a device backend whose ranges here, or at the peer, mix
   // HOST and DEVICE memory goes over the stream path, each side staging its DEVICE ranges: its
   // DEVICE ranges here are marked in the plan, the peer's show in its refusal of the other paths
   // (kFeatureNotEnabled, nothing moved).
   const bool staged = s_.device_transport && p.local_absolute && p.remote.target.kind == wire::TargetKind::kRaw;
+  auto on = [&](DataPath& path) -> DataPath& {
+    outcome->path = path.caps().name;
+    return path;
+  };
   auto fallBack = [&](const Status& st) {
     if (!staged || st.code() != Code::kFeatureNotEnabled || link->broken()) return st;
-    return staged_path_->transfer(*link, p, is_push, deadline, what);
+    return on(*staged_path_).transfer(*link, p, is_push, deadline, what);
   };
   if (!(s_.device_transport && p.local_placement == Placement::kDevice)) {
-    if (!p.local_device_runs.empty()) return staged_path_->transfer(*link, p, is_push, deadline, what);
-    return fallBack(link->hostPath().transfer(*link, p, is_push, deadline, what));
+    if (!p.local_device_runs.empty()) return on(*staged_path_).transfer(*link, p, is_push, deadline, what);
+    return fallBack(on(link->hostPath()).transfer(*link, p, is_push, deadline, what));
   }
   // DEVICE memory: the link's device paths in order; one that cannot take this transfer (and moved
   // nothing) leaves it to the next.
@@ -570,7 +632,7 @@ Status Transfers::transferPart(const std::shared_ptr<Link>& link, TransferPlan& 
       PDLINK_RETURN_IF_ERROR(channel);
     }
     if (!path->usable(*link)) continue;
-    last = path->transfer(*link, p, is_push, deadline, what);
+    last = on(*path).transfer(*link, p, is_push, deadline, what);
     if (last.code() != Code::kFeatureNotEnabled || link->broken()) return last;
   }
   return fallBack(last);

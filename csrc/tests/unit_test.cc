@@ -35,7 +35,9 @@
 #include "backends/backend.h"
 #include "core/limits.h"
 #include "engine/mem_pool.h"
+#include "engine/engine_types.h"
 #include "engine/registry.h"
+#include "engine/telemetry.h"
 #include "test_engines.h"
 #include "transport/wire.h"
 
@@ -944,6 +946,77 @@ void statusScopeCases() {
   check(std::string(scopeName(Scope::kLink)) == "LINK", "scope names");
 }
 
+// Telemetry (engine/telemetry.h): a value on a bucket's bound lands in that bucket; the peers past
+// the cap count as "other"; counts from many threads add up exactly; failures by code and stage;
+// EngineStats::since subtracts counts and keeps series new since the earlier snapshot whole.
+void telemetryCases() {
+  Telemetry t(2);
+  Telemetry::Peer& a = t.peer(7);
+  check(&t.peer(7) == &a, "a peer's counters are found again");
+  t.transferDone(a, "tcp", false, 100, 2, 10'000, 0, 10'001);    // 10 us (on the first bound), 0, just above it
+  t.transferDone(a, "tcp", false, 50, 1, 60'000'000'001, 1, 1);  // past the last bound: +Inf
+  TelemetrySnapshot s = t.snapshot();
+  check(s.transfers.size() == 1 && s.transfers[0].peer == "7" && s.transfers[0].path == "tcp" &&
+            s.transfers[0].op == "pull" && s.transfers[0].transfers == 2 && s.transfers[0].bytes == 150 &&
+            s.transfers[0].descriptors == 3,
+        "one series with the counts");
+  const HistogramCounts& q = s.transfers[0].queue;
+  check(q.buckets.size() == kLatencyBuckets && q.buckets[0] == 1 && q.buckets.back() == 1 && q.count == 2,
+        "a value on a bound is in its bucket, one past the last in +Inf");
+  check(s.transfers[0].total.buckets[1] == 1, "10.001 us is in the 25 us bucket");
+  t.transferDone(t.peer(8), "cma", true, 1, 1, 1, 1, 2);
+  t.transferDone(t.peer(9), "cma", true, 4, 1, 1, 1, 2);   // past the cap of 2
+  t.transferDone(t.peer(10), "cma", true, 8, 1, 1, 1, 2);  // so is this one
+  t.transferFailed(t.peer(10), "none", false, Code::kNotYetLink, TransferStage::kAdmission);
+  t.transferFailed(t.peer(7), "tcp", false, Code::kTimeout, TransferStage::kPayload);
+  t.transferFailed(t.peer(7), "tcp", false, Code::kTimeout, TransferStage::kPayload);
+  t.linkUp(8);
+  t.linkDown(8, LinkDown::kUnlinked);
+  t.linkUp(8);
+  EngineStats first;
+  s = t.snapshot();
+  first.transfers = s.transfers;
+  first.failures = s.failures;
+  first.link_events = s.link_events;
+  uint64_t other_bytes = 0;
+  for (const TransferSeries& x : s.transfers) {
+    if (x.peer == "other") other_bytes += x.bytes;
+  }
+  check(other_bytes == 12 && s.transfers.size() == 3, "peers 9 and 10 are counted together as other");
+  check(s.failures.size() == 2, "failures by series");
+  for (const FailureSeries& f : s.failures) {
+    check((f.peer == "other" && f.code == "LLM_NOT_YET_LINK" && f.stage == "admission" && f.count == 1) ||
+              (f.peer == "7" && f.code == "LLM_TIMEOUT" && f.stage == "payload" && f.count == 2),
+          "a failure's code and stage");
+  }
+  std::set<std::tuple<std::string, std::string, std::string, uint64_t>> events;
+  for (const LinkEventSeries& e : s.link_events) events.insert({e.peer, e.event, e.reason, e.count});
+  check(events == decltype(events){{"8", "up", "", 2}, {"8", "reconnect", "", 1}, {"8", "down", "unlinked", 1}},
+        "link events");
+  // many threads on one series: every count lands
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&t] {
+      for (int k = 0; k < 10000; ++k) t.transferDone(t.peer(7), "tcp", false, 1, 1, 1, 1, 2);
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EngineStats later;
+  s = t.snapshot();
+  later.transfers = s.transfers;
+  later.failures = s.failures;
+  later.link_events = s.link_events;
+  EngineStats d = later.since(first);
+  for (const TransferSeries& x : d.transfers) {
+    if (x.peer == "7") {
+      check(x.transfers == 40000 && x.bytes == 40000 && x.total.count == 40000 && x.total.buckets[0] == 40000,
+            "40000 transfers from 4 threads, and only they, in the delta");
+    } else {
+      check(x.transfers == 0 && x.bytes == 0, "an unchanged series is 0 in the delta");
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -958,6 +1031,7 @@ int main() {
   registryCases();
   poolLifetimeCases();
   memPoolCases();
+  telemetryCases();
   std::fprintf(stderr, testing::failures ? "unit_test: %d failure(s)\n" : "unit_test: every check passed\n",
                testing::failures);
   return testing::failures ? 1 : 0;

@@ -120,20 +120,52 @@ std::string Link::brokenReason() const {
   return broken_reason_;
 }
 
-void Link::breakLink(const std::string& reason) {
+void Link::breakLink(const std::string& reason, LinkDown why) {
+  const uint8_t ending = ending_.load(std::memory_order_relaxed);
+  if (why == LinkDown::kFailed && ending != 0) why = static_cast<LinkDown>(ending - 1);
   std::shared_ptr<void> held;
+  DownHook hook;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (broken_) return;
     broken_ = true;
     broken_reason_ = reason;
+    broken_why_ = why;
     held = std::move(held_);  // a broken link copies nothing more: its peer needs no access to us
+    hook = std::move(down_hook_);
   }
   out_.shutdown();
   in_.shutdown();
-  std::lock_guard<std::mutex> lock(state_mu_);
-  for (const auto& l : out_lanes_) l->sock.shutdown();
-  for (const auto& l : in_lanes_) l->sock.shutdown();
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    for (const auto& l : out_lanes_) l->sock.shutdown();
+    for (const auto& l : in_lanes_) l->sock.shutdown();
+  }
+  if (hook) hook(why);
+}
+
+void Link::setDownHook(DownHook hook) {
+  LinkDown why;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!broken_) {
+      down_hook_ = std::move(hook);
+      return;
+    }
+    why = broken_why_;
+  }
+  hook(why);  // it broke before it was installed: its end is reported at once
+}
+
+const char* stageName(TransferStage stage) {
+  static constexpr const char* kNames[kTransferStages] = {"admission", "request", "served", "payload", "commit"};
+  return kNames[static_cast<int>(stage)];
+}
+
+const char* downName(LinkDown why) {
+  static constexpr const char* kNames[kLinkDownReasons] = {"failed", "unlinked", "peer_unlinked", "replaced",
+                                                           "finalized"};
+  return kNames[static_cast<int>(why)];
 }
 
 }  // namespace pdlink

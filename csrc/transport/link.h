@@ -64,6 +64,19 @@ struct LinkInfo {
   bool confirmed = false;                 // accepted, and the engine at the peer's address said it made it
 };
 
+// Where this side's transfer now holding a link's out mutex is (Link::stage): what a failure is
+// counted against (engine/telemetry.h). kAdmission: nothing sent yet; kRequest: sending the
+// request; kServed: waiting for the peer's answer (a refusal is the peer's); kPayload: moving the
+// bytes; kCommit: confirming a completed access to the peer.
+enum class TransferStage : uint8_t { kAdmission, kRequest, kServed, kPayload, kCommit };
+constexpr int kTransferStages = 5;
+const char* stageName(TransferStage stage);
+
+// Why a link went down (Link::breakLink), as telemetry counts it (engine/telemetry.h).
+enum class LinkDown : uint8_t { kFailed, kUnlinked, kPeerUnlinked, kReplaced, kFinalized };
+constexpr int kLinkDownReasons = 5;
+const char* downName(LinkDown why);
+
 // One extra TCP stream of a link (a LANE channel, transport/wire.h): its socket, and with a link
 // secret its sealed stream under the lane's own session key. `token` is held for as long as the
 // lane exists (the engine counts its lanes with it: EngineLimits::max_tcp_lanes).
@@ -137,6 +150,10 @@ class Link {
     std::atomic<uint32_t> seen{0};
   };
   EpochTags& epochTags() { return epoch_tags_; }
+  // The stage of this side's transfer now holding outMutex() (TransferStage), set by it and by the
+  // path helpers it calls (transport/path.h); its lanes' pumps may set it too.
+  void setStage(TransferStage stage) { stage_.store(static_cast<uint8_t>(stage), std::memory_order_relaxed); }
+  TransferStage stage() const { return static_cast<TransferStage>(stage_.load(std::memory_order_relaxed)); }
   // The serving side's split pull of the peer (wire::kMarkSplit; engine/request_server.h), one word
   // so that its three moves are each one atomic step: none -> open (its first chunk: openSplit), open
   // -> ended (a role switch's drain-timeout rollback, LinkManager::switchRole: endSplit), open or
@@ -235,8 +252,16 @@ class Link {
 
   bool broken() const;
   std::string brokenReason() const;
-  // Marks the link unusable and wakes both channels. Idempotent; the first reason is kept.
-  void breakLink(const std::string& reason);
+  // Marks the link unusable and wakes both channels. Idempotent; the first reason is kept, and the
+  // first call (only) runs the down hook with `why`, on the calling thread, no lock held.
+  void breakLink(const std::string& reason, LinkDown why = LinkDown::kFailed);
+  // What breakLink reports the link's end to (the engine's telemetry); set once the link is
+  // installed (LinkManager::installLink); on a link already broken it runs at once.
+  using DownHook = std::function<void(LinkDown)>;
+  void setDownHook(DownHook hook);
+  // This side is ending the link (`why`: unlinking, finalizing) and may see its channels close
+  // before it breaks the link itself: a break for a failure from now on reports `why` instead.
+  void ending(LinkDown why) { ending_.store(static_cast<uint8_t>(why) + 1, std::memory_order_relaxed); }
 
  private:
   const uint64_t peer_;
@@ -268,6 +293,10 @@ class Link {
   uint32_t streams_ = 1;
   uint64_t chunk_bytes_ = uint64_t{1} << 20;
   std::atomic<uint64_t> rtt_us_{0};
+  std::atomic<uint8_t> stage_{0};
+  std::atomic<uint8_t> ending_{0};           // 0, or 1 + the LinkDown this side is ending the link with
+  DownHook down_hook_;                       // guarded by state_mu_
+  LinkDown broken_why_ = LinkDown::kFailed;  // guarded by state_mu_
   EpochTags epoch_tags_;
   std::atomic<uint8_t> split_{0};  // a Split
   States in_states_;               // serving thread only

@@ -21,11 +21,13 @@ Status failTransfer(Link& link, const Status& st, const char* what) {
 }
 
 Status awaitResponse(Link& link, Deadline deadline, const char* what, wire::ResponseHeader* rh) {
+  link.setStage(TransferStage::kServed);
   Status remote;
   Status st = readResponse(link.out(), deadline, rh, &remote);
   if (!st.ok()) return failTransfer(link, st, what);
   link.epochTags().seen.store(rh->epoch_tag, std::memory_order_relaxed);
-  if (!remote.ok()) {  // the peer refused this request; the link itself is fine
+  if (remote.ok()) link.setStage(TransferStage::kPayload);  // what follows an answer is the payload's
+  if (!remote.ok()) {                                       // the peer refused this request; the link itself is fine
     // A refusal for the peer's own engine (out of memory, finalised) concerns that peer, not this engine.
     Scope scope = remote.scope() == Scope::kEngine ? Scope::kLink : remote.scope();
     return Status(remote.code(), scope, std::string(what) + " " + clusterName(link.peer()) + ": " + remote.message());
@@ -44,6 +46,7 @@ Status request(Link& link, const wire::RequestHeader& header, const std::string&
   h.epoch_tag = fenceTag(link, h.op);
   std::string head = wire::encode(h);
   std::vector<iovec> iov{{head.data(), head.size()}, {const_cast<char*>(body.data()), body.size()}};
+  link.setStage(TransferStage::kRequest);
   Status st = link.out().sendFrame(iov, deadline);
   if (!st.ok()) return failTransfer(link, st, what);
   return awaitResponse(link, deadline, what, rh);
@@ -62,11 +65,13 @@ void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline dea
 }
 
 void commitPull(Link& link, const TransferPlan& p, const std::string& body, Deadline deadline) {
+  link.setStage(TransferStage::kCommit);
   if (usesKeyCommit(p.remote.target.kind) && p.commit) finishAccess(link, wire::Op::kCommit, body, deadline);
 }
 
 void finishPinned(Link& link, const TransferPlan& p, bool completed, bool is_push, const std::string& body,
                   Deadline deadline) {
+  if (completed) link.setStage(TransferStage::kCommit);  // a failed copy stays the payload's
   const bool commit = completed && !is_push && usesKeyCommit(p.remote.target.kind) && p.commit;
   finishAccess(link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
 }

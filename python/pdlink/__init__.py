@@ -25,6 +25,8 @@ _EXPORTS = {
     "BatchTransfer": "engine",
     "Engine": "engine",
     "EngineOptions": "engine",
+    "EngineStats": "engine",
+    "Metrics": "metrics",
     "Limits": "engine",
     "LinkInfo": "engine",
     "LinkResult": "engine",
@@ -54,6 +56,7 @@ _EXPORTS = {
     "ANY_CLUSTER": "constants",
     "BACKENDS": "constants",
     "INVALID_ID": "constants",
+    "LATENCY_BOUNDS": "constants",
     "LATEST_LINK_MARK": "constants",
     "LIMITS": "constants",
     "PROTOCOL_VERSION": "constants",
@@ -65,6 +68,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         ANY_CLUSTER,
         BACKENDS,
         INVALID_ID,
+        LATENCY_BOUNDS,
         LATEST_LINK_MARK,
         LIMITS,
         PROTOCOL_VERSION,
@@ -74,6 +78,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         BatchTransfer,
         Engine,
         EngineOptions,
+        EngineStats,
         HandoffEvent,
         Limits,
         LinkInfo,
@@ -93,6 +98,7 @@ if TYPE_CHECKING:  # what the lazy __getattr__ below returns, spelled out for ty
         TransferCancelled,
     )
     from .kv import KvCaches  # noqa: F401
+    from .metrics import Metrics  # noqa: F401
     from .status import (  # noqa: F401
         InvalidArgument,
         LinkError,

@@ -1,4 +1,4 @@
-"""The ``pdlink`` command: ``demo``, ``version``, ``serve``, ``role``, ``status`` and ``hosts``."""
+"""The ``pdlink`` command: ``demo``, ``version``, ``serve``, ``role``, ``status``, ``stats`` and ``hosts``."""
 
 from __future__ import annotations
 
@@ -115,6 +115,32 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stats(args: argparse.Namespace) -> int:
+    from . import statsview
+
+    try:
+        url = statsview.metrics_url(args.target)
+    except ValueError as e:
+        print(f"pdlink stats: {e}", file=sys.stderr)
+        return 2
+    for name in ("interval", "timeout", "count"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            print(f"pdlink stats: --{name} must be > 0", file=sys.stderr)
+            return 2
+    context = None
+    if url.startswith("https://"):
+        from .server.tls import client_context
+
+        try:
+            context = client_context(args.ca, args.cert, args.key, args.check_hostname)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            print(f"pdlink stats: TLS files: {e}", file=sys.stderr)
+            return 2
+    return statsview.run(url, interval=args.interval, count=args.count, once=args.once, timeout=args.timeout,
+                         context=context)
+
+
 def _env() -> int:
     """Every PDLINK_* variable pdlink reads (its Python layer's and its C++ core's), what each is set
     to now, its default and its meaning; a PDLINK_* variable that is set but that pdlink does not
@@ -179,6 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--config", action="store_true", help="also print GET /v1/config")
     _add_client_args(status)
 
+    stats = sub.add_parser("stats", help="live per-peer throughput, latency and failures from a metrics endpoint",
+                           description="Read a pdlink Prometheus metrics endpoint and print, per (labels, peer, "
+                                       "path, op): transfers, bytes, GB/s, p50/p90/p99 latency (stage total) and "
+                                       "failures, with links and link events below. The first frame is "
+                                       "cumulative since the engine started (GB/s over busy time); later frames "
+                                       "are the interval between two scrapes. Needs pdlink[server] "
+                                       "(prometheus-client).")
+    stats.add_argument("target", metavar="HOST:PORT",
+                       help="the metrics endpoint: HOST:PORT (http://HOST:PORT/metrics; an IPv6 host in "
+                            "brackets), or a full http(s):// URL")
+    stats.add_argument("--once", action="store_true", help="print one cumulative table and exit (for scripts)")
+    stats.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    stats.add_argument("--count", type=int, help="stop after this many frames (default: until Ctrl-C)")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds per scrape (default 5)")
+    stats.add_argument("--ca", help="https: CA file to verify the endpoint with (default: the system store)")
+    stats.add_argument("--cert", help="https: client certificate (mutual TLS)")
+    stats.add_argument("--key", help="https: client private key")
+    stats.add_argument("--check-hostname", action="store_true", help="https: also check the endpoint's host name")
+
     from .testing import hosts_cli  # argparse and the standard library only; hosts are made on demand
 
     hosts_cli.add_parser(sub)
@@ -219,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         return _role(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "stats":
+        return _stats(args)
     if args.command == "hosts":
         return hosts_cli.main(args)
     for name in ("size_mib", "block_kib", "tensors", "repeat"):

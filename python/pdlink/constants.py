@@ -12,6 +12,8 @@ module does not load it; ``pdlink.ANY_CLUSTER`` and the others below are the sam
 - ``BACKENDS``: the backend names engines take (``"auto"``, ``"cpu"``, ``"ascend"``).
 - ``TRANSPORTS``: the transport names engines take (``"auto"``, ``"tcp"``, ``"cma"``, ``"ucx"``).
 - ``PROTOCOL_VERSION``: the wire protocol version this engine speaks.
+- ``LATENCY_BOUNDS``: the upper bounds, in seconds, of telemetry's latency histogram buckets (+Inf
+  follows; docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from .native import backend_names, core, transport_names
 
-__all__ = ["ANY_CLUSTER", "BACKENDS", "INVALID_ID", "LATEST_LINK_MARK", "LIMITS", "PROTOCOL_VERSION", "TRANSPORTS"]
+__all__ = ["ANY_CLUSTER", "BACKENDS", "INVALID_ID", "LATENCY_BOUNDS", "LATEST_LINK_MARK", "LIMITS", "PROTOCOL_VERSION",
+           "TRANSPORTS"]
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
     ANY_CLUSTER: int
     BACKENDS: tuple[str, ...]
     INVALID_ID: int
+    LATENCY_BOUNDS: tuple[float, ...]
     LATEST_LINK_MARK: int
     LIMITS: Mapping[str, int]
     PROTOCOL_VERSION: int
@@ -42,6 +46,8 @@ def __getattr__(name: str) -> Any:
         value = int(getattr(core(), name))
     elif name == "LIMITS":
         value = types.MappingProxyType(dict(core().LIMITS))
+    elif name == "LATENCY_BOUNDS":
+        value = tuple(core().LATENCY_BOUNDS)
     elif name == "BACKENDS":
         value = backend_names()
     elif name == "TRANSPORTS":

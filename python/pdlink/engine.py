@@ -47,10 +47,11 @@ from .status import InvalidArgument, LLMStatusCode
 from .tp import GeometryMismatch, KvGeometry, TpPlan, check_pair, check_views, plan_rows, tensor_parts
 
 if TYPE_CHECKING:  # what the module __getattr__ below returns
-    from ._core import LinkInfo, LinkResult, Scope
+    from ._core import EngineStats, FailureSeries, LinkEventSeries, LinkInfo, LinkResult, Scope, TransferSeries
 
 __all__ = [
-    "BatchTransfer", "Engine", "EngineOptions", "HandoffEvent", "Limits", "LinkInfo", "LinkResult", "MemoryMap",
+    "BatchTransfer", "Engine", "EngineOptions", "EngineStats", "FailureSeries", "HandoffEvent", "Limits",
+    "LinkEventSeries", "LinkInfo", "LinkResult", "MemoryMap", "TransferSeries",
     "MemoryPool", "Notification", "Offer", "Pending", "PreparedPlan", "PreparedTransfer", "Region", "RemoteRegion",
     "RoleState", "Scope", "Ticket", "TransferCancelled",
 ]
@@ -88,7 +89,15 @@ def __getattr__(name: str) -> Any:
     # Scope: what a failure concerns (csrc/core/status.h): ``CALL`` (the call: a bad argument),
     # ``LINK`` (that peer's link: others are unaffected) or ``ENGINE`` (this engine: not
     # initialised, finalised, out of resources). Exceptions the engine raises carry it as ``.scope``.
-    if name in ("LinkInfo", "LinkResult", "Scope"):
+    #
+    # EngineStats: a snapshot of an engine (``Engine.stats()``; docs/metrics.md), the native
+    # module's bound record, with TransferSeries (``peer``, ``path``, ``op``, ``transfers``,
+    # ``bytes``, ``descriptors`` and the ``queue``, ``wire`` and ``total`` histograms: ``buckets``
+    # per bound of ``pdlink._core.LATENCY_BOUNDS`` and +Inf, ``sum`` in seconds, ``count``),
+    # FailureSeries (``peer``, ``path``, ``op``, ``code``: an LLMStatusCode name, ``stage``,
+    # ``count``) and LinkEventSeries (``peer``, ``event``, ``reason``, ``count``).
+    if name in ("EngineStats", "FailureSeries", "LinkEventSeries", "LinkInfo", "LinkResult", "Scope",
+                "TransferSeries"):
         return getattr(core(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -122,6 +131,9 @@ class Limits:
     max_lease_ms: int | None = None
     offer_lease_ms: int | None = None
     max_handoff_events: int | None = None
+    # Telemetry (docs/metrics.md): the peers whose transfers and links get metric series of their
+    # own (64, at most LIMITS["max_metric_peers"]); later peers are counted together as "other".
+    max_metric_peers: int | None = None
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -714,6 +726,12 @@ class Engine:
         self._handoff_thread: threading.Thread | None = None
         self._handoff_stop = False
         self._claim_dialled: dict[int, str] = {}  # cluster id -> the ticket address a claim dialled it at
+        with _OPEN_LOCK:
+            _OPEN[id(self)] = weakref.ref(self)
+        if environment.read(environment.METRICS):  # PDLINK_METRICS: the process's metrics endpoint
+            from .metrics import Metrics
+
+            Metrics.from_environment()
 
     # ------------------------------------------------------------------ lifetime
 
@@ -724,6 +742,8 @@ class Engine:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        with _OPEN_LOCK:
+            _OPEN.pop(id(self), None)
         self._native.finalize()  # releases every offer (reason "released")
         self._stop_handoffs()
         with self._lock:  # peers can reach nothing now
@@ -815,10 +835,14 @@ class Engine:
         typed and read-only)."""
         return self._native.links()
 
-    def stats(self) -> dict[str, int]:
-        """What peers made this engine spend: live links, handshakes, threads, refusals (the
-        fields of the engine's ``EngineStats``, by name)."""
-        return self._native.stats().as_dict()
+    def stats(self) -> EngineStats:
+        """A snapshot of what this engine did and what peers made it spend (``pdlink.EngineStats``,
+        typed and read-only; docs/metrics.md): its resource counts (live links, handshakes, threads,
+        refusals, offers, pinned bytes, role epoch), and its transfers, failures and link events by
+        peer, path and op. ``later - earlier`` (or ``later.since(earlier)``) is what changed between
+        two snapshots. Cheap (C++ only, the GIL released): a collector may take one per scrape."""
+        stats: EngineStats = self._native.stats()
+        return stats
 
     # ------------------------------------------------------------------ memory
 
@@ -1382,6 +1406,19 @@ def _utf8(text: object) -> bytes:
     """``str(text)`` as UTF-8, a lone surrogate kept as the bytes that encode it, which are not
     UTF-8: the engine then refuses them with ``InvalidArgument`` like any other such bytes."""
     return str(text).encode("utf-8", "surrogatepass")
+
+
+# The engines of this process not yet closed (open_engines), by id: what the process's metrics
+# endpoint (pdlink.Metrics) serves.
+_OPEN: dict[int, weakref.ref[Engine]] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_engines() -> list[Engine]:
+    """Every ``Engine`` of this process not yet closed, oldest first."""
+    with _OPEN_LOCK:
+        refs = list(_OPEN.values())
+    return [e for e in (r() for r in refs) if e is not None]
 
 
 def _split_address(address: Address) -> tuple[str, int]:

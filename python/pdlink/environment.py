@@ -44,6 +44,9 @@ PAYLOAD_INTEGRITY = Variable("PDLINK_PAYLOAD_INTEGRITY", "'1': every transfer's 
 LINK_PORT_BASE = Variable("PDLINK_LINK_PORT_BASE", "llm_datadist's comm API: a rank listens at this base plus "
                           "its device id", "26800")
 
+METRICS = Variable("PDLINK_METRICS", "'[HOST:]PORT': serve every engine of this process on a Prometheus "
+                   "endpoint there (pdlink.Metrics; HOST defaults to 127.0.0.1); unset: none", None)
+
 # The bounds on what peers may make an engine spend (llm_datadist's pdlink.* limit options;
 # docs/security.md, "Limits"), by _core.EngineLimits field. Unset: the engine's own defaults.
 LIMIT_VARIABLES: dict[str, Variable] = {
@@ -52,11 +55,11 @@ LIMIT_VARIABLES: dict[str, Variable] = {
     for field in ("max_links", "max_links_per_source", "max_handshakes", "max_handshakes_per_source",
                   "hello_timeout_ms", "pin_timeout_ms", "handshake_timeout_ms", "max_notifications_per_link",
                   "max_notification_bytes", "max_notification_bytes_per_link", "max_notification_bytes_per_source",
-                  "tcp_streams", "max_tcp_lanes", "tcp_chunk_bytes", "switch_drain_timeout_ms")
+                  "tcp_streams", "max_tcp_lanes", "tcp_chunk_bytes", "switch_drain_timeout_ms", "max_metric_peers")
 }
 
 VARIABLES: tuple[Variable, ...] = (TRANSPORT, LINK_SECRET, BACKEND, HCCL_ONE_SIDED, UCX_TRUSTED_NETWORK,
-                                   PAYLOAD_INTEGRITY, LINK_PORT_BASE, *LIMIT_VARIABLES.values())
+                                   PAYLOAD_INTEGRITY, LINK_PORT_BASE, METRICS, *LIMIT_VARIABLES.values())
 """Every variable this module reads."""
 
 

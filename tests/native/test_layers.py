@@ -120,10 +120,10 @@ def test_engine_reports_are_the_engines_own_typed_records() -> None:
                                         "confirmed"]
         with pytest.raises(AttributeError):
             link.broken = True  # type: ignore[misc]
-        stats = dialler.stats()
-        assert type(stats) is dict and stats["live_links"] == 1 and all(type(v) is int for v in stats.values())
-        native = native_engine(dialler).stats()  # the typed record under it
-        assert type(native) is core.EngineStats and native.live_links == 1 and native.as_dict() == stats
+        stats = dialler.stats()  # the engine's typed record itself
+        assert type(stats) is core.EngineStats and stats.live_links == 1 and stats.as_dict()["live_links"] == 1
+        native = native_engine(dialler).stats()
+        assert type(native) is core.EngineStats and native.live_links == 1
         # one field table gives each record its attributes, as_dict, repr, equality and pickling
         assert pickle.loads(pickle.dumps(native)) == native and repr(native).startswith("EngineStats(live_links=1, ")
         assert repr(link) == "LinkInfo(" + ", ".join(f"{k}={getattr(link, k)!r}" for k in link.as_dict()) + ")"

@@ -116,8 +116,8 @@ def handoff_events() -> list[pdlink.HandoffEvent]:
     return native._engine().handoff_events()
 
 
-def stats() -> dict[str, int]:
-    return native._engine().stats()
+def stats() -> dict[str, Any]:
+    return native._engine().stats().as_dict()
 
 
 # ---------------------------------------------------------------- the race (release + reuse vs a late claim)

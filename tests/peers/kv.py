@@ -391,9 +391,9 @@ def tensor_addresses(name: str) -> list[int]:
     return list(_named(name).addrs)
 
 
-def stats() -> dict[str, int]:
+def stats() -> dict[str, Any]:
     """What peers made the engine spend (live links, tombstones, handshakes, threads, ...)."""
-    return dict(internals.engine(_dd()).stats())
+    return internals.engine(_dd()).stats().as_dict()
 
 
 def limit_descriptors(extra: int) -> int:

@@ -79,7 +79,7 @@ def cycles(port: int, n: int) -> None:
         e.disconnect(1)
 
 
-def first_engine_stats() -> dict[str, int]:
-    return dict(_ENGINES[0][0].stats())
+def first_engine_stats() -> dict[str, Any]:
+    return _ENGINES[0][0].stats().as_dict()
 
 

@@ -358,8 +358,8 @@ def notifications() -> list[pdlink.Notification]:
     return _engine().notifications()
 
 
-def stats() -> dict[str, int]:
-    return _engine().stats()
+def stats() -> dict[str, Any]:
+    return _engine().stats().as_dict()
 
 
 def watch(name: str) -> None:

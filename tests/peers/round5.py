@@ -338,7 +338,7 @@ def report_records() -> dict[str, Any]:
     from peers.native import _engine
 
     e = _engine()
-    out: dict[str, Any] = {"links": [], "stats": sorted(e.stats())}
+    out: dict[str, Any] = {"links": [], "stats": sorted(e.stats().as_dict())}
     for link in e.links():
         copy = pickle.loads(pickle.dumps(link))
         try:

@@ -99,4 +99,4 @@ def resources() -> tuple[int, int]:
 
 
 def live_offers() -> int:
-    return int(native._engine().stats()["offers_live"])
+    return native._engine().stats().offers_live

@@ -63,6 +63,17 @@ def metric(text, name, **labels):
     return float(m.group(1)) if m else None
 
 
+def metric_sum(text, name, **labels):
+    """The sum of every sample of ``name`` whose labels include ``labels`` (the engines' families
+    carry more labels: ``peer``, ``path``)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}{{(.*)}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1).split(",") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
 def pull(pair, who, target):
     return pair.c[who].request("POST", "/v1/pdlink/test/kv/pull", {"target": target})
 
@@ -91,9 +102,12 @@ def test_kv_flows_prefill_to_decode_then_back_after_a_swap(pair):
     assert resp.status == 200, resp.body
     assert resp.json()["verified"] is True and resp.json()["bytes"] == PULL_BYTES
     text = pair.m[B].metrics()
-    assert metric(text, "pdlink_transfer_bytes_total", direction="pull", op="pull_blocks") == PULL_BYTES
-    assert metric(text, "pdlink_transfer_seconds_count", op="pull_blocks") == 2  # one pull per device
-    assert metric(text, "pdlink_links", device="0") == 1 and metric(text, "pdlink_links", device="1") == 1
+    # the engines' telemetry, one engine per device (pdlink.metrics with the server's device label)
+    for device in ("0", "1"):
+        assert metric_sum(text, "pdlink_transfer_bytes_total", device=device, op="pull", peer=str(A)) == PULL_BYTES / 2
+        assert metric_sum(text, "pdlink_transfers_total", device=device, op="pull", peer=str(A)) == 1
+        assert metric_sum(text, "pdlink_transfer_seconds_count", device=device, op="pull", stage="total") == 1
+        assert metric_sum(text, "pdlink_links", device=device) == 1
     assert metric(text, "pdlink_role_switches_total", role="decode") == 1
     assert metric(text, "pdlink_role_info", role="decode", role_status="RoleReady") == 1
 
@@ -122,7 +136,7 @@ def test_kv_flows_prefill_to_decode_then_back_after_a_swap(pair):
     text = pair.m[A].metrics()
     assert metric(text, "pdlink_role_switches_total", role="prefill") == 1
     assert metric(text, "pdlink_role_switches_total", role="decode") == 1
-    assert metric(text, "pdlink_transfer_bytes_total", direction="pull", op="pull_blocks") == PULL_BYTES
+    assert metric_sum(text, "pdlink_transfer_bytes_total", op="pull", peer=str(B)) == PULL_BYTES
 
     out = subprocess.run([sys.executable, "-m", "pdlink", "status", "--server", f"127.0.0.1:{pair.port[A]}",
                           "--ca", c.ca, "--cert", c.client_cert, "--key", c.client_key, "--config"],

@@ -204,6 +204,7 @@ Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Dead
       break;
     }
   }
+  link.setStage(TransferStage::kPayload);  // requests and payloads interleave on the streams
   runStream(link, link.out(), is_push, sh, depth, deadline);
   for (std::thread& t : threads) t.join();
   if (sh.transport) return failTransfer(link, sh.failed, what);
@@ -215,6 +216,7 @@ Status StreamPath::transferSplit(Link& link, TransferPlan& p, bool is_push, Dead
   std::vector<iovec> end_iov{{end.data(), end.size()}, {end_body.data(), end_body.size()}};
   if (!link.out().sendFrame(end_iov, deadline).ok()) link.breakLink("could not end a split pull on the peer");
   if (!sh.refused.ok()) {  // the peer refused a chunk (as it would have refused the whole request); the link is fine
+    link.setStage(TransferStage::kServed);
     Scope scope = sh.refused.scope() == Scope::kEngine ? Scope::kLink : sh.refused.scope();
     return Status(sh.refused.code(), scope,
                   std::string(what) + " " + clusterName(link.peer()) + ": " + sh.refused.message());
@@ -255,6 +257,7 @@ Status StreamPath::transfer(Link& link, TransferPlan& p, bool is_push, Deadline 
                           fenceTag(link, wire::Op::kWrite)};
     std::string head = wire::encode(h);
     std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+    link.setStage(TransferStage::kPayload);  // the request and its payload go as one frame
     st = move(s, true, p.local_addrs, p.local_tensors, 0, p.local_runs, p.local_device_runs, backend_, deadline,
               std::move(iov));
     if (!st.ok()) return failTransfer(link, st, what);

@@ -91,7 +91,7 @@ def serve(settings: Settings, out: TextIO | None = None) -> int:
 
     metrics = Metrics()
     node = Node(settings, metrics)
-    metrics.attach(node.snapshot)
+    metrics.attach(node.snapshot, node.engines_by_device)
     decoder = BodyDecoder(settings.max_json_depth)
     apps = build_apps(settings, node, metrics, decoder)
     # uvicorn answers 503 once the open connections, the requester's own included, reach

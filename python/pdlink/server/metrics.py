@@ -1,35 +1,33 @@
 """Prometheus metrics of ``pdlink serve`` (served at ``/metrics`` on ``metricsPort``).
 
-Every metric lives in the server's own registry (nothing global):
+Every metric lives in the server's own registry (nothing global). The engines' own families
+(``pdlink.metrics``: ``pdlink_transfers_total``, ``pdlink_transfer_bytes_total``,
+``pdlink_transfer_seconds``, ``pdlink_transfer_failures_total``, ``pdlink_links``,
+``pdlink_link_events_total`` and the resource gauges and counters) come with a leading ``device``
+label, one engine per device. The server adds:
 
 | metric | type | labels |
 | --- | --- | --- |
-| ``pdlink_links`` | gauge | ``device``: live links of each device's engine |
 | ``pdlink_role_info`` | gauge (1) | ``role``, ``role_status``: the current role and its status |
 | ``pdlink_peers`` | gauge | peers of the current assignment |
 | ``pdlink_role_requests_total`` | counter | ``code``: HTTP status of each ``POST /v1/role/...`` |
 | ``pdlink_role_switches_total`` | counter | ``role``: roles applied to the engines (the first assignment counts) |
-| ``pdlink_transfer_bytes_total`` | counter | ``op``, ``direction`` (pull/push): bytes moved by this instance's transfers |
-| ``pdlink_transfer_seconds`` | histogram | ``op``: latency of each successful transfer |
-| ``pdlink_errors_total`` | counter | ``op``, ``code`` (``LLMStatusCode`` name): failed transfers, and links given up |
+| ``pdlink_errors_total`` | counter | ``op`` (``link``), ``code`` (``LLMStatusCode`` name): links given up |
 | ``pdlink_handoff_events_total`` | counter | ``kind``: KV handoff events taken from the engines (``released`` offers, peers' ``aborted`` requests) |
-
-Transfers are counted on the side that initiates them (a pull is counted by the puller; the side
-serving it moves bytes in its C++ threads and is not counted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
+from ..metrics import EngineCollector
 
-_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+__all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
 
 
 class _StateCollector:
@@ -38,10 +36,6 @@ class _StateCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self._snapshot()
-        links = GaugeMetricFamily("pdlink_links", "Live links of each device's engine", labels=["device"])
-        for i, n in enumerate(snap["links"]):
-            links.add_metric([str(i)], n)
-        yield links
         role = GaugeMetricFamily("pdlink_role_info", "Current role and role status", labels=["role", "role_status"])
         role.add_metric([snap["role"] or "none", snap["role_status"]], 1)
         yield role
@@ -57,17 +51,14 @@ class Metrics:
         self.role_requests = Counter("pdlink_role_requests", "Role assignment requests by HTTP status", ["code"],
                                      registry=r)
         self.role_switches = Counter("pdlink_role_switches", "Roles applied to the engines", ["role"], registry=r)
-        self.bytes = Counter("pdlink_transfer_bytes", "Bytes moved by transfers this instance initiated",
-                             ["op", "direction"], registry=r)
-        self.latency = Histogram("pdlink_transfer_seconds", "Latency of successful transfers", ["op"],
-                                 buckets=_BUCKETS, registry=r)
-        self.errors = Counter("pdlink_errors", "Failed transfers and links given up, by LLMStatusCode",
-                              ["op", "code"], registry=r)
+        self.errors = Counter("pdlink_errors", "Links given up, by LLMStatusCode", ["op", "code"], registry=r)
         self.handoffs = Counter("pdlink_handoff_events", "KV handoff events taken from the engines", ["kind"],
                                 registry=r)
 
-    def attach(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def attach(self, snapshot: Callable[[], dict[str, Any]], engines: Callable[[], Mapping[str, Any]]) -> None:
+        """``snapshot``: the node's role and peers; ``engines``: its engines by device."""
         self.registry.register(_StateCollector(snapshot))
+        self.registry.register(EngineCollector(engines, label="device"))
 
     # events
     def role_request(self, status: int) -> None:
@@ -75,13 +66,6 @@ class Metrics:
 
     def role_switch(self, role: str) -> None:
         self.role_switches.labels(role).inc()
-
-    def transfer_done(self, op: str, direction: str, nbytes: int, seconds: float) -> None:
-        self.bytes.labels(op, direction).inc(nbytes)
-        self.latency.labels(op).observe(seconds)
-
-    def transfer_failed(self, op: str, code: str) -> None:
-        self.errors.labels(op, code).inc()
 
     def link_failed(self, code: str) -> None:
         self.errors.labels("link", code).inc()

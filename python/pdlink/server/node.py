@@ -59,7 +59,6 @@ Role epoch and phase (issue 34; the routes are in ``app.py``, the table in docs/
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import logging
 import threading
@@ -114,21 +113,6 @@ def kv_pattern(np: Any, cluster: int, device: int, num_tensors: int, num_blocks:
     base = np.arange(num_blocks * block_bytes, dtype=np.uint64).reshape(num_blocks, block_bytes)
     salt = (cluster % 1_000_003) * 7919 + device * 104729
     return [(((base * 2654435761 + t * 97 + salt) >> 7) & 0xFF).astype(np.uint8) for t in range(num_tensors)]
-
-
-def _timed(metrics: Any, op: str, is_push: bool, nbytes: int, move: Any) -> float:
-    """Runs ``move()`` and reports it to the metrics: bytes and seconds when it succeeds (returns
-    the seconds), the code when it fails."""
-    t0 = time.perf_counter()
-    try:
-        move()
-    except LLMException as e:
-        # pdlink raises LLMException with an LLMStatusCode (status.engine_error), never a bare int.
-        metrics.transfer_failed(op, cast(LLMStatusCode, e.status_code).name)
-        raise
-    seconds = time.perf_counter() - t0
-    metrics.transfer_done(op, "push" if is_push else "pull", nbytes, seconds)
-    return seconds
 
 
 def _address(listen: tuple[tuple[str, int], ...], i: int) -> tuple[str, int] | None:
@@ -811,11 +795,11 @@ class Node:
                 {"target": link.peer_cluster_id, "address": link.peer_address, "initiator": link.initiator,
                  "broken": link.broken, "transport": link.transport} for link in engine.links()]
             stats = engine.stats()
-            ext["devices"][i]["offersLive"] = stats["offers_live"]
-            ext["devices"][i]["strandedBytes"] = stats["offer_bytes"]
-            live += stats["offers_live"]
-            stranded += stats["offer_bytes"]
-            dropped += stats["handoff_events_dropped"]
+            ext["devices"][i]["offersLive"] = stats.offers_live
+            ext["devices"][i]["strandedBytes"] = stats.offer_bytes
+            live += stats.offers_live
+            stranded += stats.offer_bytes
+            dropped += stats.handoff_events_dropped
         # KV handoffs (docs/native_api.md, "Handoffs"): offers not yet released, the bytes they retain,
         # and the events taken from the engines (released offers, peers' aborts) or dropped unread
         with self._lock:
@@ -860,11 +844,13 @@ class Node:
     def snapshot(self) -> dict[str, Any]:
         """Cheap numbers for the metrics collector."""
         with self._lock:
-            engines = list(self._engines)
-            return_value: dict[str, Any] = {"role": self._role, "role_status": self._role_status,
-                                            "generation": self._generation, "peers": len(self._peers)}
-        return_value["links"] = [len(e.links()) for e in engines]
-        return return_value
+            return {"role": self._role, "role_status": self._role_status, "generation": self._generation,
+                    "peers": len(self._peers)}
+
+    def engines_by_device(self) -> dict[str, Engine]:
+        """The engines of the current assignment by device index (the metrics' ``device`` label)."""
+        with self._lock:
+            return {str(i): e for i, e in enumerate(self._engines)}
 
     # ------------------------------------------------------------------ test KV surface
 
@@ -919,8 +905,9 @@ class Node:
                 for a in entry.dst:
                     a[:] = 0
                 job = engine.prepare(target, entry.dst_region, remote)
-                seconds += _timed(self._metrics, "pull_blocks", False, nbytes,
-                                  functools.partial(job.read, dst_blocks, src_blocks))
+                t0 = time.perf_counter()  # the engines count it too (pdlink_transfer_*{device=...})
+                job.read(dst_blocks, src_blocks)
+                seconds += time.perf_counter() - t0
             for i, entry in enumerate(entries):
                 expected = kv_pattern(np, target, i, t.num_tensors, t.num_blocks, t.block_bytes)
                 for k, (got, want) in enumerate(zip(entry.dst, expected)):

@@ -76,6 +76,10 @@ ONE_SIDED_OPTION = "pdlink.HcclOneSided"
 # one over the network is trusted, which UCX assumes (docs/ucx.md, "Trust"); the ucx transport is
 # refused without it. The environment variable PDLINK_UCX_TRUSTED_NETWORK works the same.
 UCX_TRUST_OPTION = "pdlink.UcxTrustedNetwork"
+# pdlink option: "[HOST:]PORT" serves every engine of this process on a Prometheus endpoint there
+# (pdlink.Metrics, docs/metrics.md; HOST defaults to 127.0.0.1). Unset: none. The environment
+# variable PDLINK_METRICS works the same.
+METRICS_OPTION = "pdlink.Metrics"
 _FLAG_KEYS = ("llm.EnableCacheManager", "llm.EnableRemoteCacheAccessible", "llm.EnableSwitchRole")
 # pdlink options bounding what peers may make an engine spend (docs/security.md, "Limits"): option ->
 # (environment variable read when it is absent, field of _core.EngineLimits). Unset: the engine's
@@ -96,6 +100,7 @@ _LIMIT_FIELDS = {
     "pdlink.MaxTcpLanes": "max_tcp_lanes",
     "pdlink.TcpChunkBytes": "tcp_chunk_bytes",
     "pdlink.SwitchDrainTimeoutMs": "switch_drain_timeout_ms",
+    "pdlink.MaxMetricPeers": "max_metric_peers",
 }
 LIMIT_OPTIONS = {option: (LIMIT_VARIABLES[f].name, f) for option, f in _LIMIT_FIELDS.items()}
 # v1 device pool when neither ge.flowGraphMemMaxSize nor llm.MemPoolConfig sizes it. The CPU
@@ -120,7 +125,12 @@ def _open_engine(cluster_id: int, role: LLMRole, cfg: dict[str, Any], device_id:
         host_pool=MemoryPool(*host_pool) if host_pool else None,
         one_way_links=one_way_links)
     with raising_as("init"):
-        return Engine(options)
+        engine = Engine(options)
+    if cfg["metrics"]:
+        from ...metrics import Metrics
+
+        Metrics.at(cfg["metrics"])
+    return engine
 
 
 def _link_dicts(engine: Engine) -> list[dict[str, Any]]:
@@ -224,7 +234,16 @@ def parse_engine_options(options: dict[str, str]) -> dict[str, Any]:
                    f"{INTEGRITY_OPTION} (or PDLINK_PAYLOAD_INTEGRITY) must be '0' or '1', got {integrity!r}")
     raise_if_false(integrity == "0" or bool(secret),
                    f"{INTEGRITY_OPTION} needs a link secret ({SECRET_OPTION} or PDLINK_LINK_SECRET)")
+    metrics = options.get(METRICS_OPTION) or None
+    if metrics is not None:
+        from ...metrics import parse_address
+
+        try:
+            parse_address(metrics)
+        except ValueError as e:
+            raise LLMException(f"{METRICS_OPTION}: {e}", status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
     return {
+        "metrics": metrics,
         "hccl_one_sided": one_sided == "1",
         "ucx_trusted_network": trusted == "1",
         "backend": backend,

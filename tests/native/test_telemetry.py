@@ -1,0 +1,250 @@
+"""Telemetry (docs/metrics.md): what an engine counts of its transfers and links, read as
+``Engine.stats()`` and as Prometheus families, on every backend and data path.
+
+Each transfer test moves known blocks and ranges between real processes and checks, besides the
+whole destination, the exact counts the initiator recorded: transfers, bytes and descriptors of
+the completed ones under the path that moved them, each failure under its code and stage, and
+histograms whose sums agree with the wall time measured around the calls."""
+
+from __future__ import annotations
+
+import functools
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import pdlink
+import rawwire
+from backend_env import Variant
+from conftest import only
+from peer import Peer
+from peers import hostile, kv, native, telemetry
+from poll import wait_until
+from review_kit import PING
+from verify import Copy, assert_same
+
+ROW = 4096
+ROWS = 8
+NO_SUCH_PEER = 77
+
+
+def prefill_and_decode(peers: Callable[..., Peer], variant: Variant, *, env: dict[str, str] | None = None
+                       ) -> tuple[Peer, Peer, int]:
+    """A prefill process (cluster 1, listening, region "src" keyed 5) and a decode process (cluster
+    2, region "dst" of zeros) linked to it; the decode's id for the prefill."""
+    p = peers("prefill", env=variant.env())
+    port = p.call(native.start, 1, listen=True)
+    p.call(native.register, "src", ROWS, ROW, seed=1, key=5)
+    d = peers("decode", env={**variant.env(), **(env or {})})
+    d.call(native.start, 2)
+    d.call(native.register, "dst", ROWS, ROW, seed=None)
+    return p, d, d.call(native.connect, port)
+
+
+def one_path(stats: Any) -> str:
+    paths = {t.path for t in stats.transfers}
+    assert len(paths) == 1, stats.transfers
+    return paths.pop()
+
+
+def series(stats: Any, op: str) -> Any:
+    (t,) = [t for t in stats.transfers if t.op == op]
+    return t
+
+
+def test_exact_counts_after_known_transfers(peers: Callable[..., Peer], variant: Variant) -> None:
+    """A prepared read of 3 blocks and one of 1, a prepared write of 1 block, a descriptor read of
+    100 bytes; then a read the peer refuses (a remote block past its region: stage ``served``), one
+    refused here (a local block out of range: ``admission``) and one to a peer never linked
+    (``LLM_NOT_YET_LINK``, path ``none``). Counted: 3 pulls of 4 * 4096 + 100 bytes and 5
+    descriptors, 1 push of 4096 bytes and 1 descriptor, and exactly those three failures."""
+    p, d, peer = prefill_and_decode(peers, variant)
+    src, dst = p.call(native.snapshot, "src"), d.call(native.snapshot, "dst")
+    d.call(native.prepare, "t", peer, "dst", p.call(native.remote, "src"))
+    before = d.call(telemetry.stats)
+    wall = d.call(telemetry.post, "t", [0, 1, 2], [5, 6, 7], "read")
+    wall += d.call(telemetry.post, "t", [4], [3], "read")
+    push_wall = d.call(telemetry.post, "t", [6], [0], "write")
+    address = p.call(native.addresses, "src")[0]
+    wall += d.call(telemetry.descriptors, peer, "dst", [(5 * ROW + 8, 100)], [(address + 7 * ROW, 100)], "read")
+    assert d.call(telemetry.failing, "post", "t", [0], [ROWS + 4], "read") == "LLM_PARAM_INVALID"
+    assert d.call(telemetry.failing, "post", "t", [ROWS], [0], "read") == "LLM_PARAM_INVALID"
+    assert d.call(telemetry.failing, "descriptors", NO_SUCH_PEER, "dst", [(0, 64)], [(address, 64)], "read") \
+        == "LLM_NOT_YET_LINK"
+    delta = d.call(telemetry.stats) - before
+
+    rows = [(5, 0), (6, 1), (7, 2), (3, 4)]
+    expected = dst.with_rows(src, rows).with_bytes(src, [Copy(0, 7 * ROW, 0, 5 * ROW + 8, 100)])
+    assert_same(d.call(native.snapshot, "dst"), expected, "the decode region")
+    assert_same(p.call(native.snapshot, "src"), src.with_rows(dst, [(6, 0)]), "the prefill region")
+
+    path = one_path(delta)
+    link = d.call(native.links)[0]
+    assert path in (link.transport, *link.device_paths), (path, link)
+    pulls, pushes = series(delta, "pull"), series(delta, "push")
+    assert (pulls.peer, pulls.transfers, pulls.bytes, pulls.descriptors) == (str(peer), 3, 4 * ROW + 100, 5)
+    assert (pushes.peer, pushes.transfers, pushes.bytes, pushes.descriptors) == (str(peer), 1, ROW, 1)
+    assert {(f.peer, f.path, f.op, f.code, f.stage, f.count) for f in delta.failures} == {
+        (str(peer), path, "pull", "LLM_PARAM_INVALID", "served", 1),
+        (str(peer), link.transport, "pull", "LLM_PARAM_INVALID", "admission", 1),
+        (str(NO_SUCH_PEER), "none", "pull", "LLM_NOT_YET_LINK", "admission", 1)}
+    # Histograms: one observation per completed transfer and stage; queue + wire is total (one clock,
+    # three points); the total inside what the caller measured around its calls.
+    for s, count, measured in ((pulls, 3, wall), (pushes, 1, push_wall)):
+        for h in (s.queue, s.wire, s.total):
+            assert h.count == count and sum(h.buckets) == count and len(h.buckets) == len(pdlink.LATENCY_BOUNDS) + 1
+        assert s.queue.sum + s.wire.sum == pytest.approx(s.total.sum, abs=1e-6)
+        assert 0 < s.total.sum <= measured
+
+
+def test_link_events_count_each_up_down_and_reconnect_with_its_reason(peers: Callable[..., Peer],
+                                                                      variant: Variant) -> None:
+    """The decode links, unlinks and links again; then the prefill closes. The decode counts 2 ups,
+    1 reconnect, a down ``unlinked`` and a down ``peer_unlinked``; the prefill the same ups and a
+    down ``peer_unlinked`` and ``finalized``."""
+    p, d, peer = prefill_and_decode(peers, variant)
+    port = p.call(native.listen_port)
+    d.call(native.disconnect, peer)
+    assert d.call(native.connect, port) == peer
+    p.call(native.close)
+    wait_until(lambda: any(e.reason == "peer_unlinked" for e in d.call(telemetry.stats).link_events), 20,
+               "the decode to see the prefill's end")
+
+    def events(stats: Any) -> set[tuple[str, str, str, int]]:
+        return {(e.peer, e.event, e.reason, e.count) for e in stats.link_events}
+
+    assert events(d.call(telemetry.stats)) == {(str(peer), "up", "", 2), (str(peer), "reconnect", "", 1),
+                                               (str(peer), "down", "unlinked", 1),
+                                               (str(peer), "down", "peer_unlinked", 1)}
+    assert events(p.call(telemetry.stats)) == {("2", "up", "", 2), ("2", "reconnect", "", 1),
+                                               ("2", "down", "peer_unlinked", 1), ("2", "down", "finalized", 1)}
+
+
+@only("cpu-cma")
+def test_pinned_bytes_count_a_direct_access_until_the_peers_next_frame(peers: Callable[..., Peer],
+                                                                       variant: Variant) -> None:
+    """A same-host raw peer's direct read of 3 runs of 64 bytes pins 192 bytes of the victim until
+    the peer's next frame; ``pinned_bytes`` says so, then 0."""
+    victim = peers("victim", env=variant.env())
+    port = victim.call(native.start, 1, listen=True)
+    victim.call(native.register, "src", 4, ROW, seed=1, key=7)
+    assert victim.call(telemetry.stats).pinned_bytes == 0
+    a = peers("attacker")
+    assert a.call(hostile.link_raw, port, 9, b"", a.call(hostile.redirect_name, port, 9)) == (0, "")
+    body = rawwire.blocks_body(model=7, runs=((0, 64), (ROW, 64), (3 * ROW, 64)))
+    answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body, flags=rawwire.FLAG_DIRECT))
+    assert isinstance(answer, tuple) and answer[0] == 0, answer
+    wait_until(lambda: victim.call(telemetry.stats).pinned_bytes == 192, 20, "the direct read's 192 bytes pinned")
+    assert a.call(hostile.exchange, PING) == (0, "", b"")
+    wait_until(lambda: victim.call(telemetry.stats).pinned_bytes == 0, 20, "the pin released")
+
+
+@only("cpu-tcp")
+def test_peers_past_the_cap_are_counted_as_other(peers: Callable[..., Peer], variant: Variant) -> None:
+    """An engine with ``max_metric_peers=2`` reads a block from each of 4 linked peers: the first two
+    peers it met have series of their own, the other two are counted together as ``other``."""
+    hub = peers("hub", env=variant.env())
+    port = hub.call(native.start, 100, listen=True, limits={"max_metric_peers": 2})
+    hub.call(native.register, "dst", ROWS, ROW, seed=None)
+    sources = []
+    for i in range(4):
+        s = peers(f"source{i}", env=variant.env())
+        s.call(native.start, 10 + i)
+        s.call(native.register, "src", ROWS, ROW, seed=10 + i, key=5)
+        assert s.call(native.connect, port) == 100
+        wait_until(functools.partial(_links_are, hub, i + 1), 20, "the hub to accept the link")
+        sources.append(s)
+    dst = hub.call(native.snapshot, "dst")
+    for i, s in enumerate(sources):
+        hub.call(telemetry.read_peer, 10 + i, f"from{i}", "dst", s.call(native.remote, "src"), 1)
+    assert_same(hub.call(native.snapshot, "dst"), dst.with_rows(sources[-1].call(native.snapshot, "src"), [(0, 0)]),
+                "the hub's region: block 0 from the last source")
+    stats = hub.call(telemetry.stats)
+    assert sorted((t.peer, t.transfers) for t in stats.transfers) == [("10", 1), ("11", 1), ("other", 2)]
+    assert sorted((e.peer, e.count) for e in stats.link_events if e.event == "up") == [
+        ("10", 1), ("11", 1), ("other", 2)]
+
+
+def _links_are(peer: Peer, n: int) -> bool:
+    return len(peer.call(native.links)) == n
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the endpoint, parsed by prometheus_client's own parser: (name, labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@only("cpu-tcp", "cpu-cma")
+def test_an_llm_datadist_program_serves_its_engines_metrics_over_http(peers: Callable[..., Peer],
+                                                                      variant: Variant) -> None:
+    """A decode that only uses ``llm_datadist``, with the option ``pdlink.Metrics`` =
+    ``127.0.0.1:0``, pulls 2 blocks: its endpoint (scraped over HTTP, parsed by prometheus_client)
+    reports that pull under its engine's cluster id, as its ``stats()`` does."""
+    from llm_datadist import BlocksCacheKey, DataType
+
+    p = peers("prefill", env=variant.env())
+    port = p.call(kv.start, "prompt", 0, listen=True)
+    p.call(kv.register_blocks, "kv", 2, (4, 256), DataType.DT_FLOAT, seed=1, key=BlocksCacheKey(0, 0))
+    d = peers("decode", env=variant.env())
+    d.call(kv.start, "decoder", 1, extra={"pdlink.Metrics": "127.0.0.1:0"})
+    d.call(kv.register_blocks, "kv", 2, (4, 256), DataType.DT_FLOAT, seed=2)
+    assert d.call(kv.link, 0, port)[0] == 0
+    src, dst = p.call(kv.snapshot, "kv"), d.call(kv.snapshot, "kv")
+    d.call(kv.pull_blocks, BlocksCacheKey(0, 0), "kv", [1, 3], [0, 2])
+    assert_same(d.call(kv.snapshot, "kv"), dst.with_rows(src, [(1, 0), (3, 2)]), "the decode cache")
+    samples = _scrape(d.call(telemetry.metrics_port))
+    path = d.call(kv.links)[0]["transport"]
+    labels = (("engine", "1"), ("op", "pull"), ("path", path), ("peer", "0"))
+    assert samples[("pdlink_transfers_total", labels)] == 1
+    assert samples[("pdlink_transfer_bytes_total", labels)] == 2 * 2 * 1024  # 2 blocks x 2 tensors x 1 KiB
+    assert samples[("pdlink_transfer_descriptors_total", labels)] == 4
+    assert samples[("pdlink_transfer_seconds_count", (*labels[:3], ("peer", "0"), ("stage", "total")))] == 1
+    assert samples[("pdlink_links", (("engine", "1"), ("path", path)))] == 1
+    assert samples[("pdlink_link_events_total", (("engine", "1"), ("event", "up"), ("peer", "0"), ("reason", "")))] \
+        == 1
+
+
+def test_the_environment_variable_starts_the_endpoint_for_every_engine(peers: Callable[..., Peer]) -> None:
+    """``PDLINK_METRICS=127.0.0.1:0`` in a process that makes two engines: one endpoint serves both,
+    told apart by ``engine``; with it unset no endpoint starts."""
+    d = peers("decode", env={"PDLINK_METRICS": "127.0.0.1:0"})
+    d.call(native.start, 2)
+    samples = _scrape(d.call(telemetry.metrics_port))
+    assert samples[("pdlink_role_epoch", (("engine", "2"),))] == 0
+    assert samples[("pdlink_engine_threads", (("engine", "2"),))] >= 0
+    plain = peers("plain")
+    plain.call(native.start, 3)
+    assert plain.call(_metrics_running) is False
+
+
+def _metrics_running() -> bool:
+    return pdlink.Metrics.running() is not None
+
+
+def test_a_delta_keeps_gauges_and_subtracts_counts() -> None:
+    """``later - earlier``: counts and histograms as differences, gauges as in ``later``."""
+    with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0")) as a, \
+            pdlink.Engine(pdlink.EngineOptions(cluster_id=2, transport="tcp")) as b:
+        src, dst = np.arange(4 * ROW, dtype=np.uint8), np.zeros(4 * ROW, dtype=np.uint8)
+        ra, rb = a.register(src, block_size=ROW), b.register(dst, block_size=ROW)
+        peer = b.connect(f"127.0.0.1:{a.listen_port}")
+        job = b.prepare(peer, rb, ra.remote())
+        job.read([0], [1])
+        first = b.stats()
+        job.read([2, 3], [2, 3])
+        later = b.stats()
+        delta = later.since(first)
+        assert delta == later - first
+        assert (series(delta, "pull").transfers, series(delta, "pull").bytes) == (1, 2 * ROW)
+        assert series(later, "pull").transfers == 2 and series(delta, "pull").total.count == 1
+        assert delta.live_links == later.live_links == 1 and delta.links_by_path == (("tcp", 1),)
+        assert delta.taken_at == later.taken_at > first.taken_at
+        assert np.array_equal(dst[ROW:2 * ROW], np.zeros(ROW, np.uint8))
+        assert np.array_equal(dst[:ROW], src[ROW:2 * ROW]) and np.array_equal(dst[2 * ROW:], src[2 * ROW:])
