@@ -353,7 +353,10 @@ Status RequestServer::serveAccess(const std::shared_ptr<Link>& link_ptr, Stream&
   Status served = server->serve(call);
   if (call.pin) {  // until the peer's next frame, or the pin bound
     state->pinned = r.keep;
-    state->pinned_bytes = payload.value();
+    // What the pin holds: the regions it keeps registered, each once (never more than is registered,
+    // however many runs or tensors the request repeats).
+    state->pinned_bytes = 0;
+    for (const auto& entry : r.keep) state->pinned_bytes += entry->layout.tensor_size * entry->layout.num_tensors;
     if (offer_guard) state->offer_pins.push_back(std::move(offer_guard));
   }
   return served;

@@ -55,8 +55,8 @@ class RequestServer {
     // EngineState::pins_held (set by serveStream): this link counts 1 there while it holds pins.
     std::atomic<int64_t>* pins_held = nullptr;
     bool pins_counted = false;
-    // The payload of the access now pinned (set with `pinned`), and what of it EngineState::
-    // pinned_bytes counts (`pinned_bytes_total`, set by serveStream).
+    // The bytes of the regions the access now pinned keeps registered (set with `pinned`), and what
+    // of it EngineState::pinned_bytes counts (`pinned_bytes_total`, set by serveStream).
     uint64_t pinned_bytes = 0;
     std::atomic<int64_t>* pinned_bytes_total = nullptr;
     int64_t bytes_counted = 0;

@@ -74,19 +74,32 @@ Telemetry::Telemetry(uint64_t max_peers) : max_peers_(max_peers) {
 
 Telemetry::~Telemetry() = default;
 
-Telemetry::Peer& Telemetry::peer(uint64_t peer_id) {
+Telemetry::Peer* Telemetry::find(uint64_t peer_id, size_t* start) const {
   const size_t mask = slots_.size() - 1;
-  const size_t start = static_cast<size_t>((peer_id * 0x9E3779B97F4A7C15ull) >> 20) & mask;
+  *start = static_cast<size_t>((peer_id * 0x9E3779B97F4A7C15ull) >> 20) & mask;
   for (size_t i = 0; i <= mask; ++i) {  // the table is at most half full: a free slot ends the probe
-    Peer* p = slots_[(start + i) & mask].load(std::memory_order_acquire);
+    Peer* p = slots_[(*start + i) & mask].load(std::memory_order_acquire);
     if (p == nullptr) break;
-    if (p->id == peer_id) return *p;
+    if (p->id == peer_id) return p;
   }
+  return nullptr;
+}
+
+Telemetry::Peer& Telemetry::peer(uint64_t peer_id) {
+  size_t start = 0;
+  Peer* p = find(peer_id, &start);
+  return p != nullptr ? *p : *other_;
+}
+
+Telemetry::Peer& Telemetry::admit(uint64_t peer_id) {
+  size_t start = 0;
+  if (Peer* p = find(peer_id, &start)) return *p;
   std::lock_guard<std::mutex> lock(mu_);
+  const size_t mask = slots_.size() - 1;
   for (size_t i = 0; i <= mask; ++i) {
     std::atomic<Peer*>& slot = slots_[(start + i) & mask];
     Peer* p = slot.load(std::memory_order_acquire);
-    if (p != nullptr && p->id == peer_id) return *p;
+    if (p != nullptr && p->id == peer_id) return *p;  // admitted meanwhile
     if (p != nullptr) continue;
     if (peers_.size() - 1 >= max_peers_) return *other_;
     peers_.push_back(std::make_unique<Peer>(peer_id, false));
@@ -130,7 +143,7 @@ void Telemetry::transferFailed(Peer& peer, const char* path, bool is_push, Code 
 }
 
 void Telemetry::linkUp(uint64_t peer_id) {
-  Peer& p = peer(peer_id);
+  Peer& p = admit(peer_id);
   p.events[0].fetch_add(1, std::memory_order_relaxed);
   // The "other" peer stands for many: a reconnect is counted only for a peer of its own.
   if (p.linked_before.exchange(true, std::memory_order_relaxed) && !p.other) {

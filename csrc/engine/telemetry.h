@@ -11,9 +11,10 @@
 // Links: each installed link adds an `up` (a `reconnect` too when the peer had one before), each
 // end a `down` with its reason (link.h LinkDown).
 //
-// Cardinality: the first `max_peers` peers (EngineLimits::max_metric_peers) get series of their
-// own for the engine's life; later ones are all counted under one "other" peer. Paths are the
-// fixed set of PathCaps names (kPathNames), ops pull and push.
+// Cardinality: the first `max_peers` peers (EngineLimits::max_metric_peers) a link was installed
+// with get series of their own for the engine's life; later ones, and ids no link was ever
+// installed with (a transfer to a peer never linked), are all counted under one "other" peer.
+// Paths are the fixed set of PathCaps names (kPathNames), ops pull and push.
 //
 // Threading: counting is lock-free (relaxed atomics; a peer's first sight takes the table's mutex
 // once); snapshot() takes that mutex (to walk the peers) and reads the atomics, so a snapshot
@@ -95,7 +96,8 @@ class Telemetry {
   Telemetry& operator=(const Telemetry&) = delete;
 
   struct Peer;
-  // The counters of `peer_id` (the "other" peer past the cap). Valid for the Telemetry's life.
+  // The counters of `peer_id`: its own once a link to it was installed (linkUp) within the cap,
+  // else the "other" peer's. Valid for the Telemetry's life. Lock-free.
   Peer& peer(uint64_t peer_id);
 
   // One transfer's outcome (see the file comment); `path` a PathCaps name ("none": no link).
@@ -111,6 +113,9 @@ class Telemetry {
  private:
   struct Series;
   static int pathIndex(const char* path);
+  // peer(), giving `peer_id` counters of its own when it has none and the cap allows.
+  Peer& admit(uint64_t peer_id);
+  Peer* find(uint64_t peer_id, size_t* start) const;
   Series& series(Peer& peer, const char* path, bool is_push);
 
   const uint64_t max_peers_;

@@ -951,8 +951,10 @@ void statusScopeCases() {
 // EngineStats::since subtracts counts and keeps series new since the earlier snapshot whole.
 void telemetryCases() {
   Telemetry t(2);
+  check(&t.peer(7) == &t.peer(1234), "a peer never linked counts as other");
+  t.linkUp(7);
   Telemetry::Peer& a = t.peer(7);
-  check(&t.peer(7) == &a, "a peer's counters are found again");
+  check(&t.peer(7) == &a && &a != &t.peer(1234), "a linked peer has counters of its own, found again");
   t.transferDone(a, "tcp", false, 100, 2, 10'000, 0, 10'001);    // 10 us (on the first bound), 0, just above it
   t.transferDone(a, "tcp", false, 50, 1, 60'000'000'001, 1, 1);  // past the last bound: +Inf
   TelemetrySnapshot s = t.snapshot();
@@ -964,13 +966,14 @@ void telemetryCases() {
   check(q.buckets.size() == kLatencyBuckets && q.buckets[0] == 1 && q.buckets.back() == 1 && q.count == 2,
         "a value on a bound is in its bucket, one past the last in +Inf");
   check(s.transfers[0].total.buckets[1] == 1, "10.001 us is in the 25 us bucket");
+  t.linkUp(8);
+  t.linkUp(9);  // past the cap of 2 (7 and 8): counted as other
   t.transferDone(t.peer(8), "cma", true, 1, 1, 1, 1, 2);
   t.transferDone(t.peer(9), "cma", true, 4, 1, 1, 1, 2);   // past the cap of 2
   t.transferDone(t.peer(10), "cma", true, 8, 1, 1, 1, 2);  // so is this one
   t.transferFailed(t.peer(10), "none", false, Code::kNotYetLink, TransferStage::kAdmission);
   t.transferFailed(t.peer(7), "tcp", false, Code::kTimeout, TransferStage::kPayload);
   t.transferFailed(t.peer(7), "tcp", false, Code::kTimeout, TransferStage::kPayload);
-  t.linkUp(8);
   t.linkDown(8, LinkDown::kUnlinked);
   t.linkUp(8);
   EngineStats first;
@@ -991,7 +994,11 @@ void telemetryCases() {
   }
   std::set<std::tuple<std::string, std::string, std::string, uint64_t>> events;
   for (const LinkEventSeries& e : s.link_events) events.insert({e.peer, e.event, e.reason, e.count});
-  check(events == decltype(events){{"8", "up", "", 2}, {"8", "reconnect", "", 1}, {"8", "down", "unlinked", 1}},
+  check(events == decltype(events){{"7", "up", "", 1},
+                                   {"8", "up", "", 2},
+                                   {"8", "reconnect", "", 1},
+                                   {"8", "down", "unlinked", 1},
+                                   {"other", "up", "", 1}},
         "link events");
   // many threads on one series: every count lands
   std::vector<std::thread> threads;

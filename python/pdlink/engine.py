@@ -702,6 +702,10 @@ class Engine:
         if not isinstance(options, EngineOptions):
             raise TypeError(f"options must be EngineOptions, got {type(options).__name__}")
         self.options = options = options.resolved()
+        if environment.read(environment.METRICS):  # PDLINK_METRICS: the process's metrics endpoint, first
+            from .metrics import Metrics
+
+            Metrics.from_environment()
         ip, port = "", 0
         if options.listen is not None:
             ip, port = _split_address(options.listen)
@@ -728,10 +732,6 @@ class Engine:
         self._claim_dialled: dict[int, str] = {}  # cluster id -> the ticket address a claim dialled it at
         with _OPEN_LOCK:
             _OPEN[id(self)] = weakref.ref(self)
-        if environment.read(environment.METRICS):  # PDLINK_METRICS: the process's metrics endpoint
-            from .metrics import Metrics
-
-            Metrics.from_environment()
 
     # ------------------------------------------------------------------ lifetime
 

@@ -15,7 +15,9 @@ when a collector or endpoint is made, never by ``import pdlink``.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -25,7 +27,12 @@ from . import constants, environment
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["EngineCollector", "Metrics", "FAMILIES"]
+__all__ = ["CONNECTION_SECONDS", "EngineCollector", "FAMILIES", "Metrics", "PORT_SPAN"]
+
+#: A process endpoint asked for port P takes the first free one of P .. P + PORT_SPAN - 1.
+PORT_SPAN = 64
+#: The longest a connection to the process endpoint is served (it serves one at a time).
+CONNECTION_SECONDS = 5.0
 
 _log = logging.getLogger("pdlink.metrics")
 
@@ -170,21 +177,39 @@ class Metrics:
         self._server: Any = None
 
     def start(self) -> Metrics:
-        """Starts serving (once per process: a second start returns the running endpoint)."""
+        """Starts serving (once per process: a second start returns the running endpoint), on the
+        first free port of ``port`` .. ``port + PORT_SPAN - 1`` (``port`` 0: any free one), which
+        ``.port`` then says. ``OSError`` when none is free."""
         with Metrics._lock:
             if Metrics._process is not None:
                 return Metrics._process
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry
 
             from .engine import open_engines
 
             self.registry = CollectorRegistry(auto_describe=True)
             self.registry.register(EngineCollector(_labelled(open_engines), label="engine"))
-            server, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+            server = None
+            # Processes of one program (a TP group's ranks) often share the environment: each takes
+            # the first free port of PORT .. PORT + PORT_SPAN - 1.
+            for port in ([0] if self.port == 0 else range(self.port, min(self.port + PORT_SPAN, 65536))):
+                try:
+                    server = _serve(self.host, port, self.registry)
+                    break
+                except OSError as e:
+                    if e.errno != errno.EADDRINUSE:
+                        raise
+            if server is None:
+                raise OSError(errno.EADDRINUSE, f"pdlink metrics: ports {self.port} to "
+                              f"{self.port + PORT_SPAN - 1} on {self.host} are all in use")
             self._server = server
-            self.port = server.server_address[1]
+            asked, self.port = self.port, server.server_address[1]
             Metrics._process = self
-            _log.info("pdlink metrics at http://%s:%d/metrics", self.host, self.port)
+            if asked not in (0, self.port):
+                _log.warning("pdlink metrics: port %d is in use; serving at http://%s:%d/metrics instead", asked,
+                             self.host, self.port)
+            else:
+                _log.info("pdlink metrics at http://%s:%d/metrics", self.host, self.port)
             return self
 
     @property
@@ -222,6 +247,50 @@ class Metrics:
             return cls.at(value)
         except ValueError as e:
             raise ValueError(f"{environment.METRICS.name}: {e}") from None
+        except OSError as e:  # metrics must not stop the program: said, and left off
+            _log.warning("%s=%s: no metrics endpoint: %s", environment.METRICS.name, value, e)
+            return None
+
+
+def _serve(host: str, port: int, registry: Any) -> Any:
+    """prometheus_client's WSGI app on a server of one thread, started: connections are taken one at
+    a time (the kernel's backlog of 16 holds the next), each closed after CONNECTION_SECONDS however
+    slowly its client sends, so scrapers can make this process spend one thread, one descriptor and
+    a backlog, never more (prometheus_client's own server spends a thread per connection)."""
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    class Handler(WSGIRequestHandler):
+        timeout = CONNECTION_SECONDS  # each read and write (StreamRequestHandler)
+
+        def handle(self) -> None:
+            cut = threading.Timer(CONNECTION_SECONDS, self._cut)  # and the whole connection
+            cut.daemon = True
+            cut.start()
+            try:
+                super().handle()
+            finally:
+                cut.cancel()
+
+        def _cut(self) -> None:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass  # a scrape is not worth a line on stderr
+
+    class Server(WSGIServer):
+        request_queue_size = 16
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # a client that went away mid-answer, or was cut: nothing to report
+
+    server = make_server(host, port, make_wsgi_app(registry), server_class=Server, handler_class=Handler)
+    threading.Thread(target=server.serve_forever, name="pdlink-metrics", daemon=True).start()
+    return server
 
 
 def parse_address(value: str) -> tuple[str, int]:

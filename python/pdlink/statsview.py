@@ -24,22 +24,42 @@ The work is done by pure functions, ``parse`` (text -> ``Snapshot``), ``delta`` 
 the interval's), ``table_rows`` (snapshot -> ``Row`` list), ``render`` and ``footer`` (-> text);
 ``run`` scrapes and prints. This module imports the standard library only; ``prometheus_client``
 (the optional extra ``pdlink[metrics]``) is imported when a scrape is parsed.
+
+The endpoint is not trusted. One scrape (connect, headers, body and parsing) has one deadline,
+``timeout`` seconds; the body is read up to ``MAX_BODY_BYTES`` and holds at most ``MAX_SAMPLES``
+samples; redirects are not followed; anything else is one line and exit status 1, never a
+traceback. A sample that is not finite (or that would make a sum overflow) is left out. Label
+values are printed with each non-printable character (control characters, terminal escapes) as
+``?``, cut at ``MAX_TEXT`` characters; at most ``MAX_ROWS`` rows are printed.
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
+import itertools
 import math
+import re
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, TextIO, cast
 
-__all__ = ["Row", "Series", "Snapshot", "StatsError", "delta", "footer", "format_bytes", "metrics_url", "parse",
-           "quantile", "render", "run", "table_rows"]
+__all__ = ["MAX_BODY_BYTES", "MAX_ROWS", "MAX_SAMPLES", "MAX_TEXT", "Row", "Series", "Snapshot", "StatsError",
+           "delta", "footer", "format_bytes", "metrics_url", "parse", "quantile", "render", "run", "table_rows"]
+
+MAX_BODY_BYTES = 64 << 20  # the largest answer read; a larger one is refused
+MAX_SAMPLES = 500_000  # the most samples (lines that are not comments) an answer may hold
+MAX_ROWS = 200  # the most table rows printed; then "... N more rows"
+MAX_TEXT = 200  # the most characters of a label value (or an error's detail) printed
+_MAX_FOOTER_ITEMS = 20  # the most paths, events, and reasons of an event, named in the footer
+_CHUNK = 1 << 20  # the body is read this much at a time
+_SAMPLE_LINE = re.compile(r"^[^\S\n]*[^#\s]", re.MULTILINE)  # a line that is neither blank nor a comment
 
 # labels that say what a series measures; every other label is part of the row's identity
 _KNOWN_LABELS = frozenset({"peer", "path", "op", "stage", "code", "le", "event", "reason"})
@@ -102,18 +122,26 @@ def _le(text: str) -> float:
     return math.inf if text in ("+Inf", "Inf", "inf") else float(text)
 
 
-def parse(text: str) -> Snapshot:
+def parse(text: str, deadline: float | None = None) -> Snapshot:
     """The pdlink series of one scrape (Prometheus text format). ``StatsError`` when the text is not
-    that format, or names no ``pdlink_`` metric at all; ``ImportError`` without prometheus_client."""
-    from prometheus_client.parser import text_string_to_metric_families
+    that format, holds more than ``MAX_SAMPLES`` samples, or names no ``pdlink_`` metric at all;
+    ``TimeoutError`` when parsing goes past ``deadline`` (a ``time.monotonic()`` time); ``ImportError``
+    without prometheus_client. Samples that are not finite numbers are left out."""
+    from prometheus_client.parser import text_fd_to_metric_families
 
+    if sum(1 for _ in itertools.islice(_SAMPLE_LINE.finditer(text), MAX_SAMPLES + 1)) > MAX_SAMPLES:
+        raise StatsError(f"more than {MAX_SAMPLES} samples in the answer (at most {MAX_SAMPLES} are read)")
     snap = Snapshot()
     seen_pdlink = False
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_fd_to_metric_families(cast(TextIO, _lines(text, deadline))):
             seen_pdlink = seen_pdlink or family.name.startswith("pdlink_")
             for sample in family.samples:
-                _add_sample(snap, sample.name, sample.labels, float(sample.value))
+                value = _finite(sample.value)
+                if value is not None:
+                    _add_sample(snap, sample.name, sample.labels, value)
+    except (StatsError, TimeoutError, MemoryError):
+        raise
     except Exception as e:  # noqa: BLE001 - the parser raises ValueError, but also others on odd input
         first = (str(e).splitlines() or [""])[0]
         raise StatsError(f"not Prometheus text format ({type(e).__name__}: {first[:120]})") from None
@@ -122,37 +150,68 @@ def parse(text: str) -> Snapshot:
     return snap
 
 
+def _lines(text: str, deadline: float | None) -> Iterator[str]:
+    """The lines of ``text`` (as the parser reads a file); ``TimeoutError`` once past ``deadline``."""
+    for i, line in enumerate(io.StringIO(text)):
+        if deadline is not None and i % 1024 == 0 and time.monotonic() > deadline:
+            raise TimeoutError("parsing went past the deadline")
+        yield line
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float; None when it is not a finite number (+Inf, NaN, 1e400, a huge integer)."""
+    try:
+        f = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _plus(total: float, value: float) -> float:
+    """``total + value``; ``total`` when the sum would overflow (a hostile endpoint's 1e308s)."""
+    s = total + value
+    return s if math.isfinite(s) else total
+
+
+def _sum(values: Iterable[float]) -> float:
+    return functools.reduce(_plus, values, 0.0)
+
+
+def _add(to: dict[Any, float], key: Any, value: float) -> None:
+    to[key] = _plus(to.get(key, 0.0), value)
+
+
 def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float) -> None:
-    if not name.startswith("pdlink_") or math.isnan(value):
+    if not name.startswith("pdlink_") or not math.isfinite(value):
         return
     extra = _extra(labels)
     if name == "pdlink_links":
-        key = (extra, labels.get("path", ""))
-        snap.links[key] = snap.links.get(key, 0.0) + value
+        _add(snap.links, (extra, labels.get("path", "")), value)
         return
     if name == "pdlink_link_events_total":
-        ev = (extra, labels.get("event", ""), labels.get("reason", ""))
-        snap.link_events[ev] = snap.link_events.get(ev, 0.0) + value
+        _add(snap.link_events, (extra, labels.get("event", ""), labels.get("reason", "")), value)
         return
     row: RowKey = (extra, labels.get("peer", ""), labels.get("path", ""), labels.get("op", ""))
     if name == "pdlink_transfers_total":
-        _series(snap, row).transfers += value
-    elif name == "pdlink_transfer_bytes_total":
-        _series(snap, row).bytes += value
-    elif name == "pdlink_transfer_failures_total":
         s = _series(snap, row)
-        code = labels.get("code", "") or "unknown"
-        s.failures[code] = s.failures.get(code, 0.0) + value
+        s.transfers = _plus(s.transfers, value)
+    elif name == "pdlink_transfer_bytes_total":
+        s = _series(snap, row)
+        s.bytes = _plus(s.bytes, value)
+    elif name == "pdlink_transfer_failures_total":
+        _add(_series(snap, row).failures, labels.get("code", "") or "unknown", value)
     elif name.startswith("pdlink_transfer_seconds_") and labels.get("stage", "total") == "total":
         suffix = name[len("pdlink_transfer_seconds_"):]
         if suffix == "bucket" and "le" in labels:
-            s = _series(snap, row)
             le = _le(labels["le"])
-            s.buckets[le] = s.buckets.get(le, 0.0) + value
+            if not math.isnan(le) and le != -math.inf:
+                _add(_series(snap, row).buckets, le, value)
         elif suffix == "sum":
-            _series(snap, row).seconds += value
+            s = _series(snap, row)
+            s.seconds = _plus(s.seconds, value)
         elif suffix == "count":
-            _series(snap, row).observed += value
+            s = _series(snap, row)
+            s.observed = _plus(s.observed, value)
 
 
 def _series(snap: Snapshot, key: RowKey) -> Series:
@@ -163,8 +222,10 @@ def _series(snap: Snapshot, key: RowKey) -> Series:
 
 
 def _minus(now: float, before: float) -> float:
-    """A counter's increase; a counter that went down was reset (the engine restarted): all of it."""
-    return now - before if now >= before else now
+    """A counter's increase; a counter that went down was reset (the engine restarted): all of it
+    (and so is one whose difference overflows)."""
+    d = now - before
+    return d if now >= before and math.isfinite(d) else now
 
 
 def _minus_map(now: dict[Any, float], before: dict[Any, float]) -> dict[Any, float]:
@@ -179,8 +240,9 @@ def delta(before: Snapshot, now: Snapshot) -> Snapshot:
         b = before.series.get(key)
         if b is None or s.transfers < b.transfers or s.bytes < b.bytes or s.observed < b.observed:
             b = Series()  # new, or reset since the last scrape
-        out.series[key] = Series(transfers=s.transfers - b.transfers, bytes=s.bytes - b.bytes,
-                                 seconds=max(0.0, s.seconds - b.seconds), observed=s.observed - b.observed,
+        out.series[key] = Series(transfers=_minus(s.transfers, b.transfers), bytes=_minus(s.bytes, b.bytes),
+                                 seconds=max(0.0, _minus(s.seconds, b.seconds)),
+                                 observed=_minus(s.observed, b.observed),
                                  buckets=_minus_map(s.buckets, b.buckets),
                                  failures=_minus_map(s.failures, b.failures))
     return out
@@ -222,24 +284,44 @@ def table_rows(snap: Snapshot, interval: float | None = None, hide_idle: bool = 
     the summed latency (busy throughput). ``hide_idle`` leaves out rows with nothing to show."""
     rows: list[Row] = []
     for (extra, peer, path, op), s in snap.series.items():
-        failures = sum(s.failures.values())
+        failures = _sum(s.failures.values())
         if hide_idle and s.transfers <= 0 and s.observed <= 0 and failures <= 0 and s.bytes <= 0:
             continue
         if interval is not None:
             gbps = s.bytes / interval / 1e9 if interval > 0 else None
         else:
             gbps = s.bytes / s.seconds / 1e9 if s.seconds > 0 else None
-        codes = tuple(sorted(((c, round(n)) for c, n in s.failures.items() if n > 0), key=lambda cn: (-cn[1], cn[0])))
+        if gbps is not None and not math.isfinite(gbps):
+            gbps = None
+        codes = tuple(sorted(((c, _int(n)) for c, n in s.failures.items() if n > 0), key=lambda cn: (-cn[1], cn[0])))
         rows.append(Row(labels=",".join(f"{k}={v}" for k, v in extra), peer=peer, path=path, op=op,
-                        transfers=round(s.transfers), bytes=round(s.bytes), gbps=gbps,
+                        transfers=_int(s.transfers), bytes=_int(s.bytes), gbps=gbps,
                         p50=quantile(0.5, s.buckets), p90=quantile(0.9, s.buckets), p99=quantile(0.99, s.buckets),
-                        failures=round(failures), codes=codes))
+                        failures=_int(failures), codes=codes))
     rows.sort(key=lambda r: (-r.bytes, -r.transfers, -r.failures, r.labels, r.peer, r.path, r.op))
     return rows
 
 
+def _int(x: float) -> int:
+    """``round(x)``; 0 for what is not a finite number (a snapshot holds none: a guard)."""
+    return round(x) if math.isfinite(x) else 0
+
+
+def printable(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` safe to print on a terminal: each non-printable character (control characters,
+    the ESC of terminal escapes, newlines) as ``?``, cut to ``limit`` characters ("..." at the end)."""
+    cut = text if len(text) <= limit else text[:max(0, limit - 3)] + "..."
+    return cut if cut.isprintable() else "".join(c if c.isprintable() else "?" for c in cut)
+
+
 def format_bytes(n: float) -> str:
     """1536 -> "1.5 KiB"; under 1 KiB in bytes ("512 B")."""
+    try:
+        n = float(n)
+    except OverflowError:
+        n = math.inf
+    if not math.isfinite(n):
+        return "-"
     if n < 1024:
         return f"{n:.0f} B"
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
@@ -250,7 +332,7 @@ def format_bytes(n: float) -> str:
 
 
 def _ms(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds * 1e3):
         return "-"
     ms = seconds * 1e3
     if ms < 10:
@@ -264,7 +346,7 @@ def _failures(row: Row) -> str:
     """"0"; "3 LLM_TIMEOUT" (one code); "5 LLM_TIMEOUT:3 +1" (the top code, its count, how many other codes)."""
     if not row.codes:
         return str(row.failures)
-    top, n = row.codes[0]
+    top, n = printable(row.codes[0][0]), row.codes[0][1]
     if len(row.codes) == 1:
         return f"{row.failures} {top}"
     return f"{row.failures} {top}:{n} +{len(row.codes) - 1}"
@@ -274,17 +356,21 @@ _HEADER = ("PEER", "PATH", "OP", "TRANSFERS", "BYTES", "GB/s", "P50 ms", "P90 ms
 _LEFT = {"LABELS", "PEER", "PATH", "OP", "FAILURES"}  # left-aligned columns; the rest are numbers
 
 
-def render(rows: Iterable[Row], title: str = "", foot: str = "", empty: str = "(no transfers)") -> str:
-    """The table as text: ``title``, a header, one line per row (``empty`` when none), ``foot``; a
-    leading LABELS column when any row has extra labels. Ends with a newline."""
+def render(rows: Iterable[Row], title: str = "", foot: str = "", empty: str = "(no transfers)",
+           limit: int | None = MAX_ROWS) -> str:
+    """The table as text: ``title``, a header, one line per row (``empty`` when none; the first
+    ``limit`` rows, then "... N more rows"), ``foot``; a leading LABELS column when any row shown has
+    extra labels. Label values are shown ``printable``. Ends with a newline."""
     rows = list(rows)
-    labelled = any(r.labels for r in rows)
+    shown = rows if limit is None else rows[:limit]
+    labelled = any(r.labels for r in shown)
     header = (("LABELS",) if labelled else ()) + _HEADER
     cells = [header]
-    for r in rows:
-        cells.append(((r.labels or "-",) if labelled else ()) + (
-            r.peer or "-", r.path or "-", r.op or "-", str(r.transfers), format_bytes(r.bytes),
-            "-" if r.gbps is None else f"{r.gbps:.2f}", _ms(r.p50), _ms(r.p90), _ms(r.p99), _failures(r)))
+    for r in shown:
+        cells.append(((printable(r.labels) or "-",) if labelled else ()) + (
+            printable(r.peer) or "-", printable(r.path) or "-", printable(r.op) or "-", str(r.transfers),
+            format_bytes(r.bytes), "-" if r.gbps is None or not math.isfinite(r.gbps) else f"{r.gbps:.2f}",
+            _ms(r.p50), _ms(r.p90), _ms(r.p99), _failures(r)))
     widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
     lines = [title] if title else []
     for line in cells:
@@ -292,32 +378,40 @@ def render(rows: Iterable[Row], title: str = "", foot: str = "", empty: str = "(
                                for c, w, h in zip(line, widths, header)).rstrip())
     if not rows:
         lines.append(empty)
+    if len(rows) > len(shown):
+        lines.append(f"... {len(rows) - len(shown)} more rows")
     if foot:
         lines.append(foot)
     return "\n".join(lines) + "\n"
 
 
+def _some(parts: list[str]) -> str:
+    """``parts`` joined by ", "; past ``_MAX_FOOTER_ITEMS``, the first ones and "+N more"."""
+    more = len(parts) - _MAX_FOOTER_ITEMS
+    return ", ".join(parts[:_MAX_FOOTER_ITEMS] + ([f"+{more} more"] if more > 0 else []))
+
+
 def footer(snap: Snapshot) -> str:
     """"links: tcp 2, cma 1 (3) | link events: down 1 (LLM_TIMEOUT 1), up 3": the links gauge by
-    path and the link events by event, with their reasons (summed over extra labels and peers)."""
+    path and the link events by event, with their reasons (summed over extra labels and peers);
+    names shown ``printable``, at most ``_MAX_FOOTER_ITEMS`` of each list (then "+N more")."""
     by_path: dict[str, float] = {}
     for (_, path), n in snap.links.items():
-        by_path[path or "-"] = by_path.get(path or "-", 0.0) + n
-    shown = sorted(((p, round(n)) for p, n in by_path.items() if n > 0), key=lambda pn: (-pn[1], pn[0]))
-    links = ", ".join(f"{p} {n}" for p, n in shown) + f" ({sum(n for _, n in shown)})" if shown else "none"
+        _add(by_path, path or "-", n)
+    shown = sorted(((p, _int(n)) for p, n in by_path.items() if n > 0), key=lambda pn: (-pn[1], pn[0]))
+    links = _some([f"{printable(p)} {n}" for p, n in shown]) + f" ({sum(n for _, n in shown)})" if shown else "none"
     events: dict[str, dict[str, float]] = {}
     for (_, event, reason), n in snap.link_events.items():
         if n > 0:
-            reasons = events.setdefault(event or "-", {})
-            reasons[reason] = reasons.get(reason, 0.0) + n
+            _add(events.setdefault(event or "-", {}), reason, n)
     parts = []
     for event in sorted(events):
         reasons = events[event]
-        total = round(sum(reasons.values()))
-        named = sorted(((r, round(n)) for r, n in reasons.items() if r), key=lambda rn: (-rn[1], rn[0]))
-        why = " (" + ", ".join(f"{r} {n}" for r, n in named) + ")" if named else ""
-        parts.append(f"{event} {total}{why}")
-    return f"links: {links} | link events: {', '.join(parts) or 'none'}"
+        total = _int(_sum(reasons.values()))
+        named = sorted(((r, _int(n)) for r, n in reasons.items() if r), key=lambda rn: (-rn[1], rn[0]))
+        why = " (" + _some([f"{printable(r)} {n}" for r, n in named]) + ")" if named else ""
+        parts.append(f"{printable(event)} {total}{why}")
+    return f"links: {links} | link events: {_some(parts) or 'none'}"
 
 
 def metrics_url(target: str) -> str:
@@ -336,26 +430,181 @@ def metrics_url(target: str) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-def fetch(url: str, timeout: float, context: Any = None) -> str:
-    """The body of GET ``url``; ``StatsError`` for anything but a 200."""
+def _remaining(deadline: float) -> float | None:
+    """The seconds left before ``deadline`` (None: no deadline); ``TimeoutError`` when none are."""
+    if deadline == math.inf:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+class _DeadlineIO(io.RawIOBase):
+    """A response's socket reader whose every read waits at most until ``deadline``: a server that
+    drips its headers or body a byte at a time cannot hold the scrape past it."""
+
+    def __init__(self, raw: Any, sock: Any, deadline: float):
+        super().__init__()
+        self._raw, self._sock, self._deadline = raw, sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._sock.settimeout(_remaining(self._deadline))
+        n: int = self._raw.readinto(buffer)
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
+
+
+class _Response(http.client.HTTPResponse):
+    def __init__(self, sock: Any, *args: Any, deadline: float, **kwargs: Any):
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineIO(self.fp.detach(), sock, deadline))
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args: Any, deadline: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+        self.response_class = cast("type[http.client.HTTPResponse]", functools.partial(_Response, deadline=deadline))
+
+    def connect(self) -> None:
+        self.timeout = _remaining(self._deadline)
+        super().connect()
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, deadline: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+        self.response_class = cast("type[http.client.HTTPResponse]", functools.partial(_Response, deadline=deadline))
+
+    def connect(self) -> None:
+        self.timeout = _remaining(self._deadline)
+        super().connect()
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: float):
+        super().__init__()
+        self._deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPConnection, deadline=self._deadline), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: float, context: Any):
+        super().__init__(context=context)
+        self._deadline, self._pdlink_context = deadline, context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPSConnection, deadline=self._deadline), req,
+                            context=self._pdlink_context)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is not followed: it reaches the caller as the ``HTTPError`` of its 3xx status."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def fetch(url: str, timeout: float, context: Any = None, deadline: float | None = None) -> str:
+    """The body of GET ``url``; ``StatsError`` for anything but a 200 (a redirect is not followed),
+    an answer over ``MAX_BODY_BYTES``, or one not read whole by ``deadline`` (a ``time.monotonic()``
+    time; default ``timeout`` seconds from now, math.inf for none)."""
+    if deadline is None:
+        deadline = time.monotonic() + timeout
+    opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline, context), _NoRedirects())
     request = urllib.request.Request(url, headers={"Accept": "text/plain"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as answer:
+        with opener.open(request, timeout=_remaining(deadline)) as answer:
             if answer.status != 200:
-                raise StatsError(f"{url} answered HTTP {answer.status} {answer.reason}")
-            body: bytes = answer.read()
+                raise StatsError(f"{url} answered HTTP {answer.status} {printable(answer.reason)}")
+            body = _read_body(url, answer, deadline)
     except urllib.error.HTTPError as e:
-        raise StatsError(f"{url} answered HTTP {e.code} {e.reason}") from None
+        e.close()
+        where = e.headers.get("Location") if 300 <= e.code < 400 and e.headers is not None else None
+        moved = f", a redirect to {printable(where)} (not followed)" if where is not None else ""
+        raise StatsError(f"{url} answered HTTP {e.code} {printable(str(e.reason))}{moved}") from None
     except urllib.error.URLError as e:
         reason = e.reason
         if isinstance(reason, TimeoutError):
             raise StatsError(f"cannot reach {url}: timed out after {timeout:g} s") from None
-        raise StatsError(f"cannot reach {url}: {reason}") from None
+        raise StatsError(f"cannot reach {url}: {printable(str(reason))}") from None
     except TimeoutError:
         raise StatsError(f"cannot read {url}: timed out after {timeout:g} s") from None
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        raise StatsError(f"cannot read {url}: {type(e).__name__}: {e}") from None
+    except MemoryError:
+        raise StatsError(f"cannot read {url}: out of memory") from None
+    except (OSError, http.client.HTTPException, ValueError, OverflowError) as e:
+        raise StatsError(f"cannot read {url}: {type(e).__name__}: {printable(str(e))}") from None
     return body.decode("utf-8", errors="replace")
+
+
+def _read_body(url: str, answer: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The body, read a chunk at a time: ``StatsError`` past ``MAX_BODY_BYTES``, ``TimeoutError``
+    past ``deadline``."""
+    too_large = f"the answer of {url} is larger than {format_bytes(MAX_BODY_BYTES)}"
+    if answer.length is not None and answer.length > MAX_BODY_BYTES:  # a Content-Length of 2**62
+        raise StatsError(f"{too_large} (Content-Length {answer.length})")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        _remaining(deadline)
+        chunk = answer.read(min(_CHUNK, MAX_BODY_BYTES + 1 - size))
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise StatsError(too_large)
+        chunks.append(chunk)
+    if answer.length:  # the server closed before its Content-Length
+        raise http.client.IncompleteRead(b"", answer.length)
+    return b"".join(chunks)
+
+
+def scrape(url: str, timeout: float, context: Any = None) -> Snapshot:
+    """``parse(fetch(url))`` within ``timeout`` seconds in all (connecting, the headers, the body and
+    parsing): done in a daemon thread that is given up on at the deadline, so nothing (a dripping
+    server, a name lookup, an answer slow to parse) holds the caller past it. ``StatsError`` for
+    whatever goes wrong."""
+    if math.isnan(timeout) or timeout <= 0:
+        raise StatsError(f"the timeout must be a number of seconds > 0, not {timeout!r}")
+    deadline = time.monotonic() + timeout  # inf for an infinite timeout: no deadline
+    timed_out = StatsError(f"cannot read {url}: timed out after {timeout:g} s")
+    done: list[Snapshot | BaseException] = []
+
+    def work() -> None:
+        try:
+            done.append(parse(fetch(url, timeout, context, deadline), deadline))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            done.append(e)
+
+    worker = threading.Thread(target=work, name="pdlink-stats-scrape", daemon=True)
+    worker.start()
+    # a little past the deadline: the worker's own message, when it is on time
+    worker.join(None if deadline == math.inf else max(0.0, deadline - time.monotonic()) + 0.1)
+    if not done:
+        raise timed_out
+    result = done[0]
+    if isinstance(result, Snapshot):
+        return result
+    if isinstance(result, StatsError):
+        raise result
+    if isinstance(result, TimeoutError):
+        raise timed_out
+    if isinstance(result, MemoryError):
+        raise StatsError(f"cannot read {url}: out of memory") from None
+    if isinstance(result, (OSError, http.client.HTTPException, ValueError, OverflowError)):
+        raise StatsError(f"cannot read {url}: {type(result).__name__}: {printable(str(result))}") from None
+    raise result
 
 
 def _frame(url: str, snap: Snapshot, interval: float | None) -> str:
@@ -372,8 +621,9 @@ def run(url: str, *, interval: float = 2.0, count: int | None = None, once: bool
         context: Any = None, out: IO[str] | None = None, err: IO[str] | None = None,
         wait: Callable[[float], None] | None = None) -> int:
     """Scrapes ``url`` and prints frames to ``out``: one (``once``, or ``count`` 1), ``count``
-    frames, or until Ctrl-C (exit status 0). A failed scrape prints one line to ``err`` and
-    returns 1. ``wait(seconds)`` sleeps between scrapes (``time.sleep``; tests pass a hook)."""
+    frames, or until Ctrl-C (exit status 0). A failed scrape (``timeout`` seconds for all of it)
+    prints one line to ``err`` and returns 1. ``wait(seconds)`` sleeps between scrapes (``time.sleep``;
+    tests pass a hook)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     wait = time.sleep if wait is None else wait
@@ -385,21 +635,24 @@ def run(url: str, *, interval: float = 2.0, count: int | None = None, once: bool
     tty = not once and out.isatty()
     frames = 1 if once else count
     try:
-        before = parse(fetch(url, timeout, context))
+        before = scrape(url, timeout, context)
         taken = time.monotonic()
         out.write((_CLEAR if tty else "") + _frame(url, before, None))
         out.flush()
         shown = 1
         while frames is None or shown < frames:
             wait(interval)
-            now = parse(fetch(url, timeout, context))
+            now = scrape(url, timeout, context)
             now_taken = time.monotonic()
             out.write((_CLEAR if tty else "\n") + _frame(url, delta(before, now), now_taken - taken))
             out.flush()
             before, taken = now, now_taken
             shown += 1
     except StatsError as e:
-        print(f"pdlink stats: {e}", file=err)
+        print(f"pdlink stats: {printable(str(e), 4 * MAX_TEXT)}", file=err)
+        return 1
+    except (MemoryError, ArithmeticError, ValueError) as e:  # a guard: scrape reports these as StatsError
+        print(f"pdlink stats: cannot show {url}: {type(e).__name__}: {printable(str(e))}", file=err)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -544,7 +544,8 @@ def test_the_documented_per_request_limits_are_the_engines() -> None:
 
 def test_report_records_of_a_raw_peers_link_are_what_the_doc_says(peers: Callable[..., Peer]) -> None:
     """native_api.md, Peers: LinkInfo objects are "typed, read-only attributes, compared by value,
-    hashable, picklable", with the fields it lists; stats() is a dict of the EngineStats fields it lists.
+    hashable, picklable", with the fields it lists; stats() is the EngineStats record with the fields it
+    lists (and docs/metrics.md's).
     Checked on the record of a raw peer's link after it sent a refused and an unknown kPathConnect."""
     victim, a = peers("victim"), peers("attacker")
     port = victim.call(native.start, 1, True)
@@ -555,7 +556,9 @@ def test_report_records_of_a_raw_peers_link_are_what_the_doc_says(peers: Callabl
     assert seen["stats"] == sorted(["live_links", "tombstones", "handshakes", "threads", "handshakes_refused",
                                     "handshakes_evicted", "listener_backoffs", "pins_expired", "notifications",
                                     "notifications_refused", "offers_live", "offers_released", "offers_expired",
-                                    "offers_aborted", "offer_bytes", "handoff_events_dropped"]), seen
+                                    "offers_aborted", "offer_bytes", "handoff_events_dropped", "pinned_bytes",
+                                    "role_epoch", "taken_at", "transfers", "failures", "link_events",
+                                    "links_by_path"]), seen
     [link] = seen["links"]
     assert {"peer_cluster_id", "peer_address", "transport", "device_paths", "lanes", "authenticated",
             "broken", "broken_reason", "confirmed"} <= set(link["fields"]), link

@@ -9,6 +9,7 @@ histograms whose sums agree with the wall time measured around the calls."""
 from __future__ import annotations
 
 import functools
+import socket
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -21,9 +22,11 @@ import pdlink
 import rawwire
 from backend_env import Variant
 from conftest import only
+from internals import parse_engine_options
 from peer import Peer
 from peers import hostile, kv, native, telemetry
 from poll import wait_until
+from ports import free_block
 from review_kit import PING
 from verify import Copy, assert_same
 
@@ -60,7 +63,7 @@ def test_exact_counts_after_known_transfers(peers: Callable[..., Peer], variant:
     """A prepared read of 3 blocks and one of 1, a prepared write of 1 block, a descriptor read of
     100 bytes; then a read the peer refuses (a remote block past its region: stage ``served``), one
     refused here (a local block out of range: ``admission``) and one to a peer never linked
-    (``LLM_NOT_YET_LINK``, path ``none``). Counted: 3 pulls of 4 * 4096 + 100 bytes and 5
+    (``LLM_NOT_YET_LINK``, path ``none``, peer ``other``). Counted: 3 pulls of 4 * 4096 + 100 bytes and 5
     descriptors, 1 push of 4096 bytes and 1 descriptor, and exactly those three failures."""
     p, d, peer = prefill_and_decode(peers, variant)
     src, dst = p.call(native.snapshot, "src"), d.call(native.snapshot, "dst")
@@ -91,7 +94,7 @@ def test_exact_counts_after_known_transfers(peers: Callable[..., Peer], variant:
     assert {(f.peer, f.path, f.op, f.code, f.stage, f.count) for f in delta.failures} == {
         (str(peer), path, "pull", "LLM_PARAM_INVALID", "served", 1),
         (str(peer), link.transport, "pull", "LLM_PARAM_INVALID", "admission", 1),
-        (str(NO_SUCH_PEER), "none", "pull", "LLM_NOT_YET_LINK", "admission", 1)}
+        ("other", "none", "pull", "LLM_NOT_YET_LINK", "admission", 1)}  # never linked: no label of its own
     # Histograms: one observation per completed transfer and stage; queue + wire is total (one clock,
     # three points); the total inside what the caller measured around its calls.
     for s, count, measured in ((pulls, 3, wall), (pushes, 1, push_wall)):
@@ -125,20 +128,21 @@ def test_link_events_count_each_up_down_and_reconnect_with_its_reason(peers: Cal
 
 
 @only("cpu-cma")
-def test_pinned_bytes_count_a_direct_access_until_the_peers_next_frame(peers: Callable[..., Peer],
-                                                                       variant: Variant) -> None:
-    """A same-host raw peer's direct read of 3 runs of 64 bytes pins 192 bytes of the victim until
-    the peer's next frame; ``pinned_bytes`` says so, then 0."""
+def test_pinned_bytes_count_the_regions_a_direct_access_pins_until_the_peers_next_frame(
+        peers: Callable[..., Peer], variant: Variant) -> None:
+    """A same-host raw peer's direct read of 1000 runs (the same 64 bytes, repeated) pins the region
+    (4 blocks of 4096 bytes) until the peer's next frame: ``pinned_bytes`` is the region's 16384
+    bytes, not the 64000 the runs name; then 0."""
     victim = peers("victim", env=variant.env())
     port = victim.call(native.start, 1, listen=True)
     victim.call(native.register, "src", 4, ROW, seed=1, key=7)
     assert victim.call(telemetry.stats).pinned_bytes == 0
     a = peers("attacker")
     assert a.call(hostile.link_raw, port, 9, b"", a.call(hostile.redirect_name, port, 9)) == (0, "")
-    body = rawwire.blocks_body(model=7, runs=((0, 64), (ROW, 64), (3 * ROW, 64)))
+    body = rawwire.blocks_body(model=7, runs=((3 * ROW, 64),) * 1000)
     answer = a.call(hostile.exchange, rawwire.request(rawwire.OP_READ, body, flags=rawwire.FLAG_DIRECT))
     assert isinstance(answer, tuple) and answer[0] == 0, answer
-    wait_until(lambda: victim.call(telemetry.stats).pinned_bytes == 192, 20, "the direct read's 192 bytes pinned")
+    wait_until(lambda: victim.call(telemetry.stats).pinned_bytes == 4 * ROW, 20, "the region pinned")
     assert a.call(hostile.exchange, PING) == (0, "", b"")
     wait_until(lambda: victim.call(telemetry.stats).pinned_bytes == 0, 20, "the pin released")
 
@@ -167,6 +171,13 @@ def test_peers_past_the_cap_are_counted_as_other(peers: Callable[..., Peer], var
     assert sorted((t.peer, t.transfers) for t in stats.transfers) == [("10", 1), ("11", 1), ("other", 2)]
     assert sorted((e.peer, e.count) for e in stats.link_events if e.event == "up") == [
         ("10", 1), ("11", 1), ("other", 2)]
+
+
+def _answers(port: int) -> bool:
+    try:
+        return ("pdlink_role_epoch", (("engine", "2"),)) in _scrape(port)
+    except OSError:
+        return False
 
 
 def _links_are(peer: Peer, n: int) -> bool:
@@ -211,17 +222,57 @@ def test_an_llm_datadist_program_serves_its_engines_metrics_over_http(peers: Cal
         == 1
 
 
-def test_the_environment_variable_starts_the_endpoint_for_every_engine(peers: Callable[..., Peer]) -> None:
-    """``PDLINK_METRICS=127.0.0.1:0`` in a process that makes two engines: one endpoint serves both,
-    told apart by ``engine``; with it unset no endpoint starts."""
-    d = peers("decode", env={"PDLINK_METRICS": "127.0.0.1:0"})
-    d.call(native.start, 2)
-    samples = _scrape(d.call(telemetry.metrics_port))
-    assert samples[("pdlink_role_epoch", (("engine", "2"),))] == 0
-    assert samples[("pdlink_engine_threads", (("engine", "2"),))] >= 0
+def test_the_environment_variable_starts_one_endpoint_per_process(peers: Callable[..., Peer]) -> None:
+    """``PDLINK_METRICS=127.0.0.1:P`` in two processes (as a TP group's ranks inherit it): the first
+    serves on P, the second on P + 1, each its own engine, labelled ``engine``; with it unset no
+    endpoint starts."""
+    base = free_block(2)
+    ranks = [peers(f"rank{i}", env={"PDLINK_METRICS": f"127.0.0.1:{base}"}) for i in range(2)]
+    for i, rank in enumerate(ranks):
+        rank.call(native.start, 20 + i)
+        assert rank.call(telemetry.metrics_port) == base + i
+    for i in range(2):
+        samples = _scrape(base + i)
+        assert samples[("pdlink_role_epoch", (("engine", str(20 + i)),))] == 0
+        assert {labels for name, labels in samples if name == "pdlink_engine_threads"} == {(("engine", str(20 + i)),)}
     plain = peers("plain")
     plain.call(native.start, 3)
     assert plain.call(_metrics_running) is False
+
+
+def test_idle_connections_to_the_endpoint_cost_the_process_no_threads_or_descriptors(
+        peers: Callable[..., Peer]) -> None:
+    """40 connections to the process endpoint, each stopping mid request line (a slowloris): the
+    process gains at most the one connection being served (a descriptor and a timer thread), never
+    one per connection; once they close, scrapes are answered again."""
+    d = peers("decode", env={"PDLINK_METRICS": "127.0.0.1:0"})
+    d.call(native.start, 2)
+    port = d.call(telemetry.metrics_port)
+    assert ("pdlink_role_epoch", (("engine", "2"),)) in _scrape(port)
+    threads, fds = d.call(telemetry.threads_and_descriptors)
+    idle = []
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET /metr")
+        idle.append(s)
+    wait_until(lambda: d.call(telemetry.threads_and_descriptors)[1] > fds, 20, "the endpoint to take a connection")
+    for _ in range(3):
+        now_threads, now_fds = d.call(telemetry.threads_and_descriptors)
+        assert now_threads <= threads + 1 and now_fds <= fds + 1, (threads, fds, now_threads, now_fds)
+    for s in idle:
+        s.close()
+    wait_until(lambda: _answers(port), 60, "a scrape answered again")
+
+
+def test_the_llm_datadist_metrics_option_is_checked_at_init() -> None:
+    """``pdlink.Metrics`` takes ``PORT`` or ``HOST:PORT``; anything else is ``LLM_PARAM_INVALID``
+    before an engine or an endpoint exists."""
+    assert parse_engine_options({"pdlink.Metrics": "127.0.0.1:9400"})["metrics"] == "127.0.0.1:9400"
+    assert parse_engine_options({})["metrics"] is None
+    for bad in ("127.0.0.1:x", "9400000", "host:"):
+        with pytest.raises(pdlink.LLMException) as e:
+            parse_engine_options({"pdlink.Metrics": bad})
+        assert e.value.status_code == pdlink.LLMStatusCode.LLM_PARAM_INVALID and "pdlink.Metrics" in str(e.value)
 
 
 def _metrics_running() -> bool:

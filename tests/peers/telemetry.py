@@ -4,6 +4,8 @@ endpoint (pdlink.Metrics)."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,3 +56,8 @@ def metrics_port() -> int:
     running = pdlink.Metrics.running()
     assert running is not None, "no metrics endpoint runs in this process"
     return running.port
+
+
+def threads_and_descriptors() -> tuple[int, int]:
+    """This process's threads and open descriptors."""
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))

@@ -4,17 +4,26 @@ holding known values: exact transfer counts, bytes, latency percentiles estimate
 buckets as Prometheus' ``histogram_quantile`` does, failures with their top code, the column of
 extra labels, the footer of links and link events; the live view's second frame shows only what
 happened between two scrapes (the scrapes are driven by a hook, nothing sleeps); a dead port, an
-HTTP error and a body that is not Prometheus text are one line on stderr and exit status 1."""
+HTTP error and a body that is not Prometheus text are one line on stderr and exit status 1.
+
+A hostile endpoint (local servers that misbehave on purpose) is one line and exit status 1 too, or
+a table that is safe to print: values that are not finite or overflow, a Content-Length of 2**62, a
+chunk of 2**64 - 1 bytes, an endless body, headers or a body dripped a byte at a time (one deadline
+for the whole scrape), more samples than are read, redirects (not followed), broken HTTP; label
+values holding terminal escapes are printed with ``?`` in place of each control character, and at
+most ``MAX_ROWS`` rows are printed."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import math
 import re
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -215,14 +224,23 @@ def test_a_silent_endpoint_times_out_in_one_line(capsys: pytest.CaptureFixture[s
 
 
 class Stub:
-    """Plain HTTP on loopback answering every GET with ``status`` and ``body``."""
+    """Plain HTTP on loopback answering every GET with ``status``, ``body`` (which a test may change
+    between scrapes) and ``headers``; ``requests`` counts the GETs."""
 
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, headers: tuple[tuple[str, str], ...] = ()):
+        self.body = body
+        self.requests = 0
+        stub = self
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                stub.requests += 1
+                body = stub.body
                 self.send_response(status)
                 self.send_header("Content-Type", "text/html")
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in headers:
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -231,6 +249,7 @@ class Stub:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
         self.thread.start()
 
@@ -338,3 +357,344 @@ def test_render_and_footer_without_extra_labels() -> None:
     ]
     assert [statsview.format_bytes(n) for n in (0, 1023, 1024, 1536 * MiB, 5 << 40)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 GiB", "5.0 TiB"]
+
+
+# --- a hostile endpoint -------------------------------------------------------------------------
+
+PULL = 'peer="a",path="tcp",op="pull"'
+
+
+def serve(stub: Stub, *argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``pdlink stats`` against ``stub`` (more ``argv`` after the target): exit status, stdout, stderr."""
+    try:
+        rc = main(["stats", stub.url, *argv])
+    finally:
+        stub.close()
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return rc, out, err
+
+
+def printable_lines(text: str) -> bool:
+    return all(line.isprintable() for line in text.splitlines())
+
+
+HOSTILE_VALUES = "\n".join([
+    "# TYPE pdlink_transfers_total counter",
+    f"pdlink_transfers_total{{{PULL}}} 3",
+    f'pdlink_transfers_total{{{PULL},reason="inf"}} +Inf',
+    f'pdlink_transfers_total{{{PULL},reason="1e400"}} 1e400',
+    f'pdlink_transfers_total{{{PULL},reason="digits"}} {"9" * 100_000}',
+    f'pdlink_transfers_total{{{PULL},reason="int"}} {"9" * 4000}',  # an int, too large for a float
+    f'pdlink_transfers_total{{{PULL},reason="nan"}} NaN',
+    "# TYPE pdlink_transfer_bytes_total counter",
+    f'pdlink_transfer_bytes_total{{{PULL},reason="x"}} 1e308',
+    f'pdlink_transfer_bytes_total{{{PULL},reason="y"}} 1e308',  # the sum would overflow: left out
+    "# TYPE pdlink_transfer_failures_total counter",
+    f'pdlink_transfer_failures_total{{{PULL},code="E",stage="a"}} 1e308',
+    f'pdlink_transfer_failures_total{{{PULL},code="E",stage="b"}} 1e308',
+    f'pdlink_transfer_failures_total{{{PULL},code="F",stage="a"}} 1e308',  # E + F overflows in the row
+    f'pdlink_transfer_failures_total{{{PULL},code="G",stage="a"}} -Inf',
+    "# TYPE pdlink_transfer_seconds histogram",
+    f'pdlink_transfer_seconds_bucket{{{PULL},stage="total",le="0.1"}} 1e308',
+    f'pdlink_transfer_seconds_bucket{{{PULL},stage="total",le="NaN"}} 1',
+    f'pdlink_transfer_seconds_bucket{{{PULL},stage="total",le="-Inf"}} 1',
+    f'pdlink_transfer_seconds_bucket{{{PULL},stage="total",le="+Inf"}} 1e308',
+    f'pdlink_transfer_seconds_sum{{{PULL},stage="total"}} 1e-300',  # bytes / seconds overflows
+    f'pdlink_transfer_seconds_count{{{PULL},stage="total"}} 1e308',
+    "# TYPE pdlink_links gauge",
+    'pdlink_links{path="tcp"} 1e308',
+    'pdlink_links{path="tcp",device="1"} 1e308',  # summed over devices in the footer: overflows
+    'pdlink_links{path="cma"} +Inf',
+    "# TYPE pdlink_link_events_total counter",
+    'pdlink_link_events_total{event="up",reason="r"} 1e308',
+    'pdlink_link_events_total{event="up",reason="s",device="1"} 1e308',
+    'pdlink_link_events_total{event="up",reason="t"} +Inf',
+    "",
+])
+
+
+def test_values_that_are_not_finite_or_overflow_are_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+    snap = statsview.parse(HOSTILE_VALUES)
+    s = snap.series[((), "a", "tcp", "pull")]
+    assert (s.transfers, s.bytes, s.failures, s.observed) == (3.0, 1e308, {"E": 1e308, "F": 1e308}, 1e308)
+    assert s.buckets == {0.1: 1e308, math.inf: 1e308}
+    assert sorted(snap.links.values()) == [1e308, 1e308]
+    (row,) = statsview.table_rows(snap)
+    assert (row.transfers, row.bytes, row.gbps, row.failures) == (3, round(1e308), None, round(1e308))
+    assert row.p50 == pytest.approx(0.05)
+    foot = statsview.footer(snap)
+    assert foot.startswith(f"links: tcp {round(1e308)} ({round(1e308)}) | link events: up {round(1e308)} (")
+
+    rc, out, err = serve(Stub(200, HOSTILE_VALUES.encode()), "--once", capsys=capsys)
+    assert (rc, err) == (0, "")
+    assert table(out)[1][:5] == ["a", "tcp", "pull", "3", f"{1e308 / 1024 ** 5:.1f} PiB"]
+
+
+def test_the_live_view_survives_differences_that_overflow(capsys: pytest.CaptureFixture[str]) -> None:
+    def body(sign: str) -> bytes:
+        return "\n".join([
+            f"pdlink_transfers_total{{{PULL}}} {sign}1e308",
+            f"pdlink_transfer_bytes_total{{{PULL}}} {sign}1.7e308",
+            f'pdlink_transfer_failures_total{{{PULL},code="E"}} {sign}1.7e308',
+            f'pdlink_transfer_seconds_bucket{{{PULL},stage="total",le="1e308"}} {sign}1.7e308',
+            f'pdlink_transfer_seconds_bucket{{{PULL},stage="total",le="+Inf"}} {sign}1.7e308',
+            f'pdlink_transfer_seconds_sum{{{PULL},stage="total"}} {sign}1.7e308',
+            f'pdlink_link_events_total{{event="up"}} {sign}1.7e308', ""]).encode()
+
+    before, now = statsview.parse(body("-").decode()), statsview.parse(body("").decode())
+    d = statsview.delta(before, now)
+    s = d.series[((), "a", "tcp", "pull")]
+    # each difference overflows: counted whole, as a reset counter is
+    assert [s.transfers, s.bytes, s.failures["E"], s.seconds] == [1e308, 1.7e308, 1.7e308, 1.7e308]
+    assert all(math.isfinite(v) for v in (s.transfers, s.bytes, s.seconds, *s.failures.values(), *s.buckets.values(),
+                                          *d.link_events.values()))
+    statsview.render(statsview.table_rows(d, interval=1e-300), "t", statsview.footer(d))  # no OverflowError
+
+    stub = Stub(200, body("-"))
+
+    def swap(seconds: float) -> None:
+        stub.body = body("")
+
+    out = io.StringIO()
+    try:
+        assert statsview.run(stub.url, count=2, out=out, wait=swap) == 0
+    finally:
+        stub.close()
+    second = out.getvalue().split("\n\n")[1]
+    assert table(second)[1][:5] == ["a", "tcp", "pull", str(round(1e308)), f"{1.7e308 / 1024 ** 5:.1f} PiB"]
+
+
+class Raw:
+    """A TCP server on loopback that reads each request's head and then runs ``answer(conn, stop)``
+    (``stop`` is set at ``close``): hostile HTTP, written byte by byte."""
+
+    def __init__(self, answer: Callable[[socket.socket, threading.Event], None]):
+        self.answer = answer
+        self.stop = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            head = b""
+            try:
+                while b"\r\n\r\n" not in head:
+                    got = conn.recv(4096)
+                    if not got:
+                        return
+                    head += got
+                self.answer(conn, self.stop)
+            except OSError:  # the client went away
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+        self.listener.close()
+
+
+def drip(first: bytes, then: bytes) -> Callable[[socket.socket, threading.Event], None]:
+    """Sends ``first``, then ``then`` a byte every 50 ms (far inside any per-read timeout), forever."""
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(first)
+        i = 0
+        while not stop.wait(0.05):
+            conn.sendall(then[i % len(then):i % len(then) + 1])
+            i += 1
+    return answer
+
+
+def endless(first: bytes) -> Callable[[socket.socket, threading.Event], None]:
+    """Sends ``first``, then metrics text as fast as it is read, until the client goes away."""
+    block = b"pdlink_links 1\n" * 65536
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(first)
+        while not stop.is_set():
+            conn.sendall(block)
+    return answer
+
+
+def then_hold(data: bytes) -> Callable[[socket.socket, threading.Event], None]:
+    """Sends ``data`` and holds the connection open until the server closes."""
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(data)
+        stop.wait(30)
+    return answer
+
+
+def stats_bounded(capsys: pytest.CaptureFixture[str], raw: Raw, *argv: str) -> str:
+    """``pdlink stats URL --once ARGV`` against ``raw`` in a thread that must end (a hang fails the
+    test instead of holding it): its one line on stderr, exit status 1."""
+    rc: list[int] = []
+    cli = threading.Thread(target=lambda: rc.append(main(["stats", raw.url, "--once", *argv])), daemon=True)
+    try:
+        cli.start()
+        cli.join(60)
+        assert not cli.is_alive(), "pdlink stats did not end"
+    finally:
+        raw.close()
+    out, err = capsys.readouterr()
+    assert rc == [1] and out == "" and err.count("\n") == 1 and "Traceback" not in err, (rc, out, err)
+    assert err.startswith("pdlink stats: ") and printable_lines(err), err
+    return err
+
+
+@pytest.mark.parametrize("answer", [
+    drip(b"HTTP/1.1 200 OK\r\n", b"X-Drip: a\r\n"),  # headers that never end
+    drip(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n", b"pdlink_links 1\n"),  # a body that never ends
+    drip(b"", b"HTTP/1.1 100 Continue\r\n\r\n"),  # informational answers, forever
+], ids=["headers", "body", "continue"])
+def test_one_deadline_bounds_a_server_that_drips(capsys: pytest.CaptureFixture[str],
+                                                 answer: Callable[[socket.socket, threading.Event], None]) -> None:
+    raw = Raw(answer)
+    err = stats_bounded(capsys, raw, "--timeout", "0.5")
+    assert err == f"pdlink stats: cannot read {raw.url}: timed out after 0.5 s\n"
+
+
+def test_the_deadline_covers_parsing(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TimeoutError):
+        statsview.parse("pdlink_links 1\n", deadline=time.monotonic() - 1)
+    release = threading.Event()
+
+    def slow_parse(text: str, deadline: float | None = None) -> statsview.Snapshot:
+        release.wait(30)  # an answer that takes long to parse
+        return statsview.Snapshot()
+
+    monkeypatch.setattr(statsview, "parse", slow_parse)
+    stub = Stub(200, b"pdlink_links 1\n")
+    try:
+        err = one_line_error(capsys, stub.url, "--once", "--timeout", "0.3")
+    finally:
+        release.set()
+        stub.close()
+    assert err == f"pdlink stats: cannot read {stub.url}: timed out after 0.3 s\n"
+
+
+@pytest.mark.parametrize("answer, message", [
+    (then_hold(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\npdlink_links 1\n" % 2 ** 62),
+     "is larger than 64.0 MiB (Content-Length 4611686018427387904)"),
+    (endless(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n"), "is larger than 64.0 MiB"),
+    (endless(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"), "is larger than 64.0 MiB"),  # read to the end: none
+    (then_hold(b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 101 + b"\r\n"), "HTTPException: got more than 100 headers"),
+    (then_hold(b"\x1b[2J garbage\r\n\r\n"), "cannot read"),  # not HTTP at all (BadStatusLine)
+    (then_hold(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"), "IncompleteRead"),
+    (then_hold(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npdlink_links 1\n"[:-1]), "timed out after 2 s"),
+    (then_hold(b"HTTP/1.1 404 Not\x1b]0;pwned\x07 Found\r\nContent-Length: 0\r\n\r\n"),
+     "answered HTTP 404 Not?]0;pwned? Found"),
+], ids=["content-length-2**62", "chunk-2**64-1", "endless", "101-headers", "not-http", "bad-chunk", "short",
+        "escapes-in-reason"])
+def test_a_hostile_answer_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str], message: str,
+                                                   answer: Callable[[socket.socket, threading.Event], None]) -> None:
+    assert statsview.MAX_BODY_BYTES == 64 << 20
+    err = stats_bounded(capsys, Raw(answer), "--timeout", "2")
+    assert message in err, err
+
+
+def test_an_answer_closed_short_of_its_length_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    def short(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npdlink_links 1\n")
+
+    err = stats_bounded(capsys, Raw(short), "--timeout", "10")
+    assert "IncompleteRead" in err, err
+
+
+def test_more_samples_than_read_is_one_line(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    body = b"pdlink_links 1\n" * (statsview.MAX_SAMPLES + 1)  # refused before parsing: fast
+    rc, out, err = serve(Stub(200, body), "--once", "--timeout", "20", capsys=capsys)
+    assert (rc, out) == (1, "")
+    assert err == "pdlink stats: more than 500000 samples in the answer (at most 500000 are read)\n"
+    monkeypatch.setattr(statsview, "MAX_SAMPLES", 3)
+    three = "# HELP pdlink_links links\n# TYPE pdlink_links gauge\n\n  \n" + 'pdlink_links{path="p%d"} 1\n' * 3
+    assert len(statsview.parse(three % (0, 1, 2)).links) == 3  # comments and blank lines are not samples
+    with pytest.raises(statsview.StatsError, match="more than 3 samples"):
+        statsview.parse(three % (0, 1, 2) + "   pdlink_links 1")
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirect_is_not_followed(capsys: pytest.CaptureFixture[str], status: int) -> None:
+    target = Stub(200, b"pdlink_links 1\n")
+    redirect = Stub(status, b"", headers=(("Location", target.url + "\x1b[2J"),))
+    try:
+        rc, out, err = serve(redirect, "--once", capsys=capsys)
+    finally:
+        target.close()
+    assert (rc, out, target.requests) == (1, "", 0)
+    assert err.startswith(f"pdlink stats: {redirect.url} answered HTTP {status} ")
+    assert err.endswith(f", a redirect to {target.url}?[2J (not followed)\n"), err
+
+
+@pytest.mark.parametrize("error", [MemoryError(), OverflowError("cannot convert float infinity to integer"),
+                                   http.client.HTTPException("odd"), ValueError("odd"),
+                                   UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")])
+def test_any_error_reading_the_answer_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    def failing_parse(text: str, deadline: float | None = None) -> statsview.Snapshot:
+        raise error
+
+    monkeypatch.setattr(statsview, "parse", failing_parse)
+    stub = Stub(200, b"pdlink_links 1\n")
+    try:
+        err = one_line_error(capsys, stub.url, "--once")
+    finally:
+        stub.close()
+    assert err.startswith(f"pdlink stats: cannot read {stub.url}: "), err
+
+
+def test_control_characters_in_label_values_are_not_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    osc, csi, c1 = "\x1b]0;pwned\x07", "\x1b[2J", "\x9b31m"
+    body = "\n".join([
+        f'pdlink_transfers_total{{peer="{osc}",path="tcp{csi}",op="pull\\nX\\r",device="\r{c1}"}} 1',
+        f'pdlink_transfer_failures_total{{peer="{osc}",path="tcp{csi}",op="pull\\nX\\r",device="\r{c1}",'
+        f'code="E{csi}"}} 2',
+        f'pdlink_links{{path="a\x07b"}} 1',
+        f'pdlink_link_events_total{{event="up{csi}",reason="r{c1}"}} 1',
+        f'pdlink_transfers_total{{peer="{"x" * 1000}"}} 1',  # long: cut
+        ""]).encode()
+    rc, out, err = serve(Stub(200, body), "--once", capsys=capsys)
+    assert (rc, err) == (0, "")
+    assert printable_lines(out) and "\r" not in out
+    rows = table(out)
+    assert rows[1] == ["device=??31m", "?]0;pwned?", "tcp?[2J", "pull?X?", "1", "0 B", "-", "-", "-", "-", "2 E?[2J"]
+    assert rows[2][1] == "x" * (statsview.MAX_TEXT - 3) + "..."
+    assert out.splitlines()[-1] == "links: a?b 1 (1) | link events: up?[2J 1 (r??31m 1)"
+    # an error's text from the server is shown printable too
+    rc, out, err = serve(Stub(200, f"{csi}not metrics{{".encode()), "--once", capsys=capsys)
+    assert rc == 1 and "\x1b" not in err and err.count("\n") == 1, err
+
+
+def test_at_most_max_rows_are_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    body = "".join(f'pdlink_transfers_total{{peer="p{i:03}",path="tcp",op="pull"}} {1000 - i}\n'
+                   for i in range(300))
+    body += "".join(f'pdlink_links{{path="path{i:02}"}} {100 - i}\n' for i in range(30))
+    body += "".join(f'pdlink_transfer_failures_total{{{PULL},code="C{i:06}"}} 1\n' for i in range(3000))
+    rc, out, err = serve(Stub(200, body.encode()), "--once", capsys=capsys)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert len(lines) == 1 + 1 + statsview.MAX_ROWS + 2
+    assert cells(lines[2])[0] == "p000" and lines[-2] == "... 101 more rows"
+    shown = ", ".join(f"path{i:02} {100 - i}" for i in range(20))
+    assert lines[-1] == f"links: {shown}, +10 more ({sum(range(71, 101))}) | link events: none"
+    rows = statsview.table_rows(statsview.parse(body))
+    assert len(statsview.render(rows, limit=None).splitlines()) == 1 + 301
+    assert next(r for r in rows if r.peer == "a").failures == 3000  # one cell, however many codes

@@ -319,6 +319,7 @@ def parse_v1_options(options: dict[str, str], role: LLMRole) -> dict[str, Any]:
         "hccl_one_sided": cfg["hccl_one_sided"],
         "ucx_trusted_network": cfg["ucx_trusted_network"],
         "limits": cfg["limits"],
+        "metrics": cfg["metrics"],
     }
 
 
