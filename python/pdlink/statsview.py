@@ -22,8 +22,9 @@ become part of the row, shown in a leading column):
 
 The work is done by pure functions, ``parse`` (text -> ``Snapshot``), ``delta`` (two snapshots ->
 the interval's), ``table_rows`` (snapshot -> ``Row`` list), ``render`` and ``footer`` (-> text);
-``run`` scrapes and prints. This module imports the standard library only; ``prometheus_client``
-(the optional extra ``pdlink[metrics]``) is imported when a scrape is parsed.
+``scrape`` fetches and parses one answer within its deadline; ``run`` scrapes and prints. This
+module imports the standard library only; ``prometheus_client`` (the optional extra
+``pdlink[metrics]``) is imported when a scrape is parsed.
 
 The endpoint is not trusted. One scrape (connect, headers, body and parsing) has one deadline,
 ``timeout`` seconds; the body is read up to ``MAX_BODY_BYTES`` and holds at most ``MAX_SAMPLES``
@@ -51,7 +52,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TextIO, cast
 
 __all__ = ["MAX_BODY_BYTES", "MAX_ROWS", "MAX_SAMPLES", "MAX_TEXT", "Row", "Series", "Snapshot", "StatsError",
-           "delta", "footer", "format_bytes", "metrics_url", "parse", "quantile", "render", "run", "table_rows"]
+           "delta", "footer", "format_bytes", "metrics_url", "parse", "printable", "quantile", "render", "run",
+           "scrape", "table_rows"]
 
 MAX_BODY_BYTES = 64 << 20  # the largest answer read; a larger one is refused
 MAX_SAMPLES = 500_000  # the most samples (lines that are not comments) an answer may hold
@@ -59,6 +61,7 @@ MAX_ROWS = 200  # the most table rows printed; then "... N more rows"
 MAX_TEXT = 200  # the most characters of a label value (or an error's detail) printed
 _MAX_FOOTER_ITEMS = 20  # the most paths, events, and reasons of an event, named in the footer
 _CHUNK = 1 << 20  # the body is read this much at a time
+_NO_DEADLINE = 1e9  # a timeout of this many seconds or more is none (sockets and locks take no more)
 _SAMPLE_LINE = re.compile(r"^[^\S\n]*[^#\s]", re.MULTILINE)  # a line that is neither blank nor a comment
 
 # labels that say what a series measures; every other label is part of the row's identity
@@ -430,6 +433,11 @@ def metrics_url(target: str) -> str:
     return f"http://{host}:{port}/metrics"
 
 
+def _deadline(timeout: float) -> float:
+    """The ``time.monotonic()`` time ``timeout`` seconds from now; math.inf for a very long timeout."""
+    return time.monotonic() + timeout if timeout < _NO_DEADLINE else math.inf
+
+
 def _remaining(deadline: float) -> float | None:
     """The seconds left before ``deadline`` (None: no deadline); ``TimeoutError`` when none are."""
     if deadline == math.inf:
@@ -521,7 +529,7 @@ def fetch(url: str, timeout: float, context: Any = None, deadline: float | None 
     an answer over ``MAX_BODY_BYTES``, or one not read whole by ``deadline`` (a ``time.monotonic()``
     time; default ``timeout`` seconds from now, math.inf for none)."""
     if deadline is None:
-        deadline = time.monotonic() + timeout
+        deadline = _deadline(timeout)
     opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline, context), _NoRedirects())
     request = urllib.request.Request(url, headers={"Accept": "text/plain"})
     try:
@@ -577,7 +585,7 @@ def scrape(url: str, timeout: float, context: Any = None) -> Snapshot:
     whatever goes wrong."""
     if math.isnan(timeout) or timeout <= 0:
         raise StatsError(f"the timeout must be a number of seconds > 0, not {timeout!r}")
-    deadline = time.monotonic() + timeout  # inf for an infinite timeout: no deadline
+    deadline = _deadline(timeout)
     timed_out = StatsError(f"cannot read {url}: timed out after {timeout:g} s")
     done: list[Snapshot | BaseException] = []
 
@@ -614,7 +622,7 @@ def _frame(url: str, snap: Snapshot, interval: float | None) -> str:
     idle = len(snap.series) - len(rows)
     hidden = f", {idle} idle rows hidden" if idle else ""
     empty = "(no transfers)" if interval is None else "(no transfers in this interval)"
-    return render(rows, f"pdlink stats {url}  {when}  {span}{hidden}", footer(snap), empty)
+    return render(rows, f"pdlink stats {printable(url, 4 * MAX_TEXT)}  {when}  {span}{hidden}", footer(snap), empty)
 
 
 def run(url: str, *, interval: float = 2.0, count: int | None = None, once: bool = False, timeout: float = 5.0,
