@@ -41,8 +41,11 @@ class CancelToken {
   // Whether the transfer should stop issuing requests (a cancel point's check).
   bool requested() const { return state_.load(std::memory_order_acquire) == static_cast<int>(State::kCancelled); }
   // The transfer is over: true when it finished before any cancel (its result stands), false when
-  // it was cancelled. Idempotent.
-  bool finish() {
+  // it was cancelled. Idempotent. The engine calls it too, right before a pull's commit (the frame
+  // that releases the source on the peer: transport/path.h, commitPull): a cancel that came first
+  // stops the commit (the source stays, the outcome is cancelled); one that comes later loses (the
+  // pull is committed and its outcome is its result), so a cancelled outcome never hides a commit.
+  bool finish() const {
     int expected = static_cast<int>(State::kRunning);
     if (state_.compare_exchange_strong(expected, static_cast<int>(State::kFinished), std::memory_order_acq_rel)) {
       return true;

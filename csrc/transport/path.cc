@@ -64,15 +64,20 @@ void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline dea
   if (!link.out().sendFrame(iov, deadline).ok()) link.breakLink("could not confirm a completed transfer to the peer");
 }
 
+bool commitsNow(const TransferPlan& p) {
+  // The transfer's outcome is settled here: a cancel that came first keeps the source (no commit).
+  return usesKeyCommit(p.remote.target.kind) && p.commit && (p.cancel == nullptr || p.cancel->finish());
+}
+
 void commitPull(Link& link, const TransferPlan& p, const std::string& body, Deadline deadline) {
   link.setStage(TransferStage::kCommit);
-  if (usesKeyCommit(p.remote.target.kind) && p.commit) finishAccess(link, wire::Op::kCommit, body, deadline);
+  if (commitsNow(p)) finishAccess(link, wire::Op::kCommit, body, deadline);
 }
 
 void finishPinned(Link& link, const TransferPlan& p, bool completed, bool is_push, const std::string& body,
                   Deadline deadline) {
   if (completed) link.setStage(TransferStage::kCommit);  // a failed copy stays the payload's
-  const bool commit = completed && !is_push && usesKeyCommit(p.remote.target.kind) && p.commit;
+  const bool commit = completed && !is_push && commitsNow(p);
   finishAccess(link, commit ? wire::Op::kCommit : wire::Op::kRelease, body, deadline);
 }
 

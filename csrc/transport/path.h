@@ -171,8 +171,13 @@ Status requestAccess(Link& link, const std::string& body, bool is_push, uint8_t 
 // source intact and retryable), kRelease to unpin after a direct or IPC access. Not answered; a
 // failure to send it breaks the link.
 void finishAccess(Link& link, wire::Op op, const std::string& body, Deadline deadline);
+// Whether a pull that received every byte commits now: its target releases on commit, this is its
+// last request, and its cancel token (where it has one) is settled as finished here, not cancelled
+// (core/cancel.h: a cancelled outcome never hides a commit).
+bool commitsNow(const TransferPlan& p);
 // After a pull that received every byte: release the request key, once the last request of a
-// split transfer is done (a key read in several requests must survive until then).
+// split transfer is done (a key read in several requests must survive until then), unless a cancel
+// came first (commitsNow).
 void commitPull(Link& link, const TransferPlan& p, const std::string& body, Deadline deadline);
 // After an access that used pinned memory (direct, IPC, one-sided): commit a completed pull by
 // request key, else release the pin.
