@@ -92,28 +92,23 @@ class EngineCollector:
 
     def __init__(self, engines: Any, *, label: str = "engine") -> None:
         self._prom = _prometheus()
-        self._label = label
-        if callable(engines) and not hasattr(engines, "stats"):
-            self._source: Callable[[], Mapping[str, Any]] | None = engines
-            self._single = None
+        single = not isinstance(engines, Mapping) and hasattr(engines, "stats")
+        self._source: Callable[[], Mapping[str, Any]]
+        if single:
+            self._source = lambda: {"": engines}
         elif isinstance(engines, Mapping):
             fixed = dict(engines)
-            self._source, self._single = (lambda: fixed), None
+            self._source = lambda: fixed
         else:
-            self._source, self._single = None, engines
+            self._source = engines
+        self._keys: tuple[str, ...] = () if single else (label,)  # one engine: no label of the collector's
 
     def _engines(self) -> list[tuple[tuple[str, ...], Any]]:
-        if self._single is not None:
-            return [((), self._single)]
-        assert self._source is not None
-        return [((str(k),), e) for k, e in self._source().items()]
-
-    def _keys(self) -> tuple[str, ...]:
-        return () if self._single is not None else (self._label,)
+        return [((str(k),) if self._keys else (), e) for k, e in self._source().items()]
 
     def describe(self) -> Iterator[Any]:
         """The families without samples: lets a registry check names without a scrape."""
-        yield from self._families(self._keys()).values()
+        yield from self._families(self._keys).values()
 
     def _families(self, keys: tuple[str, ...]) -> dict[str, Any]:
         p = self._prom
@@ -125,8 +120,7 @@ class EngineCollector:
         return out
 
     def collect(self) -> Iterator[Any]:
-        keys = self._keys()
-        fams = self._families(keys)
+        fams = self._families(self._keys)
         bounds = constants.LATENCY_BOUNDS
         for prefix, engine in self._engines():
             try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pdlink
@@ -23,6 +24,7 @@ import rawwire
 from backend_env import Variant
 from conftest import only
 from internals import parse_engine_options
+from pdlink.metrics import EngineCollector
 from peer import Peer
 from peers import hostile, kv, native, telemetry
 from poll import wait_until
@@ -279,8 +281,9 @@ def _metrics_running() -> bool:
     return pdlink.Metrics.running() is not None
 
 
-def test_a_delta_keeps_gauges_and_subtracts_counts() -> None:
-    """``later - earlier``: counts and histograms as differences, gauges as in ``later``."""
+def test_a_delta_keeps_gauges_and_subtracts_counts_and_a_collector_exports_one_engine() -> None:
+    """``later - earlier``: counts and histograms as differences, gauges as in ``later``; and
+    ``EngineCollector(engine)`` in a registry of the test's own, rendered and parsed back."""
     with pdlink.Engine(pdlink.EngineOptions(cluster_id=1, listen="127.0.0.1:0")) as a, \
             pdlink.Engine(pdlink.EngineOptions(cluster_id=2, transport="tcp")) as b:
         src, dst = np.arange(4 * ROW, dtype=np.uint8), np.zeros(4 * ROW, dtype=np.uint8)
@@ -299,3 +302,14 @@ def test_a_delta_keeps_gauges_and_subtracts_counts() -> None:
         assert delta.taken_at == later.taken_at > first.taken_at
         assert np.array_equal(dst[ROW:2 * ROW], np.zeros(ROW, np.uint8))
         assert np.array_equal(dst[:ROW], src[ROW:2 * ROW]) and np.array_equal(dst[2 * ROW:], src[2 * ROW:])
+        # one engine in any registry: its families without a label of the collector's own
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(b))
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for family in text_string_to_metric_families(generate_latest(registry).decode())
+                   for x in family.samples}
+        pulled = (("op", "pull"), ("path", "tcp"), ("peer", "1"))
+        assert samples[("pdlink_transfers_total", pulled)] == 2
+        assert samples[("pdlink_transfer_bytes_total", pulled)] == 3 * ROW
+        assert samples[("pdlink_transfer_seconds_count", (*pulled, ("stage", "wire")))] == 2
+        assert samples[("pdlink_links", (("path", "tcp"),))] == 1
