@@ -93,7 +93,7 @@ def __getattr__(name: str) -> Any:
     # EngineStats: a snapshot of an engine (``Engine.stats()``; docs/metrics.md), the native
     # module's bound record, with TransferSeries (``peer``, ``path``, ``op``, ``transfers``,
     # ``bytes``, ``descriptors`` and the ``queue``, ``wire`` and ``total`` histograms: ``buckets``
-    # per bound of ``pdlink._core.LATENCY_BOUNDS`` and +Inf, ``sum`` in seconds, ``count``),
+    # per bound of ``pdlink.LATENCY_BOUNDS`` and +Inf, ``sum`` in seconds, ``count``),
     # FailureSeries (``peer``, ``path``, ``op``, ``code``: an LLMStatusCode name, ``stage``,
     # ``count``) and LinkEventSeries (``peer``, ``event``, ``reason``, ``count``).
     if name in ("EngineStats", "FailureSeries", "LinkEventSeries", "LinkInfo", "LinkResult", "Scope",
