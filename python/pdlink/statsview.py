@@ -476,7 +476,10 @@ class _Response(http.client.HTTPResponse):
         self.fp = io.BufferedReader(_DeadlineIO(self.fp.detach(), sock, deadline))
 
 
-class _HTTPConnection(http.client.HTTPConnection):
+class _DeadlineConnection(http.client.HTTPConnection):
+    """A connection (http, or https through _HTTPSConnection) bounded by one deadline: connecting,
+    and every read of its response."""
+
     def __init__(self, *args: Any, deadline: float, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._deadline = deadline
@@ -487,15 +490,11 @@ class _HTTPConnection(http.client.HTTPConnection):
         super().connect()
 
 
-class _HTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, deadline: float, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._deadline = deadline
-        self.response_class = cast("type[http.client.HTTPResponse]", functools.partial(_Response, deadline=deadline))
+_HTTPConnection = _DeadlineConnection
 
-    def connect(self) -> None:
-        self.timeout = _remaining(self._deadline)
-        super().connect()
+
+class _HTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
