@@ -246,21 +246,25 @@ def test_idle_connections_to_the_endpoint_cost_the_process_no_threads_or_descrip
         peers: Callable[..., Peer]) -> None:
     """12 connections to the process endpoint (within its backlog of 16), each stopping mid request
     line (a slowloris): the process gains at most the one connection being served (a descriptor and
-    a timer thread), never one per connection; once they close, scrapes are answered again."""
+    a timer thread), never one per connection; once they close, scrapes are answered again. The
+    baseline is taken once the endpoint has closed the first scrape's connection (which it may do
+    after the client has read the answer)."""
     d = peers("decode", env={"PDLINK_METRICS": "127.0.0.1:0"})
     d.call(native.start, 2)
     port = d.call(telemetry.metrics_port)
     assert ("pdlink_role_epoch", (("engine", "2"),)) in _scrape(port)
+    wait_until(lambda: d.call(telemetry.served_connections, port) == 0, 20, "the first scrape's connection closed")
     threads, fds = d.call(telemetry.threads_and_descriptors)
     idle = []
     for _ in range(12):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.sendall(b"GET /metr")
         idle.append(s)
-    wait_until(lambda: d.call(telemetry.threads_and_descriptors)[1] > fds, 20, "the endpoint to take a connection")
+    wait_until(lambda: d.call(telemetry.served_connections, port) == 1, 20, "the endpoint to take a connection")
     for _ in range(3):
         now_threads, now_fds = d.call(telemetry.threads_and_descriptors)
         assert now_threads <= threads + 1 and now_fds <= fds + 1, (threads, fds, now_threads, now_fds)
+        assert d.call(telemetry.served_connections, port) <= 1
     for s in idle:
         s.close()
     wait_until(lambda: _answers(port), 60, "a scrape answered again")

@@ -61,3 +61,30 @@ def metrics_port() -> int:
 def threads_and_descriptors() -> tuple[int, int]:
     """This process's threads and open descriptors."""
     return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def served_connections(port: int) -> int:
+    """How many established TCP connections this process holds on its local ``port`` (the ones the
+    metrics endpoint has accepted and not yet closed), from /proc: the sockets among this process's
+    descriptors that /proc/net/tcp lists as ESTABLISHED with that local port."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] == "01" and fields[9] in mine:
+                count += 1
+    return count
