@@ -4,7 +4,7 @@
 CI_OUT=${CI_OUT:-build/ci}
 mkdir -p "$CI_OUT"
 
-step() { printf '\n=== %s\n' "$*"; }
+step() { printf '\n=== [%d s] %s\n' "$SECONDS" "$*"; }  # SECONDS: since this script began
 
 # apt_install PKG...: installs those of the packages that are missing, quietly (as root, or with
 # sudo). Does nothing when all are present.
