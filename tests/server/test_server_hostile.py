@@ -6,7 +6,7 @@ another client for the per-client cap.
 * Idle connections: one client keeps at most ``maxLinksPerClient`` (the others are closed at once,
   unanswered); ``/health``, the probes and role posts are answered while it holds them; clients
   together still share ``maxLinkNum``, exactly; ``headTimeoutMs`` closes idle connections and
-  frees their slots.
+  frees their slots. A metrics plane on a port of its own keeps the same per-client cap.
 * Stalls: a head begun and not finished gets a plain 408 at ``headTimeoutMs``; a body begun and not
   finished a JSON 408 at ``bodyTimeoutMs`` (role posts and the test pull); nothing changes; the
   memory the stalled bodies took is given back (checked without sanitizers); while one client's
@@ -68,20 +68,25 @@ def attacker() -> str:
     return new_address()
 
 
-def _server(root: Any, name: str, scheme: str, server: dict[str, Any], kv: dict[str, Any]) -> SimpleNamespace:
+def _server(root: Any, name: str, scheme: str, server: dict[str, Any], kv: dict[str, Any],
+            own_metrics_port: bool = False) -> SimpleNamespace:
+    """A server on ``port``, its metrics plane on the same port or (``own_metrics_port``) on
+    ``metrics_port``, a listener of its own."""
     certs = Certs(str(root / f"certs-{name}")) if scheme == "https" else None
-    (port,) = free_ports(1)
+    port, other = free_ports(2)
+    metrics_port = other if own_metrics_port else port
     base = free_block(2)
     tls = certs.server_config(ca=False) if certs else {"httpsEnabled": False}
     path = write_config(str(root / f"{name}.json"),
-                        {"ipAddress": LOCAL, "port": port, "managementPort": port, "metricsPort": port,
+                        {"ipAddress": LOCAL, "port": port, "managementPort": port, "metricsPort": metrics_port,
                          "maxLinkNum": MAX_LINKS, "maxLinksPerClient": PER_CLIENT, **server, **tls},
                         kv={"listenPortBase": base, "linkTimeoutMs": 200, "linkTotalTimeMs": 300,
                             "linkRetryIntervalMs": 50, **kv})
     proc = Serve(path).wait_ready()
     client = ManagementClient(LOCAL, port, https=bool(certs), ca=certs.ca if certs else None, retries=0)
     ctx = client_context(certs.ca) if certs else None
-    srv = SimpleNamespace(proc=proc, port=port, client=client, ctx=ctx, scheme=scheme, base=base)
+    srv = SimpleNamespace(proc=proc, port=port, metrics_port=metrics_port, client=client, ctx=ctx, scheme=scheme,
+                          base=base)
     try:
         assert client.post_role("decode", role_body()).status == 200  # fixes the identity (instance 0)
         wait_until(lambda: client.status()["service"]["currentRole"] == "decode", 20, "the first assignment")
@@ -107,6 +112,18 @@ def strict(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("strict")
     srv = _server(root, "strict", request.param, {"headTimeoutMs": HEAD_MS, "bodyTimeoutMs": BODY_MS},
                   {"testKv": {"enabled": True, "numTensors": 1, "numBlocks": 2, "blockBytes": 64}})
+    yield srv
+    assert srv.proc.stop() == 0
+    assert "Traceback" not in srv.proc.output and "unhandled error" not in srv.proc.output, srv.proc.output
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """Plain HTTP with the metrics plane on a port of its own (metricsPort != managementPort);
+    long deadlines, as ``patient``."""
+    root = tmp_path_factory.mktemp("split")
+    srv = _server(root, "split", "http", {"headTimeoutMs": 60_000, "bodyTimeoutMs": 60_000}, {},
+                  own_metrics_port=True)
     yield srv
     assert srv.proc.stop() == 0
     assert "Traceback" not in srv.proc.output and "unhandled error" not in srv.proc.output, srv.proc.output
@@ -305,6 +322,26 @@ def test_what_counts_as_a_clients_connection(patient, attacker):
         for s in raw:
             s.close()
     honest_assignment(patient, "decode")
+
+
+def test_a_metrics_port_of_its_own_keeps_the_same_per_client_cap(split, attacker):
+    """The metrics plane on its own listener is guarded as the management plane is: of maxLinkNum
+    idle connections from one client it keeps PER_CLIENT and closes the others at once, unanswered;
+    another client's scrape is answered (200, the engine's families) and so is the management plane,
+    while they are held."""
+    plane = SimpleNamespace(port=split.metrics_port, ctx=None)
+    idle = [connect(plane, attacker) for _ in range(MAX_LINKS)]
+    try:
+        wait_until(lambda: sum(closed_by_server(s) for s in idle) == MAX_LINKS - PER_CLIENT, hang_guard(1000),
+                   "the metrics connections past maxLinksPerClient closed")
+        answer = answer_of(plane, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(answer) == 200 and b"\npdlink_role_epoch{" in answer, answer[:400]
+        assert split.client.request("GET", "/health").status == 200
+        assert sum(closed_by_server(s) for s in idle) == MAX_LINKS - PER_CLIENT  # the kept ones still wait
+    finally:
+        for s in idle:
+            s.close()
+    honest_assignment(split, "prefill")
 
 
 def test_idle_connections_are_closed_at_the_head_deadline(strict, attacker):
