@@ -249,8 +249,9 @@ class Metrics:
 def _serve(host: str, port: int, registry: Any) -> Any:
     """prometheus_client's WSGI app on a server of one thread, started: connections are taken one at
     a time (the kernel's backlog of 16 holds the next), each closed after CONNECTION_SECONDS however
-    slowly its client sends, so scrapers can make this process spend one thread, one descriptor and
-    a backlog, never more (prometheus_client's own server spends a thread per connection)."""
+    slowly its client sends, so scrapers can make this process spend one serving thread, and while a
+    connection is served its descriptor and one timer thread, and a backlog, never more
+    (prometheus_client's own server spends a thread per connection)."""
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
     from prometheus_client import make_wsgi_app

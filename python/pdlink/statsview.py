@@ -490,9 +490,6 @@ class _DeadlineConnection(http.client.HTTPConnection):
         super().connect()
 
 
-_HTTPConnection = _DeadlineConnection
-
-
 class _HTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
     pass
 
@@ -503,7 +500,7 @@ class _HTTPHandler(urllib.request.HTTPHandler):
         self._deadline = deadline
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_HTTPConnection, deadline=self._deadline), req)
+        return self.do_open(functools.partial(_DeadlineConnection, deadline=self._deadline), req)
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
@@ -546,13 +543,23 @@ def fetch(url: str, timeout: float, context: Any = None, deadline: float | None 
         if isinstance(reason, TimeoutError):
             raise StatsError(f"cannot reach {url}: timed out after {timeout:g} s") from None
         raise StatsError(f"cannot reach {url}: {printable(str(reason))}") from None
-    except TimeoutError:
-        raise StatsError(f"cannot read {url}: timed out after {timeout:g} s") from None
-    except MemoryError:
-        raise StatsError(f"cannot read {url}: out of memory") from None
-    except (OSError, http.client.HTTPException, ValueError, OverflowError) as e:
-        raise StatsError(f"cannot read {url}: {type(e).__name__}: {printable(str(e))}") from None
+    except _READ_ERRORS as e:
+        raise _read_failure(url, e, timeout) from None
     return body.decode("utf-8", errors="replace")
+
+
+# What reading an answer (fetch) or parsing it (parse) can raise besides StatsError; _read_failure
+# says it in one line.
+_READ_ERRORS = (MemoryError, OSError, http.client.HTTPException, ValueError, OverflowError)
+
+
+def _read_failure(url: str, e: BaseException, timeout: float) -> StatsError:
+    """One of ``_READ_ERRORS`` (TimeoutError, an OSError, included) as the StatsError a user sees."""
+    if isinstance(e, TimeoutError):
+        return StatsError(f"cannot read {url}: timed out after {timeout:g} s")
+    if isinstance(e, MemoryError):
+        return StatsError(f"cannot read {url}: out of memory")
+    return StatsError(f"cannot read {url}: {type(e).__name__}: {printable(str(e))}")
 
 
 def _read_body(url: str, answer: http.client.HTTPResponse, deadline: float) -> bytes:
@@ -585,7 +592,6 @@ def scrape(url: str, timeout: float, context: Any = None) -> Snapshot:
     if math.isnan(timeout) or timeout <= 0:
         raise StatsError(f"the timeout must be a number of seconds > 0, not {timeout!r}")
     deadline = _deadline(timeout)
-    timed_out = StatsError(f"cannot read {url}: timed out after {timeout:g} s")
     done: list[Snapshot | BaseException] = []
 
     def work() -> None:
@@ -598,19 +604,13 @@ def scrape(url: str, timeout: float, context: Any = None) -> Snapshot:
     worker.start()
     # a little past the deadline: the worker's own message, when it is on time
     worker.join(None if deadline == math.inf else max(0.0, deadline - time.monotonic()) + 0.1)
-    if not done:
-        raise timed_out
-    result = done[0]
+    result = done[0] if done else TimeoutError()
     if isinstance(result, Snapshot):
         return result
     if isinstance(result, StatsError):
         raise result
-    if isinstance(result, TimeoutError):
-        raise timed_out
-    if isinstance(result, MemoryError):
-        raise StatsError(f"cannot read {url}: out of memory") from None
-    if isinstance(result, (OSError, http.client.HTTPException, ValueError, OverflowError)):
-        raise StatsError(f"cannot read {url}: {type(result).__name__}: {printable(str(result))}") from None
+    if isinstance(result, _READ_ERRORS):
+        raise _read_failure(url, result, timeout) from None
     raise result
 
 
