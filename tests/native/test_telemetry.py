@@ -109,22 +109,27 @@ def test_exact_counts_after_known_transfers(peers: Callable[..., Peer], variant:
 def test_link_events_count_each_up_down_and_reconnect_with_its_reason(peers: Callable[..., Peer],
                                                                       variant: Variant) -> None:
     """The decode links, unlinks and links again; then the prefill closes. The decode counts 2 ups,
-    1 reconnect, a down ``unlinked`` and a down ``peer_unlinked``; the prefill the same ups and a
-    down ``peer_unlinked`` and ``finalized``."""
+    1 reconnect, a down ``unlinked`` and a down for the prefill's close: ``peer_unlinked`` when it
+    read the prefill's notice first, ``failed`` when the streams closed under it first (a closing
+    engine tells its peers best effort, without waiting: docs/metrics.md); the prefill the same ups
+    and a down ``peer_unlinked`` and ``finalized``."""
     p, d, peer = prefill_and_decode(peers, variant)
     port = p.call(native.listen_port)
     d.call(native.disconnect, peer)
     assert d.call(native.connect, port) == peer
     p.call(native.close)
-    wait_until(lambda: any(e.reason == "peer_unlinked" for e in d.call(telemetry.stats).link_events), 20,
-               "the decode to see the prefill's end")
 
     def events(stats: Any) -> set[tuple[str, str, str, int]]:
         return {(e.peer, e.event, e.reason, e.count) for e in stats.link_events}
 
-    assert events(d.call(telemetry.stats)) == {(str(peer), "up", "", 2), (str(peer), "reconnect", "", 1),
-                                               (str(peer), "down", "unlinked", 1),
-                                               (str(peer), "down", "peer_unlinked", 1)}
+    def downs() -> int:
+        return sum(e.count for e in d.call(telemetry.stats).link_events if e.event == "down")
+
+    wait_until(lambda: downs() == 2, 20, "the decode to see the prefill's end")
+    seen = events(d.call(telemetry.stats))
+    known = {(str(peer), "up", "", 2), (str(peer), "reconnect", "", 1), (str(peer), "down", "unlinked", 1)}
+    assert known <= seen and seen - known in ({(str(peer), "down", "peer_unlinked", 1)},
+                                              {(str(peer), "down", "failed", 1)}), seen
     assert events(p.call(telemetry.stats)) == {("2", "up", "", 2), ("2", "reconnect", "", 1),
                                                ("2", "down", "peer_unlinked", 1), ("2", "down", "finalized", 1)}
 
